@@ -1,0 +1,29 @@
+# Two commands set everything up on a fresh machine:
+#   make demo   create .venv, install torch + mhc_cg, train the tiny default model
+#   make test   create .venv, install torch + mhc_cg + test extras, run the test suite
+# On a GPU machine choose another torch, e.g.  make demo TORCH_SPEC="torch==2.11.0"
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+CONFIG ?= configs/tiny_cpu.yaml
+PYTEST_ARGS ?=
+
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q "$(TORCH_SPEC)"
+	$(VENV)/bin/pip install -q -e ".[test]"
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/mhc-cg train --config $(CONFIG)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,48 @@
+"""``mhc-cg``: one entry point, one module per subcommand under ``mhc_cg/commands/``.
+
+Each command module defines ``HELP``, ``add_arguments(parser)`` and ``run(args) -> int``.
+Errors a user can fix (``ConfigError``, ``ValueError`` from bad input) end the process with
+exit status 2 and one line per problem on stderr, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+from .errors import ConfigError
+
+COMMANDS = ("train", "memory", "schedule", "config", "timeline", "bench")
+
+
+def _command_modules():
+    for name in COMMANDS:
+        module_name = f"mhc_cg.commands.{name}"
+        if importlib.util.find_spec(module_name) is not None:
+            yield name, importlib.import_module(module_name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mhc-cg", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module in _command_modules():
+        cmd = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(cmd)
+        cmd.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except ConfigError as exc:
+        for line in exc.problems:
+            print(f"mhc-cg {args.command}: error: {line}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

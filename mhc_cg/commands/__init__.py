@@ -1,0 +1,1 @@
+"""Subcommands of ``mhc-cg``; see ``mhc_cg/cli.py``."""

@@ -1,0 +1,69 @@
+"""Dropout whose mask is a pure function of (seed tensor, stream id, element index).
+
+A replayed CUDA graph cannot rewind a stateful generator: a graph that captured ``torch.dropout``
+draws the same Philox offsets on every replay, and a recompute graph cannot reproduce the mask the
+forward graph drew. Here the mask is ``hash(seed, stream, index) >= p * 2**32`` built from integer
+tensor ops only, so the forward, an eager recompute, a tape replay and a CUDA graph replay all
+produce the same mask bit for bit, as long as they see the same ``seed`` tensor.
+
+All arithmetic stays in int64 with every product below 2**63, so it is exact on CPU and CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_MASK32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """``(x * c) mod 2**32`` for ``0 <= x < 2**32`` without int64 overflow."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
+
+
+def _fmix32(h: Tensor) -> Tensor:
+    """MurmurHash3's 32-bit finaliser: a bijection with full avalanche."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def counter_uniform_bits(seed: Tensor, stream: int, numel: int) -> Tensor:
+    """``numel`` pseudo-random 32-bit integers (as int64) for ``(seed, stream)``."""
+    key = _fmix32((seed.to(torch.int64) + stream * _GOLDEN) & _MASK32)
+    idx = torch.arange(numel, dtype=torch.int64, device=seed.device)
+    h = _fmix32((idx & _MASK32) ^ key)
+    return _fmix32((h + (idx >> 32)) & _MASK32)
+
+
+def counter_dropout_mask(seed: Tensor, stream: int, shape: torch.Size, p: float,
+                         dtype: torch.dtype) -> Tensor:
+    """The scaled keep-mask ``keep / (1 - p)`` of ``shape``, in ``dtype``."""
+    threshold = min(int(round(p * 2 ** 32)), 2 ** 32)
+    keep = counter_uniform_bits(seed, stream, int(torch.Size(shape).numel())) >= threshold
+    return (keep.to(dtype) * (1.0 / (1.0 - p))).view(shape)
+
+
+def dropout(x: Tensor, p: float, training: bool, *, impl: str = "counter",
+            seed: Tensor | None = None, stream: int = 0) -> Tensor:
+    """Dropout with either the counter-based mask or torch's stateful generator.
+
+    ``impl="counter"`` needs ``seed`` (an int64 scalar tensor; keep it at a static address when
+    graphs replay it) and a ``stream`` id unique per call site within one microbatch.
+    """
+    if not training or p == 0.0:
+        return x
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    if impl == "torch":
+        return torch.nn.functional.dropout(x, p, training=True)
+    if impl != "counter":
+        raise ValueError(f"dropout impl must be 'counter' or 'torch', got {impl!r}")
+    if seed is None:
+        raise ValueError("counter dropout needs a seed tensor (one int64 scalar per microbatch)")
+    return x * counter_dropout_mask(seed, stream, x.shape, p, x.dtype)

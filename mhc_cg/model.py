@@ -1,0 +1,222 @@
+"""A tiny GPT whose residual stream is widened n-fold by mHC.
+
+Every sublayer (attention, MLP) is the same sequence of named steps, so that the recompute
+runtimes can checkpoint, discard and replay them one by one::
+
+    h_pre, h_post, h_res = mappings(x)        # [s,b,n], [s,b,n], [s,b,n,n]
+    agg    = aggregate(x, h_pre)               # [s,b,C]
+    normed = norm(agg)                         # [s,b,C]
+    y      = fn(normed)                        # [s,b,C]   F: attention or MLP (never recomputed)
+    mixed  = h_res_step(h_res, x)              # [s,b,n*C]
+    post   = h_post_step(y, h_post)            # [s,b,n*C]
+    out    = bda(post, mixed, seed)            # [s,b,n*C] = mixed + dropout(post)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .dropout import dropout
+from .errors import ConfigError
+from .hyper_connection import HyperConnection, contract_streams, expand_streams
+
+RECOMPUTE_MODES = ("none", "block")
+DROPOUT_IMPLS = ("counter", "torch")
+
+
+@dataclass
+class MHCGPTConfig:
+    vocab_size: int = 64
+    seq_length: int = 32
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_layers: int = 4
+    num_streams: int = 4
+    ffn_hidden_size: int | None = None  # None: 4 * hidden_size
+    hidden_dropout: float = 0.1
+    dropout_impl: str = "counter"  # "counter": graph-replayable; "torch": stateful generator
+    sinkhorn_iterations: int = 20
+    init_gating_factor: float = 0.01
+    init_std: float = 0.02
+    recompute: str = "none"  # "none" | "block"
+    recompute_layers: int | None = None  # L_r; None: the paper's sqrt(n*L/(n+2))
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        problems = []
+        for name in ("vocab_size", "seq_length", "hidden_size", "num_heads", "num_layers",
+                     "num_streams", "ffn_hidden_size", "sinkhorn_iterations"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                problems.append(f"model.{name}: must be a positive integer, got {value!r}")
+        if not problems and self.hidden_size % self.num_heads:
+            problems.append(f"model.num_heads: must divide hidden_size={self.hidden_size}, "
+                            f"got {self.num_heads}")
+        if not (isinstance(self.hidden_dropout, (int, float)) and 0.0 <= self.hidden_dropout < 1.0):
+            problems.append(f"model.hidden_dropout: must be in [0, 1), got {self.hidden_dropout!r}")
+        if self.dropout_impl not in DROPOUT_IMPLS:
+            problems.append(f"model.dropout_impl: must be one of {list(DROPOUT_IMPLS)}, "
+                            f"got {self.dropout_impl!r}")
+        if self.recompute not in RECOMPUTE_MODES:
+            problems.append(f"model.recompute: must be one of {list(RECOMPUTE_MODES)}, "
+                            f"got {self.recompute!r}")
+        if self.recompute_layers is not None and not (
+                isinstance(self.recompute_layers, int) and 1 <= self.recompute_layers):
+            problems.append(f"model.recompute_layers: must be a positive integer or null, "
+                            f"got {self.recompute_layers!r}")
+        if problems:
+            raise ConfigError(problems)
+
+    @property
+    def resolved_recompute_layers(self) -> int:
+        """L_r: the configured block size, or the paper's optimum sqrt(n*L/(n+2)), within [1, L]."""
+        if self.recompute_layers is not None:
+            return min(self.recompute_layers, self.num_layers)
+        n, layers = self.num_streams, self.num_layers
+        return max(1, min(layers, round(math.sqrt(n * layers / (n + 2)))))
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class CausalSelfAttention(nn.Module):
+    """``[s, b, C] -> [s, b, C]``."""
+
+    def __init__(self, cfg: MHCGPTConfig):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        s, b, c = x.shape
+        q, k, v = self.qkv(x).view(s, b, 3, self.num_heads, c // self.num_heads).permute(2, 1, 3, 0, 4)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, h, s, d]
+        return self.proj(out.permute(2, 0, 1, 3).reshape(s, b, c))
+
+
+class MLP(nn.Module):
+    """``[s, b, C] -> [s, b, C]``."""
+
+    def __init__(self, cfg: MHCGPTConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size)
+        self.fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class MHCSublayer(nn.Module):
+    """One residual branch: mHC around F (attention or MLP), as named steps."""
+
+    def __init__(self, cfg: MHCGPTConfig, fn: nn.Module, dropout_stream: int):
+        super().__init__()
+        self.cfg = cfg
+        self.hc = HyperConnection(cfg.hidden_size, cfg.num_streams, cfg.sinkhorn_iterations,
+                                  cfg.init_gating_factor)
+        self.norm = RMSNorm(cfg.hidden_size)
+        self.fn = fn
+        self.dropout_stream = dropout_stream  # unique per (layer, sublayer) within a microbatch
+
+    def mappings(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.hc.compute_mappings(x)
+
+    def aggregate(self, x: Tensor, h_pre: Tensor) -> Tensor:
+        return self.hc.aggregate(x, h_pre)
+
+    def h_res_step(self, h_res: Tensor, x: Tensor) -> Tensor:
+        return self.hc.apply_h_res(h_res, x)
+
+    def h_post_step(self, y: Tensor, h_post: Tensor) -> Tensor:
+        return self.hc.apply_h_post(y, h_post)
+
+    def bda(self, post: Tensor, mixed: Tensor, seed: Tensor | None) -> Tensor:
+        """Bias-dropout-add: F's bias is inside ``post`` already; ``mixed + dropout(post)``."""
+        return mixed + dropout(post, self.cfg.hidden_dropout, self.training,
+                               impl=self.cfg.dropout_impl, seed=seed, stream=self.dropout_stream)
+
+    def forward(self, x: Tensor, seed: Tensor | None = None) -> Tensor:
+        h_pre, h_post, h_res = self.mappings(x)
+        normed = self.norm(self.aggregate(x, h_pre))
+        y = self.fn(normed)
+        return self.bda(self.h_post_step(y, h_post), self.h_res_step(h_res, x), seed)
+
+
+class MHCTransformerLayer(nn.Module):
+    def __init__(self, cfg: MHCGPTConfig, layer_number: int):
+        super().__init__()
+        self.layer_number = layer_number
+        self.attention = MHCSublayer(cfg, CausalSelfAttention(cfg), dropout_stream=2 * layer_number)
+        self.mlp = MHCSublayer(cfg, MLP(cfg), dropout_stream=2 * layer_number + 1)
+
+    def forward(self, x: Tensor, seed: Tensor | None = None) -> Tensor:
+        return self.mlp(self.attention(x, seed), seed)
+
+
+class MHCGPT(nn.Module):
+    """``model(input_ids [b, s]) -> logits [b, s, vocab]``."""
+
+    def __init__(self, cfg: MHCGPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position = nn.Embedding(cfg.seq_length, cfg.hidden_size)
+        self.layers = nn.ModuleList(MHCTransformerLayer(cfg, i) for i in range(cfg.num_layers))
+        self.final_norm = RMSNorm(cfg.hidden_size)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=self.cfg.init_std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+    def new_dropout_seed(self, device: torch.device | str | None = None) -> Tensor:
+        """One int64 seed per microbatch, drawn from torch's generator (the only stateful draw)."""
+        return torch.randint(0, 2 ** 31 - 1, (), dtype=torch.int64).to(device or "cpu")
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """``[b, s] -> [s, b, n*C]``."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"MHCGPT: expected input_ids of shape [b, s], got {tuple(input_ids.shape)}")
+        b, s = input_ids.shape
+        if s > self.cfg.seq_length:
+            raise ValueError(f"MHCGPT: sequence length {s} exceeds seq_length={self.cfg.seq_length}")
+        pos = torch.arange(s, device=input_ids.device)
+        h = (self.embedding(input_ids) + self.position(pos)).transpose(0, 1)
+        return expand_streams(h, self.cfg.num_streams)
+
+    def run_layers(self, x: Tensor, seed: Tensor | None) -> Tensor:
+        for layer in self.layers:
+            x = layer(x, seed)
+        return x
+
+    def logits(self, x: Tensor) -> Tensor:
+        """``[s, b, n*C] -> [b, s, vocab]``."""
+        h = self.final_norm(contract_streams(x, self.cfg.num_streams))
+        return self.head(h).transpose(0, 1)
+
+    def forward(self, input_ids: Tensor, dropout_seed: Tensor | None = None) -> Tensor:
+        if dropout_seed is None and self.training and self.cfg.hidden_dropout > 0:
+            dropout_seed = self.new_dropout_seed(input_ids.device)
+        return self.logits(self.run_layers(self.embed(input_ids), dropout_seed))
+
