@@ -45,6 +45,9 @@ class MHCGPTConfig:
     init_std: float = 0.02
     recompute: str = "none"  # "none" | "block"
     recompute_layers: int | None = None  # L_r; None: the paper's sqrt(n*L/(n+2))
+    num_experts: int | None = None  # None: dense MLP; else a top-k routed MoE MLP
+    moe_top_k: int = 2
+    moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -70,8 +73,19 @@ class MHCGPTConfig:
                 isinstance(self.recompute_layers, int) and 1 <= self.recompute_layers):
             problems.append(f"model.recompute_layers: must be a positive integer or null, "
                             f"got {self.recompute_layers!r}")
+        if self.num_experts is not None and not (
+                isinstance(self.num_experts, int) and self.num_experts >= 1
+                and isinstance(self.moe_top_k, int) and 1 <= self.moe_top_k <= self.num_experts):
+            problems.append(f"model.moe_top_k: must be in [1, num_experts={self.num_experts}], "
+                            f"got {self.moe_top_k!r}")
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
         if problems:
             raise ConfigError(problems)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
 
     @property
     def resolved_recompute_layers(self) -> int:
