@@ -14,7 +14,6 @@ runtimes can checkpoint, discard and replay them one by one::
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -24,6 +23,7 @@ from torch import Tensor, nn
 from .dropout import dropout
 from .errors import ConfigError
 from .hyper_connection import HyperConnection, contract_streams, expand_streams
+from .memory_model import paper_block_size
 
 RECOMPUTE_MODES = ("none", "block")
 DROPOUT_IMPLS = ("counter", "torch")
@@ -92,8 +92,7 @@ class MHCGPTConfig:
         """L_r: the configured block size, or the paper's optimum sqrt(n*L/(n+2)), within [1, L]."""
         if self.recompute_layers is not None:
             return min(self.recompute_layers, self.num_layers)
-        n, layers = self.num_streams, self.num_layers
-        return max(1, min(layers, round(math.sqrt(n * layers / (n + 2)))))
+        return paper_block_size(self.num_streams, self.num_layers)
 
     @classmethod
     def field_names(cls) -> list[str]:

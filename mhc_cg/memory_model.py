@@ -1,0 +1,37 @@
+"""The analytical memory model of DESIGN.md, in elements per token (multiply by tokens and bytes).
+
+One place for the formulas, so the planner, the memory report and the arena agree.
+Per sublayer (attention or MLP), the discardable mHC intermediates are:
+    mappings  h_pre, h_post (n each), h_res (n*n)          n*n + 2n
+    aggregate, norm output                                  2C
+    mixed residual (h_res x), h_post output, BDA output     3nC
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def sublayer_transient_elements(num_streams: int, hidden_size: int) -> int:
+    n, c = num_streams, hidden_size
+    return n * n + 2 * n + (3 * n + 2) * c
+
+
+def no_recompute_elements_per_layer(num_streams: int, hidden_size: int) -> int:
+    """mHC state kept from forward to backward per layer without recompute (both sublayers)."""
+    return 2 * sublayer_transient_elements(num_streams, hidden_size)
+
+
+def block_persistent_elements(num_streams: int, hidden_size: int, layers_in_block: int) -> int:
+    """What block recompute keeps per block: the block input x_l0 (n*C) and each F output (C)."""
+    return num_streams * hidden_size + 2 * layers_in_block * hidden_size
+
+
+def arena_elements(num_streams: int, hidden_size: int, layers_in_block: int) -> int:
+    """One recompute block's transient state: what the static-buffer arena holds, once per rank."""
+    return 2 * layers_in_block * sublayer_transient_elements(num_streams, hidden_size)
+
+
+def paper_block_size(num_streams: int, num_layers: int) -> int:
+    """L_r* ~ sqrt(n*L / (n + 2)) (mHC paper, section 4.3.2), clamped to [1, L]."""
+    return max(1, min(num_layers, round(math.sqrt(num_streams * num_layers / (num_streams + 2)))))
