@@ -1,0 +1,37 @@
+"""The `mhc-cg` entry point: bad input is one clear line and exit status 2."""
+
+import subprocess
+import sys
+
+import pytest
+
+from mhc_cg.cli import main
+
+
+def test_train_runs_and_prints_losses(capsys):
+    assert main(["train", "--steps", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "first loss" in out and "last loss" in out and "step time" in out
+
+
+def test_bad_config_fields_exit_2_with_one_line_each(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  hidden_sise: 8\ntrain:\n  lr: fast\nmodle: {}\n")
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any("model.hidden_sise: unknown field (did you mean 'hidden_size'?)" in line for line in err)
+    assert any("train.lr: must be a number, got 'fast'" in line for line in err)
+    assert any("modle: unknown section (did you mean 'model'?)" in line for line in err)
+
+
+def test_missing_config_and_bad_steps(tmp_path, capsys):
+    assert main(["train", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "file not found" in capsys.readouterr().err
+    assert main(["train", "--steps", "0"]) == 2
+    assert "--steps: must be a positive integer" in capsys.readouterr().err
+
+
+def test_console_script_module_entry():
+    proc = subprocess.run([sys.executable, "-m", "mhc_cg.cli", "train", "--device", "gpu"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr
