@@ -1,0 +1,348 @@
+"""Static-buffer mHC recompute: forward, discard and recompute on fixed addresses.
+
+How it works, per sublayer of a recompute block (see DESIGN.md items 1-4):
+
+* The ordinary mHC ops run under ``saved_tensors_hooks``. Whatever autograd saves inside the mHC
+  part is copied into the next slot of the sublayer's arena region and autograd keeps a *view of
+  the slot* instead of the tensor, so the forward frees its temporaries at once. The autograd graph
+  is the one eager builds: same ops, same order, so gradients are bit-identical to no recompute.
+* F (attention, MLP) is not recomputed. Its own saved tensors are kept as usual; its input, the
+  normed aggregate, is stored in a slot first (``store``) so F saves a slot view too.
+* Per microbatch, a persistent slot set keeps only x_l0 of each block, each F output and the dropout
+  seed. The block recompute is then a pure function of those: it re-runs the block's mHC ops (not
+  F) with the same hooks, writing the same values into the same slots. It has static inputs and
+  outputs, so a graph backend can capture it once per (block, persistent set) and replay it.
+* A hook on the gradient of the block output runs (or replays) the recompute; the block's first
+  backward node runs only after that gradient exists.
+
+Invariants the tests check: slot addresses never move, nothing is resized or re-pointed after
+``prepare``, and the arena does not grow with the number of microbatches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from .arena import Arena, PersistentSlotSet, Region
+from .model import MHCSublayer, MHCTransformerLayer
+
+SUBLAYER_NAMES = ("attn", "mlp")
+
+
+class StaticRecomputeError(RuntimeError):
+    """Misuse of the static-buffer runtime (schedule, shapes, dropout, lifecycle)."""
+
+
+class _RegionCursor:
+    """Fills one arena region in order; dedupes tensors that share a storage."""
+
+    def __init__(self, arena: Arena, region: Region):
+        self.arena, self.region = arena, region
+        self.index = 0
+        self.seen: dict[tuple[int, torch.dtype], Tensor | None] = {}
+        # The originals live until the region ends: a freed temporary's address could otherwise be
+        # handed to a later tensor of the same region, which the storage-address dedupe would
+        # mistake for the first one.
+        self.keep_alive: list[Tensor] = []
+
+    def save(self, t: Tensor) -> Tensor:
+        """Store ``t``'s whole storage in the next slot; return a slot view with ``t``'s geometry."""
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.dtype)
+        if key not in self.seen:
+            itemsize = t.element_size()
+            nbytes = storage.nbytes() // itemsize * itemsize
+            slot = self.arena.claim(self.region, self.index, nbytes, t.dtype)
+            if self.arena.allocated:
+                flat = t.as_strided((nbytes // itemsize,), (1,), 0)
+                self.arena.write(self.region, self.index, slot, flat)
+                self.seen[key] = self.arena.reader(slot)
+            else:
+                self.seen[key] = None  # discovering: the original stands in for its slot
+            self.keep_alive.append(t)
+            self.index += 1
+        flat = self.seen[key]
+        if flat is None:
+            return t
+        # as_strided's offset counts from the start of the arena's storage, not of the slot
+        return flat.as_strided(t.size(), t.stride(), flat.storage_offset() + t.storage_offset())
+
+
+class _StoreToSlot(torch.autograd.Function):
+    """Identity whose output lives in an arena slot (so consumers save a slot view)."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor, cursor: _RegionCursor) -> Tensor:
+        out = cursor.save(t.contiguous())
+        return out if out is not t else t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+class StaticRecompute:
+    """The static-buffer runtime for the layers of one model chunk.
+
+    ``layers`` are split into recompute blocks of ``block_size`` layers. ``arena`` and the persistent
+    set pool may be shared by several chunks of one pipeline rank (they have the same block shape).
+    """
+
+    def __init__(self, layers: list[MHCTransformerLayer], block_size: int, arena: Arena,
+                 sets: "PersistentSetPool"):
+        if block_size < 1:
+            raise StaticRecomputeError(f"block_size must be >= 1, got {block_size}")
+        cfg = layers[0].attention.cfg
+        if cfg.dropout_impl == "torch" and cfg.hidden_dropout > 0:
+            raise StaticRecomputeError(
+                "static-buffer recompute needs dropout_impl='counter': a recompute (and a replayed "
+                "graph) cannot rewind torch's stateful generator to redraw the forward's mask")
+        self.layers = list(layers)
+        self.blocks = [self.layers[i:i + block_size] for i in range(0, len(self.layers), block_size)]
+        self.arena, self.sets = arena, sets
+        self._cursor: _RegionCursor | None = None
+        self._in_fn = False
+        self.recompute_graphs: dict[tuple[int, int], object] = {}
+        self.trace: list[str] = []  # what ran, in order (for tests and debugging)
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _pack(self, t: Tensor) -> Tensor:
+        if self._in_fn or self.arena.contains(t):
+            return t
+        return self._cursor.save(t)
+
+    @contextlib.contextmanager
+    def mhc_region(self, position: int, sublayer: int, segment: int = 0) -> Iterator[None]:
+        """Everything autograd saves in here goes to arena region (position, sublayer, segment)."""
+        name = f"L{position}.{SUBLAYER_NAMES[sublayer]}.{segment}"
+        previous = self._cursor
+        self._cursor = _RegionCursor(self.arena, self.arena.region(name))
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+                yield
+        finally:
+            self._cursor = previous
+
+    @contextlib.contextmanager
+    def fn_region(self) -> Iterator[None]:
+        """F's own activations are kept by autograd as usual (F is not recomputed)."""
+        self._in_fn = True
+        try:
+            yield
+        finally:
+            self._in_fn = False
+
+    def store(self, t: Tensor) -> Tensor:
+        return _StoreToSlot.apply(t, self._cursor)
+
+    # -- one sublayer ------------------------------------------------------------------------
+    def sublayer(self, sub: MHCSublayer, position: int, k: int, x: Tensor, seed: Tensor | None,
+                 fn_output: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``MHCSublayer.forward`` with its saved tensors in slots; returns (output, F output).
+
+        With ``fn_output`` given (the recompute), F is not run and that tensor stands in for it.
+        The op order is exactly ``MHCSublayer.forward``'s: autograd accumulates gradients in the
+        order nodes were created, and bit-identical gradients depend on it.
+        """
+        with self.mhc_region(position, k):
+            h_pre, h_post, h_res = sub.mappings(x)
+            normed = self.store(sub.norm(sub.aggregate(x, h_pre)))
+            if fn_output is None:
+                with self.fn_region():
+                    y = sub.fn(normed)
+            else:
+                y = fn_output
+            out = sub.bda(sub.h_post_step(y, h_post), sub.h_res_step(h_res, x), seed)
+        return out, y
+
+    # -- the block recompute ---------------------------------------------------------------------
+    def recompute_block(self, block: int, pset: PersistentSlotSet) -> None:
+        """Re-run block ``block``'s mHC ops from ``pset`` into the arena (no F, nothing returned).
+
+        Grad mode is on so that autograd saves, and the hooks store, exactly what the forward
+        stored; the autograd graph built here is dropped on return.
+        """
+        with torch.enable_grad():
+            x = pset.block_inputs[block].detach().requires_grad_()
+            for position, layer in enumerate(self.blocks[block]):
+                for k, sub in enumerate((layer.attention, layer.mlp)):
+                    y = pset.fn_outputs[(layer.layer_number, k)].detach().requires_grad_()
+                    x, _ = self.sublayer(sub, position, k, x, pset.seed, fn_output=y)
+
+    def capture_recompute_graphs(self, backend) -> None:
+        """One recompute graph per (block, persistent set), each with a private pool."""
+        for pset in self.sets.all_sets():
+            for block in range(len(self.blocks)):
+                key = (block, pset.index)
+                if key in self.recompute_graphs:
+                    continue
+                graph = backend.new_graph(pool=None)
+                with graph.capture():
+                    self.recompute_block(block, pset)
+                self.recompute_graphs[key] = graph
+
+    def run_recompute(self, block: int, pset: PersistentSlotSet) -> None:
+        graph = self.recompute_graphs.get((block, pset.index))
+        self.trace.append(f"recompute block {block} set {pset.index} "
+                          f"({'graph' if graph is not None else 'eager'})")
+        if graph is not None:
+            graph.replay()
+        else:
+            with torch.no_grad():  # outputs are dropped; grad mode is re-enabled inside
+                self.recompute_block(block, pset)
+
+    # -- the chunk forward -----------------------------------------------------------------------
+    def forward(self, x: Tensor, seed: Tensor | None,
+                sublayer_fns: dict[tuple[int, int], Callable] | None = None) -> Tensor:
+        """Run the chunk; returns its output. ``sublayer_fns[(layer, k)]`` replaces the eager
+        sublayer (e.g. by a graphed callable) and must return ``(out, fn_output)``."""
+        if not self.arena.allocated:
+            raise StaticRecomputeError("call prepare() (layout discovery + allocation) before forward")
+        expected = tuple(self.sets.all_sets()[0].block_inputs[0].shape)
+        if tuple(x.shape) != expected:
+            raise StaticRecomputeError(
+                f"chunk input has shape {tuple(x.shape)} but the static buffers were laid out for "
+                f"{expected} ([seq, micro_batch, n*hidden]); shapes are fixed under static buffers")
+        pset = self.sets.acquire()
+        handles = []
+        try:
+            if seed is not None:
+                pset.seed.copy_(seed)
+            seed_in = pset.seed if seed is not None else None
+            for b, block in enumerate(self.blocks):
+                pset.block_inputs[b].copy_(x.detach())
+                for position, layer in enumerate(block):
+                    for k, sub in enumerate((layer.attention, layer.mlp)):
+                        fn = (sublayer_fns or {}).get((layer.layer_number, k))
+                        if fn is not None:
+                            x, y = fn(x, seed_in)
+                        else:
+                            x, y = self.sublayer(sub, position, k, x, seed_in)
+                        pset.fn_outputs[(layer.layer_number, k)].copy_(y.detach())
+                if x.requires_grad:
+                    handles.append(x.register_hook(self._make_block_hook(b, pset)))
+        except BaseException:
+            # Anything that unwinds the forward (MoECudaGraphPartialCaptureSignal included) leaves
+            # no hook behind and gives the set back: nothing of this microbatch will run backward.
+            for handle in handles:
+                handle.remove()
+            self.sets.release(pset)
+            raise
+        return x
+
+    def _make_block_hook(self, block: int, pset: PersistentSlotSet):
+        state = {"done": False}
+
+        def hook(grad: Tensor) -> None:
+            if state["done"]:
+                raise StaticRecomputeError(
+                    f"second backward through recompute block {block}: its slots were already "
+                    f"consumed and may be overwritten; run backward once per forward")
+            state["done"] = True
+            self.run_recompute(block, pset)
+            if block == 0:
+                self.sets.release(pset)
+
+        return hook
+
+    # -- setup -----------------------------------------------------------------------------------
+    def discover_layout(self, x: Tensor, seed: Tensor | None) -> None:
+        """Run the first block once (layout discovery: slot sizes only, nothing written)."""
+        if self.arena.allocated:
+            return
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            for position, layer in enumerate(self.blocks[0]):
+                for k, sub in enumerate((layer.attention, layer.mlp)):
+                    x, _ = self.sublayer(sub, position, k, x, seed)
+
+
+def _unpack(t: Tensor) -> Tensor:
+    return t
+
+
+class PersistentSetPool:
+    """Persistent slot sets, handed out first-in first-out along a rank's order.
+
+    ``capacity`` is how many microbatches may be in flight (the schedule planner's figure); asking
+    for more is an error, since a graph captured on a set must never see its set reused early.
+    """
+
+    def __init__(self, capacity: int, make_set: Callable[[int], PersistentSlotSet]):
+        if capacity < 1:
+            raise StaticRecomputeError(f"persistent set capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._sets = [make_set(i) for i in range(capacity)]
+        self._free: deque[PersistentSlotSet] = deque(self._sets)
+        self._in_use: list[PersistentSlotSet] = []
+
+    def acquire(self) -> PersistentSlotSet:
+        if not self._free:
+            raise StaticRecomputeError(
+                f"more than {self.capacity} microbatches in flight: the persistent slot sets were "
+                f"sized for {self.capacity} (raise the capacity to the schedule's peak in flight)")
+        pset = self._free.popleft()
+        self._in_use.append(pset)
+        return pset
+
+    def release(self, pset: PersistentSlotSet) -> None:
+        if pset not in self._in_use:
+            raise StaticRecomputeError(f"persistent set {pset.index} released twice")
+        self._in_use.remove(pset)
+        self._free.append(pset)
+
+    def all_sets(self) -> list[PersistentSlotSet]:
+        return list(self._sets)
+
+    @property
+    def in_use(self) -> int:
+        return len(self._in_use)
+
+    @property
+    def nbytes_per_set(self) -> int:
+        return self._sets[0].nbytes
+
+
+def new_persistent_set(index: int, layers: list[MHCTransformerLayer], block_size: int,
+                       seq_length: int, micro_batch_size: int, device: torch.device | str,
+                       dtype: torch.dtype = torch.float32) -> PersistentSlotSet:
+    """Zeroed static buffers for one in-flight microbatch of ``layers`` (one model chunk)."""
+    cfg = layers[0].attention.cfg
+    width = cfg.num_streams * cfg.hidden_size
+    num_blocks = -(-len(layers) // block_size)
+    return PersistentSlotSet(
+        index=index,
+        block_inputs=[torch.zeros(seq_length, micro_batch_size, width, dtype=dtype, device=device)
+                      for _ in range(num_blocks)],
+        fn_outputs={(layer.layer_number, k): torch.zeros(seq_length, micro_batch_size,
+                                                         cfg.hidden_size, dtype=dtype, device=device)
+                    for layer in layers for k in range(2)},
+        seed=torch.zeros((), dtype=torch.int64, device=device),
+    )
+
+
+def build_static_recompute(layers: list[MHCTransformerLayer], block_size: int, *,
+                           seq_length: int, micro_batch_size: int, capacity: int,
+                           device: torch.device | str, arena: Arena | None = None,
+                           dtype: torch.dtype = torch.float32) -> StaticRecompute:
+    """Lay out and allocate everything static for one chunk: arena (shared if given) and sets.
+
+    The layout is discovered by running the first block once on zeros with the real shapes; the
+    arena is then allocated in one piece. Pass the same ``arena`` to every chunk of a rank.
+    """
+    arena = arena if arena is not None else Arena(device)
+    sets = PersistentSetPool(capacity, lambda i: new_persistent_set(
+        i, layers, block_size, seq_length, micro_batch_size, device, dtype))
+    runtime = StaticRecompute(layers, block_size, arena, sets)
+    if not arena.allocated:
+        cfg = layers[0].attention.cfg
+        x = torch.zeros(seq_length, micro_batch_size, cfg.num_streams * cfg.hidden_size,
+                        dtype=dtype, device=device)
+        runtime.discover_layout(x, torch.zeros((), dtype=torch.int64, device=device))
+        arena.allocate()
+    return runtime
