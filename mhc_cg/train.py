@@ -13,6 +13,7 @@ from .config import RunConfig
 from .data import ProgressionCorpus
 from .errors import ConfigError
 from .model import MHCGPT
+from .nvtx_ranges import nvtx_range
 
 
 @dataclass
@@ -72,18 +73,22 @@ def train(cfg: RunConfig, *, steps: int | None = None, device: str | None = None
     bar = ProgressBar(steps, "train", progress)
     for step in range(steps):
         start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        for _ in range(cfg.train.num_microbatches):
-            inputs, targets = (t.to(dev) for t in corpus.batch(cfg.train.micro_batch_size))
-            logits = model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten()) / cfg.train.num_microbatches
-            loss.backward()
-            loss_sum += loss.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
-        optimizer.step()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
+        with nvtx_range("step"):  # profiler ranges; one name per phase so runs aggregate by name
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum = 0.0
+            for _ in range(cfg.train.num_microbatches):
+                inputs, targets = (t.to(dev) for t in corpus.batch(cfg.train.micro_batch_size))
+                with nvtx_range("forward"):
+                    logits = model(inputs)
+                    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten()) / cfg.train.num_microbatches
+                with nvtx_range("backward"):
+                    loss.backward()
+                loss_sum += loss.item()
+            with nvtx_range("optimizer"):
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+                optimizer.step()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
         result.step_times.append(time.perf_counter() - start)
         result.losses.append(loss_sum)
         result.grad_norms.append(float(grad_norm))
