@@ -141,24 +141,42 @@ class StaticRecompute:
         return _StoreToSlot.apply(t, self._cursor)
 
     # -- one sublayer ------------------------------------------------------------------------
+    def sublayer_pre(self, sub: MHCSublayer, position: int, k: int,
+                     x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The mHC ops before F, saving into region segment 0: returns (normed, h_post, mixed).
+
+        ``h_res`` is applied here, before F, so that a graph which ends inside F (MoE partial
+        capture) holds every consumer of ``x``; the gradient of ``x`` is then summed in the same
+        order as in ``MHCSublayer.forward`` (consumers run backward in reverse creation order, and
+        h_res stays the last consumer of ``x`` created).
+        """
+        with self.mhc_region(position, k, 0):
+            h_pre, h_post, h_res = sub.mappings(x)
+            normed = self.store(sub.norm(sub.aggregate(x, h_pre)))
+            mixed = sub.h_res_step(h_res, x)
+        return normed, h_post, mixed
+
+    def sublayer_post(self, sub: MHCSublayer, position: int, k: int, y: Tensor, h_post: Tensor,
+                      mixed: Tensor, seed: Tensor | None) -> Tensor:
+        """The mHC ops after F, saving into region segment 1: ``mixed + dropout(h_post * y)``."""
+        with self.mhc_region(position, k, 1):
+            return sub.bda(sub.h_post_step(y, h_post), mixed, seed)
+
     def sublayer(self, sub: MHCSublayer, position: int, k: int, x: Tensor, seed: Tensor | None,
                  fn_output: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """``MHCSublayer.forward`` with its saved tensors in slots; returns (output, F output).
 
         With ``fn_output`` given (the recompute), F is not run and that tensor stands in for it.
-        The op order is exactly ``MHCSublayer.forward``'s: autograd accumulates gradients in the
-        order nodes were created, and bit-identical gradients depend on it.
+        Two segments, because a graph may end between them (MoE partial capture) and the eager
+        remainder must find its slots without the Python state of the captured part.
         """
-        with self.mhc_region(position, k):
-            h_pre, h_post, h_res = sub.mappings(x)
-            normed = self.store(sub.norm(sub.aggregate(x, h_pre)))
-            if fn_output is None:
-                with self.fn_region():
-                    y = sub.fn(normed)
-            else:
-                y = fn_output
-            out = sub.bda(sub.h_post_step(y, h_post), sub.h_res_step(h_res, x), seed)
-        return out, y
+        normed, h_post, mixed = self.sublayer_pre(sub, position, k, x)
+        if fn_output is None:
+            with self.fn_region():
+                y = sub.fn(normed)
+        else:
+            y = fn_output
+        return self.sublayer_post(sub, position, k, y, h_post, mixed, seed), y
 
     # -- the block recompute ---------------------------------------------------------------------
     def recompute_block(self, block: int, pset: PersistentSlotSet) -> None:

@@ -13,10 +13,12 @@ from mhc_cg.static_recompute import StaticRecomputeError, build_static_recompute
 SEQ, MBS = 16, 2
 
 
-def tiny_model(num_layers: int = 4, dropout: float = 0.2, impl: str = "counter") -> MHCGPT:
+def tiny_model(num_layers: int = 4, dropout: float = 0.2, impl: str = "counter",
+               num_experts: int | None = None) -> MHCGPT:
     torch.manual_seed(0)
     cfg = MHCGPTConfig(vocab_size=32, seq_length=SEQ, hidden_size=32, num_heads=4,
-                       num_layers=num_layers, hidden_dropout=dropout, dropout_impl=impl)
+                       num_layers=num_layers, hidden_dropout=dropout, dropout_impl=impl,
+                       num_experts=num_experts, moe_top_k=2, moe_ffn_hidden_size=48)
     return MHCGPT(cfg).train()
 
 
@@ -48,9 +50,10 @@ def static_grads(model, runtime, data):
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("block_size", [1, 2, 3, 4])
-def test_gradients_bit_identical_with_microbatches_in_flight(block_size):
-    model, data = tiny_model(), batches(3)
+@pytest.mark.parametrize("block_size,num_experts", [(1, None), (2, None), (3, None), (4, None),
+                                                    (2, 4)])
+def test_gradients_bit_identical_with_microbatches_in_flight(block_size, num_experts):
+    model, data = tiny_model(num_experts=num_experts), batches(3)
     expected = reference_grads(model, data)
     runtime = build_static_recompute(list(model.layers), block_size, seq_length=SEQ,
                                      micro_batch_size=MBS, capacity=3, device="cpu")
