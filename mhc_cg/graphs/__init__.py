@@ -1,0 +1,13 @@
+"""Graph capture for mhc_cg: one small capture interface over three backends, and a
+TransformerEngine-compatible ``make_graphed_callables`` on top of it.
+
+* ``tape``: CPU emulation (records aten ops under a ``TorchDispatchMode``, replays them);
+* ``cuda``: ``torch.cuda.CUDAGraph`` with shared pools;
+* ``te``: TransformerEngine's ``make_graphed_callables`` (imported only when chosen).
+"""
+
+from .backend import (BACKEND_NAMES, CaptureSafetyReport, Graph, GraphBackend, GraphCaptureError,
+                      GraphReplayError, PoolOrder, get_backend, resolve_backend_name)
+
+__all__ = ["BACKEND_NAMES", "CaptureSafetyReport", "Graph", "GraphBackend", "GraphCaptureError",
+           "GraphReplayError", "PoolOrder", "get_backend", "resolve_backend_name"]

@@ -1,0 +1,260 @@
+"""Graph semantics on the CPU through the ``tape`` backend.
+
+The same checks run on a GPU through ``cuda`` in tests/test_graphs_cuda.py, which imports the
+backend-independent ones from here (they take the backend as a fixture).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mhc_cg.graphs import GraphCaptureError, GraphReplayError, get_backend
+
+
+@pytest.fixture
+def backend():
+    return get_backend("tape")
+
+
+def _device(backend) -> str:
+    return backend.device
+
+
+# ---------------------------------------------------------------------------------------------
+# The low-level primitive.
+
+def test_auto_picks_tape_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("auto picks cuda or te on a GPU machine")
+    backend = get_backend("auto")
+    assert (backend.name, backend.device) == ("tape", "cpu")
+
+
+def test_unknown_backend_name_is_rejected():
+    with pytest.raises(ValueError, match="graph backend must be one of"):
+        get_backend("xla")
+
+
+def check_replay_reruns_ops_without_python(backend):
+    dev = _device(backend)
+    x = torch.randn(4, 3, device=dev)
+    w = torch.randn(3, 5, device=dev)
+    side_effects = []
+    graph = backend.new_graph()
+    with graph.capture():
+        side_effects.append("ran")
+        y = torch.relu(x @ w).sum(0) * 2.0
+        y.add_(1.0)
+    backend.synchronize()
+    assert side_effects == ["ran"]
+    for _ in range(2):
+        x.copy_(torch.randn(4, 3, device=dev))
+        graph.replay()
+        backend.synchronize()
+        assert torch.equal(y, torch.relu(x @ w).sum(0) * 2.0 + 1.0)
+    assert side_effects == ["ran"], "Python in the captured body must not run at replay"
+    assert graph.stats.violations == 0
+
+
+def test_replay_reruns_ops_without_python(backend):
+    check_replay_reruns_ops_without_python(backend)
+
+
+def check_backward_captured_with_autograd_grad(backend):
+    dev = _device(backend)
+    x = torch.randn(6, 4, device=dev)
+    w = torch.randn(4, 4, device=dev, requires_grad=True)
+    grad_out = torch.randn(6, 4, device=dev)
+    pool = backend.new_pool()
+    fwd, bwd = backend.new_graph(pool=pool), backend.new_graph(pool=pool)
+    with fwd.capture():
+        out = torch.tanh(x @ w) * torch.sigmoid(x)
+    with bwd.capture():
+        (grad_w,) = torch.autograd.grad(out, w, grad_out)
+    for _ in range(2):
+        x.copy_(torch.randn(6, 4, device=dev))
+        grad_out.copy_(torch.randn(6, 4, device=dev))
+        fwd.replay()
+        bwd.replay()
+        backend.synchronize()
+        w_ref = w.detach().clone().requires_grad_()
+        out_ref = torch.tanh(x @ w_ref) * torch.sigmoid(x)
+        out_ref.backward(grad_out)
+        assert torch.equal(out, out_ref)
+        assert torch.equal(grad_w, w_ref.grad)
+
+
+def test_backward_captured_with_autograd_grad(backend):
+    check_backward_captured_with_autograd_grad(backend)
+
+
+def check_replay_order_must_equal_capture_order(backend):
+    dev = _device(backend)
+    x = torch.randn(3, device=dev)
+    pool = backend.new_pool()
+    first, second = backend.new_graph(pool=pool), backend.new_graph(pool=pool)
+    with first.capture():
+        a = x * 2
+    with second.capture():
+        a * 3
+    first.replay()
+    second.replay()
+    first.replay()  # the cursor wrapped: a new iteration
+    with pytest.raises(GraphReplayError, match="replay order differs from capture order"):
+        first.replay()
+    private = backend.new_graph()
+    with private.capture():
+        x + 1
+    private.replay()
+    private.replay()  # a private pool holds one graph: any order is its order
+
+
+def test_replay_order_must_equal_capture_order(backend):
+    check_replay_order_must_equal_capture_order(backend)
+
+
+def test_a_graph_is_captured_once_and_replayed_only_after_capture(backend):
+    graph = backend.new_graph()
+    with pytest.raises(GraphReplayError, match="never|new"):
+        graph.replay()
+    with graph.capture():
+        torch.ones(2) * 2
+    with pytest.raises(GraphCaptureError, match="capture\\(\\) called on a graph that is captured"):
+        with graph.capture():
+            pass
+
+
+def test_in_place_metadata_change_keeps_earlier_ops_on_old_shape(backend):
+    x = torch.randn(2, 3)
+    graph = backend.new_graph()
+    with graph.capture():
+        y = x * 2          # uses y's shape [2, 3]
+        z = y.sum(0)
+        y.t_()             # metadata mutation of a graph-owned tensor
+        w = y + 1          # uses [3, 2]
+    x.copy_(torch.randn(2, 3))
+    graph.replay()
+    assert torch.equal(z, (x * 2).sum(0))
+    assert torch.equal(w, (x * 2).t() + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Graph-illegal code is rejected at capture, naming the op and the user's line.
+
+def _capture_error(backend, body) -> GraphCaptureError:
+    graph = backend.new_graph()
+    with pytest.raises(GraphCaptureError) as info:
+        with graph.capture():
+            body()
+    return info.value
+
+
+ILLEGAL_BODIES = {
+    "item": (lambda x: x.sum().item(), "_local_scalar_dense"),
+    "tolist": (lambda x: x.tolist(), "_local_scalar_dense|_to_copy|tolist"),
+    "bool": (lambda x: bool(x[0] > 0), "_local_scalar_dense|is_nonzero"),
+    "nonzero": (lambda x: torch.nonzero(x > 0), "nonzero"),
+    "masked_select": (lambda x: torch.masked_select(x, x > 0), "masked_select"),
+    "unique": (lambda x: torch.unique(x), "unique"),
+    "rand": (lambda x: torch.rand(3, device=x.device), "aten.rand"),
+    "bernoulli": (lambda x: torch.bernoulli(x.sigmoid()), "bernoulli"),
+    "torch_dropout": (lambda x: F.dropout(x, 0.5, training=True), "dropout|bernoulli"),
+}
+
+
+def check_illegal_op_rejected(backend, case):
+    body, op_pattern = ILLEGAL_BODIES[case]
+    x = torch.randn(8, device=backend.device)
+    error = _capture_error(backend, lambda: body(x))
+    message = str(error)
+    assert re.search(op_pattern, message), message
+    assert "test_graphs_tape.py:" in message, "the error must point at the user's line"
+    if case in ("rand", "bernoulli", "torch_dropout"):
+        assert "mhc_cg.dropout" in message and "counter" in message
+
+
+@pytest.mark.parametrize("case", sorted(ILLEGAL_BODIES))
+def test_illegal_op_rejected(backend, case):
+    check_illegal_op_rejected(backend, case)
+
+
+def check_storage_resize_of_input_rejected(backend):
+    x = torch.randn(16, device=backend.device)
+
+    def body():
+        y = x * 2
+        x.untyped_storage().resize_(0)  # seed-000 style "free": invisible to a graph
+        return y
+
+    error = _capture_error(backend, body)
+    assert "resized" in str(error) and error.report.resized_storages
+
+
+def test_storage_resize_of_input_rejected(backend):
+    check_storage_resize_of_input_rejected(backend)
+
+
+def check_resize_op_on_foreign_tensor_rejected(backend):
+    x = torch.randn(16, device=backend.device)
+    error = _capture_error(backend, lambda: x.resize_(32))
+    assert "aten.resize_" in str(error) and "did not allocate" in str(error)
+    assert "test_graphs_tape.py" in str(error)
+
+
+def test_resize_op_on_foreign_tensor_rejected(backend):
+    check_resize_op_on_foreign_tensor_rejected(backend)
+
+
+def check_set_on_foreign_tensor_rejected(backend):
+    x = torch.randn(16, device=backend.device)
+    other = torch.randn(16, device=backend.device)
+    error = _capture_error(backend, lambda: x.set_(other.untyped_storage(), 0, (16,), (1,)))
+    assert "aten.set_" in str(error) and "re-point" in str(error)
+
+
+def test_set_on_foreign_tensor_rejected(backend):
+    check_set_on_foreign_tensor_rejected(backend)
+
+
+def check_data_assignment_rejected(backend):
+    x = torch.randn(16, device=backend.device)
+
+    def body():
+        y = x * 2
+        x.data = torch.zeros(16, device=x.device)  # no op dispatches: caught by the address book
+        return y + x
+
+    error = _capture_error(backend, body)
+    assert "changed address" in str(error) or "re-pointed" in str(error)
+
+
+def test_data_assignment_rejected(backend):
+    check_data_assignment_rejected(backend)
+
+
+def test_set_on_graph_owned_tensor_is_allowed(backend):
+    """The arena's writer alias: a fresh tensor re-pointed at a slot, inside a capture."""
+    slot = torch.zeros(4)
+    x = torch.randn(4)
+    graph = backend.new_graph()
+    with graph.capture():
+        writer = torch.empty(0).set_(slot.untyped_storage(), 0, (4,), (1,))
+        writer.copy_(x * 3)
+    x.copy_(torch.randn(4))
+    graph.replay()
+    assert torch.equal(slot, x * 3)
+    assert graph.stats.violations == 0
+
+
+def test_freeing_an_input_after_capture_is_caught_at_replay(backend):
+    x = torch.randn(16)
+    graph = backend.new_graph()
+    with graph.capture():
+        x * 2
+    x.untyped_storage().resize_(0)
+    with pytest.raises(GraphReplayError, match="resized or freed since capture"):
+        graph.replay()
