@@ -152,8 +152,9 @@ class Arena:
 class PersistentSlotSet:
     """What one in-flight microbatch keeps for the recompute of its blocks.
 
-    ``block_inputs[b]`` is x_l0 of recompute block ``b`` ([s, b, n*C]); ``fn_outputs[(layer, k)]`` is
-    the F output of sublayer ``k`` (0 attention, 1 MLP) of ``layer`` ([s, b, C]); ``seed`` is the
+    ``block_inputs[b]`` is x_l0 of recompute block ``b`` ([s, b, n*C]); ``fn_outputs[(i, k)]`` is
+    the F output of sublayer ``k`` (0 attention, 1 MLP) of the chunk's ``i``-th layer ([s, b, C]).
+    Keys are positions in the chunk, so chunks of equal depth can share one pool of sets; ``seed`` is the
     microbatch's dropout seed. Static addresses: graphs read them in place.
     """
 

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from .arena import Arena, PersistentSlotSet, Region
 from .model import MHCSublayer, MHCTransformerLayer
+from .nvtx_ranges import nvtx_range
 
 SUBLAYER_NAMES = ("attn", "mlp")
 
@@ -103,6 +104,7 @@ class StaticRecompute:
                 "static-buffer recompute needs dropout_impl='counter': a recompute (and a replayed "
                 "graph) cannot rewind torch's stateful generator to redraw the forward's mask")
         self.layers = list(layers)
+        self.block_size = block_size
         self.blocks = [self.layers[i:i + block_size] for i in range(0, len(self.layers), block_size)]
         self.arena, self.sets = arena, sets
         self._cursor: _RegionCursor | None = None
@@ -187,9 +189,10 @@ class StaticRecompute:
         """
         with torch.enable_grad():
             x = pset.block_inputs[block].detach().requires_grad_()
+            first = block * self.block_size
             for position, layer in enumerate(self.blocks[block]):
                 for k, sub in enumerate((layer.attention, layer.mlp)):
-                    y = pset.fn_outputs[(layer.layer_number, k)].detach().requires_grad_()
+                    y = pset.fn_outputs[(first + position, k)].detach().requires_grad_()
                     x, _ = self.sublayer(sub, position, k, x, pset.seed, fn_output=y)
 
     def capture_recompute_graphs(self, backend) -> None:
@@ -208,10 +211,10 @@ class StaticRecompute:
         graph = self.recompute_graphs.get((block, pset.index))
         self.trace.append(f"recompute block {block} set {pset.index} "
                           f"({'graph' if graph is not None else 'eager'})")
-        if graph is not None:
-            graph.replay()
-        else:
-            with torch.no_grad():  # outputs are dropped; grad mode is re-enabled inside
+        with nvtx_range("recompute", 0, pset.index, f"block{block}"):
+            if graph is not None:
+                graph.replay()
+            else:
                 self.recompute_block(block, pset)
 
     # -- the chunk forward -----------------------------------------------------------------------
@@ -234,6 +237,7 @@ class StaticRecompute:
             seed_in = pset.seed if seed is not None else None
             for b, block in enumerate(self.blocks):
                 pset.block_inputs[b].copy_(x.detach())
+                first = b * self.block_size
                 for position, layer in enumerate(block):
                     for k, sub in enumerate((layer.attention, layer.mlp)):
                         fn = (sublayer_fns or {}).get((layer.layer_number, k))
@@ -241,7 +245,7 @@ class StaticRecompute:
                             x, y = fn(x, seed_in)
                         else:
                             x, y = self.sublayer(sub, position, k, x, seed_in)
-                        pset.fn_outputs[(layer.layer_number, k)].copy_(y.detach())
+                        pset.fn_outputs[(first + position, k)].copy_(y.detach())
                 if x.requires_grad:
                     handles.append(x.register_hook(self._make_block_hook(b, pset)))
         except BaseException:
@@ -337,9 +341,9 @@ def new_persistent_set(index: int, layers: list[MHCTransformerLayer], block_size
         index=index,
         block_inputs=[torch.zeros(seq_length, micro_batch_size, width, dtype=dtype, device=device)
                       for _ in range(num_blocks)],
-        fn_outputs={(layer.layer_number, k): torch.zeros(seq_length, micro_batch_size,
-                                                         cfg.hidden_size, dtype=dtype, device=device)
-                    for layer in layers for k in range(2)},
+        fn_outputs={(i, k): torch.zeros(seq_length, micro_batch_size, cfg.hidden_size,
+                                        dtype=dtype, device=device)
+                    for i in range(len(layers)) for k in range(2)},
         seed=torch.zeros((), dtype=torch.int64, device=device),
     )
 
@@ -347,6 +351,7 @@ def new_persistent_set(index: int, layers: list[MHCTransformerLayer], block_size
 def build_static_recompute(layers: list[MHCTransformerLayer], block_size: int, *,
                            seq_length: int, micro_batch_size: int, capacity: int,
                            device: torch.device | str, arena: Arena | None = None,
+                           sets: PersistentSetPool | None = None,
                            dtype: torch.dtype = torch.float32) -> StaticRecompute:
     """Lay out and allocate everything static for one chunk: arena (shared if given) and sets.
 

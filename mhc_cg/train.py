@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,14 +20,37 @@ from .nvtx_ranges import nvtx_range
 
 @dataclass
 class TrainResult:
+    mode: str = "eager_none"
+    info: dict = field(default_factory=dict)  # the graphed runtime's sizes (arena, sets, graphs)
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
+    held_bytes_per_microbatch: int | None = None  # allocated by a forward and held until backward
 
     @property
     def median_step_ms(self) -> float:
         times = sorted(self.step_times[1:] or self.step_times)  # the first step pays warm-up
         return 1000.0 * times[len(times) // 2]
+
+
+def held_bytes(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
+    """Run ``fn``; return its result and the bytes it allocated that are still live afterwards.
+
+    On CUDA this is the allocator's counter; on CPU, the profiler's allocation events (CPU torch
+    keeps no counter). Static buffers allocated before ``fn`` (arena, slot sets, graph pools) are
+    not counted: this is what each further microbatch in flight would add.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated(device)
+        out = fn()
+        torch.cuda.synchronize()
+        return out, torch.cuda.memory_allocated(device) - before
+    from torch.autograd.profiler import profile
+
+    with profile(profile_memory=True) as prof:
+        out = fn()
+    return out, int(sum(e.self_cpu_memory_usage for e in prof.function_events))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -57,20 +82,66 @@ class ProgressBar:
         sys.stderr.flush()
 
 
+MODES = ("eager_none", "eager_block", "graphed_static")
+
+
+def graph_scopes(cfg: RunConfig) -> list[str]:
+    """The configured scopes, under either spelling (``cuda_graph_modules`` is the newer one)."""
+    return list(cfg.graph.cuda_graph_scope or cfg.graph.cuda_graph_modules or [])
+
+
+def resolve_mode(cfg: RunConfig) -> str:
+    """What a config asks for: graphed static-buffer recompute when ``mhc_recompute`` is in scope."""
+    if "mhc_recompute" in graph_scopes(cfg):
+        return "graphed_static"
+    return "eager_block" if cfg.model.recompute == "block" else "eager_none"
+
+
+def build_for_mode(cfg: RunConfig, mode: str, device: torch.device, *,
+                   default_scopes: tuple[str, ...] = ("attn", "mhc_recompute")):
+    """``(model, forward)`` for ``mode``; ``forward(input_ids, seed) -> logits``.
+
+    The weights depend only on ``cfg.train.seed``, never on the mode, so modes can be compared.
+    """
+    if mode not in MODES:
+        raise ConfigError(f"--mode: must be one of {list(MODES)}, got {mode!r}")
+    model_cfg = dataclasses.replace(cfg.model, recompute="block" if mode == "eager_block" else "none")
+    torch.manual_seed(cfg.train.seed)
+    model = MHCGPT(model_cfg).to(device).train()
+    if mode != "graphed_static":
+        return model, model, None
+    from .graphed_model import GraphedStaticModel
+
+    scopes = graph_scopes(cfg) or list(default_scopes)
+    if "mhc_recompute" not in scopes:
+        scopes.append("mhc_recompute")
+    graphed = GraphedStaticModel(model, scopes, micro_batch_size=cfg.train.micro_batch_size,
+                                 backend=cfg.graph.backend)
+    graphed.prepare(device)
+    return model, graphed, graphed
+
+
 def train(cfg: RunConfig, *, steps: int | None = None, device: str | None = None,
-          progress: bool = True, model: MHCGPT | None = None) -> TrainResult:
-    """Train ``cfg.model`` on the synthetic corpus; returns per-step losses and timings."""
+          progress: bool = True, mode: str | None = None,
+          after_backward: Callable[[int, MHCGPT], None] | None = None) -> TrainResult:
+    """Train ``cfg.model`` on the synthetic corpus in ``mode`` (default: what the config asks).
+
+    Dropout seeds come from their own generator, one per microbatch, so every mode sees the same
+    masks. ``after_backward(step, model)`` runs once per step before the optimizer (tests read the
+    gradients there).
+    """
     dev = resolve_device(device or cfg.train.device)
     steps = cfg.train.steps if steps is None else steps
     if steps < 1:
         raise ConfigError(f"--steps: must be a positive integer, got {steps}")
-    torch.manual_seed(cfg.train.seed)
-    model = (model or MHCGPT(cfg.model)).to(dev).train()
+    mode = mode or resolve_mode(cfg)
+    model, forward, graphed = build_for_mode(cfg, mode, dev)
     corpus = ProgressionCorpus(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.train.seed)
+    seeds = torch.Generator().manual_seed(cfg.train.seed + 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr,
                                   weight_decay=cfg.train.weight_decay)
-    result = TrainResult()
-    bar = ProgressBar(steps, "train", progress)
+    result = TrainResult(mode=mode, info=graphed.describe() if graphed is not None else {})
+    bar = ProgressBar(steps, f"train[{mode}]", progress)
     for step in range(steps):
         start = time.perf_counter()
         with nvtx_range("step"):  # profiler ranges; one name per phase so runs aggregate by name
@@ -78,12 +149,22 @@ def train(cfg: RunConfig, *, steps: int | None = None, device: str | None = None
             loss_sum = 0.0
             for _ in range(cfg.train.num_microbatches):
                 inputs, targets = (t.to(dev) for t in corpus.batch(cfg.train.micro_batch_size))
+                seed = torch.randint(0, 2 ** 31 - 1, (), generator=seeds).to(dev)
                 with nvtx_range("forward"):
-                    logits = model(inputs)
-                    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten()) / cfg.train.num_microbatches
+                    def forward_loss():
+                        logits = forward(inputs, seed)
+                        return F.cross_entropy(logits.flatten(0, 1),
+                                               targets.flatten()) / cfg.train.num_microbatches
+                    if step == 0 and loss_sum == 0.0 and result.held_bytes_per_microbatch is None:
+                        # the first step is excluded from the median time; probe memory there
+                        loss, result.held_bytes_per_microbatch = held_bytes(forward_loss, dev)
+                    else:
+                        loss = forward_loss()
                 with nvtx_range("backward"):
                     loss.backward()
                 loss_sum += loss.item()
+            if after_backward is not None:
+                after_backward(step, model)
             with nvtx_range("optimizer"):
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
                 optimizer.step()

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from ..config import load_config
-from ..train import train
+from ..train import MODES, resolve_mode, train
 
-HELP = "train the mHC GPT of a config on a synthetic corpus and print the loss"
+HELP = "train the mHC GPT of a config on a synthetic corpus; --compare runs every recompute mode"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,16 +16,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="override train.steps")
     parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default=None,
                         help="override train.device")
+    parser.add_argument("--mode", choices=MODES, default=None,
+                        help="override the mode the config implies (graphed_static when "
+                             "mhc_recompute is in cuda_graph_scope)")
+    parser.add_argument("--compare", action="store_true",
+                        help="run the same steps in every mode and print one table")
+    parser.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
-    m = cfg.model
-    print(f"mHC GPT: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_streams} streams, "
-          f"recompute={m.recompute}, dropout={m.hidden_dropout} ({m.dropout_impl})")
-    result = train(cfg, steps=args.steps, device=args.device, progress=not args.no_progress)
+    progress = not args.no_progress
+    if args.compare:
+        from ..compare import format_table, run_modes, to_json
+
+        results = run_modes(cfg, steps=args.steps, device=args.device, progress=progress)
+        if args.json:
+            print(json.dumps(to_json(results), indent=1))
+        else:
+            _describe(cfg, "all modes")
+            print(format_table(results))
+        reference = results["eager_none"].losses
+        return 0 if all(r.losses == reference for r in results.values()) else 1
+    mode = args.mode or resolve_mode(cfg)
+    result = train(cfg, steps=args.steps, device=args.device, progress=progress, mode=mode)
+    if args.json:
+        print(json.dumps({"mode": mode, "losses": result.losses, "grad_norms": result.grad_norms,
+                          "step_ms_median": result.median_step_ms, **result.info}, indent=1))
+        return 0
+    _describe(cfg, mode)
     print(f"first loss {result.losses[0]:.4f}")
     print(f"last loss  {result.losses[-1]:.4f}")
     print(f"step time  {result.median_step_ms:.1f} ms (median of {len(result.step_times)} steps)")
     return 0
+
+
+def _describe(cfg, mode: str) -> None:
+    m = cfg.model
+    print(f"mHC GPT: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_streams} streams, "
+          f"L_r={m.resolved_recompute_layers}, dropout={m.hidden_dropout} ({m.dropout_impl}); "
+          f"mode: {mode}")

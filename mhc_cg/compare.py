@@ -1,0 +1,58 @@
+"""``mhc-cg train --compare``: the same steps in every mode, side by side.
+
+Modes: ``eager_none`` (no recompute: the reference), ``eager_block`` (eager block recompute that
+frees and re-allocates), ``graphed_static`` (static-buffer recompute in graphs). Same weights, same
+data, same dropout seeds; the losses must agree bit for bit.
+"""
+
+from __future__ import annotations
+
+from .config import RunConfig
+from .train import MODES, TrainResult, train
+
+
+def run_modes(cfg: RunConfig, *, steps: int | None = None, device: str | None = None,
+              progress: bool = True, modes: tuple[str, ...] = MODES) -> dict[str, TrainResult]:
+    return {mode: train(cfg, steps=steps, device=device, progress=progress, mode=mode)
+            for mode in modes}
+
+
+def to_json(results: dict[str, TrainResult]) -> dict:
+    reference = results.get("eager_none")
+    modes = {}
+    for mode, r in results.items():
+        modes[mode] = {
+            "losses": r.losses,
+            "grad_norms": r.grad_norms,
+            "losses_equal_eager_none": None if reference is None else r.losses == reference.losses,
+            "grad_norms_equal_eager_none": None if reference is None
+            else r.grad_norms == reference.grad_norms,
+            "held_bytes_per_microbatch": r.held_bytes_per_microbatch,
+            "step_ms_median": r.median_step_ms,
+            **r.info,
+        }
+    return {"modes": modes}
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2 ** 20:.2f} MiB"
+
+
+def format_table(results: dict[str, TrainResult]) -> str:
+    reference = results.get("eager_none")
+    header = ("mode", "loss == eager_none", "held / microbatch", "arena", "persistent / mb",
+              "graphs", "step ms")
+    rows = []
+    for mode, r in results.items():
+        if reference is None or mode == "eager_none":
+            same = "(reference)"
+        else:
+            worst = max(abs(a - b) for a, b in zip(r.losses, reference.losses))
+            same = "bit-identical" if r.losses == reference.losses else f"max diff {worst:.3g}"
+        rows.append((mode, same, _mib(r.held_bytes_per_microbatch),
+                     _mib(r.info.get("arena_bytes")), _mib(r.info.get("persistent_bytes_per_microbatch")),
+                     str(r.info.get("graphs", 0)), f"{r.median_step_ms:.1f}"))
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in (header, *rows)]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
