@@ -1,0 +1,259 @@
+"""``BlockRecomputeManager``: free every checkpoint of a recompute block, recompute them as one.
+
+Seed 001's unified manager with seed 000's refinement. Checkpoints built with
+``CheckpointWithoutOutput(manager)`` register here in forward order. At the end of the block,
+:meth:`discard_all_outputs_and_register_unified_recompute` frees all their outputs and hooks one
+recompute on the block's end tensor (the last layer's final bias-dropout-add output, which is
+*not* checkpointed). When backward reaches that tensor, the hook re-runs every checkpoint in
+forward order, before any backward node of the block runs.
+
+Refillable inputs: a checkpoint may declare ``refill={arg_index: "source" | "source.key"}``. The
+input is not saved; at recompute time it is filled with ``source``'s recomputed output (or the
+output named ``key``). The dependency graph is checked when the block is finalised: a source
+that is unknown, or registered after its consumer, is an error naming both checkpoints.
+
+Exception safety: run the block's forward inside :meth:`forward_scope`. If anything unwinds it
+(an error, or Megatron's ``MoECudaGraphPartialCaptureSignal``), every registered checkpoint is
+abandoned, no hook stays registered and no output storage stays freed; the manager is empty and
+can be reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch import Tensor
+from torch.utils.hooks import RemovableHandle
+
+from .checkpoint import DISCARDED, CheckpointWithoutOutput, RNGState
+
+IDLE, ARMED, RECOMPUTED = "idle", "armed", "recomputed"
+
+
+class BlockRecomputeManager:
+    """Owns the checkpoints of one recompute block for one forward.
+
+    ``debug=True`` makes every checkpoint compare recomputed values bit for bit with the
+    forward's. ``trace`` lists the checkpoint names in the order the last recompute ran them.
+    """
+
+    def __init__(self, *, debug: bool = False):
+        self.debug = debug
+        self.checkpoints: list[CheckpointWithoutOutput] = []
+        self.trace: list[str] = []
+        self.state = IDLE
+        self.last_rng_state: RNGState | None = None
+        self._by_name: dict[str, int] = {}
+        self._hook: RemovableHandle | None = None
+        self._order_hooks: list[RemovableHandle] = []
+        self._first_seq: int | None = None  # sequence number of the block's first autograd node
+
+    def __len__(self) -> int:
+        return len(self.checkpoints)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when the manager holds no checkpoint and no hook."""
+        return not self.checkpoints and self._hook is None
+
+    def add_checkpoint(self, ckpt: CheckpointWithoutOutput) -> None:
+        if self.state != IDLE:
+            raise RuntimeError(f"BlockRecomputeManager: cannot add checkpoint {ckpt.name!r} after "
+                               f"the block was finalised (state {self.state!r})")
+        if ckpt.name in self._by_name:
+            raise ValueError(f"BlockRecomputeManager: two checkpoints named {ckpt.name!r}")
+        self._by_name[ckpt.name] = len(self.checkpoints)
+        self.checkpoints.append(ckpt)
+        node = next((o.grad_fn for o in ckpt.outputs if o.grad_fn is not None), None)
+        if self._first_seq is None and node is not None:
+            self._first_seq = node._sequence_nr()
+
+    # ------------------------------------------------------------ dependencies
+    def _resolve(self, consumer: CheckpointWithoutOutput, ref: str) -> tuple[int, int]:
+        """``ref`` -> (index of the source checkpoint, index of its output)."""
+        name, key = ref, None
+        if ref not in self._by_name and "." in ref:
+            name, key = ref.rsplit(".", 1)
+        if name not in self._by_name:
+            raise ValueError(f"checkpoint {consumer.name!r} depends on {ref!r}, but no checkpoint "
+                             f"named {name!r} is registered in this block")
+        source_index = self._by_name[name]
+        source = self.checkpoints[source_index]
+        if source_index >= self._by_name[consumer.name]:
+            raise ValueError(f"checkpoint {consumer.name!r} depends on {ref!r}, but {name!r} is "
+                             f"produced after it in forward order; sources must come first")
+        if key is None:
+            if len(source.outputs) != 1:
+                raise ValueError(f"checkpoint {consumer.name!r} depends on {ref!r}, but {name!r} "
+                                 f"has {len(source.outputs)} outputs; name one of "
+                                 f"{list(source.output_keys)}")
+            return source_index, 0
+        try:
+            return source_index, source.output_index(key)
+        except KeyError:
+            raise ValueError(f"checkpoint {consumer.name!r} depends on {ref!r}, but {name!r} has "
+                             f"no output {key!r}; its outputs are {list(source.output_keys)}") from None
+
+    def validate(self) -> dict[str, dict[int, tuple[int, int]]]:
+        """Check every declared dependency; return them resolved to indices."""
+        return {c.name: {i: self._resolve(c, ref) for i, ref in c.refill.items()}
+                for c in self.checkpoints}
+
+    # ---------------------------------------------------------------- finalise
+    def discard_all_outputs_and_register_unified_recompute(self, hook_tensor: Tensor) -> None:
+        """Validate the dependencies, free every output, and hook the recompute on ``hook_tensor``."""
+        if self.state != IDLE:
+            raise RuntimeError(f"BlockRecomputeManager: block already finalised (state {self.state!r})")
+        if not hook_tensor.requires_grad or hook_tensor.grad_fn is None:
+            raise ValueError("BlockRecomputeManager: hook_tensor must be a non-leaf tensor that "
+                             "requires grad (the block's last bias-dropout-add output); otherwise "
+                             "no backward would recompute the discarded outputs")
+        self._resolved = self.validate()
+        hook_storage = hook_tensor.untyped_storage()._cdata
+        for ckpt in self.checkpoints:
+            if any(o.untyped_storage()._cdata == hook_storage for o in ckpt.outputs):
+                raise ValueError(f"BlockRecomputeManager: hook_tensor shares storage with the output "
+                                 f"of checkpoint {ckpt.name!r}; the block-end tensor must not be "
+                                 f"checkpointed")
+        self._order_gradient_sums(hook_tensor)
+        for ckpt in self.checkpoints:
+            ckpt.discard_outputs()
+        self._hook = hook_tensor.register_hook(self._unified_recompute_hook)
+        self.state = ARMED
+
+    def _order_gradient_sums(self, hook_tensor: Tensor) -> None:
+        """Make the gradient of every tensor consumed by several checkpoints bit-identical to
+        the un-checkpointed graph's.
+
+        Autograd adds the uses of a tensor in the order their backward nodes run. A checkpoint
+        adds its own uses of an input first, inside its backward (``mappings`` uses x twice, then
+        ``aggregate`` and ``h_res`` once each): ``(a + b) + (c + d)`` instead of
+        ``((a + b) + c) + d``, a different rounding. For each such tensor whose every use is a
+        checkpoint of this block, the checkpoints send their per-use terms to a ledger as they
+        are made, and a pre-hook on the tensor's gradient node replaces autograd's sum with the
+        ledger's left fold, which is the plain graph's order. A tensor with other consumers
+        keeps autograd's sum (correct, maybe not bit-identical).
+        """
+        uses: dict[tuple[int, int], list[tuple[CheckpointWithoutOutput, int]]] = {}
+        nodes: dict[tuple[int, int], tuple[object, int]] = {}
+        for ckpt in self.checkpoints:
+            for i, (node, slot) in ckpt.input_grad_nodes.items():
+                key = (id(node), slot)
+                uses.setdefault(key, []).append((ckpt, i))
+                nodes[key] = (node, slot)
+        shared = {k for k, v in uses.items() if len(v) >= 2}
+        if not shared or hook_tensor.grad_fn is None:
+            return
+        edges = _count_edges_into(hook_tensor.grad_fn, shared, self._first_seq or 0)
+        for key in shared:
+            if edges.get(key, 0) != len(uses[key]):
+                continue  # some consumer is not a checkpoint: leave autograd's sum alone
+            ledger: list[Tensor] = []
+            for ckpt, i in uses[key]:
+                ckpt.edge_sinks[i] = ledger.append
+            node, slot = nodes[key]
+            self._order_hooks.append(node.register_prehook(_LedgerSum(ledger, slot)))
+
+    def _unified_recompute_hook(self, grad: Tensor) -> None:
+        if self.state != ARMED:
+            raise RuntimeError(
+                "BlockRecomputeManager: a second backward reached a recompute block whose "
+                "recompute was already consumed; block recompute supports one backward per "
+                "forward (retain_graph=True cannot replay it) - run the forward again")
+        self.recompute_all()
+
+    def recompute_all(self) -> None:
+        """Recompute every checkpoint in forward order, refilling inputs from their sources."""
+        recomputed: list[tuple[Tensor, ...]] = []
+        self.trace = []
+        for ckpt in self.checkpoints:
+            fills = {i: recomputed[src][out] for i, (src, out) in self._resolved[ckpt.name].items()}
+            recomputed.append(ckpt.recompute(fills))
+            self.trace.append(ckpt.name)
+        self.state = RECOMPUTED
+        self._hook = None  # fired; autograd drops it with the graph
+
+    # --------------------------------------------------------------- unwinding
+    @contextlib.contextmanager
+    def forward_scope(self) -> Iterator["BlockRecomputeManager"]:
+        """Run a block's forward; if an exception unwinds it, leave nothing behind."""
+        try:
+            yield self
+        except BaseException:
+            self.abandon()
+            raise
+
+    def abandon(self) -> None:
+        """Remove the hook, put back freed storages (unused, but never left dangling), forget all."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        for handle in self._order_hooks:
+            handle.remove()
+        self._order_hooks.clear()
+        self._first_seq = None
+        for ckpt in self.checkpoints:
+            if ckpt.state == DISCARDED:
+                for out in ckpt.outputs:
+                    storage = out.untyped_storage()
+                    if storage.nbytes() == 0:
+                        storage.resize_(ckpt._storage_nbytes[out.untyped_storage()._cdata])
+            ckpt.abandon()
+        self.checkpoints.clear()
+        self._by_name.clear()
+        self.trace = []
+        self.last_rng_state = None
+        self.state = IDLE
+
+    def held_bytes(self) -> int:
+        """Bytes the manager holds itself (RNG states; debug clones), beyond saved tensors."""
+        states = {id(c.rng_state): c.rng_state for c in self.checkpoints if c.rng_state is not None}
+        debug = sum(t.nbytes for c in self.checkpoints for t in c._debug_values)
+        return sum(s.nbytes() for s in states.values()) + debug
+
+
+def _count_edges_into(root, targets: set[tuple[int, int]], first_seq: int) -> dict[tuple[int, int], int]:
+    """How many graph edges reachable from ``root`` point at each ``(id(node), slot)`` target.
+
+    Nodes created before the block (sequence number below ``first_seq``) and leaves are not
+    expanded, so the walk stays inside the block.
+    """
+    counts: dict[tuple[int, int], int] = {}
+    stack, seen = [root], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for nxt, slot in node.next_functions:
+            if nxt is None:
+                continue
+            key = (id(nxt), slot)
+            if key in targets:
+                counts[key] = counts.get(key, 0) + 1
+            if not hasattr(nxt, "variable") and nxt._sequence_nr() >= first_seq:
+                stack.append(nxt)
+    return counts
+
+
+class _LedgerSum:
+    """Node pre-hook: replace the gradient of output ``slot`` by the left fold of ``ledger``."""
+
+    def __init__(self, ledger: list[Tensor], slot: int):
+        self.ledger, self.slot = ledger, slot
+
+    def __call__(self, grad_outputs):
+        if not self.ledger:
+            return None
+        total = self.ledger[0]
+        for term in self.ledger[1:]:
+            total = total + term
+        self.ledger.clear()
+        grads = list(grad_outputs)
+        grads[self.slot] = total
+        return tuple(grads)
+
+
+MHCBlockRecomputeManager = BlockRecomputeManager
+"""Megatron's name for the same manager (seed 001)."""
