@@ -139,6 +139,16 @@ def enable(on: bool = True, *, record_function: bool | None = None) -> None:
     _record_function_on = bool(on) if record_function is None else bool(record_function)
 
 
+def profiler_recording() -> bool:
+    """True while a torch profiler (torch.profiler or torch.autograd.profiler) is recording.
+
+    Code that would open its own profiler (a memory probe, say) must not while this is true: on
+    torch 2.13 an inner profiler's exit ends the outer session, and exporting the outer trace then
+    crashes the process.
+    """
+    return bool(_profiler_enabled())
+
+
 def is_enabled() -> bool:
     """True when either half (NVTX or record_function) is on."""
     return _nvtx_on or _record_function_on

@@ -8,7 +8,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from mhc_cg import nvtx_ranges
 from mhc_cg.config import RunConfig
-from mhc_cg.nvtx_ranges import NO_RANGE, enable, enabled_parts, nvtx_range, range_name
+from mhc_cg.nvtx_ranges import (NO_RANGE, enable, enabled_parts, nvtx_range, profiler_recording,
+                                 range_name)
 from mhc_cg.train import train
 
 
@@ -105,6 +106,13 @@ def test_record_function_names_reach_torch_profiler_only_while_on():
         with nvtx_range("fwd", 0, 1, 2):
             x @ x
     assert _annotation_names(prof) == []
+
+
+def test_profiler_recording_tells_code_not_to_nest_a_profiler():
+    assert not profiler_recording()
+    with profile(activities=[ProfilerActivity.CPU]):
+        assert profiler_recording()
+    assert not profiler_recording()
 
 
 def test_no_record_function_outside_a_profiler(monkeypatch):
