@@ -8,6 +8,9 @@ TransformerEngine-compatible ``make_graphed_callables`` on top of it.
 
 from .backend import (BACKEND_NAMES, CaptureSafetyReport, Graph, GraphBackend, GraphCaptureError,
                       GraphReplayError, PoolOrder, get_backend, resolve_backend_name)
+from .graphed_callables import (GraphedCallables, OrderLayout, count_allocated_static_inputs,
+                                make_graphed_callables)
 
-__all__ = ["BACKEND_NAMES", "CaptureSafetyReport", "Graph", "GraphBackend", "GraphCaptureError",
+__all__ = ["BACKEND_NAMES", "GraphedCallables", "OrderLayout", "count_allocated_static_inputs",
+           "make_graphed_callables", "CaptureSafetyReport", "Graph", "GraphBackend", "GraphCaptureError",
            "GraphReplayError", "PoolOrder", "get_backend", "resolve_backend_name"]

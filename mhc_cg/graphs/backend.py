@@ -96,6 +96,19 @@ _COUNTER_DROPOUT_HINT = (
     "cannot redraw the forward's mask; the CPU tape cannot rewind the CPU generator at all")
 
 
+def _draws_random(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
+    """Attention kernels carry the seeded tag for their optional dropout; with
+    ``dropout_p == 0`` they draw nothing and are as capturable as any matmul."""
+    if "scaled_dot_product" not in func.name():
+        return True
+    names = [a.name for a in func._schema.arguments]
+    if "dropout_p" not in names:
+        return True
+    index = names.index("dropout_p")
+    p = kwargs.get("dropout_p", args[index] if index < len(args) else 0.0)
+    return float(p) != 0.0
+
+
 def illegal_op_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | None:
     """Why ``func`` cannot be captured, or ``None`` when it can."""
     packet = func.overloadpacket
@@ -107,7 +120,7 @@ def illegal_op_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) ->
                 isinstance(a, torch.Tensor) for a in tree_flatten((args[1:], kwargs))[0]):
             return None
         return "its output shape depends on tensor values; a graph needs shapes fixed at capture"
-    if torch.Tag.nondeterministic_seeded in func.tags:
+    if torch.Tag.nondeterministic_seeded in func.tags and _draws_random(func, args, kwargs):
         return f"it draws from a stateful random generator; {_COUNTER_DROPOUT_HINT}"
     if packet in (aten._to_copy, aten.copy_):
         flat = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
@@ -117,6 +130,23 @@ def illegal_op_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) ->
                 s.device.type != "cpu" for s in sources):
             return "it copies device memory to the host, which synchronises the stream"
     return None
+
+
+def _argument(func: torch._ops.OpOverload, name: str, args: tuple, kwargs: dict) -> Any:
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == name:
+            if name in kwargs:
+                return kwargs[name]
+            return args[i] if i < len(args) and not arg.kwarg_only else arg.default_value
+    raise KeyError(name)
+
+
+def _draws_random(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
+    """Attention kernels are tagged as seeded for their ``dropout_p``; at 0 they draw nothing."""
+    try:
+        return _argument(func, "dropout_p", args, kwargs) not in (0, 0.0, None)
+    except KeyError:
+        return True
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,534 @@
+"""``make_graphed_callables`` with TransformerEngine's semantics, over any graph backend.
+
+What a caller relies on (the same as TE's ``make_graphed_callables``):
+
+* **Layout.** Without ``order``: one graphed callable per callable, forwards captured 1..N and
+  backwards N..1. With ``order`` (TE's ``_order``: ``+c`` forward of model chunk ``c``, ``-c`` its
+  backward, 1-based, chunk ``c``'s microbatches in FIFO order), ``callables`` holds every chunk's
+  layers back to back and ``sample_args`` one entry per (chunk, microbatch, layer) at index
+  ``prefix[c] * M + m * L_c + l``; one graphed callable comes back per entry, and the forward and
+  backward graphs are captured in the order's sequence, all in one pool.
+* **Static inputs.** Each graph reads its inputs from static buffers: the ``sample_args``
+  tensors. With ``order`` and ``reuse_input_buffers``, a chunk's backward releases the input
+  buffers of that chunk's oldest in-flight microbatch to a free queue keyed by (shape, dtype,
+  stride, device), and a later forward with the same key takes them: the number of buffers then
+  follows the pipeline depth, not the number of microbatches
+  (:func:`count_allocated_static_inputs`). Backward graphs then also share grad-output buffers.
+* **A call** copies each input into its static buffer only when the ``data_ptr`` differs,
+  replays the forward graph and returns *detached static outputs*: they are overwritten by the
+  next replay of the same graph. Autograd sees an ``autograd.Function`` whose backward copies the
+  incoming grads into static grad-output buffers, replays the backward graph and returns the
+  static grad inputs, those of the module's parameters included (parameters are inputs of the
+  Function, so autograd accumulates them into ``.grad``).
+* **Replay order** must follow the capture order (pool rule); the backends raise otherwise.
+* Modules stay modules without ``order`` (their ``forward`` replays while their ``training``
+  flag equals the captured one); with ``order`` the entries are plain functions, as in TE.
+
+Caveat kept from TE: autograd may *steal* a returned static grad input as a parameter's
+``.grad``; the next replay of that backward graph overwrites it. Clear grads with
+``zero_grad(set_to_none=True)`` (the default) between iterations.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .backend import Graph, GraphBackend, get_backend, resolve_backend_name
+
+
+# --------------------------------------------------------------------------------------------
+# The (chunk, microbatch, layer) layout of TE's _order.
+
+@dataclass(frozen=True)
+class OrderLayout:
+    """Where each (chunk, microbatch, layer) lives in ``callables`` and ``sample_args``.
+
+    Chunks are 0-based here; ``order`` entries are 1-based.
+    """
+
+    order: tuple[int, ...]
+    num_chunks: int
+    num_microbatches: int
+    layers_per_chunk: tuple[int, ...]
+
+    @property
+    def chunk_offsets(self) -> list[int]:
+        offsets = [0]
+        for n in self.layers_per_chunk:
+            offsets.append(offsets[-1] + n)
+        return offsets
+
+    def callable_index(self, chunk: int, layer: int) -> int:
+        return self.chunk_offsets[chunk] + layer
+
+    def sample_index(self, chunk: int, microbatch: int, layer: int) -> int:
+        return (self.chunk_offsets[chunk] * self.num_microbatches
+                + microbatch * self.layers_per_chunk[chunk] + layer)
+
+    def passes(self) -> list[tuple[bool, int, int]]:
+        """``(is_forward, chunk, microbatch)`` for every entry of the order."""
+        seen_fwd = [0] * self.num_chunks
+        seen_bwd = [0] * self.num_chunks
+        out = []
+        for c in self.order:
+            chunk = abs(c) - 1
+            counter = seen_fwd if c > 0 else seen_bwd
+            out.append((c > 0, chunk, counter[chunk]))
+            counter[chunk] += 1
+        return out
+
+
+def order_layout(order: Sequence[int], num_layers_per_chunk: int | Sequence[int] | None,
+                 num_callables: int, num_samples: int) -> OrderLayout:
+    """Validate ``order`` against the callables and samples; clear errors name the rule."""
+    order = tuple(int(c) for c in order)
+    if not order or any(c == 0 for c in order):
+        raise ValueError(f"make_graphed_callables: order must be a non-empty list of non-zero chunk "
+                         f"ids (+c forward, -c backward, 1-based), got {list(order)}")
+    num_chunks = max(abs(c) for c in order)
+    if len(order) % (2 * num_chunks):
+        raise ValueError(f"make_graphed_callables: order has {len(order)} entries, not a multiple of "
+                         f"2 * {num_chunks} chunks (every chunk needs M forwards and M backwards)")
+    num_microbatches = len(order) // (2 * num_chunks)
+    fwd = [0] * num_chunks
+    bwd = [0] * num_chunks
+    for position, c in enumerate(order):
+        chunk = abs(c) - 1
+        if c > 0:
+            fwd[chunk] += 1
+        else:
+            bwd[chunk] += 1
+            if bwd[chunk] > fwd[chunk]:
+                raise ValueError(f"make_graphed_callables: order[{position}] = {c} is backward "
+                                 f"#{bwd[chunk]} of chunk {chunk + 1} before its forward #{bwd[chunk]}")
+    if fwd != [num_microbatches] * num_chunks or bwd != fwd:
+        raise ValueError(f"make_graphed_callables: every chunk needs {num_microbatches} forwards and "
+                         f"as many backwards; order has forwards {fwd} and backwards {bwd} per chunk")
+    if num_layers_per_chunk is None:
+        if num_callables % num_chunks:
+            raise ValueError(f"make_graphed_callables: {num_callables} callables do not split evenly "
+                             f"into {num_chunks} chunks; pass num_layers_per_chunk")
+        layers = (num_callables // num_chunks,) * num_chunks
+    elif isinstance(num_layers_per_chunk, int):
+        layers = (num_layers_per_chunk,) * num_chunks
+    else:
+        layers = tuple(int(n) for n in num_layers_per_chunk)
+        if len(layers) != num_chunks:
+            raise ValueError(f"make_graphed_callables: num_layers_per_chunk needs one entry per chunk "
+                             f"({num_chunks}), got {list(layers)}")
+    if sum(layers) != num_callables:
+        raise ValueError(f"make_graphed_callables: num_layers_per_chunk {list(layers)} sums to "
+                         f"{sum(layers)}, but {num_callables} callables were given")
+    if num_samples != sum(layers) * num_microbatches:
+        raise ValueError(f"make_graphed_callables: sample_args needs one entry per (chunk, "
+                         f"microbatch, layer) = {sum(layers)} layers x {num_microbatches} "
+                         f"microbatches = {sum(layers) * num_microbatches}, got {num_samples}")
+    return OrderLayout(order, num_chunks, num_microbatches, layers)
+
+
+def _buffer_key(tensors: Sequence[torch.Tensor]) -> tuple:
+    return tuple((tuple(t.shape), t.dtype, t.stride(), t.device) for t in tensors)
+
+
+def share_static_inputs(layout: OrderLayout, sample_args: list, sample_kwargs: list) -> None:
+    """Rewrite ``sample_args``/``sample_kwargs`` in place so later forwards reuse released buffers.
+
+    A backward of chunk ``c`` releases the inputs of the oldest forward of ``c`` still in flight
+    (one entry per layer) to a free queue keyed by :func:`_buffer_key`; each forward takes, per
+    layer, the oldest released entry with its key, if any.
+    """
+    free: dict[tuple, deque[int]] = {}
+    in_flight: list[deque[int]] = [deque() for _ in range(layout.num_chunks)]
+
+    def key_of(index: int) -> tuple:
+        return _buffer_key(_flat_tensors(sample_args[index], sample_kwargs[index]))
+
+    for is_forward, chunk, microbatch in layout.passes():
+        layers = range(layout.layers_per_chunk[chunk])
+        if is_forward:
+            for layer in layers:
+                index = layout.sample_index(chunk, microbatch, layer)
+                queue = free.get(key_of(index))
+                if queue:
+                    donor = queue.popleft()
+                    sample_args[index], sample_kwargs[index] = sample_args[donor], sample_kwargs[donor]
+                in_flight[chunk].append(index)
+        else:
+            for _ in layers:
+                index = in_flight[chunk].popleft()
+                free.setdefault(key_of(index), deque()).append(index)
+
+
+def _flat_tensors(args: Any, kwargs: dict) -> list[torch.Tensor]:
+    flat = tree_flatten(args)[0] + tree_flatten([kwargs[k] for k in kwargs])[0]
+    return flat
+
+
+# --------------------------------------------------------------------------------------------
+# One graphed (chunk, microbatch, layer): its graphs and static buffers.
+
+@dataclass
+class GraphedRunner:
+    """The static state behind one graphed callable."""
+
+    label: str
+    kwargs_keys: list[str]
+    static_inputs: list[torch.Tensor]           # the user's flattened args + kwargs
+    params: tuple[torch.nn.Parameter, ...]
+    fwd_graph: Graph | None = None
+    bwd_graph: Graph | None = None
+    static_outputs: list[torch.Tensor] = field(default_factory=list)
+    output_spec: Any = None
+    differentiable: list[bool] = field(default_factory=list)
+    static_grad_outputs: list[torch.Tensor | None] = field(default_factory=list)
+    static_grad_inputs: list[torch.Tensor | None] = field(default_factory=list)
+
+    @property
+    def surface(self) -> list[torch.Tensor]:
+        return list(self.static_inputs) + list(self.params)
+
+    def copy_inputs(self, inputs: Sequence[torch.Tensor]) -> None:
+        if len(inputs) != len(self.static_inputs):
+            raise TypeError(f"graphed callable {self.label}: got {len(inputs)} tensor inputs, "
+                            f"captured with {len(self.static_inputs)}")
+        for i, (static, given) in enumerate(zip(self.static_inputs, inputs)):
+            if not isinstance(given, torch.Tensor) or given.shape != static.shape \
+                    or given.dtype != static.dtype or given.device != static.device:
+                got = (f"{list(given.shape)} {given.dtype} on {given.device}"
+                       if isinstance(given, torch.Tensor) else type(given).__name__)
+                raise ValueError(f"graphed callable {self.label}: input {i} is {got}, but the graph "
+                                 f"was captured with {list(static.shape)} {static.dtype} on "
+                                 f"{static.device}; a graph replays fixed shapes")
+            if static.data_ptr() != given.data_ptr():
+                static.copy_(given)
+
+    def replay_forward(self) -> list[torch.Tensor]:
+        self.fwd_graph.replay()
+        return [o.detach() for o in self.static_outputs]
+
+    def replay_backward(self, grads: Sequence[torch.Tensor | None]) -> tuple:
+        if self.bwd_graph is None:
+            return tuple(None for _ in self.surface)
+        for static, grad in zip(self.static_grad_outputs, grads):
+            if static is None:
+                continue
+            if grad is None:
+                static.zero_()
+            elif static.data_ptr() != grad.data_ptr():
+                static.copy_(grad)
+        self.bwd_graph.replay()
+        return tuple(g.detach() if g is not None else None for g in self.static_grad_inputs)
+
+
+class _ReplayGraphs(torch.autograd.Function):
+    """Forward replays the forward graph; backward replays the backward graph."""
+
+    @staticmethod
+    def forward(ctx, runner: GraphedRunner, *inputs: torch.Tensor):
+        runner.copy_inputs(inputs[:len(runner.static_inputs)])
+        outputs = runner.replay_forward()
+        ctx.runner = runner
+        ctx.mark_non_differentiable(*[o for o, d in zip(outputs, runner.differentiable) if not d])
+        return tuple(outputs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads: torch.Tensor):
+        return (None,) + ctx.runner.replay_backward(grads)
+
+
+def _graphed_function(runner: GraphedRunner) -> Callable:
+    def graphed(*user_args: Any, **user_kwargs: Any) -> Any:
+        missing = [k for k in runner.kwargs_keys if k not in user_kwargs]
+        if missing:
+            raise TypeError(f"graphed callable {runner.label} was captured with keyword arguments "
+                            f"{runner.kwargs_keys}; missing {missing}")
+        flat = tree_flatten(user_args)[0] + tree_flatten(
+            [user_kwargs[k] for k in runner.kwargs_keys])[0]
+        outputs = _ReplayGraphs.apply(runner, *flat, *runner.params)
+        return tree_unflatten(list(outputs), runner.output_spec)
+
+    graphed.runner = runner  # type: ignore[attr-defined]
+    return graphed
+
+
+# --------------------------------------------------------------------------------------------
+# The result.
+
+class GraphedCallables(tuple):
+    """The graphed callables (a tuple, as TE returns), with what was built for them."""
+
+    backend: str
+    pool: Any
+    runners: list[GraphedRunner] | None
+    static_input_sets: int
+
+    def graphs(self) -> list[Graph]:
+        """Every captured graph (forward and backward) of the tape/cuda backends."""
+        found = []
+        for runner in self.runners or ():
+            found.extend(g for g in (runner.fwd_graph, runner.bwd_graph) if g is not None)
+        return found
+
+
+def _distinct_input_sets(sets: Sequence[Sequence[torch.Tensor]]) -> int:
+    return len({tuple(id(t) for t in tensors) for tensors in sets})
+
+
+def count_allocated_static_inputs(graphed: Any) -> int:
+    """How many distinct static input buffer sets the graphed callables read from.
+
+    One set is the flattened tensor inputs of one graphed (chunk, microbatch, layer). Without
+    buffer reuse that is one per entry of ``sample_args``; with reuse it is what the schedule
+    planner's ``count_static_input_buffers(order, num_layers_per_chunk, reuse=True)`` predicts.
+    """
+    if isinstance(graphed, GraphedCallables):
+        return graphed.static_input_sets
+    runner = getattr(graphed, "runner", None) or getattr(getattr(graphed, "forward", None), "runner", None)
+    if runner is None:
+        raise TypeError(f"count_allocated_static_inputs: expected the result of "
+                        f"mhc_cg.graphs.make_graphed_callables, got {type(graphed).__name__}")
+    return 1
+
+
+# --------------------------------------------------------------------------------------------
+# make_graphed_callables
+
+def _check_callables(callables: tuple) -> bool:
+    """Validate modules as TE does; returns whether they train (all must agree)."""
+    training = [getattr(c, "training", True) for c in callables]
+    if any(training) and not all(training):
+        raise ValueError("make_graphed_callables: callables must be all in training or all in eval "
+                         f"mode, got training flags {training}")
+    for i, c in enumerate(callables):
+        if not callable(c):
+            raise TypeError(f"make_graphed_callables: callables[{i}] is not callable: {type(c).__name__}")
+        if isinstance(c, torch.nn.Module):
+            for m in c.modules():
+                if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks:
+                    raise ValueError(
+                        f"make_graphed_callables: callables[{i}] ({type(m).__name__}) has module "
+                        f"hooks; hooks run once at capture and never at replay, so none may be "
+                        f"registered when capturing (register them on the graphed module after)")
+            bad = [n for n, b in c.named_buffers() if b.requires_grad]
+            if bad:
+                raise ValueError(f"make_graphed_callables: callables[{i}] has buffers requiring grad "
+                                 f"({bad}); only parameters may be trainable")
+    return all(training)
+
+
+def make_graphed_callables(
+    callables: Callable | tuple[Callable, ...],
+    sample_args: tuple | list,
+    *,
+    sample_kwargs: tuple | list | None = None,
+    order: Sequence[int] | None = None,
+    num_layers_per_chunk: int | Sequence[int] | None = None,
+    reuse_input_buffers: bool = True,
+    pool: Any = None,
+    num_warmup_iters: int = 3,
+    allow_unused_input: bool = False,
+    backend: str | GraphBackend = "auto",
+) -> Any:
+    """Graph ``callables`` (forward and backward) with TransformerEngine's semantics.
+
+    See the module docstring. ``reuse_input_buffers`` applies only with ``order`` (TE's
+    ``_reuse_graph_input_output_buffers``). ``pool`` is a pool of the chosen backend (``None``: a
+    new one shared by all the graphs made here). ``backend`` is ``"auto"``, ``"tape"``, ``"cuda"``,
+    ``"te"`` or a backend object. Returns one graphed callable for a single callable, else a
+    :class:`GraphedCallables` tuple.
+    """
+    single = not isinstance(callables, tuple)
+    if single:
+        callables, sample_args = (callables,), (sample_args,)
+        sample_kwargs = None if sample_kwargs is None else (sample_kwargs,)
+    sample_args = [tuple(a) if isinstance(a, (tuple, list)) else (a,) for a in sample_args]
+    sample_kwargs = [dict(k) for k in sample_kwargs] if sample_kwargs is not None \
+        else [{} for _ in sample_args]
+    if len(sample_kwargs) != len(sample_args):
+        raise ValueError(f"make_graphed_callables: sample_kwargs has {len(sample_kwargs)} entries, "
+                         f"sample_args {len(sample_args)}; they must match")
+    for i, (args, kwargs) in enumerate(zip(sample_args, sample_kwargs)):
+        bad = [type(v).__name__ for v in _flat_tensors(args, kwargs) if not isinstance(v, torch.Tensor)]
+        if bad:
+            raise TypeError(f"make_graphed_callables: sample_args[{i}]/sample_kwargs[{i}] may hold "
+                            f"only tensors (a graph's inputs are static buffers), found {bad}")
+    training = _check_callables(callables)
+    layout = None
+    if order is not None:
+        layout = order_layout(order, num_layers_per_chunk, len(callables), len(sample_args))
+    elif len(sample_args) != len(callables):
+        raise ValueError(f"make_graphed_callables: without order, sample_args needs one entry per "
+                         f"callable ({len(callables)}), got {len(sample_args)}")
+    reuse = bool(reuse_input_buffers and layout is not None and training)
+
+    backend_obj = backend if isinstance(backend, GraphBackend) else None
+    backend_name = backend_obj.name if backend_obj is not None else resolve_backend_name(backend)
+    if backend_name == "te":
+        from .te import te_make_graphed_callables
+        result = te_make_graphed_callables(
+            callables if not single else callables[0], sample_args if not single else sample_args[0],
+            sample_kwargs=sample_kwargs if not single else sample_kwargs[0], order=order,
+            num_layers_per_chunk=num_layers_per_chunk, reuse_input_buffers=reuse, pool=pool,
+            num_warmup_iters=num_warmup_iters, allow_unused_input=allow_unused_input)
+        if single:
+            return result
+        wrapped = GraphedCallables(result)
+        wrapped.backend, wrapped.pool, wrapped.runners = "te", pool, None
+        # TE rewrote sample_args in place when it shared buffers.
+        wrapped.static_input_sets = _distinct_input_sets(
+            [_flat_tensors(a, k) for a, k in zip(sample_args, sample_kwargs)])
+        return wrapped
+    if backend_obj is None:
+        backend_obj = get_backend(backend_name)
+    if reuse:
+        share_static_inputs(layout, sample_args, sample_kwargs)
+    if pool is None:
+        pool = backend_obj.new_pool()
+
+    # (sample index, callable) in forward order, and the capture sequence of passes.
+    if layout is None:
+        forwards = [(i, callables[i]) for i in range(len(callables))]
+        passes = [("fwd", i) for i in range(len(callables))] + \
+                 [("bwd", i) for i in reversed(range(len(callables)))]
+    else:
+        forwards, passes = [], []
+        for is_forward, chunk, mb in layout.passes():
+            layers = range(layout.layers_per_chunk[chunk])
+            for layer in (layers if is_forward else reversed(layers)):
+                index = layout.sample_index(chunk, mb, layer)
+                if is_forward:
+                    forwards.append((index, callables[layout.callable_index(chunk, layer)]))
+                passes.append(("fwd" if is_forward else "bwd", index))
+    func_of = dict(forwards)
+
+    runners = []
+    for index in range(len(sample_args)):
+        func = func_of[index]
+        params = tuple(func.parameters()) if isinstance(func, torch.nn.Module) else ()
+        label = f"#{index}" if layout is None else _label(layout, index)
+        runners.append(GraphedRunner(label, list(sample_kwargs[index]),
+                                     _flat_tensors(sample_args[index], sample_kwargs[index]), params))
+
+    rng_state = _save_rng()
+    try:
+        with backend_obj.warmup():
+            for index, func in forwards:
+                runner = runners[index]
+                for _ in range(num_warmup_iters):
+                    outputs = tree_flatten(func(*sample_args[index], **sample_kwargs[index]))[0]
+                    if training:
+                        _grads_of(outputs, runner.surface, None, allow_unused_input)
+                    del outputs
+        backend_obj.synchronize()
+
+        shared_grad_outputs: dict[tuple, torch.Tensor] = {}
+        for kind, index in passes:
+            runner = runners[index]
+            if kind == "fwd":
+                runner.fwd_graph = backend_obj.new_graph(pool=pool)
+                with runner.fwd_graph.capture():
+                    outputs = func_of[index](*sample_args[index], **sample_kwargs[index])
+                flat, runner.output_spec = tree_flatten(outputs)
+                if not all(isinstance(o, torch.Tensor) for o in flat):
+                    raise TypeError(f"make_graphed_callables: callable for sample {runner.label} "
+                                    f"returned non-tensor outputs {[type(o).__name__ for o in flat]}")
+                runner.static_outputs = flat
+                runner.differentiable = [training and o.requires_grad for o in flat]
+                continue
+            diff_outputs = [o for o, d in zip(runner.static_outputs, runner.differentiable) if d]
+            wanted = [t for t in runner.surface if t.requires_grad]
+            runner.static_grad_outputs = [
+                _grad_output_buffer(o, shared_grad_outputs if reuse else None) if d else None
+                for o, d in zip(runner.static_outputs, runner.differentiable)]
+            if not diff_outputs or not wanted:
+                runner.static_grad_inputs = [None] * len(runner.surface)
+                continue
+            runner.bwd_graph = backend_obj.new_graph(pool=pool)
+            with runner.bwd_graph.capture():
+                grads = _grads_of(diff_outputs, runner.surface,
+                                  [g for g in runner.static_grad_outputs if g is not None],
+                                  allow_unused_input)
+            runner.static_grad_inputs = grads
+        backend_obj.synchronize()
+    finally:
+        _restore_rng(rng_state)
+
+    results = []
+    for index, runner in enumerate(runners):
+        graphed = _graphed_function(runner)
+        func = func_of[index]
+        if layout is None and isinstance(func, torch.nn.Module):
+            func.forward = _graphed_forward(func, graphed)
+            results.append(func)
+        else:
+            results.append(graphed)
+    if single:
+        return results[0]
+    out = GraphedCallables(results)
+    out.backend, out.pool, out.runners = backend_obj.name, pool, runners
+    out.static_input_sets = _distinct_input_sets([r.static_inputs for r in runners])
+    return out
+
+
+def _label(layout: OrderLayout, index: int) -> str:
+    for chunk in range(layout.num_chunks):
+        start = layout.sample_index(chunk, 0, 0)
+        span = layout.layers_per_chunk[chunk] * layout.num_microbatches
+        if start <= index < start + span:
+            mb, layer = divmod(index - start, layout.layers_per_chunk[chunk])
+            return f"(chunk {chunk + 1}, microbatch {mb}, layer {layer})"
+    return f"#{index}"
+
+
+def _grads_of(outputs: list, surface: list[torch.Tensor], grad_outputs: list | None,
+              allow_unused: bool) -> list[torch.Tensor | None]:
+    """Grads of ``outputs`` w.r.t. the members of ``surface`` requiring grad, ``None`` elsewhere."""
+    diff_outputs = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+    wanted = [t for t in surface if t.requires_grad]
+    if not diff_outputs or not wanted:
+        return [None] * len(surface)
+    if grad_outputs is None:
+        grad_outputs = [torch.zeros_like(o) for o in diff_outputs]
+    grads = iter(torch.autograd.grad(diff_outputs, wanted, grad_outputs, only_inputs=True,
+                                     allow_unused=allow_unused))
+    return [next(grads) if t.requires_grad else None for t in surface]
+
+
+def _grad_output_buffer(output: torch.Tensor, shared: dict | None) -> torch.Tensor:
+    if shared is None:
+        return torch.empty_like(output)
+    key = _buffer_key([output])
+    if key not in shared:
+        shared[key] = torch.empty_like(output)
+    return shared[key]
+
+
+def _graphed_forward(module: torch.nn.Module, graphed: Callable) -> Callable:
+    captured_training = module.training
+    eager_forward = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if module.training == captured_training:
+            return graphed(*args, **kwargs)
+        return eager_forward(*args, **kwargs)
+
+    forward.runner = graphed.runner  # type: ignore[attr-defined]
+    return forward
+
+
+def _save_rng() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return torch.get_rng_state(), cuda
+
+
+def _restore_rng(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
