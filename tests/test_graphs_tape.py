@@ -396,3 +396,103 @@ def check_pipeline_bit_identical_to_eager(backend_name: str, device: str):
 
 def test_pipeline_bit_identical_to_eager():
     check_pipeline_bit_identical_to_eager("tape", "cpu")
+
+
+class _CountingScale(torch.nn.Module):
+    """``x * weight``, counting its Python calls (a side effect a replay must not repeat)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, width))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(x * self.weight)
+
+
+def check_module_stays_module_and_python_does_not_rerun(backend_name: str, device: str):
+    module = _CountingScale(5).to(device)
+    sample = torch.randn(3, 5, device=device, requires_grad=True)
+    graphed = make_graphed_callables(module, (sample,), num_warmup_iters=2, backend=backend_name)
+    assert graphed is module and isinstance(graphed, torch.nn.Module)
+    calls_at_capture = module.calls
+    assert calls_at_capture == 2 + 1  # warmup iterations, then the capture
+    for _ in range(3):
+        x = torch.randn(3, 5, device=device, requires_grad=True)
+        out = module(x)
+        out.backward(torch.ones_like(out))
+        x_ref = x.detach().clone().requires_grad_()
+        w_ref = module.weight.detach().clone().requires_grad_()
+        ref = torch.tanh(x_ref * w_ref)
+        ref.backward(torch.ones_like(ref))
+        assert torch.equal(out, ref) and torch.equal(x.grad, x_ref.grad)
+        assert torch.equal(module.weight.grad, w_ref.grad)
+        module.weight.grad = None
+    assert module.calls == calls_at_capture, "the module's Python ran at replay"
+    module.eval()  # a mode the graph was not captured in: the eager forward runs
+    module(torch.randn(3, 5, device=device))
+    assert module.calls == calls_at_capture + 1
+
+
+def test_module_stays_module_and_python_does_not_rerun():
+    check_module_stays_module_and_python_does_not_rerun("tape", "cpu")
+
+
+def test_static_inputs_without_reuse_one_set_per_sample():
+    layers = tuple(_CountingScale(4) for _ in range(2))
+    order = [1, 1, 2, -2, 2, -1, -2, -1]  # pp-style: 2 chunks x 2 microbatches, 1 layer each
+    samples = [(torch.randn(2, 4, requires_grad=True),) for _ in range(4)]
+    graphed = make_graphed_callables(layers, samples, order=order, reuse_input_buffers=False,
+                                     num_warmup_iters=1, backend="tape")
+    assert count_allocated_static_inputs(graphed) == 4 == expected_static_input_sets(order, [1, 1], False)
+    samples = [(torch.randn(2, 4, requires_grad=True),) for _ in range(4)]
+    graphed = make_graphed_callables(layers, samples, order=order, num_warmup_iters=1, backend="tape")
+    assert count_allocated_static_inputs(graphed) == expected_static_input_sets(order, [1, 1], True) == 3
+
+
+def test_graphed_callables_must_replay_in_capture_order():
+    layers = tuple(_CountingScale(4) for _ in range(2))
+    samples = [(torch.randn(2, 4, requires_grad=True),) for _ in range(2)]
+    first, second = make_graphed_callables(layers, samples, num_warmup_iters=1, backend="tape")
+    with pytest.raises(GraphReplayError, match="replay order differs from capture order"):
+        second(torch.randn(2, 4))  # captured order: forward 1, forward 2, backward 2, backward 1
+
+
+@pytest.mark.parametrize("order, match", [
+    ([1, -1, 2], "not a multiple"),
+    ([-1, 1], "backward #1 of chunk 1 before its forward"),
+    ([1, 1, -1, -1], "one entry per \\(chunk, microbatch, layer\\)"),
+    ([1, 0, -1, -1], "non-zero"),
+])
+def test_invalid_order_is_rejected(order, match):
+    layer = _CountingScale(4)
+    with pytest.raises(ValueError, match=match):
+        make_graphed_callables((layer,), [(torch.randn(2, 4),)], order=order, backend="tape")
+
+
+def test_module_hooks_are_rejected():
+    layer = _CountingScale(4)
+    layer.register_forward_hook(lambda *a: None)
+    with pytest.raises(ValueError, match="hooks run once at capture and never at replay"):
+        make_graphed_callables((layer,), [(torch.randn(2, 4),)], backend="tape")
+
+
+def test_non_tensor_sample_args_are_rejected():
+    with pytest.raises(TypeError, match="only tensors"):
+        make_graphed_callables((_CountingScale(4),), [(torch.randn(2, 4), 3)], backend="tape")
+
+
+def test_wrong_input_shape_at_call_is_rejected():
+    graphed = make_graphed_callables(_CountingScale(4), (torch.randn(2, 4),), num_warmup_iters=1,
+                                     backend="tape")
+    with pytest.raises(ValueError, match="captured with \\[2, 4\\]"):
+        graphed(torch.randn(3, 4))
+
+
+def test_te_backend_without_te_says_so():
+    from mhc_cg.graphs.backend import te_available
+    if te_available() and torch.cuda.is_available():
+        pytest.skip("TransformerEngine is installed")
+    with pytest.raises(RuntimeError, match="(TransformerEngine|CUDA device)"):
+        get_backend("te")
