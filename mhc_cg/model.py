@@ -245,6 +245,11 @@ class MHCSublayer(nn.Module):
         return mixed + dropout(post, self.cfg.hidden_dropout, self.training,
                                impl=self.cfg.dropout_impl, seed=seed, stream=self.dropout_stream)
 
+    def bda_dropout(self, post: Tensor, seed: Tensor | None) -> Tensor:
+        """The dropout of ``bda``: ``bda(post, mixed, seed) == mixed + bda_dropout(post, seed)``."""
+        return dropout(post, self.cfg.hidden_dropout, self.training,
+                       impl=self.cfg.dropout_impl, seed=seed, stream=self.dropout_stream)
+
     def forward(self, x: Tensor, seed: Tensor | None = None) -> Tensor:
         h_pre, h_post, h_res = self.mappings(x)
         normed = self.norm(self.aggregate(x, h_pre))
@@ -278,7 +283,13 @@ class MHCSublayer(nn.Module):
             self.h_res_step, h_res, x,
             refill={0: f"{name}/mappings.h_res", **({} if x_source is None else {1: x_source})})
         if block_end:
-            return self.bda(post, mixed, seed), None
+            # The block end is the manager's hook tensor, so it is not checkpointed; only its add
+            # stays outside (an add saves nothing), so the dropout mask is not kept either.
+            if self.cfg.hidden_dropout == 0.0:  # dropout is the identity: nothing to checkpoint
+                return self.bda(post, mixed, seed), None
+            dropped = step("dropout").checkpoint(self.bda_dropout, post, seed,
+                                                 refill={0: f"{name}/h_post"})
+            return mixed + dropped, None
         out = step("bda").checkpoint(self.bda, post, mixed, seed,
                                      refill={0: f"{name}/h_post", 1: f"{name}/h_res"})
         return out, f"{name}/bda"
