@@ -1,13 +1,17 @@
 """`pipeline_order`: Megatron's per-rank 1F1B / interleaved order, checked against megatron-core itself."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mhc_cg.cli import main
 from mhc_cg.errors import ConfigError
+from mhc_cg.planner import plan
 from mhc_cg.schedule import check_order, decode_order, pipeline_order, schedule_problems
+from mhc_cg.schedule_plot import chrome_trace, simulate_timeline
 
 schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 cuda_graphs = pytest.importorskip("megatron.core.transformer.cuda_graphs")
@@ -112,3 +116,82 @@ def test_every_pass_once_and_forward_before_backward(schedule):
             forward_at[key] = position
         else:
             assert forward_at[key] < position
+
+
+# -- mhc-cg schedule -------------------------------------------------------------------------------
+
+
+
+def test_cli_json_has_the_per_rank_figures(capsys):
+    assert main(["schedule", "--pp", "4", "--vpp", "2", "--microbatches", "8", "--layers", "32",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["rank"] for r in report["ranks"]] == [0, 1, 2, 3]
+    for rank in report["ranks"]:
+        assert rank["order"] == pipeline_order(4, rank["rank"], 8, 2)
+        assert rank["static_input_buffers"] < rank["static_input_buffers_no_reuse"]
+        assert rank["persistent_slot_sets"] == rank["peak_in_flight"]
+        for key in ("num_graphs", "arena_bytes", "persistent_bytes"):
+            assert rank[key] > 0
+    # Earlier ranks warm up longer, so they hold more microbatches in flight.
+    peaks = [r["peak_in_flight"] for r in report["ranks"]]
+    assert peaks == sorted(peaks, reverse=True) and peaks[0] > peaks[-1]
+
+
+def test_cli_reads_config_and_flags_override(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  num_layers: 8\n  hidden_size: 16\n  num_heads: 2\n"
+                    "parallel:\n  pp_size: 2\n  vpp_size: 2\ntrain:\n  num_microbatches: 4\n")
+    assert main(["schedule", "--config", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["pp"], report["vpp"], report["microbatches"], report["layers"]) == (2, 2, 4, 8)
+    assert report["shape"]["hidden_size"] == 16
+    assert main(["schedule", "--config", str(path), "--vpp", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ranks"][1]["order"] == [1, -1] * 4
+
+
+def test_cli_bad_values_each_name_their_flag(capsys):
+    assert main(["schedule", "--pp", "4", "--vpp", "2", "--microbatches", "10", "--hidden", "0",
+                 "--streams", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "--microbatches: 10 % microbatch_group_size=4 = 2" in err
+    assert "--hidden: must be a positive integer, got 0" in err
+    assert "--streams: must be a positive integer, got -1" in err
+    assert main(["schedule", "--pp", "4", "--vpp", "2", "--layers", "30"]) == 2
+    assert "--layers: must be a positive multiple of pp_size * vpp_size = 8" in capsys.readouterr().err
+
+
+def test_cli_table_trace_and_png(tmp_path, capsys):
+    trace, png = tmp_path / "s.json", tmp_path / "s.png"
+    assert main(["schedule", "--pp", "2", "--vpp", "2", "--microbatches", "4", "--layers", "8",
+                 "--hidden", "64", "--seq", "128", "--trace", str(trace), "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "order rank 1: " + " ".join(map(str, pipeline_order(2, 1, 4, 2))) in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["cat"] for e in spans} == {"forward", "backward", "recompute"}
+    assert all("slot_set" in e["args"] for e in spans)
+    assert all(e["args"]["static_inputs"] for e in spans if e["cat"] != "recompute")
+
+
+@settings(max_examples=25, deadline=None)
+@given(valid_schedules())
+def test_timeline_respects_pipeline_dependencies(schedule):
+    pp, _, m, vpp, group = schedule
+    plans = plan(pp, vpp, m, pp * vpp, group)
+    timeline = simulate_timeline(plans)
+    end = {}
+    for rank, passes in enumerate(timeline):
+        assert [p.index for p in passes] == list(range(len(plans[rank].order)))
+        for before, after in zip(passes, passes[1:]):
+            assert before.end <= after.start  # one pass at a time per rank
+        for p in passes:
+            end[("F" if p.forward else "B", (p.chunk - 1) * pp + rank, p.microbatch)] = (p.start, p.end)
+    last = pp * vpp - 1
+    for (kind, stage, mb), (start, _) in end.items():
+        if kind == "F" and stage > 0:
+            assert end[("F", stage - 1, mb)][1] <= start
+        if kind == "B":
+            assert end[("B", stage + 1, mb) if stage < last else ("F", stage, mb)][1] <= start
+    assert len(chrome_trace(plans, timeline)["traceEvents"]) > 0
