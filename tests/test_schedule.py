@@ -121,7 +121,6 @@ def test_every_pass_once_and_forward_before_backward(schedule):
 # -- mhc-cg schedule -------------------------------------------------------------------------------
 
 
-
 def test_cli_json_has_the_per_rank_figures(capsys):
     assert main(["schedule", "--pp", "4", "--vpp", "2", "--microbatches", "8", "--layers", "32",
                  "--json"]) == 0
