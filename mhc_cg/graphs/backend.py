@@ -116,9 +116,10 @@ def illegal_op_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) ->
         return ("it copies a device value to the host and synchronises (.item(), .tolist(), "
                 "bool(tensor), torch.equal); a graph replay runs no Python that could read it")
     if packet in _DATA_DEPENDENT_SHAPE_OPS:
-        if packet is aten.repeat_interleave and not any(
-                isinstance(a, torch.Tensor) for a in tree_flatten((args[1:], kwargs))[0]):
-            return None
+        if packet is aten.repeat_interleave and (
+                func._overloadname == "self_int"
+                or _argument(func, "output_size", args, kwargs) is not None):
+            return None  # repeats known on the host, or the output size given: a fixed shape
         return "its output shape depends on tensor values; a graph needs shapes fixed at capture"
     if torch.Tag.nondeterministic_seeded in func.tags and _draws_random(func, args, kwargs):
         return f"it draws from a stateful random generator; {_COUNTER_DROPOUT_HINT}"
