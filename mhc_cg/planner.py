@@ -222,6 +222,7 @@ def count_static_input_buffers(order: list[int], num_layers_per_chunk: int | Seq
 
 def peak_in_flight(order: list[int]) -> int:
     """The most (chunk, microbatch) passes whose forward has run and whose backward has not."""
+    _pass_windows(decode_order(order))  # the count means nothing for an order out of sequence
     live = peak = 0
     for code in order:
         live += 1 if code > 0 else -1

@@ -36,10 +36,6 @@ class Step:
     microbatch: int
     forward: bool
 
-    @property
-    def code(self) -> int:
-        return self.chunk if self.forward else -self.chunk
-
 
 def schedule_problems(pp_size: int, pp_rank: int, num_microbatches: int, vpp_size: int = 1,
                       microbatch_group_size: int | None = None) -> list[str]:
@@ -57,11 +53,11 @@ def schedule_problems(pp_size: int, pp_rank: int, num_microbatches: int, vpp_siz
     if microbatch_group_size is not None:
         sizes["microbatch_group_size"] = microbatch_group_size
     for name, value in sizes.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not _positive_int(value):
             problems.append(f"{name}: must be a positive integer, got {value!r}")
     if not isinstance(pp_rank, int) or isinstance(pp_rank, bool):
         problems.append(f"pp_rank: must be an integer, got {pp_rank!r}")
-    elif "pp_size" not in _names(problems) and not 0 <= pp_rank < pp_size:
+    elif _positive_int(pp_size) and not 0 <= pp_rank < pp_size:
         problems.append(f"pp_rank: must be in [0, pp_size={pp_size}), got {pp_rank}")
     if problems or vpp_size == 1:
         return problems
@@ -81,8 +77,8 @@ def schedule_problems(pp_size: int, pp_rank: int, num_microbatches: int, vpp_siz
     return []
 
 
-def _names(problems: list[str]) -> set[str]:
-    return {line.split(":", 1)[0] for line in problems}
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def check_schedule(pp_size: int, pp_rank: int, num_microbatches: int, vpp_size: int = 1,

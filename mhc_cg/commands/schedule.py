@@ -16,8 +16,7 @@ HELP = "simulate the PP/VPP 1F1B order per rank and plan its static buffers (gra
 FLAGS = {"pp_size": "--pp", "vpp_size": "--vpp", "num_microbatches": "--microbatches",
          "microbatch_group_size": "--group-size", "num_layers": "--layers",
          "hidden_size": "--hidden", "seq_length": "--seq", "micro_batch_size": "--mbs",
-         "num_streams": "--streams", "dtype": "--dtype", "recompute_layers": "--recompute-layers",
-         "pp_rank": "--pp"}
+         "num_streams": "--streams", "dtype": "--dtype", "recompute_layers": "--recompute-layers"}
 # Used when neither a flag nor --config gives a value: a 7B-class layer, 4 streams, bf16.
 DEFAULTS = {"pp_size": 1, "vpp_size": 1, "num_microbatches": 8, "num_layers": 32,
             "microbatch_group_size": None, "hidden_size": 4096, "seq_length": 4096,
