@@ -97,8 +97,8 @@ def plot_comparison(cmp: Comparison, out: str | Path, max_names: int = 12) -> Pa
     ax_b.set_xlabel("time since the trace's first range (ms)")
     handles = [Patch(color=c, label=p) for p, c in colors.items()]
     handles.append(Patch(color=DEVICE_COLOR, label="device work"))
-    ax_a.legend(handles=handles, fontsize=7, ncol=min(len(handles), 6), loc="lower right",
-                bbox_to_anchor=(1.0, 1.0), frameon=False)  # above the panel, clear of the lanes
+    ax_a.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                frameon=False)  # right of the panel: clear of the lanes and titles
     _draw_bars(fig.add_subplot(grid[2]), cmp, max_names)
     cpu_only = "chrome-cpu" in (cmp.a.kind, cmp.b.kind)
     fig.suptitle(f"{cmp.labels[0]} vs {cmp.labels[1]}"
