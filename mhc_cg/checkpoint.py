@@ -118,6 +118,10 @@ class _CheckpointFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: Tensor | None):
+        if ctx.ckpt is None:
+            raise RuntimeError("checkpoint: backward reached a checkpoint that was abandoned or "
+                               "already consumed (its forward was unwound by an exception, or "
+                               "this is a second backward); run the forward again")
         return (None, *ctx.ckpt._backward(grads))
 
 
