@@ -15,7 +15,7 @@ from .config import RunConfig
 from .data import ProgressionCorpus
 from .errors import ConfigError
 from .model import MHCGPT
-from .nvtx_ranges import nvtx_range
+from .nvtx_ranges import nvtx_range, profiler_recording
 
 
 @dataclass
@@ -33,12 +33,13 @@ class TrainResult:
         return 1000.0 * times[len(times) // 2]
 
 
-def held_bytes(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
+def held_bytes(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int | None]:
     """Run ``fn``; return its result and the bytes it allocated that are still live afterwards.
 
     On CUDA this is the allocator's counter; on CPU, the profiler's allocation events (CPU torch
-    keeps no counter). Static buffers allocated before ``fn`` (arena, slot sets, graph pools) are
-    not counted: this is what each further microbatch in flight would add.
+    keeps no counter), or ``None`` while an outer torch profiler records. Static buffers allocated
+    before ``fn`` (arena, slot sets, graph pools) are not counted: this is what each further
+    microbatch in flight would add.
     """
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -46,6 +47,8 @@ def held_bytes(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[to
         out = fn()
         torch.cuda.synchronize()
         return out, torch.cuda.memory_allocated(device) - before
+    if profiler_recording():  # an inner profiler would end the outer one's session: no CPU probe
+        return fn(), None
     from torch.autograd.profiler import profile
 
     with profile(profile_memory=True) as prof:
