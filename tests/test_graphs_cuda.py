@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from mhc_cg.graphs import GraphReplayError, get_backend
+from mhc_cg.graphs import GraphReplayError, get_backend, make_graphed_callables
 from test_graphs_tape import (ILLEGAL_BODIES, check_backward_captured_with_autograd_grad,
                               check_data_assignment_rejected, check_illegal_op_rejected,
                               check_module_stays_module_and_python_does_not_rerun,
@@ -79,7 +79,6 @@ def test_graphed_callables_replay_order_on_cuda():
     layer = torch.nn.Linear(4, 4).cuda()
     layers = (layer, torch.nn.Linear(4, 4).cuda())
     samples = [(torch.randn(2, 4, device="cuda", requires_grad=True),) for _ in range(2)]
-    from mhc_cg.graphs import make_graphed_callables
     _, second = make_graphed_callables(layers, samples, num_warmup_iters=1, backend="cuda")
     with pytest.raises(GraphReplayError, match="replay order differs"):
         second(torch.randn(2, 4, device="cuda"))

@@ -35,7 +35,7 @@ import os
 import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, ContextManager
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -461,9 +461,3 @@ def get_backend(name: str = "auto") -> GraphBackend:
     from .te import TEBackend
     return TEBackend()
 
-
-def iter_tensors(tree: Any) -> Iterator[torch.Tensor]:
-    return (x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor))
-
-
-Callback = Callable[[], None]
