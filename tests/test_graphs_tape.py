@@ -533,3 +533,16 @@ def test_te_backend_without_te_says_so():
         pytest.skip("TransformerEngine is installed")
     with pytest.raises(RuntimeError, match="(TransformerEngine|CUDA device)"):
         get_backend("te")
+
+
+def test_gradients_accumulate_over_microbatches_replaying_one_graph():
+    """Without an order one graph serves every microbatch; ``.grad`` must sum them all."""
+    module = _CountingScale(5)
+    graphed = make_graphed_callables(module, (torch.randn(3, 5, requires_grad=True),),
+                                     num_warmup_iters=1, backend="tape")
+    reference = module.weight.detach().clone().requires_grad_()
+    for _ in range(3):
+        x = torch.randn(3, 5)
+        graphed(x).sum().backward()
+        torch.tanh(x * reference).sum().backward()
+    assert torch.equal(module.weight.grad, reference.grad)

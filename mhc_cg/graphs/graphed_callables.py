@@ -18,15 +18,17 @@ What a caller relies on (the same as TE's ``make_graphed_callables``):
   replays the forward graph and returns *detached static outputs*: they are overwritten by the
   next replay of the same graph. Autograd sees an ``autograd.Function`` whose backward copies the
   incoming grads into static grad-output buffers, replays the backward graph and returns the
-  static grad inputs, those of the module's parameters included (parameters are inputs of the
+  grads it computed, those of the module's parameters included (parameters are inputs of the
   Function, so autograd accumulates them into ``.grad``).
 * **Replay order** must follow the capture order (pool rule); the backends raise otherwise.
 * Modules stay modules without ``order`` (their ``forward`` replays while their ``training``
   flag equals the captured one); with ``order`` the entries are plain functions, as in TE.
 
-Caveat kept from TE: autograd may *steal* a returned static grad input as a parameter's
-``.grad``; the next replay of that backward graph overwrites it. Clear grads with
-``zero_grad(set_to_none=True)`` (the default) between iterations.
+One deliberate difference from TE: the backward returns *clones* of the static grad inputs. TE
+returns the static buffers themselves, and autograd's ``AccumulateGrad`` adopts a lone incoming
+gradient as ``.grad`` and adds later ones into it in place; without an order one graph serves
+every microbatch, so its next backward replay would overwrite the accumulated ``.grad``
+(tests/test_graphs_tape.py::test_gradients_accumulate_over_microbatches_replaying_one_graph).
 """
 
 from __future__ import annotations
@@ -222,7 +224,10 @@ class GraphedRunner:
             elif static.data_ptr() != grad.data_ptr():
                 static.copy_(grad)
         self.bwd_graph.replay()
-        return tuple(g.detach() if g is not None else None for g in self.static_grad_inputs)
+        # Clones, not the static buffers: AccumulateGrad adopts a lone incoming gradient as
+        # ``.grad`` (and the engine may add into it in place), so handing out a static buffer would
+        # let the next replay overwrite an accumulated gradient.
+        return tuple(g.clone() if g is not None else None for g in self.static_grad_inputs)
 
 
 class _ReplayGraphs(torch.autograd.Function):
