@@ -133,7 +133,7 @@ def chrome_trace(plans: list[RankPlan], timeline: list[list[TimedPass]]) -> dict
             live_sets += 1 if item.forward else -1
             moment = item.start if item.forward else item.end
             events.append({"ph": "C", "name": "buffers in use", "pid": rank, "tid": 0,
-                           "ts": moment * US_PER_UNIT,
+                           "ts": _us(moment),
                            "args": {"slot_sets": live_sets,
                                     "static_inputs": live_sets * rank_plan.layers_per_chunk}})
     return {"traceEvents": events, "displayTimeUnit": "ms",
@@ -142,7 +142,11 @@ def chrome_trace(plans: list[RankPlan], timeline: list[list[TimedPass]]) -> dict
 
 def _span(name: str, category: str, rank: int, start: float, end: float, args: dict) -> dict:
     return {"ph": "X", "name": name, "cat": category, "pid": rank, "tid": 0,
-            "ts": start * US_PER_UNIT, "dur": (end - start) * US_PER_UNIT, "args": args}
+            "ts": _us(start), "dur": _us(end - start), "args": args}
+
+
+def _us(units: float) -> float:
+    return round(units * US_PER_UNIT, 3)  # whole nanoseconds: no float noise in the trace
 
 
 def write_trace(plans: list[RankPlan], path: str | Path, **costs: float) -> Path:
