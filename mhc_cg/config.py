@@ -25,6 +25,8 @@ import yaml
 from .errors import ConfigError
 from .model import MHCGPTConfig
 
+TRAIN_DTYPES = ("fp32", "bf16", "fp16")
+
 
 @dataclass
 class TrainConfig:
@@ -35,6 +37,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     seed: int = 1234
     device: str = "cpu"  # "cpu" | "cuda" | "auto"
+    dtype: str = "fp32"  # "fp32" | "bf16" | "fp16": parameters and activations (megatron mapping)
 
     def __post_init__(self):
         problems = [f"train.{name}: must be a positive integer, got {getattr(self, name)!r}"
@@ -44,6 +47,8 @@ class TrainConfig:
             problems.append(f"train.lr: must be > 0, got {self.lr!r}")
         if self.device not in ("cpu", "cuda", "auto"):
             problems.append(f"train.device: must be one of ['cpu', 'cuda', 'auto'], got {self.device!r}")
+        if self.dtype not in TRAIN_DTYPES:
+            problems.append(f"train.dtype: must be one of {list(TRAIN_DTYPES)}, got {self.dtype!r}")
         if problems:
             raise ConfigError(problems)
 
@@ -94,9 +99,15 @@ class RunConfig:
 
 
 def load_config(path: str | Path | None) -> RunConfig:
-    """Read and check a YAML run config; ``None`` gives the embedded defaults."""
+    """Read and check a YAML run config; ``None`` gives the embedded defaults.
+
+    Checks each field, then the rules between fields (``mhc_cg.validate``); every problem found
+    is in the one ``ConfigError``.
+    """
+    from .validate import check  # validate imports this module's types
+
     if path is None:
-        return RunConfig()
+        return check(RunConfig())
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config: file not found: {path}")
@@ -104,7 +115,7 @@ def load_config(path: str | Path | None) -> RunConfig:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"config: {path} is not valid YAML: {exc}".splitlines()[0]) from exc
-    return RunConfig.from_dict(data)
+    return check(RunConfig.from_dict(data))
 
 
 def _suggest(name: str, allowed) -> str:

@@ -1,0 +1,164 @@
+"""Cross-field rules of a ``RunConfig``: what each section accepts alone is checked when it is built
+(``mhc_cg.config``); what only holds between fields (scopes vs model, pipeline vs layers) is here.
+
+``validate(cfg)`` returns every broken rule, one line each, naming the field and the fix;
+``check(cfg)`` raises ``ConfigError`` with all of them. ``load_config`` calls ``check``, so every
+command that reads a YAML file reports these problems the same way (exit status 2).
+
+Scopes (``graph.cuda_graph_scope``, or ``graph.cuda_graph_modules``, the megatron-core >= 0.18
+spelling) name what is captured:
+
+* ``attn``: the attention sublayer with its mHC ops; ``mlp``: the dense MLP sublayer;
+* ``moe``: the whole MoE MLP, as megatron-core captures it (only for drop-and-pad MoE);
+* ``moe_router`` / ``moe_preprocess``: partial capture of the MoE sublayer, ended by megatron-core's
+  ``MoECudaGraphPartialCaptureSignal``;
+* ``mhc_recompute``: the block recompute graph of static-buffer recompute (this project's scope,
+  unknown to megatron-core).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import TYPE_CHECKING
+
+from .errors import ConfigError
+from .schedule import schedule_problems
+
+if TYPE_CHECKING:
+    from .config import RunConfig
+
+SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mhc_recompute")
+MOE_SCOPES = ("moe", "moe_router", "moe_preprocess")
+BACKENDS = ("auto", "cuda", "te", "tape")
+
+# schedule_problems names its arguments; these are the fields a user edits.
+_SCHEDULE_FIELDS = {"pp_size": "parallel.pp_size", "vpp_size": "parallel.vpp_size",
+                    "microbatch_group_size": "parallel.microbatch_group_size",
+                    "num_microbatches": "train.num_microbatches"}
+
+
+def scope_field(cfg: "RunConfig") -> str:
+    """The field the scopes were given in (for messages): the older spelling unless only the newer."""
+    graph = cfg.graph
+    if graph.cuda_graph_scope is None and graph.cuda_graph_modules is not None:
+        return "graph.cuda_graph_modules"
+    return "graph.cuda_graph_scope"
+
+
+def resolved_scopes(cfg: "RunConfig") -> list[str]:
+    """The scopes under either spelling (``validate`` reports the two disagreeing)."""
+    graph = cfg.graph
+    return list(graph.cuda_graph_scope if graph.cuda_graph_scope is not None
+                else graph.cuda_graph_modules or [])
+
+
+def validate(cfg: "RunConfig") -> list[str]:
+    """Every cross-field problem of ``cfg``, one line each; empty when the config is consistent."""
+    return [*_graph_problems(cfg), *_scope_problems(cfg), *_pipeline_problems(cfg)]
+
+
+def check(cfg: "RunConfig") -> "RunConfig":
+    """``cfg`` unchanged, or ``ConfigError`` listing every problem ``validate`` finds."""
+    problems = validate(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def _graph_problems(cfg: "RunConfig") -> list[str]:
+    graph, problems = cfg.graph, []
+    if graph.backend not in BACKENDS:
+        problems.append(f"graph.backend: must be one of {list(BACKENDS)}, got {graph.backend!r}"
+                        f"{_closest(graph.backend, BACKENDS)}")
+    if graph.backend == "cuda" and cfg.train.device == "cpu":
+        problems.append("graph.backend: 'cuda' captures torch.cuda.CUDAGraph, but train.device is "
+                        "'cpu'; set train.device: cuda (or auto), or graph.backend: tape for the "
+                        "CPU emulation")
+    old, new = graph.cuda_graph_scope, graph.cuda_graph_modules
+    if old is not None and new is not None and set(old) != set(new):
+        problems.append(f"graph.cuda_graph_modules: {new} disagrees with graph.cuda_graph_scope "
+                        f"{old}; both name the same setting (megatron-core >= 0.18 renamed "
+                        f"cuda_graph_scope to cuda_graph_modules): keep one of them")
+    return problems
+
+
+def _scope_problems(cfg: "RunConfig") -> list[str]:
+    model, name = cfg.model, scope_field(cfg)
+    scopes = resolved_scopes(cfg)
+    problems = []
+    for scope in scopes:
+        if scope not in SCOPES:
+            problems.append(f"{name}: unknown scope {scope!r}{_closest(scope, SCOPES)}; "
+                            f"allowed: {', '.join(SCOPES)}")
+    duplicates = sorted({s for s in scopes if scopes.count(s) > 1})
+    if duplicates:
+        problems.append(f"{name}: {duplicates} listed more than once; list each scope once")
+
+    if "mhc_recompute" in scopes:
+        if model.num_streams < 2:
+            problems.append(f"{name}: 'mhc_recompute' recomputes the mHC ops, but mHC is off "
+                            f"(model.num_streams is {model.num_streams}); set model.num_streams "
+                            f">= 2 (4 in the paper) or remove 'mhc_recompute'")
+        if model.recompute != "block":
+            problems.append(f"{name}: 'mhc_recompute' captures the block recompute, but "
+                            f"model.recompute is {model.recompute!r}; set model.recompute: block "
+                            f"or remove 'mhc_recompute'")
+        if model.dropout_impl == "torch" and model.hidden_dropout > 0:
+            problems.append(
+                f"model.dropout_impl: 'torch' draws its mask from the stateful generator; a "
+                f"replayed recompute graph cannot rewind that generator, so the recompute would "
+                f"draw a different mask than the forward and the gradients would be wrong; set "
+                f"model.dropout_impl: counter (mask = hash(seed, index), the same on every "
+                f"replay), or model.hidden_dropout: 0, or remove 'mhc_recompute' from {name}")
+
+    moe_scopes = [s for s in scopes if s in MOE_SCOPES]
+    if moe_scopes and not model.is_moe:
+        problems.append(f"{name}: {moe_scopes} capture MoE layers, but the model is dense "
+                        f"(model.num_experts is null); set model.num_experts or use 'mlp'")
+    if "mlp" in scopes and model.is_moe:
+        problems.append(f"{name}: 'mlp' captures a dense MLP, but every layer's MLP is MoE "
+                        f"(model.num_experts={model.num_experts}); use 'moe_router' "
+                        f"[+ 'moe_preprocess'] instead")
+    if "moe_preprocess" in scopes and "moe_router" not in scopes:
+        problems.append(f"{name}: 'moe_preprocess' continues the router's graph, so it needs "
+                        f"'moe_router' too; add 'moe_router'")
+    if "moe" in scopes and "moe_router" in scopes:
+        problems.append(f"{name}: 'moe' captures the whole MoE layer, router included, so it "
+                        f"cannot be combined with 'moe_router'; keep one of them")
+    if "moe" in scopes and model.is_moe and "moe_router" not in scopes:
+        problems.append(f"{name}: 'moe' captures the whole MoE layer, but mhc_cg's MoE dispatch "
+                        f"has data-dependent shapes (no drop-and-pad); use 'moe_router' "
+                        f"[+ 'moe_preprocess'] (partial capture)")
+    return problems
+
+
+def _pipeline_problems(cfg: "RunConfig") -> list[str]:
+    par, model = cfg.parallel, cfg.model
+    problems = []
+    for line in schedule_problems(par.pp_size, 0, cfg.train.num_microbatches, par.vpp_size,
+                                  par.microbatch_group_size):
+        name, sep, rest = line.partition(":")
+        problems.append(f"{_SCHEDULE_FIELDS.get(name, name)}{sep}{rest}")
+    if not all(isinstance(v, int) and v >= 1 for v in (par.pp_size, par.vpp_size)):
+        return problems  # already reported; the rules below divide by them
+    chunks = par.pp_size * par.vpp_size
+    if model.num_layers % chunks:
+        problems.append(f"model.num_layers: {model.num_layers} layers cannot be split into "
+                        f"pp_size * vpp_size = {chunks} equal model chunks; use a multiple of "
+                        f"{chunks}")
+        return problems
+    per_chunk = model.num_layers // chunks
+    recomputing = model.recompute == "block" or "mhc_recompute" in resolved_scopes(cfg)
+    if recomputing and chunks > 1 and model.recompute_layers is not None \
+            and per_chunk % model.recompute_layers:
+        divisors = [d for d in range(1, per_chunk + 1) if per_chunk % d == 0]
+        problems.append(f"model.recompute_layers: a recompute block of {model.recompute_layers} "
+                        f"layers would cross a pipeline stage (each model chunk holds "
+                        f"num_layers / (pp_size * vpp_size) = {per_chunk} layers); use one of "
+                        f"{divisors}, or null for the paper's default per chunk")
+    return problems
+
+
+def _closest(name: str, allowed) -> str:
+    close = difflib.get_close_matches(str(name), list(allowed), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
