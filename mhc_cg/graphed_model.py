@@ -120,7 +120,7 @@ class GraphedStaticModel:
         self.backend_name = backend
         self.runtime: StaticRecompute | None = None
         self.sublayer_fns: dict[tuple[int, int], Callable] = {}
-        self.graphed_modules: list[nn.Module] = []
+        self.graphed_callables: tuple = ()  # make_graphed_callables' result (has .graphs())
         self.backend = None
 
     @property
@@ -130,7 +130,8 @@ class GraphedStaticModel:
         return "route" if "moe_router" in self.scopes else None
 
     def prepare(self, device: torch.device | str) -> "GraphedStaticModel":
-        from .graphs import get_backend, make_graphed_callables
+        from .graphs import get_backend
+        from .graphs.graphed_callables import make_graphed_callables
 
         cfg = self.model.cfg
         layers = list(self.model.layers)
@@ -158,9 +159,11 @@ class GraphedStaticModel:
                              requires_grad=True),
                  torch.zeros((), dtype=torch.int64, device=device))
                 for _ in modules)
+            # a partially captured MoE sublayer leaves its experts' parameters to the eager tail
             graphed = make_graphed_callables(tuple(modules), sample_args,
-                                             backend=self.backend_name)
-            self.graphed_modules = list(graphed)
+                                             backend=self.backend_name,
+                                             allow_unused_input=self.moe_step is not None)
+            self.graphed_callables = graphed
             for key, module, fn in zip(keys, modules, graphed):
                 self.sublayer_fns[key] = self._wrap(key, module, fn)
         if "mhc_recompute" in self.scopes:
@@ -193,9 +196,14 @@ class GraphedStaticModel:
 
     __call__ = forward
 
+    def graphs(self) -> list:
+        """Every captured graph: sublayer forward/backward graphs, then recompute graphs."""
+        sublayer = list(self.graphed_callables.graphs()) if self.graphed_callables else []
+        return sublayer + list(self.runtime.recompute_graphs.values())
+
     @property
     def num_graphs(self) -> int:
-        return 2 * len(self.graphed_modules) + len(self.runtime.recompute_graphs)
+        return len(self.graphs())
 
     def describe(self) -> dict:
         rt = self.runtime

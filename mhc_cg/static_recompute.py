@@ -356,11 +356,14 @@ def build_static_recompute(layers: list[MHCTransformerLayer], block_size: int, *
     """Lay out and allocate everything static for one chunk: arena (shared if given) and sets.
 
     The layout is discovered by running the first block once on zeros with the real shapes; the
-    arena is then allocated in one piece. Pass the same ``arena`` to every chunk of a rank.
+    arena is then allocated in one piece. Pass the same ``arena`` (and, for chunks of equal depth,
+    the same ``sets``) to every chunk of a rank: both are then sized by the rank, not by the
+    number of chunks or microbatches.
     """
     arena = arena if arena is not None else Arena(device)
-    sets = PersistentSetPool(capacity, lambda i: new_persistent_set(
-        i, layers, block_size, seq_length, micro_batch_size, device, dtype))
+    if sets is None:
+        sets = PersistentSetPool(capacity, lambda i: new_persistent_set(
+            i, layers, block_size, seq_length, micro_batch_size, device, dtype))
     runtime = StaticRecompute(layers, block_size, arena, sets)
     if not arena.allocated:
         cfg = layers[0].attention.cfg
