@@ -21,7 +21,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from .memory_model import block_persistent_elements, no_recompute_elements_per_layer
+from .memory_model import (block_persistent_elements, no_recompute_elements_per_layer,
+                           saved_elements_per_layer)
 from .model import MHCGPT, MHCGPTConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -77,12 +78,20 @@ def recompute_blocks(model_cfg: MHCGPTConfig) -> list[int]:
 
 def analytical_bytes_per_layer(model_cfg: MHCGPTConfig, micro_batch_size: int,
                                dtype: torch.dtype) -> dict:
-    """DESIGN.md's memory model (``memory_model.py``) in bytes per layer."""
+    """The memory model (``memory_model.py``) in bytes per layer.
+
+    ``none`` is what autograd saves of the mHC ops, op by op (``saved_elements_per_layer``);
+    ``design_none`` is DESIGN.md's list of intermediates, which counts tensors autograd never
+    keeps (the outputs of additions) and misses two it does (x and the dropout mask). ``block``
+    is the paper's persistent state: x_l0 per block and each F output.
+    """
     n, c, layers = model_cfg.num_streams, model_cfg.hidden_size, model_cfg.num_layers
     scale = model_cfg.seq_length * micro_batch_size * torch.empty((), dtype=dtype).element_size()
-    none = no_recompute_elements_per_layer(n, c) * scale
+    dropout = model_cfg.hidden_dropout > 0
     block = sum(block_persistent_elements(n, c, size) for size in recompute_blocks(model_cfg))
-    return {"none": none, "block": block * scale / layers}
+    return {"none": saved_elements_per_layer(n, c, dropout) * scale,
+            "design_none": no_recompute_elements_per_layer(n, c) * scale,
+            "block": block * scale / layers}
 
 
 def measure_saved_bytes(model_cfg: MHCGPTConfig, micro_batch_size: int, device: str = "meta",
@@ -114,7 +123,10 @@ def measure_saved_bytes(model_cfg: MHCGPTConfig, micro_batch_size: int, device: 
     result["model"] = model
     measured_diff = result["none"]["per_layer_bytes"] - result["block"]["per_layer_bytes"]
     model_diff = model["none"] - model["block"]
+    design_diff = model["design_none"] - model["block"]
     result["difference"] = {"measured": measured_diff, "model": model_diff,
-                            "relative_error": (measured_diff - model_diff) / model_diff}
+                            "relative_error": (measured_diff - model_diff) / model_diff,
+                            "design_model": design_diff,
+                            "design_relative_error": (measured_diff - design_diff) / design_diff}
     result["block_over_none"] = result["block"]["per_layer_bytes"] / result["none"]["per_layer_bytes"]
     return result

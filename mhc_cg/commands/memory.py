@@ -46,10 +46,14 @@ def format_table(r: dict, cfg) -> str:
              f"{'per layer':34}{'recompute=none':>16}{'recompute=block':>16}{'none - block':>16}",
              f"{'measured saved for backward':34}{_mib(r['none']['per_layer_bytes']):>16}"
              f"{_mib(r['block']['per_layer_bytes']):>16}{_mib(r['difference']['measured']):>16}",
-             f"{'analytical mHC state (model)':34}{_mib(r['model']['none']):>16}"
+             f"{'mHC state, saved-tensor model':34}{_mib(r['model']['none']):>16}"
              f"{_mib(r['model']['block']):>16}{_mib(r['difference']['model']):>16}",
+             f"{'mHC state, DESIGN.md model':34}{_mib(r['model']['design_none']):>16}"
+             f"{_mib(r['model']['block']):>16}{_mib(r['difference']['design_model']):>16}",
              f"block / none (measured): {r['block_over_none']:.3f}",
-             f"(none - block) measured vs model: {100 * r['difference']['relative_error']:+.1f}%",
+             f"(none - block) measured vs saved-tensor model: "
+             f"{100 * r['difference']['relative_error']:+.1f}%; vs DESIGN.md model: "
+             f"{100 * r['difference']['design_relative_error']:+.1f}%",
              f"block managers hold {r['block']['manager_bytes']} B (RNG states) in "
              f"{r['block']['num_blocks']} blocks; outside the layers: embedding "
              f"{r['none']['embedding_saved_bytes']} B, head {r['none']['head_saved_bytes']} B"]
