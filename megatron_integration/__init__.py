@@ -1,1 +1,9 @@
-"""megatron-core glue for mhc_cg (config mapping, layer spec, graph helper hook)."""
+"""megatron-core glue for mhc_cg.
+
+* ``config``: ``MHCTransformerConfig``, a ``TransformerConfig`` with the mHC fields;
+* ``mapping``: ``to_transformer_config(RunConfig)``, from mhc_cg's YAML config;
+* ``layer``: ``MHCTransformerLayer`` / ``MHCTransformerBlock`` and ``get_mhc_layer_spec``;
+* ``graph_hook``: the recompute graphs captured with megatron-core's TE layer graphs.
+
+Importing this package imports nothing from megatron-core; import the submodules.
+"""

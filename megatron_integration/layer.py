@@ -1,0 +1,249 @@
+"""megatron-core layers with mHC around attention and MLP, and mhc_cg's block recompute.
+
+* ``MHCTransformerLayer`` (a ``TransformerLayer``): takes and returns streams ``[s, b, n*C]``.
+  Each of its two sublayers runs ``x' = H_res x + H_post^T F(norm(H_pre x))`` with
+  ``mhc_cg.hyper_connection.HyperConnection``; F is megatron-core's own attention or MLP (output
+  plus bias), ``norm`` its ``input_layernorm`` / ``pre_mlp_layernorm``; dropout follows
+  ``config.mhc_dropout_impl``.
+* ``MHCTransformerBlock`` (a ``TransformerBlock``): expands ``[s, b, C]`` to n streams on the first
+  pipeline stage, contracts them (mean) before the final layernorm on the last. With
+  ``config.mhc_recompute_layer_num = L_r`` it runs groups of L_r layers under one
+  ``mhc_cg.recompute.BlockRecomputeManager``: every mHC step (mappings, aggregate, norm, H_post,
+  H_res, bias-dropout-add) is a ``CheckpointWithoutOutput`` whose output is freed after the block;
+  the block input and each F output stay; one hook on the block's last output recomputes the rest.
+  Blocks restart at each block (model chunk), so they never cross a pipeline stage.
+* ``get_mhc_layer_spec``: megatron-core's local GPT layer spec with ``MHCTransformerLayer``.
+  ``cpu_attention=True`` swaps the core attention for ``SDPACoreAttention``: megatron-core 0.16's
+  ``DotProductAttention.forward`` takes its score buffer from
+  ``parallel_state.get_global_memory_buffer().get_tensor(...)``, which allocates on
+  ``torch.cuda.current_device()`` and so cannot run without CUDA.
+
+Pipeline parallelism across processes would also need megatron-core's p2p tensor shape to be
+``[s, b, n*C]`` (it assumes ``hidden_size``); that is not wired here.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from mhc_cg.checkpoint import CheckpointWithoutOutput
+from mhc_cg.dropout import dropout
+from mhc_cg.hyper_connection import HyperConnection, contract_streams, expand_streams
+from mhc_cg.recompute import BlockRecomputeManager
+
+from .config import MHCTransformerConfig
+
+
+class SDPACoreAttention(MegatronModule):
+    """A core attention with ``DotProductAttention``'s interface on ``F.scaled_dot_product_attention``.
+
+    ``query/key/value [s, b, heads, head_dim] -> [s, b, heads * head_dim]``; causal when no mask
+    is given and the mask type is causal; ``attention_mask`` is megatron's boolean "masked out".
+    Runs on any device (no tensor parallelism, no packed sequences).
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type=None, pg_collection=None):
+        super().__init__(config=config)
+        self.attn_mask_type = attn_mask_type
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                attn_mask_type: AttnMaskType | None = None, attention_bias=None,
+                packed_seq_params=None) -> Tensor:
+        if attention_bias is not None or packed_seq_params is not None:
+            raise NotImplementedError("SDPACoreAttention: no attention bias or packed sequences")
+        if key.shape[2] != query.shape[2]:  # grouped-query attention
+            repeat = query.shape[2] // key.shape[2]
+            key, value = key.repeat_interleave(repeat, dim=2), value.repeat_interleave(repeat, dim=2)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        mask_type = attn_mask_type or self.attn_mask_type
+        causal = attention_mask is None and mask_type == AttnMaskType.causal
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
+            dropout_p=self.dropout_p if self.training else 0.0, is_causal=causal,
+            scale=self.softmax_scale)
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def get_mhc_layer_spec(*, cpu_attention: bool = False, normalization: str = "RMSNorm") -> ModuleSpec:
+    """megatron-core's local GPT layer spec, its layer replaced by ``MHCTransformerLayer``."""
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
+    spec.module = MHCTransformerLayer
+    if cpu_attention:
+        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
+
+
+@dataclass
+class BlockRecomputeCursor:
+    """Where a layer is inside a recompute block: its manager, the checkpoint that produced the
+    layer's input (``None``: the input is the block input, kept), whether the layer ends the block."""
+
+    manager: BlockRecomputeManager
+    x_source: str | None = None
+    ends_block: bool = False
+
+
+class MHCTransformerLayer(TransformerLayer):
+    """A ``TransformerLayer`` on n residual streams; see the module docstring."""
+
+    def __init__(self, config: MHCTransformerConfig, submodules, layer_number: int = 1,
+                 hidden_dropout: float | None = None, pg_collection=None, vp_stage: int | None = None):
+        super().__init__(config, submodules, layer_number=layer_number,
+                         hidden_dropout=hidden_dropout, pg_collection=pg_collection,
+                         vp_stage=vp_stage)
+        self.mhc = bool(getattr(config, "enable_hyper_connections", False))
+        if self.mhc:
+            def hyper_connection() -> HyperConnection:
+                return HyperConnection(config.hidden_size, config.num_residual_streams,
+                                       config.mhc_sinkhorn_iterations, config.mhc_init_gating_factor)
+
+            self.attention_hc = hyper_connection()
+            self.mlp_hc = hyper_connection()
+
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, *args,
+                mhc_dropout_seed: Tensor | None = None,
+                mhc_recompute: BlockRecomputeCursor | None = None, **kwargs):
+        """``[s, b, n*C] -> ([s, b, n*C], context)``; megatron-core's layer when mHC is off."""
+        if not self.mhc:
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        if args:
+            raise TypeError("MHCTransformerLayer: pass attention arguments by keyword")
+        kwargs.pop("dynamic_inference_decode_only", None)
+        padding_mask = kwargs.pop("padding_mask", None)
+        kwargs.pop("context", None), kwargs.pop("context_mask", None)  # no cross attention in GPT
+
+        def attention(normed: Tensor) -> Tensor:
+            out, bias = self.self_attention(normed, attention_mask=attention_mask, **kwargs)
+            return out if bias is None else out + bias
+
+        def mlp(normed: Tensor) -> Tensor:
+            out, bias = self.mlp(normed, padding_mask=padding_mask)
+            return out if bias is None else out + bias
+
+        x = self._mhc_sublayer("attention", hidden_states, self.attention_hc, self.input_layernorm,
+                               attention, 0, mhc_dropout_seed, mhc_recompute, ends_block=False)
+        x = self._mhc_sublayer("mlp", x, self.mlp_hc, self.pre_mlp_layernorm, mlp, 1,
+                               mhc_dropout_seed, mhc_recompute,
+                               ends_block=mhc_recompute is not None and mhc_recompute.ends_block)
+        return x, None
+
+    # ----------------------------------------------------------------- sublayer
+    def _dropout(self, post: Tensor, seed: Tensor | None, stream: int) -> Tensor:
+        return dropout(post, self.hidden_dropout, self.training, impl=self.config.mhc_dropout_impl,
+                       seed=seed, stream=2 * self.layer_number + stream)
+
+    def _mhc_sublayer(self, name: str, x: Tensor, hc: HyperConnection, norm, fn, stream: int,
+                      seed: Tensor | None, cursor: BlockRecomputeCursor | None,
+                      ends_block: bool) -> Tensor:
+        if cursor is None:
+            h_pre, h_post, h_res = hc.compute_mappings(x)
+            y = fn(norm(hc.aggregate(x, h_pre)))
+            post = hc.apply_h_post(y, h_post)  # before h_res, as the checkpointed path runs them
+            return hc.apply_h_res(h_res, x) + self._dropout(post, seed, stream)
+        return self._mhc_sublayer_checkpointed(f"layer{self.layer_number}/{name}", x, hc, norm, fn,
+                                               stream, seed, cursor, ends_block)
+
+    def _mhc_sublayer_checkpointed(self, name: str, x: Tensor, hc: HyperConnection, norm, fn,
+                                   stream: int, seed: Tensor | None, cursor: BlockRecomputeCursor,
+                                   ends_block: bool) -> Tensor:
+        """The same sublayer, every mHC step a checkpoint of ``cursor.manager`` (F is not one).
+
+        Inputs produced by an earlier checkpoint of the block are refilled at recompute time
+        instead of saved; only the block input and F's output are kept.
+        """
+        manager = cursor.manager
+
+        def step(suffix: str) -> CheckpointWithoutOutput:
+            return CheckpointWithoutOutput(manager, name=f"{name}/{suffix}")
+
+        x_refill = {} if cursor.x_source is None else {0: cursor.x_source}
+        h_pre, h_post, h_res = step("mappings").checkpoint(
+            hc.compute_mappings, x, refill=x_refill, output_keys=("h_pre", "h_post", "h_res"))
+        agg = step("aggregate").checkpoint(hc.aggregate, x, h_pre,
+                                           refill={**x_refill, 1: f"{name}/mappings.h_pre"})
+        normed = step("norm").checkpoint(norm, agg, refill={0: f"{name}/aggregate"})
+        y = fn(normed)  # F's output is kept: F is never re-run
+        post = step("h_post").checkpoint(hc.apply_h_post, y, h_post,
+                                         refill={1: f"{name}/mappings.h_post"})
+        mixed = step("h_res").checkpoint(
+            hc.apply_h_res, h_res, x, refill={0: f"{name}/mappings.h_res",
+                                              **({} if cursor.x_source is None
+                                                 else {1: cursor.x_source})})
+
+        def drop(p: Tensor, s: Tensor | None) -> Tensor:
+            return self._dropout(p, s, stream)
+
+        if ends_block:
+            # The block end is the manager's hook tensor, so it is not a checkpoint's output;
+            # the add outside keeps nothing, the dropout inside is recomputed.
+            cursor.x_source = None
+            return mixed + step("dropout").checkpoint(drop, post, seed, refill={0: f"{name}/h_post"})
+
+        def bda(p: Tensor, m: Tensor, s: Tensor | None) -> Tensor:
+            return m + drop(p, s)
+
+        out = step("bda").checkpoint(bda, post, mixed, seed,
+                                     refill={0: f"{name}/h_post", 1: f"{name}/h_res"})
+        cursor.x_source = f"{name}/bda"
+        return out
+
+
+class MHCTransformerBlock(TransformerBlock):
+    """A ``TransformerBlock`` of ``MHCTransformerLayer``s; see the module docstring."""
+
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, **kwargs) -> Tensor:
+        config = self.config
+        if not getattr(config, "enable_hyper_connections", False):
+            return super().forward(hidden_states, attention_mask, **kwargs)
+        n = config.num_residual_streams
+        if self.pre_process:
+            hidden_states = expand_streams(hidden_states, n)
+        seed = None
+        if config.mhc_dropout_impl == "counter" and self.training and config.hidden_dropout > 0:
+            seed = torch.randint(0, 2 ** 31 - 1, (), dtype=torch.int64).to(hidden_states.device)
+        if config.mhc_recompute and self.training and torch.is_grad_enabled():
+            hidden_states = self._run_recompute_blocks(hidden_states, attention_mask, seed, kwargs)
+        else:
+            for layer in self.layers:
+                hidden_states, _ = layer(hidden_states, attention_mask=attention_mask,
+                                         mhc_dropout_seed=seed, **kwargs)
+        if self.post_process:
+            hidden_states = contract_streams(hidden_states, n)
+            if getattr(self, "final_layernorm", None) is not None:
+                hidden_states = self.final_layernorm(hidden_states)
+        return hidden_states
+
+    def _run_recompute_blocks(self, x: Tensor, attention_mask, seed, kwargs) -> Tensor:
+        """Groups of L_r layers, each under one manager; ``self.recompute_managers`` holds them."""
+        size = self.config.mhc_recompute_layer_num
+        layers = list(self.layers)
+        self.recompute_managers = []
+        for start in range(0, len(layers), size):
+            block = layers[start:start + size]
+            manager = BlockRecomputeManager()
+            self.recompute_managers.append(manager)
+            cursor = BlockRecomputeCursor(manager)
+            with manager.forward_scope():
+                for i, layer in enumerate(block):
+                    cursor.ends_block = i == len(block) - 1
+                    x, _ = layer(x, attention_mask=attention_mask, mhc_dropout_seed=seed,
+                                 mhc_recompute=cursor, **kwargs)
+                manager.discard_all_outputs_and_register_unified_recompute(x)
+        return x
