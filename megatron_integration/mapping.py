@@ -15,7 +15,7 @@ model.init_gating_factor        mhc_init_gating_factor
 model.recompute (block)         mhc_recompute_layer_num = L_r (None when recompute is none)
 model.num_experts/moe_top_k     num_moe_experts / moe_router_topk
 model.moe_ffn_hidden_size       moe_ffn_hidden_size
-train.dtype                     params_dtype, bf16 / fp16
+train.dtype                     params_dtype, pipeline_dtype, bf16 / fp16
 train.device == cpu             use_cpu_initialization
 parallel.pp_size / vpp_size     pipeline_model_parallel_size / virtual_pipeline_model_parallel_size
 parallel.microbatch_group_size  microbatch_group_size_per_vp_stage
@@ -63,6 +63,7 @@ def transformer_config_kwargs(run_cfg: RunConfig) -> dict[str, Any]:
         mhc_recompute_layer_num=m.resolved_recompute_layers if m.recompute == "block" else None,
         mhc_dropout_impl=m.dropout_impl,
         params_dtype=DTYPES[t.dtype],
+        pipeline_dtype=DTYPES[t.dtype],
         bf16=t.dtype == "bf16",
         fp16=t.dtype == "fp16",
         use_cpu_initialization=t.device == "cpu",

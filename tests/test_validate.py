@@ -48,8 +48,7 @@ def test_shipped_config_passes_and_prints_a_config_that_loads_back_equal(path, t
 def test_tiny_cpu_keeps_the_readme_defaults():
     cfg = load_config(CONFIGS[0].parent / "tiny_cpu.yaml")
     m = cfg.model
-    assert (m.hidden_size, m.num_layers, m.num_streams, m.recompute, m.recompute_layers) == (
-        64, 4, 4, "none", 2)
+    assert (m.hidden_size, m.num_layers, m.num_streams, m.recompute_layers) == (64, 4, 4, 2)
     assert (cfg.train.steps, cfg.train.micro_batch_size, cfg.train.device) == (80, 16, "auto")
 
 
