@@ -1,0 +1,220 @@
+"""megatron-core glue: config fields and spellings, YAML mapping, the mHC block on CPU, graph hook."""
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron.core.transformer.enums import CudaGraphScope  # noqa: E402
+
+from mhc_cg.config import load_config  # noqa: E402
+from mhc_cg.errors import ConfigError  # noqa: E402
+from mhc_cg.planner import plan  # noqa: E402
+from mhc_cg.schedule import pipeline_order  # noqa: E402
+from megatron_integration.config import MHCTransformerConfig  # noqa: E402
+from megatron_integration.graph_hook import (RecomputeCaptureMixin, RecomputeGraphKey,  # noqa: E402
+                                             recompute_capture_order)
+from megatron_integration.mapping import to_transformer_config  # noqa: E402
+
+CONFIGS = Path(__file__).parent.parent / "configs"
+SHAPE = dict(num_layers=4, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+             attention_dropout=0.0, bias_dropout_fusion=False, normalization="RMSNorm",
+             gradient_accumulation_fusion=False, masked_softmax_fusion=False)
+
+
+def mhc_config(**fields) -> MHCTransformerConfig:
+    return MHCTransformerConfig(**{**SHAPE, "enable_hyper_connections": True, **fields})
+
+
+# ------------------------------------------------------------------ config
+def test_dev_and_main_spellings_give_the_same_config():
+    dev = mhc_config(num_residual_streams=2)
+    main = MHCTransformerConfig(**SHAPE, enable_mhc_connections=True, mhc_num_residual_streams=2)
+    assert (main.enable_hyper_connections, main.num_residual_streams) == (True, 2)
+    assert (dev.enable_hyper_connections, dev.num_residual_streams) == (True, 2)
+
+
+def test_disagreeing_spellings_are_refused():
+    with pytest.raises(ValueError, match="mhc_num_residual_streams=2 .* disagrees with num_residual_streams=3"):
+        mhc_config(num_residual_streams=3, mhc_num_residual_streams=2)
+
+
+def test_mhc_recompute_is_kept_on_our_side_and_stripped_from_megatrons_scope():
+    cfg = mhc_config(mhc_recompute_layer_num=2, mhc_dropout_impl="counter", hidden_dropout=0.1,
+                     cuda_graph_scope=["attn", "mhc_recompute"])
+    assert cfg.cuda_graph_scope == [CudaGraphScope.attn]
+    assert cfg.mhc_recompute_graph and cfg.mhc_recompute
+
+
+def test_newer_cuda_graph_modules_spelling_is_accepted():
+    cfg = mhc_config(mhc_recompute_layer_num=2, hidden_dropout=0.0,
+                     cuda_graph_modules=["attn", "mlp", "mhc_recompute"])
+    assert cfg.cuda_graph_scope == [CudaGraphScope.attn, CudaGraphScope.mlp]
+    assert cfg.mhc_recompute_graph
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(enable_hyper_connections=False, mhc_recompute_layer_num=2), "needs enable_hyper_connections"),
+    (dict(mhc_recompute_layer_num=None), "needs mhc_recompute_layer_num"),
+    (dict(mhc_recompute_layer_num=2, hidden_dropout=0.1, mhc_dropout_impl="torch"),
+     "cannot rewind torch's generator"),
+])
+def test_graphed_recompute_needs_mhc_recompute_and_replayable_dropout(fields, message):
+    with pytest.raises(ValueError, match=message):
+        mhc_config(cuda_graph_scope=["attn", "mhc_recompute"], **fields)
+
+
+def test_scope_of_only_mhc_recompute_under_te_is_refused():
+    with pytest.raises(ValueError, match="reads as the whole layer"):
+        mhc_config(mhc_recompute_layer_num=2, hidden_dropout=0.0, cuda_graph_impl="transformer_engine",
+                   cuda_graph_scope=["mhc_recompute"])
+
+
+# ----------------------------------------------------------------- mapping
+def test_pp4_vpp2_config_maps_onto_megatron():
+    cfg = to_transformer_config(load_config(CONFIGS / "gpt_mhc_pp4_vpp2.yaml"))
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads) == (16, 1024, 16)
+    assert (cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size) == (4, 2)
+    assert cfg.params_dtype == torch.bfloat16 and cfg.bf16
+    assert cfg.cuda_graph_scope == [CudaGraphScope.attn, CudaGraphScope.mlp]
+    assert cfg.mhc_recompute_graph and cfg.mhc_recompute_layer_num == 2
+    assert (cfg.enable_hyper_connections, cfg.num_residual_streams, cfg.mhc_dropout_impl) == (True, 4, "counter")
+
+
+def test_moe_config_maps_experts_and_partial_capture_scopes():
+    cfg = to_transformer_config(load_config(CONFIGS / "moe_partial_capture.yaml"))
+    assert (cfg.num_moe_experts, cfg.moe_router_topk) == (4, 2)
+    assert cfg.cuda_graph_scope == [CudaGraphScope.attn, CudaGraphScope.moe_router,
+                                    CudaGraphScope.moe_preprocess]
+    assert cfg.use_cpu_initialization
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_every_shipped_config_maps(name):
+    run_cfg = load_config(CONFIGS / name)
+    cfg = to_transformer_config(run_cfg)
+    assert cfg.num_layers == run_cfg.model.num_layers
+    assert cfg.mhc_recompute == (run_cfg.model.recompute == "block")
+
+
+def test_mapping_validates_first():
+    run_cfg = load_config(CONFIGS / "moe_partial_capture.yaml")
+    run_cfg.model.recompute = "none"
+    with pytest.raises(ConfigError, match="set model.recompute: block"):
+        to_transformer_config(run_cfg)
+
+
+# ------------------------------------------------------- the block on CPU
+@pytest.fixture(scope="module")
+def model_parallel():
+    """One gloo process, tensor/pipeline sizes 1: megatron-core's parallel state on CPU."""
+    from megatron.core import parallel_state
+
+    if torch.distributed.is_initialized():
+        pytest.skip("another test left torch.distributed initialised")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                         rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    yield
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+def run_block(cfg: MHCTransformerConfig, cpu_attention: bool = True, device: str = "cpu"):
+    from megatron_integration.layer import MHCTransformerBlock, get_mhc_layer_spec
+
+    torch.manual_seed(0)
+    block = MHCTransformerBlock(cfg, get_mhc_layer_spec(cpu_attention=cpu_attention)).to(device).train()
+    torch.manual_seed(1)
+    x = torch.randn(8, 2, cfg.hidden_size, device=device, requires_grad=True)
+    out = block(x, attention_mask=None)
+    managers = list(getattr(block, "recompute_managers", []))
+    freed = sum(o.untyped_storage().nbytes() == 0 for m in managers for c in m.checkpoints for o in c.outputs)
+    out.square().sum().backward()
+    grads = {name: p.grad.clone() for name, p in block.named_parameters()}
+    return out.detach(), x.grad.clone(), grads, freed
+
+
+@pytest.mark.parametrize("dropout_impl", ["torch", "counter"])
+def test_block_gradients_with_mhc_cg_recompute_equal_without(model_parallel, dropout_impl):
+    base = dict(hidden_dropout=0.1, mhc_dropout_impl=dropout_impl)
+    out0, dx0, grads0, _ = run_block(mhc_config(**base))
+    out1, dx1, grads1, freed = run_block(mhc_config(**base, mhc_recompute_layer_num=2))
+    assert freed > 0  # the mHC intermediates were discarded between forward and backward
+    assert torch.equal(out0, out1) and torch.equal(dx0, dx1)
+    assert grads0.keys() == grads1.keys() and any("attention_hc" in k for k in grads0)
+    for name in grads0:
+        assert torch.equal(grads0[name], grads1[name]), name
+
+
+def test_block_streams_shapes_and_mhc_off_is_megatrons_layer(model_parallel):
+    out, dx, grads, _ = run_block(mhc_config(num_residual_streams=4, hidden_dropout=0.0))
+    assert out.shape == (8, 2, 32) and dx.shape == (8, 2, 32)
+    assert grads["layers.0.attention_hc.mapping_proj.weight"].shape == (4 * 4 + 2 * 4, 4 * 32)
+    plain = MHCTransformerConfig(**SHAPE, hidden_dropout=0.0)
+    out, _, grads, _ = run_block(plain)
+    assert out.shape == (8, 2, 32) and not any("_hc" in k for k in grads)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_block_with_megatrons_dot_product_attention_on_cuda(model_parallel):
+    # megatron-core 0.16's DotProductAttention.forward takes its score buffer from
+    # parallel_state.get_global_memory_buffer().get_tensor(), which allocates on
+    # torch.cuda.current_device(): this spec cannot run without CUDA.
+    cfg = mhc_config(hidden_dropout=0.0, use_cpu_initialization=False)
+    out0, dx0, _, _ = run_block(cfg, cpu_attention=False, device="cuda")
+    out1, dx1, _, _ = run_block(mhc_config(hidden_dropout=0.0, use_cpu_initialization=False,
+                                           mhc_recompute_layer_num=2), cpu_attention=False, device="cuda")
+    assert torch.equal(out0, out1) and torch.equal(dx0, dx1)
+
+
+# -------------------------------------------------------------- graph hook
+def test_recompute_capture_order_covers_the_planners_graphs_per_rank():
+    for rank_plan in plan(4, 2, 8, 16):
+        keys = recompute_capture_order(rank_plan.order, rank_plan.layers_per_chunk,
+                                       rank_plan.recompute_block_size)
+        assert len(keys) == len(set(keys)) == rank_plan.recompute_graphs
+
+
+def test_recompute_capture_order_follows_the_first_backwards():
+    order = pipeline_order(2, 1, 4, 1)  # last rank, 1F1B: [1, -1, 1, -1, ...]
+    assert order[:2] == [1, -1]
+    keys = recompute_capture_order(order, 4, 2)
+    # one slot set suffices; backward walks the blocks last to first
+    assert keys == [RecomputeGraphKey(1, 1, 0), RecomputeGraphKey(1, 0, 0)]
+
+
+def test_mixin_captures_recompute_graphs_in_order_before_megatron_finishes():
+    events = []
+
+    class FakeTEHelper:  # stands in for megatron-core's TECudaGraphHelper, which needs TE
+        num_layers_per_chunk = [2, 2]
+
+        def _get_cuda_graph_input_data(self):
+            return ["sample"], {"_order": pipeline_order(2, 0, 2, 2)}
+
+        def _finish_capturing(self, start_time):
+            events.append("finish")
+
+        def create_cudagraphs(self):
+            self._get_cuda_graph_input_data()
+            events.append("layers")
+            self._finish_capturing(0.0)
+
+    class Helper(RecomputeCaptureMixin, FakeTEHelper):
+        pass
+
+    helper = Helper()
+    helper.mhc_recompute_block_size = 1
+    helper.mhc_capture_recompute = lambda key: events.append(key) or f"graph{key}"
+    helper.create_cudagraphs()
+    keys = recompute_capture_order(pipeline_order(2, 0, 2, 2), [2, 2], 1)
+    assert events == ["layers", *keys, "finish"]
+    assert list(helper.mhc_recompute_graphs) == keys
