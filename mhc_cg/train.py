@@ -85,7 +85,7 @@ class ProgressBar:
         sys.stderr.flush()
 
 
-MODES = ("eager_none", "eager_block", "graphed_static")
+MODES = ("eager_none", "eager_block", "graphed_none", "graphed_static")
 
 
 def graph_scopes(cfg: RunConfig) -> list[str]:
@@ -111,6 +111,12 @@ def build_for_mode(cfg: RunConfig, mode: str, device: torch.device, *,
     model_cfg = dataclasses.replace(cfg.model, recompute="block" if mode == "eager_block" else "none")
     torch.manual_seed(cfg.train.seed)
     model = MHCGPT(model_cfg).to(device).train()
+    if mode == "graphed_none":  # sublayers as graphs, no recompute (mhc_cg.graphed_sublayers)
+        from .graphed_sublayers import GraphedSublayersModel
+
+        graphed = GraphedSublayersModel(model, micro_batch_size=cfg.train.micro_batch_size,
+                                        backend=cfg.graph.backend).prepare(device)
+        return model, graphed, graphed
     if mode != "graphed_static":
         return model, model, None
     from .graphed_model import GraphedStaticModel
