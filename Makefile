@@ -1,5 +1,5 @@
 # Two commands set everything up on a fresh machine:
-#   make demo   create .venv, install torch + mhc_cg, train the tiny default model
+#   make demo   create .venv, install torch + mhc_cg, train the tiny default model in every mode
 #   make test   create .venv, install torch + mhc_cg + test extras, run the test suite
 # On a GPU machine choose another torch, e.g.  make demo TORCH_SPEC="torch==2.11.0"
 PYTHON ?= python3
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	$(VENV)/bin/mhc-cg train --config $(CONFIG)
+	$(VENV)/bin/mhc-cg train --config $(CONFIG) --compare
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
