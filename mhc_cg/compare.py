@@ -40,7 +40,7 @@ def _mib(n: int | None) -> str:
 
 def format_table(results: dict[str, TrainResult]) -> str:
     reference = results.get("eager_none")
-    header = ("mode", "loss == eager_none", "held / microbatch", "arena", "persistent / mb",
+    header = ("mode", "loss first -> last", "loss == eager_none", "held / microbatch", "arena", "persistent / mb",
               "graphs", "step ms")
     rows = []
     for mode, r in results.items():
@@ -49,7 +49,7 @@ def format_table(results: dict[str, TrainResult]) -> str:
         else:
             worst = max(abs(a - b) for a, b in zip(r.losses, reference.losses))
             same = "bit-identical" if r.losses == reference.losses else f"max diff {worst:.3g}"
-        rows.append((mode, same, _mib(r.held_bytes_per_microbatch),
+        rows.append((mode, f"{r.losses[0]:.4f} -> {r.losses[-1]:.4f}", same, _mib(r.held_bytes_per_microbatch),
                      _mib(r.info.get("arena_bytes")), _mib(r.info.get("persistent_bytes_per_microbatch")),
                      str(r.info.get("graphs", 0)), f"{r.median_step_ms:.1f}"))
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]

@@ -171,3 +171,21 @@ def test_arena_layout_is_fixed_once_allocated():
         arena.claim(region, 1, 256, torch.float32)
     with pytest.raises(ArenaLayoutError, match="not seen before"):
         arena.region("L9.mlp.0")
+
+
+def test_moe_partial_capture_signal_unwinding_the_forward_leaves_nothing_claimed():
+    from mhc_cg.megatron_moe import MoECudaGraphPartialCaptureSignal
+
+    model, data = tiny_model(num_experts=4), batches(1)
+    expected = reference_grads(model, data)
+    runtime = build_static_recompute(list(model.layers), 2, seq_length=SEQ, micro_batch_size=MBS,
+                                     capacity=1, device="cpu")
+    moe = model.layers[2].mlp.fn
+    moe.partial_capture = "route"  # as if a capture were running: the MoE layer signals
+    x = model.embed(data[0][0])
+    with pytest.raises(MoECudaGraphPartialCaptureSignal):
+        runtime.forward(x, data[0][2])
+    moe.partial_capture = None
+    assert runtime.sets.in_use == 0
+    got = static_grads(model, runtime, data)
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
