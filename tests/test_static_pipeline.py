@@ -136,3 +136,55 @@ def test_arena_and_sets_do_not_grow_with_microbatches():
     # persistent sets: bounded by the schedule's warm-up, not by M
     assert sizes[8][1] == sizes[32][1], sizes
     assert sizes[4][2] == sizes[32][2]
+
+
+def test_graphed_sublayers_per_microbatch_along_the_order():
+    """The full picture on one rank: every sublayer a graphed callable per (chunk, microbatch,
+    layer), captured with the order (TE semantics, shared pool, static input reuse), the mHC ops
+    inside them saving into the shared arena, recompute graphs per (chunk, block, set)."""
+    from mhc_cg.graphed_model import SlotSublayer
+    from mhc_cg.graphs.graphed_callables import make_graphed_callables
+
+    order = pipeline_order(4, 2, 4, vpp_size=2)
+    ref_model, ref_grads = eager_run(order)
+    model = rank_model()
+    capacity = peak_in_flight(order)
+    arena = Arena("cpu")
+    sets = PersistentSetPool(capacity, lambda i: new_persistent_set(
+        i, chunk_layers(model, 1), 1, SEQ, MBS, "cpu"))
+    runtimes = {c: build_static_recompute(chunk_layers(model, c), 1, seq_length=SEQ,
+                                          micro_batch_size=MBS, capacity=capacity, device="cpu",
+                                          arena=arena, sets=sets) for c in (1, 2)}
+    backend = get_backend("tape")
+    for rt in runtimes.values():
+        rt.capture_recompute_graphs(backend)
+    modules, keys = [], []
+    for c in (1, 2):
+        for position, layer in enumerate(chunk_layers(model, c)):
+            for k, sub in enumerate((layer.attention, layer.mlp)):
+                modules.append(SlotSublayer(runtimes[c], sub, 0, k))  # block size 1: position 0
+                keys.append((layer.layer_number, k))
+    per_chunk = 2 * LAYERS_PER_CHUNK
+    microbatches = len(order) // 4
+    width = model.cfg.num_streams * model.cfg.hidden_size
+    sample_args = [(torch.zeros(SEQ, MBS, width, requires_grad=True),
+                    torch.zeros((), dtype=torch.int64))
+                   for _ in range(2 * microbatches * per_chunk)]
+    graphed = make_graphed_callables(tuple(modules), sample_args, order=order,
+                                     num_layers_per_chunk=per_chunk, backend=backend)
+
+    def forward(chunk, x, seed, counts={1: 0, 2: 0}):
+        mb = counts[chunk]
+        counts[chunk] += 1
+        first = (chunk - 1) * microbatches * per_chunk + mb * per_chunk
+        fns = {keys[(chunk - 1) * per_chunk + j]: graphed[first + j] for j in range(per_chunk)}
+        return runtimes[chunk].forward(x, seed, fns)
+
+    grads = execute(order, forward, width)
+    assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+    ref_params = dict(ref_model.named_parameters())
+    for name, p in model.named_parameters():
+        if ref_params[name].grad is not None:
+            assert torch.equal(p.grad, ref_params[name].grad), name
+    assert sets.in_use == 0 and arena.nbytes == runtimes[2].arena.nbytes
+    assert all(g.stats.violations == 0 for g in graphed.graphs())
