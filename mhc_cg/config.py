@@ -124,13 +124,18 @@ def _suggest(name: str, allowed) -> str:
 
 
 def _build_section(section: str, cls: type, data: dict, problems: list[str]):
+    from .validate import FOREIGN_RECOMPUTE_FIELDS  # validate imports this module's types
+
     if not isinstance(data, dict):
         problems.append(f"{section}: expected a mapping of fields, got {type(data).__name__}")
         return None
     hints = typing.get_type_hints(cls)
     ok = True
     for key, value in data.items():
-        if key not in hints:
+        if section == "model" and key in FOREIGN_RECOMPUTE_FIELDS:
+            problems.append(f"model.{key}: not an mhc_cg option: {FOREIGN_RECOMPUTE_FIELDS[key]}")
+            ok = False
+        elif key not in hints:
             problems.append(f"{section}.{key}: unknown field{_suggest(key, hints)}; "
                             f"allowed: {', '.join(hints)}")
             ok = False

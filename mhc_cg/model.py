@@ -48,6 +48,8 @@ class MHCGPTConfig:
     num_experts: int | None = None  # None: dense MLP; else a top-k routed MoE MLP
     moe_top_k: int = 2
     moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
+    recompute_activation: bool = False  # seed 003: drop the MLP's gelu output, recompute it
+    recompute_activation_layers: int | None = None  # the first N layers do it; None: all
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -80,6 +82,10 @@ class MHCGPTConfig:
                             f"got {self.moe_top_k!r}")
         if self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
+        if not problems:
+            from .validate import activation_recompute_problems  # validate imports this module
+
+            problems.extend(activation_recompute_problems(self))
         if problems:
             raise ConfigError(problems)
 
@@ -93,6 +99,12 @@ class MHCGPTConfig:
         if self.recompute_layers is not None:
             return min(self.recompute_layers, self.num_layers)
         return paper_block_size(self.num_streams, self.num_layers)
+
+    def recomputes_activation(self, layer_number: int) -> bool:
+        """Whether layer ``layer_number`` (0-based, of the whole model) recomputes its gelu."""
+        if not self.recompute_activation:
+            return False
+        return self.recompute_activation_layers is None or layer_number < self.recompute_activation_layers
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -126,16 +138,39 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """``[s, b, C] -> [s, b, C]``."""
+    """``[s, b, C] -> [s, b, C]``: fc1 -> gelu -> fc2.
 
-    def __init__(self, cfg: MHCGPTConfig, ffn_hidden_size: int | None = None):
+    With ``recompute_activation`` (seed 003) the gelu output, ``ffn`` per token and the largest
+    tensor of the MLP, is not kept: fc2's backward needs it before gelu's backward runs, so a
+    recompute bound to gelu's own backward would come too late. Instead the gelu runs in a
+    ``CheckpointWithoutOutput`` (which keeps only fc1's output, as gelu itself would), its output
+    is freed once fc2 has saved it, and a hook on fc2's output gradient recomputes it into the same
+    storage before fc2's backward reads it. The static-buffer runtime does not call this forward
+    for such an MLP (``StaticRecompute.mlp_with_activation_recompute``): it keeps the gelu output
+    in an arena slot instead, since freeing a storage is illegal under graph capture.
+    """
+
+    def __init__(self, cfg: MHCGPTConfig, ffn_hidden_size: int | None = None,
+                 recompute_activation: bool = False):
         super().__init__()
         ffn_hidden_size = ffn_hidden_size or cfg.ffn_hidden_size
         self.fc1 = nn.Linear(cfg.hidden_size, ffn_hidden_size)
         self.fc2 = nn.Linear(ffn_hidden_size, cfg.hidden_size)
+        self.recompute_activation = recompute_activation
+        self.activation_checkpoint = None  # the last forward's gelu checkpoint (memory reports)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
+        if not (self.recompute_activation and torch.is_grad_enabled()):
+            return self.fc2(F.gelu(self.fc1(x)))
+        from .checkpoint import CheckpointWithoutOutput
+
+        ckpt = CheckpointWithoutOutput(name="mlp/gelu")
+        act = ckpt.checkpoint(F.gelu, self.fc1(x))
+        out = self.fc2(act)
+        if out.requires_grad:  # otherwise no backward will ever need act
+            ckpt.discard_output_and_register_recompute(out)
+        self.activation_checkpoint = ckpt
+        return out
 
 
 class MoEDispatchState:
@@ -300,7 +335,8 @@ class MHCTransformerLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number
         self.attention = MHCSublayer(cfg, CausalSelfAttention(cfg), dropout_stream=2 * layer_number)
-        mlp = MoEMLP(cfg) if cfg.is_moe else MLP(cfg)
+        mlp = MoEMLP(cfg) if cfg.is_moe else MLP(
+            cfg, recompute_activation=cfg.recomputes_activation(layer_number))
         self.mlp = MHCSublayer(cfg, mlp, dropout_stream=2 * layer_number + 1)
 
     def forward(self, x: Tensor, seed: Tensor | None = None) -> Tensor:

@@ -14,6 +14,11 @@ How it works, per sublayer of a recompute block (see DESIGN.md items 1-4):
   outputs, so a graph backend can capture it once per (block, persistent set) and replay it.
 * A hook on the gradient of the block output runs (or replays) the recompute; the block's first
   backward node runs only after that gradient exists.
+* Activation recompute (seed 003) for an MLP that asks for it: fc1's output goes to the persistent
+  set (``fc1_outputs``; the gelu saves a view of it), the gelu output to one arena slot per layer
+  position (region ``L{pos}.mlp.act``; fc2 saves a view of it), and the block recompute re-derives
+  the gelu output from the persistent fc1 output into that slot. A microbatch then keeps fc1's
+  output only, not the activation too; the arena grows by one activation per block position.
 
 Invariants the tests check: slot addresses never move, nothing is resized or re-pointed after
 ``prepare``, and the arena does not grow with the number of microbatches.
@@ -28,8 +33,10 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor
 
+import torch.nn.functional as F
+
 from .arena import Arena, PersistentSlotSet, Region
-from .model import MHCSublayer, MHCTransformerLayer
+from .model import MLP, MHCSublayer, MHCTransformerLayer
 from .nvtx_ranges import nvtx_range
 
 SUBLAYER_NAMES = ("attn", "mlp")
@@ -87,6 +94,28 @@ class _StoreToSlot(torch.autograd.Function):
         return grad, None
 
 
+class _StoreToPersistent(torch.autograd.Function):
+    """Identity whose output is a view of ``pset.fc1_outputs[index]`` (consumers save that view).
+
+    The set is passed as a non-tensor argument so the output is not an autograd view of an input.
+    """
+
+    @staticmethod
+    def forward(ctx, t: Tensor, pset: PersistentSlotSet, index: int) -> Tensor:
+        dst = pset.fc1_outputs[index]
+        dst.copy_(t)  # nothing saved a view of dst since the set was acquired: no version clash
+        return dst.as_strided(dst.size(), dst.stride(), dst.storage_offset())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None, None
+
+
+def recomputes_activation(sub: MHCSublayer) -> bool:
+    """Whether ``sub`` is a dense MLP sublayer whose gelu output is recomputed (seed 003)."""
+    return isinstance(sub.fn, MLP) and sub.fn.recompute_activation
+
+
 class StaticRecompute:
     """The static-buffer runtime for the layers of one model chunk.
 
@@ -109,6 +138,8 @@ class StaticRecompute:
         self.arena, self.sets = arena, sets
         self._cursor: _RegionCursor | None = None
         self._in_fn = False
+        self.active_set: PersistentSlotSet | None = None  # the set of the forward in progress
+        self._mlp_index = {id(layer.mlp): i for i, layer in enumerate(self.layers)}
         self.recompute_graphs: dict[tuple[int, int], object] = {}
         self.trace: list[str] = []  # what ran, in order (for tests and debugging)
 
@@ -173,12 +204,58 @@ class StaticRecompute:
         remainder must find its slots without the Python state of the captured part.
         """
         normed, h_post, mixed = self.sublayer_pre(sub, position, k, x)
-        if fn_output is None:
+        if fn_output is None and k == 1 and recomputes_activation(sub):
+            y = self.mlp_with_activation_recompute(sub.fn, position, self._mlp_index[id(sub)],
+                                                   normed, self._set_for_fn())
+        elif fn_output is None:
             with self.fn_region():
                 y = sub.fn(normed)
         else:
             y = fn_output
         return self.sublayer_post(sub, position, k, y, h_post, mixed, seed), y
+
+    # -- activation recompute (seed 003) ------------------------------------------------------
+    def _activation_cursor(self, position: int) -> _RegionCursor:
+        return _RegionCursor(self.arena, self.arena.region(f"L{position}.mlp.act"))
+
+    def _set_for_fn(self) -> PersistentSlotSet:
+        """The persistent set an MLP with activation recompute writes fc1's output into.
+
+        Outside ``forward`` (layout discovery, a graphed ``mlp`` sublayer's warmup and capture)
+        that is the only set; a captured MLP graph writes the set it was captured with, so with
+        more sets it would overwrite another microbatch's fc1 output.
+        """
+        if self.active_set is not None:
+            return self.active_set
+        if self.sets.capacity == 1:
+            return self.sets.all_sets()[0]
+        raise StaticRecomputeError(
+            f"an MLP with activation recompute ran outside StaticRecompute.forward with "
+            f"{self.sets.capacity} persistent sets: a graphed 'mlp' sublayer would write fc1's "
+            f"output into the one set it was captured with; capture 'mlp' with one set "
+            f"(capacity 1), or leave 'mlp' out of the scopes")
+
+    def mlp_with_activation_recompute(self, mlp: MLP, position: int, index: int, normed: Tensor,
+                                      pset: PersistentSlotSet) -> Tensor:
+        """``mlp(normed)`` (fc1 -> gelu -> fc2) with fc1's output in ``pset.fc1_outputs[index]``
+        and the gelu output in the arena slot of ``position``: a microbatch keeps neither the
+        activation nor a second copy of fc1's output; ``recompute_block`` refills the slot."""
+        if index not in pset.fc1_outputs:
+            raise StaticRecomputeError(
+                f"persistent set {pset.index} has no fc1 output slot for chunk layer {index} "
+                f"(it has {sorted(pset.fc1_outputs)}); build the sets from a chunk whose layers "
+                f"recompute their activation at least where this chunk's do")
+        with self.fn_region():
+            pre = _StoreToPersistent.apply(mlp.fc1(normed), pset, index)
+            act = F.gelu(pre)  # saves ``pre``: a view of the persistent slot
+        act = _StoreToSlot.apply(act, self._activation_cursor(position))
+        with self.fn_region():
+            return mlp.fc2(act)  # saves ``act``: a view of the arena slot
+
+    def recompute_activation_slot(self, position: int, pre: Tensor) -> None:
+        """Write ``gelu(pre)`` into the activation slot of ``position`` (part of the block recompute)."""
+        with torch.no_grad():
+            self._activation_cursor(position).save(F.gelu(pre))
 
     # -- the block recompute ---------------------------------------------------------------------
     def recompute_block(self, block: int, pset: PersistentSlotSet) -> None:
@@ -194,6 +271,8 @@ class StaticRecompute:
                 for k, sub in enumerate((layer.attention, layer.mlp)):
                     y = pset.fn_outputs[(first + position, k)].detach().requires_grad_()
                     x, _ = self.sublayer(sub, position, k, x, pset.seed, fn_output=y)
+                if recomputes_activation(layer.mlp):
+                    self.recompute_activation_slot(position, pset.fc1_outputs[first + position])
 
     def capture_recompute_graphs(self, backend) -> None:
         """One recompute graph per (block, persistent set), each with a private pool."""
@@ -230,6 +309,7 @@ class StaticRecompute:
                 f"chunk input has shape {tuple(x.shape)} but the static buffers were laid out for "
                 f"{expected} ([seq, micro_batch, n*hidden]); shapes are fixed under static buffers")
         pset = self.sets.acquire()
+        self.active_set = pset
         handles = []
         try:
             if seed is not None:
@@ -255,6 +335,8 @@ class StaticRecompute:
                 handle.remove()
             self.sets.release(pset)
             raise
+        finally:
+            self.active_set = None
         return x
 
     def _make_block_hook(self, block: int, pset: PersistentSlotSet):
@@ -277,11 +359,15 @@ class StaticRecompute:
         """Run the first block once (layout discovery: slot sizes only, nothing written)."""
         if self.arena.allocated:
             return
-        with torch.enable_grad():
-            x = x.detach().requires_grad_()
-            for position, layer in enumerate(self.blocks[0]):
-                for k, sub in enumerate((layer.attention, layer.mlp)):
-                    x, _ = self.sublayer(sub, position, k, x, seed)
+        self.active_set = self.sets.all_sets()[0]  # only fc1 outputs are written, into set 0
+        try:
+            with torch.enable_grad():
+                x = x.detach().requires_grad_()
+                for position, layer in enumerate(self.blocks[0]):
+                    for k, sub in enumerate((layer.attention, layer.mlp)):
+                        x, _ = self.sublayer(sub, position, k, x, seed)
+        finally:
+            self.active_set = None
 
 
 def _unpack(t: Tensor) -> Tensor:
@@ -345,6 +431,9 @@ def new_persistent_set(index: int, layers: list[MHCTransformerLayer], block_size
                                         dtype=dtype, device=device)
                     for i in range(len(layers)) for k in range(2)},
         seed=torch.zeros((), dtype=torch.int64, device=device),
+        fc1_outputs={i: torch.zeros(seq_length, micro_batch_size, layer.mlp.fn.fc1.out_features,
+                                    dtype=dtype, device=device)
+                     for i, layer in enumerate(layers) if recomputes_activation(layer.mlp)},
     )
 
 

@@ -26,10 +26,32 @@ from .schedule import schedule_problems
 
 if TYPE_CHECKING:
     from .config import RunConfig
+    from .model import MHCGPTConfig
 
 SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mhc_recompute")
 MOE_SCOPES = ("moe", "moe_router", "moe_preprocess")
 BACKENDS = ("auto", "cuda", "te", "tape")
+
+# Megatron-LM / MindSpeed recompute options a user may carry over, and what they map to here.
+# mhc_cg has no full-layer recompute: model.recompute: block re-runs only the mHC ops, never F.
+# Seed 003's rules for mixing activation recompute with full recompute (only method 'block'; the
+# full-recompute layers come first, then the activation-recompute layers; no layer does both; the
+# two counts add up to num_layers without pipelining) therefore have nothing to split here.
+FOREIGN_RECOMPUTE_FIELDS = {
+    "recompute_granularity": "mhc_cg has no full-layer or selective recompute of F; "
+                             "model.recompute: block recomputes the mHC ops, and "
+                             "model.recompute_activation the MLP's gelu (seed 003)",
+    "recompute_method": "mhc_cg has no full-layer recompute, so no method; model.recompute: block "
+                        "recomputes the mHC ops in blocks of model.recompute_layers",
+    "recompute_num_layers": "mhc_cg has no full-layer recompute; for mHC block recompute use "
+                            "model.recompute_layers (layers per block), for gelu recompute "
+                            "model.recompute_activation_layers",
+    "recompute_activation_function": "MindSpeed's --recompute-activation-function is "
+                                     "model.recompute_activation here",
+    "recompute_activation_function_num_layers": "MindSpeed's "
+                                                "--recompute-activation-function-num-layers is "
+                                                "model.recompute_activation_layers here",
+}
 
 # schedule_problems names its arguments; these are the fields a user edits.
 _SCHEDULE_FIELDS = {"pp_size": "parallel.pp_size", "vpp_size": "parallel.vpp_size",
@@ -54,7 +76,8 @@ def resolved_scopes(cfg: "RunConfig") -> list[str]:
 
 def validate(cfg: "RunConfig") -> list[str]:
     """Every cross-field problem of ``cfg``, one line each; empty when the config is consistent."""
-    return [*_graph_problems(cfg), *_scope_problems(cfg), *_pipeline_problems(cfg)]
+    return [*activation_recompute_problems(cfg.model), *_graph_problems(cfg),
+            *_scope_problems(cfg), *_pipeline_problems(cfg)]
 
 
 def check(cfg: "RunConfig") -> "RunConfig":
@@ -63,6 +86,41 @@ def check(cfg: "RunConfig") -> "RunConfig":
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def activation_recompute_problems(model: "MHCGPTConfig") -> list[str]:
+    """Seed 003's rules for ``model.recompute_activation[_layers]``, one line per broken rule.
+
+    Also run by ``MHCGPTConfig`` itself, so a model built in code obeys them too. Activation
+    recompute combines with ``recompute: none`` and ``recompute: block`` on any layer: mHC block
+    recompute never re-runs F, so no layer would recompute its gelu twice (the seed's "no layer
+    does both" rule has nothing to forbid here).
+    """
+    problems = []
+    on, layers = model.recompute_activation, model.recompute_activation_layers
+    if not isinstance(on, bool):
+        problems.append(f"model.recompute_activation: must be true or false, got {on!r}")
+        return problems
+    if layers is not None:
+        if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+            problems.append(f"model.recompute_activation_layers: must be a positive integer (the "
+                            f"first N layers recompute their gelu) or null for all layers, got "
+                            f"{layers!r}")
+        elif isinstance(model.num_layers, int) and layers > model.num_layers:
+            problems.append(f"model.recompute_activation_layers: {layers} exceeds model.num_layers="
+                            f"{model.num_layers}; use at most {model.num_layers}, or null for all "
+                            f"layers")
+        if not on:
+            problems.append(f"model.recompute_activation_layers: set to {layers!r} but "
+                            f"model.recompute_activation is false, so no layer would recompute "
+                            f"its activation; set model.recompute_activation: true or remove "
+                            f"recompute_activation_layers")
+    if on and model.num_experts is not None:
+        problems.append(f"model.recompute_activation: recomputes the dense MLP's gelu "
+                        f"(fc1 -> gelu -> fc2), but every layer's MLP is MoE "
+                        f"(model.num_experts={model.num_experts}); set model.num_experts: null or "
+                        f"model.recompute_activation: false")
+    return problems
 
 
 def _graph_problems(cfg: "RunConfig") -> list[str]:
