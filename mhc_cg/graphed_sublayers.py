@@ -2,7 +2,9 @@
 
 The baseline that separates what graphs buy from what static-buffer recompute buys: each
 ``MHCSublayer`` (attention or MLP, its mHC ops included) goes through ``make_graphed_callables``
-as it is, with no static runtime, no arena and no recompute. Whatever autograd saves for backward
+as it is, with no static runtime, no arena and no recompute. A MoE MLP sublayer cannot be
+captured whole (its dispatch has data-dependent shapes), so with ``model.num_experts`` only the
+attention sublayers are graphs and the MoE sublayers run eagerly. Whatever autograd saves for backward
 lives in the graphs' shared pool, so memory is that of eager without recompute (plus the static
 inputs); the numbers are those of eager without recompute, bit for bit.
 """
@@ -14,17 +16,13 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .model import MHCGPT
+from .model import MHCGPT, MoEMLP
 
 
 class GraphedSublayersModel:
     """``model`` whose sublayers replay as graphs; ``prepare(device)`` captures them."""
 
     def __init__(self, model: MHCGPT, *, micro_batch_size: int, backend: str = "auto"):
-        if model.cfg.is_moe:
-            # the MoE dispatch has data-dependent shapes: a whole-sublayer graph cannot hold it
-            raise ValueError("graphed_none captures whole sublayers; a MoE MLP (model.num_experts) "
-                             "cannot be captured whole; use graphed_static with moe_router scopes")
         self.model, self.micro_batch_size, self.backend_name = model, micro_batch_size, backend
         self.sublayer_fns: list[Callable] = []
         self.graphed_callables: tuple = ()
@@ -33,16 +31,18 @@ class GraphedSublayersModel:
         from .graphs.graphed_callables import make_graphed_callables
 
         cfg = self.model.cfg
-        modules = tuple(sub for layer in self.model.layers for sub in (layer.attention, layer.mlp))
+        subs = [sub for layer in self.model.layers for sub in (layer.attention, layer.mlp)]
+        captured = [sub for sub in subs if not isinstance(sub.fn, MoEMLP)]
         width = cfg.num_streams * cfg.hidden_size
         sample_args = tuple(
             (torch.zeros(cfg.seq_length, self.micro_batch_size, width, device=device,
                          requires_grad=True),
              torch.zeros((), dtype=torch.int64, device=device))
-            for _ in modules)
-        self.graphed_callables = make_graphed_callables(modules, sample_args,
+            for _ in captured)
+        self.graphed_callables = make_graphed_callables(tuple(captured), sample_args,
                                                         backend=self.backend_name)
-        self.sublayer_fns = list(self.graphed_callables)
+        graphed = dict(zip(map(id, captured), self.graphed_callables))
+        self.sublayer_fns = [graphed.get(id(sub), sub) for sub in subs]  # MoE: the eager module
         return self
 
     def forward(self, input_ids: Tensor, dropout_seed: Tensor) -> Tensor:
@@ -59,4 +59,5 @@ class GraphedSublayersModel:
         return list(self.graphed_callables.graphs()) if self.graphed_callables else []
 
     def describe(self) -> dict:
-        return {"scopes": ["attn", "mlp"], "graphs": len(self.graphs()), "recompute_graphs": 0}
+        scopes = ["attn"] if self.model.cfg.is_moe else ["attn", "mlp"]
+        return {"scopes": scopes, "graphs": len(self.graphs()), "recompute_graphs": 0}
