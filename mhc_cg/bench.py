@@ -163,7 +163,8 @@ def recompute_traffic(graphed, block: int = 0) -> dict[str, int]:
     """Bytes the recompute of ``block`` must move at least, from a prepared ``GraphedStaticModel``.
 
     An approximation: each byte read or written once, temporaries in cache (none spill), so
-    ``read`` = the block's persistent inputs (x_l0, every sublayer's F output, the dropout seed)
+    ``read`` = the block's persistent inputs (x_l0, every sublayer's F output, the dropout seed,
+    and fc1's output where activation recompute keeps it)
     + its mHC parameters (``HyperConnection`` and the pre-F RMSNorm weight of each sublayer), and
     ``write`` = the arena (one block's transient state; the arena is sized by the first block).
     """
@@ -173,6 +174,9 @@ def recompute_traffic(graphed, block: int = 0) -> dict[str, int]:
     layers = runtime.blocks[block]
     inputs = _nbytes(pset.block_inputs[block]) + _nbytes(pset.seed) + sum(
         _nbytes(pset.fn_outputs[(first + i, k)]) for i in range(len(layers)) for k in range(2))
+    # with activation recompute the block also re-derives the gelu output from fc1's output
+    fc1 = getattr(pset, "fc1_outputs", {})
+    inputs += sum(_nbytes(fc1[first + i]) for i in range(len(layers)) if first + i in fc1)
     params = sum(_nbytes(p) for layer in layers for sub in (layer.attention, layer.mlp)
                  for module in (sub.hc, sub.norm) for p in module.parameters())
     write = runtime.arena.nbytes
