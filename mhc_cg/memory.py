@@ -18,12 +18,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from torch import nn
+
 import torch
 from torch import Tensor
 
-from .memory_model import (block_persistent_elements, no_recompute_elements_per_layer,
-                           saved_elements_per_layer)
-from .model import MHCGPT, MHCGPTConfig
+from .memory_model import (block_persistent_elements, mlp_activation_elements,
+                           no_recompute_elements_per_layer, saved_elements_per_layer)
+from .model import MLP, MHCGPT, MHCGPTConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -65,9 +67,16 @@ def _forward_saved(model_cfg: MHCGPTConfig, micro_batch_size: int, device: str,
     head_bytes, _ = _unique_storage_bytes(saved[after_layers:], params | embed_keys | layer_keys)
     managers = getattr(model, "recompute_managers", []) if model_cfg.recompute == "block" else []
     manager_bytes = sum(m.held_bytes() for m in managers)
+    # each gelu checkpoint (activation recompute) holds an RNG state until its backward
+    manager_bytes += sum(_activation_checkpoint_bytes(m) for m in model.modules())
     return {"layers_saved_bytes": layer_bytes, "manager_bytes": manager_bytes,
             "embedding_saved_bytes": embed_bytes, "head_saved_bytes": head_bytes,
             "num_blocks": len(managers)}
+
+
+def _activation_checkpoint_bytes(module: nn.Module) -> int:
+    ckpt = getattr(module, "activation_checkpoint", None) if isinstance(module, MLP) else None
+    return 0 if ckpt is None or ckpt.rng_state is None else ckpt.rng_state.nbytes()
 
 
 def recompute_blocks(model_cfg: MHCGPTConfig) -> list[int]:
@@ -91,7 +100,8 @@ def analytical_bytes_per_layer(model_cfg: MHCGPTConfig, micro_batch_size: int,
     block = sum(block_persistent_elements(n, c, size) for size in recompute_blocks(model_cfg))
     return {"none": saved_elements_per_layer(n, c, dropout) * scale,
             "design_none": no_recompute_elements_per_layer(n, c) * scale,
-            "block": block * scale / layers}
+            "block": block * scale / layers,
+            "activation": mlp_activation_elements(model_cfg.ffn_hidden_size) * scale}
 
 
 def measure_saved_bytes(model_cfg: MHCGPTConfig, micro_batch_size: int, device: str = "meta",
@@ -103,6 +113,9 @@ def measure_saved_bytes(model_cfg: MHCGPTConfig, micro_batch_size: int, device: 
     managers hold, divided by the number of layers) and the raw parts; ``model`` is the
     analytical mHC state per layer; ``difference`` compares ``none - block`` measured with the
     same difference in the model (attention and MLP internals are saved in both modes and cancel).
+    ``activation`` repeats both modes with ``recompute_activation`` on every layer (seed 003):
+    ``saved_per_layer`` (none - this, block - this) is what dropping the gelu output saves per
+    layer, to compare with ``model["activation"]`` (ffn per token) less an RNG state per layer.
     """
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -129,4 +142,14 @@ def measure_saved_bytes(model_cfg: MHCGPTConfig, micro_batch_size: int, device: 
                             "design_model": design_diff,
                             "design_relative_error": (measured_diff - design_diff) / design_diff}
     result["block_over_none"] = result["block"]["per_layer_bytes"] / result["none"]["per_layer_bytes"]
+    if not model_cfg.is_moe:  # activation recompute is for the dense MLP's gelu
+        act_cfg = replace(model_cfg, recompute_activation=True, recompute_activation_layers=None)
+        activation: dict = {"saved_per_layer": {}}
+        for mode in ("none", "block"):
+            raw = _forward_saved(replace(act_cfg, recompute=mode), micro_batch_size, device, dtype)
+            raw["per_layer_bytes"] = (raw["layers_saved_bytes"] + raw["manager_bytes"]) / layers
+            activation[mode] = raw
+            activation["saved_per_layer"][mode] = (result[mode]["per_layer_bytes"]
+                                                   - raw["per_layer_bytes"])
+        result["activation"] = activation
     return result

@@ -57,6 +57,12 @@ def arena_elements(num_streams: int, hidden_size: int, layers_in_block: int) -> 
     return 2 * layers_in_block * sublayer_transient_elements(num_streams, hidden_size)
 
 
+def mlp_activation_elements(ffn_hidden_size: int) -> int:
+    """The MLP's gelu output per token and layer: what activation recompute (seed 003) no longer
+    keeps. Its input, fc1's output (also ``ffn`` per token), stays: the gelu's backward needs it."""
+    return ffn_hidden_size
+
+
 def paper_block_size(num_streams: int, num_layers: int) -> int:
     """L_r* ~ sqrt(n*L / (n + 2)) (mHC paper, section 4.3.2), clamped to [1, L]."""
     return max(1, min(num_layers, round(math.sqrt(num_streams * num_layers / (num_streams + 2)))))

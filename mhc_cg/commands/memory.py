@@ -50,6 +50,7 @@ def format_table(r: dict, cfg) -> str:
              f"{_mib(r['model']['block']):>16}{_mib(r['difference']['model']):>16}",
              f"{'mHC state, DESIGN.md model':34}{_mib(r['model']['design_none']):>16}"
              f"{_mib(r['model']['block']):>16}{_mib(r['difference']['design_model']):>16}",
+             *_activation_lines(r),
              f"block / none (measured): {r['block_over_none']:.3f}",
              f"(none - block) measured vs saved-tensor model: "
              f"{100 * r['difference']['relative_error']:+.1f}%; vs DESIGN.md model: "
@@ -58,6 +59,21 @@ def format_table(r: dict, cfg) -> str:
              f"{r['block']['num_blocks']} blocks; outside the layers: embedding "
              f"{r['none']['embedding_saved_bytes']} B, head {r['none']['head_saved_bytes']} B"]
     return "\n".join(lines)
+
+
+def _activation_lines(r: dict) -> list[str]:
+    """Rows for ``recompute_activation`` (seed 003), when the model has a dense MLP."""
+    act = r.get("activation")
+    if act is None:
+        return []
+    saved = act["saved_per_layer"]
+    return [f"{'measured, + recompute_activation':34}{_mib(act['none']['per_layer_bytes']):>16}"
+            f"{_mib(act['block']['per_layer_bytes']):>16}"
+            f"{_mib(act['none']['per_layer_bytes'] - act['block']['per_layer_bytes']):>16}",
+            f"{'  saved by recompute_activation':34}{_mib(saved['none']):>16}"
+            f"{_mib(saved['block']):>16}",
+            f"{'  gelu output, model (ffn per token)':34}{_mib(r['model']['activation']):>16}"
+            f"{_mib(r['model']['activation']):>16}"]
 
 
 def run(args: argparse.Namespace) -> int:
