@@ -198,6 +198,33 @@ def test_graphed_static_training_bit_identical_with_mlp_scope_on_tape():
     assert result.mode == "eager_block"
 
 
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_pipeline_order_with_shared_arena_and_sets_bit_identical(monkeypatch, block_size):
+    """pp=4, vpp=2, rank 0: two chunks share the arena and the set pool, many microbatches in flight."""
+    import test_static_pipeline as pipeline
+    from mhc_cg.schedule import pipeline_order
+
+    order = pipeline_order(4, 0, 8, vpp_size=2)
+    ref_model, ref_grads = pipeline.eager_run(order)  # no recompute at all
+    plain_model = pipeline.rank_model
+
+    def act_model():
+        model = plain_model()
+        cfg = dataclasses.replace(model.cfg, recompute_activation=True)
+        torch.manual_seed(0)
+        return MHCGPT(cfg).train()
+
+    monkeypatch.setattr(pipeline, "rank_model", act_model)
+    model, grads, runtimes, _ = pipeline.static_run(order, block_size=block_size, graphs=True)
+    assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+    ref_params = dict(ref_model.named_parameters())
+    bad = [n for n, p in model.named_parameters()
+           if ref_params[n].grad is not None and not torch.equal(p.grad, ref_params[n].grad)]
+    assert not bad, bad
+    assert all(layer.mlp.fn.recompute_activation for layer in model.layers)
+    assert sorted(runtimes[1].sets.all_sets()[0].fc1_outputs) == [0, 1]
+
+
 def test_a_graphed_mlp_with_more_than_one_persistent_set_is_refused():
     model = make_model(recompute_activation=True)
     runtime = build_static_recompute(list(model.layers), 2, seq_length=SEQ, micro_batch_size=MBS,
