@@ -102,13 +102,19 @@ def resolve_mode(cfg: RunConfig) -> str:
 
 def build_for_mode(cfg: RunConfig, mode: str, device: torch.device, *,
                    default_scopes: tuple[str, ...] = ("attn", "mhc_recompute")):
-    """``(model, forward)`` for ``mode``; ``forward(input_ids, seed) -> logits``.
+    """``(model, forward, graphed)`` for ``mode``; ``forward(input_ids, seed) -> logits``.
 
     The weights depend only on ``cfg.train.seed``, never on the mode, so modes can be compared.
     """
     if mode not in MODES:
         raise ConfigError(f"--mode: must be one of {list(MODES)}, got {mode!r}")
-    model_cfg = dataclasses.replace(cfg.model, recompute="block" if mode == "eager_block" else "none")
+    # The "none" modes are the references: no recompute of any kind. Activation recompute frees
+    # a storage, which no graph can hold, so graphed_none could not capture it anyway.
+    no_recompute = mode in ("eager_none", "graphed_none")
+    model_cfg = dataclasses.replace(
+        cfg.model, recompute="block" if mode == "eager_block" else "none",
+        recompute_activation=cfg.model.recompute_activation and not no_recompute,
+        recompute_activation_layers=None if no_recompute else cfg.model.recompute_activation_layers)
     torch.manual_seed(cfg.train.seed)
     model = MHCGPT(model_cfg).to(device).train()
     if mode == "graphed_none":  # sublayers as graphs, no recompute (mhc_cg.graphed_sublayers)
