@@ -396,7 +396,7 @@ class MHCGPT(nn.Module):
         self.recompute_managers = []
         for start in range(0, len(self.layers), block_size):
             block = range(start, min(start + block_size, len(self.layers)))
-            manager = BlockRecomputeManager()
+            manager = BlockRecomputeManager(name=f"block{start // block_size}")
             self.recompute_managers.append(manager)
             with manager.forward_scope():
                 x_source = None  # the block input is persistent, not refilled

@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from .checkpoint import DISCARDED, CheckpointWithoutOutput, RNGState
+from .nvtx_ranges import nvtx_range
 
 IDLE, ARMED, RECOMPUTED = "idle", "armed", "recomputed"
 
@@ -38,8 +39,9 @@ class BlockRecomputeManager:
     forward's. ``trace`` lists the checkpoint names in the order the last recompute ran them.
     """
 
-    def __init__(self, *, debug: bool = False):
+    def __init__(self, *, debug: bool = False, name: str = "block"):
         self.debug = debug
+        self.name = name  # the profiler range of the recompute: recompute/0/-/{name}
         self.checkpoints: list[CheckpointWithoutOutput] = []
         self.trace: list[str] = []
         self.state = IDLE
@@ -167,10 +169,11 @@ class BlockRecomputeManager:
         """Recompute every checkpoint in forward order, refilling inputs from their sources."""
         recomputed: list[tuple[Tensor, ...]] = []
         self.trace = []
-        for ckpt in self.checkpoints:
-            fills = {i: recomputed[src][out] for i, (src, out) in self._resolved[ckpt.name].items()}
-            recomputed.append(ckpt.recompute(fills))
-            self.trace.append(ckpt.name)
+        with nvtx_range("recompute", 0, None, self.name):
+            for ckpt in self.checkpoints:
+                fills = {i: recomputed[src][out] for i, (src, out) in self._resolved[ckpt.name].items()}
+                recomputed.append(ckpt.recompute(fills))
+                self.trace.append(ckpt.name)
         self.state = RECOMPUTED
         self._hook = None  # fired; autograd drops it with the graph
 

@@ -102,6 +102,9 @@ class Timeline:
     ranges: list[RangeEvent]
     launches: list[LaunchCall]
     work: list[DeviceWork]
+    # CPU-only traces: every operator ``(start, end, thread)``, nested ones included, so that a range
+    # opened inside an operator (a recompute hook inside an autograd node) still sees its own work
+    cpu_ops: list[tuple[int, int, Hashable]] = field(default_factory=list)
 
     @property
     def gpu_time_meaning(self) -> str:
@@ -289,10 +292,11 @@ def _read_chrome_trace(path: Path) -> Timeline:
                                    call.start if call else start))
         return Timeline(path, KIND_CHROME_GPU, ranges, launches, work)
 
-    ops = _top_level([(*span(e), thread(e)) for e in complete if e.get("cat") == "cpu_op"])
+    all_ops = [(*span(e), thread(e)) for e in complete if e.get("cat") == "cpu_op"]
+    ops = _top_level(all_ops)
     launches = [LaunchCall(s, e, t) for s, e, t in ops]
     work = [DeviceWork(s, e, t, s) for s, e, t in ops]
-    return Timeline(path, KIND_CHROME_CPU, ranges, launches, work)
+    return Timeline(path, KIND_CHROME_CPU, ranges, launches, work, cpu_ops=all_ops)
 
 
 def _top_level(ops: list[tuple[int, int, Hashable]]) -> list[tuple[int, int, Hashable]]:
@@ -375,9 +379,16 @@ def range_stats(timeline: Timeline) -> dict[str, RangeStats]:
     work = _ThreadIndex([w for w in timeline.work if w.launch_thread is not None],
                         lambda w: w.launch_thread, lambda w: w.launch_time)
     stats: dict[str, RangeStats] = {}
+    cpu_ops = _ThreadIndex(timeline.cpu_ops, lambda o: o[2], lambda o: o[0])
     for r in sorted(timeline.ranges, key=lambda r: (r.start, -r.end)):
-        calls = launches.within(r.thread, r.start, r.end)
-        issued = work.within(r.thread, r.start, r.end)
+        if timeline.kind == KIND_CHROME_CPU:
+            # the operators that are outermost *within* this range (a range may sit inside an op)
+            inside = _top_level(cpu_ops.within(r.thread, r.start, r.end))
+            calls = [LaunchCall(s, e, t) for s, e, t in inside]
+            issued = [DeviceWork(s, e, t, s) for s, e, t in inside]
+        else:
+            calls = launches.within(r.thread, r.start, r.end)
+            issued = work.within(r.thread, r.start, r.end)
         busy, idle = _work_stats(issued)
         one = RangeStats(count=1, wall_ns=r.end - r.start, gpu_ns=busy, kernels=len(issued),
                          launches=len(calls), launch_gap_ns=_gaps_ns(calls), idle_ns=idle)

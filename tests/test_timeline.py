@@ -135,6 +135,22 @@ def test_cpu_only_chrome_trace_counts_top_level_ops_as_device_work(tmp_path):
     assert (total.kernels, total.gpu_ns) == (5, 65_000)
 
 
+def test_cpu_range_opened_inside_an_operator_counts_the_operators_it_contains(tmp_path):
+    """A recompute hook runs inside an autograd node: its range sits inside a top-level op."""
+    events = [
+        _x("autograd::engine::evaluate_function", "cpu_op", 0, 100),
+        _x("recompute/0/-/block0", "user_annotation", 10, 60),
+        _x("aten::mul", "cpu_op", 15, 10), _x("aten::mul_inner", "cpu_op", 16, 2),  # nested
+        _x("aten::add", "cpu_op", 40, 20),
+        _x("aten::sum", "cpu_op", 80, 10),  # after the range
+    ]
+    path = tmp_path / "nested.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    stats = range_stats(read_timeline(path))["recompute/0/-/block0"]
+    # outermost ops inside [10, 70]: [15, 25] and [40, 60]; busy 30 us, idle 45 - 30 = 15 us
+    assert (stats.kernels, stats.gpu_ns, stats.idle_ns) == (2, 30_000, 15_000)
+
+
 def test_gpu_chrome_trace_joins_kernels_to_launches_by_correlation(tmp_path):
     events = [
         _x("bwd/0/1/2", "user_annotation", 0, 50),
