@@ -135,9 +135,11 @@ class GraphedStaticModel:
 
         cfg = self.model.cfg
         layers = list(self.model.layers)
+        dtype = self.model.embedding.weight.dtype  # activations follow the parameters
         self.runtime = build_static_recompute(
             layers, self.block_size, seq_length=cfg.seq_length,
-            micro_batch_size=self.micro_batch_size, capacity=self.capacity, device=device)
+            micro_batch_size=self.micro_batch_size, capacity=self.capacity, device=device,
+            dtype=dtype)
         self.backend = get_backend(self.backend_name)
         modules, keys = [], []
         for index, layer in enumerate(layers):
@@ -155,7 +157,7 @@ class GraphedStaticModel:
         if modules:
             width = cfg.num_streams * cfg.hidden_size
             sample_args = tuple(
-                (torch.zeros(cfg.seq_length, self.micro_batch_size, width, device=device,
+                (torch.zeros(cfg.seq_length, self.micro_batch_size, width, device=device, dtype=dtype,
                              requires_grad=True),
                  torch.zeros((), dtype=torch.int64, device=device))
                 for _ in modules)

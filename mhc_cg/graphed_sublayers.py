@@ -34,8 +34,9 @@ class GraphedSublayersModel:
         subs = [sub for layer in self.model.layers for sub in (layer.attention, layer.mlp)]
         captured = [sub for sub in subs if not isinstance(sub.fn, MoEMLP)]
         width = cfg.num_streams * cfg.hidden_size
+        dtype = self.model.embedding.weight.dtype
         sample_args = tuple(
-            (torch.zeros(cfg.seq_length, self.micro_batch_size, width, device=device,
+            (torch.zeros(cfg.seq_length, self.micro_batch_size, width, device=device, dtype=dtype,
                          requires_grad=True),
              torch.zeros((), dtype=torch.int64, device=device))
             for _ in captured)

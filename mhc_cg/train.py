@@ -85,6 +85,8 @@ class ProgressBar:
         sys.stderr.flush()
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 MODES = ("eager_none", "eager_block", "graphed_none", "graphed_static")
 
 
@@ -116,7 +118,8 @@ def build_for_mode(cfg: RunConfig, mode: str, device: torch.device, *,
         recompute_activation=cfg.model.recompute_activation and not no_recompute,
         recompute_activation_layers=None if no_recompute else cfg.model.recompute_activation_layers)
     torch.manual_seed(cfg.train.seed)
-    model = MHCGPT(model_cfg).to(device).train()
+    # weights are made in fp32 (same init for every dtype), then cast
+    model = MHCGPT(model_cfg).to(device=device, dtype=DTYPES[cfg.train.dtype]).train()
     if mode == "graphed_none":  # sublayers as graphs, no recompute (mhc_cg.graphed_sublayers)
         from .graphed_sublayers import GraphedSublayersModel
 
@@ -168,7 +171,7 @@ def train(cfg: RunConfig, *, steps: int | None = None, device: str | None = None
                 with nvtx_range("forward"):
                     def forward_loss():
                         logits = forward(inputs, seed)
-                        return F.cross_entropy(logits.flatten(0, 1),
+                        return F.cross_entropy(logits.flatten(0, 1).float(),
                                                targets.flatten()) / cfg.train.num_microbatches
                     if step == 0 and loss_sum == 0.0 and result.held_bytes_per_microbatch is None:
                         # the first step is excluded from the median time; probe memory there

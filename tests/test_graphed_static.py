@@ -128,3 +128,17 @@ def test_persistent_bytes_per_microbatch_match_the_planner():
                        micro_batch_size=cfg.train.micro_batch_size, num_streams=m.num_streams,
                        dtype="fp32", recompute_layers=m.recompute_layers)
     assert graphed.runtime.sets.nbytes_per_set == shape.persistent_set_bytes(m.num_layers)
+
+
+def test_bf16_graphed_static_bit_identical_to_eager_bf16():
+    """train.dtype bf16: parameters, activations and every slot in bf16, still bit for bit."""
+    cfg = small_config(["attn", "mlp", "mhc_recompute"])
+    cfg.train = dataclasses.replace(cfg.train, dtype="bf16")
+    reference, ref_grads = grads_per_step(cfg, "eager_none", 3)
+    graphed, got_grads = grads_per_step(cfg, "graphed_static", 3)
+    assert graphed.losses == reference.losses
+    for want, got in zip(ref_grads, got_grads):
+        assert all(got[n].dtype == torch.bfloat16 and torch.equal(want[n], got[n]) for n in want)
+    fp32 = build_for_mode(small_config(["attn", "mlp", "mhc_recompute"]), "graphed_static",
+                          torch.device("cpu"))[2]
+    assert graphed.info["arena_bytes"] * 2 == fp32.runtime.arena.nbytes  # same layout, half the bytes
