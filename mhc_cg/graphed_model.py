@@ -115,6 +115,16 @@ class GraphedStaticModel:
                 "scope 'moe' captures the whole MoE layer, whose dispatch has data-dependent "
                 "shapes; use [moe_router] or [moe_router, moe_preprocess] (partial capture)")
         self.model, self.scopes = model, tuple(scopes)
+        sublayer_scopes = {"attn", "mlp", "moe_router", "moe_preprocess"} & set(scopes)
+        if capacity > 1 and sublayer_scopes:
+            # one graph per sublayer serves every microbatch: a second forward replay before the
+            # first one's backward would overwrite the activations that backward reads
+            raise StaticRecomputeError(
+                f"capacity={capacity} microbatches in flight with graphed sublayers "
+                f"{sorted(sublayer_scopes)}: each sublayer has one graph here, valid for one "
+                f"microbatch at a time; for pipelined schedules capture one graph per (chunk, "
+                f"microbatch, layer) with make_graphed_callables(..., order=pipeline_order(...)) "
+                f"(see tests/test_static_pipeline.py), or graph only mhc_recompute")
         self.micro_batch_size, self.capacity = micro_batch_size, capacity
         self.block_size = block_size or model.cfg.resolved_recompute_layers
         self.backend_name = backend

@@ -142,3 +142,17 @@ def test_bf16_graphed_static_bit_identical_to_eager_bf16():
     fp32 = build_for_mode(small_config(["attn", "mlp", "mhc_recompute"]), "graphed_static",
                           torch.device("cpu"))[2]
     assert graphed.info["arena_bytes"] * 2 == fp32.runtime.arena.nbytes  # same layout, half the bytes
+
+
+def test_graphed_sublayers_with_several_microbatches_in_flight_are_refused():
+    from mhc_cg.graphed_model import GraphedStaticModel
+    from mhc_cg.model import MHCGPT
+    from mhc_cg.static_recompute import StaticRecomputeError
+
+    cfg = small_config(["attn", "mhc_recompute"])
+    with pytest.raises(StaticRecomputeError, match="order=pipeline_order"):
+        GraphedStaticModel(MHCGPT(cfg.model), ["attn", "mhc_recompute"], micro_batch_size=4,
+                           backend="tape", capacity=2)
+    # the recompute graphs alone are per slot set: any number in flight
+    GraphedStaticModel(MHCGPT(cfg.model), ["mhc_recompute"], micro_batch_size=4, backend="tape",
+                       capacity=2)
