@@ -52,6 +52,10 @@ class ModelShape:
     num_streams: int = 4
     dtype: str = "bf16"
     recompute_layers: int | None = None  # L_r; None: the paper's sqrt(n*L/(n+2)) over a chunk
+    # activation recompute keeps fc1's output (ffn per token) in the set for this many layers
+    # of the chunk; ffn_hidden_size None means 4 * hidden_size
+    activation_recompute_layers: int = 0
+    ffn_hidden_size: int | None = None
 
     def __post_init__(self):
         problems = [f"{name}: must be a positive integer, got {getattr(self, name)!r}"
@@ -84,11 +88,14 @@ class ModelShape:
         return self.tokens * self.num_streams * self.hidden_size * self.element_bytes
 
     def persistent_set_bytes(self, layers_per_chunk: int) -> int:
-        """One persistent slot set: x_l0 per block, F output per sublayer, the dropout seed."""
+        """One persistent slot set: x_l0 per block, F output per sublayer, the dropout seed, and
+        fc1's output for each layer that recomputes its activation."""
         size = self.block_size(layers_per_chunk)
         blocks = [min(size, layers_per_chunk - start) for start in range(0, layers_per_chunk, size)]
         elements = sum(memory_model.block_persistent_elements(self.num_streams, self.hidden_size, b)
                        for b in blocks)
+        ffn = self.ffn_hidden_size or 4 * self.hidden_size
+        elements += min(self.activation_recompute_layers, layers_per_chunk) * ffn
         return elements * self.tokens * self.element_bytes + SEED_BYTES
 
     def arena_bytes(self, layers_per_chunk: int) -> int:

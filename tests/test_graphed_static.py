@@ -156,3 +156,16 @@ def test_graphed_sublayers_with_several_microbatches_in_flight_are_refused():
     # the recompute graphs alone are per slot set: any number in flight
     GraphedStaticModel(MHCGPT(cfg.model), ["mhc_recompute"], micro_batch_size=4, backend="tape",
                        capacity=2)
+
+
+def test_persistent_bytes_with_activation_recompute_match_the_planner():
+    cfg = small_config(["attn", "mhc_recompute"])
+    cfg.model = dataclasses.replace(cfg.model, recompute_activation=True,
+                                    recompute_activation_layers=3)
+    _, _, graphed = build_for_mode(cfg, "graphed_static", torch.device("cpu"))
+    m = cfg.model
+    shape = ModelShape(hidden_size=m.hidden_size, seq_length=m.seq_length,
+                       micro_batch_size=cfg.train.micro_batch_size, num_streams=m.num_streams,
+                       dtype="fp32", recompute_layers=m.recompute_layers,
+                       activation_recompute_layers=3, ffn_hidden_size=m.ffn_hidden_size)
+    assert graphed.runtime.sets.nbytes_per_set == shape.persistent_set_bytes(m.num_layers)
