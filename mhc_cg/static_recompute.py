@@ -141,11 +141,16 @@ class StaticRecompute:
         self.active_set: PersistentSlotSet | None = None  # the set of the forward in progress
         self._mlp_index = {id(layer.mlp): i for i, layer in enumerate(self.layers)}
         self.recompute_graphs: dict[tuple[int, int], object] = {}
+        # Parameters (and views of them, e.g. a transposed weight) are saved as they are: they do
+        # not change between a forward and its backward, so copying them into slots is waste.
+        self._param_storages = {p.untyped_storage().data_ptr()
+                                for layer in self.layers for p in layer.parameters()}
         self.trace: list[str] = []  # what ran, in order (for tests and debugging)
 
     # -- hooks ------------------------------------------------------------------------------
     def _pack(self, t: Tensor) -> Tensor:
-        if self._in_fn or self.arena.contains(t):
+        if (self._in_fn or self.arena.contains(t)
+                or t.untyped_storage().data_ptr() in self._param_storages):
             return t
         return self._cursor.save(t)
 
