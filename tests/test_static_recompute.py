@@ -189,3 +189,20 @@ def test_moe_partial_capture_signal_unwinding_the_forward_leaves_nothing_claimed
     assert runtime.sets.in_use == 0
     got = static_grads(model, runtime, data)
     assert all(torch.equal(got[n], expected[n]) for n in expected)
+
+
+@pytest.mark.parametrize("block_size,dropout", [(1, 0.2), (2, 0.2), (2, 0.0)])
+def test_arena_holds_one_block_of_the_saved_tensor_model(block_size, dropout):
+    """The arena is what autograd saves of one block's mHC ops, nothing more: the op-by-op model
+    of memory_model.sublayer_saved_elements, up to the 64-byte alignment of each slot."""
+    from mhc_cg.arena import ALIGN_BYTES
+    from mhc_cg.memory_model import sublayer_saved_elements
+
+    model = tiny_model(dropout=dropout)
+    runtime = build_static_recompute(list(model.layers), block_size, seq_length=SEQ,
+                                     micro_batch_size=MBS, capacity=1, device="cpu")
+    cfg = model.cfg
+    per_token = sublayer_saved_elements(cfg.num_streams, cfg.hidden_size, dropout > 0)
+    expected = 2 * block_size * per_token * SEQ * MBS * 4
+    slots = sum(len(r.slots) for r in runtime.arena.regions.values())
+    assert expected <= runtime.arena.nbytes <= expected + slots * ALIGN_BYTES
