@@ -313,6 +313,10 @@ class StaticRecompute:
             raise StaticRecomputeError(
                 f"chunk input has shape {tuple(x.shape)} but the static buffers were laid out for "
                 f"{expected} ([seq, micro_batch, n*hidden]); shapes are fixed under static buffers")
+        if not x.requires_grad and torch.is_grad_enabled():
+            # autograd saves less when the input needs no gradient, and the slot layout was fixed
+            # for one that does; a frozen first stage pays one unused input gradient instead
+            x = x.detach().requires_grad_()
         pset = self.sets.acquire()
         self.active_set = pset
         handles = []
