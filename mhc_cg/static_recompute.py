@@ -280,7 +280,16 @@ class StaticRecompute:
                     self.recompute_activation_slot(position, pset.fc1_outputs[first + position])
 
     def capture_recompute_graphs(self, backend) -> None:
-        """One recompute graph per (block, persistent set), each with a private pool."""
+        """One recompute graph per (block, persistent set), each with a private pool.
+
+        Each block's recompute runs once eagerly first, in the backend's warmup context (a side
+        stream on CUDA), so that lazy library setup (cuBLAS handles, workspaces) never happens
+        inside a capture. It writes slots that the next forward overwrites anyway.
+        """
+        with backend.warmup():
+            for block in range(len(self.blocks)):
+                self.recompute_block(block, self.sets.all_sets()[0])
+        backend.synchronize()
         for pset in self.sets.all_sets():
             for block in range(len(self.blocks)):
                 key = (block, pset.index)
