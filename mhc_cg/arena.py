@@ -105,7 +105,9 @@ class Arena:
 
     # -- addresses ---------------------------------------------------------------------------
     def contains(self, t: Tensor) -> bool:
-        if self.buffer is None or t.device != self.device:
+        # compare device types only: torch.device("cuda") != torch.device("cuda:0"), and
+        # addresses of different GPUs never overlap (unified virtual addressing)
+        if self.buffer is None or t.device.type != self.buffer.device.type:
             return False
         start = self.buffer.data_ptr()
         return start <= t.untyped_storage().data_ptr() < start + self.buffer.numel()
