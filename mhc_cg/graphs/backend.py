@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import itertools
 import linecache
 import os
 import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -393,19 +394,73 @@ class PoolOrder:
         self.cursor = 0
 
 
+class Pool:
+    """Graphs that share memory, and their replay order. Backends subclass it per kind."""
+
+    kind = "pool"  # the backend's name, for messages
+    _ids: itertools.count  # per subclass
+
+    def __init__(self, private: bool = False):
+        self.id = next(self._ids)
+        self.private = private
+        self.order = PoolOrder(f"{self.kind} pool {self.id}")
+
+    def __repr__(self) -> str:
+        return (f"<{type(self).__name__} {self.id}{' (private)' if self.private else ''}: "
+                f"{len(self.order.sequence)} graphs>")
+
+
 class Graph(ABC):
-    """One captured sequence of device work."""
+    """One captured sequence of device work: new -> capturing -> captured (or failed).
 
-    name: str
-    stats: CaptureSafetyReport
+    The life cycle and the pool's replay order live here; a backend provides ``_record`` (a
+    context manager around the captured body that sets ``self.stats`` when it completes) and
+    ``_replay``.
+    """
 
-    @abstractmethod
-    def capture(self) -> ContextManager[None]:
+    _ids: itertools.count  # per subclass
+
+    def __init__(self, pool: Pool):
+        self.pool = pool
+        self.name = f"{pool.kind} graph {next(self._ids)} (pool {pool.id})"
+        self.stats = CaptureSafetyReport()
+        self.replays = 0
+        self._state = "new"
+
+    def __repr__(self) -> str:
+        return f"<{self.name}: {self._state}>"
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
         """Run the body once, recording its ops. A graph is captured at most once."""
+        if self._state != "new":
+            raise GraphCaptureError(f"{self.name}: capture() called on a graph that is {self._state}; "
+                                    f"make a new graph with backend.new_graph()")
+        self._state = "capturing"
+        try:
+            with self._record():
+                yield
+        except BaseException:
+            self._state = "failed"
+            raise
+        self._state = "captured"
+        self.pool.order.captured(self)
 
-    @abstractmethod
     def replay(self) -> None:
         """Re-run the recorded ops on the recorded tensors; runs no Python of the user's."""
+        if self._state != "captured":
+            raise GraphReplayError(f"{self.name}: replay() of a graph that is {self._state}")
+        self.pool.order.check_replay(self)
+        self._replay()
+        self.replays += 1
+
+    @abstractmethod
+    def _record(self) -> ContextManager[None]:
+        """Record the body; on success set ``self.stats``."""
+
+    @abstractmethod
+    def _replay(self) -> None:
+        """Run the recorded work once."""
 
 
 class GraphBackend(ABC):
@@ -413,14 +468,21 @@ class GraphBackend(ABC):
 
     name: str
     device: str
+    pool_type: type[Pool]
+    graph_type: type[Graph]
 
-    @abstractmethod
-    def new_pool(self) -> Any:
-        """An opaque pool that graphs may share."""
+    def new_pool(self) -> Pool:
+        """A pool that graphs may share."""
+        return self.pool_type()
 
-    @abstractmethod
-    def new_graph(self, pool: Any = None) -> Graph:
+    def new_graph(self, pool: Pool | None = None) -> Graph:
         """A fresh graph; ``pool=None`` gives it a private pool."""
+        if pool is None:
+            pool = self.pool_type(private=True)
+        elif not isinstance(pool, self.pool_type):
+            raise TypeError(f"{self.name} backend: new_graph(pool=...) takes a pool from "
+                            f"new_pool() or None, got {type(pool).__name__}")
+        return self.graph_type(pool)
 
     def warmup(self) -> ContextManager[None]:
         """Context for eager warmup iterations (a side stream on CUDA)."""

@@ -14,8 +14,7 @@ from typing import Iterator
 
 import torch
 
-from .backend import CaptureGuardMode, CaptureSafetyReport, Graph, GraphBackend, GraphCaptureError, \
-    GraphReplayError, PoolOrder
+from .backend import CaptureGuardMode, Graph, GraphBackend, Pool
 
 
 def _require_cuda(what: str) -> None:
@@ -24,22 +23,17 @@ def _require_cuda(what: str) -> None:
                            f"use backend='tape' to emulate graphs on the CPU")
 
 
-class CudaPool:
+class CudaPool(Pool):
     """A ``torch.cuda.graph_pool_handle()`` and the replay order of the graphs that share it."""
 
+    kind = "cuda"
     _ids = itertools.count()
 
     def __init__(self, handle=None, private: bool = False):
         _require_cuda("a CUDA graph pool")
-        self.id = next(self._ids)
-        self.private = private
+        super().__init__(private)
         # A private pool: let torch.cuda.graph make one for the graph (pool=None).
         self.handle = handle if handle is not None or private else torch.cuda.graph_pool_handle()
-        self.order = PoolOrder(f"cuda pool {self.id}")
-
-    def __repr__(self) -> str:
-        return f"<CudaPool {self.id}{' (private)' if self.private else ''}: " \
-               f"{len(self.order.sequence)} graphs>"
 
 
 class CudaGraph(Graph):
@@ -48,40 +42,19 @@ class CudaGraph(Graph):
     _ids = itertools.count()
 
     def __init__(self, pool: CudaPool):
-        self.pool = pool
-        self.name = f"cuda graph {next(self._ids)} (pool {pool.id})"
+        super().__init__(pool)
         self.graph = torch.cuda.CUDAGraph()
-        self.stats = CaptureSafetyReport()
-        self.replays = 0
-        self._state = "new"
-
-    def __repr__(self) -> str:
-        return f"<{self.name}: {self._state}>"
 
     @contextlib.contextmanager
-    def capture(self) -> Iterator[None]:
-        if self._state != "new":
-            raise GraphCaptureError(f"{self.name}: capture() called on a graph that is {self._state}; "
-                                    f"make a new graph with backend.new_graph()")
-        self._state = "capturing"
+    def _record(self) -> Iterator[None]:
         guard = CaptureGuardMode(self.name)
-        try:
-            with torch.cuda.graph(self.graph, pool=self.pool.handle):
-                with guard:
-                    yield
-            self.stats = guard.finish()
-        except BaseException:
-            self._state = "failed"
-            raise
-        self._state = "captured"
-        self.pool.order.captured(self)
+        with torch.cuda.graph(self.graph, pool=self.pool.handle):
+            with guard:
+                yield
+        self.stats = guard.finish()
 
-    def replay(self) -> None:
-        if self._state != "captured":
-            raise GraphReplayError(f"{self.name}: replay() of a graph that is {self._state}")
-        self.pool.order.check_replay(self)
+    def _replay(self) -> None:
         self.graph.replay()
-        self.replays += 1
 
 
 class CudaBackend(GraphBackend):
@@ -89,20 +62,11 @@ class CudaBackend(GraphBackend):
 
     name = "cuda"
     device = "cuda"
+    pool_type = CudaPool
+    graph_type = CudaGraph
 
     def __init__(self) -> None:
         _require_cuda("the 'cuda' graph backend")
-
-    def new_pool(self) -> CudaPool:
-        return CudaPool()
-
-    def new_graph(self, pool: CudaPool | None = None) -> CudaGraph:
-        if pool is None:
-            pool = CudaPool(private=True)
-        elif not isinstance(pool, CudaPool):
-            raise TypeError(f"{self.name} backend: new_graph(pool=...) takes a pool from "
-                            f"new_pool() or None, got {type(pool).__name__}")
-        return CudaGraph(pool)
 
     @contextlib.contextmanager
     def warmup(self) -> Iterator[None]:

@@ -420,8 +420,8 @@ def make_graphed_callables(
         runners.append(GraphedRunner(label, list(sample_kwargs[index]),
                                      _flat_tensors(sample_args[index], sample_kwargs[index]), params))
 
-    rng_state = _save_rng()
-    try:
+    # warmup and capture draw nothing the caller should see: the generators are put back after
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
         with backend_obj.warmup():
             for index, func in forwards:
                 runner = runners[index]
@@ -461,8 +461,6 @@ def make_graphed_callables(
                                   allow_unused_input)
             runner.static_grad_inputs = grads
         backend_obj.synchronize()
-    finally:
-        _restore_rng(rng_state)
 
     results = []
     for index, runner in enumerate(runners):
@@ -525,15 +523,3 @@ def _graphed_forward(module: torch.nn.Module, graphed: Callable) -> Callable:
 
     forward.runner = graphed.runner  # type: ignore[attr-defined]
     return forward
-
-
-def _save_rng() -> tuple:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    return torch.get_rng_state(), cuda
-
-
-def _restore_rng(state: tuple) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)

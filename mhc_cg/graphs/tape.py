@@ -38,8 +38,8 @@ from typing import Any, Iterator
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .backend import (CaptureGuardMode, CaptureSafetyReport, Graph, GraphBackend, GraphCaptureError,
-                      GraphReplayError, PoolOrder, user_source_line)
+from .backend import (CaptureGuardMode, Graph, GraphBackend, GraphCaptureError,
+                      GraphReplayError, Pool, user_source_line)
 
 aten = torch.ops.aten
 
@@ -150,19 +150,11 @@ def _host_read_traps(graph_name: str) -> Iterator[None]:
             setattr(torch.Tensor, name, method)
 
 
-class TapePool:
+class TapePool(Pool):
     """A pool of tape graphs: they keep their tensors alive and share one replay order."""
 
+    kind = "tape"
     _ids = itertools.count()
-
-    def __init__(self, private: bool = False):
-        self.id = next(self._ids)
-        self.private = private
-        self.order = PoolOrder(f"tape pool {self.id}")
-
-    def __repr__(self) -> str:
-        return f"<TapePool {self.id}{' (private)' if self.private else ''}: " \
-               f"{len(self.order.sequence)} graphs>"
 
 
 class TapeGraph(Graph):
@@ -171,42 +163,25 @@ class TapeGraph(Graph):
     _ids = itertools.count()
 
     def __init__(self, pool: TapePool):
-        self.pool = pool
-        self.name = f"tape graph {next(self._ids)} (pool {pool.id})"
+        super().__init__(pool)
         self.ops: list[RecordedOp] = []
-        self.stats = CaptureSafetyReport()
-        self.replays = 0
-        self._state = "new"
         self._storages: list[tuple[torch.Tensor, int, int, bool]] = []
 
     def __repr__(self) -> str:
         return f"<{self.name}: {len(self.ops)} ops, {self._state}>"
 
     @contextlib.contextmanager
-    def capture(self) -> Iterator[None]:
-        if self._state != "new":
-            raise GraphCaptureError(f"{self.name}: capture() called on a graph that is {self._state}; "
-                                    f"make a new graph with backend.new_graph()")
-        self._state = "capturing"
+    def _record(self) -> Iterator[None]:
         recorder = _TapeRecorder(self.name)
-        try:
-            with _host_read_traps(self.name), recorder:
-                yield
-            self.stats = recorder.finish()
-        except BaseException:
-            self._state = "failed"
-            raise
+        with _host_read_traps(self.name), recorder:
+            yield
+        self.stats = recorder.finish()
         self.ops = recorder.ops
         self.stats.ops_replayed = sum(op.kind != _KIND_SKIP for op in self.ops)
         self._storages = [(s.holder, s.nbytes, s.data_ptr, s.owned)
                           for s in recorder.book.storages.values()]
-        self._state = "captured"
-        self.pool.order.captured(self)
 
-    def replay(self) -> None:
-        if self._state != "captured":
-            raise GraphReplayError(f"{self.name}: replay() of a graph that is {self._state}")
-        self.pool.order.check_replay(self)
+    def _replay(self) -> None:
         for holder, nbytes, data_ptr, owned in self._storages:
             storage = holder.untyped_storage()
             if storage.nbytes() != nbytes or storage.data_ptr() != data_ptr:
@@ -218,7 +193,6 @@ class TapeGraph(Graph):
         with torch.no_grad():
             for op in self.ops:
                 op.replay()
-        self.replays += 1
 
 
 class TapeBackend(GraphBackend):
@@ -226,14 +200,5 @@ class TapeBackend(GraphBackend):
 
     name = "tape"
     device = "cpu"
-
-    def new_pool(self) -> TapePool:
-        return TapePool()
-
-    def new_graph(self, pool: TapePool | None = None) -> TapeGraph:
-        if pool is None:
-            pool = TapePool(private=True)
-        elif not isinstance(pool, TapePool):
-            raise TypeError(f"tape backend: new_graph(pool=...) takes a pool from "
-                            f"TapeBackend.new_pool() or None, got {type(pool).__name__}")
-        return TapeGraph(pool)
+    pool_type = TapePool
+    graph_type = TapeGraph
