@@ -3,7 +3,6 @@
 import subprocess
 import sys
 
-
 from mhc_cg.cli import main
 
 
