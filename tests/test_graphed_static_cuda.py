@@ -11,9 +11,9 @@ import dataclasses
 import pytest
 import torch
 
-from test_graphed_static import SCOPE_CASES, small_config
+from test_graphed_static import SCOPE_CASES, grads_per_step, small_config
 
-from mhc_cg.train import build_for_mode, train
+from mhc_cg.train import build_for_mode
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -25,15 +25,6 @@ def cuda_config(case):
     cfg.train = dataclasses.replace(cfg.train, device="cuda")
     cfg.graph = dataclasses.replace(cfg.graph, backend="cuda")
     return cfg
-
-
-def grads_per_step(cfg, mode, steps):
-    grads = []
-    result = train(cfg, steps=steps, mode=mode, progress=False,
-                   after_backward=lambda step, model: grads.append(
-                       {n: p.grad.clone() for n, p in model.named_parameters()
-                        if p.grad is not None}))
-    return result, grads
 
 
 @pytest.mark.parametrize("case", list(SCOPE_CASES))
