@@ -8,7 +8,8 @@
 * ``MHCTransformerBlock`` (a ``TransformerBlock``): expands ``[s, b, C]`` to n streams on the first
   pipeline stage, contracts them (mean) before the final layernorm on the last. With
   ``config.mhc_recompute_layer_num = L_r`` it runs groups of L_r layers under one
-  ``mhc_cg.recompute.BlockRecomputeManager``: every mHC step (mappings, aggregate, norm, H_post,
+  ``mhc_cg.recompute.BlockRecomputeManager`` (``run_recompute_blocks``, the same code as mhc_cg's
+  own model, over the step adapters of ``megatron_integration.steps``): every mHC step (mappings, aggregate, norm, H_post,
   H_res, bias-dropout-add) is a ``CheckpointWithoutOutput`` whose output is freed after the block;
   the block input and each F output stay; one hook on the block's last output recomputes the rest.
   Blocks restart at each block (model chunk), so they never cross a pipeline stage.
@@ -25,7 +26,7 @@ Pipeline parallelism across processes would also need megatron-core's p2p tensor
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,12 +39,13 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from mhc_cg.checkpoint import CheckpointWithoutOutput
 from mhc_cg.dropout import dropout
 from mhc_cg.hyper_connection import HyperConnection, contract_streams, expand_streams
-from mhc_cg.recompute import BlockRecomputeManager
+from mhc_cg.model import sublayer_forward
+from mhc_cg.recompute import run_recompute_blocks
 
 from .config import MHCTransformerConfig
+from .steps import LayerSteps
 
 
 class SDPACoreAttention(MegatronModule):
@@ -90,16 +92,6 @@ def get_mhc_layer_spec(*, cpu_attention: bool = False, normalization: str = "RMS
     return spec
 
 
-@dataclass
-class BlockRecomputeCursor:
-    """Where a layer is inside a recompute block: its manager, the checkpoint that produced the
-    layer's input (``None``: the input is the block input, kept), whether the layer ends the block."""
-
-    manager: BlockRecomputeManager
-    x_source: str | None = None
-    ends_block: bool = False
-
-
 class MHCTransformerLayer(TransformerLayer):
     """A ``TransformerLayer`` on n residual streams; see the module docstring."""
 
@@ -118,13 +110,20 @@ class MHCTransformerLayer(TransformerLayer):
             self.mlp_hc = hyper_connection()
 
     def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, *args,
-                mhc_dropout_seed: Tensor | None = None,
-                mhc_recompute: BlockRecomputeCursor | None = None, **kwargs):
+                mhc_dropout_seed: Tensor | None = None, **kwargs):
         """``[s, b, n*C] -> ([s, b, n*C], context)``; megatron-core's layer when mHC is off."""
         if not self.mhc:
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
         if args:
             raise TypeError("MHCTransformerLayer: pass attention arguments by keyword")
+        steps = LayerSteps(self, attention_mask, **kwargs)
+        x = sublayer_forward(steps.attention, hidden_states, mhc_dropout_seed)
+        return sublayer_forward(steps.mlp, x, mhc_dropout_seed), None
+
+    def sublayer_fns(self, attention_mask: Tensor | None,
+                     kwargs: dict) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
+        """F of each sublayer for one forward: megatron's attention and MLP, bias added."""
+        kwargs = dict(kwargs)
         kwargs.pop("dynamic_inference_decode_only", None)
         padding_mask = kwargs.pop("padding_mask", None)
         kwargs.pop("context", None), kwargs.pop("context_mask", None)  # no cross attention in GPT
@@ -137,72 +136,12 @@ class MHCTransformerLayer(TransformerLayer):
             out, bias = self.mlp(normed, padding_mask=padding_mask)
             return out if bias is None else out + bias
 
-        x = self._mhc_sublayer("attention", hidden_states, self.attention_hc, self.input_layernorm,
-                               attention, 0, mhc_dropout_seed, mhc_recompute, ends_block=False)
-        x = self._mhc_sublayer("mlp", x, self.mlp_hc, self.pre_mlp_layernorm, mlp, 1,
-                               mhc_dropout_seed, mhc_recompute,
-                               ends_block=mhc_recompute is not None and mhc_recompute.ends_block)
-        return x, None
+        return attention, mlp
 
-    # ----------------------------------------------------------------- sublayer
-    def _dropout(self, post: Tensor, seed: Tensor | None, stream: int) -> Tensor:
+    def mhc_dropout(self, post: Tensor, seed: Tensor | None, stream: int) -> Tensor:
+        """The bias-dropout-add's dropout of sublayer ``stream`` (0 attention, 1 MLP)."""
         return dropout(post, self.hidden_dropout, self.training, impl=self.config.mhc_dropout_impl,
                        seed=seed, stream=2 * self.layer_number + stream)
-
-    def _mhc_sublayer(self, name: str, x: Tensor, hc: HyperConnection, norm, fn, stream: int,
-                      seed: Tensor | None, cursor: BlockRecomputeCursor | None,
-                      ends_block: bool) -> Tensor:
-        if cursor is None:
-            h_pre, h_post, h_res = hc.compute_mappings(x)
-            y = fn(norm(hc.aggregate(x, h_pre)))
-            post = hc.apply_h_post(y, h_post)  # before h_res, as the checkpointed path runs them
-            return hc.apply_h_res(h_res, x) + self._dropout(post, seed, stream)
-        return self._mhc_sublayer_checkpointed(f"layer{self.layer_number}/{name}", x, hc, norm, fn,
-                                               stream, seed, cursor, ends_block)
-
-    def _mhc_sublayer_checkpointed(self, name: str, x: Tensor, hc: HyperConnection, norm, fn,
-                                   stream: int, seed: Tensor | None, cursor: BlockRecomputeCursor,
-                                   ends_block: bool) -> Tensor:
-        """The same sublayer, every mHC step a checkpoint of ``cursor.manager`` (F is not one).
-
-        Inputs produced by an earlier checkpoint of the block are refilled at recompute time
-        instead of saved; only the block input and F's output are kept.
-        """
-        manager = cursor.manager
-
-        def step(suffix: str) -> CheckpointWithoutOutput:
-            return CheckpointWithoutOutput(manager, name=f"{name}/{suffix}")
-
-        x_refill = {} if cursor.x_source is None else {0: cursor.x_source}
-        h_pre, h_post, h_res = step("mappings").checkpoint(
-            hc.compute_mappings, x, refill=x_refill, output_keys=("h_pre", "h_post", "h_res"))
-        agg = step("aggregate").checkpoint(hc.aggregate, x, h_pre,
-                                           refill={**x_refill, 1: f"{name}/mappings.h_pre"})
-        normed = step("norm").checkpoint(norm, agg, refill={0: f"{name}/aggregate"})
-        y = fn(normed)  # F's output is kept: F is never re-run
-        post = step("h_post").checkpoint(hc.apply_h_post, y, h_post,
-                                         refill={1: f"{name}/mappings.h_post"})
-        mixed = step("h_res").checkpoint(
-            hc.apply_h_res, h_res, x, refill={0: f"{name}/mappings.h_res",
-                                              **({} if cursor.x_source is None
-                                                 else {1: cursor.x_source})})
-
-        def drop(p: Tensor, s: Tensor | None) -> Tensor:
-            return self._dropout(p, s, stream)
-
-        if ends_block:
-            # The block end is the manager's hook tensor, so it is not a checkpoint's output;
-            # the add outside keeps nothing, the dropout inside is recomputed.
-            cursor.x_source = None
-            return mixed + step("dropout").checkpoint(drop, post, seed, refill={0: f"{name}/h_post"})
-
-        def bda(p: Tensor, m: Tensor, s: Tensor | None) -> Tensor:
-            return m + drop(p, s)
-
-        out = step("bda").checkpoint(bda, post, mixed, seed,
-                                     refill={0: f"{name}/h_post", 1: f"{name}/h_res"})
-        cursor.x_source = f"{name}/bda"
-        return out
 
 
 class MHCTransformerBlock(TransformerBlock):
@@ -212,9 +151,7 @@ class MHCTransformerBlock(TransformerBlock):
         config = self.config
         if not getattr(config, "enable_hyper_connections", False):
             return super().forward(hidden_states, attention_mask, **kwargs)
-        n = config.num_residual_streams
-        if self.pre_process:
-            hidden_states = expand_streams(hidden_states, n)
+        hidden_states = self.streams_in(hidden_states)
         seed = None
         if config.mhc_dropout_impl == "counter" and self.training and config.hidden_dropout > 0:
             seed = torch.randint(0, 2 ** 31 - 1, (), dtype=torch.int64).to(hidden_states.device)
@@ -224,26 +161,25 @@ class MHCTransformerBlock(TransformerBlock):
             for layer in self.layers:
                 hidden_states, _ = layer(hidden_states, attention_mask=attention_mask,
                                          mhc_dropout_seed=seed, **kwargs)
-        if self.post_process:
-            hidden_states = contract_streams(hidden_states, n)
-            if getattr(self, "final_layernorm", None) is not None:
-                hidden_states = self.final_layernorm(hidden_states)
-        return hidden_states
+        return self.streams_out(hidden_states)
+
+    def streams_in(self, hidden_states: Tensor) -> Tensor:
+        """``[s, b, C] -> [s, b, n*C]`` on the first pipeline stage (later stages get streams)."""
+        if not self.pre_process:
+            return hidden_states
+        return expand_streams(hidden_states, self.config.num_residual_streams)
+
+    def streams_out(self, x: Tensor) -> Tensor:
+        """Contract the streams and apply the final norm on the last pipeline stage."""
+        if not self.post_process:
+            return x
+        x = contract_streams(x, self.config.num_residual_streams)
+        final_norm = getattr(self, "final_layernorm", None)
+        return x if final_norm is None else final_norm(x)
 
     def _run_recompute_blocks(self, x: Tensor, attention_mask, seed, kwargs) -> Tensor:
         """Groups of L_r layers, each under one manager; ``self.recompute_managers`` holds them."""
-        size = self.config.mhc_recompute_layer_num
-        layers = list(self.layers)
         self.recompute_managers = []
-        for start in range(0, len(layers), size):
-            block = layers[start:start + size]
-            manager = BlockRecomputeManager()
-            self.recompute_managers.append(manager)
-            cursor = BlockRecomputeCursor(manager)
-            with manager.forward_scope():
-                for i, layer in enumerate(block):
-                    cursor.ends_block = i == len(block) - 1
-                    x, _ = layer(x, attention_mask=attention_mask, mhc_dropout_seed=seed,
-                                 mhc_recompute=cursor, **kwargs)
-                manager.discard_all_outputs_and_register_unified_recompute(x)
-        return x
+        steps = [LayerSteps(layer, attention_mask, **kwargs) for layer in self.layers]
+        return run_recompute_blocks(steps, x, seed, self.config.mhc_recompute_layer_num,
+                                    self.recompute_managers)

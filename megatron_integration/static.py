@@ -4,67 +4,17 @@
 ``mhc_cg.static_recompute.StaticRecompute``: the mHC ops of each sublayer save into arena slots,
 the block input and every F output go to a persistent slot set, and a hook on each recompute
 block's output re-runs (or, after ``capture_recompute_graphs``, replays) the block's mHC ops
-before its backward. Megatron's modules are used as they are: the adapters below only present
-each layer's parts (its ``HyperConnection``s, ``input_layernorm`` / ``pre_mlp_layernorm``,
-``self_attention`` / ``mlp``, and its dropout) under the step names the runtime calls.
+before its backward. Megatron's modules are used as they are, through the step adapters of
+``megatron_integration.steps``.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
-import torch
 from torch import Tensor, nn
 
-from mhc_cg.hyper_connection import contract_streams, expand_streams
 from mhc_cg.static_recompute import StaticRecompute, build_static_recompute
 
-
-class _SublayerSteps(nn.Module):
-    """One megatron sublayer as the runtime's named steps (mappings ... bda)."""
-
-    def __init__(self, layer: nn.Module, which: str):
-        super().__init__()
-        self.layer, self.which = layer, which
-        self.hc = layer.attention_hc if which == "attention" else layer.mlp_hc
-        self.norm = layer.input_layernorm if which == "attention" else layer.pre_mlp_layernorm
-        self.stream = 0 if which == "attention" else 1
-        config = layer.config
-        self.cfg = SimpleNamespace(dropout_impl=config.mhc_dropout_impl,
-                                   hidden_dropout=layer.hidden_dropout,
-                                   num_streams=config.num_residual_streams,
-                                   hidden_size=config.hidden_size)
-        self.call_kwargs: dict = {"attention_mask": None}  # this forward's attention arguments
-
-    def mappings(self, x: Tensor):
-        return self.hc.compute_mappings(x)
-
-    def aggregate(self, x: Tensor, h_pre: Tensor) -> Tensor:
-        return self.hc.aggregate(x, h_pre)
-
-    def fn(self, normed: Tensor) -> Tensor:
-        if self.which == "attention":
-            out, bias = self.layer.self_attention(normed, **self.call_kwargs)
-        else:
-            out, bias = self.layer.mlp(normed)
-        return out if bias is None else out + bias
-
-    def h_res_step(self, h_res: Tensor, x: Tensor) -> Tensor:
-        return self.hc.apply_h_res(h_res, x)
-
-    def h_post_step(self, y: Tensor, h_post: Tensor) -> Tensor:
-        return self.hc.apply_h_post(y, h_post)
-
-    def bda(self, post: Tensor, mixed: Tensor, seed: Tensor | None) -> Tensor:
-        return mixed + self.layer._dropout(post, seed, self.stream)
-
-
-class _LayerSteps(nn.Module):
-    def __init__(self, layer: nn.Module):
-        super().__init__()
-        self.layer_number = layer.layer_number
-        self.attention = _SublayerSteps(layer, "attention")
-        self.mlp = _SublayerSteps(layer, "mlp")
+from .steps import LayerSteps
 
 
 class StaticMHCBlock:
@@ -82,7 +32,7 @@ class StaticMHCBlock:
         if not getattr(config, "enable_hyper_connections", False):
             raise ValueError("StaticMHCBlock: the block's config has enable_hyper_connections off")
         self.block = block
-        self.steps = [_LayerSteps(layer) for layer in block.layers]
+        self.steps = [LayerSteps(layer) for layer in block.layers]
         size = config.mhc_recompute_layer_num or len(self.steps)
         dtype = next(block.parameters()).dtype
         self.runtime: StaticRecompute = build_static_recompute(
@@ -94,16 +44,9 @@ class StaticMHCBlock:
 
     def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None,
                 dropout_seed: Tensor | None = None) -> Tensor:
-        config = self.block.config
-        for steps in self.steps:
-            steps.attention.call_kwargs = {"attention_mask": attention_mask}
-        x = expand_streams(hidden_states, config.num_residual_streams) \
-            if self.block.pre_process else hidden_states
-        x = self.runtime.forward(x, dropout_seed)
-        if self.block.post_process:
-            x = contract_streams(x, config.num_residual_streams)
-            if getattr(self.block, "final_layernorm", None) is not None:
-                x = self.block.final_layernorm(x)
-        return x
+        for steps in self.steps:  # the runtime holds these objects: rebind F's arguments
+            steps.bind(attention_mask)
+        x = self.runtime.forward(self.block.streams_in(hidden_states), dropout_seed)
+        return self.block.streams_out(x)
 
     __call__ = forward

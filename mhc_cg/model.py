@@ -277,8 +277,7 @@ class MHCSublayer(nn.Module):
 
     def bda(self, post: Tensor, mixed: Tensor, seed: Tensor | None) -> Tensor:
         """Bias-dropout-add: F's bias is inside ``post`` already; ``mixed + dropout(post)``."""
-        return mixed + dropout(post, self.cfg.hidden_dropout, self.training,
-                               impl=self.cfg.dropout_impl, seed=seed, stream=self.dropout_stream)
+        return mixed + self.bda_dropout(post, seed)
 
     def bda_dropout(self, post: Tensor, seed: Tensor | None) -> Tensor:
         """The dropout of ``bda``: ``bda(post, mixed, seed) == mixed + bda_dropout(post, seed)``."""
@@ -286,48 +285,15 @@ class MHCSublayer(nn.Module):
                        impl=self.cfg.dropout_impl, seed=seed, stream=self.dropout_stream)
 
     def forward(self, x: Tensor, seed: Tensor | None = None) -> Tensor:
-        h_pre, h_post, h_res = self.mappings(x)
-        normed = self.norm(self.aggregate(x, h_pre))
-        y = self.fn(normed)
-        return self.bda(self.h_post_step(y, h_post), self.h_res_step(h_res, x), seed)
+        return sublayer_forward(self, x, seed)
 
-    def forward_block_recompute(self, x: Tensor, seed: Tensor | None, manager, name: str,
-                                x_source: str | None, block_end: bool) -> tuple[Tensor, str | None]:
-        """``forward`` with every mHC step checkpointed in ``manager`` (F is not).
 
-        ``x_source`` names the checkpoint that produced ``x`` (``None``: ``x`` is the block input,
-        saved). Returns the output and the name of the checkpoint that produced it (``None`` for
-        the block end, which is not checkpointed: it is the manager's hook tensor). The steps run
-        in ``forward``'s order, so the RNG draws and the autograd order match the plain path.
-        """
-        from .checkpoint import CheckpointWithoutOutput
-
-        def step(suffix: str) -> CheckpointWithoutOutput:
-            return CheckpointWithoutOutput(manager, name=f"{name}/{suffix}")
-
-        x_refill = {} if x_source is None else {0: x_source}
-        h_pre, h_post, h_res = step("mappings").checkpoint(
-            self.mappings, x, refill=x_refill, output_keys=("h_pre", "h_post", "h_res"))
-        agg = step("aggregate").checkpoint(
-            self.aggregate, x, h_pre, refill={**x_refill, 1: f"{name}/mappings.h_pre"})
-        normed = step("norm").checkpoint(self.norm, agg, refill={0: f"{name}/aggregate"})
-        y = self.fn(normed)  # F's output y is a persistent input of h_post: F is never re-run
-        post = step("h_post").checkpoint(self.h_post_step, y, h_post,
-                                         refill={1: f"{name}/mappings.h_post"})
-        mixed = step("h_res").checkpoint(
-            self.h_res_step, h_res, x,
-            refill={0: f"{name}/mappings.h_res", **({} if x_source is None else {1: x_source})})
-        if block_end:
-            # The block end is the manager's hook tensor, so it is not checkpointed; only its add
-            # stays outside (an add saves nothing), so the dropout mask is not kept either.
-            if self.cfg.hidden_dropout == 0.0:  # dropout is the identity: nothing to checkpoint
-                return self.bda(post, mixed, seed), None
-            dropped = step("dropout").checkpoint(self.bda_dropout, post, seed,
-                                                 refill={0: f"{name}/h_post"})
-            return mixed + dropped, None
-        out = step("bda").checkpoint(self.bda, post, mixed, seed,
-                                     refill={0: f"{name}/h_post", 1: f"{name}/h_res"})
-        return out, f"{name}/bda"
+def sublayer_forward(steps, x: Tensor, seed: Tensor | None) -> Tensor:
+    """The plain mHC sublayer over named steps (an ``MHCSublayer`` or an adapter with its steps,
+    e.g. ``megatron_integration.steps.SublayerSteps``)."""
+    h_pre, h_post, h_res = steps.mappings(x)
+    y = steps.fn(steps.norm(steps.aggregate(x, h_pre)))
+    return steps.bda(steps.h_post_step(y, h_post), steps.h_res_step(h_res, x), seed)
 
 
 class MHCTransformerLayer(nn.Module):
@@ -385,29 +351,12 @@ class MHCGPT(nn.Module):
         return x
 
     def _run_layers_block_recompute(self, x: Tensor, seed: Tensor | None) -> Tensor:
-        """Eager block recompute: one ``BlockRecomputeManager`` per block of L_r layers.
+        """Eager block recompute; ``self.recompute_managers`` holds this forward's managers."""
+        from .recompute import run_recompute_blocks
 
-        Each block keeps its input x_l0 and every F output; the hook tensor is the block's last
-        bias-dropout-add output. ``self.recompute_managers`` holds this forward's managers.
-        """
-        from .recompute import BlockRecomputeManager
-
-        block_size = self.cfg.resolved_recompute_layers
         self.recompute_managers = []
-        for start in range(0, len(self.layers), block_size):
-            block = range(start, min(start + block_size, len(self.layers)))
-            manager = BlockRecomputeManager(name=f"block{start // block_size}")
-            self.recompute_managers.append(manager)
-            with manager.forward_scope():
-                x_source = None  # the block input is persistent, not refilled
-                for i in block:
-                    layer = self.layers[i]
-                    x, x_source = layer.attention.forward_block_recompute(
-                        x, seed, manager, f"layer{i}/attention", x_source, block_end=False)
-                    x, x_source = layer.mlp.forward_block_recompute(
-                        x, seed, manager, f"layer{i}/mlp", x_source, block_end=i == block[-1])
-                manager.discard_all_outputs_and_register_unified_recompute(x)
-        return x
+        return run_recompute_blocks(self.layers, x, seed, self.cfg.resolved_recompute_layers,
+                                    self.recompute_managers)
 
     def logits(self, x: Tensor) -> Tensor:
         """``[s, b, n*C] -> [b, s, vocab]``."""

@@ -260,3 +260,66 @@ class _LedgerSum:
 
 MHCBlockRecomputeManager = BlockRecomputeManager
 """Megatron's name for the same manager (seed 001)."""
+
+
+def checkpoint_sublayer(steps, x: Tensor, seed: Tensor | None, manager: BlockRecomputeManager,
+                        name: str, x_source: str | None, block_end: bool) -> tuple[Tensor, str | None]:
+    """One mHC sublayer with every step but F a checkpoint of ``manager``.
+
+    ``steps`` has the named steps of ``mhc_cg.model.MHCSublayer`` (``mappings``, ``aggregate``,
+    ``norm``, ``fn``, ``h_post_step``, ``h_res_step``, ``bda``, ``bda_dropout`` and
+    ``cfg.hidden_dropout``). ``x_source`` names the checkpoint that produced ``x`` (``None``: ``x``
+    is the block input, saved). Returns the output and the checkpoint that produced it (``None``
+    for the block end, which is the manager's hook tensor and so not checkpointed). The steps run
+    in ``MHCSublayer.forward``'s order, so RNG draws and autograd order match the plain path.
+    """
+    def step(suffix: str) -> CheckpointWithoutOutput:
+        return CheckpointWithoutOutput(manager, name=f"{name}/{suffix}")
+
+    x_refill = {} if x_source is None else {0: x_source}
+    h_pre, h_post, h_res = step("mappings").checkpoint(
+        steps.mappings, x, refill=x_refill, output_keys=("h_pre", "h_post", "h_res"))
+    agg = step("aggregate").checkpoint(
+        steps.aggregate, x, h_pre, refill={**x_refill, 1: f"{name}/mappings.h_pre"})
+    normed = step("norm").checkpoint(steps.norm, agg, refill={0: f"{name}/aggregate"})
+    y = steps.fn(normed)  # F's output y is a persistent input of h_post: F is never re-run
+    post = step("h_post").checkpoint(steps.h_post_step, y, h_post,
+                                     refill={1: f"{name}/mappings.h_post"})
+    mixed = step("h_res").checkpoint(
+        steps.h_res_step, h_res, x,
+        refill={0: f"{name}/mappings.h_res", **({} if x_source is None else {1: x_source})})
+    if block_end:
+        # The block end is the manager's hook tensor, so it is not checkpointed; only its add
+        # stays outside (an add saves nothing), so the dropout mask is not kept either.
+        if steps.cfg.hidden_dropout == 0.0:  # dropout is the identity: nothing to checkpoint
+            return steps.bda(post, mixed, seed), None
+        dropped = step("dropout").checkpoint(steps.bda_dropout, post, seed,
+                                             refill={0: f"{name}/h_post"})
+        return mixed + dropped, None
+    out = step("bda").checkpoint(steps.bda, post, mixed, seed,
+                                 refill={0: f"{name}/h_post", 1: f"{name}/h_res"})
+    return out, f"{name}/bda"
+
+
+def run_recompute_blocks(layers, x: Tensor, seed: Tensor | None, block_size: int,
+                         managers: list[BlockRecomputeManager]) -> Tensor:
+    """Eager block recompute over ``layers`` (each with ``.attention`` / ``.mlp`` steps).
+
+    One manager per block of ``block_size`` layers, appended to ``managers`` as it starts (so the
+    caller still sees it, empty, if an exception unwinds its forward): each block keeps its input
+    x_l0 and every F output; its hook tensor is the block's last bias-dropout-add output.
+    """
+    layers = list(layers)
+    for start in range(0, len(layers), block_size):
+        block = layers[start:start + block_size]
+        manager = BlockRecomputeManager(name=f"block{start // block_size}")
+        managers.append(manager)
+        with manager.forward_scope():
+            x_source = None  # the block input is persistent, not refilled
+            for i, layer in enumerate(block, start):
+                x, x_source = checkpoint_sublayer(layer.attention, x, seed, manager,
+                                                  f"layer{i}/attention", x_source, block_end=False)
+                x, x_source = checkpoint_sublayer(layer.mlp, x, seed, manager, f"layer{i}/mlp",
+                                                  x_source, block_end=layer is block[-1])
+            manager.discard_all_outputs_and_register_unified_recompute(x)
+    return x
