@@ -38,13 +38,10 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from .config import RunConfig
-from .data import ProgressionCorpus
 from .errors import ConfigError
-from .train import build_for_mode
+from .train import TrainSession
 
 BENCH_MODES = ("eager_none", "eager_block", "graphed_none", "graphed_static", "moe_partial")
 GRAPHED_MODES = ("graphed_none", "graphed_static", "moe_partial")
@@ -199,12 +196,7 @@ class ModeRunner:
     name: str
     cfg: RunConfig
     device: torch.device
-    model: nn.Module = None
-    forward: Callable = None
-    graphed: object = None
-    optimizer: torch.optim.Optimizer = None
-    corpus: ProgressionCorpus = None
-    seeds: torch.Generator = None
+    session: TrainSession | None = None  # model, forward, optimizer, data: as `mhc-cg train`
     build_s: float = 0.0
     resident_bytes: int | None = None  # allocated by this mode between steps (CUDA)
     _before_build: int | None = None
@@ -218,13 +210,8 @@ class ModeRunner:
         begin = time.perf_counter()
         self.cfg, train_mode = mode_config(self.cfg, self.name, moe_experts=moe_experts,
                                            moe_top_k=moe_top_k)
-        self.model, self.forward, self.graphed = build_for_mode(self.cfg, train_mode, self.device,
-                                                                default_scopes=tuple(STATIC_SCOPES))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.train.lr,
-                                           weight_decay=self.cfg.train.weight_decay)
-        self.corpus = ProgressionCorpus(self.cfg.model.vocab_size, self.cfg.model.seq_length,
-                                        seed=self.cfg.train.seed)
-        self.seeds = torch.Generator().manual_seed(self.cfg.train.seed + 1)
+        self.session = TrainSession.build(self.cfg, train_mode, self.device,
+                                          default_scopes=tuple(STATIC_SCOPES))
         self._before_build = before
         self.build_s = time.perf_counter() - begin
         return self
@@ -245,20 +232,10 @@ class ModeRunner:
     def step(self, record: bool = True) -> None:
         """One optimizer step, as ``mhc_cg.train.train`` runs it; grads are dropped afterwards so
         that an idle mode holds no gradient memory while the others run."""
-        cfg, dev = self.cfg, self.device
         start = time.perf_counter()
-        loss_sum = 0.0
-        for _ in range(cfg.train.num_microbatches):
-            inputs, targets = (t.to(dev) for t in self.corpus.batch(cfg.train.micro_batch_size))
-            seed = torch.randint(0, 2 ** 31 - 1, (), generator=self.seeds).to(dev)
-            logits = self.forward(inputs, seed)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / cfg.train.num_microbatches
-            loss.backward()
-            loss_sum += loss.item()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), float("inf"))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        synchronize(dev)
+        loss_sum, _, _ = self.session.step()
+        self.session.optimizer.zero_grad(set_to_none=True)
+        synchronize(self.device)
         if record:
             self.step_times.append(time.perf_counter() - start)
             self.losses.append(loss_sum)
@@ -277,7 +254,7 @@ class ModeRunner:
 
     def recompute_timing(self, bandwidth: float, replays: int) -> dict:
         """Replay one recompute graph (block 0, set 0) ``replays`` times; its bound from traffic."""
-        graphs = getattr(getattr(self.graphed, "runtime", None), "recompute_graphs", None)
+        graphs = getattr(getattr(self.session.graphed, "runtime", None), "recompute_graphs", None)
         if not graphs:
             return {"recompute_graph_ms": None, "recompute_lower_bound_ms": None,
                     "recompute_note": "no recompute graph in this mode"}
@@ -286,14 +263,13 @@ class ModeRunner:
             graph.replay()
         synchronize(self.device)
         seconds = time_repeated(graph.replay, replays, self.device)
-        traffic = recompute_traffic(self.graphed, 0)
+        traffic = recompute_traffic(self.session.graphed, 0)
         return {"recompute_graph_ms": 1000.0 * seconds,
                 "recompute_lower_bound_ms": 1000.0 * lower_bound_seconds(traffic["total"], bandwidth),
                 "recompute_bytes": traffic, "recompute_replays": replays}
 
     def release(self) -> None:
-        for name in ("model", "forward", "graphed", "optimizer"):
-            setattr(self, name, None)
+        self.session = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -329,7 +305,8 @@ def _rounds(runners: list[ModeRunner], steps: int, chunk: int) -> None:
 def _build(name: str, cfg: RunConfig, device: torch.device, opts: BenchOptions) -> ModeRunner:
     log(f"{name}: building{' and capturing graphs' if name in GRAPHED_MODES else ''}")
     runner = ModeRunner(name, cfg, device).build(opts.moe_experts, opts.moe_top_k)
-    graphs = runner.graphed.describe().get("graphs") if runner.graphed is not None else 0
+    graphed = runner.session.graphed
+    graphs = graphed.describe().get("graphs") if graphed is not None else 0
     log(f"{name}: built in {runner.build_s:.1f} s ({graphs} graphs); {opts.warmup} warm-up steps")
     runner.warm_up(opts.warmup)
     return runner

@@ -140,6 +140,7 @@ class GraphedStaticModel:
         return "route" if "moe_router" in self.scopes else None
 
     def prepare(self, device: torch.device | str) -> "GraphedStaticModel":
+        from .graphed_sublayers import sublayer_sample_args
         from .graphs import get_backend
         from .graphs.graphed_callables import make_graphed_callables
 
@@ -165,15 +166,11 @@ class GraphedStaticModel:
                 modules.append(SlotSublayer(self.runtime, layer.mlp, position, 1))
                 keys.append((layer.layer_number, 1))
         if modules:
-            width = cfg.num_streams * cfg.hidden_size
-            sample_args = tuple(
-                (torch.zeros(cfg.seq_length, self.micro_batch_size, width, device=device, dtype=dtype,
-                             requires_grad=True),
-                 torch.zeros((), dtype=torch.int64, device=device))
-                for _ in modules)
+            sample_args = sublayer_sample_args(self.model, self.micro_batch_size, len(modules),
+                                               device)
             # a partially captured MoE sublayer leaves its experts' parameters to the eager tail
             graphed = make_graphed_callables(tuple(modules), sample_args,
-                                             backend=self.backend_name,
+                                             backend=self.backend,
                                              allow_unused_input=self.moe_step is not None)
             self.graphed_callables = graphed
             for key, module, fn in zip(keys, modules, graphed):

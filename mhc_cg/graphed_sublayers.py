@@ -19,6 +19,19 @@ from torch import Tensor
 from .model import MHCGPT, MoEMLP
 
 
+def sublayer_sample_args(model: MHCGPT, micro_batch_size: int, count: int,
+                         device: torch.device | str) -> tuple[tuple[Tensor, Tensor], ...]:
+    """``count`` capture samples of a sublayer's inputs: streams ``[s, b, n*C]`` (in the
+    parameters' dtype, requiring grad) and an int64 dropout seed."""
+    cfg = model.cfg
+    width = cfg.num_streams * cfg.hidden_size
+    dtype = model.embedding.weight.dtype  # activations follow the parameters
+    return tuple((torch.zeros(cfg.seq_length, micro_batch_size, width, device=device, dtype=dtype,
+                              requires_grad=True),
+                  torch.zeros((), dtype=torch.int64, device=device))
+                 for _ in range(count))
+
+
 class GraphedSublayersModel:
     """``model`` whose sublayers replay as graphs; ``prepare(device)`` captures them."""
 
@@ -30,16 +43,9 @@ class GraphedSublayersModel:
     def prepare(self, device: torch.device | str) -> "GraphedSublayersModel":
         from .graphs.graphed_callables import make_graphed_callables
 
-        cfg = self.model.cfg
         subs = [sub for layer in self.model.layers for sub in (layer.attention, layer.mlp)]
         captured = [sub for sub in subs if not isinstance(sub.fn, MoEMLP)]
-        width = cfg.num_streams * cfg.hidden_size
-        dtype = self.model.embedding.weight.dtype
-        sample_args = tuple(
-            (torch.zeros(cfg.seq_length, self.micro_batch_size, width, device=device, dtype=dtype,
-                         requires_grad=True),
-             torch.zeros((), dtype=torch.int64, device=device))
-            for _ in captured)
+        sample_args = sublayer_sample_args(self.model, self.micro_batch_size, len(captured), device)
         self.graphed_callables = make_graphed_callables(tuple(captured), sample_args,
                                                         backend=self.backend_name)
         graphed = dict(zip(map(id, captured), self.graphed_callables))

@@ -139,13 +139,77 @@ def build_for_mode(cfg: RunConfig, mode: str, device: torch.device, *,
     return model, graphed, graphed
 
 
+@dataclass
+class TrainSession:
+    """What one mode trains with: model, forward, optimizer, data and dropout seeds.
+
+    Dropout seeds come from their own generator, one per microbatch, so every mode sees the
+    same masks; the weights depend only on ``cfg.train.seed``.
+    """
+
+    cfg: RunConfig
+    mode: str
+    device: torch.device
+    model: MHCGPT
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    graphed: object | None
+    optimizer: torch.optim.Optimizer
+    corpus: ProgressionCorpus
+    seeds: torch.Generator
+
+    @classmethod
+    def build(cls, cfg: RunConfig, mode: str, device: torch.device,
+              default_scopes: tuple[str, ...] = ("attn", "mhc_recompute")) -> "TrainSession":
+        model, forward, graphed = build_for_mode(cfg, mode, device, default_scopes=default_scopes)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr,
+                                      weight_decay=cfg.train.weight_decay)
+        corpus = ProgressionCorpus(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.train.seed)
+        return cls(cfg, mode, device, model, forward, graphed, optimizer, corpus,
+                   torch.Generator().manual_seed(cfg.train.seed + 1))
+
+    def step(self, *, probe_memory: bool = False,
+             after_backward: Callable[[MHCGPT], None] | None = None) -> tuple[float, float, int | None]:
+        """One optimizer step over ``num_microbatches``; returns (loss, grad norm, held bytes).
+
+        ``probe_memory`` measures what the first microbatch's forward holds until its backward
+        (:func:`held_bytes`); otherwise the third value is ``None``.
+        """
+        train, dev = self.cfg.train, self.device
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, held = 0.0, None
+        for index in range(train.num_microbatches):
+            inputs, targets = (t.to(dev) for t in self.corpus.batch(train.micro_batch_size))
+            seed = torch.randint(0, 2 ** 31 - 1, (), generator=self.seeds).to(dev)
+
+            def forward_loss() -> torch.Tensor:
+                logits = self.forward(inputs, seed)
+                return F.cross_entropy(logits.flatten(0, 1).float(),
+                                       targets.flatten()) / train.num_microbatches
+
+            with nvtx_range("forward"):
+                if probe_memory and index == 0:
+                    loss, held = held_bytes(forward_loss, dev)
+                else:
+                    loss = forward_loss()
+            with nvtx_range("backward"):
+                loss.backward()
+            loss_sum += loss.item()
+        if after_backward is not None:
+            after_backward(self.model)
+        with nvtx_range("optimizer"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float("inf"))
+            self.optimizer.step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return loss_sum, float(grad_norm), held
+
+
 def train(cfg: RunConfig, *, steps: int | None = None, device: str | None = None,
           progress: bool = True, mode: str | None = None,
           after_backward: Callable[[int, MHCGPT], None] | None = None) -> TrainResult:
     """Train ``cfg.model`` on the synthetic corpus in ``mode`` (default: what the config asks).
 
-    Dropout seeds come from their own generator, one per microbatch, so every mode sees the same
-    masks. ``after_backward(step, model)`` runs once per step before the optimizer (tests read the
+    ``after_backward(step, model)`` runs once per step before the optimizer (tests read the
     gradients there).
     """
     dev = resolve_device(device or cfg.train.device)
@@ -153,43 +217,20 @@ def train(cfg: RunConfig, *, steps: int | None = None, device: str | None = None
     if steps < 1:
         raise ConfigError(f"--steps: must be a positive integer, got {steps}")
     mode = mode or resolve_mode(cfg)
-    model, forward, graphed = build_for_mode(cfg, mode, dev)
-    corpus = ProgressionCorpus(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.train.seed)
-    seeds = torch.Generator().manual_seed(cfg.train.seed + 1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr,
-                                  weight_decay=cfg.train.weight_decay)
+    session = TrainSession.build(cfg, mode, dev)
+    graphed = session.graphed
     result = TrainResult(mode=mode, info=graphed.describe() if graphed is not None else {})
     bar = ProgressBar(steps, f"train[{mode}]", progress)
     for step in range(steps):
         start = time.perf_counter()
+        hook = None if after_backward is None else (lambda model, s=step: after_backward(s, model))
         with nvtx_range("step"):  # profiler ranges; one name per phase so runs aggregate by name
-            optimizer.zero_grad(set_to_none=True)
-            loss_sum = 0.0
-            for _ in range(cfg.train.num_microbatches):
-                inputs, targets = (t.to(dev) for t in corpus.batch(cfg.train.micro_batch_size))
-                seed = torch.randint(0, 2 ** 31 - 1, (), generator=seeds).to(dev)
-                with nvtx_range("forward"):
-                    def forward_loss():
-                        logits = forward(inputs, seed)
-                        return F.cross_entropy(logits.flatten(0, 1).float(),
-                                               targets.flatten()) / cfg.train.num_microbatches
-                    if step == 0 and loss_sum == 0.0 and result.held_bytes_per_microbatch is None:
-                        # the first step is excluded from the median time; probe memory there
-                        loss, result.held_bytes_per_microbatch = held_bytes(forward_loss, dev)
-                    else:
-                        loss = forward_loss()
-                with nvtx_range("backward"):
-                    loss.backward()
-                loss_sum += loss.item()
-            if after_backward is not None:
-                after_backward(step, model)
-            with nvtx_range("optimizer"):
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
-                optimizer.step()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
+            # the first step is excluded from the median time: probe memory there
+            loss, grad_norm, held = session.step(probe_memory=step == 0, after_backward=hook)
+        if step == 0:
+            result.held_bytes_per_microbatch = held
         result.step_times.append(time.perf_counter() - start)
-        result.losses.append(loss_sum)
-        result.grad_norms.append(float(grad_norm))
-        bar.update(step + 1, f"loss {loss_sum:.4f}")
+        result.losses.append(loss)
+        result.grad_norms.append(grad_norm)
+        bar.update(step + 1, f"loss {loss:.4f}")
     return result
