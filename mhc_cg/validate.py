@@ -75,9 +75,12 @@ def resolved_scopes(cfg: "RunConfig") -> list[str]:
 
 
 def validate(cfg: "RunConfig") -> list[str]:
-    """Every cross-field problem of ``cfg``, one line each; empty when the config is consistent."""
-    return [*activation_recompute_problems(cfg.model), *_graph_problems(cfg),
-            *_scope_problems(cfg), *_pipeline_problems(cfg)]
+    """Every cross-section problem of ``cfg``, one line each; empty when the config is consistent.
+
+    Rules within the model section (activation recompute included) are ``MHCGPTConfig``'s own:
+    a config that reached here has passed them.
+    """
+    return [*_graph_problems(cfg), *_scope_problems(cfg), *_pipeline_problems(cfg)]
 
 
 def check(cfg: "RunConfig") -> "RunConfig":
@@ -91,7 +94,7 @@ def check(cfg: "RunConfig") -> "RunConfig":
 def activation_recompute_problems(model: "MHCGPTConfig") -> list[str]:
     """Seed 003's rules for ``model.recompute_activation[_layers]``, one line per broken rule.
 
-    Also run by ``MHCGPTConfig`` itself, so a model built in code obeys them too. Activation
+    Run by ``MHCGPTConfig`` itself, so a model built in code obeys them too. Activation
     recompute combines with ``recompute: none`` and ``recompute: block`` on any layer: mHC block
     recompute never re-runs F, so no layer would recompute its gelu twice (the seed's "no layer
     does both" rule has nothing to forbid here).
