@@ -32,21 +32,19 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 
 from mhc_cg.config import RunConfig
-from mhc_cg.validate import check, resolved_scopes
+from mhc_cg.dtypes import TORCH_DTYPES
+from mhc_cg.plan import configured_scopes
+from mhc_cg.validate import check
 
 from .config import MHCTransformerConfig
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def transformer_config_kwargs(run_cfg: RunConfig) -> dict[str, Any]:
     """The keyword arguments of ``MHCTransformerConfig`` that ``run_cfg`` implies."""
     check(run_cfg)
     m, t, p = run_cfg.model, run_cfg.train, run_cfg.parallel
-    scopes = resolved_scopes(run_cfg)
+    scopes = configured_scopes(run_cfg)
     kwargs: dict[str, Any] = dict(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -62,8 +60,8 @@ def transformer_config_kwargs(run_cfg: RunConfig) -> dict[str, Any]:
         mhc_init_gating_factor=m.init_gating_factor,
         mhc_recompute_layer_num=m.resolved_recompute_layers if m.recompute == "block" else None,
         mhc_dropout_impl=m.dropout_impl,
-        params_dtype=DTYPES[t.dtype],
-        pipeline_dtype=DTYPES[t.dtype],
+        params_dtype=TORCH_DTYPES[t.dtype],
+        pipeline_dtype=TORCH_DTYPES[t.dtype],
         bf16=t.dtype == "bf16",
         fp16=t.dtype == "fp16",
         use_cpu_initialization=t.device == "cpu",

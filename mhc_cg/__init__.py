@@ -1,7 +1,7 @@
 """mhc_cg: CUDA-Graph-compatible activation recompute for mHC transformer blocks."""
 
-from .hyper_connection import HyperConnection, contract_streams, expand_streams, sinkhorn_knopp
-from .model import MHCGPT, MHCGPTConfig
+from mhc_cg.hyper_connection import HyperConnection, contract_streams, expand_streams, sinkhorn_knopp
+from mhc_cg.model import MHCGPT, MHCGPTConfig
 
 __all__ = ["HyperConnection", "MHCGPT", "MHCGPTConfig", "contract_streams", "expand_streams",
            "sinkhorn_knopp"]

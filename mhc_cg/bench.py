@@ -4,7 +4,7 @@ Modes (:data:`BENCH_MODES`), all built from one config and the same seed:
 
 * ``eager_none``: eager, no recompute (the reference);
 * ``eager_block``: eager block recompute (frees and re-allocates the mHC intermediates);
-* ``graphed_none``: every sublayer a graph, no recompute (``mhc_cg.graphed_sublayers``);
+* ``graphed_none``: every sublayer a graph, no recompute (``mhc_cg.modes.graphed_none``);
 * ``graphed_static``: static-buffer recompute, scopes ``[attn, mlp, mhc_recompute]``;
 * ``moe_partial``: the same model with a top-k MoE MLP, scopes
   ``[attn, moe_router, moe_preprocess, mhc_recompute]`` (partial capture).
@@ -39,9 +39,11 @@ from typing import Callable
 
 import torch
 
-from .config import RunConfig
-from .errors import ConfigError
-from .train import TrainSession
+from mhc_cg.config import RunConfig
+from mhc_cg.errors import ConfigError
+from mhc_cg.plan import capture_plan
+from mhc_cg.train import TrainSession
+from mhc_cg.validate import check
 
 BENCH_MODES = ("eager_none", "eager_block", "graphed_none", "graphed_static", "moe_partial")
 GRAPHED_MODES = ("graphed_none", "graphed_static", "moe_partial")
@@ -87,13 +89,15 @@ def mode_config(cfg: RunConfig, mode: str, *, moe_experts: int = 8,
     if mode in ("eager_none", "eager_block", "graphed_none"):
         return cfg, mode
     if mode == "graphed_static":
-        return dataclasses.replace(cfg, graph=dataclasses.replace(
-            cfg.graph, cuda_graph_scope=list(STATIC_SCOPES), cuda_graph_modules=None)), mode
+        return check(dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, recompute="block"),
+            graph=dataclasses.replace(cfg.graph, cuda_graph_scope=list(STATIC_SCOPES),
+                                      cuda_graph_modules=None))), mode
     model = dataclasses.replace(
-        cfg.model, num_experts=moe_experts, moe_top_k=moe_top_k,
+        cfg.model, recompute="block", num_experts=moe_experts, moe_top_k=moe_top_k,
         moe_ffn_hidden_size=max(cfg.model.ffn_hidden_size // moe_experts, 1))
     graph = dataclasses.replace(cfg.graph, cuda_graph_scope=list(MOE_SCOPES), cuda_graph_modules=None)
-    return dataclasses.replace(cfg, model=model, graph=graph), "graphed_static"
+    return check(dataclasses.replace(cfg, model=model, graph=graph)), "graphed_static"
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,8 +214,8 @@ class ModeRunner:
         begin = time.perf_counter()
         self.cfg, train_mode = mode_config(self.cfg, self.name, moe_experts=moe_experts,
                                            moe_top_k=moe_top_k)
-        self.session = TrainSession.build(self.cfg, train_mode, self.device,
-                                          default_scopes=tuple(STATIC_SCOPES))
+        self.session = TrainSession.build(self.cfg, capture_plan(self.cfg, train_mode, str(self.device)),
+                                          self.device)
         self._before_build = before
         self.build_s = time.perf_counter() - begin
         return self

@@ -12,7 +12,7 @@ import importlib
 import importlib.util
 import sys
 
-from .errors import ConfigError
+from mhc_cg.errors import ConfigError
 
 COMMANDS = ("train", "memory", "schedule", "config", "timeline", "bench")
 

@@ -7,8 +7,9 @@ data, same dropout seeds; the losses must agree bit for bit.
 
 from __future__ import annotations
 
-from .config import RunConfig
-from .train import MODES, TrainResult, train
+from mhc_cg.config import RunConfig
+from mhc_cg.plan import MODES
+from mhc_cg.train import TrainResult, train
 
 
 def run_modes(cfg: RunConfig, *, steps: int | None = None, device: str | None = None,

@@ -14,7 +14,6 @@ line that names the field and what is allowed.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,11 +21,9 @@ from pathlib import Path
 
 import yaml
 
-from .errors import ConfigError
-from .model import MHCGPTConfig
-
-TRAIN_DTYPES = ("fp32", "bf16", "fp16")
-
+from mhc_cg.dtypes import TRAIN_DTYPES
+from mhc_cg.errors import ConfigError, did_you_mean
+from mhc_cg.model import MHCGPTConfig
 
 @dataclass
 class TrainConfig:
@@ -83,7 +80,7 @@ class RunConfig:
         sections = {f.name: f.type for f in dataclasses.fields(cls)}
         for key in data:
             if key not in sections:
-                problems.append(f"{key}: unknown section{_suggest(key, sections)}; "
+                problems.append(f"{key}: unknown section{did_you_mean(key, sections)}; "
                                 f"allowed: {', '.join(sections)}")
         built = {}
         for name, section_cls in typing.get_type_hints(cls).items():
@@ -104,7 +101,7 @@ def load_config(path: str | Path | None) -> RunConfig:
     Checks each field, then the rules between fields (``mhc_cg.validate``); every problem found
     is in the one ``ConfigError``.
     """
-    from .validate import check  # validate imports this module's types
+    from mhc_cg.validate import check  # validate imports this module's types
 
     if path is None:
         return check(RunConfig())
@@ -118,13 +115,8 @@ def load_config(path: str | Path | None) -> RunConfig:
     return check(RunConfig.from_dict(data))
 
 
-def _suggest(name: str, allowed) -> str:
-    close = difflib.get_close_matches(name, list(allowed), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 def _build_section(section: str, cls: type, data: dict, problems: list[str]):
-    from .validate import FOREIGN_RECOMPUTE_FIELDS  # validate imports this module's types
+    from mhc_cg.validate import FOREIGN_RECOMPUTE_FIELDS  # validate imports this module's types
 
     if not isinstance(data, dict):
         problems.append(f"{section}: expected a mapping of fields, got {type(data).__name__}")
@@ -136,7 +128,7 @@ def _build_section(section: str, cls: type, data: dict, problems: list[str]):
             problems.append(f"model.{key}: not an mhc_cg option: {FOREIGN_RECOMPUTE_FIELDS[key]}")
             ok = False
         elif key not in hints:
-            problems.append(f"{section}.{key}: unknown field{_suggest(key, hints)}; "
+            problems.append(f"{section}.{key}: unknown field{did_you_mean(key, hints)}; "
                             f"allowed: {', '.join(hints)}")
             ok = False
         elif (message := _type_error(value, hints[key])) is not None:

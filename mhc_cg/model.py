@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .dropout import dropout
-from .errors import ConfigError
-from .hyper_connection import HyperConnection, contract_streams, expand_streams
-from .memory_model import paper_block_size
+from mhc_cg.dropout import dropout
+from mhc_cg.errors import ConfigError
+from mhc_cg.hyper_connection import HyperConnection, contract_streams, expand_streams
+from mhc_cg.memory.analytical import paper_block_size
 
 RECOMPUTE_MODES = ("none", "block")
 DROPOUT_IMPLS = ("counter", "torch")
@@ -83,7 +83,7 @@ class MHCGPTConfig:
         if self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
         if not problems:
-            from .validate import activation_recompute_problems  # validate imports this module
+            from mhc_cg.validate import activation_recompute_problems  # validate imports this module
 
             problems.extend(activation_recompute_problems(self))
         if problems:
@@ -162,7 +162,7 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not (self.recompute_activation and torch.is_grad_enabled()):
             return self.fc2(F.gelu(self.fc1(x)))
-        from .checkpoint import CheckpointWithoutOutput
+        from mhc_cg.recompute.checkpoint import CheckpointWithoutOutput
 
         ckpt = CheckpointWithoutOutput(name="mlp/gelu")
         act = ckpt.checkpoint(F.gelu, self.fc1(x))
@@ -231,7 +231,7 @@ class MoEMLP(nn.Module):
         return out
 
     def forward(self, x: Tensor, store=None) -> Tensor:
-        from .megatron_moe import MoECudaGraphPartialCaptureSignal
+        from mhc_cg.megatron_moe import MoECudaGraphPartialCaptureSignal
 
         s, b, c = x.shape
         x2d = x.reshape(s * b, c)
@@ -352,7 +352,7 @@ class MHCGPT(nn.Module):
 
     def _run_layers_block_recompute(self, x: Tensor, seed: Tensor | None) -> Tensor:
         """Eager block recompute; ``self.recompute_managers`` holds this forward's managers."""
-        from .recompute import run_recompute_blocks
+        from mhc_cg.recompute.eager import run_recompute_blocks
 
         self.recompute_managers = []
         return run_recompute_blocks(self.layers, x, seed, self.cfg.resolved_recompute_layers,
@@ -368,3 +368,7 @@ class MHCGPT(nn.Module):
             dropout_seed = self.new_dropout_seed(input_ids.device)
         return self.logits(self.run_layers(self.embed(input_ids), dropout_seed))
 
+
+def recomputes_activation(sub: MHCSublayer) -> bool:
+    """Whether ``sub`` is a dense MLP sublayer whose gelu output is recomputed."""
+    return isinstance(sub.fn, MLP) and sub.fn.recompute_activation

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
@@ -11,11 +10,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .config import RunConfig
-from .data import ProgressionCorpus
-from .errors import ConfigError
-from .model import MHCGPT
-from .nvtx_ranges import nvtx_range, profiler_recording
+from mhc_cg.config import RunConfig
+from mhc_cg.data import ProgressionCorpus
+from mhc_cg.errors import ConfigError
+from mhc_cg.model import MHCGPT
+from mhc_cg.modes.build import build_for_plan
+from mhc_cg.plan import CapturePlan, capture_plan
+from mhc_cg.profiling.nvtx import nvtx_range, profiler_recording
 
 
 @dataclass
@@ -85,60 +86,6 @@ class ProgressBar:
         sys.stderr.flush()
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-MODES = ("eager_none", "eager_block", "graphed_none", "graphed_static")
-
-
-def graph_scopes(cfg: RunConfig) -> list[str]:
-    """The configured scopes, under either spelling (``cuda_graph_modules`` is the newer one)."""
-    return list(cfg.graph.cuda_graph_scope or cfg.graph.cuda_graph_modules or [])
-
-
-def resolve_mode(cfg: RunConfig) -> str:
-    """What a config asks for: graphed static-buffer recompute when ``mhc_recompute`` is in scope."""
-    if "mhc_recompute" in graph_scopes(cfg):
-        return "graphed_static"
-    return "eager_block" if cfg.model.recompute == "block" else "eager_none"
-
-
-def build_for_mode(cfg: RunConfig, mode: str, device: torch.device, *,
-                   default_scopes: tuple[str, ...] = ("attn", "mhc_recompute")):
-    """``(model, forward, graphed)`` for ``mode``; ``forward(input_ids, seed) -> logits``.
-
-    The weights depend only on ``cfg.train.seed``, never on the mode, so modes can be compared.
-    """
-    if mode not in MODES:
-        raise ConfigError(f"--mode: must be one of {list(MODES)}, got {mode!r}")
-    # The "none" modes are the references: no recompute of any kind. Activation recompute frees
-    # a storage, which no graph can hold, so graphed_none could not capture it anyway.
-    no_recompute = mode in ("eager_none", "graphed_none")
-    model_cfg = dataclasses.replace(
-        cfg.model, recompute="block" if mode == "eager_block" else "none",
-        recompute_activation=cfg.model.recompute_activation and not no_recompute,
-        recompute_activation_layers=None if no_recompute else cfg.model.recompute_activation_layers)
-    torch.manual_seed(cfg.train.seed)
-    # weights are made in fp32 (same init for every dtype), then cast
-    model = MHCGPT(model_cfg).to(device=device, dtype=DTYPES[cfg.train.dtype]).train()
-    if mode == "graphed_none":  # sublayers as graphs, no recompute (mhc_cg.graphed_sublayers)
-        from .graphed_sublayers import GraphedSublayersModel
-
-        graphed = GraphedSublayersModel(model, micro_batch_size=cfg.train.micro_batch_size,
-                                        backend=cfg.graph.backend).prepare(device)
-        return model, graphed, graphed
-    if mode != "graphed_static":
-        return model, model, None
-    from .graphed_model import GraphedStaticModel
-
-    scopes = graph_scopes(cfg) or list(default_scopes)
-    if "mhc_recompute" not in scopes:
-        scopes.append("mhc_recompute")
-    graphed = GraphedStaticModel(model, scopes, micro_batch_size=cfg.train.micro_batch_size,
-                                 backend=cfg.graph.backend)
-    graphed.prepare(device)
-    return model, graphed, graphed
-
-
 @dataclass
 class TrainSession:
     """What one mode trains with: model, forward, optimizer, data and dropout seeds.
@@ -148,7 +95,7 @@ class TrainSession:
     """
 
     cfg: RunConfig
-    mode: str
+    plan: CapturePlan
     device: torch.device
     model: MHCGPT
     forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -158,13 +105,12 @@ class TrainSession:
     seeds: torch.Generator
 
     @classmethod
-    def build(cls, cfg: RunConfig, mode: str, device: torch.device,
-              default_scopes: tuple[str, ...] = ("attn", "mhc_recompute")) -> "TrainSession":
-        model, forward, graphed = build_for_mode(cfg, mode, device, default_scopes=default_scopes)
+    def build(cls, cfg: RunConfig, plan: CapturePlan, device: torch.device) -> "TrainSession":
+        model, forward, graphed = build_for_plan(cfg, plan, device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr,
                                       weight_decay=cfg.train.weight_decay)
         corpus = ProgressionCorpus(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.train.seed)
-        return cls(cfg, mode, device, model, forward, graphed, optimizer, corpus,
+        return cls(cfg, plan, device, model, forward, graphed, optimizer, corpus,
                    torch.Generator().manual_seed(cfg.train.seed + 1))
 
     def step(self, *, probe_memory: bool = False,
@@ -216,8 +162,9 @@ def train(cfg: RunConfig, *, steps: int | None = None, device: str | None = None
     steps = cfg.train.steps if steps is None else steps
     if steps < 1:
         raise ConfigError(f"--steps: must be a positive integer, got {steps}")
-    mode = mode or resolve_mode(cfg)
-    session = TrainSession.build(cfg, mode, dev)
+    plan = capture_plan(cfg, mode, str(dev))
+    mode = plan.mode
+    session = TrainSession.build(cfg, plan, dev)
     graphed = session.graphed
     result = TrainResult(mode=mode, info=graphed.describe() if graphed is not None else {})
     bar = ProgressBar(steps, f"train[{mode}]", progress)

@@ -5,31 +5,21 @@
 ``check(cfg)`` raises ``ConfigError`` with all of them. ``load_config`` calls ``check``, so every
 command that reads a YAML file reports these problems the same way (exit status 2).
 
-Scopes (``graph.cuda_graph_scope``, or ``graph.cuda_graph_modules``, the megatron-core >= 0.18
-spelling) name what is captured:
-
-* ``attn``: the attention sublayer with its mHC ops; ``mlp``: the dense MLP sublayer;
-* ``moe``: the whole MoE MLP, as megatron-core captures it (only for drop-and-pad MoE);
-* ``moe_router`` / ``moe_preprocess``: partial capture of the MoE sublayer, ended by megatron-core's
-  ``MoECudaGraphPartialCaptureSignal``;
-* ``mhc_recompute``: the block recompute graph of static-buffer recompute (this project's scope,
-  unknown to megatron-core).
+What the scopes mean, and the capture plan they resolve to: :mod:`mhc_cg.plan`.
 """
 
 from __future__ import annotations
 
-import difflib
 from typing import TYPE_CHECKING
 
-from .errors import ConfigError
-from .schedule import schedule_problems
+from mhc_cg.errors import ConfigError, did_you_mean
+from mhc_cg.plan import MOE_SCOPES, SCOPES, configured_scopes, scope_field
+from mhc_cg.pipeline.schedule import schedule_problems
 
 if TYPE_CHECKING:
-    from .config import RunConfig
-    from .model import MHCGPTConfig
+    from mhc_cg.config import RunConfig
+    from mhc_cg.model import MHCGPTConfig
 
-SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mhc_recompute")
-MOE_SCOPES = ("moe", "moe_router", "moe_preprocess")
 BACKENDS = ("auto", "cuda", "te", "tape")
 
 # Megatron-LM / MindSpeed recompute options a user may carry over, and what they map to here.
@@ -57,21 +47,6 @@ FOREIGN_RECOMPUTE_FIELDS = {
 _SCHEDULE_FIELDS = {"pp_size": "parallel.pp_size", "vpp_size": "parallel.vpp_size",
                     "microbatch_group_size": "parallel.microbatch_group_size",
                     "num_microbatches": "train.num_microbatches"}
-
-
-def scope_field(cfg: "RunConfig") -> str:
-    """The field the scopes were given in (for messages): the older spelling unless only the newer."""
-    graph = cfg.graph
-    if graph.cuda_graph_scope is None and graph.cuda_graph_modules is not None:
-        return "graph.cuda_graph_modules"
-    return "graph.cuda_graph_scope"
-
-
-def resolved_scopes(cfg: "RunConfig") -> list[str]:
-    """The scopes under either spelling (``validate`` reports the two disagreeing)."""
-    graph = cfg.graph
-    return list(graph.cuda_graph_scope if graph.cuda_graph_scope is not None
-                else graph.cuda_graph_modules or [])
 
 
 def validate(cfg: "RunConfig") -> list[str]:
@@ -130,7 +105,7 @@ def _graph_problems(cfg: "RunConfig") -> list[str]:
     graph, problems = cfg.graph, []
     if graph.backend not in BACKENDS:
         problems.append(f"graph.backend: must be one of {list(BACKENDS)}, got {graph.backend!r}"
-                        f"{_closest(graph.backend, BACKENDS)}")
+                        f"{did_you_mean(graph.backend, BACKENDS)}")
     if graph.backend == "cuda" and cfg.train.device == "cpu":
         problems.append("graph.backend: 'cuda' captures torch.cuda.CUDAGraph, but train.device is "
                         "'cpu'; set train.device: cuda (or auto), or graph.backend: tape for the "
@@ -145,11 +120,11 @@ def _graph_problems(cfg: "RunConfig") -> list[str]:
 
 def _scope_problems(cfg: "RunConfig") -> list[str]:
     model, name = cfg.model, scope_field(cfg)
-    scopes = resolved_scopes(cfg)
+    scopes = configured_scopes(cfg)
     problems = []
     for scope in scopes:
         if scope not in SCOPES:
-            problems.append(f"{name}: unknown scope {scope!r}{_closest(scope, SCOPES)}; "
+            problems.append(f"{name}: unknown scope {scope!r}{did_you_mean(scope, SCOPES)}; "
                             f"allowed: {', '.join(SCOPES)}")
     duplicates = sorted({s for s in scopes if scopes.count(s) > 1})
     if duplicates:
@@ -209,7 +184,7 @@ def _pipeline_problems(cfg: "RunConfig") -> list[str]:
                         f"{chunks}")
         return problems
     per_chunk = model.num_layers // chunks
-    recomputing = model.recompute == "block" or "mhc_recompute" in resolved_scopes(cfg)
+    recomputing = model.recompute == "block" or "mhc_recompute" in configured_scopes(cfg)
     if recomputing and chunks > 1 and model.recompute_layers is not None \
             and per_chunk % model.recompute_layers:
         divisors = [d for d in range(1, per_chunk + 1) if per_chunk % d == 0]
@@ -218,8 +193,3 @@ def _pipeline_problems(cfg: "RunConfig") -> list[str]:
                         f"num_layers / (pp_size * vpp_size) = {per_chunk} layers); use one of "
                         f"{divisors}, or null for the paper's default per chunk")
     return problems
-
-
-def _closest(name: str, allowed) -> str:
-    close = difflib.get_close_matches(str(name), list(allowed), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""

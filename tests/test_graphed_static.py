@@ -16,8 +16,9 @@ import torch
 
 from mhc_cg.config import RunConfig
 from mhc_cg.model import MHCGPTConfig
-from mhc_cg.planner import ModelShape
-from mhc_cg.train import build_for_mode, train
+from mhc_cg.pipeline.planner import ModelShape
+from mhc_cg.modes.build import build_for_mode
+from mhc_cg.train import train
 
 SCOPE_CASES = {
     "attn": (["attn", "mhc_recompute"], None),
@@ -145,17 +146,19 @@ def test_bf16_graphed_static_bit_identical_to_eager_bf16():
 
 
 def test_graphed_sublayers_with_several_microbatches_in_flight_are_refused():
-    from mhc_cg.graphed_model import GraphedStaticModel
+    from mhc_cg.errors import StaticRecomputeError
     from mhc_cg.model import MHCGPT
-    from mhc_cg.static_recompute import StaticRecomputeError
+    from mhc_cg.modes.graphed_static import GraphedStaticModel
+    from mhc_cg.plan import capture_plan
 
     cfg = small_config(["attn", "mhc_recompute"])
     with pytest.raises(StaticRecomputeError, match="order=pipeline_order"):
-        GraphedStaticModel(MHCGPT(cfg.model), ["attn", "mhc_recompute"], micro_batch_size=4,
-                           backend="tape", capacity=2)
+        GraphedStaticModel(MHCGPT(cfg.model), capture_plan(cfg, device="cpu"), micro_batch_size=4,
+                           capacity=2)
     # the recompute graphs alone are per slot set: any number in flight
-    GraphedStaticModel(MHCGPT(cfg.model), ["mhc_recompute"], micro_batch_size=4, backend="tape",
-                       capacity=2)
+    recompute_only = small_config(["mhc_recompute"])
+    GraphedStaticModel(MHCGPT(cfg.model), capture_plan(recompute_only, device="cpu"),
+                       micro_batch_size=4, capacity=2)
 
 
 def test_persistent_bytes_with_activation_recompute_match_the_planner():

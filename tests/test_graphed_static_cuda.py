@@ -13,7 +13,7 @@ import torch
 
 from test_graphed_static import SCOPE_CASES, grads_per_step, small_config
 
-from mhc_cg.train import build_for_mode
+from mhc_cg.modes.build import build_for_mode
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -306,7 +306,7 @@ def _tiny_config() -> MHCGPTConfig:
 def _rank0_interleaved_order() -> list[int]:
     """Rank 0 of pp=2 with 2 virtual chunks and 4 microbatches."""
     try:
-        from mhc_cg.schedule import pipeline_order
+        from mhc_cg.pipeline.schedule import pipeline_order
     except ImportError:  # hand-written equivalent, for a checkout without the schedule module
         return [1, 1, 2, 2, 1, -2, 1, -2, 2, -1, 2, -1, -2, -2, -1, -1]
     return pipeline_order(2, 0, 4, vpp_size=2)
@@ -333,7 +333,7 @@ def planner_prediction(order: list[int], layers_per_chunk: list[int], reuse: boo
     """The schedule planner's figure, which must agree with the independent walk."""
     walked = expected_static_input_sets(order, layers_per_chunk, reuse)
     try:
-        from mhc_cg.planner import count_static_input_buffers
+        from mhc_cg.pipeline.planner import count_static_input_buffers
     except ImportError:  # a checkout without the planner
         return walked
     planned = count_static_input_buffers(order, layers_per_chunk, reuse)

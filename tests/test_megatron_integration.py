@@ -12,8 +12,8 @@ from megatron.core.transformer.enums import CudaGraphScope  # noqa: E402
 
 from mhc_cg.config import load_config  # noqa: E402
 from mhc_cg.errors import ConfigError  # noqa: E402
-from mhc_cg.planner import plan  # noqa: E402
-from mhc_cg.schedule import pipeline_order  # noqa: E402
+from mhc_cg.pipeline.planner import plan  # noqa: E402
+from mhc_cg.pipeline.schedule import pipeline_order  # noqa: E402
 from megatron_integration.config import MHCTransformerConfig  # noqa: E402
 from megatron_integration.graph_hook import (RecomputeCaptureMixin, RecomputeGraphKey,  # noqa: E402
                                              recompute_capture_order)

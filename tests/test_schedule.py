@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from mhc_cg.cli import main
 from mhc_cg.errors import ConfigError
-from mhc_cg.planner import plan
-from mhc_cg.schedule import check_order, decode_order, pipeline_order, schedule_problems
-from mhc_cg.schedule_plot import chrome_trace, simulate_timeline
+from mhc_cg.pipeline.planner import plan
+from mhc_cg.pipeline.schedule import check_order, decode_order, pipeline_order, schedule_problems
+from mhc_cg.pipeline.plot import chrome_trace, simulate_timeline
 
 schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 cuda_graphs = pytest.importorskip("megatron.core.transformer.cuda_graphs")

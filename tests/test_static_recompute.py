@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mhc_cg.arena import ArenaLayoutError
+from mhc_cg.recompute.arena import ArenaLayoutError
 from mhc_cg.model import MHCGPT, MHCGPTConfig
-from mhc_cg.static_recompute import StaticRecomputeError, build_static_recompute
+from mhc_cg.errors import StaticRecomputeError
+from mhc_cg.recompute.static import build_static_recompute
 
 SEQ, MBS = 16, 2
 
@@ -157,7 +158,7 @@ def test_exception_mid_forward_claims_nothing_and_next_step_is_correct():
 
 
 def test_arena_layout_is_fixed_once_allocated():
-    from mhc_cg.arena import Arena
+    from mhc_cg.recompute.arena import Arena
     arena = Arena("cpu")
     region = arena.region("L0.attn.0")
     arena.claim(region, 0, 256, torch.float32)
@@ -195,8 +196,8 @@ def test_moe_partial_capture_signal_unwinding_the_forward_leaves_nothing_claimed
 def test_arena_holds_one_block_of_the_saved_tensor_model(block_size, dropout):
     """The arena is what autograd saves of one block's mHC ops, nothing more: the op-by-op model
     of memory_model.sublayer_saved_elements, up to the 64-byte alignment of each slot."""
-    from mhc_cg.arena import ALIGN_BYTES
-    from mhc_cg.memory_model import sublayer_saved_elements
+    from mhc_cg.recompute.arena import ALIGN_BYTES
+    from mhc_cg.memory.analytical import sublayer_saved_elements
 
     model = tiny_model(dropout=dropout)
     runtime = build_static_recompute(list(model.layers), block_size, seq_length=SEQ,

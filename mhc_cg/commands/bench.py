@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ..bench import BENCH_MODES, CPU_CAVEAT, BenchOptions, markdown, parse_modes, run_bench, \
+from mhc_cg.bench import BENCH_MODES, CPU_CAVEAT, BenchOptions, markdown, parse_modes, run_bench, \
     write_results
-from ..config import load_config
-from ..errors import ConfigError
-from ..graphs.backend import BACKEND_NAMES
-from ..train import resolve_device
+from mhc_cg.config import load_config
+from mhc_cg.errors import ConfigError
+from mhc_cg.graphs.backend import BACKEND_NAMES
+from mhc_cg.train import resolve_device
 
 HELP = ("benchmark eager / graphed modes with and without mHC recompute: peak memory, step time, "
         "tokens/s, recompute graph vs its bandwidth bound")

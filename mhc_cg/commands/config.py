@@ -12,8 +12,8 @@ import argparse
 
 import yaml
 
-from ..config import RunConfig, load_config
-from ..validate import resolved_scopes
+from mhc_cg.config import RunConfig, load_config
+from mhc_cg.plan import capture_plan, configured_scopes
 
 HELP = "validate a YAML run config and print it resolved (every field, defaults filled in)"
 
@@ -40,12 +40,12 @@ def resolved_yaml(cfg: RunConfig) -> str:
 
 def summary(cfg: RunConfig) -> str:
     """One comment line: what the config makes ``mhc-cg train`` do."""
-    from ..train import resolve_mode
-
-    scopes = resolved_scopes(cfg)
+    plan = capture_plan(cfg)
+    scopes = configured_scopes(cfg)
     megatron = [s for s in scopes if s != "mhc_recompute"]
-    return (f"# ok: mode {resolve_mode(cfg)}, L_r={cfg.model.resolved_recompute_layers}, "
-            f"scopes {scopes or 'none'} (megatron-core gets {megatron or 'none'})")
+    return (f"# ok: mode {plan.mode}, L_r={cfg.model.resolved_recompute_layers}, "
+            f"graphs {list(plan.scopes) or 'none'} on {plan.backend} "
+            f"(megatron-core gets {megatron or 'none'})")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,9 +6,10 @@ import argparse
 import json
 from dataclasses import replace
 
-from ..config import load_config
-from ..errors import ConfigError
-from ..memory import DTYPES, measure_saved_bytes
+from mhc_cg.config import load_config
+from mhc_cg.errors import ConfigError
+from mhc_cg.dtypes import TORCH_DTYPES
+from mhc_cg.memory.measure import measure_saved_bytes
 
 HELP = "measure activation bytes saved for backward per layer (recompute none vs block)"
 
@@ -28,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", type=int, help="override model.num_streams (n)")
     parser.add_argument("--recompute-layers", type=int, help="override model.recompute_layers (L_r)")
     parser.add_argument("--mbs", type=int, help="micro-batch size (default: train.micro_batch_size)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="activation dtype")
+    parser.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="fp32", help="activation dtype")
     parser.add_argument("--device", choices=("meta", "cpu", "cuda"), default="meta",
                         help="meta: no allocation, any size (attention takes the math path); "
                              "cpu/cuda: real tensors (fused attention kernels where available)")

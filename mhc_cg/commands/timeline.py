@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..errors import ConfigError
-from ..timeline import compare, comparison_json, format_comparison, read_timeline
+from mhc_cg.errors import ConfigError
+from mhc_cg.profiling.timeline import compare, comparison_json, format_comparison, read_timeline
 
 HELP = "compare two profiles (nsys .sqlite exports or torch.profiler Chrome traces) per NVTX range"
 
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_comparison(comparison))
     if args.png:
-        from ..timeline_plot import plot_comparison  # matplotlib only when a PNG is asked for
+        from mhc_cg.profiling.timeline_plot import plot_comparison  # matplotlib only when a PNG is asked for
 
         written = plot_comparison(comparison, args.png)
         if not args.json:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..config import load_config
-from ..train import MODES, resolve_mode, train
+from mhc_cg.config import load_config
+from mhc_cg.plan import MODES, configured_mode
+from mhc_cg.train import train
 
 HELP = "train the mHC GPT of a config on a synthetic corpus; --compare runs every recompute mode"
 
@@ -29,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     progress = not args.no_progress
     if args.compare:
-        from ..compare import format_table, run_modes, to_json
+        from mhc_cg.compare import format_table, run_modes, to_json
 
         results = run_modes(cfg, steps=args.steps, device=args.device, progress=progress)
         if args.json:
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
             print(format_table(results))
         reference = results["eager_none"].losses
         return 0 if all(r.losses == reference for r in results.values()) else 1
-    mode = args.mode or resolve_mode(cfg)
+    mode = args.mode or configured_mode(cfg)
     result = train(cfg, steps=args.steps, device=args.device, progress=progress, mode=mode)
     if args.json:
         print(json.dumps({"mode": mode, "losses": result.losses, "grad_norms": result.grad_norms,

@@ -6,9 +6,11 @@ TransformerEngine-compatible ``make_graphed_callables`` on top of it.
 * ``te``: TransformerEngine's ``make_graphed_callables`` (imported only when chosen).
 """
 
-from .backend import (BACKEND_NAMES, CaptureSafetyReport, Graph, GraphBackend, GraphCaptureError,
-                      GraphReplayError, PoolOrder, get_backend, resolve_backend_name)
-from .graphed_callables import (GraphedCallables, OrderLayout, count_allocated_static_inputs,
+from mhc_cg.errors import GraphCaptureError, GraphReplayError
+from mhc_cg.graphs.backend import (BACKEND_NAMES, Graph, GraphBackend, PoolOrder, get_backend,
+                                   resolve_backend_name)
+from mhc_cg.graphs.guard import CaptureSafetyReport
+from mhc_cg.graphs.graphed_callables import (GraphedCallables, OrderLayout, count_allocated_static_inputs,
                                 make_graphed_callables)
 
 __all__ = ["BACKEND_NAMES", "GraphedCallables", "OrderLayout", "count_allocated_static_inputs",

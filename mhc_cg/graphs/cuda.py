@@ -1,6 +1,6 @@
 """CUDA graphs with plain PyTorch: ``torch.cuda.CUDAGraph`` on shared memory pools.
 
-The capture runs under :class:`~mhc_cg.graphs.backend.CaptureGuardMode` too, so an illegal op is
+The capture runs under :class:`~mhc_cg.graphs.guard.CaptureGuardMode` too, so an illegal op is
 rejected with the op's name and the user's line before CUDA reports a bare "operation not
 permitted when stream is capturing", and storage resizes are caught like on the tape. The guard
 only checks; the driver records the kernels.
@@ -14,7 +14,8 @@ from typing import Iterator
 
 import torch
 
-from .backend import CaptureGuardMode, Graph, GraphBackend, Pool
+from mhc_cg.graphs.backend import Graph, GraphBackend, Pool
+from mhc_cg.graphs.guard import CaptureGuardMode
 
 
 def _require_cuda(what: str) -> None:

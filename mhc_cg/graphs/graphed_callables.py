@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .backend import Graph, GraphBackend, get_backend, resolve_backend_name
+from mhc_cg.graphs.backend import Graph, GraphBackend, get_backend, resolve_backend_name
 
 
 # --------------------------------------------------------------------------------------------
@@ -375,7 +375,7 @@ def make_graphed_callables(
     backend_obj = backend if isinstance(backend, GraphBackend) else None
     backend_name = backend_obj.name if backend_obj is not None else resolve_backend_name(backend)
     if backend_name == "te":
-        from .te import te_make_graphed_callables
+        from mhc_cg.graphs.te import te_make_graphed_callables
         result = te_make_graphed_callables(
             callables if not single else callables[0], sample_args if not single else sample_args[0],
             sample_kwargs=sample_kwargs if not single else sample_kwargs[0], order=order,

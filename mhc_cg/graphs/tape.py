@@ -10,7 +10,7 @@ tensor arguments are the very tensors seen at capture, so it has a CUDA graph's 
   is re-run and its result copied into the captured output;
 * **no Python of the user's runs** at replay: side effects, hooks and Python control flow happen
   once, at capture, exactly as on a GPU;
-* **what a graph cannot hold is rejected at capture** (:class:`~mhc_cg.graphs.backend.CaptureGuardMode`;
+* **what a graph cannot hold is rejected at capture** (:class:`~mhc_cg.graphs.guard.CaptureGuardMode`;
   ``Tensor.tolist``/``numpy`` dispatch no op on the CPU, so the tape traps them while capturing).
 
 How each recorded op replays (decided once, at capture):
@@ -38,8 +38,9 @@ from typing import Any, Iterator
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .backend import (CaptureGuardMode, Graph, GraphBackend, GraphCaptureError,
-                      GraphReplayError, Pool, user_source_line)
+from mhc_cg.errors import GraphCaptureError, GraphReplayError
+from mhc_cg.graphs.backend import Graph, GraphBackend, Pool
+from mhc_cg.graphs.guard import CaptureGuardMode, user_source_line
 
 aten = torch.ops.aten
 

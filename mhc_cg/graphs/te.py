@@ -11,7 +11,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
-from .cuda import CudaBackend, CudaPool
+from mhc_cg.graphs.cuda import CudaBackend, CudaPool
 
 
 def import_te() -> ModuleType:

@@ -26,8 +26,8 @@ from collections.abc import Iterator
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-from .checkpoint import DISCARDED, CheckpointWithoutOutput, RNGState
-from .nvtx_ranges import nvtx_range
+from mhc_cg.recompute.checkpoint import DISCARDED, CheckpointWithoutOutput, RNGState
+from mhc_cg.profiling.nvtx import nvtx_range
 
 IDLE, ARMED, RECOMPUTED = "idle", "armed", "recomputed"
 

@@ -2,7 +2,7 @@
 
 One call site feeds both profilers::
 
-    from mhc_cg.nvtx_ranges import nvtx_range
+    from mhc_cg.profiling.nvtx import nvtx_range
     with nvtx_range("fwd", chunk, microbatch, layer):   # -> "fwd/0/3/5"
         ...
 

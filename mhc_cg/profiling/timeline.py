@@ -45,7 +45,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Hashable, Iterable
 
-from .errors import ConfigError
+from mhc_cg.errors import ConfigError
 
 NS_PER_MS = 1_000_000
 NSYS_PUSH_POP_RANGE = 59

@@ -1,6 +1,6 @@
 """Static-buffer planner: what one pipeline rank must allocate to capture its order in CUDA graphs.
 
-Walking a rank's order (``mhc_cg.schedule``), it simulates:
+Walking a rank's order (``mhc_cg.pipeline.schedule``), it simulates:
 
 * **graphed callables**, as TE's ``make_graphed_callables`` captures them: one per (chunk,
   microbatch, layer), each a forward and a backward CUDA graph;
@@ -12,11 +12,11 @@ Walking a rank's order (``mhc_cg.schedule``), it simulates:
 * **mHC persistent slot sets** (DESIGN.md, point 3): per in-flight (chunk, microbatch), each
   recompute block's input x_l0 (n*C per token), each sublayer's F output (C per token) and one
   int64 dropout seed. Sets are handed out first-in first-out from a pool holding exactly the peak
-  number in flight, as ``mhc_cg.static_recompute.PersistentSetPool`` does, and released at the
+  number in flight, as ``mhc_cg.recompute.static.PersistentSetPool`` does, and released at the
   backward of the same (chunk, microbatch). One pool serves every chunk of the rank (chunks have
   equal layer counts, so their sets have one shape);
 * **the arena**: one recompute block's transient mHC state, once per rank
-  (``mhc_cg.memory_model.arena_elements``).
+  (``mhc_cg.memory.analytical.arena_elements``).
 
 Every buffer user has a window from the position where it is written to the position of its last
 read. Positions are ``(order index, sub-step)`` pairs; sub-steps order the recompute blocks inside
@@ -31,11 +31,11 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from . import memory_model
-from .errors import ConfigError
-from .schedule import Step, decode_order, pipeline_order
+from mhc_cg.dtypes import DTYPE_BYTES
+from mhc_cg.errors import ConfigError, is_positive_int
+from mhc_cg.memory import analytical
+from mhc_cg.pipeline.schedule import Step, decode_order, pipeline_order
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 SEED_BYTES = 8  # one int64 dropout seed per persistent slot set
 
 Position = tuple[int, int]  # (order index, sub-step within that chunk pass)
@@ -60,8 +60,8 @@ class ModelShape:
     def __post_init__(self):
         problems = [f"{name}: must be a positive integer, got {getattr(self, name)!r}"
                     for name in ("hidden_size", "seq_length", "micro_batch_size", "num_streams")
-                    if not _positive_int(getattr(self, name))]
-        if self.recompute_layers is not None and not _positive_int(self.recompute_layers):
+                    if not is_positive_int(getattr(self, name))]
+        if self.recompute_layers is not None and not is_positive_int(self.recompute_layers):
             problems.append(f"recompute_layers: must be a positive integer or None, "
                             f"got {self.recompute_layers!r}")
         if self.dtype not in DTYPE_BYTES:
@@ -79,7 +79,7 @@ class ModelShape:
 
     def block_size(self, layers_per_chunk: int) -> int:
         """Layers per recompute block; a block never crosses a chunk (a pipeline stage)."""
-        wanted = self.recompute_layers or memory_model.paper_block_size(self.num_streams,
+        wanted = self.recompute_layers or analytical.paper_block_size(self.num_streams,
                                                                         layers_per_chunk)
         return min(wanted, layers_per_chunk)
 
@@ -92,20 +92,16 @@ class ModelShape:
         fc1's output for each layer that recomputes its activation."""
         size = self.block_size(layers_per_chunk)
         blocks = [min(size, layers_per_chunk - start) for start in range(0, layers_per_chunk, size)]
-        elements = sum(memory_model.block_persistent_elements(self.num_streams, self.hidden_size, b)
+        elements = sum(analytical.block_persistent_elements(self.num_streams, self.hidden_size, b)
                        for b in blocks)
         ffn = self.ffn_hidden_size or 4 * self.hidden_size
         elements += min(self.activation_recompute_layers, layers_per_chunk) * ffn
         return elements * self.tokens * self.element_bytes + SEED_BYTES
 
     def arena_bytes(self, layers_per_chunk: int) -> int:
-        elements = memory_model.arena_elements(self.num_streams, self.hidden_size,
+        elements = analytical.arena_elements(self.num_streams, self.hidden_size,
                                                self.block_size(layers_per_chunk))
         return elements * self.tokens * self.element_bytes
-
-
-def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 @dataclass(frozen=True)
@@ -162,7 +158,7 @@ def _layers_per_chunk(order_steps: list[Step], num_layers_per_chunk: int | Seque
         layers = [num_layers_per_chunk] * num_chunks
     else:
         layers = list(num_layers_per_chunk)
-    if len(layers) < num_chunks or not all(_positive_int(n) for n in layers):
+    if len(layers) < num_chunks or not all(is_positive_int(n) for n in layers):
         raise ConfigError(f"num_layers_per_chunk: need a positive layer count for each of "
                           f"{num_chunks} chunks, got {num_layers_per_chunk!r}")
     return layers
@@ -337,7 +333,7 @@ class RankPlan:
 
 
 def layers_per_chunk(num_layers: int, pp_size: int, vpp_size: int) -> int:
-    if not _positive_int(num_layers) or num_layers % (pp_size * vpp_size):
+    if not is_positive_int(num_layers) or num_layers % (pp_size * vpp_size):
         raise ConfigError(f"num_layers: must be a positive multiple of pp_size * vpp_size = "
                           f"{pp_size * vpp_size}, got {num_layers!r}")
     return num_layers // (pp_size * vpp_size)

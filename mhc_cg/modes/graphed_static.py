@@ -1,6 +1,6 @@
 """An MHCGPT trained with static-buffer mHC recompute, its sublayers and recompute in graphs.
 
-``cuda_graph_scope`` decides what is captured (DESIGN.md item 6):
+The capture plan (:mod:`mhc_cg.plan`, resolved from ``cuda_graph_scope``) decides what is captured:
 
 * ``attn`` / ``mlp``: the whole attention / dense MLP sublayer, mHC ops included, as one graphed
   callable (forward graph + backward graph) whose mHC ops save into arena slots;
@@ -22,13 +22,12 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from .megatron_moe import MoECudaGraphPartialCaptureSignal, MoECudaGraphTensorStore
-from .model import MHCGPT, MoEMLP
-from .nvtx_ranges import nvtx_range
-from .static_recompute import StaticRecompute, StaticRecomputeError, build_static_recompute
-
-SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mhc_recompute")
-
+from mhc_cg.megatron_moe import MoECudaGraphPartialCaptureSignal, MoECudaGraphTensorStore
+from mhc_cg.model import MHCGPT, MoEMLP
+from mhc_cg.plan import CapturePlan
+from mhc_cg.profiling.nvtx import nvtx_range
+from mhc_cg.errors import StaticRecomputeError
+from mhc_cg.recompute.static import StaticRecompute, build_static_recompute
 
 class SlotSublayer(nn.Module):
     """One whole mHC sublayer on the static runtime: ``(x, seed) -> (out, F output)``.
@@ -97,52 +96,39 @@ def moe_eager_tail(runtime: StaticRecompute, sub: nn.Module, position: int, k: i
 
 
 class GraphedStaticModel:
-    """``model`` with static-buffer recompute; the scopes in ``scopes`` run as graphs.
+    """``model`` with static-buffer recompute; what ``plan`` names runs as graphs.
 
     ``prepare()`` does everything that allocates: arena layout, persistent sets, capture. After
     it, a training step allocates nothing static and moves no slot. ``capacity`` is how many
     microbatches may be in flight between a forward and its backward (1 without pipelining).
     """
 
-    def __init__(self, model: MHCGPT, scopes: Sequence[str], *, micro_batch_size: int,
-                 backend: str = "auto", capacity: int = 1, block_size: int | None = None):
-        unknown = [s for s in scopes if s not in SCOPES]
-        if unknown:
-            raise StaticRecomputeError(f"unknown cuda_graph_scope entries {unknown}; "
-                                       f"known: {list(SCOPES)}")
-        if "moe" in scopes:
-            raise StaticRecomputeError(
-                "scope 'moe' captures the whole MoE layer, whose dispatch has data-dependent "
-                "shapes; use [moe_router] or [moe_router, moe_preprocess] (partial capture)")
-        self.model, self.scopes = model, tuple(scopes)
-        sublayer_scopes = {"attn", "mlp", "moe_router", "moe_preprocess"} & set(scopes)
-        if capacity > 1 and sublayer_scopes:
+    def __init__(self, model: MHCGPT, plan: CapturePlan, *, micro_batch_size: int,
+                 capacity: int = 1, block_size: int | None = None):
+        if plan.mode != "graphed_static":
+            raise StaticRecomputeError(f"GraphedStaticModel runs the graphed_static mode, got a "
+                                       f"plan for {plan.mode!r}")
+        if capacity > 1 and plan.graphed_sublayers:
             # one graph per sublayer serves every microbatch: a second forward replay before the
             # first one's backward would overwrite the activations that backward reads
             raise StaticRecomputeError(
                 f"capacity={capacity} microbatches in flight with graphed sublayers "
-                f"{sorted(sublayer_scopes)}: each sublayer has one graph here, valid for one "
-                f"microbatch at a time; for pipelined schedules capture one graph per (chunk, "
-                f"microbatch, layer) with make_graphed_callables(..., order=pipeline_order(...)) "
-                f"(see tests/test_static_pipeline.py), or graph only mhc_recompute")
+                f"{[s for s in plan.scopes if s != 'mhc_recompute']}: each sublayer has one graph "
+                f"here, valid for one microbatch at a time; for pipelined schedules capture one "
+                f"graph per (chunk, microbatch, layer) with make_graphed_callables(..., "
+                f"order=pipeline_order(...)), or graph only mhc_recompute")
+        self.model, self.plan = model, plan
         self.micro_batch_size, self.capacity = micro_batch_size, capacity
         self.block_size = block_size or model.cfg.resolved_recompute_layers
-        self.backend_name = backend
         self.runtime: StaticRecompute | None = None
         self.sublayer_fns: dict[tuple[int, int], Callable] = {}
         self.graphed_callables: tuple = ()  # make_graphed_callables' result (has .graphs())
         self.backend = None
 
-    @property
-    def moe_step(self) -> str | None:
-        if "moe_preprocess" in self.scopes:
-            return "preprocess"
-        return "route" if "moe_router" in self.scopes else None
-
     def prepare(self, device: torch.device | str) -> "GraphedStaticModel":
-        from .graphed_sublayers import sublayer_sample_args
-        from .graphs import get_backend
-        from .graphs.graphed_callables import make_graphed_callables
+        from mhc_cg.modes.graphed_none import sublayer_sample_args
+        from mhc_cg.graphs import get_backend
+        from mhc_cg.graphs.graphed_callables import make_graphed_callables
 
         cfg = self.model.cfg
         layers = list(self.model.layers)
@@ -151,18 +137,18 @@ class GraphedStaticModel:
             layers, self.block_size, seq_length=cfg.seq_length,
             micro_batch_size=self.micro_batch_size, capacity=self.capacity, device=device,
             dtype=dtype)
-        self.backend = get_backend(self.backend_name)
+        self.backend = get_backend(self.plan.backend)
         modules, keys = [], []
         for index, layer in enumerate(layers):
             position = index % self.block_size
-            if "attn" in self.scopes:
+            if self.plan.attn:
                 modules.append(SlotSublayer(self.runtime, layer.attention, position, 0))
                 keys.append((layer.layer_number, 0))
-            if cfg.is_moe and self.moe_step:
+            if self.plan.moe_step is not None:
                 modules.append(PartialMoESublayer(self.runtime, layer.mlp, position, 1,
-                                                  self.moe_step))
+                                                  self.plan.moe_step))
                 keys.append((layer.layer_number, 1))
-            elif not cfg.is_moe and "mlp" in self.scopes:
+            elif self.plan.mlp:
                 modules.append(SlotSublayer(self.runtime, layer.mlp, position, 1))
                 keys.append((layer.layer_number, 1))
         if modules:
@@ -171,11 +157,11 @@ class GraphedStaticModel:
             # a partially captured MoE sublayer leaves its experts' parameters to the eager tail
             graphed = make_graphed_callables(tuple(modules), sample_args,
                                              backend=self.backend,
-                                             allow_unused_input=self.moe_step is not None)
+                                             allow_unused_input=self.plan.moe_step is not None)
             self.graphed_callables = graphed
             for key, module, fn in zip(keys, modules, graphed):
                 self.sublayer_fns[key] = self._wrap(key, module, fn)
-        if "mhc_recompute" in self.scopes:
+        if self.plan.recompute_graph:
             self.runtime.capture_recompute_graphs(self.backend)
         return self
 
@@ -217,7 +203,7 @@ class GraphedStaticModel:
     def describe(self) -> dict:
         rt = self.runtime
         return {
-            "scopes": list(self.scopes),
+            "scopes": list(self.plan.scopes),
             "block_size": self.block_size,
             "arena_bytes": rt.arena.nbytes,
             "persistent_bytes_per_microbatch": rt.sets.nbytes_per_set,

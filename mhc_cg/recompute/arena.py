@@ -148,33 +148,3 @@ class Arena:
     def data_ptrs(self) -> dict[tuple[str, int], int]:
         """Every slot's address as first written (for invariance checks)."""
         return dict(self._data_ptrs)
-
-
-@dataclass
-class PersistentSlotSet:
-    """What one in-flight microbatch keeps for the recompute of its blocks.
-
-    ``block_inputs[b]`` is x_l0 of recompute block ``b`` ([s, b, n*C]); ``fn_outputs[(i, k)]`` is
-    the F output of sublayer ``k`` (0 attention, 1 MLP) of the chunk's ``i``-th layer ([s, b, C]).
-    Keys are positions in the chunk, so chunks of equal depth can share one pool of sets; ``seed`` is the
-    microbatch's dropout seed. ``fc1_outputs[i]`` is the MLP's pre-activation ([s, b, ffn]) of
-    the chunk's ``i``-th layer, only for layers with activation recompute: the gelu saves a view of
-    it, and the block recompute re-derives the gelu output from it into the arena. Static
-    addresses: graphs read them in place.
-    """
-
-    index: int
-    block_inputs: list[Tensor]
-    fn_outputs: dict[tuple[int, int], Tensor]
-    seed: Tensor
-    fc1_outputs: dict[int, Tensor] = field(default_factory=dict)
-
-    def _tensors(self) -> list[Tensor]:
-        return [*self.block_inputs, *self.fn_outputs.values(), *self.fc1_outputs.values(), self.seed]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tensors())
-
-    def data_ptrs(self) -> list[int]:
-        return [t.data_ptr() for t in self._tensors()]

@@ -18,7 +18,7 @@ matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from .timeline import NS_PER_MS, Comparison, RangeEvent, Timeline  # noqa: E402
+from mhc_cg.profiling.timeline import NS_PER_MS, Comparison, RangeEvent, Timeline  # noqa: E402
 
 PHASE_COLORS = {"step": "#b0b0b0", "forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#8172b3",
                 "fwd": "#64b5cd", "bwd": "#ccb974", "recompute": "#c44e52", "eager": "#55a868"}

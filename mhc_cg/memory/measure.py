@@ -23,11 +23,11 @@ from torch import nn
 import torch
 from torch import Tensor
 
-from .memory_model import (block_persistent_elements, mlp_activation_elements,
+from mhc_cg.dtypes import TORCH_DTYPES
+from mhc_cg.memory.analytical import (block_persistent_elements, mlp_activation_elements,
                            no_recompute_elements_per_layer, saved_elements_per_layer)
-from .model import MLP, MHCGPT, MHCGPTConfig
+from mhc_cg.model import MLP, MHCGPT, MHCGPTConfig
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _unique_storage_bytes(tensors: list[Tensor], exclude: set[int]) -> tuple[int, set[int]]:
@@ -118,9 +118,9 @@ def measure_saved_bytes(model_cfg: MHCGPTConfig, micro_batch_size: int, device: 
     layer, to compare with ``model["activation"]`` (ffn per token) less an RNG state per layer.
     """
     if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {dtype!r}")
-        dtype = DTYPES[dtype]
+        if dtype not in TORCH_DTYPES:
+            raise ValueError(f"dtype: must be one of {sorted(TORCH_DTYPES)}, got {dtype!r}")
+        dtype = TORCH_DTYPES[dtype]
     if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
         raise ValueError(f"micro_batch_size: must be a positive integer, got {micro_batch_size!r}")
     layers = model_cfg.num_layers

@@ -16,7 +16,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .model import MHCGPT, MoEMLP
+from mhc_cg.model import MHCGPT, MoEMLP
+from mhc_cg.plan import CapturePlan
 
 
 def sublayer_sample_args(model: MHCGPT, micro_batch_size: int, count: int,
@@ -35,19 +36,24 @@ def sublayer_sample_args(model: MHCGPT, micro_batch_size: int, count: int,
 class GraphedSublayersModel:
     """``model`` whose sublayers replay as graphs; ``prepare(device)`` captures them."""
 
-    def __init__(self, model: MHCGPT, *, micro_batch_size: int, backend: str = "auto"):
-        self.model, self.micro_batch_size, self.backend_name = model, micro_batch_size, backend
+    def __init__(self, model: MHCGPT, plan: CapturePlan, *, micro_batch_size: int):
+        if plan.mode != "graphed_none":
+            raise ValueError(f"GraphedSublayersModel runs the graphed_none mode, got a plan for "
+                             f"{plan.mode!r}")
+        self.model, self.plan, self.micro_batch_size = model, plan, micro_batch_size
         self.sublayer_fns: list[Callable] = []
         self.graphed_callables: tuple = ()
 
     def prepare(self, device: torch.device | str) -> "GraphedSublayersModel":
-        from .graphs.graphed_callables import make_graphed_callables
+        from mhc_cg.graphs.graphed_callables import make_graphed_callables
 
         subs = [sub for layer in self.model.layers for sub in (layer.attention, layer.mlp)]
-        captured = [sub for sub in subs if not isinstance(sub.fn, MoEMLP)]
+        captured = [sub for layer in self.model.layers
+                    for sub, on in ((layer.attention, self.plan.attn), (layer.mlp, self.plan.mlp))
+                    if on and not isinstance(sub.fn, MoEMLP)]
         sample_args = sublayer_sample_args(self.model, self.micro_batch_size, len(captured), device)
         self.graphed_callables = make_graphed_callables(tuple(captured), sample_args,
-                                                        backend=self.backend_name)
+                                                        backend=self.plan.backend)
         graphed = dict(zip(map(id, captured), self.graphed_callables))
         self.sublayer_fns = [graphed.get(id(sub), sub) for sub in subs]  # MoE: the eager module
         return self
@@ -66,5 +72,4 @@ class GraphedSublayersModel:
         return list(self.graphed_callables.graphs()) if self.graphed_callables else []
 
     def describe(self) -> dict:
-        scopes = ["attn"] if self.model.cfg.is_moe else ["attn", "mlp"]
-        return {"scopes": scopes, "graphs": len(self.graphs()), "recompute_graphs": 0}
+        return {"scopes": list(self.plan.scopes), "graphs": len(self.graphs()), "recompute_graphs": 0}

@@ -27,7 +27,6 @@ Invariants the tests check: slot addresses never move, nothing is resized or re-
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 from typing import Callable, Iterator
 
 import torch
@@ -35,15 +34,13 @@ from torch import Tensor
 
 import torch.nn.functional as F
 
-from .arena import Arena, PersistentSlotSet, Region
-from .model import MLP, MHCSublayer, MHCTransformerLayer
-from .nvtx_ranges import nvtx_range
+from mhc_cg.errors import StaticRecomputeError
+from mhc_cg.model import MLP, MHCSublayer, MHCTransformerLayer, recomputes_activation
+from mhc_cg.recompute.arena import Arena, Region
+from mhc_cg.recompute.persistent import PersistentSetPool, PersistentSlotSet, new_persistent_set
+from mhc_cg.profiling.nvtx import nvtx_range
 
 SUBLAYER_NAMES = ("attn", "mlp")
-
-
-class StaticRecomputeError(RuntimeError):
-    """Misuse of the static-buffer runtime (schedule, shapes, dropout, lifecycle)."""
 
 
 class _RegionCursor:
@@ -111,11 +108,6 @@ class _StoreToPersistent(torch.autograd.Function):
         return grad, None, None
 
 
-def recomputes_activation(sub: MHCSublayer) -> bool:
-    """Whether ``sub`` is a dense MLP sublayer whose gelu output is recomputed (seed 003)."""
-    return isinstance(sub.fn, MLP) and sub.fn.recompute_activation
-
-
 class StaticRecompute:
     """The static-buffer runtime for the layers of one model chunk.
 
@@ -124,7 +116,7 @@ class StaticRecompute:
     """
 
     def __init__(self, layers: list[MHCTransformerLayer], block_size: int, arena: Arena,
-                 sets: "PersistentSetPool"):
+                 sets: PersistentSetPool):
         if block_size < 1:
             raise StaticRecomputeError(f"block_size must be >= 1, got {block_size}")
         cfg = layers[0].attention.cfg
@@ -390,69 +382,6 @@ class StaticRecompute:
 
 def _unpack(t: Tensor) -> Tensor:
     return t
-
-
-class PersistentSetPool:
-    """Persistent slot sets, handed out first-in first-out along a rank's order.
-
-    ``capacity`` is how many microbatches may be in flight (the schedule planner's figure); asking
-    for more is an error, since a graph captured on a set must never see its set reused early.
-    """
-
-    def __init__(self, capacity: int, make_set: Callable[[int], PersistentSlotSet]):
-        if capacity < 1:
-            raise StaticRecomputeError(f"persistent set capacity must be >= 1, got {capacity}")
-        self.capacity = capacity
-        self._sets = [make_set(i) for i in range(capacity)]
-        self._free: deque[PersistentSlotSet] = deque(self._sets)
-        self._in_use: list[PersistentSlotSet] = []
-
-    def acquire(self) -> PersistentSlotSet:
-        if not self._free:
-            raise StaticRecomputeError(
-                f"more than {self.capacity} microbatches in flight: the persistent slot sets were "
-                f"sized for {self.capacity} (raise the capacity to the schedule's peak in flight)")
-        pset = self._free.popleft()
-        self._in_use.append(pset)
-        return pset
-
-    def release(self, pset: PersistentSlotSet) -> None:
-        if pset not in self._in_use:
-            raise StaticRecomputeError(f"persistent set {pset.index} released twice")
-        self._in_use.remove(pset)
-        self._free.append(pset)
-
-    def all_sets(self) -> list[PersistentSlotSet]:
-        return list(self._sets)
-
-    @property
-    def in_use(self) -> int:
-        return len(self._in_use)
-
-    @property
-    def nbytes_per_set(self) -> int:
-        return self._sets[0].nbytes
-
-
-def new_persistent_set(index: int, layers: list[MHCTransformerLayer], block_size: int,
-                       seq_length: int, micro_batch_size: int, device: torch.device | str,
-                       dtype: torch.dtype = torch.float32) -> PersistentSlotSet:
-    """Zeroed static buffers for one in-flight microbatch of ``layers`` (one model chunk)."""
-    cfg = layers[0].attention.cfg
-    width = cfg.num_streams * cfg.hidden_size
-    num_blocks = -(-len(layers) // block_size)
-    return PersistentSlotSet(
-        index=index,
-        block_inputs=[torch.zeros(seq_length, micro_batch_size, width, dtype=dtype, device=device)
-                      for _ in range(num_blocks)],
-        fn_outputs={(i, k): torch.zeros(seq_length, micro_batch_size, cfg.hidden_size,
-                                        dtype=dtype, device=device)
-                    for i in range(len(layers)) for k in range(2)},
-        seed=torch.zeros((), dtype=torch.int64, device=device),
-        fc1_outputs={i: torch.zeros(seq_length, micro_batch_size, layer.mlp.fn.fc1.out_features,
-                                    dtype=dtype, device=device)
-                     for i, layer in enumerate(layers) if recomputes_activation(layer.mlp)},
-    )
 
 
 def build_static_recompute(layers: list[MHCTransformerLayer], block_size: int, *,

@@ -22,7 +22,7 @@ Invariants the caller relies on:
 
 Inputs are *persistent* (saved with ``ctx.save_for_backward``, the default) or *refillable*
 (listed in ``refill``): not saved at all, filled at recompute time from an upstream checkpoint's
-recomputed output by the :class:`~mhc_cg.recompute.BlockRecomputeManager`, which resolves the
+recomputed output by the :class:`~mhc_cg.recompute.eager.BlockRecomputeManager`, which resolves the
 dependency ``"name.output_key"`` declared for that input.
 """
 
@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from .recompute import BlockRecomputeManager
+    from mhc_cg.recompute.eager import BlockRecomputeManager
 
 # Life cycle of one checkpoint; each step may only follow the one before it.
 FORWARD, DISCARDED, RECOMPUTED, CONSUMED, ABANDONED = (

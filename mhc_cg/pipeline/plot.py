@@ -20,8 +20,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ConfigError
-from .planner import RankPlan
+from mhc_cg.errors import ConfigError
+from mhc_cg.pipeline.planner import RankPlan
 
 US_PER_UNIT = 1000.0  # trace microseconds per layer-forward unit
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from mhc_cg.errors import ConfigError, is_positive_int
 
 
 @dataclass(frozen=True)
@@ -53,11 +53,11 @@ def schedule_problems(pp_size: int, pp_rank: int, num_microbatches: int, vpp_siz
     if microbatch_group_size is not None:
         sizes["microbatch_group_size"] = microbatch_group_size
     for name, value in sizes.items():
-        if not _positive_int(value):
+        if not is_positive_int(value):
             problems.append(f"{name}: must be a positive integer, got {value!r}")
     if not isinstance(pp_rank, int) or isinstance(pp_rank, bool):
         problems.append(f"pp_rank: must be an integer, got {pp_rank!r}")
-    elif _positive_int(pp_size) and not 0 <= pp_rank < pp_size:
+    elif is_positive_int(pp_size) and not 0 <= pp_rank < pp_size:
         problems.append(f"pp_rank: must be in [0, pp_size={pp_size}), got {pp_rank}")
     if problems or vpp_size == 1:
         return problems
@@ -75,10 +75,6 @@ def schedule_problems(pp_size: int, pp_rank: int, num_microbatches: int, vpp_siz
                 f"{remainder}; the last group must be empty or hold >= pp_size={pp_size} "
                 f"microbatches"]
     return []
-
-
-def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def check_schedule(pp_size: int, pp_rank: int, num_microbatches: int, vpp_size: int = 1,
