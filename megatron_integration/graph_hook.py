@@ -13,7 +13,7 @@ order in ``_get_cuda_graph_input_data()`` (returned as ``kwargs["_order"]`` for 
   microbatch k, chunk c's blocks last to first, on the slot set microbatch k's forward took
   (``mhc_cg.pipeline.planner.assign_persistent_slot_sets``, first-in first-out, as at run time).
 
-Each recompute graph has its own private pool (DESIGN.md item 4), so capturing it after the layer
+Each recompute graph has its own private pool (docs/design.md, invariant 4), so capturing it after the layer
 graphs does not break the shared pool's capture-equals-replay order: only the recompute graphs'
 order among themselves, and the slot sets they read, must follow the schedule, and they do.
 

@@ -48,7 +48,7 @@ class MHCGPTConfig:
     num_experts: int | None = None  # None: dense MLP; else a top-k routed MoE MLP
     moe_top_k: int = 2
     moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
-    recompute_activation: bool = False  # seed 003: drop the MLP's gelu output, recompute it
+    recompute_activation: bool = False  # drop the MLP's gelu output, recompute it
     recompute_activation_layers: int | None = None  # the first N layers do it; None: all
 
     def __post_init__(self):
@@ -140,7 +140,7 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     """``[s, b, C] -> [s, b, C]``: fc1 -> gelu -> fc2.
 
-    With ``recompute_activation`` (seed 003) the gelu output, ``ffn`` per token and the largest
+    With ``recompute_activation`` the gelu output, ``ffn`` per token and the largest
     tensor of the MLP, is not kept: fc2's backward needs it before gelu's backward runs, so a
     recompute bound to gelu's own backward would come too late. Instead the gelu runs in a
     ``CheckpointWithoutOutput`` (which keeps only fc1's output, as gelu itself would), its output

@@ -24,13 +24,13 @@ BACKENDS = ("auto", "cuda", "te", "tape")
 
 # Megatron-LM / MindSpeed recompute options a user may carry over, and what they map to here.
 # mhc_cg has no full-layer recompute: model.recompute: block re-runs only the mHC ops, never F.
-# Seed 003's rules for mixing activation recompute with full recompute (only method 'block'; the
+# Megatron's rules for mixing activation recompute with full recompute (only method 'block'; the
 # full-recompute layers come first, then the activation-recompute layers; no layer does both; the
 # two counts add up to num_layers without pipelining) therefore have nothing to split here.
 FOREIGN_RECOMPUTE_FIELDS = {
     "recompute_granularity": "mhc_cg has no full-layer or selective recompute of F; "
                              "model.recompute: block recomputes the mHC ops, and "
-                             "model.recompute_activation the MLP's gelu (seed 003)",
+                             "model.recompute_activation the MLP's gelu",
     "recompute_method": "mhc_cg has no full-layer recompute, so no method; model.recompute: block "
                         "recomputes the mHC ops in blocks of model.recompute_layers",
     "recompute_num_layers": "mhc_cg has no full-layer recompute; for mHC block recompute use "
@@ -67,7 +67,7 @@ def check(cfg: "RunConfig") -> "RunConfig":
 
 
 def activation_recompute_problems(model: "MHCGPTConfig") -> list[str]:
-    """Seed 003's rules for ``model.recompute_activation[_layers]``, one line per broken rule.
+    """The rules for ``model.recompute_activation[_layers]``, one line per broken rule.
 
     Run by ``MHCGPTConfig`` itself, so a model built in code obeys them too. Activation
     recompute combines with ``recompute: none`` and ``recompute: block`` on any layer: mHC block

@@ -1,4 +1,4 @@
-"""Activation (gelu) recompute, seed 003: the MLP's gelu output is not kept from forward to backward.
+"""Activation (gelu) recompute: the MLP's gelu output is not kept from forward to backward.
 
 Eager: a ``CheckpointWithoutOutput`` around the gelu, freed after fc2's forward and recomputed by a
 hook on fc2's output gradient. Static runtime: fc1's output in the persistent set, the gelu output

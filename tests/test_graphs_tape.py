@@ -209,7 +209,7 @@ def check_storage_resize_of_input_rejected(backend):
 
 
 def test_freeing_a_graph_tensor_during_capture_rejected(backend):
-    """Seed 000's discard (``untyped_storage().resize_(0)`` of a checkpointed output) in a graph."""
+    """Eager block recompute's discard (``untyped_storage().resize_(0)`` of a checkpointed output) in a graph."""
     x = torch.randn(16)
 
     def body():
@@ -498,7 +498,7 @@ def test_graphed_callables_must_replay_in_capture_order():
 
 @pytest.mark.parametrize("order, match", [
     ([1, -1, 2], "not a multiple"),
-    ([-1, 1], "backward #1 of chunk 1 before its forward"),
+    ([-1, 1], "backward of chunk 1 microbatch 0 before its forward"),
     ([1, 1, -1, -1], "one entry per \\(chunk, microbatch, layer\\)"),
     ([1, 0, -1, -1], "non-zero"),
 ])

@@ -19,7 +19,7 @@ SMALL = ModelShape(hidden_size=8, seq_length=4, micro_batch_size=2, num_streams=
 
 
 def test_1f1b_reuses_one_set_of_inputs_all_forwards_first_reuses_none():
-    # The two cases of seed 002: forward-then-backward per microbatch versus all forwards first.
+    # Two schedules: forward-then-backward per microbatch versus all forwards first.
     one_f_one_b, all_forwards_first = [1, -1] * 4, [1] * 4 + [-1] * 4
     assert count_static_input_buffers(one_f_one_b, 3) == 3
     assert count_static_input_buffers(one_f_one_b, 3, reuse=False) == 12

@@ -49,12 +49,12 @@ def format_table(r: dict, cfg) -> str:
              f"{_mib(r['block']['per_layer_bytes']):>16}{_mib(r['difference']['measured']):>16}",
              f"{'mHC state, saved-tensor model':34}{_mib(r['model']['none']):>16}"
              f"{_mib(r['model']['block']):>16}{_mib(r['difference']['model']):>16}",
-             f"{'mHC state, DESIGN.md model':34}{_mib(r['model']['design_none']):>16}"
+             f"{'mHC state, intermediates model':34}{_mib(r['model']['design_none']):>16}"
              f"{_mib(r['model']['block']):>16}{_mib(r['difference']['design_model']):>16}",
              *_activation_lines(r),
              f"block / none (measured): {r['block_over_none']:.3f}",
              f"(none - block) measured vs saved-tensor model: "
-             f"{100 * r['difference']['relative_error']:+.1f}%; vs DESIGN.md model: "
+             f"{100 * r['difference']['relative_error']:+.1f}%; vs intermediates model: "
              f"{100 * r['difference']['design_relative_error']:+.1f}%",
              f"block managers hold {r['block']['manager_bytes']} B (RNG states) in "
              f"{r['block']['num_blocks']} blocks; outside the layers: embedding "
@@ -63,7 +63,7 @@ def format_table(r: dict, cfg) -> str:
 
 
 def _activation_lines(r: dict) -> list[str]:
-    """Rows for ``recompute_activation`` (seed 003), when the model has a dense MLP."""
+    """Rows for ``recompute_activation``, when the model has a dense MLP."""
     act = r.get("activation")
     if act is None:
         return []

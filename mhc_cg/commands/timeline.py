@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from mhc_cg.errors import ConfigError
 from mhc_cg.profiling.timeline import compare, comparison_json, format_comparison, read_timeline
 
 HELP = "compare two profiles (nsys .sqlite exports or torch.profiler Chrome traces) per NVTX range"
@@ -29,8 +28,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.timeline_command != "compare":  # argparse allows only "compare"; kept for new actions
-        raise ConfigError(f"timeline: unknown action {args.timeline_command!r}")
     a, b = read_timeline(args.a), read_timeline(args.b)
     labels = tuple(args.labels) if args.labels else (a.path.name, b.path.name)
     comparison = compare(a, b, labels)

@@ -41,6 +41,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mhc_cg.graphs.backend import Graph, GraphBackend, get_backend, resolve_backend_name
+from mhc_cg.pipeline.schedule import decode_order, pass_windows
 
 
 # --------------------------------------------------------------------------------------------
@@ -73,16 +74,8 @@ class OrderLayout:
                 + microbatch * self.layers_per_chunk[chunk] + layer)
 
     def passes(self) -> list[tuple[bool, int, int]]:
-        """``(is_forward, chunk, microbatch)`` for every entry of the order."""
-        seen_fwd = [0] * self.num_chunks
-        seen_bwd = [0] * self.num_chunks
-        out = []
-        for c in self.order:
-            chunk = abs(c) - 1
-            counter = seen_fwd if c > 0 else seen_bwd
-            out.append((c > 0, chunk, counter[chunk]))
-            counter[chunk] += 1
-        return out
+        """``(is_forward, chunk, microbatch)`` for every entry of the order (chunk 0-based)."""
+        return [(s.forward, s.chunk - 1, s.microbatch) for s in decode_order(list(self.order))]
 
 
 def order_layout(order: Sequence[int], num_layers_per_chunk: int | Sequence[int] | None,
@@ -97,20 +90,12 @@ def order_layout(order: Sequence[int], num_layers_per_chunk: int | Sequence[int]
         raise ValueError(f"make_graphed_callables: order has {len(order)} entries, not a multiple of "
                          f"2 * {num_chunks} chunks (every chunk needs M forwards and M backwards)")
     num_microbatches = len(order) // (2 * num_chunks)
-    fwd = [0] * num_chunks
-    bwd = [0] * num_chunks
-    for position, c in enumerate(order):
-        chunk = abs(c) - 1
-        if c > 0:
-            fwd[chunk] += 1
-        else:
-            bwd[chunk] += 1
-            if bwd[chunk] > fwd[chunk]:
-                raise ValueError(f"make_graphed_callables: order[{position}] = {c} is backward "
-                                 f"#{bwd[chunk]} of chunk {chunk + 1} before its forward #{bwd[chunk]}")
-    if fwd != [num_microbatches] * num_chunks or bwd != fwd:
+    steps = decode_order(list(order))
+    pass_windows(steps)  # every backward after its forward, every forward with its backward
+    counts = [sum(s.forward and s.chunk == c for s in steps) for c in range(1, num_chunks + 1)]
+    if counts != [num_microbatches] * num_chunks:
         raise ValueError(f"make_graphed_callables: every chunk needs {num_microbatches} forwards and "
-                         f"as many backwards; order has forwards {fwd} and backwards {bwd} per chunk")
+                         f"as many backwards; order has forwards {counts} per chunk")
     if num_layers_per_chunk is None:
         if num_callables % num_chunks:
             raise ValueError(f"make_graphed_callables: {num_callables} callables do not split evenly "

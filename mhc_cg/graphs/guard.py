@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from mhc_cg.errors import GraphCaptureError
+from mhc_cg.storage import storage_id
 
 aten = torch.ops.aten
 
@@ -137,10 +138,6 @@ class CaptureSafetyReport:
         return len(self.resized_storages) + len(self.repointed_tensors)
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
 def _describe(t: torch.Tensor) -> str:
     return f"tensor(shape={list(t.shape)}, dtype={t.dtype}, device={t.device})"
 
@@ -179,14 +176,14 @@ class AddressBook:
         self.tensor_storage: dict[int, tuple[torch.Tensor, int]] = {}
 
     def is_owned(self, t: torch.Tensor) -> bool:
-        state = self.storages.get(_storage_key(t))
+        state = self.storages.get(storage_id(t))
         return state is not None and state.owned
 
     def knows_storage(self, t: torch.Tensor) -> bool:
-        return _storage_key(t) in self.storages
+        return storage_id(t) in self.storages
 
     def track(self, t: torch.Tensor, owned: bool, where: str) -> None:
-        key = _storage_key(t)
+        key = storage_id(t)
         if key not in self.storages:
             self.storages[key] = _StorageState(t, owned, where)
         if id(t) not in self.tensor_storage:
@@ -198,7 +195,7 @@ class AddressBook:
         A storage first met this way (``set_`` onto a storage made before the capture, like an
         arena slot) is not the graph's: its address must stay fixed from now on.
         """
-        key = _storage_key(t)
+        key = storage_id(t)
         self.tensor_storage[id(t)] = (t, key)
         state = self.storages.get(key)
         if state is None:
@@ -221,7 +218,7 @@ class AddressBook:
                    for s in {id(s): s for s in storages}.values() if s.changed()]
         repointed = [f"{_describe(t)}: moved to another storage (set_ or .data =) after the "
                      f"graph first used it at {self.storages[key].first_seen}"
-                     for t, key in entries if _storage_key(t) != key]
+                     for t, key in entries if storage_id(t) != key]
         return resized, repointed
 
 

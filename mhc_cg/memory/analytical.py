@@ -1,4 +1,4 @@
-"""The analytical memory model of DESIGN.md, in elements per token (multiply by tokens and bytes).
+"""The analytical memory model of docs/design.md, in elements per token (multiply by tokens and bytes).
 
 One place for the formulas, so the planner, the memory report and the arena agree.
 Per sublayer (attention or MLP), the discardable mHC intermediates are:
@@ -58,7 +58,7 @@ def arena_elements(num_streams: int, hidden_size: int, layers_in_block: int) -> 
 
 
 def mlp_activation_elements(ffn_hidden_size: int) -> int:
-    """The MLP's gelu output per token and layer: what activation recompute (seed 003) no longer
+    """The MLP's gelu output per token and layer: what activation recompute no longer
     keeps. Its input, fc1's output (also ``ffn`` per token), stays: the gelu's backward needs it."""
     return ffn_hidden_size
 

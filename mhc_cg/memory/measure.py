@@ -7,7 +7,7 @@ checkpointed outputs) it sums the bytes of the distinct storages those tensors s
 That is what stays alive from forward to backward: a discarded output that a consumer saved
 counts zero, a tensor saved by several ops counts once, a view counts its whole storage.
 
-Storages are told apart by the address of their storage object (``_cdata``), not by
+Storages are told apart by :func:`mhc_cg.storage.storage_id`, not by
 ``data_ptr``: on the ``meta`` device every data pointer is 0, and ``meta`` is what lets a
 configuration far larger than this machine be measured (nothing is allocated; shapes and
 ``nbytes`` are exact). Parameters that ops save (weights of a matmul) are not activations and
@@ -27,6 +27,7 @@ from mhc_cg.dtypes import TORCH_DTYPES
 from mhc_cg.memory.analytical import (block_persistent_elements, mlp_activation_elements,
                            no_recompute_elements_per_layer, saved_elements_per_layer)
 from mhc_cg.model import MLP, MHCGPT, MHCGPTConfig
+from mhc_cg.storage import storage_id
 
 
 
@@ -34,7 +35,7 @@ def _unique_storage_bytes(tensors: list[Tensor], exclude: set[int]) -> tuple[int
     seen: set[int] = set()
     total = 0
     for t in tensors:
-        key = t.untyped_storage()._cdata
+        key = storage_id(t)
         if key in exclude or key in seen:
             continue
         seen.add(key)
@@ -61,7 +62,7 @@ def _forward_saved(model_cfg: MHCGPTConfig, micro_batch_size: int, device: str,
         x = model.run_layers(x, seed)
         after_layers = len(saved)
         model.logits(x)
-    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    params = {storage_id(p) for p in model.parameters()}
     embed_bytes, embed_keys = _unique_storage_bytes(saved[:after_embed], params)
     layer_bytes, layer_keys = _unique_storage_bytes(saved[after_embed:after_layers], params | embed_keys)
     head_bytes, _ = _unique_storage_bytes(saved[after_layers:], params | embed_keys | layer_keys)
@@ -90,7 +91,7 @@ def analytical_bytes_per_layer(model_cfg: MHCGPTConfig, micro_batch_size: int,
     """The memory model (``memory_model.py``) in bytes per layer.
 
     ``none`` is what autograd saves of the mHC ops, op by op (``saved_elements_per_layer``);
-    ``design_none`` is DESIGN.md's list of intermediates, which counts tensors autograd never
+    ``design_none`` is the design's list of intermediates (docs/design.md), which counts tensors autograd never
     keeps (the outputs of additions) and misses two it does (x and the dropout mask). ``block``
     is the paper's persistent state: x_l0 per block and each F output.
     """
@@ -113,7 +114,7 @@ def measure_saved_bytes(model_cfg: MHCGPTConfig, micro_batch_size: int, device: 
     managers hold, divided by the number of layers) and the raw parts; ``model`` is the
     analytical mHC state per layer; ``difference`` compares ``none - block`` measured with the
     same difference in the model (attention and MLP internals are saved in both modes and cancel).
-    ``activation`` repeats both modes with ``recompute_activation`` on every layer (seed 003):
+    ``activation`` repeats both modes with ``recompute_activation`` on every layer:
     ``saved_per_layer`` (none - this, block - this) is what dropping the gelu output saves per
     layer, to compare with ``model["activation"]`` (ffn per token) less an RNG state per layer.
     """

@@ -9,7 +9,7 @@ Walking a rank's order (``mhc_cg.pipeline.schedule``), it simulates:
   oldest in-flight forward to a free queue, and a later forward takes from that queue before
   allocating. TE keys the queue by (shape, dtype, layout); every graphed mHC layer takes the same
   ``[s, b, n*C]`` hidden states, so here the queue has one key;
-* **mHC persistent slot sets** (DESIGN.md, point 3): per in-flight (chunk, microbatch), each
+* **mHC persistent slot sets** (docs/design.md, invariant 3): per in-flight (chunk, microbatch), each
   recompute block's input x_l0 (n*C per token), each sublayer's F output (C per token) and one
   int64 dropout seed. Sets are handed out first-in first-out from a pool holding exactly the peak
   number in flight, as ``mhc_cg.recompute.static.PersistentSetPool`` does, and released at the
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from mhc_cg.dtypes import DTYPE_BYTES
 from mhc_cg.errors import ConfigError, is_positive_int
 from mhc_cg.memory import analytical
-from mhc_cg.pipeline.schedule import Step, decode_order, pipeline_order
+from mhc_cg.pipeline.schedule import Step, decode_order, pass_windows, pipeline_order
 
 SEED_BYTES = 8  # one int64 dropout seed per persistent slot set
 
@@ -164,32 +164,12 @@ def _layers_per_chunk(order_steps: list[Step], num_layers_per_chunk: int | Seque
     return layers
 
 
-def _pass_windows(steps: list[Step]) -> dict[tuple[int, int], tuple[int, int]]:
-    """(chunk, microbatch) -> (forward index, backward index); a missing backward is an error."""
-    forward_at: dict[tuple[int, int], int] = {}
-    windows = {}
-    for index, step in enumerate(steps):
-        key = (step.chunk, step.microbatch)
-        if step.forward:
-            forward_at[key] = index
-        elif key not in forward_at:
-            raise ConfigError(f"order: entry {index} is the backward of chunk {step.chunk} "
-                              f"microbatch {step.microbatch} before its forward")
-        else:
-            windows[key] = (forward_at[key], index)
-    missing = sorted(set(forward_at) - set(windows))
-    if missing:
-        raise ConfigError(f"order: chunk {missing[0][0]} microbatch {missing[0][1]} has a forward "
-                          f"but no backward")
-    return windows
-
-
 def static_input_uses(order: list[int], num_layers_per_chunk: int | Sequence[int],
                       reuse: bool = True) -> list[BufferUse]:
     """The static input buffer of every graphed (chunk, microbatch, layer), as TE would allocate it."""
     steps = decode_order(order)
     layers = _layers_per_chunk(steps, num_layers_per_chunk)
-    windows = _pass_windows(steps)
+    windows = pass_windows(steps)
     free: deque[int] = deque()  # released buffer ids, oldest first (TE pops the front)
     in_flight: dict[int, deque[list[int]]] = {}  # chunk -> buffer ids of each forward, oldest first
     allocated = 0
@@ -225,7 +205,7 @@ def count_static_input_buffers(order: list[int], num_layers_per_chunk: int | Seq
 
 def peak_in_flight(order: list[int]) -> int:
     """The most (chunk, microbatch) passes whose forward has run and whose backward has not."""
-    _pass_windows(decode_order(order))  # the count means nothing for an order out of sequence
+    pass_windows(decode_order(order))  # the count means nothing for an order out of sequence
     live = peak = 0
     for code in order:
         live += 1 if code > 0 else -1
@@ -247,7 +227,7 @@ def assign_persistent_slot_sets(order: list[int]) -> list[int]:
     indices find the same sets at run time.
     """
     steps = decode_order(order)
-    _pass_windows(steps)  # rejects orders with a backward before its forward
+    pass_windows(steps)  # rejects orders with a backward before its forward
     free = deque(range(max_persistent_slot_sets(order)))
     held: dict[tuple[int, int], int] = {}
     assigned = []
@@ -263,7 +243,7 @@ def assign_persistent_slot_sets(order: list[int]) -> list[int]:
 
 def persistent_slot_set_uses(order: list[int]) -> list[BufferUse]:
     steps = decode_order(order)
-    windows = _pass_windows(steps)
+    windows = pass_windows(steps)
     forwards = [s for s in steps if s.forward]
     uses = []
     for step, slot_set in zip(forwards, assign_persistent_slot_sets(order)):

@@ -146,13 +146,30 @@ def decode_order(order: list[int]) -> list[Step]:
     return steps
 
 
-def check_order(order: list[int]) -> None:
-    """Raise ``ConfigError`` unless every backward follows the forward of its (chunk, microbatch)."""
-    done: set[tuple[int, int]] = set()
-    for position, step in enumerate(decode_order(order)):
+def pass_windows(steps: list[Step]) -> dict[tuple[int, int], tuple[int, int]]:
+    """(chunk, microbatch) -> (forward index, backward index) along ``steps``.
+
+    The one check of an order's sequence: a backward before its forward, or a forward without a
+    backward, is a ``ConfigError`` naming the entry.
+    """
+    forward_at: dict[tuple[int, int], int] = {}
+    windows = {}
+    for index, step in enumerate(steps):
         key = (step.chunk, step.microbatch)
         if step.forward:
-            done.add(key)
-        elif key not in done:
-            raise ConfigError(f"order: entry {position} is the backward of chunk {step.chunk} "
+            forward_at[key] = index
+        elif key not in forward_at:
+            raise ConfigError(f"order: entry {index} is the backward of chunk {step.chunk} "
                               f"microbatch {step.microbatch} before its forward")
+        else:
+            windows[key] = (forward_at[key], index)
+    missing = sorted(set(forward_at) - set(windows))
+    if missing:
+        raise ConfigError(f"order: chunk {missing[0][0]} microbatch {missing[0][1]} has a forward "
+                          f"but no backward")
+    return windows
+
+
+def check_order(order: list[int]) -> None:
+    """Raise ``ConfigError`` unless every (chunk, microbatch) runs its forward, then its backward."""
+    pass_windows(decode_order(order))

@@ -149,11 +149,6 @@ def profiler_recording() -> bool:
     return bool(_profiler_enabled())
 
 
-def is_enabled() -> bool:
-    """True when either half (NVTX or record_function) is on."""
-    return _nvtx_on or _record_function_on
-
-
 def enabled_parts() -> dict[str, bool]:
     """Which halves are on: ``{"nvtx": ..., "record_function": ...}``."""
     return {"nvtx": _nvtx_on, "record_function": _record_function_on}

@@ -1,6 +1,6 @@
 """``CheckpointWithoutOutput``: run a function without keeping its output, recompute it on demand.
 
-The eager path of the design (seeds 001 and 003). ``checkpoint(fn, *args)`` runs ``fn`` under
+The eager path of the design (docs/design.md). ``checkpoint(fn, *args)`` runs ``fn`` under
 ``no_grad`` inside an autograd Function, so the caller gets ordinary outputs that later ops may
 consume and save for backward. ``discard_output_and_register_recompute(hook_tensor)`` then frees
 the outputs' storage (``untyped_storage().resize_(0)``): every consumer that saved an output now
@@ -35,6 +35,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+from mhc_cg.recompute.gradient_order import capture_use_gradients, grad_node_key
+from mhc_cg.storage import storage_id
 
 if TYPE_CHECKING:
     from mhc_cg.recompute.eager import BlockRecomputeManager
@@ -289,7 +292,7 @@ class CheckpointWithoutOutput:
             outputs = self.fn(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         for i, sink in self.edge_sinks.items():
-            _capture_use_gradients(outputs, leaves[i], sink)
+            capture_use_gradients(outputs, leaves[i], sink)
         self._check_determinism(outputs)
         self._restore_storage(outputs)
         self._leaves, self._recomputed = leaves, outputs
@@ -344,62 +347,21 @@ class CheckpointWithoutOutput:
         self.input_grad_nodes, self.edge_sinks = {}, {}
         self.state = state
 
+    def restore_discarded_storage(self) -> None:
+        """Give discarded outputs their bytes back (contents undefined), so that nothing is left
+        pointing at a zero-byte storage when the forward is abandoned."""
+        if self.state != DISCARDED:
+            return
+        for out in self.outputs:
+            storage = out.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(self._storage_nbytes[storage_id(out)])
+
+    @property
+    def debug_bytes(self) -> int:
+        """Bytes of the debug clones kept to check recompute determinism (0 unless debugging)."""
+        return sum(t.nbytes for t in self._debug_values)
+
     def abandon(self) -> None:
         """Forget this checkpoint (the forward it belonged to was unwound by an exception)."""
         self._release(ABANDONED)
-
-
-def storage_id(t: Tensor) -> int:
-    """Identity of ``t``'s storage; also valid on ``meta`` tensors (whose data_ptr is 0)."""
-    return t.untyped_storage()._cdata
-
-
-def grad_node_key(t: Tensor) -> tuple[Any, int] | None:
-    """The autograd node and output slot where ``t``'s gradient is accumulated (None: no grad)."""
-    if not t.requires_grad:
-        return None
-    if t.grad_fn is not None:
-        return t.grad_fn, t.output_nr
-    return t.view_as(t).grad_fn.next_functions[0][0], 0  # the leaf's AccumulateGrad node
-
-
-def _capture_use_gradients(outputs: Sequence[Tensor], leaf: Tensor, sink: Callable[[Tensor], None]) -> None:
-    """Send every per-use gradient of ``leaf`` in the recomputed graph to ``sink``, as it is made.
-
-    Autograd sums the uses of one tensor in the order their backward nodes run; a checkpoint sums
-    its own uses of an input locally, before the outer graph adds the other consumers. That
-    changes the association of a three-or-more-term sum and so its rounding. A manager that
-    wants the plain graph's exact sum collects the per-use terms here and adds them itself.
-    """
-    if not leaf.requires_grad:
-        return
-    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
-    seen = set()
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        slots = []
-        for j, (nxt, _) in enumerate(node.next_functions):
-            if nxt is None:
-                continue
-            if hasattr(nxt, "variable"):  # AccumulateGrad: a leaf, stop here
-                if nxt.variable is leaf:
-                    slots.append(j)
-            else:
-                stack.append(nxt)
-        if slots:
-            node.register_hook(_UseGradientTap(tuple(slots), sink))
-
-
-class _UseGradientTap:
-    """Node post-hook: pass the gradients a node sends along ``slots`` to ``sink``, in slot order."""
-
-    def __init__(self, slots: tuple[int, ...], sink: Callable[[Tensor], None]):
-        self.slots, self.sink = slots, sink
-
-    def __call__(self, grad_inputs, _grad_outputs) -> None:
-        for j in self.slots:
-            if grad_inputs[j] is not None:
-                self.sink(grad_inputs[j])

@@ -1,6 +1,6 @@
 """``BlockRecomputeManager``: free every checkpoint of a recompute block, recompute them as one.
 
-Seed 001's unified manager with seed 000's refinement. Checkpoints built with
+One manager per recompute block, one unified recompute hook per block. Checkpoints built with
 ``CheckpointWithoutOutput(manager)`` register here in forward order. At the end of the block,
 :meth:`discard_all_outputs_and_register_unified_recompute` frees all their outputs and hooks one
 recompute on the block's end tensor (the last layer's final bias-dropout-add output, which is
@@ -26,8 +26,10 @@ from collections.abc import Iterator
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-from mhc_cg.recompute.checkpoint import DISCARDED, CheckpointWithoutOutput, RNGState
 from mhc_cg.profiling.nvtx import nvtx_range
+from mhc_cg.recompute.checkpoint import CheckpointWithoutOutput, RNGState
+from mhc_cg.recompute.gradient_order import order_gradient_sums
+from mhc_cg.storage import storage_id
 
 IDLE, ARMED, RECOMPUTED = "idle", "armed", "recomputed"
 
@@ -112,50 +114,17 @@ class BlockRecomputeManager:
                              "requires grad (the block's last bias-dropout-add output); otherwise "
                              "no backward would recompute the discarded outputs")
         self._resolved = self.validate()
-        hook_storage = hook_tensor.untyped_storage()._cdata
+        hook_storage = storage_id(hook_tensor)
         for ckpt in self.checkpoints:
-            if any(o.untyped_storage()._cdata == hook_storage for o in ckpt.outputs):
+            if any(storage_id(o) == hook_storage for o in ckpt.outputs):
                 raise ValueError(f"BlockRecomputeManager: hook_tensor shares storage with the output "
                                  f"of checkpoint {ckpt.name!r}; the block-end tensor must not be "
                                  f"checkpointed")
-        self._order_gradient_sums(hook_tensor)
+        self._order_hooks = order_gradient_sums(self.checkpoints, hook_tensor, self._first_seq or 0)
         for ckpt in self.checkpoints:
             ckpt.discard_outputs()
         self._hook = hook_tensor.register_hook(self._unified_recompute_hook)
         self.state = ARMED
-
-    def _order_gradient_sums(self, hook_tensor: Tensor) -> None:
-        """Make the gradient of every tensor consumed by several checkpoints bit-identical to
-        the un-checkpointed graph's.
-
-        Autograd adds the uses of a tensor in the order their backward nodes run. A checkpoint
-        adds its own uses of an input first, inside its backward (``mappings`` uses x twice, then
-        ``aggregate`` and ``h_res`` once each): ``(a + b) + (c + d)`` instead of
-        ``((a + b) + c) + d``, a different rounding. For each such tensor whose every use is a
-        checkpoint of this block, the checkpoints send their per-use terms to a ledger as they
-        are made, and a pre-hook on the tensor's gradient node replaces autograd's sum with the
-        ledger's left fold, which is the plain graph's order. A tensor with other consumers
-        keeps autograd's sum (correct, maybe not bit-identical).
-        """
-        uses: dict[tuple[int, int], list[tuple[CheckpointWithoutOutput, int]]] = {}
-        nodes: dict[tuple[int, int], tuple[object, int]] = {}
-        for ckpt in self.checkpoints:
-            for i, (node, slot) in ckpt.input_grad_nodes.items():
-                key = (id(node), slot)
-                uses.setdefault(key, []).append((ckpt, i))
-                nodes[key] = (node, slot)
-        shared = {k for k, v in uses.items() if len(v) >= 2}
-        if not shared or hook_tensor.grad_fn is None:
-            return
-        edges = _count_edges_into(hook_tensor.grad_fn, shared, self._first_seq or 0)
-        for key in shared:
-            if edges.get(key, 0) != len(uses[key]):
-                continue  # some consumer is not a checkpoint: leave autograd's sum alone
-            ledger: list[Tensor] = []
-            for ckpt, i in uses[key]:
-                ckpt.edge_sinks[i] = ledger.append
-            node, slot = nodes[key]
-            self._order_hooks.append(node.register_prehook(_LedgerSum(ledger, slot)))
 
     def _unified_recompute_hook(self, grad: Tensor) -> None:
         if self.state != ARMED:
@@ -197,11 +166,7 @@ class BlockRecomputeManager:
         self._order_hooks.clear()
         self._first_seq = None
         for ckpt in self.checkpoints:
-            if ckpt.state == DISCARDED:
-                for out in ckpt.outputs:
-                    storage = out.untyped_storage()
-                    if storage.nbytes() == 0:
-                        storage.resize_(ckpt._storage_nbytes[out.untyped_storage()._cdata])
+            ckpt.restore_discarded_storage()
             ckpt.abandon()
         self.checkpoints.clear()
         self._by_name.clear()
@@ -212,54 +177,8 @@ class BlockRecomputeManager:
     def held_bytes(self) -> int:
         """Bytes the manager holds itself (RNG states; debug clones), beyond saved tensors."""
         states = {id(c.rng_state): c.rng_state for c in self.checkpoints if c.rng_state is not None}
-        debug = sum(t.nbytes for c in self.checkpoints for t in c._debug_values)
+        debug = sum(c.debug_bytes for c in self.checkpoints)
         return sum(s.nbytes() for s in states.values()) + debug
-
-
-def _count_edges_into(root, targets: set[tuple[int, int]], first_seq: int) -> dict[tuple[int, int], int]:
-    """How many graph edges reachable from ``root`` point at each ``(id(node), slot)`` target.
-
-    Nodes created before the block (sequence number below ``first_seq``) and leaves are not
-    expanded, so the walk stays inside the block.
-    """
-    counts: dict[tuple[int, int], int] = {}
-    stack, seen = [root], set()
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        for nxt, slot in node.next_functions:
-            if nxt is None:
-                continue
-            key = (id(nxt), slot)
-            if key in targets:
-                counts[key] = counts.get(key, 0) + 1
-            if not hasattr(nxt, "variable") and nxt._sequence_nr() >= first_seq:
-                stack.append(nxt)
-    return counts
-
-
-class _LedgerSum:
-    """Node pre-hook: replace the gradient of output ``slot`` by the left fold of ``ledger``."""
-
-    def __init__(self, ledger: list[Tensor], slot: int):
-        self.ledger, self.slot = ledger, slot
-
-    def __call__(self, grad_outputs):
-        if not self.ledger:
-            return None
-        total = self.ledger[0]
-        for term in self.ledger[1:]:
-            total = total + term
-        self.ledger.clear()
-        grads = list(grad_outputs)
-        grads[self.slot] = total
-        return tuple(grads)
-
-
-MHCBlockRecomputeManager = BlockRecomputeManager
-"""Megatron's name for the same manager (seed 001)."""
 
 
 def checkpoint_sublayer(steps, x: Tensor, seed: Tensor | None, manager: BlockRecomputeManager,

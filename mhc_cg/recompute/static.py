@@ -1,6 +1,6 @@
 """Static-buffer mHC recompute: forward, discard and recompute on fixed addresses.
 
-How it works, per sublayer of a recompute block (see DESIGN.md items 1-4):
+How it works, per sublayer of a recompute block (docs/design.md, invariants 1-4):
 
 * The ordinary mHC ops run under ``saved_tensors_hooks``. Whatever autograd saves inside the mHC
   part is copied into the next slot of the sublayer's arena region and autograd keeps a *view of
@@ -14,7 +14,7 @@ How it works, per sublayer of a recompute block (see DESIGN.md items 1-4):
   outputs, so a graph backend can capture it once per (block, persistent set) and replay it.
 * A hook on the gradient of the block output runs (or replays) the recompute; the block's first
   backward node runs only after that gradient exists.
-* Activation recompute (seed 003) for an MLP that asks for it: fc1's output goes to the persistent
+* Activation recompute for an MLP that asks for it: fc1's output goes to the persistent
   set (``fc1_outputs``; the gelu saves a view of it), the gelu output to one arena slot per layer
   position (region ``L{pos}.mlp.act``; fc2 saves a view of it), and the block recompute re-derives
   the gelu output from the persistent fc1 output into that slot. A microbatch then keeps fc1's
@@ -211,7 +211,7 @@ class StaticRecompute:
             y = fn_output
         return self.sublayer_post(sub, position, k, y, h_post, mixed, seed), y
 
-    # -- activation recompute (seed 003) ------------------------------------------------------
+    # -- activation recompute ---------------------------------------------------------------
     def _activation_cursor(self, position: int) -> _RegionCursor:
         return _RegionCursor(self.arena, self.arena.region(f"L{position}.mlp.act"))
 
