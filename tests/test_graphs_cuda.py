@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from mhc_cg.graphs import GraphReplayError, get_backend, make_graphed_callables
-from test_graphs_tape import (ILLEGAL_BODIES, check_backward_captured_with_autograd_grad,
-                              check_data_assignment_rejected, check_illegal_op_rejected,
-                              check_module_stays_module_and_python_does_not_rerun,
-                              check_pipeline_matches_eager, check_replay_order_must_equal_capture_order,
-                              check_replay_reruns_ops_without_python, check_resize_op_on_foreign_tensor_rejected,
-                              check_set_on_foreign_tensor_rejected, check_storage_resize_of_input_rejected)
+
+from helpers import (ILLEGAL_BODIES, check_backward_captured_with_autograd_grad,
+                     check_data_assignment_rejected, check_illegal_op_rejected,
+                     check_module_stays_module_and_python_does_not_rerun,
+                     check_pipeline_matches_eager, check_replay_order_must_equal_capture_order,
+                     check_replay_reruns_ops_without_python,
+                     check_resize_op_on_foreign_tensor_rejected,
+                     check_set_on_foreign_tensor_rejected, check_storage_resize_of_input_rejected)
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
