@@ -10,14 +10,17 @@ The snapshot is ``../shared/third_party/megatron-lm-main-*.tar.gz``; see
 ``tests/megatron_main_oracle.py`` for how it is imported and the CPU shims it needs.
 """
 
+import importlib.util
+
 import pytest
 
 from megatron_main_oracle import extract_snapshot, run_job, skip_reason, snapshot_archive
 
 STREAMS = (2, 3, 4)
 DTYPES = ("float64", "float32")
-# Largest |ours - main| allowed, relative to the largest |gradient|: the two Sinkhorn backwards
-# differ in rounding only (main scales by its saved exp(logits); ours differentiates the exp).
+# Largest |ours - main| allowed, relative to the largest |value| (forward) or |gradient|: the
+# two Sinkhorn backwards differ in rounding only (main scales by its saved exp(logits); ours
+# differentiates the exp), and aggregate is a matmul in ours, a multiply-and-sum in main.
 TOLERANCE = {"float64": 1e-13, "float32": 1e-6}
 
 
@@ -26,6 +29,9 @@ def main_snapshot(tmp_path_factory):
     archive = snapshot_archive()
     if archive is None:
         pytest.skip(skip_reason())
+    if importlib.util.find_spec("triton") is None:
+        pytest.fail("Megatron-LM main's megatron.core imports triton: pip install triton "
+                    "(it is in the test extras)")
     return extract_snapshot(archive, tmp_path_factory.mktemp("megatron_main"))
 
 
@@ -51,14 +57,15 @@ def test_hyper_connection_equals_megatron_main(hyper_connection_cases, n, dtype)
                                        "mapping_proj.weight"]
     assert case["load_missing"] == [] and case["load_unexpected"] == []
     assert case["grad_keys_main"] == case["grad_keys_ours"]
-    bound = TOLERANCE[dtype] * case["grad_scale"]
-    print(f"\nn={n} {dtype}: max |ours - main| forward "
-          f"{max(case['forward'].values()):.3g}, gradients {max(case['grad'].values()):.3g} "
-          f"(bound {bound:.3g})")
+    forward_bound = TOLERANCE[dtype] * case["value_scale"]
+    grad_bound = TOLERANCE[dtype] * case["grad_scale"]
+    print(f"\nn={n} {dtype}: max |ours - main| forward {max(case['forward'].values()):.3g} "
+          f"(bound {forward_bound:.3g}), gradients {max(case['grad'].values()):.3g} "
+          f"(bound {grad_bound:.3g})")
     for name, diff in case["forward"].items():
-        assert diff <= bound, f"forward {name}: {diff}"
+        assert diff <= forward_bound, f"forward {name}: {diff}"
     for name, diff in case["grad"].items():
-        assert diff <= bound, f"gradient of {name}: {diff}"
+        assert diff <= grad_bound, f"gradient of {name}: {diff}"
     assert case["doubly_stochastic_err"] <= 1e3 * TOLERANCE[dtype]
 
 
