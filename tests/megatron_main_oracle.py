@@ -40,7 +40,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 ARCHIVE_GLOB = "megatron-lm-main-*.tar.gz"
-SEARCH_DIRS = (REPO.parent / "shared" / "third_party", Path("/work/shared/third_party"))
+# ``../shared/third_party`` beside the repository (one level up again for a git worktree kept in
+# a sub-folder), or the folder named by MHC_CG_THIRD_PARTY
+SEARCH_DIRS = tuple([Path(os.environ["MHC_CG_THIRD_PARTY"])] if "MHC_CG_THIRD_PARTY" in os.environ
+                    else []) + (REPO.parent / "shared" / "third_party",
+                                REPO.parent.parent / "shared" / "third_party")
 CHILD_TIMEOUT_S = 300
 
 
