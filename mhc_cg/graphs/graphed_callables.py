@@ -517,7 +517,10 @@ def _graphed_forward(module: torch.nn.Module, graphed: Callable) -> Callable:
     eager_forward = module.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if module.training == captured_training:
+        # A graph captured for training replays only when a backward may follow: under no_grad
+        # its forward replay would wait forever for the backward replay that comes next in order.
+        if module.training == captured_training and (
+                not captured_training or torch.is_grad_enabled()):
             return graphed(*args, **kwargs)
         return eager_forward(*args, **kwargs)
 
