@@ -18,6 +18,7 @@ which is only sound in capture order. TransformerEngine leaves a violation silen
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import itertools
 from abc import ABC, abstractmethod
@@ -112,12 +113,20 @@ class Graph(ABC):
             raise GraphCaptureError(f"{self.name}: capture() called on a graph that is {self._state}; "
                                     f"make a new graph with backend.new_graph()")
         self._state = "capturing"
+        # Python's garbage collector must not run inside a capture: it could destroy an older
+        # graph or free a tensor whose memory the capture is using (torch >= 2.9 no longer
+        # pauses it around torch.cuda.graph; TE does)
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
         try:
             with self._record():
                 yield
         except BaseException:
             self._state = "failed"
             raise
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         self._state = "captured"
         self.pool.order.captured(self)
 
