@@ -95,3 +95,12 @@ def test_bench_peak_reserved_counts_graph_pools():
                               recompute_replays=1, one_at_a_time=True)
     entry = bench.run_bench(cfg, torch.device("cuda"), opts)["modes"]["graphed_static"]
     assert entry["peak_reserved_bytes"] >= entry["peak_mem_bytes"] > 0
+
+
+def test_make_graphed_callables_auto_follows_the_inputs_device(monkeypatch):
+    from mhc_cg.graphs import make_graphed_callables
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+    graphed = make_graphed_callables((torch.nn.Linear(3, 3),), ((torch.randn(2, 3, requires_grad=True),),),
+                                     num_warmup_iters=1, backend="auto")
+    assert graphed.backend == "tape"

@@ -62,7 +62,9 @@ class PoolOrder:
                 f"#{self.cursor} ({expected}) of {len(self.sequence)} captured in this pool, got "
                 f"{'a graph of another pool' if position is None else f'graph #{position} ({graph})'}. "
                 f"Graphs sharing a pool reuse each other's freed memory in capture order; "
-                f"replay them in that order (or give them private pools)")
+                f"replay them in that order (or give them private pools). After a forward whose "
+                f"backward never came, call release_pending() on the graphed model (or rewind() "
+                f"this pool's order)")
         self.cursor = (self.cursor + 1) % len(self.sequence)
 
     def rewind(self) -> None:

@@ -373,7 +373,11 @@ def make_graphed_callables(
     reuse = bool(reuse_input_buffers and layout is not None and training)
 
     backend_obj = backend if isinstance(backend, GraphBackend) else None
-    backend_name = backend_obj.name if backend_obj is not None else resolve_backend_name(backend)
+    # "auto" follows the inputs' device: CPU tensors on a GPU machine are graphed on the tape (a
+    # CUDA graph would record no kernel and its replays would return stale outputs)
+    first = next((t for a, k in zip(sample_args, sample_kwargs) for t in _flat_tensors(a, k)), None)
+    backend_name = backend_obj.name if backend_obj is not None else resolve_backend_name(
+        backend, first.device if first is not None else None)
     if backend_name == "te":
         from mhc_cg.graphs.te import te_make_graphed_callables
         result = te_make_graphed_callables(
