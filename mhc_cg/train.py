@@ -11,6 +11,7 @@ with and without evaluation), under ``eval()`` and ``no_grad``: a forward-only p
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -88,8 +89,6 @@ def device_memory_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     try:
-        import os
-
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
