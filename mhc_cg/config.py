@@ -14,6 +14,7 @@ line that names the field and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -35,13 +36,21 @@ class TrainConfig:
     seed: int = 1234
     device: str = "cpu"  # "cpu" | "cuda" | "auto"
     dtype: str = "fp32"  # "fp32" | "bf16" | "fp16": parameters and activations (megatron mapping)
+    eval_interval: int = 0  # evaluate every N steps (and after the last); 0: never
+    eval_batches: int = 2  # held-out batches per evaluation
 
     def __post_init__(self):
         problems = [f"train.{name}: must be a positive integer, got {getattr(self, name)!r}"
-                    for name in ("steps", "micro_batch_size", "num_microbatches")
+                    for name in ("steps", "micro_batch_size", "num_microbatches", "eval_batches")
                     if getattr(self, name) < 1]
-        if self.lr <= 0:
-            problems.append(f"train.lr: must be > 0, got {self.lr!r}")
+        if self.eval_interval < 0:
+            problems.append(f"train.eval_interval: must be >= 0 (0: no evaluation), got "
+                            f"{self.eval_interval!r}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            problems.append(f"train.lr: must be a finite number > 0 (e.g. 3e-3), got {self.lr!r}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            problems.append(f"train.weight_decay: must be a finite number >= 0 (0 turns it off), "
+                            f"got {self.weight_decay!r}")
         if self.device not in ("cpu", "cuda", "auto"):
             problems.append(f"train.device: must be one of ['cpu', 'cuda', 'auto'], got {self.device!r}")
         if self.dtype not in TRAIN_DTYPES:
@@ -109,10 +118,48 @@ def load_config(path: str | Path | None) -> RunConfig:
     if not path.is_file():
         raise ConfigError(f"config: file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config: {path} is not UTF-8 text (byte {exc.start}: "
+                          f"{exc.object[exc.start:exc.start + 1]!r}); save it as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"config: cannot read {path}: {exc.strerror}; check the path and "
+                          f"its permissions") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
+    except ConfigError:
+        raise
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config: {path} is not valid YAML: {exc}".splitlines()[0]) from exc
+        raise ConfigError(f"config: {path} is not valid YAML: {exc}".splitlines()[0]) from None
+    if data is None:
+        raise ConfigError(f"config: {path} is empty; write at least one section (model, train, "
+                          f"parallel, graph), or leave out --config for the built-in defaults")
     return check(RunConfig.from_dict(data))
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the last
+    silently) and keys that are not strings."""
+
+
+def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False):
+    loader.flatten_mapping(node)
+    seen: dict = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        line = key_node.start_mark.line + 1
+        if not isinstance(key, str):
+            raise ConfigError(f"config: line {line}: key {key!r} is a {type(key).__name__}, not a "
+                              f"field name; write section and field names as text")
+        if key in seen:
+            raise ConfigError(f"config: line {line}: {key!r} is given twice (first on line "
+                              f"{seen[key]}); keep one")
+        seen[key] = line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+                                 _construct_unique_mapping)
 
 
 def _build_section(section: str, cls: type, data: dict, problems: list[str]):

@@ -39,3 +39,8 @@ class GraphCaptureError(RuntimeError):
 
 class GraphReplayError(RuntimeError):
     """A replay that would read or write the wrong memory (order, freed storage, no capture)."""
+
+
+class StaleCaptureError(RuntimeError):
+    """A value the captured graphs baked in (dropout, dtype, device, parameter addresses) changed
+    after capture; replaying would silently apply the old one."""

@@ -82,6 +82,11 @@ class MHCGPTConfig:
                             f"got {self.moe_top_k!r}")
         if self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
+        elif not (isinstance(self.moe_ffn_hidden_size, int)
+                  and not isinstance(self.moe_ffn_hidden_size, bool)
+                  and self.moe_ffn_hidden_size >= 1):
+            problems.append(f"model.moe_ffn_hidden_size: must be a positive integer or null "
+                            f"(null: ffn_hidden_size), got {self.moe_ffn_hidden_size!r}")
         if not problems:
             from mhc_cg.validate import activation_recompute_problems  # validate imports this module
 

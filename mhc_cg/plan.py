@@ -90,12 +90,15 @@ def configured_mode(cfg: "RunConfig") -> str:
     return "eager_block" if cfg.model.recompute == "block" else "eager_none"
 
 
-def capture_plan(cfg: "RunConfig", mode: str | None = None, device: str | None = None) -> CapturePlan:
+def capture_plan(cfg: "RunConfig", mode: str | None = None, device: str | None = None, *,
+                 on_this_machine: bool = True) -> CapturePlan:
     """The plan for ``cfg`` in ``mode`` (default: :func:`configured_mode`) on ``device``.
 
     ``cfg`` must have passed :func:`mhc_cg.validate.check`. ``graphed_static`` always graphs the
     recompute; with no scope configured it graphs ``attn`` too. ``graphed_none`` graphs every
     sublayer that can be captured whole (a MoE MLP cannot: its dispatch has data-dependent shapes).
+    ``on_this_machine=False`` resolves the backend without asking whether this machine has a GPU
+    (``config check`` of a config meant for another machine).
     """
     from mhc_cg.graphs.backend import resolve_backend_name
 
@@ -103,7 +106,8 @@ def capture_plan(cfg: "RunConfig", mode: str | None = None, device: str | None =
     if mode not in MODES:
         raise ConfigError(f"--mode: must be one of {list(MODES)}, got {mode!r}")
     try:
-        backend = resolve_backend_name(cfg.graph.backend, device or cfg.train.device)
+        backend = resolve_backend_name(cfg.graph.backend, device or cfg.train.device,
+                                       on_this_machine=on_this_machine)
     except ValueError as exc:
         raise ConfigError(f"graph.backend: {exc}") from None
     if mode in ("eager_none", "eager_block"):

@@ -1,7 +1,17 @@
-"""The training loop behind ``mhc-cg train``."""
+"""The training loop behind ``mhc-cg train``.
+
+Each step first releases whatever an aborted previous step left in flight (a forward whose
+backward never came), then runs ``num_microbatches`` forwards and backwards and one optimizer
+step (:mod:`mhc_cg.mixed_precision`: fp32 main parameters for bf16/fp16, loss scaling for fp16).
+With ``train.eval_interval`` the model is evaluated every that many steps on
+``train.eval_batches`` held-out batches (a generator of its own, so training sees the same data
+with and without evaluation), under ``eval()`` and ``no_grad``: a forward-only pass.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -12,7 +22,9 @@ import torch.nn.functional as F
 
 from mhc_cg.config import RunConfig
 from mhc_cg.data import ProgressionCorpus
+from mhc_cg.dtypes import TORCH_DTYPES
 from mhc_cg.errors import ConfigError
+from mhc_cg.mixed_precision import MixedPrecisionOptimizer
 from mhc_cg.model import MHCGPT
 from mhc_cg.modes.build import build_for_plan
 from mhc_cg.plan import CapturePlan, capture_plan
@@ -27,6 +39,10 @@ class TrainResult:
     grad_norms: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     held_bytes_per_microbatch: int | None = None  # allocated by a forward and held until backward
+    grad_digests: list[str] = field(default_factory=list)  # per step: every gradient's bytes
+    skipped_steps: list[int] = field(default_factory=list)  # steps whose gradients overflowed
+    eval_steps: list[int] = field(default_factory=list)  # after how many steps each evaluation ran
+    eval_losses: list[float] = field(default_factory=list)
 
     @property
     def median_step_ms(self) -> float:
@@ -68,6 +84,30 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def device_memory_bytes(device: torch.device) -> int | None:
+    """What ``device`` holds in all: the GPU's memory, or the machine's RAM for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits(cfg: RunConfig, device: torch.device) -> None:
+    """Refuse, before anything is allocated, a run whose rough size
+    (:func:`mhc_cg.validate.estimated_train_bytes`) exceeds what ``device`` holds."""
+    from mhc_cg.validate import estimated_train_bytes
+
+    limit, need = device_memory_bytes(device), estimated_train_bytes(cfg)
+    if limit is not None and need > limit:
+        raise ConfigError(f"model: training this model needs about {need / 2 ** 30:.3g} GiB "
+                          f"(parameters, optimizer state, one microbatch's activations), more than "
+                          f"the {limit / 2 ** 30:.3g} GiB of {device.type} memory (the limit); "
+                          f"reduce model.hidden_size, num_layers, seq_length or "
+                          f"train.micro_batch_size")
+
+
 class ProgressBar:
     """A one-line progress bar on stderr (silent when ``enabled`` is false)."""
 
@@ -100,27 +140,61 @@ class TrainSession:
     model: MHCGPT
     forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     graphed: object | None
-    optimizer: torch.optim.Optimizer
+    optimizer: MixedPrecisionOptimizer
     corpus: ProgressionCorpus
     seeds: torch.Generator
+    last_skipped: bool = False  # the last step's gradients overflowed and it was skipped
+    last_grad_digest: str | None = None  # set by step(digest=True)
+    _eval_data: list | None = None
 
     @classmethod
     def build(cls, cfg: RunConfig, plan: CapturePlan, device: torch.device) -> "TrainSession":
         model, forward, graphed = build_for_plan(cfg, plan, device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr,
-                                      weight_decay=cfg.train.weight_decay)
+        optimizer = MixedPrecisionOptimizer(model.parameters(), lr=cfg.train.lr,
+                                            weight_decay=cfg.train.weight_decay,
+                                            model_dtype=TORCH_DTYPES[cfg.train.dtype])
         corpus = ProgressionCorpus(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.train.seed)
         return cls(cfg, plan, device, model, forward, graphed, optimizer, corpus,
                    torch.Generator().manual_seed(cfg.train.seed + 1))
 
-    def step(self, *, probe_memory: bool = False,
+    def release_pending(self) -> int:
+        """Release what forwards without a backward still hold (see ``release_pending`` of the
+        graphed models); the eager modes hold nothing that outlives the autograd graph."""
+        release = getattr(self.graphed, "release_pending", None)
+        return release() if release is not None else 0
+
+    def evaluate(self) -> float:
+        """Mean loss over ``train.eval_batches`` held-out batches: ``eval()``, ``no_grad``, no
+        dropout. The batches are drawn once, from a generator training never reads."""
+        train, dev = self.cfg.train, self.device
+        if self._eval_data is None:
+            held_out = ProgressionCorpus(self.cfg.model.vocab_size, self.cfg.model.seq_length,
+                                         seed=train.seed + 2)
+            self._eval_data = [held_out.batch(train.micro_batch_size)
+                               for _ in range(train.eval_batches)]
+        seed = torch.zeros((), dtype=torch.int64, device=dev)  # unused: dropout is off in eval
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), nvtx_range("eval"):
+                total = sum(F.cross_entropy(self.forward(x.to(dev), seed).flatten(0, 1).float(),
+                                            y.to(dev).flatten()).item()
+                            for x, y in self._eval_data)
+        finally:
+            self.model.train(was_training)
+        return total / len(self._eval_data)
+
+    def step(self, *, probe_memory: bool = False, digest: bool = False,
              after_backward: Callable[[MHCGPT], None] | None = None) -> tuple[float, float, int | None]:
         """One optimizer step over ``num_microbatches``; returns (loss, grad norm, held bytes).
 
         ``probe_memory`` measures what the first microbatch's forward holds until its backward
-        (:func:`held_bytes`); otherwise the third value is ``None``.
+        (:func:`held_bytes`); otherwise the third value is ``None``. ``digest`` stores a hash
+        of every gradient's bytes in ``last_grad_digest``. ``last_skipped`` tells whether the
+        optimizer skipped the step (fp16 overflow).
         """
         train, dev = self.cfg.train, self.device
+        self.release_pending()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, held = 0.0, None
         for index in range(train.num_microbatches):
@@ -138,16 +212,29 @@ class TrainSession:
                 else:
                     loss = forward_loss()
             with nvtx_range("backward"):
-                loss.backward()
+                self.optimizer.backward(loss)
             loss_sum += loss.item()
         if after_backward is not None:
             after_backward(self.model)
+        if digest:
+            self.last_grad_digest = grad_digest(self.model)
         with nvtx_range("optimizer"):
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float("inf"))
-            self.optimizer.step()
+            grad_norm, self.last_skipped = self.optimizer.step()
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        return loss_sum, float(grad_norm), held
+        return loss_sum, grad_norm, held
+
+
+def grad_digest(model: torch.nn.Module) -> str:
+    """A hash of every parameter gradient's bytes, in parameter order (``-`` for no gradient):
+    two runs have bit-identical gradients exactly when their digests agree."""
+    h = hashlib.blake2b(digest_size=16)
+    for p in model.parameters():
+        if p.grad is None:
+            h.update(b"-")
+        else:
+            h.update(p.grad.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
 
 
 def train(cfg: RunConfig, *, steps: int | None = None, device: str | None = None,
@@ -162,6 +249,7 @@ def train(cfg: RunConfig, *, steps: int | None = None, device: str | None = None
     steps = cfg.train.steps if steps is None else steps
     if steps < 1:
         raise ConfigError(f"--steps: must be a positive integer, got {steps}")
+    check_fits(cfg, dev)
     plan = capture_plan(cfg, mode, str(dev))
     mode = plan.mode
     session = TrainSession.build(cfg, plan, dev)
@@ -173,11 +261,19 @@ def train(cfg: RunConfig, *, steps: int | None = None, device: str | None = None
         hook = None if after_backward is None else (lambda model, s=step: after_backward(s, model))
         with nvtx_range("step"):  # profiler ranges; one name per phase so runs aggregate by name
             # the first step is excluded from the median time: probe memory there
-            loss, grad_norm, held = session.step(probe_memory=step == 0, after_backward=hook)
+            loss, grad_norm, held = session.step(probe_memory=step == 0, digest=True,
+                                                 after_backward=hook)
         if step == 0:
             result.held_bytes_per_microbatch = held
         result.step_times.append(time.perf_counter() - start)
         result.losses.append(loss)
         result.grad_norms.append(grad_norm)
+        result.grad_digests.append(session.last_grad_digest)
+        if session.last_skipped:
+            result.skipped_steps.append(step)
+        interval = cfg.train.eval_interval
+        if interval and ((step + 1) % interval == 0 or step + 1 == steps):
+            result.eval_steps.append(step + 1)
+            result.eval_losses.append(session.evaluate())
         bar.update(step + 1, f"loss {loss:.4f}")
     return result

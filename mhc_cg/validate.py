@@ -55,7 +55,8 @@ def validate(cfg: "RunConfig") -> list[str]:
     Rules within the model section (activation recompute included) are ``MHCGPTConfig``'s own:
     a config that reached here has passed them.
     """
-    return [*_graph_problems(cfg), *_scope_problems(cfg), *_pipeline_problems(cfg)]
+    return [*_graph_problems(cfg), *_scope_problems(cfg), *_pipeline_problems(cfg),
+            *_size_problems(cfg)]
 
 
 def check(cfg: "RunConfig") -> "RunConfig":
@@ -192,4 +193,45 @@ def _pipeline_problems(cfg: "RunConfig") -> list[str]:
                         f"layers would cross a pipeline stage (each model chunk holds "
                         f"num_layers / (pp_size * vpp_size) = {per_chunk} layers); use one of "
                         f"{divisors}, or null for the paper's default per chunk")
+    return problems
+
+
+# The synthetic corpus (mhc_cg.data) needs room for its strides.
+MIN_VOCAB_SIZE = 8
+# No single device holds this much; a config beyond it is a typo (hidden_size: 1e20), refused
+# before anything is allocated. What fits one device is checked against it when training starts.
+MAX_TRAIN_BYTES = 2 ** 40
+
+
+def estimated_train_bytes(cfg: "RunConfig") -> int:
+    """Rough bytes one training step holds: parameters and gradients in ``train.dtype``, fp32
+    main parameters and AdamW state (mixed precision), and one microbatch's activations (about 24
+    stream-wide tensors per layer, plus the seq x seq attention scores of the math path). An
+    order-of-magnitude figure for refusing impossible sizes up front, not a memory model."""
+    from mhc_cg.dtypes import DTYPE_BYTES
+
+    m, t = cfg.model, cfg.train
+    c, n, s, layers = m.hidden_size, m.num_streams, m.seq_length, m.num_layers
+    ffn = m.ffn_hidden_size if not m.is_moe else m.moe_ffn_hidden_size * m.num_experts
+    per_layer = 4 * c * c + 2 * c * ffn + 2 * (n * c * (n * n + 2 * n) + c)
+    params = 2 * m.vocab_size * c + s * c + layers * per_layer
+    width = DTYPE_BYTES.get(t.dtype, 4)
+    state = params * (2 * width + (16 if t.dtype != "fp32" else 12))
+    activations = layers * t.micro_batch_size * s * width * (24 * n * c + 3 * ffn + m.num_heads * s)
+    return state + activations
+
+
+def _size_problems(cfg: "RunConfig") -> list[str]:
+    model, problems = cfg.model, []
+    if model.vocab_size < MIN_VOCAB_SIZE:
+        problems.append(f"model.vocab_size: {model.vocab_size} is too small for the synthetic "
+                        f"corpus (progressions with strides up to 5); use at least "
+                        f"{MIN_VOCAB_SIZE}")
+    need = estimated_train_bytes(cfg)
+    if need > MAX_TRAIN_BYTES:
+        problems.append(f"model: training this model needs about {need / 2 ** 30:.3g} GiB "
+                        f"(parameters, optimizer state, one microbatch's activations), beyond the "
+                        f"limit of {MAX_TRAIN_BYTES / 2 ** 30:.0f} GiB that any one device holds; "
+                        f"reduce model.hidden_size, num_layers, seq_length, ffn_hidden_size or "
+                        f"train.micro_batch_size")
     return problems

@@ -130,6 +130,12 @@ def run_block(cfg: MHCTransformerConfig, cpu_attention: bool = True, device: str
     from megatron_integration.layer import MHCTransformerBlock, get_mhc_layer_spec
 
     torch.manual_seed(0)
+    if device == "cuda":
+        # megatron initialises (and drops out) on CUDA through its RNG tracker, which needs its
+        # own seed: without it the first fork() raises that the tracker has no such state
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(0)
     block = MHCTransformerBlock(cfg, get_mhc_layer_spec(cpu_attention=cpu_attention)).to(device).train()
     torch.manual_seed(1)
     x = torch.randn(8, 2, cfg.hidden_size, device=device, requires_grad=True)

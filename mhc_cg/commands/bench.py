@@ -63,7 +63,9 @@ def run(args: argparse.Namespace) -> int:
                         bandwidth_bytes=(256 if device.type == "cuda" else 32) * 2 ** 20)
     if device.type != "cuda":
         print(f"NOTE: {CPU_CAVEAT}.\n")
-    report = run_bench(cfg, device, opts)
+    # written after each mode, so a run cut short (time limit, OOM) keeps what it measured
+    report = run_bench(cfg, device, opts,
+                       on_mode_done=lambda partial: write_results(partial, args.out_dir))
     json_path, md_path = write_results(report, args.out_dir)
     print(markdown(report))
     print(f"wrote {json_path} and {md_path}")

@@ -40,7 +40,7 @@ def resolved_yaml(cfg: RunConfig) -> str:
 
 def summary(cfg: RunConfig) -> str:
     """One comment line: what the config makes ``mhc-cg train`` do."""
-    plan = capture_plan(cfg)
+    plan = capture_plan(cfg, on_this_machine=False)  # a config may be meant for another machine
     scopes = configured_scopes(cfg)
     megatron = [s for s in scopes if s != "mhc_recompute"]
     return (f"# ok: mode {plan.mode}, L_r={cfg.model.resolved_recompute_layers}, "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from mhc_cg.config import load_config
 from mhc_cg.errors import ConfigError
@@ -22,6 +23,45 @@ FLAGS = {"pp_size": "--pp", "vpp_size": "--vpp", "num_microbatches": "--microbat
 DEFAULTS = {"pp_size": 1, "vpp_size": 1, "num_microbatches": 8, "num_layers": 32,
             "microbatch_group_size": None, "hidden_size": 4096, "seq_length": 4096,
             "micro_batch_size": 1, "num_streams": 4, "recompute_layers": None}
+
+
+# Forward and backward passes simulated over all ranks (pp * vpp * M * 2): beyond these the
+# simulation takes minutes and gigabytes, the plot becomes unreadable; refused up front.
+MAX_SIMULATED_PASSES = 2 ** 16
+MAX_PLOTTED_PASSES = 2 ** 13
+
+
+def size_problems(values: dict, png: bool) -> list[str]:
+    """The run's size against the limits, one line per broken limit (flag, size, fix)."""
+    sizes = [values[k] for k in ("pp_size", "vpp_size", "num_microbatches")]
+    if not all(isinstance(v, int) and v >= 1 for v in sizes):
+        return []  # schedule_problems reports these
+    passes = 2 * sizes[0] * sizes[1] * sizes[2]
+    problems = []
+    if passes > MAX_SIMULATED_PASSES:
+        problems.append(f"--pp/--vpp/--microbatches: pp * vpp * microbatches * 2 = {passes} "
+                        f"passes to simulate, above the limit of {MAX_SIMULATED_PASSES} (beyond it "
+                        f"the simulation takes minutes and gigabytes); lower --microbatches (the "
+                        f"buffer counts stop growing past a few times --pp) or --pp")
+    elif png and passes > MAX_PLOTTED_PASSES:
+        problems.append(f"--png: {passes} passes to draw, above the limit of {MAX_PLOTTED_PASSES} "
+                        f"for a readable plot; lower --microbatches or --pp, or use --trace")
+    return problems
+
+
+def output_problems(args: argparse.Namespace) -> list[str]:
+    """``--trace``/``--png`` paths whose folder is missing, before any work is done."""
+    problems = []
+    for flag, value in (("--trace", args.trace), ("--png", args.png)):
+        if value is None:
+            continue
+        folder = Path(value).parent
+        if not folder.is_dir():
+            problems.append(f"{flag}: folder {str(folder)!r} does not exist; create it "
+                            f"(mkdir -p {folder}) or write elsewhere")
+        elif Path(value).is_dir():
+            problems.append(f"{flag}: {value!r} is a folder; give a file name")
+    return problems
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -134,6 +174,9 @@ def format_plans(plans: list[RankPlan], values: dict, dtype: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     values = resolve(args)
+    problems = output_problems(args) + size_problems(values, args.png is not None)
+    if problems:
+        raise ConfigError(problems)
     plans = build_plans(values, args.dtype)
     if args.json:
         print(json.dumps({"pp": values["pp_size"], "vpp": values["vpp_size"],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from mhc_cg.config import load_config
 from mhc_cg.plan import MODES, configured_mode
@@ -32,24 +33,38 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:
         from mhc_cg.compare import format_table, run_modes, to_json
 
+        from mhc_cg.compare import mismatches
+
         results = run_modes(cfg, steps=args.steps, device=args.device, progress=progress)
+        problems = mismatches(results)
         if args.json:
             print(json.dumps(to_json(results), indent=1))
         else:
             _describe(cfg, "all modes")
             print(format_table(results))
-        reference = results["eager_none"].losses
-        return 0 if all(r.losses == reference for r in results.values()) else 1
+            if any(r.eval_losses for r in results.values()):
+                print("eval loss (after step " + ", ".join(map(str, results["eager_none"].eval_steps))
+                      + "): " + "; ".join(f"{m} {r.eval_losses[-1]:.4f}" for m, r in results.items()))
+        for line in problems:
+            print(f"mhc-cg train: mismatch: {line}", file=sys.stderr)
+        return 0 if not problems else 1
     mode = args.mode or configured_mode(cfg)
     result = train(cfg, steps=args.steps, device=args.device, progress=progress, mode=mode)
     if args.json:
         print(json.dumps({"mode": mode, "losses": result.losses, "grad_norms": result.grad_norms,
+                          "eval_steps": result.eval_steps, "eval_losses": result.eval_losses,
+                          "skipped_steps": result.skipped_steps,
                           "step_ms_median": result.median_step_ms, **result.info}, indent=1))
         return 0
     _describe(cfg, mode)
     print(f"first loss {result.losses[0]:.4f}")
     print(f"last loss  {result.losses[-1]:.4f}")
     print(f"step time  {result.median_step_ms:.1f} ms (median of {len(result.step_times)} steps)")
+    if result.eval_losses:
+        print(f"eval loss  {result.eval_losses[-1]:.4f} (after step {result.eval_steps[-1]})")
+    if result.skipped_steps:
+        print(f"skipped    {len(result.skipped_steps)} steps with non-finite gradients "
+              f"(fp16 loss scaling backs off): {result.skipped_steps}")
     return 0
 
 

@@ -18,6 +18,7 @@ which is only sound in capture order. TransformerEngine leaves a violation silen
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import itertools
 from abc import ABC, abstractmethod
@@ -61,7 +62,9 @@ class PoolOrder:
                 f"#{self.cursor} ({expected}) of {len(self.sequence)} captured in this pool, got "
                 f"{'a graph of another pool' if position is None else f'graph #{position} ({graph})'}. "
                 f"Graphs sharing a pool reuse each other's freed memory in capture order; "
-                f"replay them in that order (or give them private pools)")
+                f"replay them in that order (or give them private pools). After a forward whose "
+                f"backward never came, call release_pending() on the graphed model (or rewind() "
+                f"this pool's order)")
         self.cursor = (self.cursor + 1) % len(self.sequence)
 
     def rewind(self) -> None:
@@ -112,12 +115,20 @@ class Graph(ABC):
             raise GraphCaptureError(f"{self.name}: capture() called on a graph that is {self._state}; "
                                     f"make a new graph with backend.new_graph()")
         self._state = "capturing"
+        # Python's garbage collector must not run inside a capture: it could destroy an older
+        # graph or free a tensor whose memory the capture is using (torch >= 2.9 no longer
+        # pauses it around torch.cuda.graph; TE does)
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
         try:
             with self._record():
                 yield
         except BaseException:
             self._state = "failed"
             raise
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         self._state = "captured"
         self.pool.order.captured(self)
 
@@ -175,12 +186,14 @@ def te_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def resolve_backend_name(name: str, device: "str | torch.device | None" = None) -> str:
+def resolve_backend_name(name: str, device: "str | torch.device | None" = None, *,
+                         on_this_machine: bool = True) -> str:
     """The backend ``name`` stands for on ``device`` (default: CUDA when this torch sees a GPU).
 
     ``auto`` -> ``te`` where TE is installed and the device is CUDA, ``cuda`` on CUDA without TE,
     ``tape`` on the CPU: graphs follow the device the model runs on, not only the machine. With a
-    CPU ``device``, ``cuda`` and ``te`` are refused here (without one, by the backend itself).
+    CPU ``device``, ``cuda`` and ``te`` are refused here; ``on_this_machine`` also refuses them
+    where this torch sees no GPU or TE is missing (off for checking a config meant elsewhere).
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"graph backend must be one of {list(BACKEND_NAMES)}, got {name!r}")
@@ -191,12 +204,18 @@ def resolve_backend_name(name: str, device: "str | torch.device | None" = None) 
     if known and name in ("cuda", "te") and not on_cuda:
         raise ValueError(f"{name!r} captures CUDA graphs, but the model runs on the CPU; use "
                          f"'tape' (the CPU emulation) or 'auto'")
+    if on_this_machine and name in ("cuda", "te") and not torch.cuda.is_available():
+        raise ValueError(f"{name!r} captures CUDA graphs, but this torch build sees no CUDA GPU; "
+                         f"use 'tape' (the CPU emulation) or 'auto'")
+    if on_this_machine and name == "te" and not te_available():
+        raise ValueError("'te' needs TransformerEngine (transformer_engine), which is not "
+                         "installed; install it, or use 'cuda' or 'auto'")
     return name
 
 
 def get_backend(name: str = "auto") -> GraphBackend:
     """The backend called ``name`` (see :func:`resolve_backend_name` for ``auto``)."""
-    resolved = resolve_backend_name(name)
+    resolved = resolve_backend_name(name, on_this_machine=False)  # the backends say why not
     if resolved == "tape":
         from mhc_cg.graphs.tape import TapeBackend
         return TapeBackend()

@@ -24,6 +24,30 @@ def _require_cuda(what: str) -> None:
                            f"use backend='tape' to emulate graphs on the CPU")
 
 
+_LIBRARIES_WARM: set[int] = set()
+
+
+def warm_up_libraries() -> None:
+    """Create cuBLAS/cuBLASLt handles and workspaces before any capture, once per device.
+
+    Their lazy creation (the first matmul of a process, per dtype path) allocates and
+    synchronises, which a capture refuses; a graph captured first would fail or record it.
+    """
+    device = torch.cuda.current_device()
+    if device in _LIBRARIES_WARM:
+        return
+    torch.cuda.current_blas_handle()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # captures run on a side stream too
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            a = torch.ones(16, 16, device="cuda", dtype=dtype)
+            (a @ a).sum()
+            torch.nn.functional.linear(a, a, a[0])
+    torch.cuda.synchronize()
+    _LIBRARIES_WARM.add(device)
+
+
 class CudaPool(Pool):
     """A ``torch.cuda.graph_pool_handle()`` and the replay order of the graphs that share it."""
 
@@ -68,6 +92,7 @@ class CudaBackend(GraphBackend):
 
     def __init__(self) -> None:
         _require_cuda("the 'cuda' graph backend")
+        warm_up_libraries()
 
     @contextlib.contextmanager
     def warmup(self) -> Iterator[None]:

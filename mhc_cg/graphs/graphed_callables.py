@@ -351,7 +351,11 @@ def make_graphed_callables(
     reuse = bool(reuse_input_buffers and layout is not None and training)
 
     backend_obj = backend if isinstance(backend, GraphBackend) else None
-    backend_name = backend_obj.name if backend_obj is not None else resolve_backend_name(backend)
+    # "auto" follows the inputs' device: CPU tensors on a GPU machine are graphed on the tape (a
+    # CUDA graph would record no kernel and its replays would return stale outputs)
+    first = next((t for a, k in zip(sample_args, sample_kwargs) for t in _flat_tensors(a, k)), None)
+    backend_name = backend_obj.name if backend_obj is not None else resolve_backend_name(
+        backend, first.device if first is not None else None)
     if backend_name == "te":
         return _through_te(callables, sample_args, sample_kwargs, single, order=order,
                            num_layers_per_chunk=num_layers_per_chunk, reuse_input_buffers=reuse, pool=pool,
@@ -532,7 +536,10 @@ def _graphed_forward(module: torch.nn.Module, graphed: Callable) -> Callable:
     eager_forward = module.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if module.training == captured_training:
+        # A graph captured for training replays only when a backward may follow: under no_grad
+        # its forward replay would wait forever for the backward replay that comes next in order.
+        if module.training == captured_training and (
+                not captured_training or torch.is_grad_enabled()):
             return graphed(*args, **kwargs)
         return eager_forward(*args, **kwargs)
 

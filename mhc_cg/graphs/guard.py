@@ -8,7 +8,9 @@ refuses exactly what a real capture would refuse, with the op and the user's sou
   frees, resizes or re-points a storage the graph uses (``untyped_storage().resize_``, ``set_``,
   ``.data =``) is rejected (:class:`AddressBook`, :class:`CaptureSafetyReport`).
 * **No host synchronisation, no data-dependent shapes** (``.item()``, ``nonzero``, ``unique``,
-  device-to-host copies): :func:`illegal_op_reason`.
+  boolean-mask indexing, device-to-host copies, ``torch.tensor([...])`` from Python data), and
+  no 0-dim CPU tensor read by a device op (CUDA bakes its value in at capture):
+  :func:`illegal_op_reason`.
 * **No stateful random ops**: use the counter dropout of :mod:`mhc_cg.dropout`.
 """
 
@@ -81,8 +83,21 @@ def illegal_op_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) ->
                 or _argument(func, "output_size", args, kwargs) is not None):
             return None  # repeats known on the host, or the output size given: a fixed shape
         return "its output shape depends on tensor values; a graph needs shapes fixed at capture"
+    if packet in (aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_) \
+            and _has_bool_index(func, args, kwargs):
+        return ("it indexes with a boolean mask (x[mask], x[mask] = v), which hides a nonzero: "
+                "the selected count depends on tensor values; use torch.where(mask, v, x) or "
+                "x * mask, which keep shapes fixed")
+    if packet in (aten.lift_fresh, aten.lift_fresh_copy) and args and args[0].dim() > 0:
+        return ("it makes a tensor from Python data (torch.tensor([...])); on a GPU that is a "
+                "copy from pageable host memory, which a capture refuses; build it before the "
+                "capture, or on the device (torch.arange, torch.full)")
     if torch.Tag.nondeterministic_seeded in func.tags and _draws_random(func, args, kwargs):
         return f"it draws from a stateful random generator; {_COUNTER_DROPOUT_HINT}"
+    if packet not in _HOST_SCALAR_OK_OPS and _mixes_host_scalar(args, kwargs):
+        return ("it reads a 0-dim CPU tensor together with device tensors: a CUDA kernel takes "
+                "its value once, at capture, and every replay keeps that value; put the tensor "
+                "on the device (a static buffer the graph reads at replay)")
     if packet in (aten._to_copy, aten.copy_):
         flat = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         target = kwargs.get("device") if packet is aten._to_copy else (args[0].device if args else None)
@@ -91,6 +106,27 @@ def illegal_op_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) ->
                 s.device.type != "cpu" for s in sources):
             return "it copies device memory to the host, which synchronises the stream"
     return None
+
+
+# A 0-dim CPU value of these is a wrapped Python number (x[i] = 1.0, x.fill_(t)): fine in a graph.
+_HOST_SCALAR_OK_OPS = {aten.index_put_, aten.index_put, aten.fill_, aten.fill, aten.lift_fresh,
+                       aten.lift_fresh_copy}
+
+
+def _has_bool_index(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
+    try:
+        indices = _argument(func, "indices", args, kwargs)
+    except KeyError:
+        return False
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+               for i in (indices or ()))
+
+
+def _mixes_host_scalar(args: tuple, kwargs: dict) -> bool:
+    """A 0-dim CPU tensor among the arguments of an op on device (non-CPU) tensors."""
+    flat = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+    on_device = any(t.device.type not in ("cpu", "meta") for t in flat)
+    return on_device and any(t.device.type == "cpu" and t.dim() == 0 for t in flat)
 
 
 def _argument(func: torch._ops.OpOverload, name: str, args: tuple, kwargs: dict) -> Any:

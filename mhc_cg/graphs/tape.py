@@ -11,7 +11,8 @@ tensor arguments are the very tensors seen at capture, so it has a CUDA graph's 
 * **no Python of the user's runs** at replay: side effects, hooks and Python control flow happen
   once, at capture, exactly as on a GPU;
 * **what a graph cannot hold is rejected at capture** (:class:`~mhc_cg.graphs.guard.CaptureGuardMode`;
-  ``Tensor.tolist``/``numpy`` dispatch no op on the CPU, so the tape traps them while capturing).
+  ``Tensor.tolist``/``numpy``/``cpu`` dispatch no op on the CPU, so the tape traps them while
+  capturing).
 
 How each recorded op replays (decided once, at capture):
 
@@ -122,15 +123,16 @@ def _alias_with_current_metadata(t: torch.Tensor) -> torch.Tensor:
     return alias
 
 
-_HOST_READ_METHODS = ("tolist", "numpy")
+_HOST_READ_METHODS = ("tolist", "numpy", "cpu")
 
 
 @contextlib.contextmanager
 def _host_read_traps(graph_name: str) -> Iterator[None]:
-    """Make ``Tensor.tolist`` / ``Tensor.numpy`` raise while capturing.
+    """Make ``Tensor.tolist`` / ``numpy`` / ``cpu`` raise while capturing.
 
-    On the CPU they read memory directly and dispatch no op the tape could see; for a tensor on a
-    GPU they are device-to-host copies that synchronise, which a graph cannot hold.
+    On the CPU they read memory directly (``cpu()`` returns the tensor itself) and dispatch no op
+    the tape could see; for a tensor on a GPU they are device-to-host copies that synchronise,
+    which a graph cannot hold.
     """
     originals = {name: getattr(torch.Tensor, name) for name in _HOST_READ_METHODS}
 

@@ -41,7 +41,8 @@ def build_for_plan(cfg: RunConfig, plan: CapturePlan, device: torch.device
         graphed = GraphedStaticModel(model, plan, micro_batch_size=cfg.train.micro_batch_size)
     else:
         return model, model, None
-    graphed.prepare(device)
+    with torch.enable_grad():  # capture records the backward too, even if built under no_grad
+        graphed.prepare(device)
     return model, graphed, graphed
 
 

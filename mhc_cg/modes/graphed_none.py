@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from mhc_cg.model import MHCGPT, MoEMLP
+from mhc_cg.modes.lifecycle import CapturedState, runs_graphs
 from mhc_cg.plan import CapturePlan
 
 
@@ -43,6 +44,7 @@ class GraphedSublayersModel:
         self.model, self.plan, self.micro_batch_size = model, plan, micro_batch_size
         self.sublayer_fns: list[Callable] = []
         self.graphed_callables: tuple = ()
+        self.captured: CapturedState | None = None
 
     def prepare(self, device: torch.device | str) -> "GraphedSublayersModel":
         from mhc_cg.graphs.graphed_callables import make_graphed_callables
@@ -56,17 +58,39 @@ class GraphedSublayersModel:
                                                         backend=self.plan.backend)
         graphed = dict(zip(map(id, captured), self.graphed_callables))
         self.sublayer_fns = [graphed.get(id(sub), sub) for sub in subs]  # MoE: the eager module
+        self.captured = CapturedState.of(self.model)
         return self
 
     def forward(self, input_ids: Tensor, dropout_seed: Tensor) -> Tensor:
+        """A training forward replays the graphs; evaluation (``eval()`` or ``no_grad``) runs the
+        plain model eagerly and leaves the graphs and their replay order alone."""
         if not self.sublayer_fns:
             raise RuntimeError("GraphedSublayersModel.prepare(device) must run before forward")
+        if not runs_graphs(self.model):
+            return self.model(input_ids, dropout_seed)
+        self.captured.check(self.model)
         x = self.model.embed(input_ids)
         for fn in self.sublayer_fns:
             x = fn(x, dropout_seed)
         return self.model.logits(x)
 
     __call__ = forward
+
+    def train(self, mode: bool = True) -> "GraphedSublayersModel":
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> "GraphedSublayersModel":
+        return self.train(False)
+
+    def release_pending(self) -> int:
+        """Forget training forwards whose backward never came (an aborted step): the next forward
+        replays from the first captured graph again. Called by every training step first."""
+        order = getattr(getattr(self.graphed_callables, "pool", None), "order", None)
+        if order is None or order.cursor == 0:
+            return 0
+        order.rewind()
+        return 1
 
     def graphs(self) -> list:
         return list(self.graphed_callables.graphs()) if self.graphed_callables else []

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from mhc_cg.megatron_moe import MoECudaGraphPartialCaptureSignal, MoECudaGraphTensorStore
 from mhc_cg.model import MHCGPT, MoEMLP
+from mhc_cg.modes.lifecycle import CapturedState, runs_graphs
 from mhc_cg.plan import CapturePlan
 from mhc_cg.profiling.nvtx import nvtx_range
 from mhc_cg.errors import StaticRecomputeError
@@ -124,6 +125,7 @@ class GraphedStaticModel:
         self.sublayer_fns: dict[tuple[int, int], Callable] = {}
         self.graphed_callables: tuple = ()  # make_graphed_callables' result (has .graphs())
         self.backend = None
+        self.captured: CapturedState | None = None
 
     def prepare(self, device: torch.device | str) -> "GraphedStaticModel":
         from mhc_cg.modes.graphed_none import sublayer_sample_args
@@ -163,6 +165,7 @@ class GraphedStaticModel:
                 self.sublayer_fns[key] = self._wrap(key, module, fn)
         if self.plan.recompute_graph:
             self.runtime.capture_recompute_graphs(self.backend)
+        self.captured = CapturedState.of(self.model)
         return self
 
     def _wrap(self, key: tuple[int, int], module: nn.Module, fn: Callable) -> Callable:
@@ -183,13 +186,37 @@ class GraphedStaticModel:
         return run
 
     def forward(self, input_ids: Tensor, dropout_seed: Tensor) -> Tensor:
+        """A training forward runs the static runtime and its graphs; evaluation (``eval()`` or
+        ``no_grad``) runs the plain model eagerly: no persistent set is claimed, no graph replayed."""
         if self.runtime is None:
             raise StaticRecomputeError("GraphedStaticModel.prepare(device) must run before forward")
+        if not runs_graphs(self.model):
+            return self.model(input_ids, dropout_seed)
+        self.captured.check(self.model)
         x = self.model.embed(input_ids)
         x = self.runtime.forward(x, dropout_seed, self.sublayer_fns)
         return self.model.logits(x)
 
     __call__ = forward
+
+    def train(self, mode: bool = True) -> "GraphedStaticModel":
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> "GraphedStaticModel":
+        return self.train(False)
+
+    def release_pending(self) -> int:
+        """Give back what every training forward whose backward never came still holds (an
+        aborted step: a non-finite loss, a forward run for its value only): its persistent set,
+        and the sublayer graphs' replay position. Returns how many forwards were released; their
+        backward raises from now on. Called by every training step first."""
+        released = self.runtime.release_pending() if self.runtime is not None else 0
+        order = getattr(getattr(self.graphed_callables, "pool", None), "order", None)
+        if order is not None and order.cursor != 0:
+            order.rewind()
+            released = max(released, 1)
+        return released
 
     def graphs(self) -> list:
         """Every captured graph: sublayer forward/backward graphs, then recompute graphs."""

@@ -69,7 +69,9 @@ class PersistentSetPool:
         if not self._free:
             raise StaticRecomputeError(
                 f"more than {self.capacity} microbatches in flight: the persistent slot sets were "
-                f"sized for {self.capacity} (raise the capacity to the schedule's peak in flight)")
+                f"sized for {self.capacity}: raise the capacity to the schedule's peak in flight; "
+                f"or, if a forward's backward never came (a skipped step, a forward run for its "
+                f"value with gradients on), call release_pending() on the model first")
         pset = self._free.popleft()
         self._in_use.append(pset)
         return pset

@@ -138,6 +138,8 @@ class StaticRecompute:
         self._param_storages = {p.untyped_storage().data_ptr()
                                 for layer in self.layers for p in layer.parameters()}
         self.trace: list[str] = []  # what ran, in order (for tests and debugging)
+        # forwards whose backward has not finished: persistent set index -> its hooks' state
+        self._pending: dict[int, dict] = {}
 
     # -- hooks ------------------------------------------------------------------------------
     def _pack(self, t: Tensor) -> Tensor:
@@ -309,6 +311,8 @@ class StaticRecompute:
         sublayer (e.g. by a graphed callable) and must return ``(out, fn_output)``."""
         if not self.arena.allocated:
             raise StaticRecomputeError("call prepare() (layout discovery + allocation) before forward")
+        if not torch.is_grad_enabled():
+            return self.forward_only(x, seed)
         expected = tuple(self.sets.all_sets()[0].block_inputs[0].shape)
         if tuple(x.shape) != expected:
             raise StaticRecomputeError(
@@ -321,6 +325,7 @@ class StaticRecompute:
         pset = self.sets.acquire()
         self.active_set = pset
         handles = []
+        state = {"released": False}
         try:
             if seed is not None:
                 pset.seed.copy_(seed)
@@ -337,7 +342,7 @@ class StaticRecompute:
                             x, y = self.sublayer(sub, position, k, x, seed_in)
                         pset.fn_outputs[(first + position, k)].copy_(y.detach())
                 if x.requires_grad:
-                    handles.append(x.register_hook(self._make_block_hook(b, pset)))
+                    handles.append(x.register_hook(self._make_block_hook(b, pset, state)))
         except BaseException:
             # Anything that unwinds the forward (MoECudaGraphPartialCaptureSignal included) leaves
             # no hook behind and gives the set back: nothing of this microbatch will run backward.
@@ -347,12 +352,28 @@ class StaticRecompute:
             raise
         finally:
             self.active_set = None
+        if handles:
+            self._pending[pset.index] = state
+        else:  # no gradient will flow (e.g. a frozen chunk): nothing will run backward
+            self.sets.release(pset)
         return x
 
-    def _make_block_hook(self, block: int, pset: PersistentSlotSet):
+    def forward_only(self, x: Tensor, seed: Tensor | None) -> Tensor:
+        """The chunk without a backward to come (evaluation, ``no_grad``): the plain layers,
+        eagerly. Nothing is saved, so no slot, persistent set or graph is touched."""
+        for layer in self.layers:
+            x = layer(x, seed)
+        return x
+
+    def _make_block_hook(self, block: int, pset: PersistentSlotSet, forward_state: dict):
         state = {"done": False}
 
         def hook(grad: Tensor) -> None:
+            if forward_state["released"]:
+                raise StaticRecomputeError(
+                    f"backward of a forward that was released (release_pending(), or the next "
+                    f"training step): persistent set {pset.index} and the arena may hold another "
+                    f"microbatch now; run backward before the next step, or recompute the loss")
             if state["done"]:
                 raise StaticRecomputeError(
                     f"second backward through recompute block {block}: its slots were already "
@@ -360,9 +381,31 @@ class StaticRecompute:
             state["done"] = True
             self.run_recompute(block, pset)
             if block == 0:
+                self._pending.pop(pset.index, None)
                 self.sets.release(pset)
 
         return hook
+
+    @property
+    def pending(self) -> int:
+        """Forwards whose backward has not finished (their persistent sets are held)."""
+        return len(self._pending)
+
+    def release_pending(self) -> int:
+        """Give back the persistent set of every forward whose backward never came (an aborted
+        step: a non-finite loss, a forward run for its value only); returns how many.
+
+        A backward of a released forward raises instead of reading slots that another
+        microbatch may have overwritten.
+        """
+        released = 0
+        for pset in self.sets.all_sets():
+            state = self._pending.pop(pset.index, None)
+            if state is not None:
+                state["released"] = True
+                self.sets.release(pset)
+                released += 1
+        return released
 
     # -- setup -----------------------------------------------------------------------------------
     def discover_layout(self, x: Tensor, seed: Tensor | None) -> None:

@@ -1,0 +1,63 @@
+"""What a CUDA graph cannot hold is refused at capture, by the tape too, with the op and the
+user's source line: boolean-mask indexing, ``torch.tensor([...])``, ``.cpu()``; on CUDA also a
+0-dim CPU tensor read by a device op (its value would be baked in at capture)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mhc_cg.errors import GraphCaptureError
+from mhc_cg.graphs import get_backend
+from mhc_cg.graphs.guard import illegal_op_reason
+
+X = torch.randn(6)
+MASK = X > 0
+
+CASES = {
+    "mask_read": (lambda: X[MASK], "aten.index.Tensor", "boolean mask"),
+    "mask_write": (lambda: X.__setitem__(MASK, torch.zeros(())), "aten.index_put_", "boolean mask"),
+    "mask_write_scalar": (lambda: X.__setitem__(MASK, 1.0), "aten.index_put_", "boolean mask"),
+    "tensor_from_list": (lambda: torch.tensor([1.0, 2.0]), "aten.lift_fresh", "torch.tensor([...])"),
+    "cpu": (lambda: X.cpu(), "Tensor.cpu()", "copies device memory to the host"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_refused_at_capture_with_the_op_and_the_source_line(case):
+    fn, op, reason = CASES[case]
+    graph = get_backend("tape").new_graph()
+    with pytest.raises(GraphCaptureError) as info:
+        with graph.capture():
+            fn()
+    message = str(info.value)
+    assert op in message and reason in message
+    assert "test_capture_refusals.py" in message  # the user's line, not torch's
+
+
+def test_what_stays_legal():
+    graph = get_backend("tape").new_graph()
+    y = torch.zeros(6)
+    idx = torch.tensor([0, 2])
+    with graph.capture():
+        z = torch.where(MASK, X, y)  # the fixed-shape spelling of a masked write
+        w = X[idx]  # integer indexing: fixed shape
+        X2 = X.clone()
+        X2[1] = 0.5  # a Python number is a wrapped scalar
+        t = torch.tensor(2.0) * X  # a 0-dim constant made inside the capture
+    graph.replay()
+    assert torch.equal(z, torch.where(MASK, X, y)) and torch.equal(w, X[idx])
+    assert X2[1] == 0.5 and torch.equal(t, 2.0 * X)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_0_dim_cpu_tensor_in_a_device_op_is_refused():
+    x = torch.randn(4, device="cuda")
+    scale = torch.tensor(2.0)
+    reason = illegal_op_reason(torch.ops.aten.mul.Tensor, (x, scale), {})
+    assert reason is not None and "0-dim CPU tensor" in reason
+    graph = get_backend("cuda").new_graph()
+    with pytest.raises(GraphCaptureError, match="0-dim CPU tensor"):
+        with graph.capture():
+            x * scale

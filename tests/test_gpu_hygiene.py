@@ -1,0 +1,106 @@
+"""What a GPU run depends on, checked where it can be on the CPU (and on CUDA when present):
+GC paused during capture, libraries warmed before any capture, the backend resolved from the
+device, bf16 losses compared with a stated tolerance, peaks counting graph pools, bench results
+written as each mode finishes."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+
+import pytest
+import torch
+
+from helpers import tiny_run_config
+from mhc_cg import bench
+from mhc_cg.graphs import get_backend
+from mhc_cg.plan import capture_plan
+
+
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_gc_is_paused_during_capture_and_restored(enabled_before):
+    seen = []
+    (gc.enable if enabled_before else gc.disable)()
+    try:
+        graph = get_backend("tape").new_graph()
+        with graph.capture():
+            seen.append(gc.isenabled())
+            torch.ones(2) + 1
+        assert seen == [False] and gc.isenabled() == enabled_before
+        failing = get_backend("tape").new_graph()
+        with pytest.raises(RuntimeError):
+            with failing.capture():
+                raise RuntimeError("boom")
+        assert gc.isenabled() == enabled_before  # restored on failure too
+    finally:
+        gc.enable()
+
+
+def test_backend_follows_the_device_not_the_machine(monkeypatch):
+    """``--device cpu`` on a GPU machine must graph on the tape: a CUDA graph of CPU ops is empty
+    and its replays would return stale outputs."""
+    cfg = tiny_run_config()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+    assert capture_plan(cfg, "graphed_static", "cpu").backend == "tape"
+    assert capture_plan(cfg, "graphed_none", "cpu").backend == "tape"
+
+
+def test_bench_loss_comparison_has_a_stated_tolerance_and_never_matches_nan():
+    ref = [4.0, 3.0]
+    assert bench.losses_match([4.0, 3.0], ref, 0.0)
+    assert not bench.losses_match([4.0, 3.0001], ref, 0.0)
+    assert bench.losses_match([4.0, 3.03], ref, bench.LOSS_RTOL["bf16"])
+    assert not bench.losses_match([4.0, 3.2], ref, bench.LOSS_RTOL["bf16"])
+    assert not bench.losses_match([float("nan")] * 2, [float("nan")] * 2, 0.0)
+
+
+def test_bench_hands_over_results_as_each_mode_finishes(tmp_path):
+    cfg = tiny_run_config(steps=2)
+    cfg = dataclasses.replace(cfg, graph=dataclasses.replace(cfg.graph, backend="tape"))
+    snapshots = []
+    opts = bench.BenchOptions(modes=("eager_none", "graphed_static"), steps=2, warmup=1, chunk=1,
+                              recompute_replays=1, bandwidth_bytes=2 ** 16, one_at_a_time=True)
+    report = bench.run_bench(cfg, torch.device("cpu"), opts,
+                             on_mode_done=lambda r: snapshots.append(list(r["modes"])))
+    assert snapshots == [["eager_none"], ["eager_none", "graphed_static"]]
+    assert report["bench"]["backend"] == "tape" and report["bench"]["loss_rtol"] == 0.0
+    assert report["modes"]["graphed_static"]["losses_match_eager_none"] is True
+    bench.write_results(report, tmp_path)  # the partial-report writer the command uses
+    assert (tmp_path / "cpu.json").exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_backend_warms_cublas_before_the_first_capture():
+    from mhc_cg.graphs import cuda as cuda_backend
+
+    backend = get_backend("cuda")
+    assert torch.cuda.current_device() in cuda_backend._LIBRARIES_WARM
+    a = torch.randn(32, 32, device="cuda", dtype=torch.bfloat16)
+    graph = backend.new_graph()
+    with graph.capture():
+        out = a @ a
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, a @ a) or torch.allclose(out.float(), (a @ a).float(), rtol=1e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bench_peak_reserved_counts_graph_pools():
+    cfg = tiny_run_config(steps=2)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, device="cuda"),
+                              graph=dataclasses.replace(cfg.graph, backend="cuda"))
+    opts = bench.BenchOptions(modes=("graphed_static",), steps=2, warmup=1, chunk=1,
+                              recompute_replays=1, one_at_a_time=True)
+    entry = bench.run_bench(cfg, torch.device("cuda"), opts)["modes"]["graphed_static"]
+    assert entry["peak_reserved_bytes"] >= entry["peak_mem_bytes"] > 0
+
+
+def test_make_graphed_callables_auto_follows_the_inputs_device(monkeypatch):
+    from mhc_cg.graphs import make_graphed_callables
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+    graphed = make_graphed_callables((torch.nn.Linear(3, 3),), ((torch.randn(2, 3, requires_grad=True),),),
+                                     num_warmup_iters=1, backend="auto")
+    assert graphed.backend == "tape"
