@@ -188,6 +188,8 @@ class RankReport:
     arena_bytes: int
     persistent_bytes_per_set: int
     recompute_graphs: int
+    recomputes_replayed: int = 0  # block recomputes that ran as a replayed graph
+    recomputes_eager: int = 0  # ... and eagerly (none, once the graphs are captured)
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
@@ -199,13 +201,20 @@ class RankReport:
                 "assignment_matches_planner": self.assignment_matches_planner,
                 "arena_bytes": self.arena_bytes,
                 "persistent_bytes_per_set": self.persistent_bytes_per_set,
-                "recompute_graphs": self.recompute_graphs, "order": self.order}
+                "recompute_graphs": self.recompute_graphs,
+                "recomputes_replayed": self.recomputes_replayed,
+                "recomputes_eager": self.recomputes_eager, "order": self.order}
 
 
 def _rank_main(rank: int, cfg: RunConfig, steps: int, device: str, port: int, out_dir: str,
                collect_grads: bool, progress: bool, threads: int) -> None:
+    import warnings
+
     import torch.distributed as dist
 
+    # megatron-core warns at import about TE/Apex being absent, once per rank: noise here
+    for category in (UserWarning, FutureWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"megatron\..*")
     torch.set_num_threads(threads)
     par, train = cfg.parallel, cfg.train
     backend = "nccl" if device == "cuda" else "gloo"
@@ -352,6 +361,9 @@ def _run_rank(rank: int, cfg: RunConfig, steps: int, dev: torch.device, collect_
             report.losses.append(loss)
             bar.update(step + 1, f"loss {loss:.4f}")
     report.peak_sets_in_use = peak[0]
+    trace = [line for runtime in runtimes for line in runtime.trace]
+    report.recomputes_replayed = sum(line.endswith("(graph)") for line in trace)
+    report.recomputes_eager = sum(line.endswith("(eager)") for line in trace)
     return report
 
 
