@@ -394,9 +394,15 @@ def train_pipeline(cfg: RunConfig, *, steps: int | None = None, device: str | No
     pp = cfg.parallel.pp_size
     dev = resolve_pipeline_device(device or cfg.train.device, pp)
     threads = max(1, torch.get_num_threads() // pp)
+    if dev == "cpu":
+        # forked ranks inherit this process's imports (megatron-core's take seconds per process);
+        # CUDA cannot be forked, so GPU ranks are spawned
+        import megatron.core.parallel_state  # noqa: F401
+        import megatron.core.pipeline_parallel.schedules  # noqa: F401
     with tempfile.TemporaryDirectory(prefix="mhc_cg_pp_") as out_dir:
-        mp.spawn(_rank_main, args=(cfg, steps, dev, _free_port(), out_dir, collect_grads,
-                                   progress, threads), nprocs=pp, join=True)
+        mp.start_processes(_rank_main, args=(cfg, steps, dev, _free_port(), out_dir,
+                                             collect_grads, progress, threads),
+                           nprocs=pp, join=True, start_method="fork" if dev == "cpu" else "spawn")
         reports = [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
                    for r in range(pp)]
     last = reports[-1]
