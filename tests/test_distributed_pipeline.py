@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from mhc_cg.cli import main
-from mhc_cg.config import load_config
+from mhc_cg.config import RunConfig, load_config
 from mhc_cg.errors import ConfigError
 from mhc_cg.pipeline.distributed import train_pipeline
 from mhc_cg.pipeline.planner import max_persistent_slot_sets
@@ -61,6 +61,13 @@ def check_planned_sets(cfg, result):
         blocks = cfg.model.num_layers // (par.pp_size * par.vpp_size) // cfg.model.recompute_layers
         assert rank["recomputes_eager"] == 0
         assert rank["recomputes_replayed"] == STEPS * par.vpp_size * cfg.train.num_microbatches * blocks
+        # graphed sublayers: a forward and a backward graph per (chunk, microbatch, sublayer),
+        # each replayed once per step
+        graphed = sum(scope in cfg.graph.cuda_graph_scope for scope in ("attn", "mlp"))
+        per_rank = 2 * par.vpp_size * cfg.train.num_microbatches * graphed * (
+            cfg.model.num_layers // (par.pp_size * par.vpp_size))
+        assert rank["sublayer_graphs"] == per_rank
+        assert rank["sublayer_graph_replays"] == STEPS * per_rank
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +77,10 @@ def pp2_run():
 
 
 def test_pp2_vpp2_equals_one_process_bit_for_bit(pp2_run):
+    """With attention and MLP sublayers graphed per (chunk, microbatch, layer) as well."""
     cfg, result = pp2_run
     assert (cfg.parallel.pp_size, cfg.parallel.vpp_size) == (2, 2)
+    assert set(cfg.graph.cuda_graph_scope) == {"attn", "mlp", "mhc_recompute"}
     check_against_single_process(cfg, result)
 
 
@@ -89,30 +98,36 @@ def test_pp4_vpp2_equals_one_process_bit_for_bit():
     check_planned_sets(cfg, result)
 
 
-def test_cli_json_with_16_microbatches_keeps_the_arena(pp2_run, tmp_path, capsys):
-    """``mhc-cg train`` spawns the ranks; 16 microbatches instead of 4: same arena, same sets."""
-    cfg, result_m4 = pp2_run
+def recompute_only_config_data(num_microbatches: int) -> dict:
     data = yaml.safe_load((CONFIGS / "tiny_pp2_vpp2.yaml").read_text())
-    data["train"]["num_microbatches"] = 16
+    data["train"]["num_microbatches"] = num_microbatches
+    data["graph"]["cuda_graph_scope"] = ["mhc_recompute"]  # capture cost does not grow with M
+    return data
+
+
+def test_cli_json_arena_and_sets_the_same_for_4_and_16_microbatches(tmp_path, capsys):
+    """``mhc-cg train`` spawns the ranks; 16 microbatches instead of 4: same arena, same sets."""
+    cfg_m4 = RunConfig.from_dict(recompute_only_config_data(4))
+    m4 = train_pipeline(cfg_m4, steps=1, progress=False)
     path = tmp_path / "m16.yaml"
-    path.write_text(yaml.safe_dump(data))
+    path.write_text(yaml.safe_dump(recompute_only_config_data(16)))
     assert main(["train", "--config", str(path), "--steps", "1", "--json", "--no-progress"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["mode"] == "graphed_static" and out["pp_size"] == 2 and out["vpp_size"] == 2
+    assert out["num_microbatches"] == 16
     assert len(out["losses"]) == len(out["grad_norms"]) == 1
-    for m4, m16 in zip(result_m4.ranks, out["ranks"]):
-        assert m16["arena_bytes"] == m4["arena_bytes"]
-        assert m16["persistent_bytes_per_set"] == m4["persistent_bytes_per_set"]
-        # peak in flight is warm-up + 1 on both: the sets do not grow with M either
-        assert m16["persistent_sets"] == m4["persistent_sets"] == m16["peak_sets_in_use"]
-    assert out["losses"][0] != result_m4.losses[0]  # 16 microbatches: another batch, another loss
+    for r4, r16 in zip(m4.ranks, out["ranks"]):
+        assert r16["arena_bytes"] == r4["arena_bytes"] > 0
+        assert r16["persistent_bytes_per_set"] == r4["persistent_bytes_per_set"]
+        # peak in flight is warm-up + 1 for both: the sets do not grow with M either
+        assert r16["persistent_sets"] == r4["persistent_sets"] == r16["peak_sets_in_use"]
+        assert r16["assignment_matches_planner"]
 
 
-def test_pipeline_rejects_graphed_sublayers_and_other_modes():
+def test_pipeline_refusals_name_the_field_and_fix():
     cfg = load_config(CONFIGS / "tiny_pp2_vpp2.yaml")
-    cfg = dataclasses.replace(cfg, graph=dataclasses.replace(
-        cfg.graph, cuda_graph_scope=["attn", "mhc_recompute"]))
-    with pytest.raises(ConfigError, match=r"graph.cuda_graph_scope: \['attn'\].*use \[mhc_recompute\]"):
-        train_pipeline(cfg, steps=1, progress=False)
     with pytest.raises(ConfigError, match="--mode: .*graphed_static, got 'eager_none'"):
         train_pipeline(cfg, steps=1, progress=False, mode="eager_none")
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute_activation=True))
+    with pytest.raises(ConfigError, match="model.recompute_activation: a graphed 'mlp' sublayer"):
+        train_pipeline(cfg, steps=1, progress=False)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
 import socket
 import tempfile
 import time
@@ -92,11 +91,11 @@ def pipeline_problems(cfg: RunConfig, mode: str) -> list[str]:
                         f"add mhc_recompute to graph.cuda_graph_scope or drop --mode")
         return problems
     plan = capture_plan(cfg, mode, "cpu")
-    if plan.graphed_sublayers:
-        captured = [s for s in plan.scopes if s != "mhc_recompute"]
-        problems.append(f"graph.cuda_graph_scope: {captured} with parallel.pp_size > 1: the "
-                        f"pipeline driver captures the recompute graphs only; use "
-                        f"[mhc_recompute]")
+    if plan.mlp and cfg.model.recompute_activation:
+        problems.append("model.recompute_activation: a graphed 'mlp' sublayer writes fc1's output "
+                        "into the one persistent set it was captured with, and a pipeline keeps "
+                        "several in flight; drop 'mlp' from graph.cuda_graph_scope or set "
+                        "recompute_activation: false")
     if cfg.model.is_moe:
         problems.append("model.num_experts: the pipeline driver runs dense models; set "
                         "num_experts: null or parallel.pp_size: 1")
@@ -125,7 +124,8 @@ class PipelineChunk(nn.Module):
     outside the module tree so that ``parameters()`` are the chunk's own.
     """
 
-    def __init__(self, model: MHCGPT, runtime, first: bool, last: bool, config, layers):
+    def __init__(self, model: MHCGPT, runtime, first: bool, last: bool, config, layers,
+                 sublayer_fns=None, num_microbatches: int = 1):
         super().__init__()
         from megatron.core.enums import ModelType
 
@@ -135,6 +135,10 @@ class PipelineChunk(nn.Module):
         self.config = config
         self.model_type = ModelType.encoder_or_decoder
         self.input_tensor: Tensor | None = None
+        # microbatch -> {(layer, k): graphed sublayer}; the schedule runs a chunk's forwards in
+        # microbatch order, so the k-th forward of a step is microbatch k
+        self.sublayer_fns = sublayer_fns
+        self.num_microbatches, self.forwards = num_microbatches, 0
 
     def set_input_tensor(self, tensors) -> None:
         self.input_tensor = tensors[0] if isinstance(tensors, (list, tuple)) else tensors
@@ -142,7 +146,10 @@ class PipelineChunk(nn.Module):
     def forward(self, input_ids: Tensor, seed: Tensor) -> Tensor:
         model = self._model[0]
         x = model.embed(input_ids) if self.first else self.input_tensor
-        x = self.runtime.forward(x, seed)
+        microbatch = self.forwards % self.num_microbatches
+        self.forwards += 1
+        fns = None if self.sublayer_fns is None else self.sublayer_fns(microbatch)
+        x = self.runtime.forward(x, seed, fns)
         return model.logits(x) if self.last else x
 
 
@@ -165,6 +172,41 @@ def _p2p_config(cfg: RunConfig, dtype: torch.dtype, device: str):
         pipeline_dtype=dtype, params_dtype=dtype,
         batch_p2p_comm=device == "cuda",  # gloo: isend/irecv (the batched path syncs CUDA)
     )
+
+
+def _capture_sublayer_graphs(plan, model: MHCGPT, chunk_layers, runtimes, block: int,
+                             order: list[int], num_microbatches: int, micro_batch_size: int,
+                             device: torch.device, backend) -> tuple[list, object]:
+    """One graphed callable per (chunk, microbatch, graphed sublayer), captured along the rank's
+    ``order`` (TE's ``make_graphed_callables`` semantics: one pool, static inputs reused); per
+    chunk, a function ``microbatch -> {(layer, k): graphed sublayer}`` for
+    ``StaticRecompute.forward``; and the graphed callables (``.graphs()``)."""
+    from mhc_cg.graphs.graphed_callables import make_graphed_callables
+    from mhc_cg.modes.graphed_none import sublayer_sample_args
+    from mhc_cg.modes.graphed_static import SlotSublayer
+
+    modules, keys = [], []
+    for c, layers in enumerate(chunk_layers):
+        for index, layer in enumerate(layers):
+            for k, sub, on in ((0, layer.attention, plan.attn), (1, layer.mlp, plan.mlp)):
+                if on:
+                    modules.append(SlotSublayer(runtimes[c], sub, index % block, k))
+                    keys.append((layer.layer_number, k))
+    per_chunk = len(modules) // len(chunk_layers)
+    # TE's layout: the callables are the chunks' sublayers; graph i is sample i, chunk-major,
+    # then microbatch, then the chunk's sublayers
+    samples = sublayer_sample_args(model, micro_batch_size,
+                                   len(chunk_layers) * num_microbatches * per_chunk, device)
+    graphed = make_graphed_callables(tuple(modules), samples, order=order,
+                                     num_layers_per_chunk=per_chunk, backend=backend)
+
+    def for_chunk(c):
+        def fns(microbatch):
+            first = (c * num_microbatches + microbatch) * per_chunk
+            return {keys[c * per_chunk + j]: graphed[first + j] for j in range(per_chunk)}
+        return fns
+
+    return [for_chunk(c) for c in range(len(chunk_layers))], graphed
 
 
 def _param_norms(grads: list[Tensor]) -> list[Tensor]:
@@ -190,6 +232,8 @@ class RankReport:
     recompute_graphs: int
     recomputes_replayed: int = 0  # block recomputes that ran as a replayed graph
     recomputes_eager: int = 0  # ... and eagerly (none, once the graphs are captured)
+    sublayer_graphs: int = 0  # forward and backward graphs of the graphed sublayers
+    sublayer_graph_replays: int = 0
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
@@ -203,7 +247,9 @@ class RankReport:
                 "persistent_bytes_per_set": self.persistent_bytes_per_set,
                 "recompute_graphs": self.recompute_graphs,
                 "recomputes_replayed": self.recomputes_replayed,
-                "recomputes_eager": self.recomputes_eager, "order": self.order}
+                "recomputes_eager": self.recomputes_eager,
+                "sublayer_graphs": self.sublayer_graphs,
+                "sublayer_graph_replays": self.sublayer_graph_replays, "order": self.order}
 
 
 def _rank_main(rank: int, cfg: RunConfig, steps: int, device: str, port: int, out_dir: str,
@@ -216,12 +262,11 @@ def _rank_main(rank: int, cfg: RunConfig, steps: int, device: str, port: int, ou
     for category in (UserWarning, FutureWarning):
         warnings.filterwarnings("ignore", category=category, module=r"megatron\..*")
     torch.set_num_threads(threads)
-    par, train = cfg.parallel, cfg.train
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=par.pp_size, timeout=datetime.timedelta(seconds=300))
+                            world_size=cfg.parallel.pp_size, timeout=datetime.timedelta(seconds=300))
     try:
         report = _run_rank(rank, cfg, steps, torch.device(device), collect_grads, progress)
         torch.save(report, Path(out_dir) / f"rank{rank}.pt")
@@ -278,6 +323,10 @@ def _run_rank(rank: int, cfg: RunConfig, steps: int, dev: torch.device, collect_
     graph_backend = get_backend(plan.backend)
     for runtime in runtimes:
         runtime.capture_recompute_graphs(graph_backend)
+    sublayer_fns, graphed = [None] * vpp, None
+    if plan.graphed_sublayers:
+        sublayer_fns, graphed = _capture_sublayer_graphs(plan, model, chunk_layers, runtimes, block, order,
+                                                m, train.micro_batch_size, dev, graph_backend)
 
     acquired: list[int] = []
     peak = [0]
@@ -294,7 +343,8 @@ def _run_rank(rank: int, cfg: RunConfig, steps: int, dev: torch.device, collect_
     p2p_config = _p2p_config(cfg, dtype, dev.type)
     chunks = [PipelineChunk(model, runtimes[c], first=stages[c] == 0,
                             last=stages[c] == pp * vpp - 1, config=p2p_config,
-                            layers=chunk_layers[c]) for c in range(vpp)]
+                            layers=chunk_layers[c], sublayer_fns=sublayer_fns[c],
+                            num_microbatches=m) for c in range(vpp)]
     owned = {id(p) for chunk in chunks for p in chunk.layers.parameters()}
     if 0 in stages:
         owned |= {id(p) for p in (*model.embedding.parameters(), *model.position.parameters())}
@@ -364,6 +414,10 @@ def _run_rank(rank: int, cfg: RunConfig, steps: int, dev: torch.device, collect_
     trace = [line for runtime in runtimes for line in runtime.trace]
     report.recomputes_replayed = sum(line.endswith("(graph)") for line in trace)
     report.recomputes_eager = sum(line.endswith("(eager)") for line in trace)
+    if graphed is not None:
+        graphs = list(graphed.graphs())
+        report.sublayer_graphs = len(graphs)
+        report.sublayer_graph_replays = sum(g.replays for g in graphs)
     return report
 
 
@@ -397,8 +451,12 @@ def train_pipeline(cfg: RunConfig, *, steps: int | None = None, device: str | No
     if dev == "cpu":
         # forked ranks inherit this process's imports (megatron-core's take seconds per process);
         # CUDA cannot be forked, so GPU ranks are spawned
-        import megatron.core.parallel_state  # noqa: F401
-        import megatron.core.pipeline_parallel.schedules  # noqa: F401
+        import warnings
+
+        with warnings.catch_warnings():  # megatron-core's import-time notes about TE/Apex
+            warnings.simplefilter("ignore")
+            import megatron.core.parallel_state  # noqa: F401
+            import megatron.core.pipeline_parallel.schedules  # noqa: F401
     with tempfile.TemporaryDirectory(prefix="mhc_cg_pp_") as out_dir:
         mp.start_processes(_rank_main, args=(cfg, steps, dev, _free_port(), out_dir,
                                              collect_grads, progress, threads),

@@ -28,11 +28,12 @@ def _kib(nbytes: int) -> str:
 
 def format_ranks(result: PipelineResult) -> str:
     header = ("rank", "stages", "slot sets (planner)", "peak in use", "FIFO as planned",
-              "arena", "persistent / set", "recompute graphs")
+              "arena", "persistent / set", "recompute graphs", "sublayer graphs")
     rows = [(str(r["rank"]), ",".join(map(str, r["stages"])),
              f"{r['persistent_sets']} ({r['planned_sets']})", str(r["peak_sets_in_use"]),
              "yes" if r["assignment_matches_planner"] else "NO", _kib(r["arena_bytes"]),
-             _kib(r["persistent_bytes_per_set"]), str(r["recompute_graphs"]))
+             _kib(r["persistent_bytes_per_set"]), str(r["recompute_graphs"]),
+             str(r["sublayer_graphs"]))
             for r in result.ranks]
     return _table(header, rows)
 
