@@ -13,7 +13,9 @@ stage also embeds, the last one also computes the logits and the loss. A rank's 
 static-buffer runtime (:mod:`mhc_cg.recompute.static`) with one arena and one pool of persistent
 slot sets shared by its chunks; the pool holds ``max_persistent_slot_sets(order)`` sets, the
 planner's figure for the rank's order, and the recompute graphs are captured per (chunk, block,
-set). Data and dropout seeds are drawn per microbatch from the same generators, in the same
+set). With ``attn`` / ``mlp`` in scope, every (chunk, microbatch, sublayer) also gets its own graphed
+callable, captured along the rank's order as TransformerEngine's ``make_graphed_callables`` does
+under Megatron (one graph per sublayer could hold only one microbatch in flight). Data and dropout seeds are drawn per microbatch from the same generators, in the same
 sequence, as :class:`mhc_cg.train.TrainSession` does, on every rank.
 
 What makes the losses and gradient norms equal, bit for bit, to ``pp_size: 1``: each chunk sees
