@@ -243,8 +243,16 @@ def train(cfg: RunConfig, *, steps: int | None = None, device: str | None = None
     """Train ``cfg.model`` on the synthetic corpus in ``mode`` (default: what the config asks).
 
     ``after_backward(step, model)`` runs once per step before the optimizer (tests read the
-    gradients there).
+    gradients there). With ``parallel.pp_size > 1`` the run is
+    :func:`mhc_cg.pipeline.distributed.train_pipeline` (one process per pipeline rank).
     """
+    if cfg.parallel.pp_size > 1:
+        from mhc_cg.pipeline.distributed import train_pipeline
+
+        if after_backward is not None:
+            raise ValueError("train: after_backward sees one process's model; a pipeline spreads "
+                             "it over processes: use train_pipeline(..., collect_grads=True)")
+        return train_pipeline(cfg, steps=steps, device=device, progress=progress, mode=mode)
     dev = resolve_device(device or cfg.train.device)
     steps = cfg.train.steps if steps is None else steps
     if steps < 1:

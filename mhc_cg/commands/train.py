@@ -22,13 +22,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override the mode the config implies (graphed_static when "
                              "mhc_recompute is in cuda_graph_scope)")
     parser.add_argument("--compare", action="store_true",
-                        help="run the same steps in every mode and print one table")
+                        help="run the same steps in every mode and print one table (with "
+                             "parallel.pp_size > 1: the pipeline and the same config on one "
+                             "process, pp_size 1)")
     parser.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
+    if cfg.parallel.pp_size > 1:  # one process per pipeline rank
+        from mhc_cg.pipeline import report
+
+        return report.run(cfg, args)
     progress = not args.no_progress
     if args.compare:
         from mhc_cg.compare import format_table, run_modes, to_json
