@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from mhc_cg.errors import ConfigError
 from mhc_cg.hyper_connection import HyperConnection, contract_streams, expand_streams
+from mhc_cg import kernels as fused
 from mhc_cg.kernels import KERNELS, kernels_problem
 from mhc_cg.memory.analytical import paper_block_size
 
@@ -119,13 +120,16 @@ class MHCGPTConfig:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-5):
+    """``x * rsqrt(mean(x**2) + eps) * weight``, one fused op (``mhc_cg.kernels.rms_norm``)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, kernels: str = "auto"):
         super().__init__()
         self.eps = eps
+        self.kernels = kernels
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: Tensor) -> Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return fused.rms_norm(x, self.weight, self.eps, self.kernels)
 
 
 class CausalSelfAttention(nn.Module):
@@ -266,7 +270,7 @@ class MHCSublayer(nn.Module):
         self.cfg = cfg
         self.hc = HyperConnection(cfg.hidden_size, cfg.num_streams, cfg.sinkhorn_iterations,
                                   cfg.init_gating_factor, kernels=cfg.kernels)
-        self.norm = RMSNorm(cfg.hidden_size)
+        self.norm = RMSNorm(cfg.hidden_size, kernels=cfg.kernels)
         self.fn = fn
         self.dropout_stream = dropout_stream  # unique per (layer, sublayer) within a microbatch
 
@@ -318,7 +322,7 @@ class MHCGPT(nn.Module):
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.position = nn.Embedding(cfg.seq_length, cfg.hidden_size)
         self.layers = nn.ModuleList(MHCTransformerLayer(cfg, i) for i in range(cfg.num_layers))
-        self.final_norm = RMSNorm(cfg.hidden_size)
+        self.final_norm = RMSNorm(cfg.hidden_size, kernels=cfg.kernels)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.apply(self._init_weights)
 

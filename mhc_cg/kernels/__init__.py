@@ -8,7 +8,8 @@ The steps of an mHC sublayer (``mhc_cg.model``) map onto four custom ops (``mhc_
 * ``aggregate``: ``sum_i h_pre[i] * x[i]``;
 * ``h_res_apply``: ``mixed[i] = sum_j h_res[i, j] * x[j]``;
 * ``post_bda``: ``mixed[i] + dropout(h_post[i] * y)``, the mask drawn in-kernel from
-  ``counter_hash(seed, stream, index)`` and drawn again in the backward (no mask is saved).
+  ``counter_hash(seed, stream, index)`` and drawn again in the backward (no mask is saved);
+* ``rms_norm``: the sublayer's RMSNorm (and the final norm), the scale recomputed in the backward.
 
 These wrappers take the model's ``[s, b, ...]`` tensors and a ``kernels`` choice
 (``auto | torch | triton``, see ``mhc_cg.kernels.backend``).
@@ -24,7 +25,7 @@ from mhc_cg.kernels import ops
 from mhc_cg.kernels.backend import KERNELS, kernels_problem, use_triton
 
 __all__ = ["KERNELS", "kernels_problem", "use_triton", "mappings", "aggregate", "h_res_apply",
-           "post_bda"]
+           "post_bda", "rms_norm"]
 
 
 def mappings(x: Tensor, proj: Tensor, alpha_pre: Tensor, alpha_post: Tensor, alpha_res: Tensor,
@@ -67,3 +68,9 @@ def post_bda(y: Tensor, h_post: Tensor, mixed: Tensor, seed: Tensor | None, p: f
                        mixed.reshape(-1, mixed.shape[-1]), seed if p > 0 else None, float(p),
                        int(stream), use_triton(kernels, mixed.device))
     return out.view(mixed.shape)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, kernels: str = "auto") -> Tensor:
+    """``x * rsqrt(mean(x**2, -1) + eps) * weight``: ``[*, C], [C] -> [*, C]``."""
+    out = ops.rms_norm(x.reshape(-1, x.shape[-1]), weight, float(eps), use_triton(kernels, x.device))
+    return out.view(x.shape)

@@ -194,3 +194,41 @@ def _post_bda_grad(ctx, g):
 
 
 post_bda.register_autograd(_post_bda_grad, setup_context=_post_bda_setup)
+
+
+# ---- RMSNorm ----------------------------------------------------------------------------------
+
+@torch.library.custom_op("mhc_cg::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, weight: Tensor, eps: float, use_triton: bool) -> Tensor:
+    return _impl(use_triton).rms_norm(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps, use_triton):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("mhc_cg::rms_norm_backward", mutates_args=())
+def rms_norm_backward(g: Tensor, x: Tensor, weight: Tensor, eps: float,
+                      use_triton: bool) -> tuple[Tensor, Tensor]:
+    return _impl(use_triton).rms_norm_backward(g, x, weight, eps)
+
+
+@rms_norm_backward.register_fake
+def _(g, x, weight, eps, use_triton):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _rms_setup(ctx, inputs, output):
+    x, weight, eps, use_triton = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.args = (eps, use_triton)
+
+
+def _rms_grad(ctx, g):
+    x, weight = ctx.saved_tensors
+    g_x, g_w = rms_norm_backward(g, x, weight, *ctx.args)
+    return g_x, g_w, None, None
+
+
+rms_norm.register_autograd(_rms_grad, setup_context=_rms_setup)

@@ -183,3 +183,24 @@ def post_bda_backward(g: Tensor, y: Tensor, h_post: Tensor, seed: Tensor | None,
     g_y = (h_post.to(acc)[:, :, None] * gv).sum(1)
     g_h = (gv * y.to(acc)[:, None, :]).sum(-1)
     return g_y.to(y.dtype), g_h.to(h_post.dtype)
+
+
+# ---- RMSNorm (the sublayer's norm) ----------------------------------------------------------------
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``x * rsqrt(mean(x**2) + eps) * weight`` over the last dim of ``x [T, C]``."""
+    acc = compute_dtype(x.dtype)
+    xa = x.to(acc)
+    rstd = torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)
+    return (xa * rstd * weight.to(acc)).to(x.dtype)
+
+
+def rms_norm_backward(g: Tensor, x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``(g_x, g_weight)``; the scale is recomputed from ``x`` (nothing but x and weight is saved)."""
+    acc = compute_dtype(x.dtype)
+    xa, ga, w = x.to(acc), g.to(acc), weight.to(acc)
+    rstd = torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)
+    xhat = xa * rstd
+    g_xhat = ga * w
+    g_x = rstd * (g_xhat - xhat * (g_xhat * xhat).mean(-1, keepdim=True))
+    return g_x.to(x.dtype), (ga * xhat).sum(0).to(weight.dtype)

@@ -389,3 +389,76 @@ def post_bda_backward(g, y, h_post, seed, p, stream):
     _post_bda_bwd[(t,)](g, y, h_post, seed_arg, g_y, g_h, stream, c, N=n, NP=_np(n),
                         BC=_block_c(c), **_dropout_args(seed, p))
     return g_y, g_h
+
+
+# ---- RMSNorm --------------------------------------------------------------------------------------
+
+@triton.jit
+def _rms_fwd(x_ptr, w_ptr, out_ptr, C, eps, BC: tl.constexpr):
+    t = tl.program_id(0)
+    ss = tl.zeros([BC], dtype=tl.float32)
+    for c0 in range(0, C, BC):
+        c = c0 + tl.arange(0, BC)
+        x = tl.load(x_ptr + t * C + c, mask=c < C, other=0.0).to(tl.float32)
+        ss += x * x
+    rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / C + eps)
+    for c0 in range(0, C, BC):
+        c = c0 + tl.arange(0, BC)
+        x = tl.load(x_ptr + t * C + c, mask=c < C, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + c, mask=c < C, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * C + c, x * rstd * w, mask=c < C)
+
+
+@triton.jit
+def _rms_bwd(g_ptr, x_ptr, w_ptr, gx_ptr, gw_part_ptr, T, C, eps, R: tl.constexpr, BC: tl.constexpr):
+    """``R`` rows per program; writes g_x and the program's share of g_weight (one row of partials)."""
+    pid = tl.program_id(0)
+    rows = pid * R + tl.arange(0, R)
+    rmask = rows < T
+    ss = tl.zeros([R], dtype=tl.float32)
+    dot = tl.zeros([R], dtype=tl.float32)
+    for c0 in range(0, C, BC):
+        c = c0 + tl.arange(0, BC)
+        mask = rmask[:, None] & (c < C)[None, :]
+        off = rows[:, None] * C + c[None, :]
+        x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + c, mask=c < C, other=0.0).to(tl.float32)
+        ss += tl.sum(x * x, axis=1)
+        dot += tl.sum(g * w[None, :] * x, axis=1)
+    rstd = 1.0 / tl.sqrt(ss / C + eps)
+    mean_gx = dot * rstd / C  # mean(g_xhat * xhat)
+    for c0 in range(0, C, BC):
+        c = c0 + tl.arange(0, BC)
+        mask = rmask[:, None] & (c < C)[None, :]
+        off = rows[:, None] * C + c[None, :]
+        x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + c, mask=c < C, other=0.0).to(tl.float32)
+        xhat = x * rstd[:, None]
+        gx = rstd[:, None] * (g * w[None, :] - xhat * mean_gx[:, None])
+        tl.store(gx_ptr + off, gx, mask=mask)
+        tl.store(gw_part_ptr + pid * C + c, tl.sum(g * xhat, axis=0), mask=c < C)
+
+
+_RMS_ROWS = 16
+
+
+def rms_norm(x, weight, eps):
+    _check(x)
+    t, c = x.shape
+    out = torch.empty_like(x)
+    _rms_fwd[(t,)](x, weight, out, c, float(eps), BC=_block_c(c))
+    return out
+
+
+def rms_norm_backward(g, x, weight, eps):
+    g = g.contiguous()
+    _check(x)
+    t, c = x.shape
+    programs = triton.cdiv(t, _RMS_ROWS)
+    g_x = torch.empty_like(x)
+    part = x.new_empty(programs, c, dtype=torch.float32)
+    _rms_bwd[(programs,)](g, x, weight, g_x, part, t, c, float(eps), R=_RMS_ROWS,
+                          BC=min(_block_c(c), 256))
+    return g_x, part.sum(0).to(weight.dtype)  # a fixed-order sum: deterministic

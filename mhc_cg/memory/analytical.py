@@ -30,17 +30,17 @@ def sublayer_saved_elements(num_streams: int, hidden_size: int) -> int:
     kept, nor is a dropout mask (the backward regenerates it from the seed); instead these are::
 
         x, read by the mapping projection, its norm, aggregate and h_res           n*C
-        aggregate output and the norm's normalised input (RMSNorm saves both)     2C
+        aggregate output (RMSNorm's input; its scale is recomputed)               C
         norm output (F's input, which F saves and block recompute discards)       C
         F output (saved by post_bda)                                              C
         projection output (n*n + 2n), h_pre, h_post (n each), h_res (n*n)         2(n*n + 2n)
-        the norm of x and RMSNorm's scale                                          2
+        the norm of x                                                             1
 
     plus one seed scalar per sublayer (not per token). ``mhc-cg memory`` measures the real figure
     beside this one.
     """
     n, c = num_streams, hidden_size
-    return n * c + 4 * c + 2 * (n * n + 2 * n) + 2
+    return n * c + 3 * c + 2 * (n * n + 2 * n) + 1
 
 
 def saved_elements_per_layer(num_streams: int, hidden_size: int) -> int:
