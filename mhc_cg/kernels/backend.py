@@ -1,9 +1,9 @@
 """Which implementation a fused op runs: ``model.kernels`` (``auto | torch | triton``) and a device.
 
 ``auto`` is Triton on CUDA (when the ``triton`` package is installed) and the torch reference
-elsewhere. ``triton`` on a CPU tensor runs only in Triton's interpreter (``TRITON_INTERPRET=1``):
-Triton reads that variable when it decorates a kernel, so ``triton_kernels()`` re-imports the
-kernel module whenever the variable no longer matches the one the module was built under.
+elsewhere. ``triton`` on a CPU tensor runs only in Triton's interpreter: ``TRITON_INTERPRET=1``
+must be set before triton is first imported (Triton decides when it decorates a function,
+``triton.language``'s own included, whether it is compiled or interpreted).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import functools
 import importlib
 import importlib.util
 import os
-import sys
 
 import torch
 
@@ -54,14 +53,13 @@ def use_triton(kernels: str, device: torch.device) -> bool:
     problem = kernels_problem(kernels, device.type == "cuda")
     if problem:
         raise ConfigError(problem)
+    if device.type != "cuda" and not triton_kernels().INTERPRETED:
+        raise ConfigError("model.kernels: 'triton' on CPU needs TRITON_INTERPRET=1 set before triton "
+                          "is imported; set it in the environment of the process")
     return True
 
 
 def triton_kernels():
-    """The Triton kernel module, built for the current ``TRITON_INTERPRET`` setting."""
-    module = sys.modules.get(_MODULE)
-    if module is None:
-        return importlib.import_module(_MODULE)
-    if module.INTERPRETED != interpret_requested():
-        return importlib.reload(module)
+    """The Triton kernel module (imported on first use, so ``import mhc_cg`` never needs triton)."""
+    module = importlib.import_module(_MODULE)
     return module

@@ -15,6 +15,8 @@ and masked.
 
 from __future__ import annotations
 
+import types
+
 import torch
 import triton
 import triton.language as tl
@@ -25,7 +27,10 @@ from mhc_cg.kernels.reference import RMS_EPS, SINKHORN_EPS
 
 INTERPRETED = bool(knobs.runtime.interpret)
 
-_hash = triton.jit(counter_hash)  # the very function torch runs for mhc_cg.dropout
+# The very function torch runs for mhc_cg.dropout, jitted from its source. Triton's interpreter
+# wants triton.language among the function's globals; the hash itself reads no global.
+_hash = triton.jit(types.FunctionType(counter_hash.__code__, {**counter_hash.__globals__, "tl": tl},
+                                      counter_hash.__name__))
 
 
 def _np(n: int) -> int:
