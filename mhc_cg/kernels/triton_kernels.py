@@ -2,7 +2,7 @@
 
 Loaded by ``mhc_cg.kernels.backend.triton_kernels()`` only (so ``import mhc_cg`` never needs
 triton). Every kernel computes in fp32 and stores in the output's dtype. Tensors are token-major
-and contiguous (the wrappers make them so); the stream axis is padded to a power of two ``NP``
+and made contiguous (a no-op for the model's); the stream axis is padded to a power of two ``NP``
 and masked.
 
 * ``mappings``: ``BT`` tokens per program; Sinkhorn on a ``[BT, NP, NP]`` register tile. The
@@ -41,12 +41,12 @@ def _block_c(c: int) -> int:
     return min(triton.next_power_of_2(c), 1024)
 
 
-def _check(*tensors: torch.Tensor) -> None:
+def _prepared(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors, contiguous (a no-op for the model's tensors), checked for int32 indexing."""
     for t in tensors:
-        if t is not None and not t.is_contiguous():
-            raise ValueError("mhc_cg triton kernels need contiguous tensors")
-        if t is not None and t.numel() > MAX_ELEMENTS:
+        if t.numel() > MAX_ELEMENTS:
             raise ValueError(f"mhc_cg triton kernels index with int32: at most {MAX_ELEMENTS} elements")
+    return [t.contiguous() for t in tensors]
 
 
 # ---- Sinkhorn on a [BT, NP, NP] tile -----------------------------------------------------------
@@ -182,7 +182,7 @@ _BT = 16
 
 
 def mappings(proj, xnorm, a_pre, a_post, a_res, bias, n, iterations, sqrt_d):
-    _check(proj, xnorm)
+    proj, xnorm = _prepared(proj, xnorm)
     t = proj.shape[0]
     h_pre, h_post = proj.new_empty(t, n), proj.new_empty(t, n)
     h_res = proj.new_empty(t, n, n)
@@ -194,8 +194,7 @@ def mappings(proj, xnorm, a_pre, a_post, a_res, bias, n, iterations, sqrt_d):
 
 def mappings_partials(g_pre, g_post, g_res, proj, xnorm, a_pre, a_post, a_res, bias, n,
                       iterations, sqrt_d):
-    g_pre, g_post, g_res = g_pre.contiguous(), g_post.contiguous(), g_res.contiguous()
-    _check(proj, xnorm)
+    g_pre, g_post, g_res, proj, xnorm = _prepared(g_pre, g_post, g_res, proj, xnorm)
     t, m = proj.shape
     g_proj, g_xnorm = torch.empty_like(proj), torch.empty_like(xnorm)
     partial = proj.new_empty(t, m + 3, dtype=torch.float32)
@@ -238,7 +237,7 @@ def _aggregate_bwd(g_ptr, x_ptr, h_ptr, gx_ptr, gh_ptr, C, N: tl.constexpr, NP: 
 
 
 def aggregate(x, h_pre, n):
-    _check(x, h_pre)
+    x, h_pre = _prepared(x, h_pre)
     t, width = x.shape
     c = width // n
     out = x.new_empty(t, c)
@@ -248,8 +247,7 @@ def aggregate(x, h_pre, n):
 
 
 def aggregate_backward(g, x, h_pre, n):
-    g = g.contiguous()
-    _check(x, h_pre)
+    g, x, h_pre = _prepared(g, x, h_pre)
     t, width = x.shape
     c = width // n
     g_x, g_h = torch.empty_like(x), torch.empty_like(h_pre)
@@ -297,7 +295,7 @@ def _block_c_3d(c: int, n: int) -> int:
 
 
 def h_res_apply(h_res, x):
-    _check(h_res, x)
+    h_res, x = _prepared(h_res, x)
     t, width = x.shape
     n = h_res.shape[-1]
     c = width // n
@@ -308,8 +306,7 @@ def h_res_apply(h_res, x):
 
 
 def h_res_apply_backward(g, h_res, x):
-    g = g.contiguous()
-    _check(h_res, x)
+    g, h_res, x = _prepared(g, h_res, x)
     t, width = x.shape
     n = h_res.shape[-1]
     c = width // n
@@ -374,7 +371,7 @@ def _dropout_args(seed, p):
 
 
 def post_bda(y, h_post, mixed, seed, p, stream):
-    _check(y, h_post, mixed)
+    y, h_post, mixed = _prepared(y, h_post, mixed)
     t, n = h_post.shape
     c = y.shape[1]
     out = torch.empty_like(mixed)
@@ -386,8 +383,7 @@ def post_bda(y, h_post, mixed, seed, p, stream):
 
 
 def post_bda_backward(g, y, h_post, seed, p, stream):
-    g = g.contiguous()
-    _check(y, h_post)
+    g, y, h_post = _prepared(g, y, h_post)
     t, n = h_post.shape
     c = y.shape[1]
     g_y, g_h = torch.empty_like(y), torch.empty_like(h_post)
@@ -451,7 +447,7 @@ _RMS_ROWS = 16
 
 
 def rms_norm(x, weight, eps):
-    _check(x)
+    x, weight = _prepared(x, weight)
     t, c = x.shape
     out = torch.empty_like(x)
     _rms_fwd[(t,)](x, weight, out, c, float(eps), BC=_block_c(c))
@@ -459,8 +455,7 @@ def rms_norm(x, weight, eps):
 
 
 def rms_norm_backward(g, x, weight, eps):
-    g = g.contiguous()
-    _check(x)
+    g, x, weight = _prepared(g, x, weight)
     t, c = x.shape
     programs = triton.cdiv(t, _RMS_ROWS)
     g_x = torch.empty_like(x)
