@@ -281,7 +281,7 @@ def checkpoint_sublayer(steps, x: Tensor, seed: Tensor | None, manager: BlockRec
     agg = step("aggregate").checkpoint(
         steps.aggregate, x, h_pre, refill={**x_refill, 1: f"{name}/mappings.h_pre"})
     normed = step("norm").checkpoint(steps.norm, agg, refill={0: f"{name}/aggregate"})
-    y = steps.fn(normed)  # F's output y is a persistent input of h_post: F is never re-run
+    y = steps.fn(normed)  # F's output y is a persistent input of post_bda: F is never re-run
     mixed = step("h_res").checkpoint(
         steps.h_res_step, h_res, x,
         refill={0: f"{name}/mappings.h_res", **({} if x_source is None else {1: x_source})})
