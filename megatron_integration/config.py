@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 from megatron.core.transformer import TransformerConfig
 
+from mhc_cg.kernels import KERNELS
+
 MHC_SCOPE = "mhc_recompute"
 DROPOUT_IMPLS = ("torch", "counter")
 
@@ -55,6 +57,9 @@ class MHCTransformerConfig(TransformerConfig):
     mhc_dropout_impl: str = "torch"
     """Dropout after H_post: ``torch`` (stateful generator, as megatron-core) or ``counter``
     (mask = hash(seed, index), replayable by a graph)."""
+
+    mhc_kernels: str = "auto"
+    """Fused mHC ops (``mhc_cg.kernels``): ``auto`` (Triton on CUDA, torch on CPU), ``torch``, ``triton``."""
 
     enable_mhc_connections: bool | None = None
     """Megatron-LM main's name for ``enable_hyper_connections``."""
@@ -117,6 +122,8 @@ class MHCTransformerConfig(TransformerConfig):
         if self.mhc_dropout_impl not in DROPOUT_IMPLS:
             problems.append(f"mhc_dropout_impl must be one of {list(DROPOUT_IMPLS)}, "
                             f"got {self.mhc_dropout_impl!r}")
+        if self.mhc_kernels not in KERNELS:
+            problems.append(f"mhc_kernels must be one of {list(KERNELS)}, got {self.mhc_kernels!r}")
         if self.mhc_recompute_layer_num is not None and self.mhc_recompute_layer_num < 1:
             problems.append(f"mhc_recompute_layer_num must be >= 1 or None, "
                             f"got {self.mhc_recompute_layer_num}")

@@ -39,7 +39,6 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from mhc_cg.dropout import dropout
 from mhc_cg.hyper_connection import HyperConnection, contract_streams, expand_streams
 from mhc_cg.model import sublayer_forward
 from mhc_cg.recompute.eager import run_recompute_blocks
@@ -104,7 +103,8 @@ class MegatronMHCTransformerLayer(TransformerLayer):
         if self.mhc:
             def hyper_connection() -> HyperConnection:
                 return HyperConnection(config.hidden_size, config.num_residual_streams,
-                                       config.mhc_sinkhorn_iterations, config.mhc_init_gating_factor)
+                                       config.mhc_sinkhorn_iterations, config.mhc_init_gating_factor,
+                                       kernels=getattr(config, "mhc_kernels", "auto"))
 
             self.attention_hc = hyper_connection()
             self.mlp_hc = hyper_connection()
@@ -138,10 +138,12 @@ class MegatronMHCTransformerLayer(TransformerLayer):
 
         return attention, mlp
 
-    def mhc_dropout(self, post: Tensor, seed: Tensor | None, stream: int) -> Tensor:
-        """The bias-dropout-add's dropout of sublayer ``stream`` (0 attention, 1 MLP)."""
-        return dropout(post, self.hidden_dropout, self.training, impl=self.config.mhc_dropout_impl,
-                       seed=seed, stream=2 * self.layer_number + stream)
+    def mhc_post_bda(self, y: Tensor, h_post: Tensor, mixed: Tensor, seed: Tensor | None,
+                     stream: int) -> Tensor:
+        """``mixed + dropout(h_post * y)`` of sublayer ``stream`` (0 attention, 1 MLP), fused."""
+        hc = self.attention_hc if stream == 0 else self.mlp_hc
+        return hc.post_bda(y, h_post, mixed, seed, self.hidden_dropout if self.training else 0.0,
+                           2 * self.layer_number + stream, self.config.mhc_dropout_impl)
 
 
 class MHCTransformerBlock(TransformerBlock):

@@ -8,6 +8,7 @@ model.num_heads                 num_attention_heads
 model.ffn_hidden_size           ffn_hidden_size
 model.hidden_dropout            hidden_dropout (attention_dropout 0: mhc_cg's attention has none)
 model.dropout_impl              mhc_dropout_impl
+model.kernels                   mhc_kernels
 model.init_std                  init_method_std
 model.num_streams               num_residual_streams; enable_hyper_connections = n > 1
 model.sinkhorn_iterations       mhc_sinkhorn_iterations
@@ -60,6 +61,7 @@ def transformer_config_kwargs(run_cfg: RunConfig) -> dict[str, Any]:
         mhc_init_gating_factor=m.init_gating_factor,
         mhc_recompute_layer_num=m.resolved_recompute_layers if m.recompute == "block" else None,
         mhc_dropout_impl=m.dropout_impl,
+        mhc_kernels=m.kernels,
         params_dtype=TORCH_DTYPES[t.dtype],
         pipeline_dtype=TORCH_DTYPES[t.dtype],
         bf16=t.dtype == "bf16",

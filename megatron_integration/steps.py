@@ -2,7 +2,7 @@
 
 mhc_cg's runtimes (the plain sublayer, eager block recompute, the static-buffer runtime) call a
 sublayer through its steps: ``mappings``, ``aggregate``, ``norm``, ``fn``, ``h_res_step``,
-``h_post_step``, ``bda``, ``bda_dropout`` and ``cfg``. These adapters present megatron's parts
+``post_bda`` and ``cfg``. These adapters present megatron's parts
 under those names, so every runtime runs megatron's modules unchanged and no mHC logic is
 written twice. They are plain objects, not modules: they point at the layer, never own it.
 """
@@ -39,14 +39,8 @@ class SublayerSteps:
     def h_res_step(self, h_res: Tensor, x: Tensor) -> Tensor:
         return self.hc.apply_h_res(h_res, x)
 
-    def h_post_step(self, y: Tensor, h_post: Tensor) -> Tensor:
-        return self.hc.apply_h_post(y, h_post)
-
-    def bda_dropout(self, post: Tensor, seed: Tensor | None) -> Tensor:
-        return self.layer.mhc_dropout(post, seed, self.stream)
-
-    def bda(self, post: Tensor, mixed: Tensor, seed: Tensor | None) -> Tensor:
-        return mixed + self.bda_dropout(post, seed)
+    def post_bda(self, y: Tensor, h_post: Tensor, mixed: Tensor, seed: Tensor | None) -> Tensor:
+        return self.layer.mhc_post_bda(y, h_post, mixed, seed, self.stream)
 
 
 class LayerSteps:

@@ -2,11 +2,14 @@
 
 A replayed CUDA graph cannot rewind a stateful generator: a graph that captured ``torch.dropout``
 draws the same Philox offsets on every replay, and a recompute graph cannot reproduce the mask the
-forward graph drew. Here the mask is ``hash(seed, stream, index) >= p * 2**32`` built from integer
-tensor ops only, so the forward, an eager recompute, a tape replay and a CUDA graph replay all
-produce the same mask bit for bit, as long as they see the same ``seed`` tensor.
+forward graph drew. Here an element is kept when the top 24 bits of ``hash(seed, stream, index)``
+reach ``p * 2**24``, built from integer tensor ops only, so the forward, an eager recompute, a tape
+replay and a CUDA graph replay all produce the same mask bit for bit, as long as they see the same
+``seed`` tensor.
 
-All arithmetic stays in int64 with every product below 2**63, so it is exact on CPU and CUDA.
+The hash is ``mhc_cg.kernels.hash.counter_hash``, 32-bit integer arithmetic that the fused Triton
+bias-dropout-add kernel computes from the same source: this module's masks and the kernel's agree
+bit for bit.
 """
 
 from __future__ import annotations
@@ -14,39 +17,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-_MASK32 = 0xFFFFFFFF
-_GOLDEN = 0x9E3779B9
-
-
-def _mul32(x: Tensor, c: int) -> Tensor:
-    """``(x * c) mod 2**32`` for ``0 <= x < 2**32`` without int64 overflow."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
-
-
-def _fmix32(h: Tensor) -> Tensor:
-    """MurmurHash3's 32-bit finaliser: a bijection with full avalanche."""
-    h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
+from mhc_cg.kernels.hash import counter_bits, counter_keep, keep_scale
 
 
 def counter_uniform_bits(seed: Tensor, stream: int, numel: int) -> Tensor:
-    """``numel`` pseudo-random 32-bit integers (as int64) for ``(seed, stream)``."""
-    key = _fmix32((seed.to(torch.int64) + stream * _GOLDEN) & _MASK32)
-    idx = torch.arange(numel, dtype=torch.int64, device=seed.device)
-    h = _fmix32((idx & _MASK32) ^ key)
-    return _fmix32((h + (idx >> 32)) & _MASK32)
+    """``numel`` pseudo-random 32-bit integers (as non-negative int64) for ``(seed, stream)``."""
+    return counter_bits(seed, stream, numel).to(torch.int64) & 0xFFFFFFFF
 
 
 def counter_dropout_mask(seed: Tensor, stream: int, shape: torch.Size, p: float,
                          dtype: torch.dtype) -> Tensor:
-    """The scaled keep-mask ``keep / (1 - p)`` of ``shape``, in ``dtype``."""
-    threshold = min(int(round(p * 2 ** 32)), 2 ** 32)
-    keep = counter_uniform_bits(seed, stream, int(torch.Size(shape).numel())) >= threshold
-    return (keep.to(dtype) * (1.0 / (1.0 - p))).view(shape)
+    """The scaled keep-mask ``keep / (1 - p)`` of ``shape``, in ``dtype`` (scaled in fp32)."""
+    keep = counter_keep(seed, stream, int(torch.Size(shape).numel()), p)
+    return (keep.to(torch.float32) * keep_scale(p)).to(dtype).view(shape)
 
 
 def dropout(x: Tensor, p: float, training: bool, *, impl: str = "counter",
@@ -66,4 +49,5 @@ def dropout(x: Tensor, p: float, training: bool, *, impl: str = "counter",
         raise ValueError(f"dropout impl must be 'counter' or 'torch', got {impl!r}")
     if seed is None:
         raise ValueError("counter dropout needs a seed tensor (one int64 scalar per microbatch)")
-    return x * counter_dropout_mask(seed, stream, x.shape, p, x.dtype)
+    mask = counter_dropout_mask(seed, stream, x.shape, p, torch.float32)
+    return (x * mask).to(x.dtype)

@@ -17,6 +17,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from mhc_cg import kernels as fused
+
 SINKHORN_EPS = 1e-6
 RMS_EPS = 1e-6
 
@@ -96,7 +98,7 @@ class HyperConnection(nn.Module):
     """The mHC mappings around one sublayer F: ``x' = H_res x + H_post^T F(H_pre x)``."""
 
     def __init__(self, hidden_size: int, num_streams: int = 4, sinkhorn_iterations: int = 20,
-                 init_gating_factor: float = 0.01):
+                 init_gating_factor: float = 0.01, kernels: str = "auto"):
         super().__init__()
         if hidden_size < 1 or num_streams < 1:
             raise ValueError(f"HyperConnection: hidden_size and num_streams must be >= 1, "
@@ -104,6 +106,7 @@ class HyperConnection(nn.Module):
         self.hidden_size = hidden_size
         self.num_streams = n = num_streams
         self.sinkhorn_iterations = sinkhorn_iterations
+        self.kernels = kernels  # mhc_cg.kernels: "auto" | "torch" | "triton"
         self.mapping_proj = nn.Linear(n * hidden_size, n * n + 2 * n, bias=False)
         self.alpha_pre = nn.Parameter(torch.full((1,), float(init_gating_factor)))
         self.alpha_post = nn.Parameter(torch.full((1,), float(init_gating_factor)))
@@ -118,6 +121,13 @@ class HyperConnection(nn.Module):
     def compute_mappings(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``x [s, b, n*C] -> h_pre [s, b, n], h_post [s, b, n], h_res [s, b, n, n]``."""
         _check_streams("compute_mappings", x, self.num_streams, self.hidden_size)
+        return fused.mappings(x, self.mapping_proj(x), self.alpha_pre, self.alpha_post,
+                              self.alpha_res, self.bias, self.num_streams,
+                              self.sinkhorn_iterations, self.kernels)
+
+    def compute_mappings_unfused(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``compute_mappings`` as composed torch ops (what the fused op computes)."""
+        _check_streams("compute_mappings", x, self.num_streams, self.hidden_size)
         n = self.num_streams
         rms = x.norm(dim=-1, keepdim=True) / math.sqrt(x.shape[-1])
         r = 1.0 / (rms + RMS_EPS)
@@ -129,17 +139,15 @@ class HyperConnection(nn.Module):
 
     def aggregate(self, x: Tensor, h_pre: Tensor) -> Tensor:
         """``sum_i h_pre[i] * x[i]``: ``[s, b, n*C], [s, b, n] -> [s, b, C]``."""
-        c = _check_streams("aggregate", x, self.num_streams, self.hidden_size)
+        _check_streams("aggregate", x, self.num_streams, self.hidden_size)
         _check_mapping("aggregate", h_pre, x.shape[:2], (self.num_streams,))
-        xv = x.unflatten(-1, (self.num_streams, c))
-        return torch.matmul(h_pre.unsqueeze(-2), xv).squeeze(-2)
+        return fused.aggregate(x, h_pre, self.kernels)
 
     def apply_h_res(self, h_res: Tensor, residual: Tensor) -> Tensor:
         """``out[i] = sum_j h_res[i, j] * residual[j]``: ``[s, b, n, n], [s, b, n*C] -> [s, b, n*C]``."""
-        c = _check_streams("apply_h_res", residual, self.num_streams, self.hidden_size)
+        _check_streams("apply_h_res", residual, self.num_streams, self.hidden_size)
         _check_mapping("apply_h_res", h_res, residual.shape[:2], (self.num_streams, self.num_streams))
-        out = torch.matmul(h_res, residual.unflatten(-1, (self.num_streams, c)))
-        return out.flatten(-2)
+        return fused.h_res_apply(h_res, residual, self.kernels)
 
     def apply_h_post(self, y: Tensor, h_post: Tensor) -> Tensor:
         """``out[i] = h_post[i] * y``: ``[s, b, C], [s, b, n] -> [s, b, n*C]``."""
@@ -148,6 +156,22 @@ class HyperConnection(nn.Module):
                              f"got {tuple(y.shape)}")
         _check_mapping("apply_h_post", h_post, y.shape[:2], (self.num_streams,))
         return (h_post.unsqueeze(-1) * y.unsqueeze(-2)).flatten(-2)
+
+    def post_bda(self, y: Tensor, h_post: Tensor, mixed: Tensor, seed: Tensor | None, p: float,
+                 stream: int, dropout_impl: str = "counter") -> Tensor:
+        """``mixed + dropout(apply_h_post(y, h_post))``, one fused op with counter dropout.
+
+        ``p`` is the dropout rate in effect (0 in eval). ``dropout_impl="torch"`` (the stateful
+        generator, not graph-replayable) is the unfused composition.
+        """
+        _check_mapping("post_bda", h_post, y.shape[:2], (self.num_streams,))
+        if p > 0 and dropout_impl == "torch":
+            return mixed + torch.nn.functional.dropout(self.apply_h_post(y, h_post), p, training=True)
+        if dropout_impl not in ("counter", "torch"):
+            raise ValueError(f"dropout impl must be 'counter' or 'torch', got {dropout_impl!r}")
+        if p > 0 and seed is None:
+            raise ValueError("counter dropout needs a seed tensor (one int64 scalar per microbatch)")
+        return fused.post_bda(y, h_post, mixed, seed, p, stream, self.kernels)
 
 
 def _check_mapping(name: str, h: Tensor, lead: torch.Size, tail: tuple[int, ...]) -> None:

@@ -8,8 +8,10 @@ runtimes can checkpoint, discard and replay them one by one::
     normed = norm(agg)                         # [s,b,C]
     y      = fn(normed)                        # [s,b,C]   F: attention or MLP (never recomputed)
     mixed  = h_res_step(h_res, x)              # [s,b,n*C]
-    post   = h_post_step(y, h_post)            # [s,b,n*C]
-    out    = bda(post, mixed, seed)            # [s,b,n*C] = mixed + dropout(post)
+    out    = post_bda(y, h_post, mixed, seed)  # [s,b,n*C] = mixed + dropout(h_post * y)
+
+``mappings``, ``aggregate``, ``h_res_step`` and ``post_bda`` are one fused op each, forward and
+backward (``mhc_cg.kernels``; ``model.kernels`` picks Triton or the torch reference).
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mhc_cg.dropout import dropout
 from mhc_cg.errors import ConfigError
 from mhc_cg.hyper_connection import HyperConnection, contract_streams, expand_streams
+from mhc_cg import kernels as fused
+from mhc_cg.kernels import KERNELS, kernels_problem
 from mhc_cg.memory.analytical import paper_block_size
 
 RECOMPUTE_MODES = ("none", "block")
@@ -50,6 +53,7 @@ class MHCGPTConfig:
     moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
     recompute_activation: bool = False  # drop the MLP's gelu output, recompute it
     recompute_activation_layers: int | None = None  # the first N layers do it; None: all
+    kernels: str = "auto"  # fused mHC ops: "auto" (triton on CUDA, torch on CPU) | "torch" | "triton"
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -68,6 +72,10 @@ class MHCGPTConfig:
         if self.dropout_impl not in DROPOUT_IMPLS:
             problems.append(f"model.dropout_impl: must be one of {list(DROPOUT_IMPLS)}, "
                             f"got {self.dropout_impl!r}")
+        if self.kernels not in KERNELS:
+            problems.append(f"model.kernels: must be one of {list(KERNELS)}, got {self.kernels!r}")
+        elif (problem := kernels_problem(self.kernels, torch.cuda.is_available())) is not None:
+            problems.append(problem)
         if self.recompute not in RECOMPUTE_MODES:
             problems.append(f"model.recompute: must be one of {list(RECOMPUTE_MODES)}, "
                             f"got {self.recompute!r}")
@@ -117,13 +125,16 @@ class MHCGPTConfig:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-5):
+    """``x * rsqrt(mean(x**2) + eps) * weight``, one fused op (``mhc_cg.kernels.rms_norm``)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, kernels: str = "auto"):
         super().__init__()
         self.eps = eps
+        self.kernels = kernels
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: Tensor) -> Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return fused.rms_norm(x, self.weight, self.eps, self.kernels)
 
 
 class CausalSelfAttention(nn.Module):
@@ -263,8 +274,8 @@ class MHCSublayer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.hc = HyperConnection(cfg.hidden_size, cfg.num_streams, cfg.sinkhorn_iterations,
-                                  cfg.init_gating_factor)
-        self.norm = RMSNorm(cfg.hidden_size)
+                                  cfg.init_gating_factor, kernels=cfg.kernels)
+        self.norm = RMSNorm(cfg.hidden_size, kernels=cfg.kernels)
         self.fn = fn
         self.dropout_stream = dropout_stream  # unique per (layer, sublayer) within a microbatch
 
@@ -277,17 +288,10 @@ class MHCSublayer(nn.Module):
     def h_res_step(self, h_res: Tensor, x: Tensor) -> Tensor:
         return self.hc.apply_h_res(h_res, x)
 
-    def h_post_step(self, y: Tensor, h_post: Tensor) -> Tensor:
-        return self.hc.apply_h_post(y, h_post)
-
-    def bda(self, post: Tensor, mixed: Tensor, seed: Tensor | None) -> Tensor:
-        """Bias-dropout-add: F's bias is inside ``post`` already; ``mixed + dropout(post)``."""
-        return mixed + self.bda_dropout(post, seed)
-
-    def bda_dropout(self, post: Tensor, seed: Tensor | None) -> Tensor:
-        """The dropout of ``bda``: ``bda(post, mixed, seed) == mixed + bda_dropout(post, seed)``."""
-        return dropout(post, self.cfg.hidden_dropout, self.training,
-                       impl=self.cfg.dropout_impl, seed=seed, stream=self.dropout_stream)
+    def post_bda(self, y: Tensor, h_post: Tensor, mixed: Tensor, seed: Tensor | None) -> Tensor:
+        """h_post and bias-dropout-add (F's bias is inside ``y``): ``mixed + dropout(h_post * y)``."""
+        return self.hc.post_bda(y, h_post, mixed, seed, self.cfg.hidden_dropout if self.training else 0.0,
+                                self.dropout_stream, self.cfg.dropout_impl)
 
     def forward(self, x: Tensor, seed: Tensor | None = None) -> Tensor:
         return sublayer_forward(self, x, seed)
@@ -298,7 +302,7 @@ def sublayer_forward(steps, x: Tensor, seed: Tensor | None) -> Tensor:
     e.g. ``megatron_integration.steps.SublayerSteps``)."""
     h_pre, h_post, h_res = steps.mappings(x)
     y = steps.fn(steps.norm(steps.aggregate(x, h_pre)))
-    return steps.bda(steps.h_post_step(y, h_post), steps.h_res_step(h_res, x), seed)
+    return steps.post_bda(y, h_post, steps.h_res_step(h_res, x), seed)
 
 
 class MHCTransformerLayer(nn.Module):
@@ -323,7 +327,7 @@ class MHCGPT(nn.Module):
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.position = nn.Embedding(cfg.seq_length, cfg.hidden_size)
         self.layers = nn.ModuleList(MHCTransformerLayer(cfg, i) for i in range(cfg.num_layers))
-        self.final_norm = RMSNorm(cfg.hidden_size)
+        self.final_norm = RMSNorm(cfg.hidden_size, kernels=cfg.kernels)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.apply(self._init_weights)
 

@@ -46,10 +46,9 @@ def test_forward_frees_every_checkpointed_output_and_recomputes_in_forward_order
     out = blocked(torch.randint(0, 32, (2, 8)), torch.tensor(5))
     first = blocked.recompute_managers[0]
     names = [c.name for c in first.checkpoints]
-    assert names[:7] == ["layer0/attention/mappings", "layer0/attention/aggregate", "layer0/attention/norm",
-                         "layer0/attention/h_post", "layer0/attention/h_res", "layer0/attention/bda",
-                         "layer0/mlp/mappings"]
-    assert names[-1] == "layer1/mlp/dropout"  # the block end's add is the hook tensor
+    assert names[:6] == ["layer0/attention/mappings", "layer0/attention/aggregate", "layer0/attention/norm",
+                         "layer0/attention/h_res", "layer0/attention/post_bda", "layer0/mlp/mappings"]
+    assert names[-1] == "layer1/mlp/h_res"  # the block end's post_bda is the hook tensor
     assert all(o.untyped_storage().nbytes() == 0 for c in first.checkpoints for o in c.outputs)
     out.sum().backward()
     assert first.trace == names

@@ -114,7 +114,15 @@ def test_bf16_graphed_static_bit_identical_to_eager_bf16():
         assert all(got[n].dtype == torch.bfloat16 and torch.equal(want[n], got[n]) for n in want)
     fp32 = build_for_mode(small_config(["attn", "mlp", "mhc_recompute"]), "graphed_static",
                           torch.device("cpu"))[2]
-    assert graphed.info["arena_bytes"] * 2 == fp32.runtime.arena.nbytes  # same layout, half the bytes
+    # same layout: every floating slot holds half the bytes; the dropout seeds (int64) do not shrink
+    bf16 = build_for_mode(cfg, "graphed_static", torch.device("cpu"))[2]
+    assert graphed.info["arena_bytes"] == bf16.runtime.arena.nbytes
+    bf16_slots = [sl for r in bf16.runtime.arena.regions.values() for sl in r.slots]
+    fp32_slots = [sl for r in fp32.runtime.arena.regions.values() for sl in r.slots]
+    assert [sl.dtype for sl in bf16_slots] == [
+        torch.bfloat16 if sl.dtype == torch.float32 else sl.dtype for sl in fp32_slots]
+    assert [sl.nbytes * (2 if sl.dtype == torch.bfloat16 else 1) for sl in bf16_slots] == [
+        sl.nbytes for sl in fp32_slots]
 
 
 def test_graphed_sublayers_with_several_microbatches_in_flight_are_refused():

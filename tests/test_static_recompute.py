@@ -203,7 +203,7 @@ def test_arena_holds_one_block_of_the_saved_tensor_model(block_size, dropout):
     runtime = build_static_recompute(list(model.layers), block_size, seq_length=SEQ,
                                      micro_batch_size=MBS, capacity=1, device="cpu")
     cfg = model.cfg
-    per_token = sublayer_saved_elements(cfg.num_streams, cfg.hidden_size, dropout > 0)
+    per_token = sublayer_saved_elements(cfg.num_streams, cfg.hidden_size)
     expected = 2 * block_size * per_token * SEQ * MBS * 4
     slots = sum(len(r.slots) for r in runtime.arena.regions.values())
     assert expected <= runtime.arena.nbytes <= expected + slots * ALIGN_BYTES

@@ -22,29 +22,30 @@ def no_recompute_elements_per_layer(num_streams: int, hidden_size: int) -> int:
     return 2 * sublayer_transient_elements(num_streams, hidden_size)
 
 
-def sublayer_saved_elements(num_streams: int, hidden_size: int, dropout: bool = True) -> int:
+def sublayer_saved_elements(num_streams: int, hidden_size: int) -> int:
     """What autograd actually keeps of one sublayer without recompute, op by op (per token).
 
-    The intermediates listed above are not what autograd saves: additions save no inputs, so the
-    mixed residual, the h_post output and the BDA output are never kept; instead these are::
+    The intermediates listed above are not what autograd saves: the fused ops (``mhc_cg.kernels``)
+    keep their inputs only, so the mixed residual, the h_post output and the BDA output are never
+    kept, nor is a dropout mask (the backward regenerates it from the seed); instead these are::
 
-        x, read by the mapping projection, the RMS scale, aggregate and h_res      n*C
-        dropout keep-mask of the BDA (only when dropout is on)                    n*C
-        aggregate output and the norm's normalised input (RMSNorm saves both)     2C
+        x, read by the mapping projection, its norm, aggregate and h_res           n*C
+        aggregate output (RMSNorm's input; its scale is recomputed)               C
         norm output (F's input, which F saves and block recompute discards)       C
-        F output (saved by h_post's multiply)                                     C
-        projection output, scaled logits, gates, Sinkhorn logits, RMS scales      ~4(n*n + 2n) + 8
+        F output (saved by post_bda)                                              C
+        projection output (n*n + 2n), h_pre, h_post (n each), h_res (n*n)         2(n*n + 2n)
+        the norm of x                                                             1
 
-    The last line is approximate (a few scalars per token); it is negligible for any real C.
-    ``mhc-cg memory`` measures the real figure beside this one.
+    plus one seed scalar per sublayer (not per token). ``mhc-cg memory`` measures the real figure
+    beside this one.
     """
     n, c = num_streams, hidden_size
-    return (2 * n if dropout else n) * c + 4 * c + 4 * (n * n + 2 * n) + 8
+    return n * c + 3 * c + 2 * (n * n + 2 * n) + 1
 
 
-def saved_elements_per_layer(num_streams: int, hidden_size: int, dropout: bool = True) -> int:
+def saved_elements_per_layer(num_streams: int, hidden_size: int) -> int:
     """``sublayer_saved_elements`` for both sublayers of a layer (no recompute)."""
-    return 2 * sublayer_saved_elements(num_streams, hidden_size, dropout)
+    return 2 * sublayer_saved_elements(num_streams, hidden_size)
 
 
 def block_persistent_elements(num_streams: int, hidden_size: int, layers_in_block: int) -> int:

@@ -88,18 +88,17 @@ def recompute_blocks(model_cfg: MHCGPTConfig) -> list[int]:
 
 def analytical_bytes_per_layer(model_cfg: MHCGPTConfig, micro_batch_size: int,
                                dtype: torch.dtype) -> dict:
-    """The memory model (``memory_model.py``) in bytes per layer.
+    """The memory model (:mod:`mhc_cg.memory.analytical`) in bytes per layer.
 
     ``none`` is what autograd saves of the mHC ops, op by op (``saved_elements_per_layer``);
     ``design_none`` is the design's list of intermediates (docs/design.md), which counts tensors autograd never
-    keeps (the outputs of additions) and misses two it does (x and the dropout mask). ``block``
+    keeps (the outputs of additions) and misses x, which it does. ``block``
     is the paper's persistent state: x_l0 per block and each F output.
     """
     n, c, layers = model_cfg.num_streams, model_cfg.hidden_size, model_cfg.num_layers
     scale = model_cfg.seq_length * micro_batch_size * torch.empty((), dtype=dtype).element_size()
-    dropout = model_cfg.hidden_dropout > 0
     block = sum(block_persistent_elements(n, c, size) for size in recompute_blocks(model_cfg))
-    return {"none": saved_elements_per_layer(n, c, dropout) * scale,
+    return {"none": saved_elements_per_layer(n, c) * scale,
             "design_none": no_recompute_elements_per_layer(n, c) * scale,
             "block": block * scale / layers,
             "activation": mlp_activation_elements(model_cfg.ffn_hidden_size) * scale}

@@ -186,8 +186,7 @@ def checkpoint_sublayer(steps, x: Tensor, seed: Tensor | None, manager: BlockRec
     """One mHC sublayer with every step but F a checkpoint of ``manager``.
 
     ``steps`` has the named steps of ``mhc_cg.model.MHCSublayer`` (``mappings``, ``aggregate``,
-    ``norm``, ``fn``, ``h_post_step``, ``h_res_step``, ``bda``, ``bda_dropout`` and
-    ``cfg.hidden_dropout``). ``x_source`` names the checkpoint that produced ``x`` (``None``: ``x``
+    ``norm``, ``fn``, ``h_res_step`` and ``post_bda``). ``x_source`` names the checkpoint that produced ``x`` (``None``: ``x``
     is the block input, saved). Returns the output and the checkpoint that produced it (``None``
     for the block end, which is the manager's hook tensor and so not checkpointed). The steps run
     in ``MHCSublayer.forward``'s order, so RNG draws and autograd order match the plain path.
@@ -201,23 +200,18 @@ def checkpoint_sublayer(steps, x: Tensor, seed: Tensor | None, manager: BlockRec
     agg = step("aggregate").checkpoint(
         steps.aggregate, x, h_pre, refill={**x_refill, 1: f"{name}/mappings.h_pre"})
     normed = step("norm").checkpoint(steps.norm, agg, refill={0: f"{name}/aggregate"})
-    y = steps.fn(normed)  # F's output y is a persistent input of h_post: F is never re-run
-    post = step("h_post").checkpoint(steps.h_post_step, y, h_post,
-                                     refill={1: f"{name}/mappings.h_post"})
+    y = steps.fn(normed)  # F's output y is a persistent input of post_bda: F is never re-run
     mixed = step("h_res").checkpoint(
         steps.h_res_step, h_res, x,
         refill={0: f"{name}/mappings.h_res", **({} if x_source is None else {1: x_source})})
     if block_end:
-        # The block end is the manager's hook tensor, so it is not checkpointed; only its add
-        # stays outside (an add saves nothing), so the dropout mask is not kept either.
-        if steps.cfg.hidden_dropout == 0.0:  # dropout is the identity: nothing to checkpoint
-            return steps.bda(post, mixed, seed), None
-        dropped = step("dropout").checkpoint(steps.bda_dropout, post, seed,
-                                             refill={0: f"{name}/h_post"})
-        return mixed + dropped, None
-    out = step("bda").checkpoint(steps.bda, post, mixed, seed,
-                                 refill={0: f"{name}/h_post", 1: f"{name}/h_res"})
-    return out, f"{name}/bda"
+        # The block end is the manager's hook tensor, so it is not checkpointed. It saves y
+        # (persistent), h_post (refilled by the recompute before its backward) and the seed;
+        # the fused op keeps no mask.
+        return steps.post_bda(y, h_post, mixed, seed), None
+    out = step("post_bda").checkpoint(steps.post_bda, y, h_post, mixed, seed,
+                                      refill={1: f"{name}/mappings.h_post", 2: f"{name}/h_res"})
+    return out, f"{name}/post_bda"
 
 
 def run_recompute_blocks(layers, x: Tensor, seed: Tensor | None, block_size: int,

@@ -192,7 +192,7 @@ class StaticRecompute:
                       mixed: Tensor, seed: Tensor | None) -> Tensor:
         """The mHC ops after F, saving into region segment 1: ``mixed + dropout(h_post * y)``."""
         with self.mhc_region(position, k, 1):
-            return sub.bda(sub.h_post_step(y, h_post), mixed, seed)
+            return sub.post_bda(y, h_post, mixed, seed)
 
     def sublayer(self, sub: MHCSublayer, position: int, k: int, x: Tensor, seed: Tensor | None,
                  fn_output: Tensor | None = None) -> tuple[Tensor, Tensor]:
