@@ -8,7 +8,7 @@ its functions need ``main``'s ``megatron.core`` first on the path when called.
 
 * ``main_mhc_layer_spec``: ``main``'s local GPT layer spec with its mHC layer and modules.
 * ``MainLayerSteps``: one such layer as ``mhc_cg``'s named sublayer steps (``mappings``,
-  ``aggregate``, ``norm``, ``fn``, ``h_res_step``, ``h_post_step``, ``bda``, ``bda_dropout``,
+  ``aggregate``, ``norm``, ``fn``, ``h_res_step``, ``post_bda``,
   ``cfg``), each step ``main``'s own code: every runtime of ``mhc_cg`` (plain sublayer, eager
   block recompute, static buffers and recompute graphs) then runs ``main``'s modules unchanged.
 * ``MainBlock``: ``main``'s ``TransformerBlock`` of those layers, forward through ``mhc_cg``'s
@@ -19,7 +19,7 @@ The steps keep ``main``'s arithmetic op for op, so gradients equal ``main``'s no
 bit for bit: F returns ``(output, bias)`` with the bias not added (``skip_bias_add``), and
 ``main`` expands output and bias by H_post separately and adds them in its bias-dropout-add.
 ``h_post_step`` does the same two expansions and that one add (the bias is F's, remembered
-from the forward: a parameter, never recomputed); ``bda``/``bda_dropout`` are ``main``'s
+from the forward: a parameter, never recomputed); ``post_bda`` then applies ``main``'s
 ``residual + dropout(x)``. The order of H_res relative to H_post differs between runtimes, which
 is harmless: they share no input, and H_res stays the last consumer of the residual created.
 """
@@ -30,13 +30,13 @@ import copy
 from types import SimpleNamespace
 from typing import Callable
 
-import torch
 from torch import Tensor
 
 from mhc_cg.errors import StaticRecomputeError
 from mhc_cg.recompute.eager import BlockRecomputeManager, run_recompute_blocks
 
 from .static import StaticMHCBlock
+from .steps import LayerSteps
 
 MAIN_NEEDED = ("megatron_integration.main_layer: needs Megatron-LM main's megatron.core "
                "(megatron.core.transformer.hyper_connection); the installed megatron-core has no "
@@ -97,26 +97,19 @@ class MainSublayerSteps:
             return out
         return out + self.hc._apply_h_post(self.bias, h_post)
 
-    def bda_dropout(self, post: Tensor, seed: Tensor | None) -> Tensor:
-        return torch.nn.functional.dropout(post, p=self.layer.hidden_dropout,
-                                           training=self.layer.training)
-
-    def bda(self, post: Tensor, mixed: Tensor, seed: Tensor | None) -> Tensor:
+    def post_bda(self, y: Tensor, h_post: Tensor, mixed: Tensor, seed: Tensor | None) -> Tensor:
+        """``main``'s own bias-dropout-add of ``H_post^T (y + bias)`` onto ``mixed`` (``seed`` is
+        unused: main's dropout draws from torch's generator)."""
         from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
         bda = get_bias_dropout_add(self.layer.training, self.layer.config.bias_dropout_fusion)
-        return bda((post, None), mixed, self.layer.hidden_dropout)
+        return bda((self.h_post_step(y, h_post), None), mixed, self.layer.hidden_dropout)
 
 
-class MainLayerSteps:
+class MainLayerSteps(LayerSteps):
     """Both sublayers of a ``HyperConnectionTransformerLayer``; ``bind`` sets F's arguments."""
 
-    def __init__(self, layer, attention_mask: Tensor | None = None, **kwargs):
-        self.layer = layer
-        self.layer_number = layer.layer_number
-        self.attention = MainSublayerSteps(layer, "attention")
-        self.mlp = MainSublayerSteps(layer, "mlp")
-        self.bind(attention_mask, **kwargs)
+    sublayer_type = MainSublayerSteps
 
     def bind(self, attention_mask: Tensor | None = None, **kwargs) -> "MainLayerSteps":
         """F of each sublayer for one forward: ``main``'s self-attention and MLP.
@@ -142,9 +135,6 @@ class MainLayerSteps:
 
         attention.fn, mlp.fn = attention_fn, mlp_fn
         return self
-
-    def parameters(self):
-        return self.layer.parameters()
 
 
 class MainBlock:

@@ -44,13 +44,18 @@ class SublayerSteps:
 
 
 class LayerSteps:
-    """Both sublayers of an ``MegatronMHCTransformerLayer``; ``bind`` sets this forward's F arguments."""
+    """Both sublayers of an ``MegatronMHCTransformerLayer``; ``bind`` sets this forward's F arguments.
+
+    Subclasses adapt other layers by naming their ``sublayer_type`` and overriding ``bind``.
+    """
+
+    sublayer_type = SublayerSteps
 
     def __init__(self, layer, attention_mask: Tensor | None = None, **kwargs):
         self.layer = layer
         self.layer_number = layer.layer_number
-        self.attention = SublayerSteps(layer, "attention")
-        self.mlp = SublayerSteps(layer, "mlp")
+        self.attention = self.sublayer_type(layer, "attention")
+        self.mlp = self.sublayer_type(layer, "mlp")
         self.bind(attention_mask, **kwargs)
 
     def bind(self, attention_mask: Tensor | None = None, **kwargs) -> "LayerSteps":
