@@ -33,10 +33,40 @@ def _fmix32(h: Tensor) -> Tensor:
     return h ^ (h >> 16)
 
 
+def _mul32_(x: Tensor, c: int) -> Tensor:
+    """:func:`_mul32` in place: one temporary instead of four."""
+    lo, hi = c & 0xFFFF, c >> 16
+    t = x * hi
+    t &= 0xFFFF
+    t <<= 16
+    x *= lo
+    x += t
+    x &= _MASK32
+    return x
+
+
+def _fmix32_(h: Tensor) -> Tensor:
+    """:func:`_fmix32` in place (same values): at most one temporary alive beside ``h``."""
+    h ^= h >> 16
+    _mul32_(h, 0x85EBCA6B)
+    h ^= h >> 13
+    _mul32_(h, 0xC2B2AE35)
+    h ^= h >> 16
+    return h
+
+
 def counter_uniform_bits(seed: Tensor, stream: int, numel: int) -> Tensor:
-    """``numel`` pseudo-random 32-bit integers (as int64) for ``(seed, stream)``."""
+    """``numel`` pseudo-random 32-bit integers (as int64) for ``(seed, stream)``.
+
+    Below 2**32 elements the index is its own low word and its high word is 0, so the hash runs in
+    place on the index: two int64 tensors of ``numel`` alive at most, not the five or more the
+    functional form keeps at its peak (at 8 bytes an element, that peak is what a graph's pool sees).
+    """
     key = _fmix32((seed.to(torch.int64) + stream * _GOLDEN) & _MASK32)
     idx = torch.arange(numel, dtype=torch.int64, device=seed.device)
+    if numel <= 2 ** 32:
+        idx ^= key
+        return _fmix32_(_fmix32_(idx))
     h = _fmix32((idx & _MASK32) ^ key)
     return _fmix32((h + (idx >> 32)) & _MASK32)
 
