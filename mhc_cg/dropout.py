@@ -55,28 +55,44 @@ def _fmix32_(h: Tensor) -> Tensor:
     return h
 
 
-def counter_uniform_bits(seed: Tensor, stream: int, numel: int) -> Tensor:
-    """``numel`` pseudo-random 32-bit integers (as int64) for ``(seed, stream)``.
+def counter_uniform_bits(seed: Tensor, stream: int, numel: int, start: int = 0) -> Tensor:
+    """Pseudo-random 32-bit integers (as int64) for ``(seed, stream)`` at element indices
+    ``start .. start + numel - 1``.
 
-    Below 2**32 elements the index is its own low word and its high word is 0, so the hash runs in
+    Below index 2**32 the index is its own low word and its high word is 0, so the hash runs in
     place on the index: two int64 tensors of ``numel`` alive at most, not the five or more the
     functional form keeps at its peak (at 8 bytes an element, that peak is what a graph's pool sees).
     """
     key = _fmix32((seed.to(torch.int64) + stream * _GOLDEN) & _MASK32)
-    idx = torch.arange(numel, dtype=torch.int64, device=seed.device)
-    if numel <= 2 ** 32:
+    idx = torch.arange(start, start + numel, dtype=torch.int64, device=seed.device)
+    if start + numel <= 2 ** 32:
         idx ^= key
         return _fmix32_(_fmix32_(idx))
     h = _fmix32((idx & _MASK32) ^ key)
     return _fmix32((h + (idx >> 32)) & _MASK32)
 
 
+# Elements hashed at a time: bounds the int64 temporaries of a larger mask (2 x 64 MiB); more
+# chunks cost more kernels, larger ones more pool memory at the peak of every mHC graph
+MASK_CHUNK = 2 ** 23
+
+
 def counter_dropout_mask(seed: Tensor, stream: int, shape: torch.Size, p: float,
                          dtype: torch.dtype) -> Tensor:
-    """The scaled keep-mask ``keep / (1 - p)`` of ``shape``, in ``dtype``."""
+    """The scaled keep-mask ``keep / (1 - p)`` of ``shape``, in ``dtype``; hashed in chunks of
+    :data:`MASK_CHUNK` elements, so a large mask never needs int64 temporaries of its full size."""
     threshold = min(int(round(p * 2 ** 32)), 2 ** 32)
-    keep = counter_uniform_bits(seed, stream, int(torch.Size(shape).numel())) >= threshold
-    return (keep.to(dtype) * (1.0 / (1.0 - p))).view(shape)
+    scale = 1.0 / (1.0 - p)
+    numel = int(torch.Size(shape).numel())
+    if numel <= MASK_CHUNK:
+        keep = counter_uniform_bits(seed, stream, numel) >= threshold
+        return (keep.to(dtype) * scale).view(shape)
+    mask = torch.empty(numel, dtype=dtype, device=seed.device)
+    for start in range(0, numel, MASK_CHUNK):
+        count = min(MASK_CHUNK, numel - start)
+        keep = counter_uniform_bits(seed, stream, count, start) >= threshold
+        torch.mul(keep.to(dtype), scale, out=mask[start:start + count])
+    return mask.view(shape)
 
 
 def dropout(x: Tensor, p: float, training: bool, *, impl: str = "counter",

@@ -239,3 +239,15 @@ def test_moe_config_costs_partial_capture_on_cpu_and_is_refused_on_meta():
     heads = [g for g in partial["graphs"] if g["name"].endswith(".head fwd")]
     assert len(heads) == 2  # the MoE sublayer's captured head, one per layer
     assert partial["eager_kernels_per_step"] > 0  # the eager tail (dispatch, experts) counts
+
+
+def test_chunked_dropout_mask_equals_the_mask_made_in_one_piece(monkeypatch):
+    """Large masks are hashed in chunks (bounded int64 temporaries); the mask is the same."""
+    import mhc_cg.dropout as dropout
+
+    seed = torch.tensor(1234, dtype=torch.int64)
+    shape = torch.Size([5, 3, 700])
+    whole = dropout.counter_dropout_mask(seed, 3, shape, 0.2, torch.float32)
+    monkeypatch.setattr(dropout, "MASK_CHUNK", 1000)
+    chunked = dropout.counter_dropout_mask(seed, 3, shape, 0.2, torch.float32)
+    assert torch.equal(whole, chunked)

@@ -109,6 +109,19 @@ class _StoreToPersistent(torch.autograd.Function):
         return grad, None, None
 
 
+class _StoreToFnOutput(torch.autograd.Function):
+    """Identity whose output is the persistent F-output slot ``dst`` (written here)."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor, dst: Tensor) -> Tensor:
+        dst.copy_(t)  # nothing saved a view of dst since the set was acquired: no version clash
+        return dst.as_strided(dst.size(), dst.stride(), dst.storage_offset())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
 class StaticRecompute:
     """The static-buffer runtime for the layers of one model chunk.
 
@@ -133,6 +146,13 @@ class StaticRecompute:
         self._in_fn = False
         self.active_set: PersistentSlotSet | None = None  # the set of the forward in progress
         self._mlp_index = {id(layer.mlp): i for i, layer in enumerate(self.layers)}
+        self._sub_index = {id(sub): i for i, layer in enumerate(self.layers)
+                           for sub in (layer.attention, layer.mlp)}
+        # With one set, F outputs go to it before h_post saves them: saved as they are, never
+        # copied into slots. With several, a graph captured outside ``forward`` could not know
+        # its microbatch's set, so F outputs are copied into slots like any saved tensor.
+        self._fn_output_storages = ({storage_id(t) for t in sets.all_sets()[0].fn_outputs.values()}
+                                    if sets.capacity == 1 else set())
         self.recompute_graphs: dict[tuple[int, int], object] = {}
         self.recompute_pool = None  # the recompute graphs' shared pool (capture_recompute_graphs)
         # Parameters (and views of them, e.g. a transposed weight) are saved as they are: they do
@@ -142,8 +162,8 @@ class StaticRecompute:
 
     # -- hooks ------------------------------------------------------------------------------
     def _pack(self, t: Tensor) -> Tensor:
-        if (self._in_fn or self.arena.contains(t)
-                or storage_id(t) in self._param_storages):
+        if (self._in_fn or self.arena.contains(t) or storage_id(t) in self._param_storages
+                or storage_id(t) in self._fn_output_storages):
             return t
         return self._cursor.save(t)
 
@@ -189,7 +209,14 @@ class StaticRecompute:
 
     def sublayer_post(self, sub: MHCSublayer, position: int, k: int, y: Tensor, h_post: Tensor,
                       mixed: Tensor, seed: Tensor | None) -> Tensor:
-        """The mHC ops after F, saving into region segment 1: ``mixed + dropout(h_post * y)``."""
+        """The mHC ops after F, saving into region segment 1: ``mixed + dropout(h_post * y)``.
+
+        With one persistent set, ``y`` (F's output) goes to its persistent slot first, so that
+        ``h_post``'s product saves the persistent tensor itself: the forward and the recompute
+        (which reads ``y`` from there) then save the same tensor, and the arena holds no second
+        copy of it.
+        """
+        y = self._fn_output_to_set(sub, k, y)
         with self.mhc_region(position, k, 1):
             return sub.bda(sub.h_post_step(y, h_post), mixed, seed)
 
@@ -211,6 +238,11 @@ class StaticRecompute:
         else:
             y = fn_output
         return self.sublayer_post(sub, position, k, y, h_post, mixed, seed), y
+
+    def _fn_output_to_set(self, sub: MHCSublayer, k: int, y: Tensor) -> Tensor:
+        if not self._fn_output_storages or storage_id(y) in self._fn_output_storages:
+            return y  # several sets (see __init__), or the recompute reading it from its set
+        return _StoreToFnOutput.apply(y, self._set_for_fn().fn_outputs[(self._sub_index[id(sub)], k)])
 
     # -- activation recompute ---------------------------------------------------------------
     def _activation_cursor(self, position: int) -> _RegionCursor:
