@@ -1,6 +1,6 @@
 """megatron-core layers with mHC around attention and MLP, and mhc_cg's block recompute.
 
-* ``MHCTransformerLayer`` (a ``TransformerLayer``): takes and returns streams ``[s, b, n*C]``.
+* ``MegatronMHCTransformerLayer`` (a ``TransformerLayer``): takes and returns streams ``[s, b, n*C]``.
   Each of its two sublayers runs ``x' = H_res x + H_post^T F(norm(H_pre x))`` with
   ``mhc_cg.hyper_connection.HyperConnection``; F is megatron-core's own attention or MLP (output
   plus bias), ``norm`` its ``input_layernorm`` / ``pre_mlp_layernorm``; dropout follows
@@ -13,7 +13,7 @@
   H_res, bias-dropout-add) is a ``CheckpointWithoutOutput`` whose output is freed after the block;
   the block input and each F output stay; one hook on the block's last output recomputes the rest.
   Blocks restart at each block (model chunk), so they never cross a pipeline stage.
-* ``get_mhc_layer_spec``: megatron-core's local GPT layer spec with ``MHCTransformerLayer``.
+* ``get_mhc_layer_spec``: megatron-core's local GPT layer spec with ``MegatronMHCTransformerLayer``.
   ``cpu_attention=True`` swaps the core attention for ``SDPACoreAttention``: megatron-core 0.16's
   ``DotProductAttention.forward`` takes its score buffer from
   ``parallel_state.get_global_memory_buffer().get_tensor(...)``, which allocates on
@@ -84,15 +84,15 @@ class SDPACoreAttention(MegatronModule):
 
 
 def get_mhc_layer_spec(*, cpu_attention: bool = False, normalization: str = "RMSNorm") -> ModuleSpec:
-    """megatron-core's local GPT layer spec, its layer replaced by ``MHCTransformerLayer``."""
+    """megatron-core's local GPT layer spec, its layer replaced by ``MegatronMHCTransformerLayer``."""
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
-    spec.module = MHCTransformerLayer
+    spec.module = MegatronMHCTransformerLayer
     if cpu_attention:
         spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return spec
 
 
-class MHCTransformerLayer(TransformerLayer):
+class MegatronMHCTransformerLayer(TransformerLayer):
     """A ``TransformerLayer`` on n residual streams; see the module docstring."""
 
     def __init__(self, config: MHCTransformerConfig, submodules, layer_number: int = 1,
@@ -115,7 +115,7 @@ class MHCTransformerLayer(TransformerLayer):
         if not self.mhc:
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
         if args:
-            raise TypeError("MHCTransformerLayer: pass attention arguments by keyword")
+            raise TypeError("MegatronMHCTransformerLayer: pass attention arguments by keyword")
         steps = LayerSteps(self, attention_mask, **kwargs)
         x = sublayer_forward(steps.attention, hidden_states, mhc_dropout_seed)
         return sublayer_forward(steps.mlp, x, mhc_dropout_seed), None
@@ -145,7 +145,7 @@ class MHCTransformerLayer(TransformerLayer):
 
 
 class MHCTransformerBlock(TransformerBlock):
-    """A ``TransformerBlock`` of ``MHCTransformerLayer``s; see the module docstring."""
+    """A ``TransformerBlock`` of ``MegatronMHCTransformerLayer``s; see the module docstring."""
 
     def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, **kwargs) -> Tensor:
         config = self.config

@@ -24,20 +24,33 @@ class StaticMHCBlock:
     own forward (expand on the first stage, contract + final norm on the last); shapes are fixed
     at construction (``seq_length``, ``micro_batch_size``); ``capacity`` microbatches may be in
     flight. Blocks of ``config.mhc_recompute_layer_num`` layers (all layers when unset).
+    Subclasses for another layer type override ``steps_type``, ``mhc_enabled`` and the stream
+    boundaries (``megatron_integration.main_layer.StaticMainBlock``).
     """
+
+    steps_type = LayerSteps
 
     def __init__(self, block: nn.Module, *, seq_length: int, micro_batch_size: int,
                  capacity: int = 1):
         config = block.config
-        if not getattr(config, "enable_hyper_connections", False):
-            raise ValueError("StaticMHCBlock: the block's config has enable_hyper_connections off")
+        if not self.mhc_enabled(config):
+            raise ValueError(f"{type(self).__name__}: the block's config has mHC off")
         self.block = block
-        self.steps = [LayerSteps(layer) for layer in block.layers]
+        self.steps = [self.steps_type(layer) for layer in block.layers]
         size = config.mhc_recompute_layer_num or len(self.steps)
         dtype = next(block.parameters()).dtype
         self.runtime: StaticRecompute = build_static_recompute(
             self.steps, size, seq_length=seq_length, micro_batch_size=micro_batch_size,
             capacity=capacity, device=next(block.parameters()).device, dtype=dtype)
+
+    def mhc_enabled(self, config) -> bool:
+        return bool(getattr(config, "enable_hyper_connections", False))
+
+    def streams_in(self, hidden_states: Tensor) -> Tensor:
+        return self.block.streams_in(hidden_states)
+
+    def streams_out(self, x: Tensor) -> Tensor:
+        return self.block.streams_out(x)
 
     def capture_recompute_graphs(self, backend) -> None:
         self.runtime.capture_recompute_graphs(backend)
@@ -46,7 +59,7 @@ class StaticMHCBlock:
                 dropout_seed: Tensor | None = None) -> Tensor:
         for steps in self.steps:  # the runtime holds these objects: rebind F's arguments
             steps.bind(attention_mask)
-        x = self.runtime.forward(self.block.streams_in(hidden_states), dropout_seed)
-        return self.block.streams_out(x)
+        x = self.runtime.forward(self.streams_in(hidden_states), dropout_seed)
+        return self.streams_out(x)
 
     __call__ = forward

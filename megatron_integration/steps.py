@@ -16,7 +16,7 @@ from torch import Tensor
 
 
 class SublayerSteps:
-    """The attention or MLP sublayer of an ``MHCTransformerLayer``."""
+    """The attention or MLP sublayer of an ``MegatronMHCTransformerLayer``."""
 
     def __init__(self, layer, which: str):
         self.layer = layer
@@ -50,7 +50,7 @@ class SublayerSteps:
 
 
 class LayerSteps:
-    """Both sublayers of an ``MHCTransformerLayer``; ``bind`` sets this forward's F arguments."""
+    """Both sublayers of an ``MegatronMHCTransformerLayer``; ``bind`` sets this forward's F arguments."""
 
     def __init__(self, layer, attention_mask: Tensor | None = None, **kwargs):
         self.layer = layer

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from mhc_cg.profiling import nvtx as nvtx_ranges
+from mhc_cg.profiling import nvtx
 from mhc_cg.cli import build_parser
 from mhc_cg.errors import ConfigError
 
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    nvtx_ranges.enable(True)  # the ranges are what the comparison aggregates by
+    nvtx.enable(True)  # the ranges are what the comparison aggregates by
     try:
         with profile(activities=activities) as prof:
             status = int(train_ns._run(train_ns) or 0)

@@ -25,6 +25,9 @@ from mhc_cg.errors import StaticRecomputeError
 from mhc_cg.recompute.static import build_static_recompute
 from mhc_cg.train import train
 
+import helpers
+from helpers import eager_run, rank_model, static_run
+
 SEQ, MBS, FFN = 16, 2, 128
 SHAPE = dict(vocab_size=32, seq_length=SEQ, hidden_size=32, num_heads=4, num_streams=4,
              hidden_dropout=0.2)
@@ -202,12 +205,11 @@ def test_graphed_static_training_bit_identical_with_mlp_scope_on_tape():
 @pytest.mark.parametrize("block_size", [1, 2])
 def test_pipeline_order_with_shared_arena_and_sets_bit_identical(monkeypatch, block_size):
     """pp=4, vpp=2, rank 0: two chunks share the arena and the set pool, many microbatches in flight."""
-    import test_static_pipeline as pipeline
     from mhc_cg.pipeline.schedule import pipeline_order
 
     order = pipeline_order(4, 0, 8, vpp_size=2)
-    ref_model, ref_grads = pipeline.eager_run(order)  # no recompute at all
-    plain_model = pipeline.rank_model
+    ref_model, ref_grads = eager_run(order)  # no recompute at all
+    plain_model = rank_model
 
     def act_model():
         model = plain_model()
@@ -215,8 +217,8 @@ def test_pipeline_order_with_shared_arena_and_sets_bit_identical(monkeypatch, bl
         torch.manual_seed(0)
         return MHCGPT(cfg).train()
 
-    monkeypatch.setattr(pipeline, "rank_model", act_model)
-    model, grads, runtimes, _ = pipeline.static_run(order, block_size=block_size, graphs=True)
+    monkeypatch.setattr(helpers, "rank_model", act_model)
+    model, grads, runtimes, _ = static_run(order, block_size=block_size, graphs=True)
     assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
     ref_params = dict(ref_model.named_parameters())
     bad = [n for n, p in model.named_parameters()

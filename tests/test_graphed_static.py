@@ -14,29 +14,10 @@ import gc
 import pytest
 import torch
 
-from mhc_cg.config import RunConfig
-from mhc_cg.model import MHCGPTConfig
 from mhc_cg.pipeline.planner import ModelShape
 from mhc_cg.modes.build import build_for_mode
-from mhc_cg.train import train
 
-SCOPE_CASES = {
-    "attn": (["attn", "mhc_recompute"], None),
-    "attn_mlp": (["attn", "mlp", "mhc_recompute"], None),
-    "moe_partial": (["attn", "moe_router", "moe_preprocess", "mhc_recompute"], 4),
-    "moe_router_only": (["attn", "moe_router", "mhc_recompute"], 4),
-}
-
-
-def small_config(scopes, num_experts=None) -> RunConfig:
-    cfg = RunConfig()
-    cfg.model = MHCGPTConfig(vocab_size=32, seq_length=16, hidden_size=32, num_heads=4,
-                             num_layers=4, hidden_dropout=0.2, recompute_layers=2,
-                             num_experts=num_experts, moe_top_k=2, moe_ffn_hidden_size=48)
-    cfg.train = dataclasses.replace(cfg.train, micro_batch_size=4, num_microbatches=2, lr=3e-3,
-                                    device="cpu")
-    cfg.graph = dataclasses.replace(cfg.graph, backend="tape", cuda_graph_scope=list(scopes))
-    return cfg
+from helpers import SCOPE_CASES, grads_per_step, small_config
 
 
 class _MallInfo2(ctypes.Structure):
@@ -54,15 +35,6 @@ def heap_bytes_in_use() -> int:
     libc.mallinfo2.restype = _MallInfo2
     info = libc.mallinfo2()
     return info.uordblks + info.hblkhd
-
-
-def grads_per_step(cfg, mode, steps):
-    grads = []
-    result = train(cfg, steps=steps, mode=mode, progress=False,
-                   after_backward=lambda step, model: grads.append(
-                       {n: p.grad.clone() for n, p in model.named_parameters()
-                        if p.grad is not None}))
-    return result, grads
 
 
 @pytest.mark.parametrize("case", list(SCOPE_CASES))

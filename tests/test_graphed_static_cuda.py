@@ -11,9 +11,10 @@ import dataclasses
 import pytest
 import torch
 
-from test_graphed_static import SCOPE_CASES, grads_per_step, small_config
 
 from mhc_cg.modes.build import build_for_mode
+
+from helpers import SCOPE_CASES, grads_per_step, small_config
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -13,95 +13,13 @@ import torch
 
 from mhc_cg.recompute.arena import Arena
 from mhc_cg.graphs import get_backend
-from mhc_cg.model import MHCGPT, MHCGPTConfig
+from mhc_cg.pipeline.planner import peak_in_flight
 from mhc_cg.pipeline.schedule import pipeline_order
 from mhc_cg.recompute.persistent import PersistentSetPool, new_persistent_set
 from mhc_cg.recompute.static import build_static_recompute
 
-SEQ, MBS, LAYERS_PER_CHUNK = 8, 2, 2
-
-
-def rank_model() -> MHCGPT:
-    """The layers one rank holds: two chunks of two layers."""
-    torch.manual_seed(0)
-    cfg = MHCGPTConfig(vocab_size=16, seq_length=SEQ, hidden_size=16, num_heads=2,
-                       num_layers=2 * LAYERS_PER_CHUNK, hidden_dropout=0.25)
-    return MHCGPT(cfg).train()
-
-
-def peak_in_flight(order: list[int]) -> int:
-    live = peak = 0
-    for entry in order:
-        live += 1 if entry > 0 else -1
-        peak = max(peak, live)
-    return peak
-
-
-def execute(order, chunk_forward, width):
-    """Run ``order``; return input grads per (chunk, microbatch) and the forward count."""
-    g = torch.Generator().manual_seed(7)
-    counts = {1: [0, 0], 2: [0, 0]}  # chunk -> [forwards, backwards]
-    live, input_grads = {}, {}
-    for entry in order:
-        chunk = abs(entry)
-        if entry > 0:
-            mb = counts[chunk][0]
-            counts[chunk][0] += 1
-            x = torch.randn(SEQ, MBS, width, generator=g).requires_grad_()
-            seed = torch.tensor(1000 * chunk + mb)
-            live[(chunk, mb)] = (x, chunk_forward(chunk, x, seed))
-        else:
-            mb = counts[chunk][1]
-            counts[chunk][1] += 1
-            x, out = live.pop((chunk, mb))
-            out.backward(torch.randn(out.shape, generator=g))
-            input_grads[(chunk, mb)] = x.grad
-    assert not live
-    return input_grads
-
-
-def chunk_layers(model, chunk):
-    return list(model.layers)[(chunk - 1) * LAYERS_PER_CHUNK: chunk * LAYERS_PER_CHUNK]
-
-
-def eager_run(order):
-    model = rank_model()
-
-    def forward(chunk, x, seed):
-        for layer in chunk_layers(model, chunk):
-            x = layer(x, seed)
-        return x
-
-    width = model.cfg.num_streams * model.cfg.hidden_size
-    grads = execute(order, forward, width)
-    return model, grads
-
-
-def static_run(order, block_size, graphs: bool):
-    model = rank_model()
-    capacity = peak_in_flight(order)
-    arena = Arena("cpu")
-    sets = PersistentSetPool(capacity, lambda i: new_persistent_set(
-        i, chunk_layers(model, 1), block_size, SEQ, MBS, "cpu"))
-    runtimes = {c: build_static_recompute(chunk_layers(model, c), block_size, seq_length=SEQ,
-                                          micro_batch_size=MBS, capacity=capacity, device="cpu",
-                                          arena=arena, sets=sets) for c in (1, 2)}
-    if graphs:
-        backend = get_backend("tape")
-        for rt in runtimes.values():
-            rt.capture_recompute_graphs(backend)
-    acquired = []
-    original_acquire = sets.acquire
-
-    def acquire():
-        pset = original_acquire()
-        acquired.append(pset.index)
-        return pset
-
-    sets.acquire = acquire
-    width = model.cfg.num_streams * model.cfg.hidden_size
-    grads = execute(order, lambda c, x, seed: runtimes[c].forward(x, seed), width)
-    return model, grads, runtimes, acquired
+from helpers import (PIPELINE_LAYERS_PER_CHUNK, PIPELINE_MBS, PIPELINE_SEQ, chunk_layers, eager_run,
+                     execute, rank_model, static_run)
 
 
 @pytest.mark.parametrize("rank", [0, 3])
@@ -152,9 +70,9 @@ def test_graphed_sublayers_per_microbatch_along_the_order():
     capacity = peak_in_flight(order)
     arena = Arena("cpu")
     sets = PersistentSetPool(capacity, lambda i: new_persistent_set(
-        i, chunk_layers(model, 1), 1, SEQ, MBS, "cpu"))
-    runtimes = {c: build_static_recompute(chunk_layers(model, c), 1, seq_length=SEQ,
-                                          micro_batch_size=MBS, capacity=capacity, device="cpu",
+        i, chunk_layers(model, 1), 1, PIPELINE_SEQ, PIPELINE_MBS, "cpu"))
+    runtimes = {c: build_static_recompute(chunk_layers(model, c), 1, seq_length=PIPELINE_SEQ,
+                                          micro_batch_size=PIPELINE_MBS, capacity=capacity, device="cpu",
                                           arena=arena, sets=sets) for c in (1, 2)}
     backend = get_backend("tape")
     for rt in runtimes.values():
@@ -165,10 +83,10 @@ def test_graphed_sublayers_per_microbatch_along_the_order():
             for k, sub in enumerate((layer.attention, layer.mlp)):
                 modules.append(SlotSublayer(runtimes[c], sub, 0, k))  # block size 1: position 0
                 keys.append((layer.layer_number, k))
-    per_chunk = 2 * LAYERS_PER_CHUNK
+    per_chunk = 2 * PIPELINE_LAYERS_PER_CHUNK
     microbatches = len(order) // 4
     width = model.cfg.num_streams * model.cfg.hidden_size
-    sample_args = [(torch.zeros(SEQ, MBS, width, requires_grad=True),
+    sample_args = [(torch.zeros(PIPELINE_SEQ, PIPELINE_MBS, width, requires_grad=True),
                     torch.zeros((), dtype=torch.int64))
                    for _ in range(2 * microbatches * per_chunk)]
     graphed = make_graphed_callables(tuple(modules), sample_args, order=order,

@@ -339,22 +339,15 @@ def make_graphed_callables(
     ``"te"`` or a backend object. ``num_warmup_iters`` defaults to the backend's
     ``warmup_iters`` (3 on CUDA). Returns one graphed callable for a single callable, else a
     :class:`GraphedCallables` tuple.
+
+    Phases: normalise the samples, lay out the order, (TE: hand over), share static inputs,
+    warm up, capture along the order, wrap.
     """
     single = not isinstance(callables, tuple)
     if single:
         callables, sample_args = (callables,), (sample_args,)
         sample_kwargs = None if sample_kwargs is None else (sample_kwargs,)
-    sample_args = [tuple(a) if isinstance(a, (tuple, list)) else (a,) for a in sample_args]
-    sample_kwargs = [dict(k) for k in sample_kwargs] if sample_kwargs is not None \
-        else [{} for _ in sample_args]
-    if len(sample_kwargs) != len(sample_args):
-        raise ValueError(f"make_graphed_callables: sample_kwargs has {len(sample_kwargs)} entries, "
-                         f"sample_args {len(sample_args)}; they must match")
-    for i, (args, kwargs) in enumerate(zip(sample_args, sample_kwargs)):
-        bad = [type(v).__name__ for v in _flat_tensors(args, kwargs) if not isinstance(v, torch.Tensor)]
-        if bad:
-            raise TypeError(f"make_graphed_callables: sample_args[{i}]/sample_kwargs[{i}] may hold "
-                            f"only tensors (a graph's inputs are static buffers), found {bad}")
+    sample_args, sample_kwargs = _normalise_samples(sample_args, sample_kwargs)
     training = _check_callables(callables)
     layout = None
     if order is not None:
@@ -367,21 +360,10 @@ def make_graphed_callables(
     backend_obj = backend if isinstance(backend, GraphBackend) else None
     backend_name = backend_obj.name if backend_obj is not None else resolve_backend_name(backend)
     if backend_name == "te":
-        from mhc_cg.graphs.te import te_make_graphed_callables
-        result = te_make_graphed_callables(
-            callables if not single else callables[0], sample_args if not single else sample_args[0],
-            sample_kwargs=sample_kwargs if not single else sample_kwargs[0], order=order,
-            num_layers_per_chunk=num_layers_per_chunk, reuse_input_buffers=reuse, pool=pool,
-            num_warmup_iters=3 if num_warmup_iters is None else num_warmup_iters,
-            allow_unused_input=allow_unused_input)
-        if single:
-            return result
-        wrapped = GraphedCallables(result)
-        wrapped.backend, wrapped.pool, wrapped.runners = "te", pool, None
-        # TE rewrote sample_args in place when it shared buffers.
-        wrapped.static_input_sets = _distinct_input_sets(
-            [_flat_tensors(a, k) for a, k in zip(sample_args, sample_kwargs)])
-        return wrapped
+        return _through_te(callables, sample_args, sample_kwargs, single, order=order,
+                           num_layers_per_chunk=num_layers_per_chunk, reuse_input_buffers=reuse, pool=pool,
+                           num_warmup_iters=3 if num_warmup_iters is None else num_warmup_iters,
+                           allow_unused_input=allow_unused_input)
     if backend_obj is None:
         backend_obj = get_backend(backend_name)
     if num_warmup_iters is None:
@@ -390,23 +372,8 @@ def make_graphed_callables(
         share_static_inputs(layout, sample_args, sample_kwargs)
     if pool is None:
         pool = backend_obj.new_pool()
-
-    # (sample index, callable) in forward order, and the capture sequence of passes.
-    if layout is None:
-        forwards = [(i, callables[i]) for i in range(len(callables))]
-        passes = [("fwd", i) for i in range(len(callables))] + \
-                 [("bwd", i) for i in reversed(range(len(callables)))]
-    else:
-        forwards, passes = [], []
-        for is_forward, chunk, mb in layout.passes():
-            layers = range(layout.layers_per_chunk[chunk])
-            for layer in (layers if is_forward else reversed(layers)):
-                index = layout.sample_index(chunk, mb, layer)
-                if is_forward:
-                    forwards.append((index, callables[layout.callable_index(chunk, layer)]))
-                passes.append(("fwd" if is_forward else "bwd", index))
+    forwards, passes = _capture_sequence(callables, layout)
     func_of = dict(forwards)
-
     runners = []
     for index in range(len(sample_args)):
         func = func_of[index]
@@ -417,45 +384,10 @@ def make_graphed_callables(
 
     # warmup and capture draw nothing the caller should see: the generators are put back after
     with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
-        with backend_obj.warmup():
-            for index, func in forwards:
-                runner = runners[index]
-                for _ in range(num_warmup_iters):
-                    outputs = tree_flatten(func(*sample_args[index], **sample_kwargs[index]))[0]
-                    if training:
-                        _grads_of(outputs, runner.surface, None, allow_unused_input)
-                    del outputs
-        backend_obj.synchronize()
-
-        shared_grad_outputs: dict[tuple, torch.Tensor] = {}
-        for kind, index in passes:
-            runner = runners[index]
-            if kind == "fwd":
-                runner.fwd_graph = backend_obj.new_graph(pool=pool)
-                with runner.fwd_graph.capture():
-                    outputs = func_of[index](*sample_args[index], **sample_kwargs[index])
-                flat, runner.output_spec = tree_flatten(outputs)
-                if not all(isinstance(o, torch.Tensor) for o in flat):
-                    raise TypeError(f"make_graphed_callables: callable for sample {runner.label} "
-                                    f"returned non-tensor outputs {[type(o).__name__ for o in flat]}")
-                runner.static_outputs = flat
-                runner.differentiable = [training and o.requires_grad for o in flat]
-                continue
-            diff_outputs = [o for o, d in zip(runner.static_outputs, runner.differentiable) if d]
-            wanted = [t for t in runner.surface if t.requires_grad]
-            runner.static_grad_outputs = [
-                _grad_output_buffer(o, shared_grad_outputs if reuse else None) if d else None
-                for o, d in zip(runner.static_outputs, runner.differentiable)]
-            if not diff_outputs or not wanted:
-                runner.static_grad_inputs = [None] * len(runner.surface)
-                continue
-            runner.bwd_graph = backend_obj.new_graph(pool=pool)
-            with runner.bwd_graph.capture():
-                grads = _grads_of(diff_outputs, runner.surface,
-                                  [g for g in runner.static_grad_outputs if g is not None],
-                                  allow_unused_input)
-            runner.static_grad_inputs = grads
-        backend_obj.synchronize()
+        _warm_up(backend_obj, forwards, runners, sample_args, sample_kwargs, num_warmup_iters,
+                 training, allow_unused_input)
+        _capture(backend_obj, pool, passes, func_of, runners, sample_args, sample_kwargs,
+                 training, reuse, allow_unused_input)
 
     results = []
     for index, runner in enumerate(runners):
@@ -472,6 +404,104 @@ def make_graphed_callables(
     out.backend, out.pool, out.runners = backend_obj.name, pool, runners
     out.static_input_sets = _distinct_input_sets([r.static_inputs for r in runners])
     return out
+
+
+def _normalise_samples(sample_args, sample_kwargs) -> tuple[list[tuple], list[dict]]:
+    """One tuple of args and one dict of kwargs per sample, holding only tensors."""
+    sample_args = [tuple(a) if isinstance(a, (tuple, list)) else (a,) for a in sample_args]
+    sample_kwargs = [dict(k) for k in sample_kwargs] if sample_kwargs is not None \
+        else [{} for _ in sample_args]
+    if len(sample_kwargs) != len(sample_args):
+        raise ValueError(f"make_graphed_callables: sample_kwargs has {len(sample_kwargs)} entries, "
+                         f"sample_args {len(sample_args)}; they must match")
+    for i, (args, kwargs) in enumerate(zip(sample_args, sample_kwargs)):
+        bad = [type(v).__name__ for v in _flat_tensors(args, kwargs) if not isinstance(v, torch.Tensor)]
+        if bad:
+            raise TypeError(f"make_graphed_callables: sample_args[{i}]/sample_kwargs[{i}] may hold "
+                            f"only tensors (a graph's inputs are static buffers), found {bad}")
+    return sample_args, sample_kwargs
+
+
+def _through_te(callables, sample_args, sample_kwargs, single: bool, **options) -> Any:
+    """Hand the call to TransformerEngine's ``make_graphed_callables``."""
+    from mhc_cg.graphs.te import te_make_graphed_callables
+
+    pick = (lambda seq: seq[0]) if single else (lambda seq: seq)
+    result = te_make_graphed_callables(pick(callables), pick(sample_args),
+                                       sample_kwargs=pick(sample_kwargs), **options)
+    if single:
+        return result
+    wrapped = GraphedCallables(result)
+    wrapped.backend, wrapped.pool, wrapped.runners = "te", options["pool"], None
+    # TE rewrote sample_args in place when it shared buffers.
+    wrapped.static_input_sets = _distinct_input_sets(
+        [_flat_tensors(a, k) for a, k in zip(sample_args, sample_kwargs)])
+    return wrapped
+
+
+def _capture_sequence(callables: tuple, layout: OrderLayout | None
+                      ) -> tuple[list[tuple[int, Callable]], list[tuple[str, int]]]:
+    """``(sample index, callable)`` in forward order, and the capture sequence of passes."""
+    if layout is None:
+        forwards = [(i, callables[i]) for i in range(len(callables))]
+        passes = [("fwd", i) for i in range(len(callables))] + \
+                 [("bwd", i) for i in reversed(range(len(callables)))]
+        return forwards, passes
+    forwards, passes = [], []
+    for is_forward, chunk, mb in layout.passes():
+        layers = range(layout.layers_per_chunk[chunk])
+        for layer in (layers if is_forward else reversed(layers)):
+            index = layout.sample_index(chunk, mb, layer)
+            if is_forward:
+                forwards.append((index, callables[layout.callable_index(chunk, layer)]))
+            passes.append(("fwd" if is_forward else "bwd", index))
+    return forwards, passes
+
+
+def _warm_up(backend: GraphBackend, forwards, runners, sample_args, sample_kwargs,
+             iterations: int, training: bool, allow_unused: bool) -> None:
+    """Eager iterations before any capture (lazy library setup never happens inside one)."""
+    with backend.warmup():
+        for index, func in forwards:
+            for _ in range(iterations):
+                outputs = tree_flatten(func(*sample_args[index], **sample_kwargs[index]))[0]
+                if training:
+                    _grads_of(outputs, runners[index].surface, None, allow_unused)
+                del outputs
+    backend.synchronize()
+
+
+def _capture(backend: GraphBackend, pool, passes, func_of, runners, sample_args, sample_kwargs,
+             training: bool, reuse: bool, allow_unused: bool) -> None:
+    """Capture every forward and backward graph in ``passes``' order, all in ``pool``."""
+    shared_grad_outputs: dict[tuple, torch.Tensor] = {}
+    for kind, index in passes:
+        runner = runners[index]
+        if kind == "fwd":
+            runner.fwd_graph = backend.new_graph(pool=pool)
+            with runner.fwd_graph.capture():
+                outputs = func_of[index](*sample_args[index], **sample_kwargs[index])
+            flat, runner.output_spec = tree_flatten(outputs)
+            if not all(isinstance(o, torch.Tensor) for o in flat):
+                raise TypeError(f"make_graphed_callables: callable for sample {runner.label} "
+                                f"returned non-tensor outputs {[type(o).__name__ for o in flat]}")
+            runner.static_outputs = flat
+            runner.differentiable = [training and o.requires_grad for o in flat]
+            continue
+        diff_outputs = [o for o, d in zip(runner.static_outputs, runner.differentiable) if d]
+        wanted = [t for t in runner.surface if t.requires_grad]
+        runner.static_grad_outputs = [
+            _grad_output_buffer(o, shared_grad_outputs if reuse else None) if d else None
+            for o, d in zip(runner.static_outputs, runner.differentiable)]
+        if not diff_outputs or not wanted:
+            runner.static_grad_inputs = [None] * len(runner.surface)
+            continue
+        runner.bwd_graph = backend.new_graph(pool=pool)
+        with runner.bwd_graph.capture():
+            grads = _grads_of(diff_outputs, runner.surface,
+                              [g for g in runner.static_grad_outputs if g is not None], allow_unused)
+        runner.static_grad_inputs = grads
+    backend.synchronize()
 
 
 def _label(layout: OrderLayout, index: int) -> str:
