@@ -14,7 +14,7 @@ import sys
 
 from mhc_cg.errors import ConfigError
 
-COMMANDS = ("train", "memory", "schedule", "config", "timeline", "bench")
+COMMANDS = ("train", "memory", "schedule", "config", "timeline", "bench", "cost")
 
 
 def _command_modules():

@@ -39,11 +39,13 @@ class PoolOrder:
     """The capture sequence of the graphs sharing one pool, and a replay cursor.
 
     Replays must follow the capture sequence; after the last graph the cursor wraps to the first
-    (the next iteration). A capture appends to the sequence and rewinds the cursor.
+    (the next iteration). A capture appends to the sequence and rewinds the cursor. ``strict=False``
+    (a pool of independent graphs) allows any order.
     """
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, strict: bool = True):
         self.name = name
+        self.strict = strict
         self.sequence: list[Any] = []
         self.cursor = 0
 
@@ -54,6 +56,8 @@ class PoolOrder:
     def check_replay(self, graph: Any) -> None:
         if not self.sequence:
             raise GraphReplayError(f"{self.name}: replay of a graph that was never captured")
+        if not self.strict:
+            return
         expected = self.sequence[self.cursor]
         if graph is not expected:
             position = next((i for i, g in enumerate(self.sequence) if g is graph), None)
@@ -73,15 +77,22 @@ class PoolOrder:
 
 
 class Pool:
-    """Graphs that share memory, and their replay order. Backends subclass it per kind."""
+    """Graphs that share memory, and their replay order. Backends subclass it per kind.
+
+    ``independent``: the graphs run one at a time and each leaves nothing of the pool allocated
+    when its capture ends (checked there, where the backend can tell), so no graph's memory is
+    live while another runs, and they may replay in any order (one block recompute after another,
+    in whatever order the schedule's backwards come).
+    """
 
     kind = "pool"  # the backend's name, for messages
     _ids: itertools.count  # per subclass
 
-    def __init__(self, private: bool = False):
+    def __init__(self, private: bool = False, independent: bool = False):
         self.id = next(self._ids)
         self.private = private
-        self.order = PoolOrder(f"{self.kind} pool {self.id}")
+        self.independent = independent
+        self.order = PoolOrder(f"{self.kind} pool {self.id}", strict=not independent)
 
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} {self.id}{' (private)' if self.private else ''}: "
@@ -129,6 +140,14 @@ class Graph(ABC):
         finally:
             if gc_was_enabled:
                 gc.enable()
+        if self.pool.independent and self.stats.escaped_bytes:
+            self._state = "failed"
+            raise GraphCaptureError(
+                f"{self.name}: {self.stats.escaped_bytes} bytes in {self.stats.escaped_storages} "
+                f"storages allocated by this capture are still alive after it, in a pool of "
+                f"independent graphs; another graph of the pool may reuse that memory while they "
+                f"are live. Return nothing from the captured body and keep no reference to its "
+                f"temporaries, or give the graph its own pool", self.stats)
         self._state = "captured"
         self.pool.order.captured(self)
 
@@ -156,10 +175,12 @@ class GraphBackend(ABC):
     device: str
     pool_type: type[Pool]
     graph_type: type[Graph]
+    # eager iterations before a capture, for lazy library setup (cuBLAS handles, workspaces)
+    warmup_iters: int = 3
 
-    def new_pool(self) -> Pool:
-        """A pool that graphs may share."""
-        return self.pool_type()
+    def new_pool(self, independent: bool = False) -> Pool:
+        """A pool that graphs may share; ``independent``: see :class:`Pool`."""
+        return self.pool_type(independent=independent)
 
     def new_graph(self, pool: Pool | None = None) -> Graph:
         """A fresh graph; ``pool=None`` gives it a private pool."""

@@ -54,9 +54,9 @@ class CudaPool(Pool):
     kind = "cuda"
     _ids = itertools.count()
 
-    def __init__(self, handle=None, private: bool = False):
+    def __init__(self, handle=None, private: bool = False, independent: bool = False):
         _require_cuda("a CUDA graph pool")
-        super().__init__(private)
+        super().__init__(private, independent)
         # A private pool: let torch.cuda.graph make one for the graph (pool=None).
         self.handle = handle if handle is not None or private else torch.cuda.graph_pool_handle()
 

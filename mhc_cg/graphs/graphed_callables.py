@@ -14,7 +14,7 @@ What a caller relies on (the same as TE's ``make_graphed_callables``):
   stride, device), and a later forward with the same key takes them: the number of buffers then
   follows the pipeline depth, not the number of microbatches
   (:func:`count_allocated_static_inputs`). Backward graphs then also share grad-output buffers.
-* **A call** copies each input into its static buffer only when the ``data_ptr`` differs,
+* **A call** copies each input into its static buffer only when it is not that buffer already,
   replays the forward graph and returns *detached static outputs*: they are overwritten by the
   next replay of the same graph. Autograd sees an ``autograd.Function`` whose backward copies the
   incoming grads into static grad-output buffers, replays the backward graph and returns the
@@ -41,6 +41,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mhc_cg.graphs.backend import Graph, GraphBackend, get_backend, resolve_backend_name
+from mhc_cg.storage import storage_id
 from mhc_cg.pipeline.schedule import decode_order, pass_windows
 
 
@@ -191,7 +192,7 @@ class GraphedRunner:
                 raise ValueError(f"graphed callable {self.label}: input {i} is {got}, but the graph "
                                  f"was captured with {list(static.shape)} {static.dtype} on "
                                  f"{static.device}; a graph replays fixed shapes")
-            if static.data_ptr() != given.data_ptr():
+            if not _same_memory(static, given):
                 static.copy_(given)
 
     def replay_forward(self) -> list[torch.Tensor]:
@@ -206,13 +207,18 @@ class GraphedRunner:
                 continue
             if grad is None:
                 static.zero_()
-            elif static.data_ptr() != grad.data_ptr():
+            elif not _same_memory(static, grad):
                 static.copy_(grad)
         self.bwd_graph.replay()
         # Clones, not the static buffers: AccumulateGrad adopts a lone incoming gradient as
         # ``.grad`` (and the engine may add into it in place), so handing out a static buffer would
         # let the next replay overwrite an accumulated gradient.
         return tuple(g.clone() if g is not None else None for g in self.static_grad_inputs)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` start at the same element of one storage (``data_ptr`` is 0 on meta)."""
+    return storage_id(a) == storage_id(b) and a.storage_offset() == b.storage_offset()
 
 
 class _ReplayGraphs(torch.autograd.Function):
@@ -321,7 +327,7 @@ def make_graphed_callables(
     num_layers_per_chunk: int | Sequence[int] | None = None,
     reuse_input_buffers: bool = True,
     pool: Any = None,
-    num_warmup_iters: int = 3,
+    num_warmup_iters: int | None = None,
     allow_unused_input: bool = False,
     backend: str | GraphBackend = "auto",
 ) -> Any:
@@ -330,7 +336,8 @@ def make_graphed_callables(
     See the module docstring. ``reuse_input_buffers`` applies only with ``order`` (TE's
     ``_reuse_graph_input_output_buffers``). ``pool`` is a pool of the chosen backend (``None``: a
     new one shared by all the graphs made here). ``backend`` is ``"auto"``, ``"tape"``, ``"cuda"``,
-    ``"te"`` or a backend object. Returns one graphed callable for a single callable, else a
+    ``"te"`` or a backend object. ``num_warmup_iters`` defaults to the backend's
+    ``warmup_iters`` (3 on CUDA). Returns one graphed callable for a single callable, else a
     :class:`GraphedCallables` tuple.
 
     Phases: normalise the samples, lay out the order, (TE: hand over), share static inputs,
@@ -359,9 +366,12 @@ def make_graphed_callables(
     if backend_name == "te":
         return _through_te(callables, sample_args, sample_kwargs, single, order=order,
                            num_layers_per_chunk=num_layers_per_chunk, reuse_input_buffers=reuse, pool=pool,
-                           num_warmup_iters=num_warmup_iters, allow_unused_input=allow_unused_input)
+                           num_warmup_iters=3 if num_warmup_iters is None else num_warmup_iters,
+                           allow_unused_input=allow_unused_input)
     if backend_obj is None:
         backend_obj = get_backend(backend_name)
+    if num_warmup_iters is None:
+        num_warmup_iters = backend_obj.warmup_iters
     if reuse:
         share_static_inputs(layout, sample_args, sample_kwargs)
     if pool is None:

@@ -12,6 +12,10 @@ refuses exactly what a real capture would refuse, with the op and the user's sou
   no 0-dim CPU tensor read by a device op (CUDA bakes its value in at capture):
   :func:`illegal_op_reason`.
 * **No stateful random ops**: use the counter dropout of :mod:`mhc_cg.dropout`.
+
+The guard pins nothing unless asked (``keep_tensors``, which only the tape needs): it tracks
+storages through weak references, so a capture holds on the device what the driver's graph
+alone would hold, and temporaries the body drops go back to the pool during the capture.
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ import contextlib
 import linecache
 import os
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
 from mhc_cg.errors import GraphCaptureError
@@ -166,6 +172,8 @@ class CaptureSafetyReport:
     owned_storages: int = 0
     external_storages: int = 0
     tensors_tracked: int = 0
+    escaped_storages: int | None = None  # owned storages alive after the capture (weak book only)
+    escaped_bytes: int | None = None
     resized_storages: list[str] = field(default_factory=list)
     repointed_tensors: list[str] = field(default_factory=list)
 
@@ -179,23 +187,51 @@ def _describe(t: torch.Tensor) -> str:
 
 
 class _StorageState:
-    __slots__ = ("holder", "nbytes", "data_ptr", "owned", "first_seen")
+    """One storage the capture used: its size and address when first seen, and who allocated it.
 
-    def __init__(self, holder: torch.Tensor, owned: bool, first_seen: str):
+    ``strong``: ``holder`` keeps the storage alive (the tape replays it, so it must). Otherwise only
+    a weak reference is kept (``ref``): the capture then holds on the device exactly what the
+    driver's graph holds, and a storage the body drops returns to the pool as it would without the
+    guard. The weak reference also keeps the storage object's address (:func:`storage_id`) from
+    being reused while the book lives, so keys stay unique.
+    """
+
+    __slots__ = ("holder", "ref", "nbytes", "data_ptr", "owned", "first_seen", "description")
+
+    def __init__(self, holder: torch.Tensor, owned: bool, first_seen: str, strong: bool = True):
         storage = holder.untyped_storage()
-        self.holder = holder  # keeps the storage alive and lets us read its current state
+        self.holder = holder if strong else None
+        self.ref = None if strong else StorageWeakRef(storage)
         self.nbytes = storage.nbytes()
         self.data_ptr = storage.data_ptr()
         self.owned = owned
         self.first_seen = first_seen
+        self.description = _describe(holder)
+
+    def storage(self) -> torch.UntypedStorage | None:
+        """The storage, or ``None`` once it was freed (weak references only)."""
+        if self.holder is not None:
+            return self.holder.untyped_storage()
+        return torch.UntypedStorage._new_with_weak_ptr(self.ref.cdata)
+
+    def alive(self) -> bool:
+        return self.holder is not None or not self.ref.expired()
 
     def changed(self) -> bool:
-        storage = self.holder.untyped_storage()
-        return storage.nbytes() != self.nbytes or storage.data_ptr() != self.data_ptr
+        storage = self.storage()
+        return storage is not None and (storage.nbytes() != self.nbytes
+                                        or storage.data_ptr() != self.data_ptr)
 
     def refresh(self) -> None:
-        storage = self.holder.untyped_storage()
-        self.nbytes, self.data_ptr = storage.nbytes(), storage.data_ptr()
+        storage = self.storage()
+        if storage is not None:
+            self.nbytes, self.data_ptr = storage.nbytes(), storage.data_ptr()
+
+    def current(self) -> str:
+        storage = self.storage()
+        if storage is None:
+            return "freed"
+        return f"{storage.nbytes()} bytes at {storage.data_ptr():#x}"
 
 
 class AddressBook:
@@ -207,9 +243,25 @@ class AddressBook:
     op that touched it to the end of the capture, and across replays.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, strong: bool = True) -> None:
+        self.strong = strong
         self.storages: dict[int, _StorageState] = {}
-        self.tensor_storage: dict[int, tuple[torch.Tensor, int]] = {}
+        # id(tensor) -> (tensor, or a weak reference to it, storage key)
+        self.tensor_storage: dict[int, tuple[Any, int]] = {}
+
+    def _tensor_entry(self, t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        entry = self.tensor_storage.get(id(t))
+        if entry is None:
+            return None
+        held, key = entry
+        tensor = held if self.strong else held()
+        return (tensor, key) if tensor is t else None  # a dead tensor's id may be reused
+
+    def _tensor_entries(self) -> list[tuple[torch.Tensor, int]]:
+        if self.strong:
+            return list(self.tensor_storage.values())
+        entries = [(ref(), key) for ref, key in self.tensor_storage.values()]
+        return [(t, key) for t, key in entries if t is not None]
 
     def is_owned(self, t: torch.Tensor) -> bool:
         state = self.storages.get(storage_id(t))
@@ -221,9 +273,9 @@ class AddressBook:
     def track(self, t: torch.Tensor, owned: bool, where: str) -> None:
         key = storage_id(t)
         if key not in self.storages:
-            self.storages[key] = _StorageState(t, owned, where)
-        if id(t) not in self.tensor_storage:
-            self.tensor_storage[id(t)] = (t, key)
+            self.storages[key] = _StorageState(t, owned, where, self.strong)
+        if self._tensor_entry(t) is None:
+            self.tensor_storage[id(t)] = (t if self.strong else weakref.ref(t), key)
 
     def refresh(self, t: torch.Tensor, where: str) -> None:
         """After a recorded op resized or re-pointed a tensor the graph owns: follow it.
@@ -232,25 +284,23 @@ class AddressBook:
         arena slot) is not the graph's: its address must stay fixed from now on.
         """
         key = storage_id(t)
-        self.tensor_storage[id(t)] = (t, key)
+        self.tensor_storage[id(t)] = (t if self.strong else weakref.ref(t), key)
         state = self.storages.get(key)
         if state is None:
-            self.storages[key] = _StorageState(t, False, where)
+            self.storages[key] = _StorageState(t, False, where, self.strong)
         else:
             state.refresh()
 
     def violations_of(self, tensors: list[torch.Tensor] | None = None) -> tuple[list[str], list[str]]:
         """``(resized storages, re-pointed tensors)`` among ``tensors`` (default: all tracked)."""
         if tensors is None:
-            entries = list(self.tensor_storage.values())
+            entries = self._tensor_entries()
             storages = list(self.storages.values())
         else:
-            entries = [self.tensor_storage[id(t)] for t in tensors if id(t) in self.tensor_storage]
+            entries = [e for e in map(self._tensor_entry, tensors) if e is not None]
             storages = [self.storages[key] for _, key in entries]
-        resized = [f"{_describe(s.holder)} first used at {s.first_seen}: storage size/address "
-                   f"changed from {s.nbytes} bytes at {s.data_ptr:#x} to "
-                   f"{s.holder.untyped_storage().nbytes()} bytes at "
-                   f"{s.holder.untyped_storage().data_ptr():#x}"
+        resized = [f"{s.description} first used at {s.first_seen}: storage size/address "
+                   f"changed from {s.nbytes} bytes at {s.data_ptr:#x} to {s.current()}"
                    for s in {id(s): s for s in storages}.values() if s.changed()]
         repointed = [f"{_describe(t)}: moved to another storage (set_ or .data =) after the "
                      f"graph first used it at {self.storages[key].first_seen}"
@@ -265,10 +315,12 @@ class CaptureGuardMode(TorchDispatchMode):
     Errors name the op and the user's source line (:func:`user_source_line`).
     """
 
-    def __init__(self, graph_name: str):
+    def __init__(self, graph_name: str, keep_tensors: bool = False):
         super().__init__()
         self.graph_name = graph_name
-        self.book = AddressBook()
+        # keep_tensors: hold every tensor the capture touched (the tape must, to replay them);
+        # otherwise the guard pins nothing and the capture holds what the driver's graph holds
+        self.book = AddressBook(strong=keep_tensors)
         self.report = CaptureSafetyReport()
 
     def _fail(self, message: str) -> None:
@@ -333,6 +385,10 @@ class CaptureGuardMode(TorchDispatchMode):
         self.report.owned_storages = sum(s.owned for s in self.book.storages.values())
         self.report.external_storages = len(self.book.storages) - self.report.owned_storages
         self.report.tensors_tracked = len(self.book.tensor_storage)
+        if not self.book.strong:
+            escaped = [s for s in self.book.storages.values() if s.owned and s.alive()]
+            self.report.escaped_storages = len(escaped)
+            self.report.escaped_bytes = sum(s.nbytes for s in escaped)
         return self.report
 
 

@@ -89,7 +89,7 @@ class _TapeRecorder(CaptureGuardMode):
     """The guard, plus a record of every op that ran."""
 
     def __init__(self, graph_name: str):
-        super().__init__(graph_name)
+        super().__init__(graph_name, keep_tensors=True)  # a replay needs every tensor it recorded
         self.ops: list[RecordedOp] = []
 
     def before_op(self, func, args, kwargs, written):

@@ -37,9 +37,9 @@ class TEBackend(CudaBackend):
         super().__init__()
         self.te = import_te()
 
-    def new_pool(self) -> CudaPool:
+    def new_pool(self, independent: bool = False) -> CudaPool:
         from transformer_engine.pytorch.graph import graph_pool_handle
-        return CudaPool(handle=graph_pool_handle())
+        return CudaPool(handle=graph_pool_handle(), independent=independent)
 
 
 def te_make_graphed_callables(callables: tuple[Callable, ...], sample_args: list, *,

@@ -14,10 +14,11 @@ from mhc_cg.model import MHCGPT
 from mhc_cg.plan import CapturePlan, capture_plan
 
 
-def build_for_plan(cfg: RunConfig, plan: CapturePlan, device: torch.device
+def build_for_plan(cfg: RunConfig, plan: CapturePlan, device: torch.device, backend=None
                    ) -> tuple[MHCGPT, Callable[[Tensor, Tensor], Tensor], object | None]:
     """``(model, forward, graphed)``; ``forward(input_ids, seed) -> logits``; ``graphed`` is the
-    graphed wrapper (``None`` in the eager modes).
+    graphed wrapper (``None`` in the eager modes). ``backend``: a ``GraphBackend`` object to
+    capture with instead of the plan's (the cost model's recording backend).
 
     The weights depend only on ``cfg.train.seed``, never on the mode, so modes can be compared.
     """
@@ -34,11 +35,13 @@ def build_for_plan(cfg: RunConfig, plan: CapturePlan, device: torch.device
     if plan.mode == "graphed_none":
         from mhc_cg.modes.graphed_none import GraphedSublayersModel
 
-        graphed = GraphedSublayersModel(model, plan, micro_batch_size=cfg.train.micro_batch_size)
+        graphed = GraphedSublayersModel(model, plan, micro_batch_size=cfg.train.micro_batch_size,
+                                        backend=backend)
     elif plan.mode == "graphed_static":
         from mhc_cg.modes.graphed_static import GraphedStaticModel
 
-        graphed = GraphedStaticModel(model, plan, micro_batch_size=cfg.train.micro_batch_size)
+        graphed = GraphedStaticModel(model, plan, micro_batch_size=cfg.train.micro_batch_size,
+                                     backend=backend)
     else:
         return model, model, None
     with torch.enable_grad():  # capture records the backward too, even if built under no_grad

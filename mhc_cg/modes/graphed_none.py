@@ -37,11 +37,12 @@ def sublayer_sample_args(model: MHCGPT, micro_batch_size: int, count: int,
 class GraphedSublayersModel:
     """``model`` whose sublayers replay as graphs; ``prepare(device)`` captures them."""
 
-    def __init__(self, model: MHCGPT, plan: CapturePlan, *, micro_batch_size: int):
+    def __init__(self, model: MHCGPT, plan: CapturePlan, *, micro_batch_size: int, backend=None):
         if plan.mode != "graphed_none":
             raise ValueError(f"GraphedSublayersModel runs the graphed_none mode, got a plan for "
                              f"{plan.mode!r}")
         self.model, self.plan, self.micro_batch_size = model, plan, micro_batch_size
+        self.backend = backend if backend is not None else plan.backend  # an object or a name
         self.sublayer_fns: list[Callable] = []
         self.graphed_callables: tuple = ()
         self.captured: CapturedState | None = None
@@ -55,7 +56,7 @@ class GraphedSublayersModel:
                     if on and not isinstance(sub.fn, MoEMLP)]
         sample_args = sublayer_sample_args(self.model, self.micro_batch_size, len(captured), device)
         self.graphed_callables = make_graphed_callables(tuple(captured), sample_args,
-                                                        backend=self.plan.backend)
+                                                        backend=self.backend)
         graphed = dict(zip(map(id, captured), self.graphed_callables))
         self.sublayer_fns = [graphed.get(id(sub), sub) for sub in subs]  # MoE: the eager module
         self.captured = CapturedState.of(self.model)

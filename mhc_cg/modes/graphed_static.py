@@ -9,7 +9,7 @@ The capture plan (:mod:`mhc_cg.plan`, resolved from ``cuda_graph_scope``) decide
   ``MoECudaGraphPartialCaptureSignal`` and the rest (dispatch, experts, mHC ops after F) runs eagerly
   from a ``MoECudaGraphTensorStore`` and writes its own arena segment;
 * ``mhc_recompute``: the block recompute, one graph per (recompute block, persistent slot set),
-  each in its own private pool.
+  all in one pool of independent graphs (they run one at a time and leave nothing allocated).
 
 What is not captured runs eagerly through the same runtime and writes the same slots, so every
 combination of scopes computes the same numbers, bit for bit, as eager without recompute.
@@ -30,21 +30,53 @@ from mhc_cg.profiling.nvtx import nvtx_range
 from mhc_cg.errors import StaticRecomputeError
 from mhc_cg.recompute.static import StaticRecompute, build_static_recompute
 
+class _Target:
+    """A static buffer handed to an autograd Function as a non-tensor argument."""
+
+    def __init__(self, tensor: Tensor):
+        self.tensor = tensor
+
+
+class _WriteInto(torch.autograd.Function):
+    """Identity whose output is ``target.tensor`` (written here): a graph's output then lives in a
+    static buffer outside the graph's pool instead of in a block the pool keeps for good."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor, target: _Target) -> Tensor:
+        out = target.tensor.detach()
+        out.copy_(t)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
 class SlotSublayer(nn.Module):
     """One whole mHC sublayer on the static runtime: ``(x, seed) -> (out, F output)``.
 
     A module (its parameters are the sublayer's) so that graph capture computes their gradients.
-    The F output is returned detached: it only feeds the persistent slot set.
+    The F output is returned detached: it only feeds the persistent slot set. With ``out_buffer``
+    / ``fn_buffer`` set, the sublayer writes its output / F output there (the next graph's static
+    input / the persistent set's slot), so neither stays in the graph pool as a static output.
     """
 
     def __init__(self, runtime: StaticRecompute, sub: nn.Module, position: int, k: int):
         super().__init__()
         self.sub = sub
         self.runtime, self.position, self.k = runtime, position, k
+        self.out_buffer: Tensor | None = None
+        self.fn_buffer: Tensor | None = None
 
     def forward(self, x: Tensor, seed: Tensor) -> tuple[Tensor, Tensor]:
         out, y = self.runtime.sublayer(self.sub, self.position, self.k, x, seed)
-        return out, y.detach()
+        y = y.detach()
+        if self.fn_buffer is not None:
+            self.fn_buffer.copy_(y)
+            y = self.fn_buffer.detach()
+        if self.out_buffer is not None:
+            out = _WriteInto.apply(out, _Target(self.out_buffer))
+        return out, y
 
 
 class PartialMoESublayer(nn.Module):
@@ -105,7 +137,7 @@ class GraphedStaticModel:
     """
 
     def __init__(self, model: MHCGPT, plan: CapturePlan, *, micro_batch_size: int,
-                 capacity: int = 1, block_size: int | None = None):
+                 capacity: int = 1, block_size: int | None = None, backend=None):
         if plan.mode != "graphed_static":
             raise StaticRecomputeError(f"GraphedStaticModel runs the graphed_static mode, got a "
                                        f"plan for {plan.mode!r}")
@@ -124,7 +156,7 @@ class GraphedStaticModel:
         self.runtime: StaticRecompute | None = None
         self.sublayer_fns: dict[tuple[int, int], Callable] = {}
         self.graphed_callables: tuple = ()  # make_graphed_callables' result (has .graphs())
-        self.backend = None
+        self.backend = backend  # a GraphBackend object; None: the plan's backend, made in prepare
         self.captured: CapturedState | None = None
 
     def prepare(self, device: torch.device | str) -> "GraphedStaticModel":
@@ -139,7 +171,8 @@ class GraphedStaticModel:
             layers, self.block_size, seq_length=cfg.seq_length,
             micro_batch_size=self.micro_batch_size, capacity=self.capacity, device=device,
             dtype=dtype)
-        self.backend = get_backend(self.plan.backend)
+        if self.backend is None:
+            self.backend = get_backend(self.plan.backend)
         modules, keys = [], []
         for index, layer in enumerate(layers):
             position = index % self.block_size
@@ -156,6 +189,7 @@ class GraphedStaticModel:
         if modules:
             sample_args = sublayer_sample_args(self.model, self.micro_batch_size, len(modules),
                                                device)
+            sample_args = self._chain_buffers(modules, keys, sample_args)
             # a partially captured MoE sublayer leaves its experts' parameters to the eager tail
             graphed = make_graphed_callables(tuple(modules), sample_args,
                                              backend=self.backend,
@@ -167,6 +201,27 @@ class GraphedStaticModel:
             self.runtime.capture_recompute_graphs(self.backend)
         self.captured = CapturedState.of(self.model)
         return self
+
+    def _chain_buffers(self, modules: list, keys: list, sample_args: tuple) -> tuple:
+        """When every sublayer is a graph (one microbatch in flight): two ping-pong buffers serve as
+        every graph's static input, each graph writes its output into the next one's input and
+        its F output into the persistent set. No graph then keeps its outputs in the pool, no
+        output is copied into the next input, and one pair of inputs serves all graphs.
+        """
+        layers = len(self.model.layers)
+        consecutive = keys == [(layer.layer_number, k) for layer in self.model.layers
+                               for k in (0, 1)]
+        if not (consecutive and self.capacity == 1 and len(keys) == 2 * layers
+                and all(type(m) is SlotSublayer for m in modules)):
+            return sample_args
+        pingpong = [sample_args[0][0], sample_args[1][0]]
+        pset = self.runtime.sets.all_sets()[0]
+        chained = []
+        for i, (module, (_, seed)) in enumerate(zip(modules, sample_args)):
+            module.out_buffer = pingpong[(i + 1) % 2]
+            module.fn_buffer = pset.fn_outputs[(i // 2, i % 2)]
+            chained.append((pingpong[i % 2], seed))
+        return tuple(chained)
 
     def _wrap(self, key: tuple[int, int], module: nn.Module, fn: Callable) -> Callable:
         layer, k = key

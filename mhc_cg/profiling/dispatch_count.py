@@ -1,9 +1,9 @@
 """Count the kernel-launching ops of a training step with a ``TorchDispatchMode``.
 
 Every aten op (and every ``mhc_cg`` custom op, which the mode sees as one op) that reaches the
-dispatcher is counted, except those that launch no kernel: views (the schema says the output
-aliases an input), metadata changes (``transpose_``, ``resize_``, ``set_``...) and uninitialised
-allocations. The per-layer figure is the difference between a model of two recompute blocks and
+dispatcher is counted when it launches device work, as the cost model decides it
+(:func:`mhc_cg.cost.ops.launches_kernel`: views, metadata changes and uninitialised allocations
+are free). The per-layer figure is the difference between a model of two recompute blocks and
 one of one block, divided by the layers that differ, so embedding, head and loss cancel out.
 """
 
@@ -15,18 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-aten = torch.ops.aten
-
-_FREE = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided,
-         aten.detach, aten.alias, aten.lift_fresh, aten._unsafe_view, aten.set_, aten.resize_}
-
-
-def launches_kernel(func: torch._ops.OpOverload) -> bool:
-    """Whether ``func`` runs a kernel (on a GPU: launches one), as opposed to a view or metadata op."""
-    if func.overloadpacket in _FREE or func.is_view:
-        return False
-    return torch.Tag.inplace_view not in func.tags
-
+from mhc_cg.cost.ops import launches_kernel
 
 class KernelCounter(TorchDispatchMode):
     """``counts[op name]``: kernel-launching ops dispatched while the mode is active."""
@@ -36,9 +25,11 @@ class KernelCounter(TorchDispatchMode):
         self.counts: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if launches_kernel(func):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if launches_kernel(func, args, kwargs, out):
             self.counts[str(func.overloadpacket).replace("torch.ops.", "")] += 1
-        return func(*args, **(kwargs or {}))
+        return out
 
     @property
     def total(self) -> int:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from mhc_cg.storage import storage_id
+
 ALIGN_BYTES = 64
 
 
@@ -105,12 +107,12 @@ class Arena:
 
     # -- addresses ---------------------------------------------------------------------------
     def contains(self, t: Tensor) -> bool:
-        # compare device types only: torch.device("cuda") != torch.device("cuda:0"), and
-        # addresses of different GPUs never overlap (unified virtual addressing)
-        if self.buffer is None or t.device.type != self.buffer.device.type:
-            return False
-        start = self.buffer.data_ptr()
-        return start <= t.untyped_storage().data_ptr() < start + self.buffer.numel()
+        """``t`` is a view of the arena (reader or writer alias: one storage).
+
+        Storage identity, not an address range: every slot tensor is a view of the one storage,
+        and on ``meta`` every data pointer is 0, so an address test would claim every tensor.
+        """
+        return self.buffer is not None and storage_id(t) == storage_id(self.buffer)
 
     def claim(self, region: Region, index: int, nbytes: int, dtype: torch.dtype) -> Slot:
         """The ``index``-th slot of ``region``: recorded while discovering, checked afterwards."""

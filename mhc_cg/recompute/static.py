@@ -39,6 +39,7 @@ from mhc_cg.model import MLP, MHCSublayer, MHCTransformerLayer, recomputes_activ
 from mhc_cg.recompute.arena import Arena, Region
 from mhc_cg.recompute.persistent import PersistentSetPool, PersistentSlotSet, new_persistent_set
 from mhc_cg.profiling.nvtx import nvtx_range
+from mhc_cg.storage import storage_id
 
 SUBLAYER_NAMES = ("attn", "mlp")
 
@@ -58,7 +59,7 @@ class _RegionCursor:
     def save(self, t: Tensor) -> Tensor:
         """Store ``t``'s whole storage in the next slot; return a slot view with ``t``'s geometry."""
         storage = t.untyped_storage()
-        key = (storage.data_ptr(), t.dtype)
+        key = (storage_id(t), t.dtype)
         if key not in self.seen:
             itemsize = t.element_size()
             nbytes = storage.nbytes() // itemsize * itemsize
@@ -108,6 +109,19 @@ class _StoreToPersistent(torch.autograd.Function):
         return grad, None, None
 
 
+class _StoreToFnOutput(torch.autograd.Function):
+    """Identity whose output is the persistent F-output slot ``dst`` (written here)."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor, dst: Tensor) -> Tensor:
+        dst.copy_(t)  # nothing saved a view of dst since the set was acquired: no version clash
+        return dst.as_strided(dst.size(), dst.stride(), dst.storage_offset())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
 class StaticRecompute:
     """The static-buffer runtime for the layers of one model chunk.
 
@@ -132,19 +146,26 @@ class StaticRecompute:
         self._in_fn = False
         self.active_set: PersistentSlotSet | None = None  # the set of the forward in progress
         self._mlp_index = {id(layer.mlp): i for i, layer in enumerate(self.layers)}
+        self._sub_index = {id(sub): i for i, layer in enumerate(self.layers)
+                           for sub in (layer.attention, layer.mlp)}
+        # With one set, F outputs go to it before h_post saves them: saved as they are, never
+        # copied into slots. With several, a graph captured outside ``forward`` could not know
+        # its microbatch's set, so F outputs are copied into slots like any saved tensor.
+        self._fn_output_storages = ({storage_id(t) for t in sets.all_sets()[0].fn_outputs.values()}
+                                    if sets.capacity == 1 else set())
         self.recompute_graphs: dict[tuple[int, int], object] = {}
+        self.recompute_pool = None  # the recompute graphs' shared pool (capture_recompute_graphs)
         # Parameters (and views of them, e.g. a transposed weight) are saved as they are: they do
         # not change between a forward and its backward, so copying them into slots is waste.
-        self._param_storages = {p.untyped_storage().data_ptr()
-                                for layer in self.layers for p in layer.parameters()}
+        self._param_storages = {storage_id(p) for layer in self.layers for p in layer.parameters()}
         self.trace: list[str] = []  # what ran, in order (for tests and debugging)
         # forwards whose backward has not finished: persistent set index -> its hooks' state
         self._pending: dict[int, dict] = {}
 
     # -- hooks ------------------------------------------------------------------------------
     def _pack(self, t: Tensor) -> Tensor:
-        if (self._in_fn or self.arena.contains(t)
-                or t.untyped_storage().data_ptr() in self._param_storages):
+        if (self._in_fn or self.arena.contains(t) or storage_id(t) in self._param_storages
+                or storage_id(t) in self._fn_output_storages):
             return t
         return self._cursor.save(t)
 
@@ -190,7 +211,14 @@ class StaticRecompute:
 
     def sublayer_post(self, sub: MHCSublayer, position: int, k: int, y: Tensor, h_post: Tensor,
                       mixed: Tensor, seed: Tensor | None) -> Tensor:
-        """The mHC ops after F, saving into region segment 1: ``mixed + dropout(h_post * y)``."""
+        """The mHC ops after F, saving into region segment 1: ``mixed + dropout(h_post * y)``.
+
+        With one persistent set, ``y`` (F's output) goes to its persistent slot first, so that
+        ``h_post``'s product saves the persistent tensor itself: the forward and the recompute
+        (which reads ``y`` from there) then save the same tensor, and the arena holds no second
+        copy of it.
+        """
+        y = self._fn_output_to_set(sub, k, y)
         with self.mhc_region(position, k, 1):
             return sub.post_bda(y, h_post, mixed, seed)
 
@@ -212,6 +240,11 @@ class StaticRecompute:
         else:
             y = fn_output
         return self.sublayer_post(sub, position, k, y, h_post, mixed, seed), y
+
+    def _fn_output_to_set(self, sub: MHCSublayer, k: int, y: Tensor) -> Tensor:
+        if not self._fn_output_storages or storage_id(y) in self._fn_output_storages:
+            return y  # several sets (see __init__), or the recompute reading it from its set
+        return _StoreToFnOutput.apply(y, self._set_for_fn().fn_outputs[(self._sub_index[id(sub)], k)])
 
     # -- activation recompute ---------------------------------------------------------------
     def _activation_cursor(self, position: int) -> _RegionCursor:
@@ -274,7 +307,13 @@ class StaticRecompute:
                     self.recompute_activation_slot(position, pset.fc1_outputs[first + position])
 
     def capture_recompute_graphs(self, backend) -> None:
-        """One recompute graph per (block, persistent set), each with a private pool.
+        """One recompute graph per (block, persistent set), all in one pool of their own.
+
+        The recompute graphs of a rank run one at a time, and each leaves nothing allocated when
+        it ends (it writes only arena slots, which are not the pool's): the pool is *independent*
+        (the backend checks at capture that no temporary outlives it), sized by one recompute's
+        live set rather than one pool per graph, and the graphs may replay in any order. They are
+        captured in the order a backward replays them (last block first, sets in turn).
 
         Each block's recompute runs once eagerly first, in the backend's warmup context (a side
         stream on CUDA), so that lazy library setup (cuBLAS handles, workspaces) never happens
@@ -284,12 +323,14 @@ class StaticRecompute:
             for block in range(len(self.blocks)):
                 self.recompute_block(block, self.sets.all_sets()[0])
         backend.synchronize()
+        if self.recompute_pool is None:
+            self.recompute_pool = backend.new_pool(independent=True)
         for pset in self.sets.all_sets():
-            for block in range(len(self.blocks)):
+            for block in reversed(range(len(self.blocks))):
                 key = (block, pset.index)
                 if key in self.recompute_graphs:
                     continue
-                graph = backend.new_graph(pool=None)
+                graph = backend.new_graph(pool=self.recompute_pool)
                 with graph.capture():
                     self.recompute_block(block, pset)
                 self.recompute_graphs[key] = graph
@@ -340,7 +381,9 @@ class StaticRecompute:
                             x, y = fn(x, seed_in)
                         else:
                             x, y = self.sublayer(sub, position, k, x, seed_in)
-                        pset.fn_outputs[(first + position, k)].copy_(y.detach())
+                        dst = pset.fn_outputs[(first + position, k)]
+                        if storage_id(dst) != storage_id(y) or dst.storage_offset() != y.storage_offset():
+                            dst.copy_(y.detach())  # a graphed sublayer may have written it already
                 if x.requires_grad:
                     handles.append(x.register_hook(self._make_block_hook(b, pset, state)))
         except BaseException:

@@ -1,0 +1,27 @@
+"""``mhc-cg cost``: kernels, bytes and graph-pool memory per training step, per mode, on meta or cpu."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from mhc_cg.config import load_config
+from mhc_cg.cost.report import DEVICES, cost_report, format_report
+
+HELP = "GPU cost without a GPU: kernels, bytes and capture-pool memory of every mode's step"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="YAML run config (default: embedded tiny model)")
+    parser.add_argument("--device", choices=DEVICES, default="meta",
+                        help="meta: nothing allocated, any size (attention as the GPU's fused "
+                             "kernel); cpu: the ops really run")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--summary", action="store_true", help="only the per-mode table")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    report = cost_report(cfg, args.device, args.config)
+    print(json.dumps(report, indent=2) if args.json else format_report(report, not args.summary))
+    return 0

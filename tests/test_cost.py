@@ -1,0 +1,241 @@
+"""The cost model: kernels, bytes and capture-pool memory of recorded graphs (mhc_cg.cost)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from mhc_cg.config import RunConfig
+from mhc_cg.cost.allocator import rounded
+from mhc_cg.cost.backend import CostBackend
+from mhc_cg.cost.ops import launches_kernel
+from mhc_cg.cost.record import StepRecorder
+from mhc_cg.cost.report import cost_mode, cost_report, mode_configs
+from mhc_cg.errors import GraphCaptureError
+from mhc_cg.graphs.guard import CaptureGuardMode
+from mhc_cg.graphs.tape import TapeBackend
+from mhc_cg.model import MHCGPTConfig
+from mhc_cg.modes.build import build_for_mode
+
+aten = torch.ops.aten
+
+
+def tiny_config(scopes=("attn", "mlp", "mhc_recompute"), num_experts=None) -> RunConfig:
+    cfg = RunConfig()
+    cfg.model = MHCGPTConfig(vocab_size=32, seq_length=8, hidden_size=16, num_heads=2,
+                             num_layers=2, hidden_dropout=0.1, recompute="block",
+                             recompute_layers=1, num_experts=num_experts, moe_top_k=2,
+                             moe_ffn_hidden_size=24)
+    cfg.train = dataclasses.replace(cfg.train, micro_batch_size=2, num_microbatches=1,
+                                    device="cpu")
+    cfg.graph = dataclasses.replace(cfg.graph, backend="tape", cuda_graph_scope=list(scopes))
+    return cfg
+
+
+# -- which ops launch kernels --------------------------------------------------------------------
+
+def test_views_and_metadata_ops_are_free_and_compute_ops_are_kernels():
+    for free in (aten.view.default, aten.transpose.int, aten.expand.default, aten.detach.default,
+                 aten.t.default, aten.empty.memory_format, aten.transpose_.default,
+                 aten._unsafe_view.default, aten.set_.source_Storage):
+        assert not launches_kernel(free), free
+    for kernel in (aten.mm.default, aten.add.Tensor, aten.add_.Tensor, aten.copy_.default,
+                   aten.zeros_like.default, aten._to_copy.default, aten.gelu.default):
+        assert launches_kernel(kernel), kernel
+
+
+def test_kernel_count_of_a_small_module_equals_the_tape_and_a_hand_count():
+    """Three counts of one forward + backward: the cost model's; the tape's (which ops a replay
+    must re-run: its own classification, written independently); and the ops listed by hand."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    x = torch.randn(5, 8, requires_grad=True)
+
+    def body():
+        loss = module(x).transpose(0, 1).sum()
+        return torch.autograd.grad(loss, [x, *module.parameters()])
+
+    with StepRecorder() as step:
+        body()
+    graph = TapeBackend().new_graph()
+    with graph.capture():
+        body()
+    assert step.kernels == graph.stats.ops_replayed
+    forward = ["addmm", "gelu", "addmm", "sum"]
+    # sum's backward expands a filled scalar (ones_like); each Linear's backward: mm for the
+    # input grad, mm for the weight grad, sum for the bias grad; gelu's backward one kernel
+    backward = ["ones_like", "mm", "mm", "sum", "gelu_backward", "mm", "mm", "sum"]
+    names = sorted(name.split(".")[-1] for name, n in step.eager.by_op.items() for _ in range(n))
+    assert names == sorted(forward + backward), names
+    assert step.kernels == len(forward) + len(backward)
+
+
+def test_bytes_count_inputs_and_outputs_and_expanded_inputs_once():
+    a = torch.randn(64, 32)
+    b = torch.randn(32).expand(64, 32)
+    with StepRecorder() as step:
+        a + b
+    assert step.eager.bytes_read == (64 * 32 + 32) * 4
+    assert step.eager.bytes_written == 64 * 32 * 4
+
+
+# -- the guard pins nothing ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_guard_holds_no_tensor_unless_asked(keep):
+    x = torch.randn(1024)
+    refs = []
+    with CaptureGuardMode("probe", keep_tensors=keep):
+        tmp = x * 2
+        refs.append(StorageWeakRef(tmp.untyped_storage()))
+        y = tmp + 1
+        del tmp
+        freed_inside = refs[0].expired()
+    del y
+    assert freed_inside is not keep  # without keep_tensors the temporary is freed mid-capture
+
+
+# -- the allocator emulation ---------------------------------------------------------------------
+
+def test_a_capture_that_keeps_a_temporary_alive_is_caught():
+    x = torch.randn(256, 256)
+    nbytes = rounded(x.untyped_storage().nbytes())
+    backend = CostBackend("cpu")
+    kept = []
+
+    def body(keep: bool) -> torch.Tensor:
+        tmp = x * 2            # a temporary of one block
+        out = (tmp + 1).sum()  # its last use
+        if keep:
+            kept.append(tmp)   # the bug: held past the capture
+        return out
+
+    clean = backend.new_graph(backend.new_pool())
+    with clean.capture():
+        clean_out = body(False)
+    leaky = backend.new_graph(backend.new_pool())
+    with leaky.capture():
+        body(True)
+    assert clean.peak.escaped_bytes == rounded(clean_out.untyped_storage().nbytes())
+    assert leaky.peak.escaped_bytes == clean.peak.escaped_bytes + nbytes
+    # clean: tmp returns to the pool after its last use, before the sum allocates; the leak
+    # keeps it, so the sum's block comes on top of it
+    assert clean.peak.peak_bytes == 2 * nbytes
+    assert leaky.peak.peak_bytes == 2 * nbytes + rounded(4)
+    # in a pool of independent graphs the same leak is refused at capture
+    independent = backend.new_pool(independent=True)
+    with pytest.raises(GraphCaptureError, match="still alive after it"):
+        graph = backend.new_graph(independent)
+        with graph.capture():
+            body(True)
+    ok = backend.new_graph(independent)
+    with ok.capture():
+        body(False)
+
+
+def test_held_peak_sees_memory_python_keeps_past_its_last_use():
+    x = torch.randn(128, 128)
+    block = rounded(x.untyped_storage().nbytes())
+    backend = CostBackend("cpu")
+    graph = backend.new_graph(backend.new_pool(independent=True))
+    with graph.capture():
+        a = x * 2
+        b = a + 1      # last use of a
+        c = b * 3      # last use of b
+        d = c + 1      # last use of c; a, b, c still referenced by Python
+        del a, b, c, d
+    assert graph.peak.peak_bytes == 2 * block   # by last use, two blocks at a time
+    assert graph.peak.held_peak_bytes == 4 * block
+    assert graph.peak.escaped_bytes == 0
+
+
+def test_a_shared_pool_reuses_blocks_freed_by_earlier_captures():
+    x = torch.randn(64, 64, requires_grad=True)
+    block = rounded(x.untyped_storage().nbytes())
+    backend = CostBackend("cpu")
+    pool = backend.new_pool()
+    fwd, bwd = backend.new_graph(pool), backend.new_graph(pool)
+    with fwd.capture():
+        y = (x * 2).tanh()   # tanh saves its output: one block escapes with y
+        loss = y.sum()
+    with bwd.capture():
+        (grad,) = torch.autograd.grad(loss, [x])
+    del y, loss
+    assert fwd.peak.escaped_bytes >= block
+    assert bwd.peak.resident_before == fwd.peak.escaped_bytes
+    # the pool's high-water mark is the larger of the two captures, not their sum
+    assert pool.state.high_water == max(fwd.peak.held_peak_bytes, bwd.peak.held_peak_bytes)
+    assert pool.state.high_water < fwd.peak.allocated_bytes + bwd.peak.allocated_bytes
+
+
+# -- the runtime under the cost model ------------------------------------------------------------
+
+def test_recompute_graphs_share_one_independent_pool_and_leave_nothing_behind():
+    cfg = tiny_config()
+    _, _, graphed = build_for_mode(cfg, "graphed_static", torch.device("cpu"))  # the tape
+    graphs = list(graphed.runtime.recompute_graphs.values())
+    assert len(graphs) == 2 and len({id(g.pool) for g in graphs}) == 1
+    assert graphs[0].pool.independent
+    backend = CostBackend("cpu")
+    from mhc_cg.modes.build import build_for_plan
+    from mhc_cg.plan import capture_plan
+    _, _, graphed = build_for_plan(cfg, capture_plan(cfg, "graphed_static", "cpu"),
+                                   torch.device("cpu"), backend=backend)
+    recompute = list(graphed.runtime.recompute_graphs.values())
+    assert all(g.peak.escaped_bytes == 0 for g in recompute)
+    # any order: block 0 then block 1, although captured the other way round
+    for key in sorted(graphed.runtime.recompute_graphs):
+        graphed.runtime.recompute_graphs[key].replay()
+
+
+def test_meta_and_cpu_cost_the_same_graphs_and_arena():
+    """meta tells storages apart by identity (every data_ptr is 0 there): same arena, same
+    recompute graphs. Linear and attention decompose a little differently on meta (no addmm
+    folding of 3-d inputs; the fused attention a GPU runs): within 1% over a step."""
+    name, cfg, mode = [m for m in mode_configs(tiny_config()) if m[0] == "graphed_static"][0]
+    cpu, meta = cost_mode(cfg, mode, "cpu"), cost_mode(cfg, mode, "meta")
+    assert cpu["arena_bytes"] == meta["arena_bytes"] > 0
+    assert cpu["persistent_bytes_per_microbatch"] == meta["persistent_bytes_per_microbatch"] > 0
+    for a, b in zip(cpu["graphs"], meta["graphs"]):
+        assert a["name"] == b["name"] and a["kind"] == b["kind"]
+        if a["kind"] == "recompute":
+            assert a["kernels"] == b["kernels"] and a["bytes"] == b["bytes"]
+            assert a["pool_peak_bytes"] == b["pool_peak_bytes"]
+            assert a["escaped_bytes"] == b["escaped_bytes"] == 0
+    assert abs(cpu["kernels_per_step"] - meta["kernels_per_step"]) <= 0.01 * cpu["kernels_per_step"]
+    kinds = [g["kind"] for g in meta["graphs"]]
+    assert kinds.count("forward") == kinds.count("backward") == 4 and kinds.count("recompute") == 2
+    # a step's kernels: its eager ops plus every replay's kernels (each graph replays once)
+    replayed = sum(g["kernels"] for g in meta["graphs"])
+    assert meta["graph_replays_per_step"] == len(meta["graphs"])
+    assert meta["kernels_per_step"] == meta["eager_kernels_per_step"] + replayed
+
+
+def test_report_lists_every_mode_with_the_documented_fields():
+    report = cost_report(tiny_config(), "meta", "tiny")
+    assert list(report["modes"]) == ["eager_none", "eager_block", "graphed_none", "graphed_static"]
+    for mode, m in report["modes"].items():
+        for key in ("kernels_per_step", "bytes_per_step", "graphs", "pool_reserved_bytes",
+                    "arena_bytes", "persistent_bytes_per_microbatch"):
+            assert key in m, (mode, key)
+        assert m["kernels_per_step"] > 0 and m["bytes_per_step"] > 0
+    assert report["modes"]["eager_none"]["graphs"] == []
+    assert report["modes"]["graphed_none"]["arena_bytes"] is None
+    assert len(report["checks"]) == 2
+
+
+def test_moe_config_costs_partial_capture_on_cpu_and_is_refused_on_meta():
+    from mhc_cg.errors import ConfigError
+    cfg = tiny_config(("attn", "moe_router", "moe_preprocess", "mhc_recompute"), num_experts=2)
+    with pytest.raises(ConfigError, match="--device cpu"):
+        cost_report(cfg, "meta")
+    modes = {name: (c, m) for name, c, m in mode_configs(cfg)}
+    assert list(modes) == ["eager_none", "eager_block", "graphed_none", "graphed_static",
+                           "moe_partial"]
+    partial = cost_mode(*modes["moe_partial"], "cpu")
+    heads = [g for g in partial["graphs"] if g["name"].endswith(".head fwd")]
+    assert len(heads) == 2  # the MoE sublayer's captured head, one per layer
+    assert partial["eager_kernels_per_step"] > 0  # the eager tail (dispatch, experts) counts
