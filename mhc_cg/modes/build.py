@@ -25,7 +25,7 @@ def build_for_plan(cfg: RunConfig, plan: CapturePlan, device: torch.device
     # a storage, which no graph can hold, so graphed_none could not capture it anyway.
     no_recompute = plan.mode in ("eager_none", "graphed_none")
     model_cfg = dataclasses.replace(
-        cfg.model, recompute="block" if plan.mode == "eager_block" else "none",
+        cfg.model, recompute="block" if plan.mode in ("eager_block", "attn_split") else "none",
         recompute_activation=cfg.model.recompute_activation and not no_recompute,
         recompute_activation_layers=None if no_recompute else cfg.model.recompute_activation_layers)
     torch.manual_seed(cfg.train.seed)
@@ -39,6 +39,10 @@ def build_for_plan(cfg: RunConfig, plan: CapturePlan, device: torch.device
         from mhc_cg.modes.graphed_static import GraphedStaticModel
 
         graphed = GraphedStaticModel(model, plan, micro_batch_size=cfg.train.micro_batch_size)
+    elif plan.mode == "attn_split":
+        from mhc_cg.modes.attn_split import AttnSplitModel
+
+        graphed = AttnSplitModel(model, plan, micro_batch_size=cfg.train.micro_batch_size)
     else:
         return model, model, None
     graphed.prepare(device)
