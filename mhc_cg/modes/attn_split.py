@@ -1,4 +1,4 @@
-"""Mode ``attn_split``: the attention consumer graphed, every mHC op eager under eager block recompute.
+"""Mode ``attn_split``: the attention consumer graphed, mHC ops eager under eager block recompute.
 
 The split Megatron-LM's development branch ships for mHC recompute with CUDA graphs (attention-only
 graph scope with mHC selective recompute): per layer, the attention sublayer's RMSNorm and
@@ -163,7 +163,7 @@ class AttnSplitModel:
                         x, x_source = split_attention_sublayer(
                             layer.attention, self.consumers[i], self.slots[i], x, dropout_seed,
                             manager, f"layer{i}/attention", x_source)
-                    with nvtx_range("eager", 0, None, f"{i}.mlp"):
+                    with nvtx_range("fwd", 0, None, f"{i}.mlp"):  # named as graphed_static's
                         x, x_source = checkpoint_sublayer(
                             layer.mlp, x, dropout_seed, manager, f"layer{i}/mlp", x_source,
                             block_end=layer is block[-1])
