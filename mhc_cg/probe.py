@@ -8,12 +8,11 @@ available"`` with the reason instead of failing:
 * ``pools``: every capture's pool, in bytes, per graphed mode (``graphed_none``, ``graphed_static``,
   ``attn_split``). On CUDA a pool's size is the reserved bytes of the allocator segments that carry
   its pool id (``torch.cuda.memory_snapshot``); on the ``tape`` backend it is the unique storages
-  the pool's graphs allocated while capturing. Beside each measurement goes the cost model's
-  prediction when ``mhc_cg.cost`` provides :data:`COST_ENTRY` (``fn(cfg, mode) -> {pool label:
-  bytes}``).
-* ``kernels``: each fused kernel against its torch reference (time, the bandwidth bound of the bytes
-  it must move, exactness), for the cases ``mhc_cg.kernels`` provides through
-  :data:`KERNEL_ENTRY` (``fn(cfg, device) -> iterable of KernelCase``).
+  the pool's graphs allocated while capturing (the tape never reuses memory inside a pool, so
+  that is an upper bound, not a CUDA pool's size). Beside each measurement goes the cost model's
+  prediction (:data:`COST_ENTRY`, run on ``meta``) when it is importable.
+* ``kernels``: each fused Triton kernel of :data:`KERNEL_MODULE` against its torch path on the
+  bench's shapes: time, the bandwidth bound of the bytes it must move, exactness (CUDA only).
 * ``dropout``: counter-dropout masks drawn on the device against the same masks drawn on the CPU;
   a graph replayed on the GPU and a recompute check elsewhere must agree bit for bit.
 """
@@ -41,8 +40,11 @@ from mhc_cg.errors import ConfigError
 
 PARTS = ("pools", "kernels", "dropout")
 POOL_MODES = ("graphed_none", "graphed_static", "attn_split")
-COST_ENTRY = ("mhc_cg.cost", "pool_bytes")  # module, function: (cfg, mode) -> {label: bytes}
-KERNEL_ENTRY = ("mhc_cg.kernels", "probe_cases")  # module, function: (cfg, device) -> cases
+# the cost model: cost_mode(cfg, train_mode, device) -> {"pool_reserved_bytes", "pools", ...}
+COST_ENTRY = ("mhc_cg.cost.report", "cost_mode")
+# the fused kernels: each f(..., kernels="triton" | "torch"); the torch path is the reference
+KERNEL_MODULE = "mhc_cg.kernels"
+FUSED_KERNELS = ("aggregate", "h_res_apply", "post_bda", "rms_norm")
 
 
 def not_available(reason: str) -> dict:
@@ -129,11 +131,14 @@ def probe_pools(cfg: RunConfig, device: torch.device, modes: Sequence[str] = POO
         entry: dict[str, Any] = {"backend": plan.backend, "pools": rows,
                                  "total_bytes": sum(r["bytes"] for r in rows)}
         if predict is not None:
-            predicted = predict(mode_cfg, mode)
-            entry["predicted"] = predicted
-            total = sum(predicted.values())
-            entry["predicted_total_bytes"] = total
-            entry["measured_over_predicted"] = entry["total_bytes"] / total if total else None
+            try:
+                cost = predict(mode_cfg, train_mode, "meta")
+            except Exception as exc:  # noqa: BLE001 - the measurement stands without it
+                entry["prediction_error"] = f"{type(exc).__name__}: {exc}"
+            else:
+                total = cost["pool_reserved_bytes"]
+                entry.update(predicted_pools=cost["pools"], predicted_total_bytes=total,
+                             measured_over_predicted=entry["total_bytes"] / total if total else None)
         result["modes"][mode] = entry
         del graphed
         gc.collect()
@@ -179,13 +184,54 @@ def compare_kernel(case: KernelCase, device: torch.device, bandwidth: float, rep
             "speedup": reference_s / fused_s, "bytes": case.nbytes}
 
 
+def fused_kernel_cases(kernels: Any, cfg: RunConfig, device: torch.device) -> list[KernelCase]:
+    """The forward of each fused op on one micro-batch of the bench's shapes, Triton against
+    torch; ``nbytes`` = every input read once + the output written once."""
+    m = cfg.model
+    s, b, n, c = m.seq_length, cfg.train.micro_batch_size, m.num_streams, m.hidden_size
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.dtype]
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=device, dtype=dtype)
+
+    def nbytes(*tensors: torch.Tensor, out: int) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors) + out * rand(1).element_size()
+
+    x, y, h_pre, h_post = rand(s, b, n * c), rand(s, b, c), rand(s, b, n), rand(s, b, n)
+    h_res, weight = rand(s, b, n, n), rand(c)
+    seed = torch.tensor(1234, device=device)
+    p = m.hidden_dropout
+
+    def pair(name: str) -> tuple[Callable, Callable]:
+        fn = getattr(kernels, name)
+        return (lambda *a: fn(*a, kernels="triton")), (lambda *a: fn(*a, kernels="torch"))
+
+    cases = []
+    for name, args, out in (
+            ("aggregate", (x, h_pre), s * b * c),
+            ("h_res_apply", (h_res, x), s * b * n * c),
+            ("post_bda", (y, h_post, x, seed, p, 1), s * b * n * c),
+            ("rms_norm", (y, weight, 1e-5), s * b * c)):
+        fused, reference = pair(name)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        cases.append(KernelCase(name, fused, reference, args, nbytes(*tensors, out=out)))
+    return cases
+
+
 def probe_kernels(cfg: RunConfig, device: torch.device, bandwidth: float, repeats: int = 20) -> dict:
-    cases_of, why = optional_entry(KERNEL_ENTRY)
-    if cases_of is None:
-        return not_available(why)
+    try:
+        kernels = importlib.import_module(KERNEL_MODULE)
+    except ImportError as exc:
+        return not_available(f"{KERNEL_MODULE} is not importable ({exc})")
+    missing = [name for name in FUSED_KERNELS if not callable(getattr(kernels, name, None))]
+    if missing:
+        return not_available(f"{KERNEL_MODULE} has no {', '.join(missing)}")
+    if device.type != "cuda":
+        return not_available("no CUDA device: the fused kernels are Triton kernels")
     return {"status": "ok", "copy_bandwidth_bytes_per_s": bandwidth,
             "kernels": [compare_kernel(case, device, bandwidth, repeats)
-                        for case in cases_of(cfg, device)]}
+                        for case in fused_kernel_cases(kernels, cfg, device)]}
 
 
 # --------------------------------------------------------------------------------------------

@@ -74,10 +74,11 @@ def test_probe_measures_pools_and_says_what_is_not_available(dry_run):
     assert pools["modes"]["attn_split"]["pools"][0]["graphs"] == 2 * 2  # fwd + bwd per layer
     assert parts["dropout"]["status"] == "not available" and "no CUDA" in parts["dropout"]["reason"]
     kernels = parts["kernels"]
-    if kernels["status"] == "not available":
-        assert "mhc_cg.kernels" in kernels["reason"]
-    else:
-        assert kernels["status"] == "ok"
+    # Triton kernels need CUDA; without the kernels package the reason names it
+    assert kernels["status"] == "not available"
+    assert "mhc_cg.kernels" in kernels["reason"] or "no CUDA device" in kernels["reason"]
+    cost = pools["cost_model"]
+    assert cost == "available" or "mhc_cg.cost" in cost
 
 
 @pytest.mark.slow

@@ -121,10 +121,11 @@ def split_attention_sublayer(steps, consumer: Callable[[Tensor], Tensor], slot: 
 class AttnSplitModel:
     """``model`` trained in the ``attn_split`` mode; ``prepare(device)`` captures the graphs."""
 
-    def __init__(self, model: MHCGPT, plan: CapturePlan, *, micro_batch_size: int):
+    def __init__(self, model: MHCGPT, plan: CapturePlan, *, micro_batch_size: int, backend=None):
         if plan.mode != "attn_split":
             raise ValueError(f"AttnSplitModel runs the attn_split mode, got a plan for {plan.mode!r}")
         self.model, self.plan, self.micro_batch_size = model, plan, micro_batch_size
+        self.backend = backend if backend is not None else plan.backend  # an object or a name
         self.block_size = model.cfg.resolved_recompute_layers
         self.consumers: list[Callable[[Tensor], Tensor]] = []
         self.slots: list[Tensor] = []  # each consumer graph's static input, [s, b, C]
@@ -140,7 +141,7 @@ class AttnSplitModel:
         samples = tuple((torch.zeros(cfg.seq_length, self.micro_batch_size, cfg.hidden_size,
                                      device=device, dtype=dtype, requires_grad=True),)
                         for _ in modules)
-        graphed = make_graphed_callables(modules, samples, backend=self.plan.backend)
+        graphed = make_graphed_callables(modules, samples, backend=self.backend)
         self.graphed_callables = graphed
         self.consumers = list(graphed)
         self.slots = [sample[0] for sample in samples]
