@@ -60,7 +60,7 @@ else
     PROBE_ARGS=()
     PROFILE_STEPS=5
     MODES=${GPU_CHECK_MODES:-eager_none eager_block graphed_none graphed_static attn_split}
-    LIMITS=(tests=210 probe=150 bench=420 profile=50 timeline=90)
+    LIMITS=(tests=180 probe=150 bench=420 profile=60 timeline=90)
 fi
 limit_of() { local kv; for kv in "${LIMITS[@]}"; do [ "${kv%%=*}" = "$1" ] && echo "${kv#*=}"; done; }
 
