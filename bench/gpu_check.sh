@@ -26,13 +26,13 @@ DRY=${MHC_CG_GPU_CHECK_DRY:-0}
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 OUT_DIR=${1:-${OUT:-bench/results/gpu_check}}
 PY=${PYTHON:-python}
-BUDGET=${GPU_CHECK_BUDGET_S:-1140}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT_DIR"
 SUMMARY="$OUT_DIR/summary.tsv"
 printf 'part\tstatus\texit_code\tseconds\tlimit_s\n' > "$SUMMARY"
 START=$(date +%s)
 
+# BUDGET: seconds for all parts; LIMITS: each part's own limit (a profile's applies per mode)
 if [ "$DRY" = "1" ]; then
     CFG="$OUT_DIR/dry_config.yaml"
     cat > "$CFG" <<'EOF'
@@ -50,7 +50,9 @@ EOF
     # the reference, ours and the peer: every code path of the script, at a third of the cost
     MODES=${GPU_CHECK_MODES:-eager_none graphed_static attn_split}
     BENCH_ARGS+=(--modes "${MODES// /,}")
-    LIMITS=(tests=120 probe=150 bench=150 profile=120 timeline=120)
+    # generous: CI machines are small and shared
+    BUDGET=${GPU_CHECK_BUDGET_S:-1800}
+    LIMITS=(tests=180 probe=300 bench=300 profile=240 timeline=240)
 else
     CFG=${GPU_CHECK_CONFIG:-configs/bench_h100.yaml}
     DEVICE=(--device cuda)
@@ -60,6 +62,7 @@ else
     PROBE_ARGS=()
     PROFILE_STEPS=5
     MODES=${GPU_CHECK_MODES:-eager_none eager_block graphed_none graphed_static attn_split}
+    BUDGET=${GPU_CHECK_BUDGET_S:-1140}
     LIMITS=(tests=180 probe=150 bench=420 profile=60 timeline=90)
 fi
 limit_of() { local kv; for kv in "${LIMITS[@]}"; do [ "${kv%%=*}" = "$1" ] && echo "${kv#*=}"; done; }
@@ -121,23 +124,9 @@ for mode in $MODES; do
         --config "$CFG" --mode "$mode" --steps "$PROFILE_STEPS" --no-progress "${DEVICE[@]}"
 done
 
-compare_all() {
-    local base="$OUT_DIR/profiles/graphed_static.json.gz" rc=0 mode
-    [ -f "$base" ] || { echo "no graphed_static trace to compare against"; return 1; }
-    for mode in $MODES; do
-        [ "$mode" = graphed_static ] && continue
-        local other="$OUT_DIR/profiles/$mode.json.gz"
-        [ -f "$other" ] || { echo "no $mode trace"; rc=1; continue; }
-        "$PY" -m mhc_cg.cli timeline compare "$base" "$other" --labels graphed_static "$mode" \
-            > "$OUT_DIR/timeline/graphed_static_vs_$mode.txt" || rc=1
-        "$PY" -m mhc_cg.cli timeline compare "$base" "$other" --labels graphed_static "$mode" --json \
-            > "$OUT_DIR/timeline/graphed_static_vs_$mode.json" || rc=1
-    done
-    return $rc
-}
-mkdir -p "$OUT_DIR/timeline"
-export -f compare_all; export OUT_DIR PY MODES
-part timeline "$(limit_of timeline)" "$OUT_DIR/timeline/timeline.log" bash -c compare_all
+part timeline "$(limit_of timeline)" "$OUT_DIR/timeline/timeline.log" \
+    "$PY" profiles/compare_modes.py --traces "$OUT_DIR/profiles" --base graphed_static \
+    --out "$OUT_DIR/timeline"
 
 echo "[gpu_check] done in $(( $(date +%s) - START )) s; summary:" >&2
 column -t -s $'\t' "$SUMMARY" >&2 2>/dev/null || cat "$SUMMARY" >&2
