@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mhc_recompute")
 MOE_SCOPES = ("moe", "moe_router", "moe_preprocess")
-MODES = ("eager_none", "eager_block", "graphed_none", "graphed_static")
+MODES = ("eager_none", "eager_block", "graphed_none", "graphed_static", "attn_split")
 # graphed_static with no scope configured (e.g. `train --compare` on a config without graphs)
 DEFAULT_STATIC_SCOPES = ("attn", "mhc_recompute")
 
@@ -39,7 +39,9 @@ class CapturePlan:
 
     ``mode`` is the training mode: ``eager_none`` (no recompute, the reference), ``eager_block``
     (eager block recompute), ``graphed_none`` (every sublayer a graph, no recompute) or
-    ``graphed_static`` (static-buffer recompute, sublayers per ``attn``/``mlp``/``moe_step``).
+    ``graphed_static`` (static-buffer recompute, sublayers per ``attn``/``mlp``/``moe_step``) or
+    ``attn_split`` (each attention's norm + attention a graph, mHC ops and MLP eager under eager
+    block recompute; :mod:`mhc_cg.modes.attn_split`).
     ``moe_step`` is where a partially captured MoE sublayer's graph ends (``route`` or
     ``preprocess``), ``None`` without MoE partial capture. ``recompute_graph``: the block recompute
     is captured as its own graph. ``backend`` is the resolved capture backend (``tape``, ``cuda``
@@ -97,6 +99,7 @@ def capture_plan(cfg: "RunConfig", mode: str | None = None, device: str | None =
     ``cfg`` must have passed :func:`mhc_cg.validate.check`. ``graphed_static`` always graphs the
     recompute; with no scope configured it graphs ``attn`` too. ``graphed_none`` graphs every
     sublayer that can be captured whole (a MoE MLP cannot: its dispatch has data-dependent shapes).
+    ``attn_split`` graphs the attention consumers only, whatever the configured scopes.
     ``on_this_machine=False`` resolves the backend without asking whether this machine has a GPU
     (``config check`` of a config meant for another machine).
     """
@@ -114,6 +117,8 @@ def capture_plan(cfg: "RunConfig", mode: str | None = None, device: str | None =
         return CapturePlan(mode, backend=backend)
     if mode == "graphed_none":
         return CapturePlan(mode, attn=True, mlp=not cfg.model.is_moe, backend=backend)
+    if mode == "attn_split":
+        return CapturePlan(mode, attn=True, backend=backend)
     scopes = set(configured_scopes(cfg) or DEFAULT_STATIC_SCOPES)
     moe_step = None
     if cfg.model.is_moe and "moe_router" in scopes:

@@ -61,9 +61,10 @@ def test_files_are_named_by_device_and_json_has_the_schema(cpu_report, capsys):
         # the bound is the block's traffic over the measured copy bandwidth
         assert entry["recompute_lower_bound_ms"] == pytest.approx(
             1000.0 * entry["recompute_bytes"]["total"] / report["copy_bandwidth_bytes_per_s"])
-    assert report["modes"]["graphed_none"]["recompute_graph_ms"] is None
+    for name in ("graphed_none", "attn_split"):
+        assert report["modes"][name]["recompute_graph_ms"] is None
     # same weights, data and dropout seeds: every dense mode reproduces eager_none's losses
-    for name in ("eager_block", "graphed_none", "graphed_static"):
+    for name in ("eager_block", "graphed_none", "graphed_static", "attn_split"):
         assert report["modes"][name]["losses_equal_eager_none"] is True
     assert report["modes"]["moe_partial"]["losses_equal_eager_none"] is None
     assert [t["status"] for t in report["targets"]][0] == "SKIP"  # no peak memory on CPU
@@ -133,7 +134,12 @@ def test_targets_check_pass_fail_skip():
                                 "recompute_graph_ms": 3.0, "recompute_lower_bound_ms": 1.0}}
     got = {t["target"]: t["status"] for t in bench.targets_check(modes)}
     assert got == {"peak <= 1.05 x eager_block": "PASS", "step <= 0.9 x eager_block": "PASS",
-                   "step <= 1.07 x eager_none": "PASS", "recompute graph <= 2 x its bound": "FAIL"}
+                   "step <= 1.07 x eager_none": "PASS", "step < attn_split": "SKIP",
+                   "recompute graph <= 2 x its bound": "FAIL"}
+    modes["attn_split"] = {"step_ms_median": 105.0}  # equal is not below
+    assert {t["target"]: t["status"] for t in bench.targets_check(modes)}["step < attn_split"] == "FAIL"
+    modes["attn_split"] = {"step_ms_median": 110.0}
+    assert {t["target"]: t["status"] for t in bench.targets_check(modes)}["step < attn_split"] == "PASS"
     modes["graphed_static"]["peak_mem_bytes"] = None
     assert bench.targets_check(modes)[0]["status"] == "SKIP"
 

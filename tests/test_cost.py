@@ -118,7 +118,8 @@ def test_a_capture_that_keeps_a_temporary_alive_is_caught():
         clean_out = body(False)
     leaky = backend.new_graph(backend.new_pool())
     with leaky.capture():
-        body(True)
+        leaky_out = body(True)  # held, like clean_out: both outputs escape
+    assert leaky_out.shape == clean_out.shape
     assert clean.peak.escaped_bytes == rounded(clean_out.untyped_storage().nbytes())
     assert leaky.peak.escaped_bytes == clean.peak.escaped_bytes + nbytes
     # clean: tmp returns to the pool after its last use, before the sum allocates; the leak

@@ -26,7 +26,7 @@ def build_for_plan(cfg: RunConfig, plan: CapturePlan, device: torch.device, back
     # a storage, which no graph can hold, so graphed_none could not capture it anyway.
     no_recompute = plan.mode in ("eager_none", "graphed_none")
     model_cfg = dataclasses.replace(
-        cfg.model, recompute="block" if plan.mode == "eager_block" else "none",
+        cfg.model, recompute="block" if plan.mode in ("eager_block", "attn_split") else "none",
         recompute_activation=cfg.model.recompute_activation and not no_recompute,
         recompute_activation_layers=None if no_recompute else cfg.model.recompute_activation_layers)
     torch.manual_seed(cfg.train.seed)
@@ -42,6 +42,11 @@ def build_for_plan(cfg: RunConfig, plan: CapturePlan, device: torch.device, back
 
         graphed = GraphedStaticModel(model, plan, micro_batch_size=cfg.train.micro_batch_size,
                                      backend=backend)
+    elif plan.mode == "attn_split":
+        from mhc_cg.modes.attn_split import AttnSplitModel
+
+        graphed = AttnSplitModel(model, plan, micro_batch_size=cfg.train.micro_batch_size,
+                                 backend=backend)
     else:
         return model, model, None
     with torch.enable_grad():  # capture records the backward too, even if built under no_grad

@@ -1,0 +1,158 @@
+"""``bench/gpu_check.sh --dry-run``: every part of the GPU checklist on the CPU (tape backend, tiny
+config), each writing its own files; and the probe's pieces on hand-made inputs."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mhc_cg import probe
+
+REPO = Path(__file__).resolve().parent.parent
+DRY_MODES = ["eager_none", "graphed_static", "attn_split"]
+
+
+def run_check(out: Path, **env) -> subprocess.CompletedProcess:
+    environ = {**os.environ, "PYTHON": sys.executable, **env}
+    environ.pop("OUT", None)
+    return subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run", str(out)], cwd=REPO,
+                          env=environ, capture_output=True, text=True, timeout=900)
+
+
+def summary(out: Path) -> dict[str, dict]:
+    with open(out / "summary.tsv") as f:
+        return {row["part"]: row for row in csv.DictReader(f, delimiter="\t")}
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    done = run_check(out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_every_part_ends_ok_and_in_order(dry_run):
+    parts = summary(dry_run)
+    assert list(parts) == ["tests", "probe", "bench", *(f"profile:{m}" for m in DRY_MODES),
+                           "timeline"]
+    assert {p: r["status"] for p, r in parts.items()} == {p: "ok" for p in parts}
+    assert all(0 <= int(r["seconds"]) <= int(r["limit_s"]) for r in parts.values())
+    env = (dry_run / "env.txt").read_text()
+    assert f"torch {torch.__version__}" in env and "gpu none" in env
+
+
+@pytest.mark.slow
+def test_cuda_tests_ran_and_skipped_cleanly(dry_run):
+    log = (dry_run / "tests" / "pytest.log").read_text()
+    assert "skipped" in log and "failed" not in log
+    assert "<testsuite" in (dry_run / "tests" / "junit.xml").read_text()
+
+
+@pytest.mark.slow
+def test_probe_measures_pools_and_says_what_is_not_available(dry_run):
+    report = json.loads((dry_run / "probe" / "probe.json").read_text())
+    parts = report["parts"]
+    assert list(parts) == list(probe.PARTS)
+    pools = parts["pools"]
+    assert pools["status"] == "ok" and list(pools["modes"]) == list(probe.POOL_MODES)
+    for mode, entry in pools["modes"].items():
+        assert entry["backend"] == "tape"
+        assert entry["total_bytes"] == sum(r["bytes"] for r in entry["pools"]) > 0
+    # graphed_static: the sublayers' shared pool plus one private pool per recompute graph
+    assert len(pools["modes"]["graphed_static"]["pools"]) == 2
+    assert len(pools["modes"]["attn_split"]["pools"]) == 1
+    assert pools["modes"]["attn_split"]["pools"][0]["graphs"] == 2 * 2  # fwd + bwd per layer
+    assert parts["dropout"]["status"] == "not available" and "no CUDA" in parts["dropout"]["reason"]
+    kernels = parts["kernels"]
+    # Triton kernels need CUDA; without the kernels package the reason names it
+    assert kernels["status"] == "not available"
+    assert "mhc_cg.kernels" in kernels["reason"] or "no CUDA device" in kernels["reason"]
+    cost = pools["cost_model"]
+    assert cost == "available" or "mhc_cg.cost" in cost
+
+
+@pytest.mark.slow
+def test_bench_runs_the_peer_mode_bit_identically(dry_run):
+    report = json.loads((dry_run / "bench" / "cpu.json").read_text())
+    assert list(report["modes"]) == DRY_MODES
+    assert report["modes"]["attn_split"]["losses_equal_eager_none"] is True
+    assert report["modes"]["graphed_static"]["losses_equal_eager_none"] is True
+    assert any(t["target"] == "step < attn_split" for t in report["targets"])
+
+
+@pytest.mark.slow
+def test_a_trace_per_mode_and_the_comparisons_against_graphed_static(dry_run):
+    for mode in DRY_MODES:
+        trace = json.loads(gzip.decompress((dry_run / "profiles" / f"{mode}.json.gz").read_bytes()))
+        names = {e.get("name") for e in trace["traceEvents"]}
+        assert "step" in names and "forward" in names
+        assert f"--mode {mode}" in (dry_run / "profiles" / f"{mode}.command.txt").read_text()
+    for mode in ("eager_none", "attn_split"):
+        text = (dry_run / "timeline" / f"graphed_static_vs_{mode}.txt").read_text()
+        assert "A = graphed_static" in text and f"B = {mode}" in text
+        data = json.loads((dry_run / "timeline" / f"graphed_static_vs_{mode}.json").read_text())
+        assert data  # parsed, not empty
+
+
+def test_a_spent_budget_skips_parts_and_says_so(tmp_path):
+    done = run_check(tmp_path, GPU_CHECK_BUDGET_S="10")
+    assert done.returncode == 1
+    parts = summary(tmp_path)
+    assert set(r["status"] for r in parts.values()) == {"skipped (budget spent)"}
+    assert "timeline" in parts and not (tmp_path / "probe" / "probe.json").exists()
+
+
+# ------------------------------------------------------------------------------------------
+# The probe's pieces.
+
+def test_snapshot_pool_bytes_sums_segments_per_graph_pool():
+    snapshot = [{"segment_pool_id": (0, 0), "total_size": 100},
+                {"segment_pool_id": (1, 2), "total_size": 2 << 20},
+                {"segment_pool_id": (1, 2), "total_size": 4 << 20},
+                {"segment_pool_id": (1, 5), "total_size": 20 << 20},
+                {"total_size": 7}]
+    assert probe.snapshot_pool_bytes(snapshot) == {(1, 2): 6 << 20, (1, 5): 20 << 20}
+
+
+def test_compare_kernel_times_both_and_checks_exactness():
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    same = probe.KernelCase("double", lambda t: t + t, lambda t: 2 * t, (x,), 2 * x.nbytes)
+    row = probe.compare_kernel(same, torch.device("cpu"), bandwidth=1e9, repeats=3)
+    assert row["exact"] is True and row["max_abs_diff"] == 0.0
+    assert row["bound_ms"] == pytest.approx(1000 * 2 * x.nbytes / 1e9)
+    assert row["fused_ms"] > 0 and row["fused_over_bound"] == pytest.approx(
+        row["fused_ms"] / row["bound_ms"])
+    off = probe.KernelCase("scale", lambda t: t * 1.001, lambda t: t, (x,), 2 * x.nbytes)
+    row = probe.compare_kernel(off, torch.device("cpu"), bandwidth=1e9, repeats=1)
+    assert row["exact"] is False and row["max_abs_diff"] == pytest.approx(
+        (x * 0.001).abs().max().item(), rel=1e-2)
+
+
+def test_mask_agreement_rows_and_keep_fraction():
+    rows = probe.mask_agreement(torch.device("cpu"), [(64, 64)], seeds=[1, 2], streams=[0, 3], p=0.25)
+    assert len(rows) == 4 and all(r["equal"] and r["mismatches"] == 0 for r in rows)
+    assert all(abs(r["keep_fraction"] - 0.75) < 0.03 for r in rows)
+
+
+def test_optional_entry_names_what_is_missing():
+    fn, why = probe.optional_entry(("mhc_cg.no_such_module", "f"))
+    assert fn is None and "mhc_cg.no_such_module is not importable" in why
+    fn, why = probe.optional_entry(("mhc_cg.dropout", "no_such_function"))
+    assert fn is None and why == "mhc_cg.dropout has no function no_such_function()"
+    fn, why = probe.optional_entry(("mhc_cg.dropout", "counter_dropout_mask"))
+    assert fn is not None and why == ""
+
+
+def test_probe_rejects_unknown_parts(capsys):
+    assert probe.main(["--out", "unused", "--parts", "pools,gpu"]) == 2
+    assert "--parts: unknown part(s) ['gpu']" in capsys.readouterr().err
