@@ -108,14 +108,12 @@ def split_attention_sublayer(steps, consumer: Callable[[Tensor], Tensor], slot: 
     agg = StaticInputCheckpoint(manager, slot, name=f"{name}/aggregate").checkpoint(
         aggregate_into(steps, slot), x, h_pre, refill={**x_refill, 1: f"{name}/mappings.h_pre"})
     y = consumer(agg)
-    post = step("h_post").checkpoint(steps.h_post_step, y, h_post,
-                                     refill={1: f"{name}/mappings.h_post"})
     mixed = step("h_res").checkpoint(
         steps.h_res_step, h_res, x,
         refill={0: f"{name}/mappings.h_res", **({} if x_source is None else {1: x_source})})
-    out = step("bda").checkpoint(steps.bda, post, mixed, seed,
-                                 refill={0: f"{name}/h_post", 1: f"{name}/h_res"})
-    return out, f"{name}/bda"
+    out = step("post_bda").checkpoint(steps.post_bda, y, h_post, mixed, seed,
+                                      refill={1: f"{name}/mappings.h_post", 2: f"{name}/h_res"})
+    return out, f"{name}/post_bda"
 
 
 class AttnSplitModel:
