@@ -17,6 +17,7 @@ import torch
 from mhc_cg import kernels as fused
 from mhc_cg.dropout import counter_dropout_mask
 from mhc_cg.errors import ConfigError
+from mhc_cg.plan import MODES
 from mhc_cg.hyper_connection import HyperConnection
 from mhc_cg.kernels.backend import triton_installed
 from mhc_cg.model import MHCGPTConfig
@@ -319,7 +320,7 @@ def test_compare_with_triton_kernels_every_mode_bit_identical(tmp_path):
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     modes = json.loads(proc.stdout)["modes"]
-    assert set(modes) == {"eager_none", "eager_block", "graphed_none", "graphed_static"}
+    assert set(modes) == set(MODES)
     ref = modes["eager_none"]
     for name, mode in modes.items():
         assert mode["losses"] == ref["losses"], name

@@ -26,10 +26,11 @@ import torch
 from torch import Tensor, nn
 
 from mhc_cg.model import MHCGPT
+from mhc_cg.modes.lifecycle import CapturedState, runs_graphs
 from mhc_cg.plan import CapturePlan
 from mhc_cg.profiling.nvtx import nvtx_range
 from mhc_cg.recompute.checkpoint import FORWARD, DISCARDED, CheckpointWithoutOutput
-from mhc_cg.recompute.eager import BlockRecomputeManager, checkpoint_sublayer
+from mhc_cg.recompute.eager import ARMED, BlockRecomputeManager, checkpoint_sublayer
 
 
 class AttentionConsumer(nn.Module):
@@ -129,6 +130,7 @@ class AttnSplitModel:
         self.slots: list[Tensor] = []  # each consumer graph's static input, [s, b, C]
         self.graphed_callables: tuple = ()
         self.recompute_managers: list[BlockRecomputeManager] = []
+        self.captured: CapturedState | None = None
 
     def prepare(self, device: torch.device | str) -> "AttnSplitModel":
         from mhc_cg.graphs.graphed_callables import make_graphed_callables
@@ -143,11 +145,15 @@ class AttnSplitModel:
         self.graphed_callables = graphed
         self.consumers = list(graphed)
         self.slots = [sample[0] for sample in samples]
+        self.captured = CapturedState.of(self.model)
         return self
 
     def forward(self, input_ids: Tensor, dropout_seed: Tensor) -> Tensor:
         if not self.consumers:
             raise RuntimeError("AttnSplitModel.prepare(device) must run before forward")
+        if not runs_graphs(self.model):  # evaluation: the plain model, no graph, no recompute
+            return self.model(input_ids, dropout_seed)
+        self.captured.check(self.model)
         layers = list(self.model.layers)
         x = self.model.embed(input_ids)
         self.recompute_managers = []
@@ -170,6 +176,25 @@ class AttnSplitModel:
         return self.model.logits(x)
 
     __call__ = forward
+
+    def train(self, mode: bool = True) -> "AttnSplitModel":
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> "AttnSplitModel":
+        return self.train(False)
+
+    def release_pending(self) -> int:
+        """Forget a training forward whose backward never came (an aborted step): its block
+        managers let go of their checkpoints and the next forward replays from the first graph."""
+        for manager in self.recompute_managers:
+            if manager.state == ARMED:
+                manager.abandon()
+        order = getattr(getattr(self.graphed_callables, "pool", None), "order", None)
+        if order is None or order.cursor == 0:
+            return 0
+        order.rewind()
+        return 1
 
     def graphs(self) -> list:
         return list(self.graphed_callables.graphs()) if self.graphed_callables else []
