@@ -26,7 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from mhc_cg.model import MHCGPT
-from mhc_cg.modes.lifecycle import CapturedState, runs_graphs
+from mhc_cg.modes.lifecycle import (CapturedState, GraphedModel, rewind_replay_order,
+                                    runs_graphs)
 from mhc_cg.plan import CapturePlan
 from mhc_cg.profiling.nvtx import nvtx_range
 from mhc_cg.recompute.checkpoint import FORWARD, DISCARDED, CheckpointWithoutOutput
@@ -117,7 +118,7 @@ def split_attention_sublayer(steps, consumer: Callable[[Tensor], Tensor], slot: 
     return out, f"{name}/post_bda"
 
 
-class AttnSplitModel:
+class AttnSplitModel(GraphedModel):
     """``model`` trained in the ``attn_split`` mode; ``prepare(device)`` captures the graphs."""
 
     def __init__(self, model: MHCGPT, plan: CapturePlan, *, micro_batch_size: int, backend=None):
@@ -177,24 +178,13 @@ class AttnSplitModel:
 
     __call__ = forward
 
-    def train(self, mode: bool = True) -> "AttnSplitModel":
-        self.model.train(mode)
-        return self
-
-    def eval(self) -> "AttnSplitModel":
-        return self.train(False)
-
     def release_pending(self) -> int:
         """Forget a training forward whose backward never came (an aborted step): its block
         managers let go of their checkpoints and the next forward replays from the first graph."""
         for manager in self.recompute_managers:
             if manager.state == ARMED:
                 manager.abandon()
-        order = getattr(getattr(self.graphed_callables, "pool", None), "order", None)
-        if order is None or order.cursor == 0:
-            return 0
-        order.rewind()
-        return 1
+        return rewind_replay_order(self.graphed_callables)
 
     def graphs(self) -> list:
         return list(self.graphed_callables.graphs()) if self.graphed_callables else []

@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from mhc_cg.model import MHCGPT, MoEMLP
-from mhc_cg.modes.lifecycle import CapturedState, runs_graphs
+from mhc_cg.modes.lifecycle import (CapturedState, GraphedModel, rewind_replay_order,
+                                    runs_graphs)
 from mhc_cg.plan import CapturePlan
 
 
@@ -34,7 +35,7 @@ def sublayer_sample_args(model: MHCGPT, micro_batch_size: int, count: int,
                  for _ in range(count))
 
 
-class GraphedSublayersModel:
+class GraphedSublayersModel(GraphedModel):
     """``model`` whose sublayers replay as graphs; ``prepare(device)`` captures them."""
 
     def __init__(self, model: MHCGPT, plan: CapturePlan, *, micro_batch_size: int, backend=None):
@@ -77,21 +78,10 @@ class GraphedSublayersModel:
 
     __call__ = forward
 
-    def train(self, mode: bool = True) -> "GraphedSublayersModel":
-        self.model.train(mode)
-        return self
-
-    def eval(self) -> "GraphedSublayersModel":
-        return self.train(False)
-
     def release_pending(self) -> int:
         """Forget training forwards whose backward never came (an aborted step): the next forward
         replays from the first captured graph again. Called by every training step first."""
-        order = getattr(getattr(self.graphed_callables, "pool", None), "order", None)
-        if order is None or order.cursor == 0:
-            return 0
-        order.rewind()
-        return 1
+        return rewind_replay_order(self.graphed_callables)
 
     def graphs(self) -> list:
         return list(self.graphed_callables.graphs()) if self.graphed_callables else []

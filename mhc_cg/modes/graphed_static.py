@@ -24,7 +24,8 @@ from torch import Tensor, nn
 
 from mhc_cg.megatron_moe import MoECudaGraphPartialCaptureSignal, MoECudaGraphTensorStore
 from mhc_cg.model import MHCGPT, MoEMLP
-from mhc_cg.modes.lifecycle import CapturedState, runs_graphs
+from mhc_cg.modes.lifecycle import (CapturedState, GraphedModel, rewind_replay_order,
+                                    runs_graphs)
 from mhc_cg.plan import CapturePlan
 from mhc_cg.profiling.nvtx import nvtx_range
 from mhc_cg.errors import StaticRecomputeError
@@ -128,7 +129,7 @@ def moe_eager_tail(runtime: StaticRecompute, sub: nn.Module, position: int, k: i
     return runtime.sublayer_post(sub, position, k, y, h_post, mixed, seed), y
 
 
-class GraphedStaticModel:
+class GraphedStaticModel(GraphedModel):
     """``model`` with static-buffer recompute; what ``plan`` names runs as graphs.
 
     ``prepare()`` does everything that allocates: arena layout, persistent sets, capture. After
@@ -254,24 +255,13 @@ class GraphedStaticModel:
 
     __call__ = forward
 
-    def train(self, mode: bool = True) -> "GraphedStaticModel":
-        self.model.train(mode)
-        return self
-
-    def eval(self) -> "GraphedStaticModel":
-        return self.train(False)
-
     def release_pending(self) -> int:
         """Give back what every training forward whose backward never came still holds (an
         aborted step: a non-finite loss, a forward run for its value only): its persistent set,
         and the sublayer graphs' replay position. Returns how many forwards were released; their
         backward raises from now on. Called by every training step first."""
         released = self.runtime.release_pending() if self.runtime is not None else 0
-        order = getattr(getattr(self.graphed_callables, "pool", None), "order", None)
-        if order is not None and order.cursor != 0:
-            order.rewind()
-            released = max(released, 1)
-        return released
+        return max(released, rewind_replay_order(self.graphed_callables))
 
     def graphs(self) -> list:
         """Every captured graph: sublayer forward/backward graphs, then recompute graphs."""

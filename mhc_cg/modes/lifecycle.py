@@ -20,6 +20,30 @@ from mhc_cg.errors import StaleCaptureError
 from mhc_cg.model import MHCGPT
 
 
+class GraphedModel:
+    """What every graphed model shares: ``train()``/``eval()`` reach the wrapped model (so an eval
+    forward never replays a training graph), and the rewind of an aborted step's replay position."""
+
+    model: MHCGPT
+
+    def train(self, mode: bool = True):
+        self.model.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+
+def rewind_replay_order(graphed_callables) -> int:
+    """Put the replay position of ``graphed_callables``' pool back at its first graph, after
+    training forwards whose backward never came; returns 1 if it had moved, else 0."""
+    order = getattr(getattr(graphed_callables, "pool", None), "order", None)
+    if order is None or order.cursor == 0:
+        return 0
+    order.rewind()
+    return 1
+
+
 def runs_graphs(model: MHCGPT) -> bool:
     """A forward replays the captured (training) graphs only when it trains and records autograd."""
     return model.training and torch.is_grad_enabled()
