@@ -33,6 +33,7 @@ from typing import Callable
 from torch import Tensor
 
 from mhc_cg.errors import StaticRecomputeError
+from mhc_cg.model import HyperConnectionSteps
 from mhc_cg.recompute.eager import BlockRecomputeManager, run_recompute_blocks
 
 from .static import StaticMHCBlock
@@ -65,7 +66,7 @@ def main_mhc_layer_spec(normalization: str = "RMSNorm"):
     return spec
 
 
-class MainSublayerSteps:
+class MainSublayerSteps(HyperConnectionSteps):
     """The attention or MLP sublayer of a ``HyperConnectionTransformerLayer`` as named steps."""
 
     def __init__(self, layer, which: str):
@@ -80,15 +81,6 @@ class MainSublayerSteps:
                                    hidden_size=config.hidden_size)
         self.fn: Callable[[Tensor], Tensor] | None = None  # bound per forward (MainLayerSteps.bind)
         self.bias: Tensor | None = None  # F's skipped bias, set by fn
-
-    def mappings(self, x: Tensor):
-        return self.hc.compute_mappings(x)
-
-    def aggregate(self, x: Tensor, h_pre: Tensor) -> Tensor:
-        return self.hc.aggregate(x, h_pre)
-
-    def h_res_step(self, h_res: Tensor, x: Tensor) -> Tensor:
-        return self.hc.apply_h_res(h_res, x)
 
     def h_post_step(self, y: Tensor, h_post: Tensor) -> Tensor:
         """``H_post^T y (+ H_post^T bias)``: the input of main's bias-dropout-add, ``x + bias``."""

@@ -14,8 +14,10 @@ from typing import Callable
 
 from torch import Tensor
 
+from mhc_cg.model import HyperConnectionSteps
 
-class SublayerSteps:
+
+class SublayerSteps(HyperConnectionSteps):
     """The attention or MLP sublayer of an ``MegatronMHCTransformerLayer``."""
 
     def __init__(self, layer, which: str):
@@ -29,15 +31,6 @@ class SublayerSteps:
                                    num_streams=config.num_residual_streams,
                                    hidden_size=config.hidden_size)
         self.fn: Callable[[Tensor], Tensor] | None = None  # bound per forward (LayerSteps.bind)
-
-    def mappings(self, x: Tensor):
-        return self.hc.compute_mappings(x)
-
-    def aggregate(self, x: Tensor, h_pre: Tensor) -> Tensor:
-        return self.hc.aggregate(x, h_pre)
-
-    def h_res_step(self, h_res: Tensor, x: Tensor) -> Tensor:
-        return self.hc.apply_h_res(h_res, x)
 
     def post_bda(self, y: Tensor, h_post: Tensor, mixed: Tensor, seed: Tensor | None) -> Tensor:
         return self.layer.mhc_post_bda(y, h_post, mixed, seed, self.stream)

@@ -267,7 +267,23 @@ class MoEMLP(nn.Module):
         return self.dispatch(x2d, probs).view(s, b, c)
 
 
-class MHCSublayer(nn.Module):
+class HyperConnectionSteps:
+    """The mHC steps every sublayer adapter shares, delegated to its hyper-connection ``hc``
+    (ours, or Megatron-LM main's ``HyperConnectionModule``: same method names)."""
+
+    hc: nn.Module
+
+    def mappings(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.hc.compute_mappings(x)
+
+    def aggregate(self, x: Tensor, h_pre: Tensor) -> Tensor:
+        return self.hc.aggregate(x, h_pre)
+
+    def h_res_step(self, h_res: Tensor, x: Tensor) -> Tensor:
+        return self.hc.apply_h_res(h_res, x)
+
+
+class MHCSublayer(HyperConnectionSteps, nn.Module):
     """One residual branch: mHC around F (attention or MLP), as named steps."""
 
     def __init__(self, cfg: MHCGPTConfig, fn: nn.Module, dropout_stream: int):
@@ -278,15 +294,6 @@ class MHCSublayer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, kernels=cfg.kernels)
         self.fn = fn
         self.dropout_stream = dropout_stream  # unique per (layer, sublayer) within a microbatch
-
-    def mappings(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return self.hc.compute_mappings(x)
-
-    def aggregate(self, x: Tensor, h_pre: Tensor) -> Tensor:
-        return self.hc.aggregate(x, h_pre)
-
-    def h_res_step(self, h_res: Tensor, x: Tensor) -> Tensor:
-        return self.hc.apply_h_res(h_res, x)
 
     def post_bda(self, y: Tensor, h_post: Tensor, mixed: Tensor, seed: Tensor | None) -> Tensor:
         """h_post and bias-dropout-add (F's bias is inside ``y``): ``mixed + dropout(h_post * y)``."""
