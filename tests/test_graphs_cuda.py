@@ -28,3 +28,25 @@ def test_graphed_callables_replay_order_on_cuda():
     _, second = make_graphed_callables(layers, samples, num_warmup_iters=1, backend="cuda")
     with pytest.raises(GraphReplayError, match="replay order differs"):
         second(torch.randn(2, 4, device="cuda"))
+
+
+def test_a_released_output_frees_its_block_and_keeps_its_values(backend):
+    """``release_outputs`` on CUDA: an alias over the same memory that does not keep it allocated,
+    so the pool can hand the block to a later capture (which then overwrites it)."""
+    pool = backend.new_pool()
+    x = torch.randn(1 << 20, device="cuda")
+    first, second = backend.new_graph(pool), backend.new_graph(pool)
+    with first.capture():
+        out = x * 2
+    (alias,) = first.release_outputs([out])
+    assert alias.data_ptr() == out.data_ptr() and alias.shape == out.shape
+    first.replay()
+    assert torch.equal(alias, x * 2)
+    address = out.data_ptr()
+    del out
+    with second.capture():
+        later = x + 1  # same size, same pool: the freed block is the first fit
+    assert later.data_ptr() == address
+    first.replay()
+    second.replay()
+    assert torch.equal(alias, x + 1)  # what the release contract warns about

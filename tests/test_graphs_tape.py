@@ -186,3 +186,24 @@ def test_gradients_accumulate_over_microbatches_replaying_one_graph():
         graphed(x).sum().backward()
         torch.tanh(x * reference).sum().backward()
     assert torch.equal(module.weight.grad, reference.grad)
+
+
+def test_a_released_output_is_poisoned_when_another_graph_of_the_pool_replays(backend):
+    """After ``release_outputs`` a later capture may own the memory: the tape poisons released
+    outputs at every replay of another graph of the pool, so a late reader sees NaN."""
+    pool = backend.new_pool()
+    x = torch.randn(4)
+    first, second = backend.new_graph(pool), backend.new_graph(pool)
+    with first.capture():
+        out = x * 2
+    with second.capture():
+        other = x + 1
+    (released,) = first.release_outputs([out])
+    (kept,) = second.release_outputs([x])  # not the capture's: nothing to give back
+    assert kept is x
+    first.replay()
+    assert torch.equal(released, x * 2)
+    second.replay()
+    assert torch.isnan(released).all() and torch.equal(other, x + 1)
+    first.replay()
+    assert torch.equal(released, x * 2)

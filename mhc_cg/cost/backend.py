@@ -17,6 +17,8 @@ import contextlib
 import itertools
 from typing import Iterator
 
+import torch
+
 from mhc_cg.cost.allocator import CapturePeak, PoolState
 from mhc_cg.cost.record import CaptureRecorder, OpCounter, StepRecorder
 from mhc_cg.graphs.backend import Graph, GraphBackend, Pool
@@ -50,6 +52,7 @@ class CostGraph(Graph):
         with recorder:
             yield
         self.stats = recorder.finish()
+        self.made_storages = recorder.made_storages()
         self.cost = recorder.counter
         self.peak = recorder.settle()
         self.pool.log.append(self)
@@ -57,6 +60,10 @@ class CostGraph(Graph):
     def _replay(self) -> None:
         for step in StepRecorder.active:
             step.replayed(self.cost)
+
+    def _release(self, t: torch.Tensor) -> torch.Tensor:
+        # values are never replayed here: a fresh storage lets the pool see the block freed
+        return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
 
 
 class CostBackend(GraphBackend):

@@ -28,6 +28,7 @@ import torch
 
 from mhc_cg.errors import GraphCaptureError, GraphReplayError
 from mhc_cg.graphs.guard import CaptureSafetyReport
+from mhc_cg.storage import storage_id
 
 BACKEND_NAMES = ("tape", "cuda", "te", "auto")
 
@@ -75,6 +76,18 @@ class PoolOrder:
         """Start the next replay at the first captured graph (e.g. after an aborted iteration)."""
         self.cursor = 0
 
+    @contextlib.contextmanager
+    def unchecked(self) -> Iterator[None]:
+        """Replays in any order, for timing one graph alone once training is done: it may
+        overwrite memory that graphs captured after it keep, so the pool's data is not to be
+        trusted afterwards. The replay position is put back when the block ends."""
+        strict, cursor = self.strict, self.cursor
+        self.strict = False
+        try:
+            yield
+        finally:
+            self.strict, self.cursor = strict, cursor
+
 
 class Pool:
     """Graphs that share memory, and their replay order. Backends subclass it per kind.
@@ -113,6 +126,7 @@ class Graph(ABC):
         self.pool = pool
         self.name = f"{pool.kind} graph {next(self._ids)} (pool {pool.id})"
         self.stats = CaptureSafetyReport()
+        self.made_storages: set[int] = set()  # storage ids allocated by the capture (set by _record)
         self.replays = 0
         self._state = "new"
 
@@ -151,6 +165,23 @@ class Graph(ABC):
         self._state = "captured"
         self.pool.order.captured(self)
 
+    def release_outputs(self, tensors: list) -> list:
+        """Give the pool back the memory of ``tensors`` (made by this capture), keeping access.
+
+        Returns tensors aliasing the same memory (``None`` stays ``None``) that no longer keep it
+        allocated: later captures in the pool may be handed it, so a replay of any *other* graph of
+        the pool may overwrite it. The caller must read them after this graph's replay and before
+        the pool's next replay. The base class keeps the memory (always safe).
+        """
+        if self._state != "captured":
+            raise GraphCaptureError(f"{self.name}: release_outputs() before the capture ended")
+        # only what this capture allocated is the pool's to take back (an output may be an input)
+        return [t if t is None or storage_id(t) not in self.made_storages else self._release(t)
+                for t in tensors]
+
+    def _release(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
     def replay(self) -> None:
         """Re-run the recorded ops on the recorded tensors; runs no Python of the user's."""
         if self._state != "captured":
@@ -161,7 +192,7 @@ class Graph(ABC):
 
     @abstractmethod
     def _record(self) -> ContextManager[None]:
-        """Record the body; on success set ``self.stats``."""
+        """Record the body; on success set ``self.stats`` and ``self.made_storages``."""
 
     @abstractmethod
     def _replay(self) -> None:

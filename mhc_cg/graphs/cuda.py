@@ -77,9 +77,31 @@ class CudaGraph(Graph):
             with guard:
                 yield
         self.stats = guard.finish()
+        self.made_storages = guard.made_storages()
 
     def _replay(self) -> None:
         self.graph.replay()
+
+    def _release(self, t: torch.Tensor) -> torch.Tensor:
+        return unowned_alias(t)
+
+
+class _DeviceBytes:
+    """The bytes behind a tensor, as a ``__cuda_array_interface__`` that owns nothing."""
+
+    def __init__(self, data_ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (data_ptr, False), "version": 3}
+
+
+def unowned_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s memory that does not keep it allocated (``t``'s block returns to its
+    pool when ``t`` dies; the alias then reads whatever the pool's next user wrote there)."""
+    if t.numel() == 0:
+        return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    raw = torch.as_tensor(_DeviceBytes(t.data_ptr(), span * t.element_size()), device=t.device)
+    return raw.view(t.dtype).as_strided(t.size(), t.stride())
 
 
 class CudaBackend(GraphBackend):

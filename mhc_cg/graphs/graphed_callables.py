@@ -13,7 +13,12 @@ What a caller relies on (the same as TE's ``make_graphed_callables``):
   buffers of that chunk's oldest in-flight microbatch to a free queue keyed by (shape, dtype,
   stride, device), and a later forward with the same key takes them: the number of buffers then
   follows the pipeline depth, not the number of microbatches
-  (:func:`count_allocated_static_inputs`). Backward graphs then also share grad-output buffers.
+  (:func:`count_allocated_static_inputs`). Backward graphs always share grad-output buffers (one
+  per shape), and each backward graph's grad inputs go back to the pool once it is captured
+  (:meth:`~mhc_cg.graphs.backend.Graph.release_outputs`): a later capture may reuse their memory,
+  since every replay clones them before any other graph runs. TE does the same with
+  ``_reuse_graph_input_output_buffers``; without it, every backward graph keeps its weight and
+  input gradients in the pool for good.
 * **A call** copies each input into its static buffer only when it is not that buffer already,
   replays the forward graph and returns *detached static outputs*: they are overwritten by the
   next replay of the same graph. Autograd sees an ``autograd.Function`` whose backward copies the
@@ -33,9 +38,9 @@ every microbatch, so its next backward replay would overwrite the accumulated ``
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -330,6 +335,7 @@ def make_graphed_callables(
     num_warmup_iters: int | None = None,
     allow_unused_input: bool = False,
     backend: str | GraphBackend = "auto",
+    capture_before_backward: Mapping[int, Callable[[Any], None]] | None = None,
 ) -> Any:
     """Graph ``callables`` (forward and backward) with TransformerEngine's semantics.
 
@@ -339,6 +345,11 @@ def make_graphed_callables(
     ``"te"`` or a backend object. ``num_warmup_iters`` defaults to the backend's
     ``warmup_iters`` (3 on CUDA). Returns one graphed callable for a single callable, else a
     :class:`GraphedCallables` tuple.
+
+    ``capture_before_backward`` (not in TE): ``{sample index: capture(pool)}``, called just
+    before the backward graph of that sample is captured, to capture graphs of the caller's into
+    the same pool at that point of the sequence. Each such graph must then replay there in every
+    iteration (the pool's order), and must leave nothing of the pool allocated.
 
     Phases: normalise the samples, lay out the order, (TE: hand over), share static inputs,
     warm up, capture along the order, wrap.
@@ -364,6 +375,9 @@ def make_graphed_callables(
     backend_name = backend_obj.name if backend_obj is not None else resolve_backend_name(
         backend, first.device if first is not None else None)
     if backend_name == "te":
+        if capture_before_backward:
+            raise ValueError("make_graphed_callables: capture_before_backward needs the tape or "
+                             "cuda backend; TransformerEngine captures its graphs on its own")
         return _through_te(callables, sample_args, sample_kwargs, single, order=order,
                            num_layers_per_chunk=num_layers_per_chunk, reuse_input_buffers=reuse, pool=pool,
                            num_warmup_iters=3 if num_warmup_iters is None else num_warmup_iters,
@@ -391,7 +405,7 @@ def make_graphed_callables(
         _warm_up(backend_obj, forwards, runners, sample_args, sample_kwargs, num_warmup_iters,
                  training, allow_unused_input)
         _capture(backend_obj, pool, passes, func_of, runners, sample_args, sample_kwargs,
-                 training, reuse, allow_unused_input)
+                 training, allow_unused_input, capture_before_backward or {})
 
     results = []
     for index, runner in enumerate(runners):
@@ -476,10 +490,12 @@ def _warm_up(backend: GraphBackend, forwards, runners, sample_args, sample_kwarg
 
 
 def _capture(backend: GraphBackend, pool, passes, func_of, runners, sample_args, sample_kwargs,
-             training: bool, reuse: bool, allow_unused: bool) -> None:
+             training: bool, allow_unused: bool, before_backward: Mapping[int, Callable]) -> None:
     """Capture every forward and backward graph in ``passes``' order, all in ``pool``."""
     shared_grad_outputs: dict[tuple, torch.Tensor] = {}
     for kind, index in passes:
+        if kind == "bwd" and training and index in before_backward:
+            before_backward[index](pool)
         runner = runners[index]
         if kind == "fwd":
             runner.fwd_graph = backend.new_graph(pool=pool)
@@ -494,9 +510,7 @@ def _capture(backend: GraphBackend, pool, passes, func_of, runners, sample_args,
             continue
         diff_outputs = [o for o, d in zip(runner.static_outputs, runner.differentiable) if d]
         wanted = [t for t in runner.surface if t.requires_grad]
-        runner.static_grad_outputs = [
-            _grad_output_buffer(o, shared_grad_outputs if reuse else None) if d else None
-            for o, d in zip(runner.static_outputs, runner.differentiable)]
+        runner.static_grad_outputs = _grad_output_buffers(runner, shared_grad_outputs)
         if not diff_outputs or not wanted:
             runner.static_grad_inputs = [None] * len(runner.surface)
             continue
@@ -504,7 +518,9 @@ def _capture(backend: GraphBackend, pool, passes, func_of, runners, sample_args,
         with runner.bwd_graph.capture():
             grads = _grads_of(diff_outputs, runner.surface,
                               [g for g in runner.static_grad_outputs if g is not None], allow_unused)
-        runner.static_grad_inputs = grads
+        # replay_backward clones them before any other graph runs: the pool may have them back
+        runner.static_grad_inputs = runner.bwd_graph.release_outputs(grads)
+        del grads
     backend.synchronize()
 
 
@@ -532,13 +548,23 @@ def _grads_of(outputs: list, surface: list[torch.Tensor], grad_outputs: list | N
     return [next(grads) if t.requires_grad else None for t in surface]
 
 
-def _grad_output_buffer(output: torch.Tensor, shared: dict | None) -> torch.Tensor:
-    if shared is None:
-        return torch.empty_like(output)
-    key = _buffer_key([output])
-    if key not in shared:
-        shared[key] = torch.empty_like(output)
-    return shared[key]
+def _grad_output_buffers(runner: GraphedRunner, shared: dict) -> list[torch.Tensor | None]:
+    """Static grad-output buffers of ``runner``'s differentiable outputs, shared by every backward
+    graph: a backward reads its buffers only while it replays, and each replay first copies its
+    incoming grads in. The n-th output of a (shape, dtype, stride, device) in one graph gets the
+    n-th buffer of that key."""
+    buffers, seen = [], Counter()
+    for output, differentiable in zip(runner.static_outputs, runner.differentiable):
+        if not differentiable:
+            buffers.append(None)
+            continue
+        key = _buffer_key([output])
+        slot = (key, seen[key])
+        seen[key] += 1
+        if slot not in shared:
+            shared[slot] = torch.empty_like(output)
+        buffers.append(shared[slot])
+    return buffers
 
 
 def _graphed_forward(module: torch.nn.Module, graphed: Callable) -> Callable:

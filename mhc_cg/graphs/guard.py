@@ -376,6 +376,10 @@ class CaptureGuardMode(TorchDispatchMode):
                fresh_outputs: bool) -> None:
         """Called after ``func`` ran. ``fresh_outputs``: every tensor output has a new storage."""
 
+    def made_storages(self) -> set[int]:
+        """Storage ids of what the capture allocated (valid while those storages live)."""
+        return {key for key, s in self.book.storages.items() if s.owned}
+
     def finish(self) -> CaptureSafetyReport:
         """End-of-capture check over every tracked tensor; returns the report."""
         resized, repointed = self.book.violations_of()

@@ -154,10 +154,26 @@ def _host_read_traps(graph_name: str) -> Iterator[None]:
 
 
 class TapePool(Pool):
-    """A pool of tape graphs: they keep their tensors alive and share one replay order."""
+    """A pool of tape graphs: they keep their tensors alive and share one replay order.
+
+    Outputs a graph released to the pool (:meth:`Graph.release_outputs`) stay allocated on the
+    tape, but every replay of another graph of the pool first poisons them (NaN, or the dtype's
+    minimum): on a GPU that graph may have been handed their memory, so a late reader is caught.
+    """
 
     kind = "tape"
     _ids = itertools.count()
+
+    def __init__(self, private: bool = False, independent: bool = False):
+        super().__init__(private, independent)
+        self.released: list[tuple["TapeGraph", torch.Tensor]] = []
+
+    def poison_released(self, replaying: "TapeGraph") -> None:
+        with torch.no_grad():
+            for owner, t in self.released:
+                if owner is not replaying:
+                    t.fill_(float("nan") if t.is_floating_point() or t.is_complex()
+                            else (False if t.dtype == torch.bool else torch.iinfo(t.dtype).min))
 
 
 class TapeGraph(Graph):
@@ -179,6 +195,7 @@ class TapeGraph(Graph):
         with _host_read_traps(self.name), recorder:
             yield
         self.stats = recorder.finish()
+        self.made_storages = recorder.made_storages()
         self.ops = recorder.ops
         self.stats.ops_replayed = sum(op.kind != _KIND_SKIP for op in self.ops)
         self._storages = [(s.holder, s.nbytes, s.data_ptr, s.owned)
@@ -193,9 +210,14 @@ class TapeGraph(Graph):
                     f"{list(holder.shape)} {holder.dtype} was resized or freed since capture ({nbytes} bytes at {data_ptr:#x} -> "
                     f"{storage.nbytes()} at {storage.data_ptr():#x}); a CUDA graph would read "
                     f"and write the stale address")
+        self.pool.poison_released(self)
         with torch.no_grad():
             for op in self.ops:
                 op.replay()
+
+    def _release(self, t: torch.Tensor) -> torch.Tensor:
+        self.pool.released.append((self, t))
+        return t
 
 
 class TapeBackend(GraphBackend):
