@@ -8,8 +8,10 @@ The capture plan (:mod:`mhc_cg.plan`, resolved from ``cuda_graph_scope``) decide
   [and the dispatcher's preprocess] are captured; capture ends with megatron-core's
   ``MoECudaGraphPartialCaptureSignal`` and the rest (dispatch, experts, mHC ops after F) runs eagerly
   from a ``MoECudaGraphTensorStore`` and writes its own arena segment;
-* ``mhc_recompute``: the block recompute, one graph per (recompute block, persistent slot set),
-  all in one pool of independent graphs (they run one at a time and leave nothing allocated).
+* ``mhc_recompute``: the block recompute, one graph per (recompute block, persistent slot set).
+  They run one at a time and leave nothing allocated. With every sublayer graphed (one fixed
+  replay order per step) they are captured into the sublayer graphs' pool, each where it replays;
+  otherwise they get one pool of independent graphs of their own.
 
 What is not captured runs eagerly through the same runtime and writes the same slots, so every
 combination of scopes computes the same numbers, bit for bit, as eager without recompute.
@@ -187,34 +189,62 @@ class GraphedStaticModel(GraphedModel):
             elif self.plan.mlp:
                 modules.append(SlotSublayer(self.runtime, layer.mlp, position, 1))
                 keys.append((layer.layer_number, 1))
+        recompute_in_sublayer_pool = False
         if modules:
             sample_args = sublayer_sample_args(self.model, self.micro_batch_size, len(modules),
                                                device)
-            sample_args = self._chain_buffers(modules, keys, sample_args)
+            chained = self._chain_buffers(modules, keys, sample_args)
+            before_backward = {}
+            if chained is not None:
+                sample_args = chained
+                if self.plan.recompute_graph and self.backend.name != "te":
+                    before_backward = self._recompute_captures()
+                    recompute_in_sublayer_pool = True
             # a partially captured MoE sublayer leaves its experts' parameters to the eager tail
             graphed = make_graphed_callables(tuple(modules), sample_args,
                                              backend=self.backend,
-                                             allow_unused_input=self.plan.moe_step is not None)
+                                             allow_unused_input=self.plan.moe_step is not None,
+                                             capture_before_backward=before_backward)
             self.graphed_callables = graphed
             for key, module, fn in zip(keys, modules, graphed):
                 self.sublayer_fns[key] = self._wrap(key, module, fn)
-        if self.plan.recompute_graph:
+        if self.plan.recompute_graph and not recompute_in_sublayer_pool:
             self.runtime.capture_recompute_graphs(self.backend)
         self.captured = CapturedState.of(self.model)
         return self
 
-    def _chain_buffers(self, modules: list, keys: list, sample_args: tuple) -> tuple:
+    def _recompute_captures(self) -> dict[int, Callable]:
+        """With every sublayer a graph, replayed in one fixed order per step, each block's recompute
+        graph goes into the sublayer graphs' pool, captured where it replays: after the backward of
+        the next block's first sublayer (whose input gradient fires the block's hook), before the
+        backward of the block's last sublayer. Its temporaries then take memory the forward
+        graphs' temporaries had, instead of a pool of their own.
+        """
+        runtime = self.runtime
+        runtime.warm_up_recompute(self.backend)
+        pset = runtime.sets.all_sets()[0]
+        layers = len(self.model.layers)
+        captures = {}
+        for block in range(len(runtime.blocks)):
+            last_layer = min((block + 1) * self.block_size, layers) - 1
+            captures[2 * last_layer + 1] = (
+                lambda pool, block=block: runtime.capture_recompute_graph(self.backend, pool,
+                                                                          block, pset))
+        return captures
+
+    def _chain_buffers(self, modules: list, keys: list, sample_args: tuple) -> tuple | None:
         """When every sublayer is a graph (one microbatch in flight): two ping-pong buffers serve as
         every graph's static input, each graph writes its output into the next one's input and
         its F output into the persistent set. No graph then keeps its outputs in the pool, no
         output is copied into the next input, and one pair of inputs serves all graphs.
+        Returns the chained sample args, or ``None`` where the graphs do not form that chain.
         """
         layers = len(self.model.layers)
         consecutive = keys == [(layer.layer_number, k) for layer in self.model.layers
                                for k in (0, 1)]
         if not (consecutive and self.capacity == 1 and len(keys) == 2 * layers
                 and all(type(m) is SlotSublayer for m in modules)):
-            return sample_args
+            return None
         pingpong = [sample_args[0][0], sample_args[1][0]]
         pset = self.runtime.sets.all_sets()[0]
         chained = []

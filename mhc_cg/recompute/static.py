@@ -31,6 +31,7 @@ from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import torch.nn.functional as F
 
@@ -51,10 +52,9 @@ class _RegionCursor:
         self.arena, self.region = arena, region
         self.index = 0
         self.seen: dict[tuple[int, torch.dtype], Tensor | None] = {}
-        # The originals live until the region ends: a freed temporary's address could otherwise be
-        # handed to a later tensor of the same region, which the storage-address dedupe would
-        # mistake for the first one.
-        self.keep_alive: list[Tensor] = []
+        # Weak references to the originals' storages keep their ids (the dedupe keys) from being
+        # given to a later storage of the region, without keeping their memory allocated.
+        self.storage_refs: list[StorageWeakRef] = []
 
     def save(self, t: Tensor) -> Tensor:
         """Store ``t``'s whole storage in the next slot; return a slot view with ``t``'s geometry."""
@@ -70,7 +70,7 @@ class _RegionCursor:
                 self.seen[key] = self.arena.reader(slot)
             else:
                 self.seen[key] = None  # discovering: the original stands in for its slot
-            self.keep_alive.append(t)
+            self.storage_refs.append(StorageWeakRef(storage))
             self.index += 1
         flat = self.seen[key]
         if flat is None:
@@ -302,38 +302,57 @@ class StaticRecompute:
             for position, layer in enumerate(self.blocks[block]):
                 for k, sub in enumerate((layer.attention, layer.mlp)):
                     y = pset.fn_outputs[(first + position, k)].detach().requires_grad_()
-                    x, _ = self.sublayer(sub, position, k, x, pset.seed, fn_output=y)
+                    # Drop each temporary at its last use: what reads it saved it into slots,
+                    # and the graph's pool then holds at most two of the n-stream tensors at once.
+                    pre = self.sublayer_pre(sub, position, k, x)
+                    x = None
+                    x = self.sublayer_post(sub, position, k, y, pre[1], pre[2], pset.seed)
+                    pre = None
                 if recomputes_activation(layer.mlp):
                     self.recompute_activation_slot(position, pset.fc1_outputs[first + position])
+
+    def warm_up_recompute(self, backend) -> None:
+        """Run every block's recompute once eagerly, in the backend's warmup context (a side stream
+        on CUDA), so that lazy library setup (cuBLAS handles, workspaces) never happens inside a
+        capture. It writes slots that the next forward overwrites anyway."""
+        with backend.warmup():
+            for block in range(len(self.blocks)):
+                self.recompute_block(block, self.sets.all_sets()[0])
+        backend.synchronize()
+
+    def capture_recompute_graph(self, backend, pool, block: int, pset: PersistentSlotSet) -> None:
+        """Capture block ``block``'s recompute from ``pset`` into ``pool``.
+
+        It must leave nothing of the pool allocated (it writes only arena slots, which are not the
+        pool's): its temporaries are dead when the block's backward starts, whatever shares the pool.
+        """
+        graph = backend.new_graph(pool=pool)
+        with graph.capture():
+            self.recompute_block(block, pset)
+        if graph.stats.escaped_bytes:
+            raise StaticRecomputeError(
+                f"recompute graph of block {block}: {graph.stats.escaped_bytes} bytes allocated by "
+                f"the capture are still alive after it; a later graph of the pool could overwrite them")
+        self.recompute_graphs[(block, pset.index)] = graph
+        self.recompute_pool = pool
 
     def capture_recompute_graphs(self, backend) -> None:
         """One recompute graph per (block, persistent set), all in one pool of their own.
 
         The recompute graphs of a rank run one at a time, and each leaves nothing allocated when
-        it ends (it writes only arena slots, which are not the pool's): the pool is *independent*
-        (the backend checks at capture that no temporary outlives it), sized by one recompute's
-        live set rather than one pool per graph, and the graphs may replay in any order. They are
-        captured in the order a backward replays them (last block first, sets in turn).
-
-        Each block's recompute runs once eagerly first, in the backend's warmup context (a side
-        stream on CUDA), so that lazy library setup (cuBLAS handles, workspaces) never happens
-        inside a capture. It writes slots that the next forward overwrites anyway.
+        it ends: the pool is *independent* (the backend checks at capture that no temporary
+        outlives it), sized by one recompute's live set rather than one pool per graph, and the
+        graphs may replay in any order. They are captured in the order a backward replays them
+        (last block first, sets in turn). When the sublayer graphs replay in a fixed order, the
+        graphed model captures the recompute graphs into their pool instead, each at the point
+        where it replays (``GraphedStaticModel``), and this is not called.
         """
-        with backend.warmup():
-            for block in range(len(self.blocks)):
-                self.recompute_block(block, self.sets.all_sets()[0])
-        backend.synchronize()
-        if self.recompute_pool is None:
-            self.recompute_pool = backend.new_pool(independent=True)
+        self.warm_up_recompute(backend)
+        pool = self.recompute_pool or backend.new_pool(independent=True)
         for pset in self.sets.all_sets():
             for block in reversed(range(len(self.blocks))):
-                key = (block, pset.index)
-                if key in self.recompute_graphs:
-                    continue
-                graph = backend.new_graph(pool=self.recompute_pool)
-                with graph.capture():
-                    self.recompute_block(block, pset)
-                self.recompute_graphs[key] = graph
+                if (block, pset.index) not in self.recompute_graphs:
+                    self.capture_recompute_graph(backend, pool, block, pset)
 
     def run_recompute(self, block: int, pset: PersistentSlotSet) -> None:
         graph = self.recompute_graphs.get((block, pset.index))
