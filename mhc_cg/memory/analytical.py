@@ -54,8 +54,10 @@ def block_persistent_elements(num_streams: int, hidden_size: int, layers_in_bloc
 
 
 def arena_elements(num_streams: int, hidden_size: int, layers_in_block: int) -> int:
-    """One recompute block's transient state: what the static-buffer arena holds, once per rank."""
-    return 2 * layers_in_block * sublayer_transient_elements(num_streams, hidden_size)
+    """One recompute block's transient state: what the static-buffer arena holds, once per rank.
+    The block's input (n*C) is saved from its persistent slot, not copied into the arena."""
+    return (2 * layers_in_block * sublayer_transient_elements(num_streams, hidden_size)
+            - num_streams * hidden_size)
 
 
 def mlp_activation_elements(ffn_hidden_size: int) -> int:

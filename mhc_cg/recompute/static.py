@@ -109,8 +109,9 @@ class _StoreToPersistent(torch.autograd.Function):
         return grad, None, None
 
 
-class _StoreToFnOutput(torch.autograd.Function):
-    """Identity whose output is the persistent F-output slot ``dst`` (written here)."""
+class _StoreToPersistentSlot(torch.autograd.Function):
+    """Identity whose output is the persistent slot ``dst`` (written here): a block input, an F
+    output."""
 
     @staticmethod
     def forward(ctx, t: Tensor, dst: Tensor) -> Tensor:
@@ -158,14 +159,18 @@ class StaticRecompute:
         # Parameters (and views of them, e.g. a transposed weight) are saved as they are: they do
         # not change between a forward and its backward, so copying them into slots is waste.
         self._param_storages = {storage_id(p) for layer in self.layers for p in layer.parameters()}
+        # Block inputs likewise, with one set: the block's first mHC ops save it from there
+        self._block_input_storages = ({storage_id(t) for t in sets.all_sets()[0].block_inputs}
+                                      if sets.capacity == 1 else set())
         self.trace: list[str] = []  # what ran, in order (for tests and debugging)
         # forwards whose backward has not finished: persistent set index -> its hooks' state
         self._pending: dict[int, dict] = {}
 
     # -- hooks ------------------------------------------------------------------------------
     def _pack(self, t: Tensor) -> Tensor:
-        if (self._in_fn or self.arena.contains(t) or storage_id(t) in self._param_storages
-                or storage_id(t) in self._fn_output_storages):
+        key = storage_id(t)
+        if (self._in_fn or self.arena.contains(t) or key in self._param_storages
+                or key in self._fn_output_storages or key in self._block_input_storages):
             return t
         return self._cursor.save(t)
 
@@ -203,6 +208,9 @@ class StaticRecompute:
         order as in ``MHCSublayer.forward`` (consumers run backward in reverse creation order, and
         h_res stays the last consumer of ``x`` created).
         """
+        if (position == 0 and k == 0 and self._block_input_storages
+                and storage_id(x) not in self._block_input_storages):
+            x = self._block_input_to_set(sub, x)  # the forward; the recompute reads it from there
         with self.mhc_region(position, k, 0):
             h_pre, h_post, h_res = sub.mappings(x)
             normed = self.store(sub.norm(sub.aggregate(x, h_pre)))
@@ -222,29 +230,34 @@ class StaticRecompute:
         with self.mhc_region(position, k, 1):
             return sub.post_bda(y, h_post, mixed, seed)
 
-    def sublayer(self, sub: MHCSublayer, position: int, k: int, x: Tensor, seed: Tensor | None,
-                 fn_output: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def sublayer(self, sub: MHCSublayer, position: int, k: int, x: Tensor,
+                 seed: Tensor | None) -> tuple[Tensor, Tensor]:
         """``MHCSublayer.forward`` with its saved tensors in slots; returns (output, F output).
 
-        With ``fn_output`` given (the recompute), F is not run and that tensor stands in for it.
         Two segments, because a graph may end between them (MoE partial capture) and the eager
         remainder must find its slots without the Python state of the captured part.
         """
         normed, h_post, mixed = self.sublayer_pre(sub, position, k, x)
-        if fn_output is None and k == 1 and recomputes_activation(sub):
+        if k == 1 and recomputes_activation(sub):
             y = self.mlp_with_activation_recompute(sub.fn, position, self._mlp_index[id(sub)],
                                                    normed, self._set_for_fn())
-        elif fn_output is None:
+        else:
             with self.fn_region():
                 y = sub.fn(normed)
-        else:
-            y = fn_output
         return self.sublayer_post(sub, position, k, y, h_post, mixed, seed), y
 
     def _fn_output_to_set(self, sub: MHCSublayer, k: int, y: Tensor) -> Tensor:
         if not self._fn_output_storages or storage_id(y) in self._fn_output_storages:
             return y  # several sets (see __init__), or the recompute reading it from its set
-        return _StoreToFnOutput.apply(y, self._set_for_fn().fn_outputs[(self._sub_index[id(sub)], k)])
+        return _StoreToPersistentSlot.apply(
+            y, self._set_for_fn().fn_outputs[(self._sub_index[id(sub)], k)])
+
+    def _block_input_to_set(self, sub: MHCSublayer, x: Tensor) -> Tensor:
+        """x_l0 goes to its persistent slot first, so the block's first mHC ops save the persistent
+        tensor itself: the arena holds no second copy of it, and the recompute (which reads it
+        from there) copies nothing."""
+        block = self._sub_index[id(sub)] // self.block_size
+        return _StoreToPersistentSlot.apply(x, self._set_for_fn().block_inputs[block])
 
     # -- activation recompute ---------------------------------------------------------------
     def _activation_cursor(self, position: int) -> _RegionCursor:
@@ -391,7 +404,8 @@ class StaticRecompute:
                 pset.seed.copy_(seed)
             seed_in = pset.seed if seed is not None else None
             for b, block in enumerate(self.blocks):
-                pset.block_inputs[b].copy_(x.detach())
+                if not self._block_input_storages:  # else the block's first sublayer stores it
+                    pset.block_inputs[b].copy_(x.detach())
                 first = b * self.block_size
                 for position, layer in enumerate(block):
                     for k, sub in enumerate((layer.attention, layer.mlp)):
