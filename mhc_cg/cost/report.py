@@ -29,6 +29,7 @@ from mhc_cg.data import ProgressionCorpus
 from mhc_cg.errors import ConfigError
 from mhc_cg.modes.build import build_for_plan
 from mhc_cg.plan import DEFAULT_STATIC_SCOPES, MOE_SCOPES, capture_plan, configured_scopes
+from mhc_cg.storage import storage_id
 from mhc_cg.validate import check
 
 DEVICES = ("meta", "cpu")
@@ -78,6 +79,18 @@ def _graph_names(graphed, model) -> dict[int, tuple[str, str]]:
     for (block, pset), graph in (runtime.recompute_graphs.items() if runtime else ()):
         names[id(graph)] = (f"recompute block {block} set {pset}", "recompute")
     return names
+
+
+def static_buffer_bytes(graphed) -> int | None:
+    """Bytes of the graphed callables' static input and grad-output buffers: allocated outside
+    the pools (so not in ``pool_reserved_bytes``), once per distinct storage."""
+    runners = getattr(getattr(graphed, "graphed_callables", None), "runners", None)
+    if not runners:
+        return None
+    storages = {storage_id(t): t.untyped_storage().nbytes()
+                for r in runners for t in (*r.static_inputs, *r.static_grad_outputs)
+                if t is not None}
+    return sum(storages.values())
 
 
 def _init_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -148,6 +161,7 @@ def cost_mode(cfg: RunConfig, train_mode: str, device: str) -> dict:
         "pool_reserved_bytes": sum(p.state.high_water for p in backend.pools),
         "arena_bytes": info.get("arena_bytes"),
         "persistent_bytes_per_microbatch": info.get("persistent_bytes_per_microbatch"),
+        "static_buffer_bytes": static_buffer_bytes(graphed),
         "top_eager_kernels": dict(recorder.eager.by_op.most_common(8)),
     }
 
@@ -203,13 +217,15 @@ def format_report(report: dict, per_graph: bool = True) -> str:
     lines = [f"cost of {report['config'] or 'the config'} on {report['device']} (per training step)",
              "",
              f"{'mode':15} {'kernels':>8} {'eager':>6} {'replays':>7} {'bytes':>11} "
-             f"{'graphs':>6} {'pools':>5} {'pool reserved':>13} {'arena':>10} {'persistent/mb':>13}",
-             "-" * 101]
+             f"{'graphs':>6} {'pools':>5} {'pool reserved':>13} {'arena':>10} {'persistent/mb':>13} "
+             f"{'static bufs':>11}",
+             "-" * 113]
     for name, m in report["modes"].items():
         lines.append(f"{name:15} {m['kernels_per_step']:>8} {m['eager_kernels_per_step']:>6} "
                      f"{m['graph_replays_per_step']:>7} {_size(m['bytes_per_step']):>11} "
                      f"{len(m['graphs']):>6} {m['pools']:>5} {_size(m['pool_reserved_bytes']):>13} "
-                     f"{_size(m['arena_bytes']):>10} {_size(m['persistent_bytes_per_microbatch']):>13}")
+                     f"{_size(m['arena_bytes']):>10} {_size(m['persistent_bytes_per_microbatch']):>13} "
+                     f"{_size(m['static_buffer_bytes']):>11}")
     for c in report["checks"]:
         value = "-" if c["value"] is None else f"{c['value']:.3f}"
         lines.append(f"{'PASS' if c['ok'] else 'FAIL'}  {c['check']}: {value}")
