@@ -52,6 +52,34 @@ def grads_per_step(cfg, mode, steps):
     return result, grads
 
 
+def assert_training_identical(cfg, mode, steps):
+    """``mode`` trains ``cfg`` exactly as eager without recompute: same losses, gradient norms and
+    every parameter's gradient, bit for bit, at every step. Returns ``mode``'s result."""
+    reference, ref_grads = grads_per_step(cfg, "eager_none", steps)
+    result, got_grads = grads_per_step(cfg, mode, steps)
+    assert result.losses == reference.losses
+    assert result.grad_norms == reference.grad_norms
+    for step, (want, got) in enumerate(zip(ref_grads, got_grads)):
+        assert want.keys() == got.keys()
+        bad = [n for n in want if not torch.equal(want[n], got[n])]
+        assert not bad, f"step {step}: gradients differ for {bad}"
+    return result
+
+
+def assert_training_close(cfg, mode, steps):
+    """``mode`` trains ``cfg`` like eager without recompute within a tolerance (on CUDA a capture
+    may pick other kernels): losses and every parameter's gradient at every step."""
+    reference, ref_grads = grads_per_step(cfg, "eager_none", steps)
+    result, got_grads = grads_per_step(cfg, mode, steps)
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(reference.losses),
+                               rtol=1e-5, atol=1e-6)
+    for want, got in zip(ref_grads, got_grads):
+        assert want.keys() == got.keys()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    return result
+
+
 PIPELINE_SEQ, PIPELINE_MBS, PIPELINE_LAYERS_PER_CHUNK = 8, 2, 2
 
 

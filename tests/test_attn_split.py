@@ -12,7 +12,7 @@ from mhc_cg.modes.attn_split import StaticInputCheckpoint
 from mhc_cg.modes.build import build_for_mode
 from mhc_cg.plan import capture_plan
 
-from helpers import grads_per_step, small_config
+from helpers import assert_training_close, assert_training_identical, small_config
 
 
 def split_config(num_experts=None):
@@ -22,14 +22,7 @@ def split_config(num_experts=None):
 @pytest.mark.parametrize("experts", [None, 4], ids=["dense", "moe"])
 def test_five_steps_bit_identical_to_eager_without_recompute(experts):
     cfg = split_config(experts)
-    reference, ref_grads = grads_per_step(cfg, "eager_none", 5)
-    split, got_grads = grads_per_step(cfg, "attn_split", 5)
-    assert split.losses == reference.losses
-    assert split.grad_norms == reference.grad_norms
-    for step, (want, got) in enumerate(zip(ref_grads, got_grads)):
-        assert want.keys() == got.keys()
-        bad = [n for n in want if not torch.equal(want[n], got[n])]
-        assert not bad, f"step {step}: gradients differ for {bad}"
+    split = assert_training_identical(cfg, "attn_split", 5)
     assert split.info["graphs"] == 2 * cfg.model.num_layers  # one forward + one backward each
     assert split.losses[-1] < split.losses[0]
 
@@ -92,14 +85,7 @@ def test_five_steps_match_eager_without_recompute_on_cuda():
     cfg = split_config()
     cfg.train = dataclasses.replace(cfg.train, device="cuda")
     cfg.graph = dataclasses.replace(cfg.graph, backend="cuda")
-    reference, ref_grads = grads_per_step(cfg, "eager_none", 5)
-    split, got_grads = grads_per_step(cfg, "attn_split", 5)
-    torch.testing.assert_close(torch.tensor(split.losses), torch.tensor(reference.losses),
-                               rtol=1e-5, atol=1e-6)
-    for want, got in zip(ref_grads, got_grads):
-        assert want.keys() == got.keys()
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_training_close(cfg, "attn_split", 5)
     _, forward, graphed = build_for_mode(cfg, "attn_split", torch.device("cuda"))
     ptrs = [s.data_ptr() for s in graphed.slots]
     ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.seq_length),

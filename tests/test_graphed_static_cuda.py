@@ -14,7 +14,7 @@ import torch
 
 from mhc_cg.modes.build import build_for_mode
 
-from helpers import SCOPE_CASES, grads_per_step, small_config
+from helpers import SCOPE_CASES, assert_training_close, small_config
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -30,15 +30,7 @@ def cuda_config(case):
 
 @pytest.mark.parametrize("case", list(SCOPE_CASES))
 def test_five_steps_match_eager_without_recompute_on_cuda(case):
-    cfg = cuda_config(case)
-    reference, ref_grads = grads_per_step(cfg, "eager_none", 5)
-    graphed, got_grads = grads_per_step(cfg, "graphed_static", 5)
-    torch.testing.assert_close(torch.tensor(graphed.losses), torch.tensor(reference.losses),
-                               rtol=1e-5, atol=1e-6)
-    for want, got in zip(ref_grads, got_grads):
-        assert want.keys() == got.keys()
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_training_close(cuda_config(case), "graphed_static", 5)
 
 
 def test_static_addresses_and_capture_safety_on_cuda():
