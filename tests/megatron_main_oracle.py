@@ -239,15 +239,12 @@ LAYER_SHAPE = dict(num_layers=4, num_attention_heads=4, use_cpu_initialization=T
 
 def _init_model_parallel() -> None:
     """One gloo process, tensor/pipeline sizes 1: megatron's parallel state on CPU."""
-    import socket
-
     import torch
     from megatron.core import parallel_state
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+    from mhc_cg.pipeline.distributed import free_port
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
                                          rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     # what model_parallel_cuda_manual_seed registers; its CUDA state is empty under the CPU shims

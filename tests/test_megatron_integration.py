@@ -1,6 +1,5 @@
 """megatron-core glue: config fields and spellings, YAML mapping, the mHC block on CPU, graph hook."""
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from megatron.core.transformer.enums import CudaGraphScope  # noqa: E402
 
 from mhc_cg.config import load_config  # noqa: E402
 from mhc_cg.errors import ConfigError  # noqa: E402
+from mhc_cg.pipeline.distributed import free_port  # noqa: E402
 from mhc_cg.pipeline.planner import plan  # noqa: E402
 from mhc_cg.pipeline.schedule import pipeline_order  # noqa: E402
 from megatron_integration.config import MHCTransformerConfig  # noqa: E402
@@ -115,10 +115,7 @@ def model_parallel():
 
     if torch.distributed.is_initialized():
         pytest.skip("another test left torch.distributed initialised")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
                                          rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     yield

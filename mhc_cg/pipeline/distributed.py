@@ -424,7 +424,8 @@ def _run_rank(rank: int, cfg: RunConfig, steps: int, dev: torch.device, collect_
 
 
 # -------------------------------------------------------------------------- the parent
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on the loopback interface, for a process group's rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -460,7 +461,7 @@ def train_pipeline(cfg: RunConfig, *, steps: int | None = None, device: str | No
             import megatron.core.parallel_state  # noqa: F401
             import megatron.core.pipeline_parallel.schedules  # noqa: F401
     with tempfile.TemporaryDirectory(prefix="mhc_cg_pp_") as out_dir:
-        mp.start_processes(_rank_main, args=(cfg, steps, dev, _free_port(), out_dir,
+        mp.start_processes(_rank_main, args=(cfg, steps, dev, free_port(), out_dir,
                                              collect_grads, progress, threads),
                            nprocs=pp, join=True, start_method="fork" if dev == "cpu" else "spawn")
         reports = [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
