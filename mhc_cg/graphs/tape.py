@@ -166,14 +166,21 @@ class TapePool(Pool):
 
     def __init__(self, private: bool = False, independent: bool = False):
         super().__init__(private, independent)
-        self.released: list[tuple["TapeGraph", torch.Tensor]] = []
+        self.released: dict["TapeGraph", list[torch.Tensor]] = {}
+        self._fresh: "TapeGraph | None" = None  # the graph whose released outputs are unpoisoned
+
+    def release(self, owner: "TapeGraph", t: torch.Tensor) -> None:
+        self.released.setdefault(owner, []).append(t)
 
     def poison_released(self, replaying: "TapeGraph") -> None:
+        """Before ``replaying`` runs: only the last graph replayed can have unpoisoned outputs."""
+        fresh, self._fresh = self._fresh, replaying
+        if fresh is None or fresh is replaying:
+            return
         with torch.no_grad():
-            for owner, t in self.released:
-                if owner is not replaying:
-                    t.fill_(float("nan") if t.is_floating_point() or t.is_complex()
-                            else (False if t.dtype == torch.bool else torch.iinfo(t.dtype).min))
+            for t in self.released.get(fresh, ()):
+                t.fill_(float("nan") if t.is_floating_point() or t.is_complex()
+                        else (False if t.dtype == torch.bool else torch.iinfo(t.dtype).min))
 
 
 class TapeGraph(Graph):
@@ -216,7 +223,7 @@ class TapeGraph(Graph):
                 op.replay()
 
     def _release(self, t: torch.Tensor) -> torch.Tensor:
-        self.pool.released.append((self, t))
+        self.pool.release(self, t)
         return t
 
 

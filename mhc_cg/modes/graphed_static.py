@@ -198,6 +198,7 @@ class GraphedStaticModel(GraphedModel):
             if chained is not None:
                 sample_args = chained
                 if self.plan.recompute_graph and self.backend.name != "te":
+                    self.runtime.warm_up_recompute(self.backend)
                     before_backward = self._recompute_captures()
                     recompute_in_sublayer_pool = True
             # a partially captured MoE sublayer leaves its experts' parameters to the eager tail
@@ -221,7 +222,6 @@ class GraphedStaticModel(GraphedModel):
         graphs' temporaries had, instead of a pool of their own.
         """
         runtime = self.runtime
-        runtime.warm_up_recompute(self.backend)
         pset = runtime.sets.all_sets()[0]
         layers = len(self.model.layers)
         captures = {}

@@ -155,7 +155,7 @@ class StaticRecompute:
         self._fn_output_storages = ({storage_id(t) for t in sets.all_sets()[0].fn_outputs.values()}
                                     if sets.capacity == 1 else set())
         self.recompute_graphs: dict[tuple[int, int], object] = {}
-        self.recompute_pool = None  # the recompute graphs' shared pool (capture_recompute_graphs)
+        self.recompute_pool = None  # the pool the recompute graphs were captured into
         # Parameters (and views of them, e.g. a transposed weight) are saved as they are: they do
         # not change between a forward and its backward, so copying them into slots is waste.
         self._param_storages = {storage_id(p) for layer in self.layers for p in layer.parameters()}
