@@ -113,7 +113,7 @@ part tests "$(limit_of tests)" "$OUT_DIR/tests/pytest.log" \
     "$PY" -m pytest -m cuda -q -rs -p no:cacheprovider --junitxml="$OUT_DIR/tests/junit.xml" $TESTS
 
 part probe "$(limit_of probe)" "$OUT_DIR/probe/probe.log" \
-    "$PY" -m mhc_cg.probe --config "$CFG" --out "$OUT_DIR/probe" "${DEVICE[@]}" "${PROBE_ARGS[@]}"
+    "$PY" -m mhc_cg.tools.probe --config "$CFG" --out "$OUT_DIR/probe" "${DEVICE[@]}" "${PROBE_ARGS[@]}"
 
 part bench "$(limit_of bench)" "$OUT_DIR/bench/bench.log" \
     "$PY" -m mhc_cg.cli bench --config "$CFG" --out-dir "$OUT_DIR/bench" "${DEVICE[@]}" "${BENCH_ARGS[@]}"

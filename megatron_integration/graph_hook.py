@@ -11,7 +11,7 @@ order in ``_get_cuda_graph_input_data()`` (returned as ``kwargs["_order"]`` for 
   warm-up state), captures one recompute graph per (chunk, recompute block, persistent slot set)
   in the order the schedule first needs them: walking the order, at each backward ``-c`` of
   microbatch k, chunk c's blocks last to first, on the slot set microbatch k's forward took
-  (``mhc_cg.pipeline.planner.assign_persistent_slot_sets``, first-in first-out, as at run time).
+  (``mhc_cg.tools.planner.assign_persistent_slot_sets``, first-in first-out, as at run time).
 
 Each recompute graph has its own private pool (docs/design.md, invariant 4), so capturing it after the layer
 graphs does not break the shared pool's capture-equals-replay order: only the recompute graphs'
@@ -27,8 +27,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mhc_cg.pipeline.planner import assign_persistent_slot_sets
-from mhc_cg.pipeline.schedule import decode_order
+from mhc_cg.tools.planner import assign_persistent_slot_sets
+from mhc_cg.core.schedule import decode_order
 
 
 @dataclass(frozen=True)

@@ -2,13 +2,13 @@
 
 * ``MegatronMHCTransformerLayer`` (a ``TransformerLayer``): takes and returns streams ``[s, b, n*C]``.
   Each of its two sublayers runs ``x' = H_res x + H_post^T F(norm(H_pre x))`` with
-  ``mhc_cg.hyper_connection.HyperConnection``; F is megatron-core's own attention or MLP (output
+  ``mhc_cg.ops.hyper_connection.HyperConnection``; F is megatron-core's own attention or MLP (output
   plus bias), ``norm`` its ``input_layernorm`` / ``pre_mlp_layernorm``; dropout follows
   ``config.mhc_dropout_impl``.
 * ``MHCTransformerBlock`` (a ``TransformerBlock``): expands ``[s, b, C]`` to n streams on the first
   pipeline stage, contracts them (mean) before the final layernorm on the last. With
   ``config.mhc_recompute_layer_num = L_r`` it runs groups of L_r layers under one
-  ``mhc_cg.recompute.eager.BlockRecomputeManager`` (``run_recompute_blocks``, the same code as mhc_cg's
+  ``mhc_cg.runtime.recompute.eager.BlockRecomputeManager`` (``run_recompute_blocks``, the same code as mhc_cg's
   own model, over the step adapters of ``megatron_integration.steps``): every mHC step (mappings, aggregate, norm, H_post,
   H_res, bias-dropout-add) is a ``CheckpointWithoutOutput`` whose output is freed after the block;
   the block input and each F output stay; one hook on the block's last output recomputes the rest.
@@ -39,11 +39,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from mhc_cg.hyper_connection import HyperConnection, contract_streams, expand_streams
+from mhc_cg.ops.hyper_connection import HyperConnection, contract_streams, expand_streams
 from mhc_cg.model import sublayer_forward
-from mhc_cg.recompute.eager import run_recompute_blocks
+from mhc_cg.runtime.recompute.eager import run_recompute_blocks
 
-from .config import MHCTransformerConfig
+from .transformer_config import MHCTransformerConfig
 from .steps import LayerSteps
 
 

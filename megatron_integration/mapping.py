@@ -35,11 +35,11 @@ from typing import Any
 
 
 from mhc_cg.config import RunConfig
-from mhc_cg.dtypes import TORCH_DTYPES
-from mhc_cg.plan import configured_scopes
-from mhc_cg.validate import check
+from mhc_cg.core.dtypes import TORCH_DTYPES
+from mhc_cg.runtime.modes.plan import configured_scopes
+from mhc_cg.config.rules import check
 
-from .config import MHCTransformerConfig
+from .transformer_config import MHCTransformerConfig
 
 def transformer_config_kwargs(run_cfg: RunConfig) -> dict[str, Any]:
     """The keyword arguments of ``MHCTransformerConfig`` that ``run_cfg`` implies."""

@@ -1,7 +1,7 @@
 """megatron-core's mHC block on mhc_cg's static-buffer runtime (arena slots, recompute graphs).
 
 ``StaticMHCBlock(block, ...)`` runs an ``MHCTransformerBlock``'s layers through
-``mhc_cg.recompute.static.StaticRecompute``: the mHC ops of each sublayer save into arena slots,
+``mhc_cg.runtime.recompute.static.StaticRecompute``: the mHC ops of each sublayer save into arena slots,
 the block input and every F output go to a persistent slot set, and a hook on each recompute
 block's output re-runs (or, after ``capture_recompute_graphs``, replays) the block's mHC ops
 before its backward. Megatron's modules are used as they are, through the step adapters of
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from mhc_cg.recompute.static import StaticRecompute, build_static_recompute
+from mhc_cg.runtime.recompute.static import StaticRecompute, build_static_recompute
 
 from .steps import LayerSteps
 
@@ -25,7 +25,7 @@ class StaticMHCBlock:
     at construction (``seq_length``, ``micro_batch_size``); ``capacity`` microbatches may be in
     flight. Blocks of ``config.mhc_recompute_layer_num`` layers (all layers when unset).
     Subclasses for another layer type override ``steps_type``, ``mhc_enabled`` and the stream
-    boundaries (``megatron_integration.main_layer.StaticMainBlock``).
+    boundaries (``megatron_integration.main_branch.StaticMainBlock``).
     """
 
     steps_type = LayerSteps

@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
 
-from mhc_cg.errors import ConfigError
+from mhc_cg.core.errors import ConfigError
 
-COMMANDS = ("train", "memory", "schedule", "config", "timeline", "bench", "cost")
+# command name -> module under mhc_cg.commands
+COMMANDS = {"train": "train", "memory": "memory", "schedule": "schedule", "config": "config_check",
+            "timeline": "timeline", "bench": "bench", "cost": "cost"}
 
 
 def _command_modules():
-    for name in COMMANDS:
-        module_name = f"mhc_cg.commands.{name}"
-        if importlib.util.find_spec(module_name) is not None:
-            yield name, importlib.import_module(module_name)
+    for name, module in COMMANDS.items():
+        yield name, importlib.import_module(f"mhc_cg.commands.{module}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,9 +6,9 @@ Usage (from the repository root)::
         --config configs/tiny_cpu.yaml --steps 5 --no-progress [other mhc-cg train flags]
 
 Everything after ``--`` is parsed by ``mhc-cg train`` itself (so any flag it gains works here) and
-run by the same command function, which calls :func:`mhc_cg.train.train`, while torch.profiler
+run by the same command function, which calls :func:`mhc_cg.training.session.train`, while torch.profiler
 records CPU operators (and CUDA kernels when a GPU is visible). NVTX ranges are switched on, so the
-``record_function`` ranges of :mod:`mhc_cg.profiling.nvtx` (``step``, ``forward``, ``fwd/...``) are in
+``record_function`` ranges of :mod:`mhc_cg.core.nvtx` (``step``, ``forward``, ``fwd/...``) are in
 the trace as ``user_annotation`` events. A ``.gz`` output is gzipped. Next to the trace,
 ``<name>.command.txt`` records the exact command and the versions used.
 
@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from mhc_cg.profiling import nvtx
+from mhc_cg.core import nvtx
 from mhc_cg.cli import build_parser
-from mhc_cg.errors import ConfigError
+from mhc_cg.core.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 

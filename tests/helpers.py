@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from mhc_cg.config import RunConfig
-from mhc_cg.graphs import GraphCaptureError, get_backend
+from mhc_cg.runtime.graphs import GraphCaptureError, get_backend
 from mhc_cg.model import MHCGPT, MHCGPTConfig
-from mhc_cg.pipeline.planner import peak_in_flight
-from mhc_cg.pipeline.schedule import pipeline_order
-from mhc_cg.recompute.arena import Arena
-from mhc_cg.recompute.persistent import PersistentSetPool, new_persistent_set
-from mhc_cg.recompute.static import build_static_recompute
-from mhc_cg.train import train
+from mhc_cg.tools.planner import peak_in_flight
+from mhc_cg.core.schedule import pipeline_order
+from mhc_cg.runtime.recompute.arena import Arena
+from mhc_cg.runtime.recompute.persistent import PersistentSetPool, new_persistent_set
+from mhc_cg.runtime.recompute.static import build_static_recompute
+from mhc_cg.training.session import train
 
 
 SCOPE_CASES = {
@@ -201,7 +201,7 @@ def planner_prediction(order: list[int], layers_per_chunk: list[int], reuse: boo
     """The schedule planner's figure, which must agree with the independent walk."""
     walked = expected_static_input_sets(order, layers_per_chunk, reuse)
     try:
-        from mhc_cg.pipeline.planner import count_static_input_buffers
+        from mhc_cg.tools.planner import count_static_input_buffers
     except ImportError:  # a checkout without the planner
         return walked
     planned = count_static_input_buffers(order, layers_per_chunk, reuse)

@@ -141,7 +141,7 @@ def max_abs_diff(a, b) -> float:
 
 def hyper_connection_job(streams: list[int], dtypes: list[str], seq: int = 5, batch: int = 3,
                          hidden: int = 16) -> dict:
-    """``mhc_cg.hyper_connection.HyperConnection`` beside ``main``'s ``HyperConnectionModule``.
+    """``mhc_cg.ops.hyper_connection.HyperConnection`` beside ``main``'s ``HyperConnectionModule``.
 
     For each (n, dtype): build main's module, load its ``state_dict`` into ours (strict), run the
     mappings, aggregate, H_res, H_post and a whole sublayer ``H_res x + H_post^T F(H_pre x) (+ bias)``
@@ -154,7 +154,7 @@ def hyper_connection_job(streams: list[int], dtypes: list[str], seq: int = 5, ba
     from megatron.core.transformer.hyper_connection import HyperConnectionModule
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from mhc_cg.hyper_connection import HyperConnection
+    from mhc_cg.ops.hyper_connection import HyperConnection
 
     cases = []
     for dtype_name in dtypes:
@@ -242,7 +242,7 @@ def _init_model_parallel() -> None:
     import torch
     from megatron.core import parallel_state
 
-    from mhc_cg.pipeline.distributed import free_port
+    from mhc_cg.training.pipeline.driver import free_port
 
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
                                          rank=0, world_size=1)
@@ -262,7 +262,7 @@ def _main_blocks(hidden: int, hidden_dropout: float, block_size: int):
     from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_integration.main_layer import main_mhc_layer_spec
+    from megatron_integration.main_branch import main_mhc_layer_spec
 
     shape = dict(LAYER_SHAPE, hidden_size=hidden, ffn_hidden_size=2 * hidden)
     plain_cfg = TransformerConfig(**shape, hidden_dropout=hidden_dropout)
@@ -335,9 +335,9 @@ def main_layer_job(seq: int = 8, batch: int = 2, hidden: int = 32, block_size: i
     """
     import torch
 
-    from megatron_integration.main_layer import MainBlock, StaticMainBlock
-    from mhc_cg.errors import StaticRecomputeError
-    from mhc_cg.graphs import get_backend
+    from megatron_integration.main_branch import MainBlock, StaticMainBlock
+    from mhc_cg.core.errors import StaticRecomputeError
+    from mhc_cg.runtime.graphs import get_backend
 
     _init_model_parallel()
     result = {}

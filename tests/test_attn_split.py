@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from mhc_cg.modes.attn_split import StaticInputCheckpoint
-from mhc_cg.modes.build import build_for_mode
-from mhc_cg.plan import capture_plan
+from mhc_cg.runtime.modes.attn_split import StaticInputCheckpoint
+from mhc_cg.runtime.modes.registry import build_for_mode
+from mhc_cg.runtime.modes.plan import capture_plan
 
 from helpers import assert_training_close, assert_training_identical, small_config
 
@@ -66,7 +66,7 @@ def test_aggregate_lives_in_the_static_input_and_the_recompute_rewrites_it():
 
 
 def test_discard_refuses_an_aggregate_that_left_the_slot():
-    from mhc_cg.recompute.eager import BlockRecomputeManager
+    from mhc_cg.runtime.recompute.eager import BlockRecomputeManager
 
     manager = BlockRecomputeManager()
     slot = torch.zeros(3)

@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
-from mhc_cg import bench
+from mhc_cg.tools import bench
 from mhc_cg.cli import main
 from mhc_cg.config import load_config
-from mhc_cg.modes.build import build_for_mode
-from mhc_cg.train import train
+from mhc_cg.runtime.modes.registry import build_for_mode
+from mhc_cg.training.session import train
 
 TINY = """\
 model: {vocab_size: 32, seq_length: 8, hidden_size: 16, num_heads: 2, num_layers: 2,

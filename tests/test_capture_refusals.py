@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mhc_cg.errors import GraphCaptureError
-from mhc_cg.graphs import get_backend
-from mhc_cg.graphs.guard import illegal_op_reason
+from mhc_cg.core.errors import GraphCaptureError
+from mhc_cg.runtime.graphs import get_backend
+from mhc_cg.runtime.graphs.guard import illegal_op_reason
 
 X = torch.randn(6)
 MASK = X > 0

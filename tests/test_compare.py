@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from mhc_cg import compare
+from mhc_cg.tools import compare
 from mhc_cg.cli import main
-from mhc_cg.train import TrainResult
+from mhc_cg.training.session import TrainResult
 
 
 def result(mode, digests, eval_losses=()):

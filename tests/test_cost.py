@@ -1,4 +1,4 @@
-"""The cost model: kernels, bytes and capture-pool memory of recorded graphs (mhc_cg.cost)."""
+"""The cost model: kernels, bytes and capture-pool memory of recorded graphs (mhc_cg.tools.cost)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from mhc_cg.config import RunConfig
-from mhc_cg.cost.allocator import rounded
-from mhc_cg.cost.backend import CostBackend
-from mhc_cg.cost.ops import launches_kernel
-from mhc_cg.cost.record import StepRecorder
-from mhc_cg.cost.report import cost_mode, cost_report, mode_configs
-from mhc_cg.errors import GraphCaptureError
-from mhc_cg.graphs.guard import CaptureGuardMode
-from mhc_cg.graphs.tape import TapeBackend
+from mhc_cg.tools.cost.allocator import rounded
+from mhc_cg.tools.cost.recording import CostBackend
+from mhc_cg.tools.cost.ops import launches_kernel
+from mhc_cg.tools.cost.record import StepRecorder
+from mhc_cg.tools.cost.report import cost_mode, cost_report, mode_configs
+from mhc_cg.core.errors import GraphCaptureError
+from mhc_cg.runtime.graphs.guard import CaptureGuardMode
+from mhc_cg.runtime.graphs.tape import TapeBackend
 from mhc_cg.model import MHCGPTConfig
-from mhc_cg.modes.build import build_for_mode
+from mhc_cg.runtime.modes.registry import build_for_mode
 
 aten = torch.ops.aten
 
@@ -178,7 +178,7 @@ def test_backward_graphs_give_their_gradients_back_to_the_pool():
     """Every replay clones a backward graph's input and weight gradients at once, so once captured
     they go back to the pool: after N layers only the forward outputs (tanh saves its output) are
     live in it, not N sets of gradients."""
-    from mhc_cg.graphs.graphed_callables import make_graphed_callables
+    from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
 
     batch, width, layers = 16, 32, 4
     modules = tuple(torch.nn.Sequential(torch.nn.Linear(width, width, bias=False), torch.nn.Tanh())
@@ -214,8 +214,8 @@ def test_recompute_graphs_join_the_sublayer_pool_where_they_replay():
         forward(ids, torch.zeros((), dtype=torch.int64)).sum().backward()
     assert [g.replays for g in recompute.values()] == [2, 2]
     backend = CostBackend("cpu")
-    from mhc_cg.modes.build import build_for_plan
-    from mhc_cg.plan import capture_plan
+    from mhc_cg.runtime.modes.registry import build_for_plan
+    from mhc_cg.runtime.modes.plan import capture_plan
     _, _, costed = build_for_plan(cfg, capture_plan(cfg, "graphed_static", "cpu"),
                                   torch.device("cpu"), backend=backend)
     assert all(g.peak.escaped_bytes == 0 for g in costed.runtime.recompute_graphs.values())
@@ -230,8 +230,8 @@ def test_recompute_graphs_alone_share_one_independent_pool():
     assert len(graphs) == 2 and len({id(g.pool) for g in graphs}) == 1
     assert graphs[0].pool.independent
     backend = CostBackend("cpu")
-    from mhc_cg.modes.build import build_for_plan
-    from mhc_cg.plan import capture_plan
+    from mhc_cg.runtime.modes.registry import build_for_plan
+    from mhc_cg.runtime.modes.plan import capture_plan
     _, _, graphed = build_for_plan(cfg, capture_plan(cfg, "graphed_static", "cpu"),
                                    torch.device("cpu"), backend=backend)
     recompute = list(graphed.runtime.recompute_graphs.values())
@@ -295,7 +295,7 @@ def test_static_buffers_outside_the_pools_are_counted_once_per_storage():
 
 
 def test_moe_config_costs_partial_capture_on_cpu_and_is_refused_on_meta():
-    from mhc_cg.errors import ConfigError
+    from mhc_cg.core.errors import ConfigError
     cfg = tiny_config(("attn", "moe_router", "moe_preprocess", "mhc_recompute"), num_experts=2)
     with pytest.raises(ConfigError, match="--device cpu"):
         cost_report(cfg, "meta")

@@ -18,12 +18,12 @@ import yaml
 
 from mhc_cg.cli import main
 from mhc_cg.config import RunConfig, load_config
-from mhc_cg.errors import ConfigError
-from mhc_cg.pipeline.distributed import train_pipeline
-from mhc_cg.pipeline.planner import max_persistent_slot_sets
-from mhc_cg.pipeline.report import single_process_config
-from mhc_cg.pipeline.schedule import pipeline_order
-from mhc_cg.train import train
+from mhc_cg.core.errors import ConfigError
+from mhc_cg.training.pipeline.driver import train_pipeline
+from mhc_cg.tools.planner import max_persistent_slot_sets
+from mhc_cg.tools.pipeline_compare import single_process_config
+from mhc_cg.core.schedule import pipeline_order
+from mhc_cg.training.session import train
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 STEPS = 2

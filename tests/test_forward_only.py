@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 from helpers import tiny_run_config, write_config
 from mhc_cg.cli import main
-from mhc_cg.data import ProgressionCorpus
-from mhc_cg.errors import StaleCaptureError, StaticRecomputeError
-from mhc_cg.plan import MODES, capture_plan
-from mhc_cg.train import TrainSession, grad_digest
+from mhc_cg.training.data import ProgressionCorpus
+from mhc_cg.core.errors import StaleCaptureError, StaticRecomputeError
+from mhc_cg.runtime.modes.plan import MODES, capture_plan
+from mhc_cg.training.session import TrainSession, grad_digest
 
 CPU = torch.device("cpu")
 

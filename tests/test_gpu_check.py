@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mhc_cg import probe
+from mhc_cg.tools import probe
 
 REPO = Path(__file__).resolve().parent.parent
 DRY_MODES = ["eager_none", "graphed_static", "attn_split"]
@@ -77,9 +77,9 @@ def test_probe_measures_pools_and_says_what_is_not_available(dry_run):
     kernels = parts["kernels"]
     # Triton kernels need CUDA; without the kernels package the reason names it
     assert kernels["status"] == "not available"
-    assert "mhc_cg.kernels" in kernels["reason"] or "no CUDA device" in kernels["reason"]
+    assert "mhc_cg.ops.kernels" in kernels["reason"] or "no CUDA device" in kernels["reason"]
     cost = pools["cost_model"]
-    assert cost == "available" or "mhc_cg.cost" in cost
+    assert cost == "available" or "mhc_cg.tools.cost" in cost
 
 
 @pytest.mark.slow
@@ -148,9 +148,9 @@ def test_mask_agreement_rows_and_keep_fraction():
 def test_optional_entry_names_what_is_missing():
     fn, why = probe.optional_entry(("mhc_cg.no_such_module", "f"))
     assert fn is None and "mhc_cg.no_such_module is not importable" in why
-    fn, why = probe.optional_entry(("mhc_cg.dropout", "no_such_function"))
-    assert fn is None and why == "mhc_cg.dropout has no function no_such_function()"
-    fn, why = probe.optional_entry(("mhc_cg.dropout", "counter_dropout_mask"))
+    fn, why = probe.optional_entry(("mhc_cg.ops.dropout", "no_such_function"))
+    assert fn is None and why == "mhc_cg.ops.dropout has no function no_such_function()"
+    fn, why = probe.optional_entry(("mhc_cg.ops.dropout", "counter_dropout_mask"))
     assert fn is not None and why == ""
 
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from helpers import tiny_run_config
-from mhc_cg import bench
-from mhc_cg.graphs import get_backend
-from mhc_cg.plan import capture_plan
+from mhc_cg.tools import bench
+from mhc_cg.runtime.graphs import get_backend
+from mhc_cg.runtime.modes.plan import capture_plan
 
 
 @pytest.mark.parametrize("enabled_before", [True, False])
@@ -72,7 +72,7 @@ def test_bench_hands_over_results_as_each_mode_finishes(tmp_path):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_backend_warms_cublas_before_the_first_capture():
-    from mhc_cg.graphs import cuda as cuda_backend
+    from mhc_cg.runtime.graphs import cuda as cuda_backend
 
     backend = get_backend("cuda")
     assert torch.cuda.current_device() in cuda_backend._LIBRARIES_WARM
@@ -98,7 +98,7 @@ def test_bench_peak_reserved_counts_graph_pools():
 
 
 def test_make_graphed_callables_auto_follows_the_inputs_device(monkeypatch):
-    from mhc_cg.graphs import make_graphed_callables
+    from mhc_cg.runtime.graphs import make_graphed_callables
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
     graphed = make_graphed_callables((torch.nn.Linear(3, 3),), ((torch.randn(2, 3, requires_grad=True),),),

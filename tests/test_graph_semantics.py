@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mhc_cg.graphs import (GraphReplayError, count_allocated_static_inputs, get_backend,
+from mhc_cg.runtime.graphs import (GraphReplayError, count_allocated_static_inputs, get_backend,
                            make_graphed_callables)
-from mhc_cg.graphs.graphed_callables import order_layout
+from mhc_cg.runtime.graphs.graphed_callables import order_layout
 from mhc_cg.model import MHCTransformerLayer
 
 from helpers import (LAYER_BATCH, LAYER_SEQ, CountingScale, capture_error, drive_pipeline,
@@ -124,7 +124,7 @@ def test_illegal_op_rejected(backend, case):
     where = f"{body.__code__.co_filename}:{body.__code__.co_firstlineno}"
     assert where in message, f"the error must point at the user's line {where}: {message}"
     if case in ("rand", "bernoulli", "torch_dropout"):
-        assert "mhc_cg.dropout" in message and "counter" in message
+        assert "mhc_cg.ops.dropout" in message and "counter" in message
 
 
 def test_storage_resize_of_input_rejected(backend):

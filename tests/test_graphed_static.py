@@ -14,8 +14,8 @@ import gc
 import pytest
 import torch
 
-from mhc_cg.pipeline.planner import ModelShape
-from mhc_cg.modes.build import build_for_mode
+from mhc_cg.tools.planner import ModelShape
+from mhc_cg.runtime.modes.registry import build_for_mode
 
 from helpers import SCOPE_CASES, assert_training_identical, grads_per_step, small_config
 
@@ -119,10 +119,10 @@ def test_bf16_graphed_static_bit_identical_to_eager_bf16():
 
 
 def test_graphed_sublayers_with_several_microbatches_in_flight_are_refused():
-    from mhc_cg.errors import StaticRecomputeError
+    from mhc_cg.core.errors import StaticRecomputeError
     from mhc_cg.model import MHCGPT
-    from mhc_cg.modes.graphed_static import GraphedStaticModel
-    from mhc_cg.plan import capture_plan
+    from mhc_cg.runtime.modes.graphed_static import GraphedStaticModel
+    from mhc_cg.runtime.modes.plan import capture_plan
 
     cfg = small_config(["attn", "mhc_recompute"])
     with pytest.raises(StaticRecomputeError, match="order=pipeline_order"):

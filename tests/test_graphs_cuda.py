@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mhc_cg.graphs import GraphReplayError, get_backend, make_graphed_callables
+from mhc_cg.runtime.graphs import GraphReplayError, get_backend, make_graphed_callables
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mhc_cg.graphs import GraphCaptureError, GraphReplayError, get_backend
+from mhc_cg.runtime.graphs import GraphCaptureError, GraphReplayError, get_backend
 
 from helpers import CountingScale, capture_error, planner_prediction
 
@@ -113,7 +113,7 @@ def test_freeing_an_input_after_capture_is_caught_at_replay(backend):
 # ---------------------------------------------------------------------------------------------
 # make_graphed_callables over a real pipeline order, on a small mHC layer with counter dropout.
 
-from mhc_cg.graphs import count_allocated_static_inputs, make_graphed_callables  # noqa: E402
+from mhc_cg.runtime.graphs import count_allocated_static_inputs, make_graphed_callables  # noqa: E402
 
 
 def test_static_inputs_without_reuse_one_set_per_sample():
@@ -168,7 +168,7 @@ def test_wrong_input_shape_at_call_is_rejected():
 
 
 def test_te_backend_without_te_says_so():
-    from mhc_cg.graphs.backend import te_available
+    from mhc_cg.runtime.graphs.capture import te_available
     if te_available() and torch.cuda.is_available():
         pytest.skip("TransformerEngine is installed")
     with pytest.raises(RuntimeError, match="(TransformerEngine|CUDA device)"):

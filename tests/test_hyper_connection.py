@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from mhc_cg.hyper_connection import (HyperConnection, contract_streams, expand_streams,
+from mhc_cg.ops.hyper_connection import (HyperConnection, contract_streams, expand_streams,
                                      sinkhorn_knopp)
 
 S, B, N, C = 3, 2, 4, 5

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from mhc_cg import kernels as fused
-from mhc_cg.dropout import counter_dropout_mask
-from mhc_cg.errors import ConfigError
-from mhc_cg.plan import MODES
-from mhc_cg.hyper_connection import HyperConnection
-from mhc_cg.kernels.backend import triton_installed
+from mhc_cg.ops import kernels as fused
+from mhc_cg.ops.dropout import counter_dropout_mask
+from mhc_cg.core.errors import ConfigError
+from mhc_cg.runtime.modes.plan import MODES
+from mhc_cg.ops.hyper_connection import HyperConnection
+from mhc_cg.ops.kernels.dispatch import triton_installed
 from mhc_cg.model import MHCGPTConfig
-from mhc_cg.profiling.dispatch_count import KernelCounter, kernels_per_layer
+from mhc_cg.tools.profiling.dispatch_count import KernelCounter, kernels_per_layer
 
 ROOT = Path(__file__).resolve().parents[1]
 S, B = 3, 2
@@ -33,7 +33,7 @@ def interpret():
     """Triton's interpreter on CPU: tests/conftest.py sets TRITON_INTERPRET=1 before triton loads."""
     if torch.cuda.is_available():
         pytest.skip("on a GPU the Triton kernels are compared on CUDA tensors (cuda-marked tests)")
-    if os.environ.get("TRITON_INTERPRET") != "1" or not fused.backend.triton_kernels().INTERPRETED:
+    if os.environ.get("TRITON_INTERPRET") != "1" or not fused.dispatch.triton_kernels().INTERPRETED:
         pytest.skip("TRITON_INTERPRET=1 was not set before triton was imported")
 
 
@@ -118,7 +118,7 @@ def test_post_bda_mask_is_mhc_cg_dropout_mask():
 
 def test_counter_hash_is_murmur3_fmix_in_32_bits():
     """The int32 hash equals the same hash in exact Python integers mod 2**32."""
-    from mhc_cg.kernels.hash import counter_hash
+    from mhc_cg.ops.kernels.hash import counter_hash
 
     mask = 0xFFFFFFFF
 
@@ -152,7 +152,7 @@ def test_triton_matches_reference_fp32(interpret, n, c):
 
 def op_cases(device, dtype, n: int, c: int, t: int) -> dict:
     """Every forward and backward op on the same random inputs; ``case(use_triton)`` runs one."""
-    from mhc_cg.kernels import ops
+    from mhc_cg.ops.kernels import ops
 
     g = torch.Generator().manual_seed(0)
 
@@ -244,7 +244,7 @@ def test_cli_rejects_triton_on_cpu_with_exit_2(tmp_path):
 # ---- one op per step: what the graph tape records ----------------------------------------------
 
 def test_tape_records_each_fused_op_as_one_op_and_replays_it():
-    from mhc_cg.graphs import get_backend
+    from mhc_cg.runtime.graphs import get_backend
 
     backend = get_backend("tape")
     n, c = 4, 6

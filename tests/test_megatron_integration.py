@@ -10,11 +10,11 @@ pytest.importorskip("megatron.core")
 from megatron.core.transformer.enums import CudaGraphScope  # noqa: E402
 
 from mhc_cg.config import load_config  # noqa: E402
-from mhc_cg.errors import ConfigError  # noqa: E402
-from mhc_cg.pipeline.distributed import free_port  # noqa: E402
-from mhc_cg.pipeline.planner import plan  # noqa: E402
-from mhc_cg.pipeline.schedule import pipeline_order  # noqa: E402
-from megatron_integration.config import MHCTransformerConfig  # noqa: E402
+from mhc_cg.core.errors import ConfigError  # noqa: E402
+from mhc_cg.training.pipeline.driver import free_port  # noqa: E402
+from mhc_cg.tools.planner import plan  # noqa: E402
+from mhc_cg.core.schedule import pipeline_order  # noqa: E402
+from megatron_integration.transformer_config import MHCTransformerConfig  # noqa: E402
 from megatron_integration.graph_hook import (RecomputeCaptureMixin, RecomputeGraphKey,  # noqa: E402
                                              recompute_capture_order)
 from megatron_integration.mapping import to_transformer_config  # noqa: E402
@@ -227,7 +227,7 @@ def test_mixin_captures_recompute_graphs_in_order_before_megatron_finishes():
 def test_block_on_static_buffers_equals_without_recompute(model_parallel, graphs):
     """megatron-core's mHC block through mhc_cg's static runtime (arena slots, persistent sets,
     tape recompute graphs), two microbatches in flight: outputs and every gradient bit-identical."""
-    from mhc_cg.graphs import get_backend
+    from mhc_cg.runtime.graphs import get_backend
     from megatron_integration.layer import MHCTransformerBlock, get_mhc_layer_spec
     from megatron_integration.static import StaticMHCBlock
 

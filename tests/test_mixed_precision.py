@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from mhc_cg.compare import format_table, mismatches
+from mhc_cg.tools.compare import format_table, mismatches
 from mhc_cg.config import load_config
-from mhc_cg.mixed_precision import DynamicLossScaler, MixedPrecisionOptimizer
-from mhc_cg.train import TrainResult, train
+from mhc_cg.training.mixed_precision import DynamicLossScaler, MixedPrecisionOptimizer
+from mhc_cg.training.session import TrainResult, train
 from helpers import REPO, tiny_run_config
 
 
@@ -82,7 +82,7 @@ def test_loss_scale_grows_after_clean_steps():
 def test_skipped_steps_are_reported_by_train(monkeypatch):
     """A step whose gradients overflow is counted in ``skipped_steps`` (forced here by an
     initial scale that overflows fp16 at once)."""
-    from mhc_cg import mixed_precision
+    from mhc_cg.training import mixed_precision
 
     monkeypatch.setattr(mixed_precision, "DynamicLossScaler",
                         lambda: DynamicLossScaler(scale=2.0 ** 40))

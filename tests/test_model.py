@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from mhc_cg.config import RunConfig
-from mhc_cg.dropout import counter_dropout_mask, counter_uniform_bits, dropout
-from mhc_cg.errors import ConfigError
+from mhc_cg.ops.dropout import counter_dropout_mask, counter_uniform_bits, dropout
+from mhc_cg.core.errors import ConfigError
 from mhc_cg.model import MHCGPT, MHCGPTConfig
-from mhc_cg.train import train
+from mhc_cg.training.session import train
 
 TINY = dict(vocab_size=32, seq_length=8, hidden_size=16, num_heads=2, num_layers=2, num_streams=4)
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from mhc_cg.profiling import nvtx as nvtx_ranges
+from mhc_cg.core import nvtx as nvtx_ranges
 from mhc_cg.config import RunConfig
-from mhc_cg.profiling.nvtx import (NO_RANGE, enable, enabled_parts, nvtx_range, profiler_recording,
+from mhc_cg.core.nvtx import (NO_RANGE, enable, enabled_parts, nvtx_range, profiler_recording,
                                  range_name)
-from mhc_cg.train import train
+from mhc_cg.training.session import train
 
 
 @pytest.fixture(autouse=True)

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mhc_cg.cli import main
-from mhc_cg.errors import ConfigError
-from mhc_cg.pipeline.planner import plan
-from mhc_cg.pipeline.schedule import check_order, decode_order, pipeline_order, schedule_problems
-from mhc_cg.pipeline.plot import chrome_trace, simulate_timeline
+from mhc_cg.core.errors import ConfigError
+from mhc_cg.tools.planner import plan
+from mhc_cg.core.schedule import check_order, decode_order, pipeline_order, schedule_problems
+from mhc_cg.tools.planner_plot import chrome_trace, simulate_timeline
 
 schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 cuda_graphs = pytest.importorskip("megatron.core.transformer.cuda_graphs")

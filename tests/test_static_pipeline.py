@@ -1,6 +1,6 @@
 """Static-buffer recompute along a real pipeline order (pp=4, vpp=2), on one process.
 
-The rank's order (``mhc_cg.pipeline.schedule.pipeline_order``) is executed in sequence: ``+c`` runs the
+The rank's order (``mhc_cg.core.schedule.pipeline_order``) is executed in sequence: ``+c`` runs the
 forward of model chunk ``c`` on its next microbatch, ``-c`` that chunk's oldest backward. Many
 microbatches are in flight at once, the two chunks share one arena and one pool of persistent
 slot sets, and gradients must still equal eager without recompute, bit for bit.
@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mhc_cg.recompute.arena import Arena
-from mhc_cg.graphs import get_backend
-from mhc_cg.pipeline.planner import peak_in_flight
-from mhc_cg.pipeline.schedule import pipeline_order
-from mhc_cg.recompute.persistent import PersistentSetPool, new_persistent_set
-from mhc_cg.recompute.static import build_static_recompute
+from mhc_cg.runtime.recompute.arena import Arena
+from mhc_cg.runtime.graphs import get_backend
+from mhc_cg.tools.planner import peak_in_flight
+from mhc_cg.core.schedule import pipeline_order
+from mhc_cg.runtime.recompute.persistent import PersistentSetPool, new_persistent_set
+from mhc_cg.runtime.recompute.static import build_static_recompute
 
 from helpers import (PIPELINE_LAYERS_PER_CHUNK, PIPELINE_MBS, PIPELINE_SEQ, chunk_layers, eager_run,
                      execute, rank_model, static_run)
@@ -37,7 +37,7 @@ def test_pipeline_order_gradients_bit_identical_with_recompute_graphs(rank):
     assert runtimes[1].sets.in_use == 0
     # FIFO along the order, exactly as the schedule planner assigns them
     try:
-        from mhc_cg.pipeline.planner import assign_persistent_slot_sets
+        from mhc_cg.tools.planner import assign_persistent_slot_sets
     except ImportError:
         return
     assert acquired == assign_persistent_slot_sets(order)
@@ -61,8 +61,8 @@ def test_graphed_sublayers_per_microbatch_along_the_order():
     """The full picture on one rank: every sublayer a graphed callable per (chunk, microbatch,
     layer), captured with the order (TE semantics, shared pool, static input reuse), the mHC ops
     inside them saving into the shared arena, recompute graphs per (chunk, block, set)."""
-    from mhc_cg.modes.graphed_static import SlotSublayer
-    from mhc_cg.graphs.graphed_callables import make_graphed_callables
+    from mhc_cg.runtime.modes.graphed_static import SlotSublayer
+    from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
 
     order = pipeline_order(4, 2, 4, vpp_size=2)
     ref_model, ref_grads = eager_run(order)

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mhc_cg.recompute.arena import ArenaLayoutError
+from mhc_cg.runtime.recompute.arena import ArenaLayoutError
 from mhc_cg.model import MHCGPT, MHCGPTConfig
-from mhc_cg.errors import StaticRecomputeError
-from mhc_cg.recompute.static import build_static_recompute
+from mhc_cg.core.errors import StaticRecomputeError
+from mhc_cg.runtime.recompute.static import build_static_recompute
 
 SEQ, MBS = 16, 2
 
@@ -158,7 +158,7 @@ def test_exception_mid_forward_claims_nothing_and_next_step_is_correct():
 
 
 def test_arena_layout_is_fixed_once_allocated():
-    from mhc_cg.recompute.arena import Arena
+    from mhc_cg.runtime.recompute.arena import Arena
     arena = Arena("cpu")
     region = arena.region("L0.attn.0")
     arena.claim(region, 0, 256, torch.float32)
@@ -175,7 +175,7 @@ def test_arena_layout_is_fixed_once_allocated():
 
 
 def test_moe_partial_capture_signal_unwinding_the_forward_leaves_nothing_claimed():
-    from mhc_cg.megatron_moe import MoECudaGraphPartialCaptureSignal
+    from mhc_cg.model.moe import MoECudaGraphPartialCaptureSignal
 
     model, data = tiny_model(num_experts=4), batches(1)
     expected = reference_grads(model, data)
@@ -198,8 +198,8 @@ def test_arena_holds_one_block_of_the_saved_tensor_model(block_size, dropout):
     of memory_model.sublayer_saved_elements, up to the 64-byte alignment of each slot, less F's
     output (C per token and sublayer), which ``h_post`` saves from the persistent set, and less
     the block's input (n*C per token), which the first mHC ops save from there too."""
-    from mhc_cg.recompute.arena import ALIGN_BYTES
-    from mhc_cg.memory.analytical import sublayer_saved_elements
+    from mhc_cg.runtime.recompute.arena import ALIGN_BYTES
+    from mhc_cg.tools.memory.analytical import sublayer_saved_elements
 
     model = tiny_model(dropout=dropout)
     runtime = build_static_recompute(list(model.layers), block_size, seq_length=SEQ,

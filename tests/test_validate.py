@@ -7,7 +7,7 @@ import yaml
 
 from mhc_cg.cli import main
 from mhc_cg.config import RunConfig, load_config
-from mhc_cg.validate import validate
+from mhc_cg.config.rules import validate
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 

@@ -1,7 +1,7 @@
 """``mhc-cg bench``: time every training mode in alternation; JSON + markdown under bench/results/.
 
 Prints the markdown table and the targets check on stdout, progress on stderr. See
-``mhc_cg/bench.py`` for what is measured and ``bench/README.md`` for running it on a GPU.
+``mhc_cg/tools/bench.py`` for what is measured and ``bench/README.md`` for running it on a GPU.
 """
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from mhc_cg.bench import BENCH_MODES, CPU_CAVEAT, BenchOptions, markdown, parse_modes, run_bench, \
+from mhc_cg.tools.bench import BENCH_MODES, CPU_CAVEAT, BenchOptions, markdown, parse_modes, run_bench, \
     write_results
 from mhc_cg.config import load_config
-from mhc_cg.errors import ConfigError
-from mhc_cg.graphs.backend import BACKEND_NAMES
-from mhc_cg.train import resolve_device
+from mhc_cg.core.errors import ConfigError
+from mhc_cg.runtime.graphs.capture import BACKEND_NAMES
+from mhc_cg.training.session import resolve_device
 
 HELP = ("benchmark eager / graphed modes with and without mHC recompute: peak memory, step time, "
         "tokens/s, recompute graph vs its bandwidth bound")

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from mhc_cg.config import load_config
-from mhc_cg.cost.report import DEVICES, cost_report, format_report
+from mhc_cg.tools.cost.report import DEVICES, cost_report, format_report
 
 HELP = "GPU cost without a GPU: kernels, bytes and capture-pool memory of every mode's step"
 

@@ -7,8 +7,8 @@ import json
 import sys
 
 from mhc_cg.config import load_config
-from mhc_cg.plan import MODES, configured_mode
-from mhc_cg.train import train
+from mhc_cg.runtime.modes.plan import MODES, configured_mode
+from mhc_cg.training.session import train
 
 HELP = "train the mHC GPT of a config on a synthetic corpus; --compare runs every recompute mode"
 
@@ -32,14 +32,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     if cfg.parallel.pp_size > 1:  # one process per pipeline rank
-        from mhc_cg.pipeline import report
+        from mhc_cg.tools import pipeline_compare as report
 
         return report.run(cfg, args)
     progress = not args.no_progress
     if args.compare:
-        from mhc_cg.compare import format_table, run_modes, to_json
+        from mhc_cg.tools.compare import format_table, run_modes, to_json
 
-        from mhc_cg.compare import mismatches
+        from mhc_cg.tools.compare import mismatches
 
         results = run_modes(cfg, steps=args.steps, device=args.device, progress=progress)
         problems = mismatches(results)

@@ -1,0 +1,204 @@
+"""Megatron-LM ``main``'s own mHC layer (``HyperConnectionTransformerLayer``) on mhc_cg's runtimes.
+
+Megatron-LM ``main`` ships mHC as ``HyperConnectionModule`` (mappings, aggregate, H_res, H_post,
+its fused H_res/H_post/bias-dropout-add) inside ``HyperConnectionTransformerLayer``, with its own
+``recompute_modules: [mhc]`` recompute. No megatron-core release has it yet, so everything from
+``megatron.core`` is imported lazily: this module imports with any megatron-core (or none), and
+its functions need ``main``'s ``megatron.core`` first on the path when called.
+
+* ``main_mhc_layer_spec``: ``main``'s local GPT layer spec with its mHC layer and modules.
+* ``MainLayerSteps``: one such layer as ``mhc_cg``'s named sublayer steps (``mappings``,
+  ``aggregate``, ``norm``, ``fn``, ``h_res_step``, ``post_bda``,
+  ``cfg``), each step ``main``'s own code: every runtime of ``mhc_cg`` (plain sublayer, eager
+  block recompute, static buffers and recompute graphs) then runs ``main``'s modules unchanged.
+* ``MainBlock``: ``main``'s ``TransformerBlock`` of those layers, forward through ``mhc_cg``'s
+  eager block recompute (``forward_block_recompute``) or its static-buffer runtime
+  (``StaticMainBlock``).
+
+The steps keep ``main``'s arithmetic op for op, so gradients equal ``main``'s no-recompute path
+bit for bit: F returns ``(output, bias)`` with the bias not added (``skip_bias_add``), and
+``main`` expands output and bias by H_post separately and adds them in its bias-dropout-add.
+``h_post_step`` does the same two expansions and that one add (the bias is F's, remembered
+from the forward: a parameter, never recomputed); ``post_bda`` then applies ``main``'s
+``residual + dropout(x)``. The order of H_res relative to H_post differs between runtimes, which
+is harmless: they share no input, and H_res stays the last consumer of the residual created.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+from typing import Callable
+
+from torch import Tensor
+
+from mhc_cg.core.errors import StaticRecomputeError
+from mhc_cg.model import HyperConnectionSteps
+from mhc_cg.runtime.recompute.eager import BlockRecomputeManager, run_recompute_blocks
+
+from .static import StaticMHCBlock
+from .steps import LayerSteps
+
+MAIN_NEEDED = ("megatron_integration.main_branch: needs Megatron-LM main's megatron.core "
+               "(megatron.core.transformer.hyper_connection); the installed megatron-core has no "
+               "mHC: put a main checkout first on PYTHONPATH")
+
+
+def _main_modules():
+    try:
+        from megatron.core.transformer.hyper_connection import HyperConnectionModule
+        from megatron.core.transformer.transformer_layer import HyperConnectionTransformerLayer
+    except ImportError as err:
+        raise ImportError(MAIN_NEEDED) from err
+    return HyperConnectionModule, HyperConnectionTransformerLayer
+
+
+def main_mhc_layer_spec(normalization: str = "RMSNorm"):
+    """``main``'s ``get_gpt_layer_local_spec`` with ``HyperConnectionTransformerLayer`` and a
+    ``HyperConnectionModule`` around attention and MLP (``main`` builds no such spec in core)."""
+    hyper_connection, layer = _main_modules()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
+    spec.module = layer
+    spec.submodules.self_attention_hyper_connection = hyper_connection
+    spec.submodules.mlp_hyper_connection = hyper_connection
+    return spec
+
+
+class MainSublayerSteps(HyperConnectionSteps):
+    """The attention or MLP sublayer of a ``HyperConnectionTransformerLayer`` as named steps."""
+
+    def __init__(self, layer, which: str):
+        attention = which == "attention"
+        self.layer = layer
+        self.hc = layer.self_attention_hyper_connection if attention else layer.mlp_hyper_connection
+        self.norm = layer.input_layernorm if attention else layer.pre_mlp_layernorm
+        config = layer.config
+        # main's hyper-connection dropout is torch's (stateful) dropout
+        self.cfg = SimpleNamespace(dropout_impl="torch", hidden_dropout=layer.hidden_dropout,
+                                   num_streams=config.mhc_num_residual_streams,
+                                   hidden_size=config.hidden_size)
+        self.fn: Callable[[Tensor], Tensor] | None = None  # bound per forward (MainLayerSteps.bind)
+        self.bias: Tensor | None = None  # F's skipped bias, set by fn
+
+    def h_post_step(self, y: Tensor, h_post: Tensor) -> Tensor:
+        """``H_post^T y (+ H_post^T bias)``: the input of main's bias-dropout-add, ``x + bias``."""
+        out = self.hc._apply_h_post(y, h_post)
+        if self.bias is None:
+            return out
+        return out + self.hc._apply_h_post(self.bias, h_post)
+
+    def post_bda(self, y: Tensor, h_post: Tensor, mixed: Tensor, seed: Tensor | None) -> Tensor:
+        """``main``'s own bias-dropout-add of ``H_post^T (y + bias)`` onto ``mixed`` (``seed`` is
+        unused: main's dropout draws from torch's generator)."""
+        from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+        bda = get_bias_dropout_add(self.layer.training, self.layer.config.bias_dropout_fusion)
+        return bda((self.h_post_step(y, h_post), None), mixed, self.layer.hidden_dropout)
+
+
+class MainLayerSteps(LayerSteps):
+    """Both sublayers of a ``HyperConnectionTransformerLayer``; ``bind`` sets F's arguments."""
+
+    sublayer_type = MainSublayerSteps
+
+    def bind(self, attention_mask: Tensor | None = None, **kwargs) -> "MainLayerSteps":
+        """F of each sublayer for one forward: ``main``'s self-attention and MLP.
+
+        ``kwargs`` are the layer's attention keywords (``rotary_pos_emb``, ``packed_seq_params``,
+        ...); ``padding_mask`` goes to the MLP. Cross attention is not part of ``main``'s mHC layer.
+        """
+        kwargs = dict(kwargs)
+        padding_mask = kwargs.pop("padding_mask", None)
+        for unused in ("context", "context_mask"):
+            if kwargs.pop(unused, None) is not None:
+                raise ValueError(f"MainLayerSteps: {unused} given, but HyperConnectionTransformerLayer "
+                                 f"has no cross attention; drop {unused}")
+        layer, attention, mlp = self.layer, self.attention, self.mlp
+
+        def attention_fn(normed: Tensor) -> Tensor:
+            out, attention.bias = layer.self_attention(normed, attention_mask=attention_mask, **kwargs)
+            return out
+
+        def mlp_fn(normed: Tensor) -> Tensor:
+            out, mlp.bias = layer.mlp(normed, padding_mask=padding_mask)
+            return out
+
+        attention.fn, mlp.fn = attention_fn, mlp_fn
+        return self
+
+
+class MainBlock:
+    """``main``'s ``TransformerBlock`` (mHC on) with its layers on ``mhc_cg``'s block recompute.
+
+    ``streams_in``/``streams_out`` are ``main``'s own block boundaries: expand to n streams on the
+    first pipeline stage, contract (mean) and the final norm on the last.
+    """
+
+    def __init__(self, block):
+        if not getattr(block.config, "enable_mhc_connections", False):
+            raise ValueError("MainBlock: the block's config has enable_mhc_connections off; "
+                             "set enable_mhc_connections=True")
+        self.block = block
+        self.config = block.config
+        self.layers = block.layers
+        self.managers: list[BlockRecomputeManager] = []
+        self.steps: list[MainLayerSteps] = []
+
+    def streams_in(self, hidden_states: Tensor) -> Tensor:
+        from megatron.core.utils import make_viewless_tensor
+
+        hyper_connection, _ = _main_modules()
+        hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+        if not self.block.pre_process:
+            return hidden_states
+        return hyper_connection.input_expand(hidden_states, self.config.mhc_num_residual_streams)
+
+    def streams_out(self, x: Tensor) -> Tensor:
+        hyper_connection, _ = _main_modules()
+        if self.block.has_final_layernorm_in_this_stage():
+            x = hyper_connection.output_contract(x, self.config.mhc_num_residual_streams)
+        final_norm = self.block.final_layernorm
+        return x if final_norm is None else final_norm(x)
+
+    def forward_block_recompute(self, hidden_states: Tensor, attention_mask: Tensor | None = None,
+                                block_size: int | None = None, **kwargs) -> Tensor:
+        """The block's forward with ``mhc_cg``'s eager block recompute: blocks of ``block_size``
+        layers (default ``config.mhc_recompute_layer_num``, else all), one manager each
+        (``self.managers``); every mHC step is checkpointed and freed, F's outputs are kept."""
+        self.steps = [MainLayerSteps(layer, attention_mask, **kwargs) for layer in self.layers]
+        size = block_size or self.config.mhc_recompute_layer_num or len(self.steps)
+        self.managers = []
+        x = run_recompute_blocks(self.steps, self.streams_in(hidden_states), None, size,
+                                 self.managers)
+        return self.streams_out(x)
+
+
+class StaticMainBlock(StaticMHCBlock):
+    """``main``'s mHC block on static buffers (arena slots, persistent sets, recompute graphs).
+
+    ``hidden_dropout`` must be 0: ``main``'s dropout draws from torch's stateful generator, which
+    a recompute into fixed slots (and a replayed graph) cannot rewind.
+    """
+
+    steps_type = MainLayerSteps
+
+    def __init__(self, block, *, seq_length: int, micro_batch_size: int, capacity: int = 1):
+        if block.config.hidden_dropout > 0:
+            raise StaticRecomputeError(
+                f"hidden_dropout={block.config.hidden_dropout}: Megatron-LM main's mHC dropout "
+                f"draws from torch's stateful generator, which a recompute into static slots (or a "
+                f"replayed graph) cannot rewind; set hidden_dropout=0 for StaticMainBlock")
+        self.main = MainBlock(block)
+        super().__init__(block, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                         capacity=capacity)
+
+    def mhc_enabled(self, config) -> bool:
+        return bool(getattr(config, "enable_mhc_connections", False))
+
+    def streams_in(self, hidden_states: Tensor) -> Tensor:
+        return self.main.streams_in(hidden_states)
+
+    def streams_out(self, x: Tensor) -> Tensor:
+        return self.main.streams_out(x)

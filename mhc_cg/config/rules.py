@@ -1,0 +1,237 @@
+"""Cross-field rules of a ``RunConfig``: what each section accepts alone is checked when it is built
+(``mhc_cg.config``); what only holds between fields (scopes vs model, pipeline vs layers) is here.
+
+``validate(cfg)`` returns every broken rule, one line each, naming the field and the fix;
+``check(cfg)`` raises ``ConfigError`` with all of them. ``load_config`` calls ``check``, so every
+command that reads a YAML file reports these problems the same way (exit status 2).
+
+What the scopes mean, and the capture plan they resolve to: :mod:`mhc_cg.runtime.modes.plan`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mhc_cg.core.errors import ConfigError, did_you_mean
+from mhc_cg.runtime.modes.plan import MOE_SCOPES, SCOPES, configured_scopes, scope_field
+from mhc_cg.core.schedule import schedule_problems
+
+if TYPE_CHECKING:
+    from mhc_cg.config import RunConfig
+    from mhc_cg.model import MHCGPTConfig
+
+BACKENDS = ("auto", "cuda", "te", "tape")
+
+# Megatron-LM / MindSpeed recompute options a user may carry over, and what they map to here.
+# mhc_cg has no full-layer recompute: model.recompute: block re-runs only the mHC ops, never F.
+# Megatron's rules for mixing activation recompute with full recompute (only method 'block'; the
+# full-recompute layers come first, then the activation-recompute layers; no layer does both; the
+# two counts add up to num_layers without pipelining) therefore have nothing to split here.
+FOREIGN_RECOMPUTE_FIELDS = {
+    "recompute_granularity": "mhc_cg has no full-layer or selective recompute of F; "
+                             "model.recompute: block recomputes the mHC ops, and "
+                             "model.recompute_activation the MLP's gelu",
+    "recompute_method": "mhc_cg has no full-layer recompute, so no method; model.recompute: block "
+                        "recomputes the mHC ops in blocks of model.recompute_layers",
+    "recompute_num_layers": "mhc_cg has no full-layer recompute; for mHC block recompute use "
+                            "model.recompute_layers (layers per block), for gelu recompute "
+                            "model.recompute_activation_layers",
+    "recompute_activation_function": "MindSpeed's --recompute-activation-function is "
+                                     "model.recompute_activation here",
+    "recompute_activation_function_num_layers": "MindSpeed's "
+                                                "--recompute-activation-function-num-layers is "
+                                                "model.recompute_activation_layers here",
+}
+
+# schedule_problems names its arguments; these are the fields a user edits.
+_SCHEDULE_FIELDS = {"pp_size": "parallel.pp_size", "vpp_size": "parallel.vpp_size",
+                    "microbatch_group_size": "parallel.microbatch_group_size",
+                    "num_microbatches": "train.num_microbatches"}
+
+
+def validate(cfg: "RunConfig") -> list[str]:
+    """Every cross-section problem of ``cfg``, one line each; empty when the config is consistent.
+
+    Rules within the model section (activation recompute included) are ``MHCGPTConfig``'s own:
+    a config that reached here has passed them.
+    """
+    return [*_graph_problems(cfg), *_scope_problems(cfg), *_pipeline_problems(cfg),
+            *_size_problems(cfg)]
+
+
+def check(cfg: "RunConfig") -> "RunConfig":
+    """``cfg`` unchanged, or ``ConfigError`` listing every problem ``validate`` finds."""
+    problems = validate(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def activation_recompute_problems(model: "MHCGPTConfig") -> list[str]:
+    """The rules for ``model.recompute_activation[_layers]``, one line per broken rule.
+
+    Run by ``MHCGPTConfig`` itself, so a model built in code obeys them too. Activation
+    recompute combines with ``recompute: none`` and ``recompute: block`` on any layer: mHC block
+    recompute never re-runs F, so no layer would recompute its gelu twice (the seed's "no layer
+    does both" rule has nothing to forbid here).
+    """
+    problems = []
+    on, layers = model.recompute_activation, model.recompute_activation_layers
+    if not isinstance(on, bool):
+        problems.append(f"model.recompute_activation: must be true or false, got {on!r}")
+        return problems
+    if layers is not None:
+        if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+            problems.append(f"model.recompute_activation_layers: must be a positive integer (the "
+                            f"first N layers recompute their gelu) or null for all layers, got "
+                            f"{layers!r}")
+        elif isinstance(model.num_layers, int) and layers > model.num_layers:
+            problems.append(f"model.recompute_activation_layers: {layers} exceeds model.num_layers="
+                            f"{model.num_layers}; use at most {model.num_layers}, or null for all "
+                            f"layers")
+        if not on:
+            problems.append(f"model.recompute_activation_layers: set to {layers!r} but "
+                            f"model.recompute_activation is false, so no layer would recompute "
+                            f"its activation; set model.recompute_activation: true or remove "
+                            f"recompute_activation_layers")
+    if on and model.num_experts is not None:
+        problems.append(f"model.recompute_activation: recomputes the dense MLP's gelu "
+                        f"(fc1 -> gelu -> fc2), but every layer's MLP is MoE "
+                        f"(model.num_experts={model.num_experts}); set model.num_experts: null or "
+                        f"model.recompute_activation: false")
+    return problems
+
+
+def _graph_problems(cfg: "RunConfig") -> list[str]:
+    graph, problems = cfg.graph, []
+    if graph.backend not in BACKENDS:
+        problems.append(f"graph.backend: must be one of {list(BACKENDS)}, got {graph.backend!r}"
+                        f"{did_you_mean(graph.backend, BACKENDS)}")
+    if graph.backend == "cuda" and cfg.train.device == "cpu":
+        problems.append("graph.backend: 'cuda' captures torch.cuda.CUDAGraph, but train.device is "
+                        "'cpu'; set train.device: cuda (or auto), or graph.backend: tape for the "
+                        "CPU emulation")
+    old, new = graph.cuda_graph_scope, graph.cuda_graph_modules
+    if old is not None and new is not None and set(old) != set(new):
+        problems.append(f"graph.cuda_graph_modules: {new} disagrees with graph.cuda_graph_scope "
+                        f"{old}; both name the same setting (megatron-core >= 0.18 renamed "
+                        f"cuda_graph_scope to cuda_graph_modules): keep one of them")
+    return problems
+
+
+def _scope_problems(cfg: "RunConfig") -> list[str]:
+    model, name = cfg.model, scope_field(cfg)
+    scopes = configured_scopes(cfg)
+    problems = []
+    for scope in scopes:
+        if scope not in SCOPES:
+            problems.append(f"{name}: unknown scope {scope!r}{did_you_mean(scope, SCOPES)}; "
+                            f"allowed: {', '.join(SCOPES)}")
+    duplicates = sorted({s for s in scopes if scopes.count(s) > 1})
+    if duplicates:
+        problems.append(f"{name}: {duplicates} listed more than once; list each scope once")
+
+    if "mhc_recompute" in scopes:
+        if model.num_streams < 2:
+            problems.append(f"{name}: 'mhc_recompute' recomputes the mHC ops, but mHC is off "
+                            f"(model.num_streams is {model.num_streams}); set model.num_streams "
+                            f">= 2 (4 in the paper) or remove 'mhc_recompute'")
+        if model.recompute != "block":
+            problems.append(f"{name}: 'mhc_recompute' captures the block recompute, but "
+                            f"model.recompute is {model.recompute!r}; set model.recompute: block "
+                            f"or remove 'mhc_recompute'")
+        if model.dropout_impl == "torch" and model.hidden_dropout > 0:
+            problems.append(
+                f"model.dropout_impl: 'torch' draws its mask from the stateful generator; a "
+                f"replayed recompute graph cannot rewind that generator, so the recompute would "
+                f"draw a different mask than the forward and the gradients would be wrong; set "
+                f"model.dropout_impl: counter (mask = hash(seed, index), the same on every "
+                f"replay), or model.hidden_dropout: 0, or remove 'mhc_recompute' from {name}")
+
+    moe_scopes = [s for s in scopes if s in MOE_SCOPES]
+    if moe_scopes and not model.is_moe:
+        problems.append(f"{name}: {moe_scopes} capture MoE layers, but the model is dense "
+                        f"(model.num_experts is null); set model.num_experts or use 'mlp'")
+    if "mlp" in scopes and model.is_moe:
+        problems.append(f"{name}: 'mlp' captures a dense MLP, but every layer's MLP is MoE "
+                        f"(model.num_experts={model.num_experts}); use 'moe_router' "
+                        f"[+ 'moe_preprocess'] instead")
+    if "moe_preprocess" in scopes and "moe_router" not in scopes:
+        problems.append(f"{name}: 'moe_preprocess' continues the router's graph, so it needs "
+                        f"'moe_router' too; add 'moe_router'")
+    if "moe" in scopes and "moe_router" in scopes:
+        problems.append(f"{name}: 'moe' captures the whole MoE layer, router included, so it "
+                        f"cannot be combined with 'moe_router'; keep one of them")
+    if "moe" in scopes and model.is_moe and "moe_router" not in scopes:
+        problems.append(f"{name}: 'moe' captures the whole MoE layer, but mhc_cg's MoE dispatch "
+                        f"has data-dependent shapes (no drop-and-pad); use 'moe_router' "
+                        f"[+ 'moe_preprocess'] (partial capture)")
+    return problems
+
+
+def _pipeline_problems(cfg: "RunConfig") -> list[str]:
+    par, model = cfg.parallel, cfg.model
+    problems = []
+    for line in schedule_problems(par.pp_size, 0, cfg.train.num_microbatches, par.vpp_size,
+                                  par.microbatch_group_size):
+        name, sep, rest = line.partition(":")
+        problems.append(f"{_SCHEDULE_FIELDS.get(name, name)}{sep}{rest}")
+    if not all(isinstance(v, int) and v >= 1 for v in (par.pp_size, par.vpp_size)):
+        return problems  # already reported; the rules below divide by them
+    chunks = par.pp_size * par.vpp_size
+    if model.num_layers % chunks:
+        problems.append(f"model.num_layers: {model.num_layers} layers cannot be split into "
+                        f"pp_size * vpp_size = {chunks} equal model chunks; use a multiple of "
+                        f"{chunks}")
+        return problems
+    per_chunk = model.num_layers // chunks
+    recomputing = model.recompute == "block" or "mhc_recompute" in configured_scopes(cfg)
+    if recomputing and chunks > 1 and model.recompute_layers is not None \
+            and per_chunk % model.recompute_layers:
+        divisors = [d for d in range(1, per_chunk + 1) if per_chunk % d == 0]
+        problems.append(f"model.recompute_layers: a recompute block of {model.recompute_layers} "
+                        f"layers would cross a pipeline stage (each model chunk holds "
+                        f"num_layers / (pp_size * vpp_size) = {per_chunk} layers); use one of "
+                        f"{divisors}, or null for the paper's default per chunk")
+    return problems
+
+
+# The synthetic corpus (mhc_cg.training.data) needs room for its strides.
+MIN_VOCAB_SIZE = 8
+# No single device holds this much; a config beyond it is a typo (hidden_size: 1e20), refused
+# before anything is allocated. What fits one device is checked against it when training starts.
+MAX_TRAIN_BYTES = 2 ** 40
+
+
+def estimated_train_bytes(cfg: "RunConfig") -> int:
+    """Rough bytes one training step holds: parameters and gradients in ``train.dtype``, fp32
+    main parameters and AdamW state (mixed precision), and one microbatch's activations (about 24
+    stream-wide tensors per layer, plus the seq x seq attention scores of the math path). An
+    order-of-magnitude figure for refusing impossible sizes up front, not a memory model."""
+    from mhc_cg.core.dtypes import DTYPE_BYTES
+
+    m, t = cfg.model, cfg.train
+    c, n, s, layers = m.hidden_size, m.num_streams, m.seq_length, m.num_layers
+    ffn = m.ffn_hidden_size if not m.is_moe else m.moe_ffn_hidden_size * m.num_experts
+    per_layer = 4 * c * c + 2 * c * ffn + 2 * (n * c * (n * n + 2 * n) + c)
+    params = 2 * m.vocab_size * c + s * c + layers * per_layer
+    width = DTYPE_BYTES.get(t.dtype, 4)
+    state = params * (2 * width + (16 if t.dtype != "fp32" else 12))
+    activations = layers * t.micro_batch_size * s * width * (24 * n * c + 3 * ffn + m.num_heads * s)
+    return state + activations
+
+
+def _size_problems(cfg: "RunConfig") -> list[str]:
+    model, problems = cfg.model, []
+    if model.vocab_size < MIN_VOCAB_SIZE:
+        problems.append(f"model.vocab_size: {model.vocab_size} is too small for the synthetic "
+                        f"corpus (progressions with strides up to 5); use at least "
+                        f"{MIN_VOCAB_SIZE}")
+    need = estimated_train_bytes(cfg)
+    if need > MAX_TRAIN_BYTES:
+        problems.append(f"model: training this model needs about {need / 2 ** 30:.3g} GiB "
+                        f"(parameters, optimizer state, one microbatch's activations), beyond the "
+                        f"limit of {MAX_TRAIN_BYTES / 2 ** 30:.0f} GiB that any one device holds; "
+                        f"reduce model.hidden_size, num_layers, seq_length, ffn_hidden_size or "
+                        f"train.micro_batch_size")
+    return problems

@@ -1,0 +1,180 @@
+"""mHC math: Manifold-Constrained Hyper-Connections (arXiv 2512.24880).
+
+Layout and conventions (kept identical to Megatron-LM ``main`` so weights interoperate):
+
+* A residual stream tensor is ``[s, b, n*C]``, viewed as ``[s, b, n, C]``: stream-major, the
+  C features of one stream contiguous.
+* ``mapping_proj`` maps ``n*C -> n*n + 2n``; its output columns are ``[pre (n) | post (n) | res (n*n)]``.
+* ``apply_h_res(h_res, x)[i] = sum_j h_res[i, j] * x[j]``: row ``i`` of ``h_res`` says how much
+  of every input stream ``j`` flows into output stream ``i``. (Megatron-LM's ``dev`` branch uses
+  the transpose; we follow ``main``.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from mhc_cg.ops import kernels as fused
+
+SINKHORN_EPS = 1e-6
+RMS_EPS = 1e-6
+
+
+def _check_streams(name: str, x: Tensor, num_streams: int, hidden_size: int | None = None) -> int:
+    """Validate ``x`` as ``[s, b, n*C]`` and return C."""
+    if x.dim() != 3:
+        raise ValueError(
+            f"{name}: expected shape [s, b, n*C] with n={num_streams}, got {tuple(x.shape)}")
+    width = x.shape[-1]
+    if hidden_size is not None and width != num_streams * hidden_size:
+        raise ValueError(
+            f"{name}: expected shape [s, b, n*C] = [*, *, {num_streams * hidden_size}] "
+            f"(n={num_streams}, C={hidden_size}), got {tuple(x.shape)}")
+    if width % num_streams:
+        raise ValueError(
+            f"{name}: last dim {width} of shape {tuple(x.shape)} is not a multiple of n={num_streams}")
+    return width // num_streams
+
+
+def _sinkhorn_iterate(logits: Tensor, iterations: int) -> Tensor:
+    m = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
+    for _ in range(iterations):
+        m = m / m.sum(dim=-1, keepdim=True).clamp_min(SINKHORN_EPS)
+        m = m / m.sum(dim=-2, keepdim=True).clamp_min(SINKHORN_EPS)
+    return m
+
+
+class _SinkhornKnopp(torch.autograd.Function):
+    """Sinkhorn-Knopp projection onto doubly stochastic matrices.
+
+    Saves only the logits (n*n per token); the backward re-runs the ``iterations`` steps under
+    autograd and differentiates them, instead of keeping every iterate (O(T*n*n)) alive.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, iterations: int) -> Tensor:
+        ctx.iterations = iterations
+        ctx.save_for_backward(logits)
+        return _sinkhorn_iterate(logits, iterations)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        (logits,) = ctx.saved_tensors
+        with torch.enable_grad():
+            leaf = logits.detach().requires_grad_(True)
+            out = _sinkhorn_iterate(leaf, ctx.iterations)
+            (grad,) = torch.autograd.grad(out, leaf, grad_out)
+        return grad, None
+
+
+def sinkhorn_knopp(logits: Tensor, iterations: int = 20) -> Tensor:
+    """Doubly stochastic matrix from ``logits [..., n, n]``: rows and columns sum to 1."""
+    if logits.dim() < 2 or logits.shape[-1] != logits.shape[-2]:
+        raise ValueError(f"sinkhorn_knopp: expected logits of shape [..., n, n], got {tuple(logits.shape)}")
+    if iterations < 1:
+        raise ValueError(f"sinkhorn_knopp: iterations must be >= 1, got {iterations}")
+    return _SinkhornKnopp.apply(logits, iterations)
+
+
+def expand_streams(x: Tensor, num_streams: int) -> Tensor:
+    """``[s, b, C] -> [s, b, n*C]``: every stream starts as a copy of ``x``."""
+    if x.dim() != 3:
+        raise ValueError(f"expand_streams: expected shape [s, b, C], got {tuple(x.shape)}")
+    s, b, c = x.shape
+    return x.unsqueeze(-2).expand(s, b, num_streams, c).reshape(s, b, num_streams * c)
+
+
+def contract_streams(x: Tensor, num_streams: int) -> Tensor:
+    """``[s, b, n*C] -> [s, b, C]``: the mean over the n streams."""
+    c = _check_streams("contract_streams", x, num_streams)
+    s, b, _ = x.shape
+    return x.view(s, b, num_streams, c).mean(dim=-2)
+
+
+class HyperConnection(nn.Module):
+    """The mHC mappings around one sublayer F: ``x' = H_res x + H_post^T F(H_pre x)``."""
+
+    def __init__(self, hidden_size: int, num_streams: int = 4, sinkhorn_iterations: int = 20,
+                 init_gating_factor: float = 0.01, kernels: str = "auto"):
+        super().__init__()
+        if hidden_size < 1 or num_streams < 1:
+            raise ValueError(f"HyperConnection: hidden_size and num_streams must be >= 1, "
+                             f"got {hidden_size} and {num_streams}")
+        self.hidden_size = hidden_size
+        self.num_streams = n = num_streams
+        self.sinkhorn_iterations = sinkhorn_iterations
+        self.kernels = kernels  # mhc_cg.ops.kernels: "auto" | "torch" | "triton"
+        self.mapping_proj = nn.Linear(n * hidden_size, n * n + 2 * n, bias=False)
+        self.alpha_pre = nn.Parameter(torch.full((1,), float(init_gating_factor)))
+        self.alpha_post = nn.Parameter(torch.full((1,), float(init_gating_factor)))
+        self.alpha_res = nn.Parameter(torch.full((1,), float(init_gating_factor)))
+        self.bias = nn.Parameter(torch.zeros(n * n + 2 * n))
+
+    def _gating_scale(self) -> Tensor:
+        n = self.num_streams
+        return torch.cat([self.alpha_pre.expand(n), self.alpha_post.expand(n),
+                          self.alpha_res.expand(n * n)])
+
+    def compute_mappings(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``x [s, b, n*C] -> h_pre [s, b, n], h_post [s, b, n], h_res [s, b, n, n]``."""
+        _check_streams("compute_mappings", x, self.num_streams, self.hidden_size)
+        return fused.mappings(x, self.mapping_proj(x), self.alpha_pre, self.alpha_post,
+                              self.alpha_res, self.bias, self.num_streams,
+                              self.sinkhorn_iterations, self.kernels)
+
+    def compute_mappings_unfused(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``compute_mappings`` as composed torch ops (what the fused op computes)."""
+        _check_streams("compute_mappings", x, self.num_streams, self.hidden_size)
+        n = self.num_streams
+        rms = x.norm(dim=-1, keepdim=True) / math.sqrt(x.shape[-1])
+        r = 1.0 / (rms + RMS_EPS)
+        h = r * self.mapping_proj(x) * self._gating_scale() + self.bias
+        h_pre = torch.sigmoid(h[..., :n])
+        h_post = 2.0 * torch.sigmoid(h[..., n:2 * n])
+        h_res = sinkhorn_knopp(h[..., 2 * n:].unflatten(-1, (n, n)), self.sinkhorn_iterations)
+        return h_pre, h_post, h_res
+
+    def aggregate(self, x: Tensor, h_pre: Tensor) -> Tensor:
+        """``sum_i h_pre[i] * x[i]``: ``[s, b, n*C], [s, b, n] -> [s, b, C]``."""
+        _check_streams("aggregate", x, self.num_streams, self.hidden_size)
+        _check_mapping("aggregate", h_pre, x.shape[:2], (self.num_streams,))
+        return fused.aggregate(x, h_pre, self.kernels)
+
+    def apply_h_res(self, h_res: Tensor, residual: Tensor) -> Tensor:
+        """``out[i] = sum_j h_res[i, j] * residual[j]``: ``[s, b, n, n], [s, b, n*C] -> [s, b, n*C]``."""
+        _check_streams("apply_h_res", residual, self.num_streams, self.hidden_size)
+        _check_mapping("apply_h_res", h_res, residual.shape[:2], (self.num_streams, self.num_streams))
+        return fused.h_res_apply(h_res, residual, self.kernels)
+
+    def apply_h_post(self, y: Tensor, h_post: Tensor) -> Tensor:
+        """``out[i] = h_post[i] * y``: ``[s, b, C], [s, b, n] -> [s, b, n*C]``."""
+        if y.dim() != 3 or y.shape[-1] != self.hidden_size:
+            raise ValueError(f"apply_h_post: expected y of shape [s, b, C] = [*, *, {self.hidden_size}], "
+                             f"got {tuple(y.shape)}")
+        _check_mapping("apply_h_post", h_post, y.shape[:2], (self.num_streams,))
+        return (h_post.unsqueeze(-1) * y.unsqueeze(-2)).flatten(-2)
+
+    def post_bda(self, y: Tensor, h_post: Tensor, mixed: Tensor, seed: Tensor | None, p: float,
+                 stream: int, dropout_impl: str = "counter") -> Tensor:
+        """``mixed + dropout(apply_h_post(y, h_post))``, one fused op with counter dropout.
+
+        ``p`` is the dropout rate in effect (0 in eval). ``dropout_impl="torch"`` (the stateful
+        generator, not graph-replayable) is the unfused composition.
+        """
+        _check_mapping("post_bda", h_post, y.shape[:2], (self.num_streams,))
+        if p > 0 and dropout_impl == "torch":
+            return mixed + torch.nn.functional.dropout(self.apply_h_post(y, h_post), p, training=True)
+        if dropout_impl not in ("counter", "torch"):
+            raise ValueError(f"dropout impl must be 'counter' or 'torch', got {dropout_impl!r}")
+        if p > 0 and seed is None:
+            raise ValueError("counter dropout needs a seed tensor (one int64 scalar per microbatch)")
+        return fused.post_bda(y, h_post, mixed, seed, p, stream, self.kernels)
+
+
+def _check_mapping(name: str, h: Tensor, lead: torch.Size, tail: tuple[int, ...]) -> None:
+    expected = (*lead, *tail)
+    if tuple(h.shape) != expected:
+        raise ValueError(f"{name}: expected mapping of shape {list(expected)}, got {list(h.shape)}")

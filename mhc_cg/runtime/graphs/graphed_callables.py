@@ -1,0 +1,583 @@
+"""``make_graphed_callables`` with TransformerEngine's semantics, over any graph backend.
+
+What a caller relies on (the same as TE's ``make_graphed_callables``):
+
+* **Layout.** Without ``order``: one graphed callable per callable, forwards captured 1..N and
+  backwards N..1. With ``order`` (TE's ``_order``: ``+c`` forward of model chunk ``c``, ``-c`` its
+  backward, 1-based, chunk ``c``'s microbatches in FIFO order), ``callables`` holds every chunk's
+  layers back to back and ``sample_args`` one entry per (chunk, microbatch, layer) at index
+  ``prefix[c] * M + m * L_c + l``; one graphed callable comes back per entry, and the forward and
+  backward graphs are captured in the order's sequence, all in one pool.
+* **Static inputs.** Each graph reads its inputs from static buffers: the ``sample_args``
+  tensors. With ``order`` and ``reuse_input_buffers``, a chunk's backward releases the input
+  buffers of that chunk's oldest in-flight microbatch to a free queue keyed by (shape, dtype,
+  stride, device), and a later forward with the same key takes them: the number of buffers then
+  follows the pipeline depth, not the number of microbatches
+  (:func:`count_allocated_static_inputs`). Backward graphs always share grad-output buffers (one
+  per shape), and each backward graph's grad inputs go back to the pool once it is captured
+  (:meth:`~mhc_cg.runtime.graphs.capture.Graph.release_outputs`): a later capture may reuse their memory,
+  since every replay clones them before any other graph runs. TE does the same with
+  ``_reuse_graph_input_output_buffers``; without it, every backward graph keeps its weight and
+  input gradients in the pool for good.
+* **A call** copies each input into its static buffer only when it is not that buffer already,
+  replays the forward graph and returns *detached static outputs*: they are overwritten by the
+  next replay of the same graph. Autograd sees an ``autograd.Function`` whose backward copies the
+  incoming grads into static grad-output buffers, replays the backward graph and returns the
+  grads it computed, those of the module's parameters included (parameters are inputs of the
+  Function, so autograd accumulates them into ``.grad``).
+* **Replay order** must follow the capture order (pool rule); the backends raise otherwise.
+* Modules stay modules without ``order`` (their ``forward`` replays while their ``training``
+  flag equals the captured one); with ``order`` the entries are plain functions, as in TE.
+
+One deliberate difference from TE: the backward returns *clones* of the static grad inputs. TE
+returns the static buffers themselves, and autograd's ``AccumulateGrad`` adopts a lone incoming
+gradient as ``.grad`` and adds later ones into it in place; without an order one graph serves
+every microbatch, so its next backward replay would overwrite the accumulated ``.grad``
+(tests/test_graphs_tape.py::test_gradients_accumulate_over_microbatches_replaying_one_graph).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from mhc_cg.runtime.graphs.capture import Graph, GraphBackend, get_backend, resolve_backend_name
+from mhc_cg.core.storage import storage_id
+from mhc_cg.core.schedule import decode_order, pass_windows
+
+
+# --------------------------------------------------------------------------------------------
+# The (chunk, microbatch, layer) layout of TE's _order.
+
+@dataclass(frozen=True)
+class OrderLayout:
+    """Where each (chunk, microbatch, layer) lives in ``callables`` and ``sample_args``.
+
+    Chunks are 0-based here; ``order`` entries are 1-based.
+    """
+
+    order: tuple[int, ...]
+    num_chunks: int
+    num_microbatches: int
+    layers_per_chunk: tuple[int, ...]
+
+    @property
+    def chunk_offsets(self) -> list[int]:
+        offsets = [0]
+        for n in self.layers_per_chunk:
+            offsets.append(offsets[-1] + n)
+        return offsets
+
+    def callable_index(self, chunk: int, layer: int) -> int:
+        return self.chunk_offsets[chunk] + layer
+
+    def sample_index(self, chunk: int, microbatch: int, layer: int) -> int:
+        return (self.chunk_offsets[chunk] * self.num_microbatches
+                + microbatch * self.layers_per_chunk[chunk] + layer)
+
+    def passes(self) -> list[tuple[bool, int, int]]:
+        """``(is_forward, chunk, microbatch)`` for every entry of the order (chunk 0-based)."""
+        return [(s.forward, s.chunk - 1, s.microbatch) for s in decode_order(list(self.order))]
+
+
+def order_layout(order: Sequence[int], num_layers_per_chunk: int | Sequence[int] | None,
+                 num_callables: int, num_samples: int) -> OrderLayout:
+    """Validate ``order`` against the callables and samples; clear errors name the rule."""
+    order = tuple(int(c) for c in order)
+    if not order or any(c == 0 for c in order):
+        raise ValueError(f"make_graphed_callables: order must be a non-empty list of non-zero chunk "
+                         f"ids (+c forward, -c backward, 1-based), got {list(order)}")
+    num_chunks = max(abs(c) for c in order)
+    if len(order) % (2 * num_chunks):
+        raise ValueError(f"make_graphed_callables: order has {len(order)} entries, not a multiple of "
+                         f"2 * {num_chunks} chunks (every chunk needs M forwards and M backwards)")
+    num_microbatches = len(order) // (2 * num_chunks)
+    steps = decode_order(list(order))
+    pass_windows(steps)  # every backward after its forward, every forward with its backward
+    counts = [sum(s.forward and s.chunk == c for s in steps) for c in range(1, num_chunks + 1)]
+    if counts != [num_microbatches] * num_chunks:
+        raise ValueError(f"make_graphed_callables: every chunk needs {num_microbatches} forwards and "
+                         f"as many backwards; order has forwards {counts} per chunk")
+    if num_layers_per_chunk is None:
+        if num_callables % num_chunks:
+            raise ValueError(f"make_graphed_callables: {num_callables} callables do not split evenly "
+                             f"into {num_chunks} chunks; pass num_layers_per_chunk")
+        layers = (num_callables // num_chunks,) * num_chunks
+    elif isinstance(num_layers_per_chunk, int):
+        layers = (num_layers_per_chunk,) * num_chunks
+    else:
+        layers = tuple(int(n) for n in num_layers_per_chunk)
+        if len(layers) != num_chunks:
+            raise ValueError(f"make_graphed_callables: num_layers_per_chunk needs one entry per chunk "
+                             f"({num_chunks}), got {list(layers)}")
+    if sum(layers) != num_callables:
+        raise ValueError(f"make_graphed_callables: num_layers_per_chunk {list(layers)} sums to "
+                         f"{sum(layers)}, but {num_callables} callables were given")
+    if num_samples != sum(layers) * num_microbatches:
+        raise ValueError(f"make_graphed_callables: sample_args needs one entry per (chunk, "
+                         f"microbatch, layer) = {sum(layers)} layers x {num_microbatches} "
+                         f"microbatches = {sum(layers) * num_microbatches}, got {num_samples}")
+    return OrderLayout(order, num_chunks, num_microbatches, layers)
+
+
+def _buffer_key(tensors: Sequence[torch.Tensor]) -> tuple:
+    return tuple((tuple(t.shape), t.dtype, t.stride(), t.device) for t in tensors)
+
+
+def share_static_inputs(layout: OrderLayout, sample_args: list, sample_kwargs: list) -> None:
+    """Rewrite ``sample_args``/``sample_kwargs`` in place so later forwards reuse released buffers.
+
+    A backward of chunk ``c`` releases the inputs of the oldest forward of ``c`` still in flight
+    (one entry per layer) to a free queue keyed by :func:`_buffer_key`; each forward takes, per
+    layer, the oldest released entry with its key, if any.
+    """
+    free: dict[tuple, deque[int]] = {}
+    in_flight: list[deque[int]] = [deque() for _ in range(layout.num_chunks)]
+
+    def key_of(index: int) -> tuple:
+        return _buffer_key(_flat_tensors(sample_args[index], sample_kwargs[index]))
+
+    for is_forward, chunk, microbatch in layout.passes():
+        layers = range(layout.layers_per_chunk[chunk])
+        if is_forward:
+            for layer in layers:
+                index = layout.sample_index(chunk, microbatch, layer)
+                queue = free.get(key_of(index))
+                if queue:
+                    donor = queue.popleft()
+                    sample_args[index], sample_kwargs[index] = sample_args[donor], sample_kwargs[donor]
+                in_flight[chunk].append(index)
+        else:
+            for _ in layers:
+                index = in_flight[chunk].popleft()
+                free.setdefault(key_of(index), deque()).append(index)
+
+
+def _flat_tensors(args: Any, kwargs: dict) -> list[torch.Tensor]:
+    flat = tree_flatten(args)[0] + tree_flatten([kwargs[k] for k in kwargs])[0]
+    return flat
+
+
+# --------------------------------------------------------------------------------------------
+# One graphed (chunk, microbatch, layer): its graphs and static buffers.
+
+@dataclass
+class GraphedRunner:
+    """The static state behind one graphed callable."""
+
+    label: str
+    kwargs_keys: list[str]
+    static_inputs: list[torch.Tensor]           # the user's flattened args + kwargs
+    params: tuple[torch.nn.Parameter, ...]
+    fwd_graph: Graph | None = None
+    bwd_graph: Graph | None = None
+    static_outputs: list[torch.Tensor] = field(default_factory=list)
+    output_spec: Any = None
+    differentiable: list[bool] = field(default_factory=list)
+    static_grad_outputs: list[torch.Tensor | None] = field(default_factory=list)
+    static_grad_inputs: list[torch.Tensor | None] = field(default_factory=list)
+
+    @property
+    def surface(self) -> list[torch.Tensor]:
+        return list(self.static_inputs) + list(self.params)
+
+    def copy_inputs(self, inputs: Sequence[torch.Tensor]) -> None:
+        if len(inputs) != len(self.static_inputs):
+            raise TypeError(f"graphed callable {self.label}: got {len(inputs)} tensor inputs, "
+                            f"captured with {len(self.static_inputs)}")
+        for i, (static, given) in enumerate(zip(self.static_inputs, inputs)):
+            if not isinstance(given, torch.Tensor) or given.shape != static.shape \
+                    or given.dtype != static.dtype or given.device != static.device:
+                got = (f"{list(given.shape)} {given.dtype} on {given.device}"
+                       if isinstance(given, torch.Tensor) else type(given).__name__)
+                raise ValueError(f"graphed callable {self.label}: input {i} is {got}, but the graph "
+                                 f"was captured with {list(static.shape)} {static.dtype} on "
+                                 f"{static.device}; a graph replays fixed shapes")
+            if not _same_memory(static, given):
+                static.copy_(given)
+
+    def replay_forward(self) -> list[torch.Tensor]:
+        self.fwd_graph.replay()
+        return [o.detach() for o in self.static_outputs]
+
+    def replay_backward(self, grads: Sequence[torch.Tensor | None]) -> tuple:
+        if self.bwd_graph is None:
+            return tuple(None for _ in self.surface)
+        for static, grad in zip(self.static_grad_outputs, grads):
+            if static is None:
+                continue
+            if grad is None:
+                static.zero_()
+            elif not _same_memory(static, grad):
+                static.copy_(grad)
+        self.bwd_graph.replay()
+        # Clones, not the static buffers: AccumulateGrad adopts a lone incoming gradient as
+        # ``.grad`` (and the engine may add into it in place), so handing out a static buffer would
+        # let the next replay overwrite an accumulated gradient.
+        return tuple(g.clone() if g is not None else None for g in self.static_grad_inputs)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` start at the same element of one storage (``data_ptr`` is 0 on meta)."""
+    return storage_id(a) == storage_id(b) and a.storage_offset() == b.storage_offset()
+
+
+class _ReplayGraphs(torch.autograd.Function):
+    """Forward replays the forward graph; backward replays the backward graph."""
+
+    @staticmethod
+    def forward(ctx, runner: GraphedRunner, *inputs: torch.Tensor):
+        runner.copy_inputs(inputs[:len(runner.static_inputs)])
+        outputs = runner.replay_forward()
+        ctx.runner = runner
+        ctx.mark_non_differentiable(*[o for o, d in zip(outputs, runner.differentiable) if not d])
+        return tuple(outputs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads: torch.Tensor):
+        return (None,) + ctx.runner.replay_backward(grads)
+
+
+def _graphed_function(runner: GraphedRunner) -> Callable:
+    def graphed(*user_args: Any, **user_kwargs: Any) -> Any:
+        missing = [k for k in runner.kwargs_keys if k not in user_kwargs]
+        if missing:
+            raise TypeError(f"graphed callable {runner.label} was captured with keyword arguments "
+                            f"{runner.kwargs_keys}; missing {missing}")
+        flat = tree_flatten(user_args)[0] + tree_flatten(
+            [user_kwargs[k] for k in runner.kwargs_keys])[0]
+        outputs = _ReplayGraphs.apply(runner, *flat, *runner.params)
+        return tree_unflatten(list(outputs), runner.output_spec)
+
+    graphed.runner = runner  # type: ignore[attr-defined]
+    return graphed
+
+
+# --------------------------------------------------------------------------------------------
+# The result.
+
+class GraphedCallables(tuple):
+    """The graphed callables (a tuple, as TE returns), with what was built for them."""
+
+    backend: str
+    pool: Any
+    runners: list[GraphedRunner] | None
+    static_input_sets: int
+
+    def graphs(self) -> list[Graph]:
+        """Every captured graph (forward and backward) of the tape/cuda backends."""
+        found = []
+        for runner in self.runners or ():
+            found.extend(g for g in (runner.fwd_graph, runner.bwd_graph) if g is not None)
+        return found
+
+
+def _distinct_input_sets(sets: Sequence[Sequence[torch.Tensor]]) -> int:
+    return len({tuple(id(t) for t in tensors) for tensors in sets})
+
+
+def count_allocated_static_inputs(graphed: Any) -> int:
+    """How many distinct static input buffer sets the graphed callables read from.
+
+    One set is the flattened tensor inputs of one graphed (chunk, microbatch, layer). Without
+    buffer reuse that is one per entry of ``sample_args``; with reuse it is what the schedule
+    planner's ``count_static_input_buffers(order, num_layers_per_chunk, reuse=True)`` predicts.
+    """
+    if isinstance(graphed, GraphedCallables):
+        return graphed.static_input_sets
+    runner = getattr(graphed, "runner", None) or getattr(getattr(graphed, "forward", None), "runner", None)
+    if runner is None:
+        raise TypeError(f"count_allocated_static_inputs: expected the result of "
+                        f"mhc_cg.runtime.graphs.make_graphed_callables, got {type(graphed).__name__}")
+    return 1
+
+
+# --------------------------------------------------------------------------------------------
+# make_graphed_callables
+
+def _check_callables(callables: tuple) -> bool:
+    """Validate modules as TE does; returns whether they train (all must agree)."""
+    training = [getattr(c, "training", True) for c in callables]
+    if any(training) and not all(training):
+        raise ValueError("make_graphed_callables: callables must be all in training or all in eval "
+                         f"mode, got training flags {training}")
+    for i, c in enumerate(callables):
+        if not callable(c):
+            raise TypeError(f"make_graphed_callables: callables[{i}] is not callable: {type(c).__name__}")
+        if isinstance(c, torch.nn.Module):
+            for m in c.modules():
+                if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks:
+                    raise ValueError(
+                        f"make_graphed_callables: callables[{i}] ({type(m).__name__}) has module "
+                        f"hooks; hooks run once at capture and never at replay, so none may be "
+                        f"registered when capturing (register them on the graphed module after)")
+            bad = [n for n, b in c.named_buffers() if b.requires_grad]
+            if bad:
+                raise ValueError(f"make_graphed_callables: callables[{i}] has buffers requiring grad "
+                                 f"({bad}); only parameters may be trainable")
+    return all(training)
+
+
+def make_graphed_callables(
+    callables: Callable | tuple[Callable, ...],
+    sample_args: tuple | list,
+    *,
+    sample_kwargs: tuple | list | None = None,
+    order: Sequence[int] | None = None,
+    num_layers_per_chunk: int | Sequence[int] | None = None,
+    reuse_input_buffers: bool = True,
+    pool: Any = None,
+    num_warmup_iters: int | None = None,
+    allow_unused_input: bool = False,
+    backend: str | GraphBackend = "auto",
+    capture_before_backward: Mapping[int, Callable[[Any], None]] | None = None,
+) -> Any:
+    """Graph ``callables`` (forward and backward) with TransformerEngine's semantics.
+
+    See the module docstring. ``reuse_input_buffers`` applies only with ``order`` (TE's
+    ``_reuse_graph_input_output_buffers``). ``pool`` is a pool of the chosen backend (``None``: a
+    new one shared by all the graphs made here). ``backend`` is ``"auto"``, ``"tape"``, ``"cuda"``,
+    ``"te"`` or a backend object. ``num_warmup_iters`` defaults to the backend's
+    ``warmup_iters`` (3 on CUDA). Returns one graphed callable for a single callable, else a
+    :class:`GraphedCallables` tuple.
+
+    ``capture_before_backward`` (not in TE): ``{sample index: capture(pool)}``, called just
+    before the backward graph of that sample is captured, to capture graphs of the caller's into
+    the same pool at that point of the sequence. Each such graph must then replay there in every
+    iteration (the pool's order), and must leave nothing of the pool allocated.
+
+    Phases: normalise the samples, lay out the order, (TE: hand over), share static inputs,
+    warm up, capture along the order, wrap.
+    """
+    single = not isinstance(callables, tuple)
+    if single:
+        callables, sample_args = (callables,), (sample_args,)
+        sample_kwargs = None if sample_kwargs is None else (sample_kwargs,)
+    sample_args, sample_kwargs = _normalise_samples(sample_args, sample_kwargs)
+    training = _check_callables(callables)
+    layout = None
+    if order is not None:
+        layout = order_layout(order, num_layers_per_chunk, len(callables), len(sample_args))
+    elif len(sample_args) != len(callables):
+        raise ValueError(f"make_graphed_callables: without order, sample_args needs one entry per "
+                         f"callable ({len(callables)}), got {len(sample_args)}")
+    reuse = bool(reuse_input_buffers and layout is not None and training)
+
+    backend_obj = backend if isinstance(backend, GraphBackend) else None
+    # "auto" follows the inputs' device: CPU tensors on a GPU machine are graphed on the tape (a
+    # CUDA graph would record no kernel and its replays would return stale outputs)
+    first = next((t for a, k in zip(sample_args, sample_kwargs) for t in _flat_tensors(a, k)), None)
+    backend_name = backend_obj.name if backend_obj is not None else resolve_backend_name(
+        backend, first.device if first is not None else None)
+    if backend_name == "te":
+        if capture_before_backward:
+            raise ValueError("make_graphed_callables: capture_before_backward needs the tape or "
+                             "cuda backend; TransformerEngine captures its graphs on its own")
+        return _through_te(callables, sample_args, sample_kwargs, single, order=order,
+                           num_layers_per_chunk=num_layers_per_chunk, reuse_input_buffers=reuse, pool=pool,
+                           num_warmup_iters=3 if num_warmup_iters is None else num_warmup_iters,
+                           allow_unused_input=allow_unused_input)
+    if backend_obj is None:
+        backend_obj = get_backend(backend_name)
+    if num_warmup_iters is None:
+        num_warmup_iters = backend_obj.warmup_iters
+    if reuse:
+        share_static_inputs(layout, sample_args, sample_kwargs)
+    if pool is None:
+        pool = backend_obj.new_pool()
+    forwards, passes = _capture_sequence(callables, layout)
+    func_of = dict(forwards)
+    runners = []
+    for index in range(len(sample_args)):
+        func = func_of[index]
+        params = tuple(func.parameters()) if isinstance(func, torch.nn.Module) else ()
+        label = f"#{index}" if layout is None else _label(layout, index)
+        runners.append(GraphedRunner(label, list(sample_kwargs[index]),
+                                     _flat_tensors(sample_args[index], sample_kwargs[index]), params))
+
+    # warmup and capture draw nothing the caller should see: the generators are put back after
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+        _warm_up(backend_obj, forwards, runners, sample_args, sample_kwargs, num_warmup_iters,
+                 training, allow_unused_input)
+        _capture(backend_obj, pool, passes, func_of, runners, sample_args, sample_kwargs,
+                 training, allow_unused_input, capture_before_backward or {})
+
+    results = []
+    for index, runner in enumerate(runners):
+        graphed = _graphed_function(runner)
+        func = func_of[index]
+        if layout is None and isinstance(func, torch.nn.Module):
+            func.forward = _graphed_forward(func, graphed)
+            results.append(func)
+        else:
+            results.append(graphed)
+    if single:
+        return results[0]
+    out = GraphedCallables(results)
+    out.backend, out.pool, out.runners = backend_obj.name, pool, runners
+    out.static_input_sets = _distinct_input_sets([r.static_inputs for r in runners])
+    return out
+
+
+def _normalise_samples(sample_args, sample_kwargs) -> tuple[list[tuple], list[dict]]:
+    """One tuple of args and one dict of kwargs per sample, holding only tensors."""
+    sample_args = [tuple(a) if isinstance(a, (tuple, list)) else (a,) for a in sample_args]
+    sample_kwargs = [dict(k) for k in sample_kwargs] if sample_kwargs is not None \
+        else [{} for _ in sample_args]
+    if len(sample_kwargs) != len(sample_args):
+        raise ValueError(f"make_graphed_callables: sample_kwargs has {len(sample_kwargs)} entries, "
+                         f"sample_args {len(sample_args)}; they must match")
+    for i, (args, kwargs) in enumerate(zip(sample_args, sample_kwargs)):
+        bad = [type(v).__name__ for v in _flat_tensors(args, kwargs) if not isinstance(v, torch.Tensor)]
+        if bad:
+            raise TypeError(f"make_graphed_callables: sample_args[{i}]/sample_kwargs[{i}] may hold "
+                            f"only tensors (a graph's inputs are static buffers), found {bad}")
+    return sample_args, sample_kwargs
+
+
+def _through_te(callables, sample_args, sample_kwargs, single: bool, **options) -> Any:
+    """Hand the call to TransformerEngine's ``make_graphed_callables``."""
+    from mhc_cg.runtime.graphs.te import te_make_graphed_callables
+
+    pick = (lambda seq: seq[0]) if single else (lambda seq: seq)
+    result = te_make_graphed_callables(pick(callables), pick(sample_args),
+                                       sample_kwargs=pick(sample_kwargs), **options)
+    if single:
+        return result
+    wrapped = GraphedCallables(result)
+    wrapped.backend, wrapped.pool, wrapped.runners = "te", options["pool"], None
+    # TE rewrote sample_args in place when it shared buffers.
+    wrapped.static_input_sets = _distinct_input_sets(
+        [_flat_tensors(a, k) for a, k in zip(sample_args, sample_kwargs)])
+    return wrapped
+
+
+def _capture_sequence(callables: tuple, layout: OrderLayout | None
+                      ) -> tuple[list[tuple[int, Callable]], list[tuple[str, int]]]:
+    """``(sample index, callable)`` in forward order, and the capture sequence of passes."""
+    if layout is None:
+        forwards = [(i, callables[i]) for i in range(len(callables))]
+        passes = [("fwd", i) for i in range(len(callables))] + \
+                 [("bwd", i) for i in reversed(range(len(callables)))]
+        return forwards, passes
+    forwards, passes = [], []
+    for is_forward, chunk, mb in layout.passes():
+        layers = range(layout.layers_per_chunk[chunk])
+        for layer in (layers if is_forward else reversed(layers)):
+            index = layout.sample_index(chunk, mb, layer)
+            if is_forward:
+                forwards.append((index, callables[layout.callable_index(chunk, layer)]))
+            passes.append(("fwd" if is_forward else "bwd", index))
+    return forwards, passes
+
+
+def _warm_up(backend: GraphBackend, forwards, runners, sample_args, sample_kwargs,
+             iterations: int, training: bool, allow_unused: bool) -> None:
+    """Eager iterations before any capture (lazy library setup never happens inside one)."""
+    with backend.warmup():
+        for index, func in forwards:
+            for _ in range(iterations):
+                outputs = tree_flatten(func(*sample_args[index], **sample_kwargs[index]))[0]
+                if training:
+                    _grads_of(outputs, runners[index].surface, None, allow_unused)
+                del outputs
+    backend.synchronize()
+
+
+def _capture(backend: GraphBackend, pool, passes, func_of, runners, sample_args, sample_kwargs,
+             training: bool, allow_unused: bool, before_backward: Mapping[int, Callable]) -> None:
+    """Capture every forward and backward graph in ``passes``' order, all in ``pool``."""
+    shared_grad_outputs: dict[tuple, torch.Tensor] = {}
+    for kind, index in passes:
+        if kind == "bwd" and training and index in before_backward:
+            before_backward[index](pool)
+        runner = runners[index]
+        if kind == "fwd":
+            runner.fwd_graph = backend.new_graph(pool=pool)
+            with runner.fwd_graph.capture():
+                outputs = func_of[index](*sample_args[index], **sample_kwargs[index])
+            flat, runner.output_spec = tree_flatten(outputs)
+            if not all(isinstance(o, torch.Tensor) for o in flat):
+                raise TypeError(f"make_graphed_callables: callable for sample {runner.label} "
+                                f"returned non-tensor outputs {[type(o).__name__ for o in flat]}")
+            runner.static_outputs = flat
+            runner.differentiable = [training and o.requires_grad for o in flat]
+            continue
+        diff_outputs = [o for o, d in zip(runner.static_outputs, runner.differentiable) if d]
+        wanted = [t for t in runner.surface if t.requires_grad]
+        runner.static_grad_outputs = _grad_output_buffers(runner, shared_grad_outputs)
+        if not diff_outputs or not wanted:
+            runner.static_grad_inputs = [None] * len(runner.surface)
+            continue
+        runner.bwd_graph = backend.new_graph(pool=pool)
+        with runner.bwd_graph.capture():
+            grads = _grads_of(diff_outputs, runner.surface,
+                              [g for g in runner.static_grad_outputs if g is not None], allow_unused)
+        # replay_backward clones them before any other graph runs: the pool may have them back
+        runner.static_grad_inputs = runner.bwd_graph.release_outputs(grads)
+        del grads
+    backend.synchronize()
+
+
+def _label(layout: OrderLayout, index: int) -> str:
+    for chunk in range(layout.num_chunks):
+        start = layout.sample_index(chunk, 0, 0)
+        span = layout.layers_per_chunk[chunk] * layout.num_microbatches
+        if start <= index < start + span:
+            mb, layer = divmod(index - start, layout.layers_per_chunk[chunk])
+            return f"(chunk {chunk + 1}, microbatch {mb}, layer {layer})"
+    return f"#{index}"
+
+
+def _grads_of(outputs: list, surface: list[torch.Tensor], grad_outputs: list | None,
+              allow_unused: bool) -> list[torch.Tensor | None]:
+    """Grads of ``outputs`` w.r.t. the members of ``surface`` requiring grad, ``None`` elsewhere."""
+    diff_outputs = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+    wanted = [t for t in surface if t.requires_grad]
+    if not diff_outputs or not wanted:
+        return [None] * len(surface)
+    if grad_outputs is None:
+        grad_outputs = [torch.zeros_like(o) for o in diff_outputs]
+    grads = iter(torch.autograd.grad(diff_outputs, wanted, grad_outputs, only_inputs=True,
+                                     allow_unused=allow_unused))
+    return [next(grads) if t.requires_grad else None for t in surface]
+
+
+def _grad_output_buffers(runner: GraphedRunner, shared: dict) -> list[torch.Tensor | None]:
+    """Static grad-output buffers of ``runner``'s differentiable outputs, shared by every backward
+    graph: a backward reads its buffers only while it replays, and each replay first copies its
+    incoming grads in. The n-th output of a (shape, dtype, stride, device) in one graph gets the
+    n-th buffer of that key."""
+    buffers, seen = [], Counter()
+    for output, differentiable in zip(runner.static_outputs, runner.differentiable):
+        if not differentiable:
+            buffers.append(None)
+            continue
+        key = _buffer_key([output])
+        slot = (key, seen[key])
+        seen[key] += 1
+        if slot not in shared:
+            shared[slot] = torch.empty_like(output)
+        buffers.append(shared[slot])
+    return buffers
+
+
+def _graphed_forward(module: torch.nn.Module, graphed: Callable) -> Callable:
+    captured_training = module.training
+    eager_forward = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        # A graph captured for training replays only when a backward may follow: under no_grad
+        # its forward replay would wait forever for the backward replay that comes next in order.
+        if module.training == captured_training and (
+                not captured_training or torch.is_grad_enabled()):
+            return graphed(*args, **kwargs)
+        return eager_forward(*args, **kwargs)
+
+    forward.runner = graphed.runner  # type: ignore[attr-defined]
+    return forward

@@ -1,0 +1,236 @@
+"""The tape: a CPU emulation of CUDA graph capture and replay.
+
+Capture runs the body once under a ``TorchDispatchMode`` that records every aten op it sees,
+forward and backward alike (``torch.autograd.grad`` inside a capture dispatches its ops through
+the same mode). Replay re-runs the recorded ``OpOverload``s with the recorded arguments, where the
+tensor arguments are the very tensors seen at capture, so it has a CUDA graph's semantics:
+
+* **addresses are static**: every tensor the capture allocated stays alive in the tape (it belongs
+  to the graph's pool) and a replay writes into it; an op that allocated a fresh output at capture
+  is re-run and its result copied into the captured output;
+* **no Python of the user's runs** at replay: side effects, hooks and Python control flow happen
+  once, at capture, exactly as on a GPU;
+* **what a graph cannot hold is rejected at capture** (:class:`~mhc_cg.runtime.graphs.guard.CaptureGuardMode`;
+  ``Tensor.tolist``/``numpy``/``cpu`` dispatch no op on the CPU, so the tape traps them while
+  capturing).
+
+How each recorded op replays (decided once, at capture):
+
+* *view* (the schema says the output aliases an input, or the output shares an input's storage):
+  nothing to do, the captured view still aliases the same storage with the same metadata;
+* *metadata mutation* (``transpose_``, ``set_``, ``resize_`` on an owned tensor): skipped, its
+  effect on the tensor object persists. Ops recorded before it referred to the tensor's old
+  metadata, so their references are swapped for a frozen alias (same storage, old metadata);
+* *in-place / out=* (writes an argument): re-run as recorded, writing the same tensors;
+* *uninitialised allocation* (``empty``, ``empty_like``, ...): nothing to do;
+* *functional* (fresh outputs): re-run and ``copy_`` the results into the captured outputs.
+
+The tape also re-checks, before each replay, that every storage it used still has the size and
+address it had at capture: on a GPU a freed input or output reads or writes garbage silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from mhc_cg.core.errors import GraphCaptureError, GraphReplayError
+from mhc_cg.runtime.graphs.capture import Graph, GraphBackend, Pool
+from mhc_cg.runtime.graphs.guard import CaptureGuardMode, user_source_line
+
+aten = torch.ops.aten
+
+_UNINITIALISED_ALLOCATIONS = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty,
+                              aten.new_empty_strided}
+_KIND_SKIP, _KIND_RUN, _KIND_COPY_OUT = "skip", "run", "copy_out"
+
+
+@dataclass
+class RecordedOp:
+    """One op of the tape: ``func`` re-run on ``flat_args`` (unflattened with ``spec``)."""
+
+    func: torch._ops.OpOverload
+    flat_args: list[Any]
+    spec: Any
+    outputs: list[torch.Tensor]
+    kind: str
+
+    def replay(self) -> None:
+        if self.kind == _KIND_SKIP:
+            return
+        args, kwargs = tree_unflatten(self.flat_args, self.spec)
+        result = self.func(*args, **kwargs)
+        if self.kind == _KIND_COPY_OUT:
+            fresh = [r for r in tree_flatten(result)[0] if isinstance(r, torch.Tensor)]
+            for captured, new in zip(self.outputs, fresh):
+                captured.copy_(new)
+
+
+def _classify(func: torch._ops.OpOverload, written: list[torch.Tensor], outputs: list[torch.Tensor],
+              fresh_outputs: bool) -> str:
+    if torch.Tag.inplace_view in func.tags:
+        return _KIND_SKIP
+    if written:
+        return _KIND_RUN
+    if func.overloadpacket in _UNINITIALISED_ALLOCATIONS or not outputs:
+        return _KIND_SKIP
+    returns_alias = any(r.alias_info is not None for r in func._schema.returns)
+    if returns_alias or not fresh_outputs:
+        return _KIND_SKIP  # a view: it aliases storage the tape already replays
+    return _KIND_COPY_OUT
+
+
+class _TapeRecorder(CaptureGuardMode):
+    """The guard, plus a record of every op that ran."""
+
+    def __init__(self, graph_name: str):
+        super().__init__(graph_name, keep_tensors=True)  # a replay needs every tensor it recorded
+        self.ops: list[RecordedOp] = []
+
+    def before_op(self, func, args, kwargs, written):
+        if torch.Tag.inplace_view in func.tags:
+            for t in written:
+                self._freeze_earlier_references(t)
+
+    def _freeze_earlier_references(self, t: torch.Tensor) -> None:
+        """Ops recorded so far saw ``t`` with its current metadata; keep that for their replay."""
+        frozen = None
+        for op in self.ops:
+            for i, a in enumerate(op.flat_args):
+                if a is t:
+                    frozen = frozen if frozen is not None else _alias_with_current_metadata(t)
+                    op.flat_args[i] = frozen
+            for i, o in enumerate(op.outputs):
+                if o is t:
+                    frozen = frozen if frozen is not None else _alias_with_current_metadata(t)
+                    op.outputs[i] = frozen
+
+    def record(self, func, args, kwargs, out, written, fresh_outputs):
+        flat_args, spec = tree_flatten((args, kwargs))
+        outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        kind = _classify(func, written, outputs, fresh_outputs)
+        self.ops.append(RecordedOp(func, flat_args, spec, outputs, kind))
+
+
+def _alias_with_current_metadata(t: torch.Tensor) -> torch.Tensor:
+    alias = torch.empty(0, dtype=t.dtype, device=t.device)
+    alias.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+    return alias
+
+
+_HOST_READ_METHODS = ("tolist", "numpy", "cpu")
+
+
+@contextlib.contextmanager
+def _host_read_traps(graph_name: str) -> Iterator[None]:
+    """Make ``Tensor.tolist`` / ``numpy`` / ``cpu`` raise while capturing.
+
+    On the CPU they read memory directly (``cpu()`` returns the tensor itself) and dispatch no op
+    the tape could see; for a tensor on a GPU they are device-to-host copies that synchronise,
+    which a graph cannot hold.
+    """
+    originals = {name: getattr(torch.Tensor, name) for name in _HOST_READ_METHODS}
+
+    def trap(name: str):
+        def reject(self, *args, **kwargs):
+            raise GraphCaptureError(
+                f"{graph_name}: Tensor.{name}() cannot be captured in a graph: it copies device "
+                f"memory to the host and synchronises; a replay runs no Python that could read "
+                f"it. At {user_source_line()}")
+        return reject
+
+    for name in _HOST_READ_METHODS:
+        setattr(torch.Tensor, name, trap(name))
+    try:
+        yield
+    finally:
+        for name, method in originals.items():
+            setattr(torch.Tensor, name, method)
+
+
+class TapePool(Pool):
+    """A pool of tape graphs: they keep their tensors alive and share one replay order.
+
+    Outputs a graph released to the pool (:meth:`Graph.release_outputs`) stay allocated on the
+    tape, but every replay of another graph of the pool first poisons them (NaN, or the dtype's
+    minimum): on a GPU that graph may have been handed their memory, so a late reader is caught.
+    """
+
+    kind = "tape"
+    _ids = itertools.count()
+
+    def __init__(self, private: bool = False, independent: bool = False):
+        super().__init__(private, independent)
+        self.released: dict["TapeGraph", list[torch.Tensor]] = {}
+        self._fresh: "TapeGraph | None" = None  # the graph whose released outputs are unpoisoned
+
+    def release(self, owner: "TapeGraph", t: torch.Tensor) -> None:
+        self.released.setdefault(owner, []).append(t)
+
+    def poison_released(self, replaying: "TapeGraph") -> None:
+        """Before ``replaying`` runs: only the last graph replayed can have unpoisoned outputs."""
+        fresh, self._fresh = self._fresh, replaying
+        if fresh is None or fresh is replaying:
+            return
+        with torch.no_grad():
+            for t in self.released.get(fresh, ()):
+                t.fill_(float("nan") if t.is_floating_point() or t.is_complex()
+                        else (False if t.dtype == torch.bool else torch.iinfo(t.dtype).min))
+
+
+class TapeGraph(Graph):
+    """A recorded op sequence; see the module docstring."""
+
+    _ids = itertools.count()
+
+    def __init__(self, pool: TapePool):
+        super().__init__(pool)
+        self.ops: list[RecordedOp] = []
+        self._storages: list[tuple[torch.Tensor, int, int, bool]] = []
+
+    def __repr__(self) -> str:
+        return f"<{self.name}: {len(self.ops)} ops, {self._state}>"
+
+    @contextlib.contextmanager
+    def _record(self) -> Iterator[None]:
+        recorder = _TapeRecorder(self.name)
+        with _host_read_traps(self.name), recorder:
+            yield
+        self.stats = recorder.finish()
+        self.made_storages = recorder.made_storages()
+        self.ops = recorder.ops
+        self.stats.ops_replayed = sum(op.kind != _KIND_SKIP for op in self.ops)
+        self._storages = [(s.holder, s.nbytes, s.data_ptr, s.owned)
+                          for s in recorder.book.storages.values()]
+
+    def _replay(self) -> None:
+        for holder, nbytes, data_ptr, owned in self._storages:
+            storage = holder.untyped_storage()
+            if storage.nbytes() != nbytes or storage.data_ptr() != data_ptr:
+                raise GraphReplayError(
+                    f"{self.name}: the storage of {'a tensor of the graph' if owned else 'an input'} "
+                    f"{list(holder.shape)} {holder.dtype} was resized or freed since capture ({nbytes} bytes at {data_ptr:#x} -> "
+                    f"{storage.nbytes()} at {storage.data_ptr():#x}); a CUDA graph would read "
+                    f"and write the stale address")
+        self.pool.poison_released(self)
+        with torch.no_grad():
+            for op in self.ops:
+                op.replay()
+
+    def _release(self, t: torch.Tensor) -> torch.Tensor:
+        self.pool.release(self, t)
+        return t
+
+
+class TapeBackend(GraphBackend):
+    """CPU graphs: :class:`TapeGraph` on :class:`TapePool`."""
+
+    name = "tape"
+    device = "cpu"
+    pool_type = TapePool
+    graph_type = TapeGraph

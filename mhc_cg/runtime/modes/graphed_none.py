@@ -1,0 +1,90 @@
+"""Mode ``graphed_none``: every mHC sublayer captured as a graph, with no recompute at all.
+
+The baseline that separates what graphs buy from what static-buffer recompute buys: each
+``MHCSublayer`` (attention or MLP, its mHC ops included) goes through ``make_graphed_callables``
+as it is, with no static runtime, no arena and no recompute. A MoE MLP sublayer cannot be
+captured whole (its dispatch has data-dependent shapes), so with ``model.num_experts`` only the
+attention sublayers are graphs and the MoE sublayers run eagerly. Whatever autograd saves for backward
+lives in the graphs' shared pool, so memory is that of eager without recompute (plus the static
+inputs); the numbers are those of eager without recompute, bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from mhc_cg.model import MHCGPT, MoEMLP
+from mhc_cg.runtime.modes.lifecycle import (CapturedState, GraphedModel, rewind_replay_order,
+                                    runs_graphs)
+from mhc_cg.runtime.modes.plan import CapturePlan
+
+
+def sublayer_sample_args(model: MHCGPT, micro_batch_size: int, count: int,
+                         device: torch.device | str) -> tuple[tuple[Tensor, Tensor], ...]:
+    """``count`` capture samples of a sublayer's inputs: streams ``[s, b, n*C]`` (in the
+    parameters' dtype, requiring grad) and an int64 dropout seed."""
+    cfg = model.cfg
+    width = cfg.num_streams * cfg.hidden_size
+    dtype = model.embedding.weight.dtype  # activations follow the parameters
+    return tuple((torch.zeros(cfg.seq_length, micro_batch_size, width, device=device, dtype=dtype,
+                              requires_grad=True),
+                  torch.zeros((), dtype=torch.int64, device=device))
+                 for _ in range(count))
+
+
+class GraphedSublayersModel(GraphedModel):
+    """``model`` whose sublayers replay as graphs; ``prepare(device)`` captures them."""
+
+    def __init__(self, model: MHCGPT, plan: CapturePlan, *, micro_batch_size: int, backend=None):
+        if plan.mode != "graphed_none":
+            raise ValueError(f"GraphedSublayersModel runs the graphed_none mode, got a plan for "
+                             f"{plan.mode!r}")
+        self.model, self.plan, self.micro_batch_size = model, plan, micro_batch_size
+        self.backend = backend if backend is not None else plan.backend  # an object or a name
+        self.sublayer_fns: list[Callable] = []
+        self.graphed_callables: tuple = ()
+        self.captured: CapturedState | None = None
+
+    def prepare(self, device: torch.device | str) -> "GraphedSublayersModel":
+        from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
+
+        subs = [sub for layer in self.model.layers for sub in (layer.attention, layer.mlp)]
+        captured = [sub for layer in self.model.layers
+                    for sub, on in ((layer.attention, self.plan.attn), (layer.mlp, self.plan.mlp))
+                    if on and not isinstance(sub.fn, MoEMLP)]
+        sample_args = sublayer_sample_args(self.model, self.micro_batch_size, len(captured), device)
+        self.graphed_callables = make_graphed_callables(tuple(captured), sample_args,
+                                                        backend=self.backend)
+        graphed = dict(zip(map(id, captured), self.graphed_callables))
+        self.sublayer_fns = [graphed.get(id(sub), sub) for sub in subs]  # MoE: the eager module
+        self.captured = CapturedState.of(self.model)
+        return self
+
+    def forward(self, input_ids: Tensor, dropout_seed: Tensor) -> Tensor:
+        """A training forward replays the graphs; evaluation (``eval()`` or ``no_grad``) runs the
+        plain model eagerly and leaves the graphs and their replay order alone."""
+        if not self.sublayer_fns:
+            raise RuntimeError("GraphedSublayersModel.prepare(device) must run before forward")
+        if not runs_graphs(self.model):
+            return self.model(input_ids, dropout_seed)
+        self.captured.check(self.model)
+        x = self.model.embed(input_ids)
+        for fn in self.sublayer_fns:
+            x = fn(x, dropout_seed)
+        return self.model.logits(x)
+
+    __call__ = forward
+
+    def release_pending(self) -> int:
+        """Forget training forwards whose backward never came (an aborted step): the next forward
+        replays from the first captured graph again. Called by every training step first."""
+        return rewind_replay_order(self.graphed_callables)
+
+    def graphs(self) -> list:
+        return list(self.graphed_callables.graphs()) if self.graphed_callables else []
+
+    def describe(self) -> dict:
+        return {"scopes": list(self.plan.scopes), "graphs": len(self.graphs()), "recompute_graphs": 0}

@@ -1,0 +1,315 @@
+"""An MHCGPT trained with static-buffer mHC recompute, its sublayers and recompute in graphs.
+
+The capture plan (:mod:`mhc_cg.runtime.modes.plan`, resolved from ``cuda_graph_scope``) decides what is captured:
+
+* ``attn`` / ``mlp``: the whole attention / dense MLP sublayer, mHC ops included, as one graphed
+  callable (forward graph + backward graph) whose mHC ops save into arena slots;
+* ``moe_router`` [+ ``moe_preprocess``]: the MoE MLP sublayer's mHC ops before F and the router
+  [and the dispatcher's preprocess] are captured; capture ends with megatron-core's
+  ``MoECudaGraphPartialCaptureSignal`` and the rest (dispatch, experts, mHC ops after F) runs eagerly
+  from a ``MoECudaGraphTensorStore`` and writes its own arena segment;
+* ``mhc_recompute``: the block recompute, one graph per (recompute block, persistent slot set).
+  They run one at a time and leave nothing allocated. With every sublayer graphed (one fixed
+  replay order per step) they are captured into the sublayer graphs' pool, each where it replays;
+  otherwise they get one pool of independent graphs of their own.
+
+What is not captured runs eagerly through the same runtime and writes the same slots, so every
+combination of scopes computes the same numbers, bit for bit, as eager without recompute.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from mhc_cg.model.moe import MoECudaGraphPartialCaptureSignal, MoECudaGraphTensorStore
+from mhc_cg.model import MHCGPT, MoEMLP
+from mhc_cg.runtime.modes.lifecycle import (CapturedState, GraphedModel, rewind_replay_order,
+                                    runs_graphs)
+from mhc_cg.runtime.modes.plan import CapturePlan
+from mhc_cg.core.nvtx import nvtx_range
+from mhc_cg.core.errors import StaticRecomputeError
+from mhc_cg.runtime.recompute.static import StaticRecompute, build_static_recompute
+
+class _Target:
+    """A static buffer handed to an autograd Function as a non-tensor argument."""
+
+    def __init__(self, tensor: Tensor):
+        self.tensor = tensor
+
+
+class _WriteInto(torch.autograd.Function):
+    """Identity whose output is ``target.tensor`` (written here): a graph's output then lives in a
+    static buffer outside the graph's pool instead of in a block the pool keeps for good."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor, target: _Target) -> Tensor:
+        out = target.tensor.detach()
+        out.copy_(t)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+class SlotSublayer(nn.Module):
+    """One whole mHC sublayer on the static runtime: ``(x, seed) -> (out, F output)``.
+
+    A module (its parameters are the sublayer's) so that graph capture computes their gradients.
+    The F output is returned detached: it only feeds the persistent slot set. With ``out_buffer``
+    / ``fn_buffer`` set, the sublayer writes its output / F output there (the next graph's static
+    input / the persistent set's slot), so neither stays in the graph pool as a static output.
+    """
+
+    def __init__(self, runtime: StaticRecompute, sub: nn.Module, position: int, k: int):
+        super().__init__()
+        self.sub = sub
+        self.runtime, self.position, self.k = runtime, position, k
+        self.out_buffer: Tensor | None = None
+        self.fn_buffer: Tensor | None = None
+
+    def forward(self, x: Tensor, seed: Tensor) -> tuple[Tensor, Tensor]:
+        out, y = self.runtime.sublayer(self.sub, self.position, self.k, x, seed)
+        y = y.detach()
+        if self.fn_buffer is not None:
+            self.fn_buffer.copy_(y)
+            y = self.fn_buffer.detach()
+        if self.out_buffer is not None:
+            out = _WriteInto.apply(out, _Target(self.out_buffer))
+        return out, y
+
+
+class PartialMoESublayer(nn.Module):
+    """The captured head of a MoE MLP sublayer: mHC ops before F, then the router [+ preprocess].
+
+    Returns ``(mixed, h_post, *early)`` where ``early`` is what megatron-core's signal collects
+    (``get_early_return_outputs``): hidden states, probs and routing map after ``route``; hidden
+    states, probs and the dispatcher's tensors after ``preprocess``.
+    """
+
+    def __init__(self, runtime: StaticRecompute, sub: nn.Module, position: int, k: int, step: str):
+        super().__init__()
+        if not isinstance(sub.fn, MoEMLP):
+            raise StaticRecomputeError("moe_router / moe_preprocess scopes need a MoE MLP "
+                                       "(model.num_experts); this sublayer is dense")
+        self.sub = sub
+        self.runtime, self.position, self.k, self.step = runtime, position, k, step
+
+    def forward(self, x: Tensor, seed: Tensor) -> tuple[Tensor, ...]:
+        normed, h_post, mixed = self.runtime.sublayer_pre(self.sub, self.position, self.k, x)
+        moe: MoEMLP = self.sub.fn
+        moe.partial_capture = self.step
+        try:
+            with self.runtime.fn_region():
+                moe(normed)
+        except MoECudaGraphPartialCaptureSignal as signal:
+            early = signal.get_early_return_outputs(normed.reshape(-1, normed.shape[-1]), None)
+        else:
+            raise StaticRecomputeError("the MoE layer did not raise its partial-capture signal")
+        finally:
+            moe.partial_capture = None
+        return (mixed, h_post, *early)
+
+
+def moe_eager_tail(runtime: StaticRecompute, sub: nn.Module, position: int, k: int, step: str,
+                   head_outputs: Sequence[Tensor], seed: Tensor) -> tuple[Tensor, Tensor]:
+    """The eager rest of a partially captured MoE sublayer; returns (out, F output)."""
+    mixed, h_post, hidden, probs, *rest = head_outputs
+    moe: MoEMLP = sub.fn
+    store = MoECudaGraphTensorStore()
+    if step == "route":
+        store.set(hidden_states=hidden, probs=probs, routing_map=rest[0])
+    else:
+        store.set(hidden_states=hidden, probs=probs)
+        for name, value in zip(moe.token_dispatcher.valid_cudagraph_attrs, rest):
+            setattr(moe.token_dispatcher, name, value)
+    with runtime.fn_region():
+        y = moe(mixed.narrow(-1, 0, hidden.shape[-1]), store)  # only its shape is read
+    return runtime.sublayer_post(sub, position, k, y, h_post, mixed, seed), y
+
+
+class GraphedStaticModel(GraphedModel):
+    """``model`` with static-buffer recompute; what ``plan`` names runs as graphs.
+
+    ``prepare()`` does everything that allocates: arena layout, persistent sets, capture. After
+    it, a training step allocates nothing static and moves no slot. ``capacity`` is how many
+    microbatches may be in flight between a forward and its backward (1 without pipelining).
+    """
+
+    def __init__(self, model: MHCGPT, plan: CapturePlan, *, micro_batch_size: int,
+                 capacity: int = 1, block_size: int | None = None, backend=None):
+        if plan.mode != "graphed_static":
+            raise StaticRecomputeError(f"GraphedStaticModel runs the graphed_static mode, got a "
+                                       f"plan for {plan.mode!r}")
+        if capacity > 1 and plan.graphed_sublayers:
+            # one graph per sublayer serves every microbatch: a second forward replay before the
+            # first one's backward would overwrite the activations that backward reads
+            raise StaticRecomputeError(
+                f"capacity={capacity} microbatches in flight with graphed sublayers "
+                f"{[s for s in plan.scopes if s != 'mhc_recompute']}: each sublayer has one graph "
+                f"here, valid for one microbatch at a time; for pipelined schedules capture one "
+                f"graph per (chunk, microbatch, layer) with make_graphed_callables(..., "
+                f"order=pipeline_order(...)), or graph only mhc_recompute")
+        self.model, self.plan = model, plan
+        self.micro_batch_size, self.capacity = micro_batch_size, capacity
+        self.block_size = block_size or model.cfg.resolved_recompute_layers
+        self.runtime: StaticRecompute | None = None
+        self.sublayer_fns: dict[tuple[int, int], Callable] = {}
+        self.graphed_callables: tuple = ()  # make_graphed_callables' result (has .graphs())
+        self.backend = backend  # a GraphBackend object; None: the plan's backend, made in prepare
+        self.captured: CapturedState | None = None
+
+    def prepare(self, device: torch.device | str) -> "GraphedStaticModel":
+        from mhc_cg.runtime.modes.graphed_none import sublayer_sample_args
+        from mhc_cg.runtime.graphs import get_backend
+        from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
+
+        cfg = self.model.cfg
+        layers = list(self.model.layers)
+        dtype = self.model.embedding.weight.dtype  # activations follow the parameters
+        self.runtime = build_static_recompute(
+            layers, self.block_size, seq_length=cfg.seq_length,
+            micro_batch_size=self.micro_batch_size, capacity=self.capacity, device=device,
+            dtype=dtype)
+        if self.backend is None:
+            self.backend = get_backend(self.plan.backend)
+        modules, keys = [], []
+        for index, layer in enumerate(layers):
+            position = index % self.block_size
+            if self.plan.attn:
+                modules.append(SlotSublayer(self.runtime, layer.attention, position, 0))
+                keys.append((layer.layer_number, 0))
+            if self.plan.moe_step is not None:
+                modules.append(PartialMoESublayer(self.runtime, layer.mlp, position, 1,
+                                                  self.plan.moe_step))
+                keys.append((layer.layer_number, 1))
+            elif self.plan.mlp:
+                modules.append(SlotSublayer(self.runtime, layer.mlp, position, 1))
+                keys.append((layer.layer_number, 1))
+        recompute_in_sublayer_pool = False
+        if modules:
+            sample_args = sublayer_sample_args(self.model, self.micro_batch_size, len(modules),
+                                               device)
+            chained = self._chain_buffers(modules, keys, sample_args)
+            before_backward = {}
+            if chained is not None:
+                sample_args = chained
+                if self.plan.recompute_graph and self.backend.name != "te":
+                    self.runtime.warm_up_recompute(self.backend)
+                    before_backward = self._recompute_captures()
+                    recompute_in_sublayer_pool = True
+            # a partially captured MoE sublayer leaves its experts' parameters to the eager tail
+            graphed = make_graphed_callables(tuple(modules), sample_args,
+                                             backend=self.backend,
+                                             allow_unused_input=self.plan.moe_step is not None,
+                                             capture_before_backward=before_backward)
+            self.graphed_callables = graphed
+            for key, module, fn in zip(keys, modules, graphed):
+                self.sublayer_fns[key] = self._wrap(key, module, fn)
+        if self.plan.recompute_graph and not recompute_in_sublayer_pool:
+            self.runtime.capture_recompute_graphs(self.backend)
+        self.captured = CapturedState.of(self.model)
+        return self
+
+    def _recompute_captures(self) -> dict[int, Callable]:
+        """With every sublayer a graph, replayed in one fixed order per step, each block's recompute
+        graph goes into the sublayer graphs' pool, captured where it replays: after the backward of
+        the next block's first sublayer (whose input gradient fires the block's hook), before the
+        backward of the block's last sublayer. Its temporaries then take memory the forward
+        graphs' temporaries had, instead of a pool of their own.
+        """
+        runtime = self.runtime
+        pset = runtime.sets.all_sets()[0]
+        layers = len(self.model.layers)
+        captures = {}
+        for block in range(len(runtime.blocks)):
+            last_layer = min((block + 1) * self.block_size, layers) - 1
+            captures[2 * last_layer + 1] = (
+                lambda pool, block=block: runtime.capture_recompute_graph(self.backend, pool,
+                                                                          block, pset))
+        return captures
+
+    def _chain_buffers(self, modules: list, keys: list, sample_args: tuple) -> tuple | None:
+        """When every sublayer is a graph (one microbatch in flight): two ping-pong buffers serve as
+        every graph's static input, each graph writes its output into the next one's input and
+        its F output into the persistent set. No graph then keeps its outputs in the pool, no
+        output is copied into the next input, and one pair of inputs serves all graphs.
+        Returns the chained sample args, or ``None`` where the graphs do not form that chain.
+        """
+        layers = len(self.model.layers)
+        consecutive = keys == [(layer.layer_number, k) for layer in self.model.layers
+                               for k in (0, 1)]
+        if not (consecutive and self.capacity == 1 and len(keys) == 2 * layers
+                and all(type(m) is SlotSublayer for m in modules)):
+            return None
+        pingpong = [sample_args[0][0], sample_args[1][0]]
+        pset = self.runtime.sets.all_sets()[0]
+        chained = []
+        for i, (module, (_, seed)) in enumerate(zip(modules, sample_args)):
+            module.out_buffer = pingpong[(i + 1) % 2]
+            module.fn_buffer = pset.fn_outputs[(i // 2, i % 2)]
+            chained.append((pingpong[i % 2], seed))
+        return tuple(chained)
+
+    def _wrap(self, key: tuple[int, int], module: nn.Module, fn: Callable) -> Callable:
+        layer, k = key
+        phase = "attn" if k == 0 else "mlp"
+        if isinstance(module, PartialMoESublayer):
+            def run_partial(x: Tensor, seed: Tensor) -> tuple[Tensor, Tensor]:
+                with nvtx_range("fwd", 0, None, f"{layer}.moe_head"):
+                    head = fn(x, seed)
+                with nvtx_range("eager", 0, None, f"{layer}.moe_tail"):
+                    return moe_eager_tail(self.runtime, module.sub, module.position, module.k,
+                                          module.step, head, seed)
+            return run_partial
+
+        def run(x: Tensor, seed: Tensor) -> tuple[Tensor, Tensor]:
+            with nvtx_range("fwd", 0, None, f"{layer}.{phase}"):
+                return fn(x, seed)
+        return run
+
+    def forward(self, input_ids: Tensor, dropout_seed: Tensor) -> Tensor:
+        """A training forward runs the static runtime and its graphs; evaluation (``eval()`` or
+        ``no_grad``) runs the plain model eagerly: no persistent set is claimed, no graph replayed."""
+        if self.runtime is None:
+            raise StaticRecomputeError("GraphedStaticModel.prepare(device) must run before forward")
+        if not runs_graphs(self.model):
+            return self.model(input_ids, dropout_seed)
+        self.captured.check(self.model)
+        x = self.model.embed(input_ids)
+        x = self.runtime.forward(x, dropout_seed, self.sublayer_fns)
+        return self.model.logits(x)
+
+    __call__ = forward
+
+    def release_pending(self) -> int:
+        """Give back what every training forward whose backward never came still holds (an
+        aborted step: a non-finite loss, a forward run for its value only): its persistent set,
+        and the sublayer graphs' replay position. Returns how many forwards were released; their
+        backward raises from now on. Called by every training step first."""
+        released = self.runtime.release_pending() if self.runtime is not None else 0
+        return max(released, rewind_replay_order(self.graphed_callables))
+
+    def graphs(self) -> list:
+        """Every captured graph: sublayer forward/backward graphs, then recompute graphs."""
+        sublayer = list(self.graphed_callables.graphs()) if self.graphed_callables else []
+        return sublayer + list(self.runtime.recompute_graphs.values())
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self.graphs())
+
+    def describe(self) -> dict:
+        rt = self.runtime
+        return {
+            "scopes": list(self.plan.scopes),
+            "block_size": self.block_size,
+            "arena_bytes": rt.arena.nbytes,
+            "persistent_bytes_per_microbatch": rt.sets.nbytes_per_set,
+            "persistent_sets": rt.sets.capacity,
+            "graphs": self.num_graphs,
+            "recompute_graphs": len(rt.recompute_graphs),
+        }

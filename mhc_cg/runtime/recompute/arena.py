@@ -1,0 +1,152 @@
+"""Static buffers for mHC activations: the per-rank arena and the per-microbatch persistent sets.
+
+The arena holds every tensor that autograd saves inside the mHC ops of one recompute block. It is
+one byte buffer, allocated once, cut into fixed *regions* (one per sublayer position in a block
+and per segment of that sublayer), each a sequence of *slots*. Nothing is ever freed: "discard"
+means the next block or microbatch may overwrite a slot; the block's recompute writes it back
+before the block's backward reads it.
+
+Two aliases of the same storage keep autograd honest:
+
+* the **reader** (``Arena.buffer``) is what saved tensors are views of. Nobody writes through it,
+  so its version counter never moves and autograd never sees an in-place change;
+* the **writer** is made once with ``set_`` on the reader's storage; producers ``copy_`` through
+  it. Its views share the writer's version counter, not the reader's.
+
+Every write is checked: the slot must have the size, dtype and address the layout fixed when the
+region was first filled. A different shape is an error, never a silent re-allocation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from mhc_cg.core.storage import storage_id
+
+ALIGN_BYTES = 64
+
+
+@dataclass
+class Slot:
+    offset: int  # bytes from the arena start
+    nbytes: int
+    dtype: torch.dtype
+
+
+@dataclass
+class Region:
+    """The slots one segment of one sublayer fills, in the order it fills them."""
+
+    name: str
+    slots: list[Slot] = field(default_factory=list)
+    frozen: bool = False  # True once the arena is allocated: the layout may no longer change
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_aligned(s.nbytes) for s in self.slots)
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
+class ArenaLayoutError(RuntimeError):
+    """A write that does not fit the layout fixed at the first pass (shape or dtype changed)."""
+
+
+class Arena:
+    """One recompute block's transient mHC state, allocated once per rank.
+
+    Life cycle: ``discovering`` (the first block forward only records slot sizes) ->
+    ``allocate()`` (one buffer, regions laid end to end) -> reads and writes at fixed addresses.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.regions: dict[str, Region] = {}
+        self.buffer: Tensor | None = None  # reader alias, uint8
+        self._writer: Tensor | None = None
+        self._region_offsets: dict[str, int] = {}
+        self._data_ptrs: dict[tuple[str, int], int] = {}
+        self.writes = 0
+
+    # -- layout ------------------------------------------------------------------------------
+    @property
+    def allocated(self) -> bool:
+        return self.buffer is not None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+    def region(self, name: str) -> Region:
+        if name not in self.regions:
+            if self.allocated:
+                raise ArenaLayoutError(f"arena region {name!r} was not seen before the arena was "
+                                       f"allocated; known regions: {sorted(self.regions)}")
+            self.regions[name] = Region(name)
+        return self.regions[name]
+
+    def allocate(self) -> None:
+        """Fix the layout and allocate the one buffer. Call before any graph capture."""
+        if self.allocated:
+            return
+        offset = 0
+        for name, region in self.regions.items():
+            self._region_offsets[name] = offset
+            for slot in region.slots:
+                slot.offset = offset
+                offset += _aligned(slot.nbytes)
+            region.frozen = True
+        self.buffer = torch.zeros(max(offset, ALIGN_BYTES), dtype=torch.uint8, device=self.device)
+        self._writer = torch.empty(0, dtype=torch.uint8, device=self.device).set_(
+            self.buffer.untyped_storage())
+
+    # -- addresses ---------------------------------------------------------------------------
+    def contains(self, t: Tensor) -> bool:
+        """``t`` is a view of the arena (reader or writer alias: one storage).
+
+        Storage identity, not an address range: every slot tensor is a view of the one storage,
+        and on ``meta`` every data pointer is 0, so an address test would claim every tensor.
+        """
+        return self.buffer is not None and storage_id(t) == storage_id(self.buffer)
+
+    def claim(self, region: Region, index: int, nbytes: int, dtype: torch.dtype) -> Slot:
+        """The ``index``-th slot of ``region``: recorded while discovering, checked afterwards."""
+        if not region.frozen:
+            if index != len(region.slots):
+                raise ArenaLayoutError(f"region {region.name}: slots must be claimed in order")
+            region.slots.append(Slot(0, nbytes, dtype))
+            return region.slots[-1]
+        if index >= len(region.slots):
+            raise ArenaLayoutError(
+                f"region {region.name}: write #{index} but the layout has {len(region.slots)} slots; "
+                f"the ops of this sublayer changed since the layout was fixed")
+        slot = region.slots[index]
+        if slot.nbytes != nbytes or slot.dtype != dtype:
+            raise ArenaLayoutError(
+                f"region {region.name} slot {index}: layout holds {slot.nbytes} bytes of {slot.dtype}, "
+                f"got {nbytes} bytes of {dtype}; shapes must stay fixed under static buffers")
+        return slot
+
+    def reader(self, slot: Slot) -> Tensor:
+        """A flat typed view of ``slot`` for consumers (never written through)."""
+        return self.buffer[slot.offset:slot.offset + slot.nbytes].view(slot.dtype)
+
+    def write(self, region: Region, index: int, slot: Slot, flat: Tensor) -> None:
+        """Copy the flat typed ``flat`` into ``slot`` through the writer alias."""
+        dst = self._writer[slot.offset:slot.offset + slot.nbytes].view(slot.dtype)
+        key = (region.name, index)
+        ptr = dst.data_ptr()
+        if self._data_ptrs.setdefault(key, ptr) != ptr:
+            raise ArenaLayoutError(f"region {region.name} slot {index} moved: "
+                                   f"{self._data_ptrs[key]:#x} -> {ptr:#x}")
+        dst.copy_(flat)
+        self.writes += 1
+
+    def data_ptrs(self) -> dict[tuple[str, int], int]:
+        """Every slot's address as first written (for invariance checks)."""
+        return dict(self._data_ptrs)

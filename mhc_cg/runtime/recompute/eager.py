@@ -1,0 +1,238 @@
+"""``BlockRecomputeManager``: free every checkpoint of a recompute block, recompute them as one.
+
+One manager per recompute block, one unified recompute hook per block. Checkpoints built with
+``CheckpointWithoutOutput(manager)`` register here in forward order. At the end of the block,
+:meth:`discard_all_outputs_and_register_unified_recompute` frees all their outputs and hooks one
+recompute on the block's end tensor (the last layer's final bias-dropout-add output, which is
+*not* checkpointed). When backward reaches that tensor, the hook re-runs every checkpoint in
+forward order, before any backward node of the block runs.
+
+Refillable inputs: a checkpoint may declare ``refill={arg_index: "source" | "source.key"}``. The
+input is not saved; at recompute time it is filled with ``source``'s recomputed output (or the
+output named ``key``). The dependency graph is checked when the block is finalised: a source
+that is unknown, or registered after its consumer, is an error naming both checkpoints.
+
+Exception safety: run the block's forward inside :meth:`forward_scope`. If anything unwinds it
+(an error, or Megatron's ``MoECudaGraphPartialCaptureSignal``), every registered checkpoint is
+abandoned, no hook stays registered and no output storage stays freed; the manager is empty and
+can be reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch import Tensor
+from torch.utils.hooks import RemovableHandle
+
+from mhc_cg.core.nvtx import nvtx_range
+from mhc_cg.runtime.recompute.checkpoint import CheckpointWithoutOutput, RNGState
+from mhc_cg.runtime.recompute.gradient_order import order_gradient_sums
+from mhc_cg.core.storage import storage_id
+
+IDLE, ARMED, RECOMPUTED = "idle", "armed", "recomputed"
+
+
+class BlockRecomputeManager:
+    """Owns the checkpoints of one recompute block for one forward.
+
+    ``debug=True`` makes every checkpoint compare recomputed values bit for bit with the
+    forward's. ``trace`` lists the checkpoint names in the order the last recompute ran them.
+    """
+
+    def __init__(self, *, debug: bool = False, name: str = "block"):
+        self.debug = debug
+        self.name = name  # the profiler range of the recompute: recompute/0/-/{name}
+        self.checkpoints: list[CheckpointWithoutOutput] = []
+        self.trace: list[str] = []
+        self.state = IDLE
+        self.last_rng_state: RNGState | None = None
+        self._by_name: dict[str, int] = {}
+        self._hook: RemovableHandle | None = None
+        self._order_hooks: list[RemovableHandle] = []
+        self._first_seq: int | None = None  # sequence number of the block's first autograd node
+
+    def __len__(self) -> int:
+        return len(self.checkpoints)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when the manager holds no checkpoint and no hook."""
+        return not self.checkpoints and self._hook is None
+
+    def add_checkpoint(self, ckpt: CheckpointWithoutOutput) -> None:
+        if self.state != IDLE:
+            raise RuntimeError(f"BlockRecomputeManager: cannot add checkpoint {ckpt.name!r} after "
+                               f"the block was finalised (state {self.state!r})")
+        if ckpt.name in self._by_name:
+            raise ValueError(f"BlockRecomputeManager: two checkpoints named {ckpt.name!r}")
+        self._by_name[ckpt.name] = len(self.checkpoints)
+        self.checkpoints.append(ckpt)
+        node = next((o.grad_fn for o in ckpt.outputs if o.grad_fn is not None), None)
+        if self._first_seq is None and node is not None:
+            self._first_seq = node._sequence_nr()
+
+    # ------------------------------------------------------------ dependencies
+    def _resolve(self, consumer: CheckpointWithoutOutput, ref: str) -> tuple[int, int]:
+        """``ref`` -> (index of the source checkpoint, index of its output)."""
+        name, key = ref, None
+        if ref not in self._by_name and "." in ref:
+            name, key = ref.rsplit(".", 1)
+        if name not in self._by_name:
+            raise ValueError(f"checkpoint {consumer.name!r} depends on {ref!r}, but no checkpoint "
+                             f"named {name!r} is registered in this block")
+        source_index = self._by_name[name]
+        source = self.checkpoints[source_index]
+        if source_index >= self._by_name[consumer.name]:
+            raise ValueError(f"checkpoint {consumer.name!r} depends on {ref!r}, but {name!r} is "
+                             f"produced after it in forward order; sources must come first")
+        if key is None:
+            if len(source.outputs) != 1:
+                raise ValueError(f"checkpoint {consumer.name!r} depends on {ref!r}, but {name!r} "
+                                 f"has {len(source.outputs)} outputs; name one of "
+                                 f"{list(source.output_keys)}")
+            return source_index, 0
+        try:
+            return source_index, source.output_index(key)
+        except KeyError:
+            raise ValueError(f"checkpoint {consumer.name!r} depends on {ref!r}, but {name!r} has "
+                             f"no output {key!r}; its outputs are {list(source.output_keys)}") from None
+
+    def validate(self) -> dict[str, dict[int, tuple[int, int]]]:
+        """Check every declared dependency; return them resolved to indices."""
+        return {c.name: {i: self._resolve(c, ref) for i, ref in c.refill.items()}
+                for c in self.checkpoints}
+
+    # ---------------------------------------------------------------- finalise
+    def discard_all_outputs_and_register_unified_recompute(self, hook_tensor: Tensor) -> None:
+        """Validate the dependencies, free every output, and hook the recompute on ``hook_tensor``."""
+        if self.state != IDLE:
+            raise RuntimeError(f"BlockRecomputeManager: block already finalised (state {self.state!r})")
+        if not hook_tensor.requires_grad or hook_tensor.grad_fn is None:
+            raise ValueError("BlockRecomputeManager: hook_tensor must be a non-leaf tensor that "
+                             "requires grad (the block's last bias-dropout-add output); otherwise "
+                             "no backward would recompute the discarded outputs")
+        self._resolved = self.validate()
+        hook_storage = storage_id(hook_tensor)
+        for ckpt in self.checkpoints:
+            if any(storage_id(o) == hook_storage for o in ckpt.outputs):
+                raise ValueError(f"BlockRecomputeManager: hook_tensor shares storage with the output "
+                                 f"of checkpoint {ckpt.name!r}; the block-end tensor must not be "
+                                 f"checkpointed")
+        self._order_hooks = order_gradient_sums(self.checkpoints, hook_tensor, self._first_seq or 0)
+        for ckpt in self.checkpoints:
+            ckpt.discard_outputs()
+        self._hook = hook_tensor.register_hook(self._unified_recompute_hook)
+        self.state = ARMED
+
+    def _unified_recompute_hook(self, grad: Tensor) -> None:
+        if self.state != ARMED:
+            raise RuntimeError(
+                "BlockRecomputeManager: a second backward reached a recompute block whose "
+                "recompute was already consumed; block recompute supports one backward per "
+                "forward (retain_graph=True cannot replay it) - run the forward again")
+        self.recompute_all()
+
+    def recompute_all(self) -> None:
+        """Recompute every checkpoint in forward order, refilling inputs from their sources."""
+        recomputed: list[tuple[Tensor, ...]] = []
+        self.trace = []
+        with nvtx_range("recompute", 0, None, self.name):
+            for ckpt in self.checkpoints:
+                fills = {i: recomputed[src][out] for i, (src, out) in self._resolved[ckpt.name].items()}
+                recomputed.append(ckpt.recompute(fills))
+                self.trace.append(ckpt.name)
+        self.state = RECOMPUTED
+        self._hook = None  # fired; autograd drops it with the graph
+
+    # --------------------------------------------------------------- unwinding
+    @contextlib.contextmanager
+    def forward_scope(self) -> Iterator["BlockRecomputeManager"]:
+        """Run a block's forward; if an exception unwinds it, leave nothing behind."""
+        try:
+            yield self
+        except BaseException:
+            self.abandon()
+            raise
+
+    def abandon(self) -> None:
+        """Remove the hook, put back freed storages (unused, but never left dangling), forget all."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        for handle in self._order_hooks:
+            handle.remove()
+        self._order_hooks.clear()
+        self._first_seq = None
+        for ckpt in self.checkpoints:
+            ckpt.restore_discarded_storage()
+            ckpt.abandon()
+        self.checkpoints.clear()
+        self._by_name.clear()
+        self.trace = []
+        self.last_rng_state = None
+        self.state = IDLE
+
+    def held_bytes(self) -> int:
+        """Bytes the manager holds itself (RNG states; debug clones), beyond saved tensors."""
+        states = {id(c.rng_state): c.rng_state for c in self.checkpoints if c.rng_state is not None}
+        debug = sum(c.debug_bytes for c in self.checkpoints)
+        return sum(s.nbytes() for s in states.values()) + debug
+
+
+def checkpoint_sublayer(steps, x: Tensor, seed: Tensor | None, manager: BlockRecomputeManager,
+                        name: str, x_source: str | None, block_end: bool) -> tuple[Tensor, str | None]:
+    """One mHC sublayer with every step but F a checkpoint of ``manager``.
+
+    ``steps`` has the named steps of ``mhc_cg.model.MHCSublayer`` (``mappings``, ``aggregate``,
+    ``norm``, ``fn``, ``h_res_step`` and ``post_bda``). ``x_source`` names the checkpoint that produced ``x`` (``None``: ``x``
+    is the block input, saved). Returns the output and the checkpoint that produced it (``None``
+    for the block end, which is the manager's hook tensor and so not checkpointed). The steps run
+    in ``MHCSublayer.forward``'s order, so RNG draws and autograd order match the plain path.
+    """
+    def step(suffix: str) -> CheckpointWithoutOutput:
+        return CheckpointWithoutOutput(manager, name=f"{name}/{suffix}")
+
+    x_refill = {} if x_source is None else {0: x_source}
+    h_pre, h_post, h_res = step("mappings").checkpoint(
+        steps.mappings, x, refill=x_refill, output_keys=("h_pre", "h_post", "h_res"))
+    agg = step("aggregate").checkpoint(
+        steps.aggregate, x, h_pre, refill={**x_refill, 1: f"{name}/mappings.h_pre"})
+    normed = step("norm").checkpoint(steps.norm, agg, refill={0: f"{name}/aggregate"})
+    y = steps.fn(normed)  # F's output y is a persistent input of post_bda: F is never re-run
+    mixed = step("h_res").checkpoint(
+        steps.h_res_step, h_res, x,
+        refill={0: f"{name}/mappings.h_res", **({} if x_source is None else {1: x_source})})
+    if block_end:
+        # The block end is the manager's hook tensor, so it is not checkpointed. It saves y
+        # (persistent), h_post (refilled by the recompute before its backward) and the seed;
+        # the fused op keeps no mask.
+        return steps.post_bda(y, h_post, mixed, seed), None
+    out = step("post_bda").checkpoint(steps.post_bda, y, h_post, mixed, seed,
+                                      refill={1: f"{name}/mappings.h_post", 2: f"{name}/h_res"})
+    return out, f"{name}/post_bda"
+
+
+def run_recompute_blocks(layers, x: Tensor, seed: Tensor | None, block_size: int,
+                         managers: list[BlockRecomputeManager]) -> Tensor:
+    """Eager block recompute over ``layers`` (each with ``.attention`` / ``.mlp`` steps).
+
+    One manager per block of ``block_size`` layers, appended to ``managers`` as it starts (so the
+    caller still sees it, empty, if an exception unwinds its forward): each block keeps its input
+    x_l0 and every F output; its hook tensor is the block's last bias-dropout-add output.
+    """
+    layers = list(layers)
+    for start in range(0, len(layers), block_size):
+        block = layers[start:start + block_size]
+        manager = BlockRecomputeManager(name=f"block{start // block_size}")
+        managers.append(manager)
+        with manager.forward_scope():
+            x_source = None  # the block input is persistent, not refilled
+            for i, layer in enumerate(block, start):
+                x, x_source = checkpoint_sublayer(layer.attention, x, seed, manager,
+                                                  f"layer{i}/attention", x_source, block_end=False)
+                x, x_source = checkpoint_sublayer(layer.mlp, x, seed, manager, f"layer{i}/mlp",
+                                                  x_source, block_end=layer is block[-1])
+            manager.discard_all_outputs_and_register_unified_recompute(x)
+    return x

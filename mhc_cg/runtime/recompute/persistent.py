@@ -1,0 +1,115 @@
+"""Persistent slot sets: what each in-flight microbatch keeps for its block recompute, and the
+first-in first-out pool that hands them out along a rank's order.
+
+A set holds only what the recompute needs (the design's item 3): each block's input x_l0, each
+sublayer's F output, the dropout seed and, for MLPs with activation recompute, fc1's output. Its
+buffers have static addresses: recompute graphs captured on a set read them in place, so a set is
+never reused before the microbatch that holds it has run its backward.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from mhc_cg.core.errors import StaticRecomputeError
+from mhc_cg.model import MHCTransformerLayer, recomputes_activation
+
+
+@dataclass
+class PersistentSlotSet:
+    """What one in-flight microbatch keeps for the recompute of its blocks.
+
+    ``block_inputs[b]`` is x_l0 of recompute block ``b`` ([s, b, n*C]); ``fn_outputs[(i, k)]`` is
+    the F output of sublayer ``k`` (0 attention, 1 MLP) of the chunk's ``i``-th layer ([s, b, C]).
+    Keys are positions in the chunk, so chunks of equal depth can share one pool of sets; ``seed`` is the
+    microbatch's dropout seed. ``fc1_outputs[i]`` is the MLP's pre-activation ([s, b, ffn]) of
+    the chunk's ``i``-th layer, only for layers with activation recompute: the gelu saves a view of
+    it, and the block recompute re-derives the gelu output from it into the arena. Static
+    addresses: graphs read them in place.
+    """
+
+    index: int
+    block_inputs: list[Tensor]
+    fn_outputs: dict[tuple[int, int], Tensor]
+    seed: Tensor
+    fc1_outputs: dict[int, Tensor] = field(default_factory=dict)
+
+    def _tensors(self) -> list[Tensor]:
+        return [*self.block_inputs, *self.fn_outputs.values(), *self.fc1_outputs.values(), self.seed]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def data_ptrs(self) -> list[int]:
+        return [t.data_ptr() for t in self._tensors()]
+
+
+class PersistentSetPool:
+    """Persistent slot sets, handed out first-in first-out along a rank's order.
+
+    ``capacity`` is how many microbatches may be in flight (the schedule planner's figure); asking
+    for more is an error, since a graph captured on a set must never see its set reused early.
+    """
+
+    def __init__(self, capacity: int, make_set: Callable[[int], PersistentSlotSet]):
+        if capacity < 1:
+            raise StaticRecomputeError(f"persistent set capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._sets = [make_set(i) for i in range(capacity)]
+        self._free: deque[PersistentSlotSet] = deque(self._sets)
+        self._in_use: list[PersistentSlotSet] = []
+
+    def acquire(self) -> PersistentSlotSet:
+        if not self._free:
+            raise StaticRecomputeError(
+                f"more than {self.capacity} microbatches in flight: the persistent slot sets were "
+                f"sized for {self.capacity}: raise the capacity to the schedule's peak in flight; "
+                f"or, if a forward's backward never came (a skipped step, a forward run for its "
+                f"value with gradients on), call release_pending() on the model first")
+        pset = self._free.popleft()
+        self._in_use.append(pset)
+        return pset
+
+    def release(self, pset: PersistentSlotSet) -> None:
+        if pset not in self._in_use:
+            raise StaticRecomputeError(f"persistent set {pset.index} released twice")
+        self._in_use.remove(pset)
+        self._free.append(pset)
+
+    def all_sets(self) -> list[PersistentSlotSet]:
+        return list(self._sets)
+
+    @property
+    def in_use(self) -> int:
+        return len(self._in_use)
+
+    @property
+    def nbytes_per_set(self) -> int:
+        return self._sets[0].nbytes
+
+
+def new_persistent_set(index: int, layers: list[MHCTransformerLayer], block_size: int,
+                       seq_length: int, micro_batch_size: int, device: torch.device | str,
+                       dtype: torch.dtype = torch.float32) -> PersistentSlotSet:
+    """Zeroed static buffers for one in-flight microbatch of ``layers`` (one model chunk)."""
+    cfg = layers[0].attention.cfg
+    width = cfg.num_streams * cfg.hidden_size
+    num_blocks = -(-len(layers) // block_size)
+    return PersistentSlotSet(
+        index=index,
+        block_inputs=[torch.zeros(seq_length, micro_batch_size, width, dtype=dtype, device=device)
+                      for _ in range(num_blocks)],
+        fn_outputs={(i, k): torch.zeros(seq_length, micro_batch_size, cfg.hidden_size,
+                                        dtype=dtype, device=device)
+                    for i in range(len(layers)) for k in range(2)},
+        seed=torch.zeros((), dtype=torch.int64, device=device),
+        fc1_outputs={i: torch.zeros(seq_length, micro_batch_size, layer.mlp.fn.fc1.out_features,
+                                    dtype=dtype, device=device)
+                     for i, layer in enumerate(layers) if recomputes_activation(layer.mlp)},
+    )

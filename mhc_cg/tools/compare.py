@@ -1,0 +1,97 @@
+"""``mhc-cg train --compare``: the same steps in every mode, side by side.
+
+Modes: ``eager_none`` (no recompute: the reference), ``eager_block`` (eager block recompute that
+frees and re-allocates), ``graphed_none`` (every sublayer a graph), ``graphed_static``
+(static-buffer recompute in graphs). Same weights, same data, same dropout seeds; the losses, every
+gradient of every step (compared through :func:`mhc_cg.training.session.grad_digest`) and the evaluation
+losses must agree bit for bit, and every loss must be finite (:func:`mismatches`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from mhc_cg.config import RunConfig
+from mhc_cg.runtime.modes.plan import MODES
+from mhc_cg.training.session import TrainResult, train
+
+
+def run_modes(cfg: RunConfig, *, steps: int | None = None, device: str | None = None,
+              progress: bool = True, modes: tuple[str, ...] = MODES) -> dict[str, TrainResult]:
+    return {mode: train(cfg, steps=steps, device=device, progress=progress, mode=mode)
+            for mode in modes}
+
+
+def _all_finite(values: list[float]) -> bool:
+    return all(math.isfinite(v) for v in values)
+
+
+def mismatches(results: dict[str, TrainResult]) -> list[str]:
+    """Why the modes disagree with ``eager_none`` (or are not finite), one line each; empty when
+    every loss is finite and losses, gradients and evaluation losses are bit-identical."""
+    reference = results.get("eager_none")
+    problems = []
+    for mode, r in results.items():
+        if not _all_finite(r.losses) or not _all_finite(r.eval_losses):
+            problems.append(f"{mode}: a loss is not finite")
+        if reference is None or r is reference:
+            continue
+        for name in ("losses", "grad_digests", "eval_losses"):
+            if getattr(r, name) != getattr(reference, name):
+                what = "gradients" if name == "grad_digests" else name.replace("_", " ")
+                problems.append(f"{mode}: {what} differ from eager_none's")
+    return problems
+
+
+def to_json(results: dict[str, TrainResult]) -> dict:
+    reference = results.get("eager_none")
+    modes = {}
+    for mode, r in results.items():
+        modes[mode] = {
+            "losses": r.losses,
+            "grad_norms": r.grad_norms,
+            "eval_steps": r.eval_steps,
+            "eval_losses": r.eval_losses,
+            "skipped_steps": r.skipped_steps,
+            "losses_equal_eager_none": None if reference is None else r.losses == reference.losses,
+            "grads_equal_eager_none": None if reference is None
+            else r.grad_digests == reference.grad_digests,
+            "eval_losses_equal_eager_none": None if reference is None
+            else r.eval_losses == reference.eval_losses,
+            "grad_norms_equal_eager_none": None if reference is None
+            else r.grad_norms == reference.grad_norms,
+            "held_bytes_per_microbatch": r.held_bytes_per_microbatch,
+            "step_ms_median": r.median_step_ms,
+            **r.info,
+        }
+    return {"modes": modes, "agree": not mismatches(results), "mismatches": mismatches(results)}
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2 ** 20:.2f} MiB"
+
+
+def format_table(results: dict[str, TrainResult]) -> str:
+    reference = results.get("eager_none")
+    header = ("mode", "loss first -> last", "loss == eager_none", "held / microbatch", "arena", "persistent / mb",
+              "graphs", "step ms")
+    rows = []
+    for mode, r in results.items():
+        if not _all_finite(r.losses):
+            same = "not finite"  # NaN != NaN: a difference would read as 0
+        elif reference is None or mode == "eager_none":
+            same = "(reference)"
+        elif not _all_finite(reference.losses):
+            same = "reference not finite"
+        else:
+            worst = max(abs(a - b) for a, b in zip(r.losses, reference.losses))
+            same = "bit-identical" if r.losses == reference.losses else f"max diff {worst:.3g}"
+            if r.losses == reference.losses and r.grad_digests != reference.grad_digests:
+                same = "losses equal, grads differ"
+        rows.append((mode, f"{r.losses[0]:.4f} -> {r.losses[-1]:.4f}", same, _mib(r.held_bytes_per_microbatch),
+                     _mib(r.info.get("arena_bytes")), _mib(r.info.get("persistent_bytes_per_microbatch")),
+                     str(r.info.get("graphs", 0)), f"{r.median_step_ms:.1f}"))
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in (header, *rows)]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,12 @@
+"""GPU cost without a GPU: kernels, bytes and graph-pool memory of every mode's training step.
+
+* :mod:`mhc_cg.tools.cost.ops`: which aten ops launch a kernel, and their bytes (the one definition);
+* :mod:`mhc_cg.tools.cost.allocator`: the CUDA caching allocator during capture, emulated;
+* :mod:`mhc_cg.tools.cost.record`: op counters and the capture recorder;
+* :mod:`mhc_cg.tools.cost.recording`: the recording graph backend (any device, ``meta`` included);
+* :mod:`mhc_cg.tools.cost.report`: the per-mode report of ``mhc-cg cost``.
+"""
+
+from mhc_cg.tools.cost.ops import launches_kernel, op_bytes
+
+__all__ = ["launches_kernel", "op_bytes"]

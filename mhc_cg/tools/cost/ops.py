@@ -1,0 +1,103 @@
+"""Which aten ops launch device work, and how many bytes each one reads and writes.
+
+The one definition the cost model (and any kernel count elsewhere) uses:
+
+* **free** (no kernel): views (the schema says the output aliases an input, or every output shares
+  an input's storage: ``view``, ``transpose``, ``expand``, ``detach``, ``_unsafe_view``...),
+  metadata mutations (``transpose_``, ``set_``, ``resize_``: tagged ``inplace_view`` or listed
+  below), uninitialised allocations (``empty``, ``empty_like``...) and shape queries;
+* **a kernel**: every other op, custom ops (``torch.ops.<ns>.*``) included. Its bytes are its
+  tensor inputs (read) plus its tensor outputs (written); an ``out=`` tensor is written, not read,
+  and an in-place op's ``self`` is both.
+
+What this cannot see: a library call that launches several kernels (cuBLAS split-K, attention's
+forward and its reduction) counts once; ops the GPU would fuse count separately.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from mhc_cg.core.storage import storage_id
+
+aten = torch.ops.aten
+
+# Allocate without writing, or change only metadata / the storage's size: no kernel.
+NO_DEVICE_WORK = frozenset({
+    aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided,
+    aten.set_, aten.resize_, aten.resize_as_, aten.lift_fresh, aten._unsafe_view,
+    aten._reshape_alias, aten.sym_size, aten.sym_stride, aten.sym_numel,
+    aten.sym_storage_offset, aten.is_same_size, aten._has_compatible_shallow_copy_type,
+    aten.record_stream,
+})
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def is_view_schema(func: torch._ops.OpOverload) -> bool:
+    """The schema says every output aliases an input and nothing is written (a view op)."""
+    returns = func._schema.returns
+    if not returns or any(r.alias_info is None or r.alias_info.is_write for r in returns):
+        return False
+    return not any(a.alias_info is not None and a.alias_info.is_write
+                   for a in func._schema.arguments)
+
+
+def launches_kernel(func: torch._ops.OpOverload, args: tuple = (), kwargs: dict | None = None,
+                    out: Any = None) -> bool:
+    """Whether ``func`` launches device work. With ``out`` given, an op that wrote nothing and
+    returned only tensors sharing an input's storage is a view too (``_unsafe_view`` and kin)."""
+    if getattr(func, "namespace", "aten") == "prim":
+        return False
+    if torch.Tag.inplace_view in func.tags or func.overloadpacket in NO_DEVICE_WORK:
+        return False
+    if is_view_schema(func):
+        return False
+    if out is not None and not written_args(func, args, kwargs or {}):
+        outputs = _tensors(out)
+        inputs = {storage_id(t) for t in _tensors((args, kwargs))}
+        if outputs and all(storage_id(o) in inputs for o in outputs):
+            return False
+    return True
+
+
+def written_args(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensor arguments the schema marks as written (``Tensor(a!)``)."""
+    written = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
+        written.extend(_tensors(value))
+    return written
+
+
+def _out_args(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Written keyword-only arguments (``out=``): written, never read."""
+    found = []
+    for arg in func._schema.arguments:
+        if arg.kwarg_only and arg.alias_info is not None and arg.alias_info.is_write:
+            found.extend(_tensors(kwargs.get(arg.name)))
+    return found
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a kernel touches for ``t``: its elements, or the span its strides reach when that is
+    smaller (an expanded tensor is read once)."""
+    if t.numel() == 0:
+        return 0
+    span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    return min(t.numel(), span) * t.element_size()
+
+
+def op_bytes(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
+    """``(read, written)`` bytes of one kernel: tensor inputs (less ``out=`` tensors), outputs."""
+    skip = {id(t) for t in _out_args(func, args, kwargs)}
+    read = sum(tensor_bytes(t) for t in _tensors((args, kwargs)) if id(t) not in skip)
+    written = sum(tensor_bytes(t) for t in _tensors(out))
+    return read, written

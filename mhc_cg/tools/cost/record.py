@@ -1,0 +1,159 @@
+"""Recording what ops cost: kernels and bytes of an op stream, and the blocks a capture allocates.
+
+:class:`OpCounter` counts kernels (:func:`mhc_cg.tools.cost.ops.launches_kernel`) and their bytes.
+:class:`CaptureRecorder` is the capture guard with a counter and a block table: it sees exactly
+the ops a capture records, checks them like every backend does, keeps only weak references, and
+hands the blocks to the pool's allocator emulation (:mod:`mhc_cg.tools.cost.allocator`).
+:class:`StepRecorder` counts one training step: the eager ops it dispatches, plus every graph
+replayed inside it (a replay dispatches nothing; the recording backend adds the graph's cost).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from mhc_cg.tools.cost.allocator import Block, PoolState, rounded
+from mhc_cg.tools.cost.ops import launches_kernel, op_bytes
+from mhc_cg.runtime.graphs.guard import CaptureGuardMode
+from mhc_cg.core.storage import storage_id
+
+
+@dataclass
+class OpCounter:
+    """Kernels and bytes of the ops seen; ``by_op`` counts kernels per op name."""
+
+    kernels: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    ops: int = 0
+    by_op: Counter = field(default_factory=Counter)
+
+    @property
+    def bytes(self) -> int:
+        return self.bytes_read + self.bytes_written
+
+    def add(self, func, args: tuple, kwargs: dict, out: Any) -> None:
+        self.ops += 1
+        if not launches_kernel(func, args, kwargs, out):
+            return
+        read, written = op_bytes(func, args, kwargs, out)
+        self.kernels += 1
+        self.bytes_read += read
+        self.bytes_written += written
+        self.by_op[str(func.overloadpacket)] += 1
+
+    def add_counter(self, other: "OpCounter") -> None:
+        self.kernels += other.kernels
+        self.bytes_read += other.bytes_read
+        self.bytes_written += other.bytes_written
+        self.ops += other.ops
+        self.by_op.update(other.by_op)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+class CaptureRecorder(CaptureGuardMode):
+    """The capture guard (weak references only), counting kernels and tracking the pool's blocks.
+
+    ``pool`` is the :class:`PoolState` the capture allocates from: its resident blocks join the
+    table at the start, and :meth:`settle` returns the capture's peaks.
+    """
+
+    def __init__(self, graph_name: str, pool: PoolState):
+        super().__init__(graph_name, keep_tensors=False)
+        self.pool = pool
+        self.counter = OpCounter()
+        self.index = 0
+        self.blocks: dict[int, Block] = {b.ref.cdata: b for b in pool.live_resident()}
+        self._external: set[int] = set()
+        self._live: list[Block] = list(self.blocks.values())
+
+    def _poll_frees(self, at: int) -> None:
+        still = []
+        for b in self._live:
+            if b.alive():
+                still.append(b)
+            else:
+                b.freed_at = at
+        self._live = still
+
+    def before_op(self, func, args, kwargs, written) -> None:
+        self._poll_frees(self.index)
+
+    def record(self, func, args, kwargs, out, written, fresh_outputs) -> None:
+        i = self.index
+        self.counter.add(func, args, kwargs, out)
+        for t in _tensors((args, kwargs)):
+            key = storage_id(t)
+            block = self.blocks.get(key)
+            if block is not None:
+                block.last_use = i
+                block.nbytes = max(block.nbytes, rounded(t.untyped_storage().nbytes()))
+            else:
+                self._external.add(key)
+        for t in _tensors(out):
+            key = storage_id(t)
+            block = self.blocks.get(key)
+            storage = t.untyped_storage()
+            if block is not None:
+                block.last_use = i
+                block.nbytes = max(block.nbytes, rounded(storage.nbytes()))
+            elif key not in self._external and storage.nbytes() > 0:
+                block = Block(StorageWeakRef(storage), rounded(storage.nbytes()), i, i)
+                self.blocks[key] = block
+                self._live.append(block)
+        self.index += 1
+
+    def settle(self):
+        self._poll_frees(self.index)
+        return self.pool.settle(list(self.blocks.values()), self.index)
+
+
+class StepRecorder(TorchDispatchMode):
+    """Counts a training step: eager ops through dispatch, graph replays through :meth:`replayed`.
+
+    ``eager`` and ``graphs`` split the total; ``replays`` counts graph launches.
+    """
+
+    active: list["StepRecorder"] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.eager = OpCounter()
+        self.graphs = OpCounter()
+        self.replays = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.eager.add(func, args, kwargs, out)
+        return out
+
+    def __enter__(self):
+        StepRecorder.active.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        StepRecorder.active.remove(self)
+        return super().__exit__(*exc)
+
+    def replayed(self, cost: OpCounter) -> None:
+        self.replays += 1
+        self.graphs.add_counter(cost)
+
+    @property
+    def kernels(self) -> int:
+        return self.eager.kernels + self.graphs.kernels
+
+    @property
+    def bytes(self) -> int:
+        return self.eager.bytes + self.graphs.bytes

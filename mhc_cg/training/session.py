@@ -1,0 +1,287 @@
+"""The training loop behind ``mhc-cg train``.
+
+Each step first releases whatever an aborted previous step left in flight (a forward whose
+backward never came), then runs ``num_microbatches`` forwards and backwards and one optimizer
+step (:mod:`mhc_cg.training.mixed_precision`: fp32 main parameters for bf16/fp16, loss scaling for fp16).
+With ``train.eval_interval`` the model is evaluated every that many steps on
+``train.eval_batches`` held-out batches (a generator of its own, so training sees the same data
+with and without evaluation), under ``eval()`` and ``no_grad``: a forward-only pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from mhc_cg.config import RunConfig
+from mhc_cg.training.data import ProgressionCorpus
+from mhc_cg.core.dtypes import TORCH_DTYPES
+from mhc_cg.core.errors import ConfigError
+from mhc_cg.training.mixed_precision import MixedPrecisionOptimizer
+from mhc_cg.model import MHCGPT
+from mhc_cg.runtime.modes.registry import build_for_plan
+from mhc_cg.runtime.modes.plan import CapturePlan, capture_plan
+from mhc_cg.core.nvtx import nvtx_range, profiler_recording
+
+
+@dataclass
+class TrainResult:
+    mode: str = "eager_none"
+    info: dict = field(default_factory=dict)  # the graphed runtime's sizes (arena, sets, graphs)
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    held_bytes_per_microbatch: int | None = None  # allocated by a forward and held until backward
+    grad_digests: list[str] = field(default_factory=list)  # per step: every gradient's bytes
+    skipped_steps: list[int] = field(default_factory=list)  # steps whose gradients overflowed
+    eval_steps: list[int] = field(default_factory=list)  # after how many steps each evaluation ran
+    eval_losses: list[float] = field(default_factory=list)
+
+    @property
+    def median_step_ms(self) -> float:
+        times = sorted(self.step_times[1:] or self.step_times)  # the first step pays warm-up
+        return 1000.0 * times[len(times) // 2]
+
+
+def held_bytes(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int | None]:
+    """Run ``fn``; return its result and the bytes it allocated that are still live afterwards.
+
+    On CUDA this is the allocator's counter; on CPU, the profiler's allocation events (CPU torch
+    keeps no counter), or ``None`` while an outer torch profiler records. Static buffers allocated
+    before ``fn`` (arena, slot sets, graph pools) are not counted: this is what each further
+    microbatch in flight would add.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated(device)
+        out = fn()
+        torch.cuda.synchronize()
+        return out, torch.cuda.memory_allocated(device) - before
+    if profiler_recording():  # an inner profiler would end the outer one's session: no CPU probe
+        return fn(), None
+    from torch.autograd.profiler import profile
+
+    with profile(profile_memory=True) as prof:
+        out = fn()
+    return out, int(sum(e.self_cpu_memory_usage for e in prof.function_events))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device: 'cuda' was asked for but this torch build sees no CUDA GPU; "
+                          "use 'cpu' or 'auto'")
+    if name not in ("cpu", "cuda"):
+        raise ConfigError(f"train.device: must be one of ['cpu', 'cuda', 'auto'], got {name!r}")
+    return torch.device(name)
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """What ``device`` holds in all: the GPU's memory, or the machine's RAM for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits(cfg: RunConfig, device: torch.device) -> None:
+    """Refuse, before anything is allocated, a run whose rough size
+    (:func:`mhc_cg.config.rules.estimated_train_bytes`) exceeds what ``device`` holds."""
+    from mhc_cg.config.rules import estimated_train_bytes
+
+    limit, need = device_memory_bytes(device), estimated_train_bytes(cfg)
+    if limit is not None and need > limit:
+        raise ConfigError(f"model: training this model needs about {need / 2 ** 30:.3g} GiB "
+                          f"(parameters, optimizer state, one microbatch's activations), more than "
+                          f"the {limit / 2 ** 30:.3g} GiB of {device.type} memory (the limit); "
+                          f"reduce model.hidden_size, num_layers, seq_length or "
+                          f"train.micro_batch_size")
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr (silent when ``enabled`` is false)."""
+
+    def __init__(self, total: int, label: str, enabled: bool = True, width: int = 30):
+        self.total, self.label, self.enabled, self.width = total, label, enabled, width
+
+    def update(self, done: int, note: str = "") -> None:
+        if not self.enabled:
+            return
+        filled = self.width * done // max(self.total, 1)
+        line = f"{self.label} [{'#' * filled}{'-' * (self.width - filled)}] {done}/{self.total} {note}"
+        if sys.stderr.isatty():
+            sys.stderr.write(f"\r{line}" + ("\n" if done >= self.total else ""))
+        elif done == 1 or done >= self.total or done % max(self.total // 10, 1) == 0:
+            sys.stderr.write(line + "\n")  # logs get a line every 10%, not a carriage-return smear
+        sys.stderr.flush()
+
+
+@dataclass
+class TrainSession:
+    """What one mode trains with: model, forward, optimizer, data and dropout seeds.
+
+    Dropout seeds come from their own generator, one per microbatch, so every mode sees the
+    same masks; the weights depend only on ``cfg.train.seed``.
+    """
+
+    cfg: RunConfig
+    plan: CapturePlan
+    device: torch.device
+    model: MHCGPT
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    graphed: object | None
+    optimizer: MixedPrecisionOptimizer
+    corpus: ProgressionCorpus
+    seeds: torch.Generator
+    last_skipped: bool = False  # the last step's gradients overflowed and it was skipped
+    last_grad_digest: str | None = None  # set by step(digest=True)
+    _eval_data: list | None = None
+
+    @classmethod
+    def build(cls, cfg: RunConfig, plan: CapturePlan, device: torch.device) -> "TrainSession":
+        model, forward, graphed = build_for_plan(cfg, plan, device)
+        optimizer = MixedPrecisionOptimizer(model.parameters(), lr=cfg.train.lr,
+                                            weight_decay=cfg.train.weight_decay,
+                                            model_dtype=TORCH_DTYPES[cfg.train.dtype])
+        corpus = ProgressionCorpus(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.train.seed)
+        return cls(cfg, plan, device, model, forward, graphed, optimizer, corpus,
+                   torch.Generator().manual_seed(cfg.train.seed + 1))
+
+    def release_pending(self) -> int:
+        """Release what forwards without a backward still hold (see ``release_pending`` of the
+        graphed models); the eager modes hold nothing that outlives the autograd graph."""
+        release = getattr(self.graphed, "release_pending", None)
+        return release() if release is not None else 0
+
+    def evaluate(self) -> float:
+        """Mean loss over ``train.eval_batches`` held-out batches: ``eval()``, ``no_grad``, no
+        dropout. The batches are drawn once, from a generator training never reads."""
+        train, dev = self.cfg.train, self.device
+        if self._eval_data is None:
+            held_out = ProgressionCorpus(self.cfg.model.vocab_size, self.cfg.model.seq_length,
+                                         seed=train.seed + 2)
+            self._eval_data = [held_out.batch(train.micro_batch_size)
+                               for _ in range(train.eval_batches)]
+        seed = torch.zeros((), dtype=torch.int64, device=dev)  # unused: dropout is off in eval
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), nvtx_range("eval"):
+                total = sum(F.cross_entropy(self.forward(x.to(dev), seed).flatten(0, 1).float(),
+                                            y.to(dev).flatten()).item()
+                            for x, y in self._eval_data)
+        finally:
+            self.model.train(was_training)
+        return total / len(self._eval_data)
+
+    def step(self, *, probe_memory: bool = False, digest: bool = False,
+             after_backward: Callable[[MHCGPT], None] | None = None) -> tuple[float, float, int | None]:
+        """One optimizer step over ``num_microbatches``; returns (loss, grad norm, held bytes).
+
+        ``probe_memory`` measures what the first microbatch's forward holds until its backward
+        (:func:`held_bytes`); otherwise the third value is ``None``. ``digest`` stores a hash
+        of every gradient's bytes in ``last_grad_digest``. ``last_skipped`` tells whether the
+        optimizer skipped the step (fp16 overflow).
+        """
+        train, dev = self.cfg.train, self.device
+        self.release_pending()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, held = 0.0, None
+        for index in range(train.num_microbatches):
+            inputs, targets = (t.to(dev) for t in self.corpus.batch(train.micro_batch_size))
+            seed = torch.randint(0, 2 ** 31 - 1, (), generator=self.seeds).to(dev)
+
+            def forward_loss() -> torch.Tensor:
+                logits = self.forward(inputs, seed)
+                return F.cross_entropy(logits.flatten(0, 1).float(),
+                                       targets.flatten()) / train.num_microbatches
+
+            with nvtx_range("forward"):
+                if probe_memory and index == 0:
+                    loss, held = held_bytes(forward_loss, dev)
+                else:
+                    loss = forward_loss()
+            with nvtx_range("backward"):
+                self.optimizer.backward(loss)
+            loss_sum += loss.item()
+        if after_backward is not None:
+            after_backward(self.model)
+        if digest:
+            self.last_grad_digest = grad_digest(self.model)
+        with nvtx_range("optimizer"):
+            grad_norm, self.last_skipped = self.optimizer.step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return loss_sum, grad_norm, held
+
+
+def grad_digest(model: torch.nn.Module) -> str:
+    """A hash of every parameter gradient's bytes, in parameter order (``-`` for no gradient):
+    two runs have bit-identical gradients exactly when their digests agree."""
+    h = hashlib.blake2b(digest_size=16)
+    for p in model.parameters():
+        if p.grad is None:
+            h.update(b"-")
+        else:
+            h.update(p.grad.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def train(cfg: RunConfig, *, steps: int | None = None, device: str | None = None,
+          progress: bool = True, mode: str | None = None,
+          after_backward: Callable[[int, MHCGPT], None] | None = None) -> TrainResult:
+    """Train ``cfg.model`` on the synthetic corpus in ``mode`` (default: what the config asks).
+
+    ``after_backward(step, model)`` runs once per step before the optimizer (tests read the
+    gradients there). With ``parallel.pp_size > 1`` the run is
+    :func:`mhc_cg.training.pipeline.driver.train_pipeline` (one process per pipeline rank).
+    """
+    if cfg.parallel.pp_size > 1:
+        from mhc_cg.training.pipeline.driver import train_pipeline
+
+        if after_backward is not None:
+            raise ValueError("train: after_backward sees one process's model; a pipeline spreads "
+                             "it over processes: use train_pipeline(..., collect_grads=True)")
+        return train_pipeline(cfg, steps=steps, device=device, progress=progress, mode=mode)
+    dev = resolve_device(device or cfg.train.device)
+    steps = cfg.train.steps if steps is None else steps
+    if steps < 1:
+        raise ConfigError(f"--steps: must be a positive integer, got {steps}")
+    check_fits(cfg, dev)
+    plan = capture_plan(cfg, mode, str(dev))
+    mode = plan.mode
+    session = TrainSession.build(cfg, plan, dev)
+    graphed = session.graphed
+    result = TrainResult(mode=mode, info=graphed.describe() if graphed is not None else {})
+    bar = ProgressBar(steps, f"train[{mode}]", progress)
+    for step in range(steps):
+        start = time.perf_counter()
+        hook = None if after_backward is None else (lambda model, s=step: after_backward(s, model))
+        with nvtx_range("step"):  # profiler ranges; one name per phase so runs aggregate by name
+            # the first step is excluded from the median time: probe memory there
+            loss, grad_norm, held = session.step(probe_memory=step == 0, digest=True,
+                                                 after_backward=hook)
+        if step == 0:
+            result.held_bytes_per_microbatch = held
+        result.step_times.append(time.perf_counter() - start)
+        result.losses.append(loss)
+        result.grad_norms.append(grad_norm)
+        result.grad_digests.append(session.last_grad_digest)
+        if session.last_skipped:
+            result.skipped_steps.append(step)
+        interval = cfg.train.eval_interval
+        if interval and ((step + 1) % interval == 0 or step + 1 == steps):
+            result.eval_steps.append(step + 1)
+            result.eval_losses.append(session.evaluate())
+        bar.update(step + 1, f"loss {loss:.4f}")
+    return result
