@@ -27,7 +27,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mhc_cg.tools.planner import assign_persistent_slot_sets
+from mhc_cg.core.schedule import assign_persistent_slot_sets
 from mhc_cg.core.schedule import decode_order
 
 

@@ -34,10 +34,8 @@ from __future__ import annotations
 from typing import Any
 
 
-from mhc_cg.config import RunConfig
+from mhc_cg.config import RunConfig, check
 from mhc_cg.core.dtypes import TORCH_DTYPES
-from mhc_cg.runtime.modes.plan import configured_scopes
-from mhc_cg.config.rules import check
 
 from .transformer_config import MHCTransformerConfig
 
@@ -45,7 +43,7 @@ def transformer_config_kwargs(run_cfg: RunConfig) -> dict[str, Any]:
     """The keyword arguments of ``MHCTransformerConfig`` that ``run_cfg`` implies."""
     check(run_cfg)
     m, t, p = run_cfg.model, run_cfg.train, run_cfg.parallel
-    scopes = configured_scopes(run_cfg)
+    scopes = run_cfg.graph.scopes
     kwargs: dict[str, Any] = dict(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,

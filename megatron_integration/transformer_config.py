@@ -18,10 +18,9 @@ from dataclasses import dataclass
 
 from megatron.core.transformer import TransformerConfig
 
+from mhc_cg.config.choices import DROPOUT_IMPLS, RECOMPUTE_SCOPE as MHC_SCOPE
+from mhc_cg.config.rules import recompute_graph_problems
 from mhc_cg.ops.kernels import KERNELS
-
-MHC_SCOPE = "mhc_recompute"
-DROPOUT_IMPLS = ("torch", "counter")
 
 # megatron-core 0.18 renamed cuda_graph_scope to cuda_graph_modules; 0.16 knows only the former.
 HAS_CUDA_GRAPH_MODULES = "cuda_graph_modules" in {f.name for f in dataclasses.fields(TransformerConfig)}
@@ -128,15 +127,15 @@ class MHCTransformerConfig(TransformerConfig):
             problems.append(f"mhc_recompute_layer_num must be >= 1 or None, "
                             f"got {self.mhc_recompute_layer_num}")
         if self.mhc_recompute_graph:
-            if not self.enable_hyper_connections:
-                problems.append("'mhc_recompute' in the graph scope needs enable_hyper_connections")
-            if self.mhc_recompute_layer_num is None:
-                problems.append("'mhc_recompute' in the graph scope needs mhc_recompute_layer_num "
-                                "(block recompute)")
-            if self.mhc_dropout_impl == "torch" and self.hidden_dropout > 0:
-                problems.append("'mhc_recompute' with mhc_dropout_impl='torch': a replayed "
-                                "recompute graph cannot rewind torch's generator, so it would draw "
-                                "another dropout mask; use mhc_dropout_impl='counter'")
+            problems += recompute_graph_problems(
+                mhc_on=self.enable_hyper_connections,
+                block_recompute=self.mhc_recompute_layer_num is not None,
+                dropout_impl=self.mhc_dropout_impl, dropout=self.hidden_dropout, fields=dict(
+                    scope="cuda_graph_scope", mhc="enable_hyper_connections is False",
+                    mhc_fix="set enable_hyper_connections=True",
+                    recompute="mhc_recompute_layer_num is None",
+                    recompute_fix="set mhc_recompute_layer_num (layers per recompute block)",
+                    dropout_impl="mhc_dropout_impl", dropout="hidden_dropout"))
         if problems:
             raise ValueError("MHCTransformerConfig: " + "; ".join(problems))
 

@@ -16,7 +16,7 @@ import torch
 from mhc_cg.config import RunConfig
 from mhc_cg.runtime.graphs import GraphCaptureError, get_backend
 from mhc_cg.model import MHCGPT, MHCGPTConfig
-from mhc_cg.tools.planner import peak_in_flight
+from mhc_cg.core.schedule import peak_in_flight
 from mhc_cg.core.schedule import pipeline_order
 from mhc_cg.runtime.recompute.arena import Arena
 from mhc_cg.runtime.recompute.persistent import PersistentSetPool, new_persistent_set

@@ -10,7 +10,7 @@ import torch
 
 from mhc_cg.runtime.modes.attn_split import StaticInputCheckpoint
 from mhc_cg.runtime.modes.registry import build_for_mode
-from mhc_cg.runtime.modes.plan import capture_plan
+from mhc_cg.runtime.modes.registry import capture_plan
 
 from helpers import assert_training_close, assert_training_identical, small_config
 
@@ -38,7 +38,8 @@ def test_aggregate_lives_in_the_static_input_and_the_recompute_rewrites_it():
     discard keeps the bytes, and the recompute writes the forward's values back before the graph's
     backward reads them (a clobbered slot would change the gradients)."""
     cfg = split_config()
-    model, forward, graphed = build_for_mode(cfg, "attn_split", torch.device("cpu"))
+    graphed = build_for_mode(cfg, "attn_split", torch.device("cpu"))
+    model, forward = graphed.model, graphed
     ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.seq_length),
                         generator=torch.Generator().manual_seed(0))
     seed = torch.tensor(7)
@@ -86,7 +87,8 @@ def test_five_steps_match_eager_without_recompute_on_cuda():
     cfg.train = dataclasses.replace(cfg.train, device="cuda")
     cfg.graph = dataclasses.replace(cfg.graph, backend="cuda")
     assert_training_close(cfg, "attn_split", 5)
-    _, forward, graphed = build_for_mode(cfg, "attn_split", torch.device("cuda"))
+    graphed = build_for_mode(cfg, "attn_split", torch.device("cuda"))
+    forward = graphed
     ptrs = [s.data_ptr() for s in graphed.slots]
     ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.seq_length),
                         device="cuda")

@@ -12,7 +12,7 @@ import torch
 from mhc_cg.tools import bench
 from mhc_cg.cli import main
 from mhc_cg.config import load_config
-from mhc_cg.runtime.modes.registry import build_for_mode
+from mhc_cg.runtime.modes.registry import MODES, build_for_mode, mode_config
 from mhc_cg.training.session import train
 
 TINY = """\
@@ -47,7 +47,7 @@ def test_files_are_named_by_device_and_json_has_the_schema(cpu_report, capsys):
     assert report["config"]["model"]["hidden_size"] == 16
     assert report["bench"]["schedule"] == "alternating"
     assert "not the targets' conditions" in report["bench"]["caveat"]
-    assert list(report["modes"]) == list(bench.BENCH_MODES)
+    assert list(report["modes"]) == list(tuple(MODES))
     for name, entry in report["modes"].items():
         assert entry["peak_mem_bytes"] is None  # no allocator counter on CPU; said in memory_note
         assert len(entry["step_ms"]) == 3 and entry["step_ms_median"] > 0
@@ -103,7 +103,7 @@ def test_modes_keep_the_canonical_order():
 
 def test_recompute_traffic_matches_hand_computed_bytes(tiny_config):
     cfg = load_config(tiny_config)
-    _, _, graphed = build_for_mode(cfg, "graphed_static", torch.device("cpu"))
+    graphed = build_for_mode(cfg, "graphed_static", torch.device("cpu"))
     m, s, b = cfg.model, cfg.model.seq_length, cfg.train.micro_batch_size
     n, c, lr, f32 = m.num_streams, m.hidden_size, m.resolved_recompute_layers, 4
     x_l0 = s * b * n * c * f32
@@ -145,13 +145,11 @@ def test_targets_check_pass_fail_skip():
 
 
 def test_moe_partial_config_is_parameter_matched():
+    """moe_partial is one thing everywhere: the MoE version of the model (experts together as wide
+    as the dense MLP), partially captured; graphed_static trains the config as it is."""
     cfg = load_config(None)
-    moe_cfg, mode = bench.mode_config(cfg, "moe_partial", moe_experts=8, moe_top_k=2)
-    assert mode == "graphed_static" and moe_cfg.graph.cuda_graph_scope == bench.MOE_SCOPES
+    moe_cfg = mode_config(cfg, "moe_partial", moe_experts=8, moe_top_k=2)
+    assert moe_cfg.graph.cuda_graph_scope == ["attn", "moe_router", "moe_preprocess", "mhc_recompute"]
     assert moe_cfg.model.num_experts * moe_cfg.model.moe_ffn_hidden_size == cfg.model.ffn_hidden_size
-    static_cfg, _ = bench.mode_config(cfg, "graphed_static")
-    assert static_cfg.graph.cuda_graph_scope == ["attn", "mlp", "mhc_recompute"]
-    # the same model, with the block recompute its scope implies
-    assert static_cfg.model.recompute == "block"
-    assert dataclasses.asdict(dataclasses.replace(cfg.model, recompute="block")) == \
-        dataclasses.asdict(static_cfg.model)
+    assert moe_cfg.model.recompute == "block" and not MODES["moe_partial"].same_model
+    assert mode_config(cfg, "graphed_static") is cfg

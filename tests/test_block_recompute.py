@@ -5,6 +5,7 @@ import torch
 
 from mhc_cg.runtime.recompute.checkpoint import CheckpointWithoutOutput
 from mhc_cg.model.moe import MoECudaGraphPartialCaptureSignal
+from mhc_cg.runtime.modes.eager import EagerModel
 from mhc_cg.model import MHCGPT, MHCGPTConfig
 from mhc_cg.runtime.recompute.eager import BlockRecomputeManager
 
@@ -12,17 +13,18 @@ TINY = dict(vocab_size=32, seq_length=8, hidden_size=16, num_heads=2, num_layers
             hidden_dropout=0.2)
 
 
-def _grads(model: MHCGPT, ids, seed=None):
-    model.zero_grad(set_to_none=True)
-    model(ids, seed).float().square().mean().backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
+def _grads(runner: EagerModel, ids, seed=None):
+    runner.model.zero_grad(set_to_none=True)
+    runner(ids, seed).float().square().mean().backward()
+    return {n: p.grad.clone() for n, p in runner.model.named_parameters()}
 
 
 def _pair(**overrides):
+    """Eager without recompute and eager block recompute (``eager_none``, ``eager_block``)."""
     torch.manual_seed(0)
-    plain = MHCGPT(MHCGPTConfig(**{**TINY, **overrides})).train()
-    blocked = MHCGPT(MHCGPTConfig(**{**TINY, **overrides, "recompute": "block"})).train()
-    blocked.load_state_dict(plain.state_dict())
+    plain = EagerModel(MHCGPT(MHCGPTConfig(**{**TINY, **overrides})).train())
+    blocked = EagerModel(MHCGPT(MHCGPTConfig(**{**TINY, **overrides, "recompute": "block"})).train())
+    blocked.model.load_state_dict(plain.model.state_dict())
     return plain, blocked
 
 
@@ -38,7 +40,7 @@ def test_block_recompute_gradients_are_bit_identical(impl, block_size):
     got = _grads(blocked, ids, seed)
     mismatched = [n for n in ref if not torch.equal(ref[n], got[n])]
     assert not mismatched, mismatched
-    assert blocked.cfg.hidden_dropout > 0 and len(blocked.recompute_managers) == -(-4 // blocked.cfg.resolved_recompute_layers)
+    assert blocked.model.cfg.hidden_dropout > 0 and len(blocked.recompute_managers) == -(-4 // blocked.model.cfg.resolved_recompute_layers)
 
 
 def test_forward_frees_every_checkpointed_output_and_recomputes_in_forward_order():
@@ -106,12 +108,12 @@ def test_moe_partial_capture_signal_mid_block_leaves_nothing_behind():
     overrides = dict(num_experts=3, moe_top_k=2, recompute_layers=4)
     plain, blocked = _pair(**overrides)
     ids, seed = torch.randint(0, 32, (2, 8)), torch.tensor(9)
-    blocked.layers[2].mlp.fn.partial_capture = "route"  # raises in the middle of the only block
+    blocked.model.layers[2].mlp.fn.partial_capture = "route"  # raises in the middle of the only block
     with pytest.raises(MoECudaGraphPartialCaptureSignal):
         blocked(ids, seed)
     (manager,) = blocked.recompute_managers
     assert manager.is_empty and len(manager) == 0 and manager.state == "idle"
-    blocked.layers[2].mlp.fn.partial_capture = None
+    blocked.model.layers[2].mlp.fn.partial_capture = None
     ref, got = _grads(plain, ids, seed), _grads(blocked, ids, seed)
     mismatched = [n for n in ref if not torch.equal(ref[n], got[n])]
     assert not mismatched, mismatched

@@ -81,7 +81,7 @@ def test_train_refuses_a_model_larger_than_the_device(tmp_path, capsys):
     # fits under the absolute limit (config check passes), not in this machine's memory
     path = write_config(tmp_path, "model: {hidden_size: 4096, num_heads: 1, num_layers: 16, "
                                   "vocab_size: 64}\n")
-    from mhc_cg.training.session import device_memory_bytes
+    from mhc_cg.training.device import device_memory_bytes
     from mhc_cg.config import load_config
     from mhc_cg.config.rules import estimated_train_bytes
 

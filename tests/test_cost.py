@@ -200,7 +200,8 @@ def test_recompute_graphs_join_the_sublayer_pool_where_they_replay():
     graphs' pool right before the backward of the block's last sublayer (where its hook replays
     it), and leaves nothing allocated; the tape's order check then holds over a training step."""
     cfg = tiny_config()
-    model, forward, graphed = build_for_mode(cfg, "graphed_static", torch.device("cpu"))  # the tape
+    graphed = build_for_mode(cfg, "graphed_static", torch.device("cpu"))  # the tape
+    model, forward = graphed.model, graphed
     recompute = graphed.runtime.recompute_graphs
     pool = graphed.graphed_callables.pool
     assert len(recompute) == 2 and all(g.pool is pool for g in recompute.values())
@@ -214,9 +215,9 @@ def test_recompute_graphs_join_the_sublayer_pool_where_they_replay():
         forward(ids, torch.zeros((), dtype=torch.int64)).sum().backward()
     assert [g.replays for g in recompute.values()] == [2, 2]
     backend = CostBackend("cpu")
-    from mhc_cg.runtime.modes.registry import build_for_plan
-    from mhc_cg.runtime.modes.plan import capture_plan
-    _, _, costed = build_for_plan(cfg, capture_plan(cfg, "graphed_static", "cpu"),
+    from mhc_cg.runtime.modes.registry import build
+    from mhc_cg.runtime.modes.registry import capture_plan
+    costed = build(cfg, capture_plan(cfg, "graphed_static", "cpu"),
                                   torch.device("cpu"), backend=backend)
     assert all(g.peak.escaped_bytes == 0 for g in costed.runtime.recompute_graphs.values())
 
@@ -225,14 +226,14 @@ def test_recompute_graphs_alone_share_one_independent_pool():
     """Without sublayer graphs the recompute graphs have one pool of their own, of independent
     graphs: they may replay in any order (that of the schedule's backwards)."""
     cfg = tiny_config(scopes=("mhc_recompute",))
-    _, _, graphed = build_for_mode(cfg, "graphed_static", torch.device("cpu"))  # the tape
+    graphed = build_for_mode(cfg, "graphed_static", torch.device("cpu"))  # the tape
     graphs = list(graphed.runtime.recompute_graphs.values())
     assert len(graphs) == 2 and len({id(g.pool) for g in graphs}) == 1
     assert graphs[0].pool.independent
     backend = CostBackend("cpu")
-    from mhc_cg.runtime.modes.registry import build_for_plan
-    from mhc_cg.runtime.modes.plan import capture_plan
-    _, _, graphed = build_for_plan(cfg, capture_plan(cfg, "graphed_static", "cpu"),
+    from mhc_cg.runtime.modes.registry import build
+    from mhc_cg.runtime.modes.registry import capture_plan
+    graphed = build(cfg, capture_plan(cfg, "graphed_static", "cpu"),
                                    torch.device("cpu"), backend=backend)
     recompute = list(graphed.runtime.recompute_graphs.values())
     assert all(g.peak.escaped_bytes == 0 for g in recompute)
@@ -245,7 +246,7 @@ def test_meta_and_cpu_cost_the_same_graphs_and_arena():
     """meta tells storages apart by identity (every data_ptr is 0 there): same arena, same
     recompute graphs. Linear and attention decompose a little differently on meta (no addmm
     folding of 3-d inputs; the fused attention a GPU runs): within 1% over a step."""
-    name, cfg, mode = [m for m in mode_configs(tiny_config()) if m[0] == "graphed_static"][0]
+    mode, cfg = [m for m in mode_configs(tiny_config(), "meta")[0] if m[0] == "graphed_static"][0]
     cpu, meta = cost_mode(cfg, mode, "cpu"), cost_mode(cfg, mode, "meta")
     assert cpu["arena_bytes"] == meta["arena_bytes"] > 0
     assert cpu["persistent_bytes_per_microbatch"] == meta["persistent_bytes_per_microbatch"] > 0
@@ -268,7 +269,9 @@ def test_meta_and_cpu_cost_the_same_graphs_and_arena():
 
 def test_report_lists_every_mode_with_the_documented_fields():
     report = cost_report(tiny_config(), "meta", "tiny")
-    assert list(report["modes"]) == ["eager_none", "eager_block", "graphed_none", "graphed_static"]
+    assert list(report["modes"]) == ["eager_none", "eager_block", "graphed_none", "graphed_static",
+                                     "attn_split"]
+    assert list(report["skipped"]) == ["moe_partial"]  # MoE dispatch reads token counts on the host
     for mode, m in report["modes"].items():
         for key in ("kernels_per_step", "bytes_per_step", "graphs", "pool_reserved_bytes",
                     "arena_bytes", "persistent_bytes_per_microbatch"):
@@ -299,10 +302,11 @@ def test_moe_config_costs_partial_capture_on_cpu_and_is_refused_on_meta():
     cfg = tiny_config(("attn", "moe_router", "moe_preprocess", "mhc_recompute"), num_experts=2)
     with pytest.raises(ConfigError, match="--device cpu"):
         cost_report(cfg, "meta")
-    modes = {name: (c, m) for name, c, m in mode_configs(cfg)}
+    costed, skipped = mode_configs(cfg, "cpu")
+    modes = dict(costed)
     assert list(modes) == ["eager_none", "eager_block", "graphed_none", "graphed_static",
-                           "moe_partial"]
-    partial = cost_mode(*modes["moe_partial"], "cpu")
+                           "attn_split", "moe_partial"] and skipped == {}
+    partial = cost_mode(modes["moe_partial"], "moe_partial", "cpu")
     heads = [g for g in partial["graphs"] if g["name"].endswith(".head fwd")]
     assert len(heads) == 2  # the MoE sublayer's captured head, one per layer
     assert partial["eager_kernels_per_step"] > 0  # the eager tail (dispatch, experts) counts

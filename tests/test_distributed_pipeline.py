@@ -20,7 +20,7 @@ from mhc_cg.cli import main
 from mhc_cg.config import RunConfig, load_config
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.training.pipeline.driver import train_pipeline
-from mhc_cg.tools.planner import max_persistent_slot_sets
+from mhc_cg.core.schedule import max_persistent_slot_sets
 from mhc_cg.tools.pipeline_compare import single_process_config
 from mhc_cg.core.schedule import pipeline_order
 from mhc_cg.training.session import train

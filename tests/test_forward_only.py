@@ -20,7 +20,8 @@ from helpers import tiny_run_config, write_config
 from mhc_cg.cli import main
 from mhc_cg.training.data import ProgressionCorpus
 from mhc_cg.core.errors import StaleCaptureError, StaticRecomputeError
-from mhc_cg.runtime.modes.plan import MODES, capture_plan
+from mhc_cg.runtime.modes.registry import capture_plan
+from mhc_cg.tools.compare import compared_modes
 from mhc_cg.training.session import TrainSession, grad_digest
 
 CPU = torch.device("cpu")
@@ -60,13 +61,13 @@ def test_forward_only_passes_between_steps_keep_every_mode_bit_identical():
     ref_steps, ref_evals, ref_side, _ = run(cfg, "eager_none", interleave=True)
     plain_steps, _, _, _ = run(cfg, "eager_none", interleave=False)
     assert ref_steps == plain_steps  # the side passes change nothing in training
-    for mode in MODES[1:]:
+    for mode in compared_modes()[1:]:
         steps, evals, side, session = run(cfg, mode, interleave=True)
         assert steps == ref_steps, mode  # losses and every gradient (digest), every step
         assert evals == ref_evals, mode
         assert all(torch.equal(a, b) for a, b in zip(side, ref_side)), mode
         session.release_pending()
-        runtime = getattr(session.graphed, "runtime", None)
+        runtime = session.runner.runtime
         if runtime is not None:
             assert runtime.sets.in_use == 0 and runtime.pending == 0
 
@@ -76,7 +77,7 @@ def test_evaluation_claims_no_set_and_keeps_the_replay_order(mode):
     cfg = tiny_run_config()
     session = session_for(cfg, mode)
     session.step()
-    graphed = session.graphed
+    graphed = session.runner
     replays = [g.replays for g in graphed.graphs()]
     session.evaluate()
     with torch.no_grad():
@@ -91,7 +92,7 @@ def test_evaluation_claims_no_set_and_keeps_the_replay_order(mode):
 def test_release_pending_is_the_documented_call_and_a_released_backward_raises():
     cfg = tiny_run_config()
     session = session_for(cfg, "graphed_static")
-    graphed = session.graphed
+    graphed = session.runner
     inputs, targets, seed = side_batch(cfg)
     loss = F.cross_entropy(graphed(inputs, seed).flatten(0, 1), targets.flatten())
     assert graphed.runtime.sets.in_use == 1 and graphed.runtime.pending == 1
@@ -105,7 +106,7 @@ def test_release_pending_is_the_documented_call_and_a_released_backward_raises()
     assert graphed.runtime.sets.in_use == 0
 
 
-@pytest.mark.parametrize("mode", MODES[1:])
+@pytest.mark.parametrize("mode", compared_modes()[1:])
 def test_eval_reaches_the_graphed_sublayers(mode):
     """p = 0.5 makes any dropout visible; eval output and eval gradients equal eager_none's."""
     cfg = tiny_run_config()
@@ -179,7 +180,7 @@ graph: {backend: auto, cuda_graph_scope: [attn, mlp, mhc_recompute]}
     report = json.loads(capsys.readouterr().out)
     assert report["agree"] and report["mismatches"] == []
     modes = report["modes"]
-    assert list(modes) == list(MODES)
+    assert list(modes) == list(compared_modes())
     reference = modes["eager_none"]["eval_losses"]
     assert len(reference) == 2 and modes["eager_none"]["eval_steps"] == [2, 4]
     assert all(torch.isfinite(torch.tensor(reference)))

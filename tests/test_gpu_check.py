@@ -145,15 +145,6 @@ def test_mask_agreement_rows_and_keep_fraction():
     assert all(abs(r["keep_fraction"] - 0.75) < 0.03 for r in rows)
 
 
-def test_optional_entry_names_what_is_missing():
-    fn, why = probe.optional_entry(("mhc_cg.no_such_module", "f"))
-    assert fn is None and "mhc_cg.no_such_module is not importable" in why
-    fn, why = probe.optional_entry(("mhc_cg.ops.dropout", "no_such_function"))
-    assert fn is None and why == "mhc_cg.ops.dropout has no function no_such_function()"
-    fn, why = probe.optional_entry(("mhc_cg.ops.dropout", "counter_dropout_mask"))
-    assert fn is not None and why == ""
-
-
 def test_probe_rejects_unknown_parts(capsys):
     assert probe.main(["--out", "unused", "--parts", "pools,gpu"]) == 2
     assert "--parts: unknown part(s) ['gpu']" in capsys.readouterr().err

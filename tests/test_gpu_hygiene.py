@@ -14,7 +14,7 @@ import torch
 from helpers import tiny_run_config
 from mhc_cg.tools import bench
 from mhc_cg.runtime.graphs import get_backend
-from mhc_cg.runtime.modes.plan import capture_plan
+from mhc_cg.runtime.modes.registry import capture_plan
 
 
 @pytest.mark.parametrize("enabled_before", [True, False])

@@ -52,7 +52,8 @@ def test_static_addresses_no_capture_violations_no_memory_growth():
     import torch.nn.functional as F
 
     cfg = small_config(["attn", "mlp", "mhc_recompute"])
-    model, forward, graphed = build_for_mode(cfg, "graphed_static", torch.device("cpu"))
+    graphed = build_for_mode(cfg, "graphed_static", torch.device("cpu"))
+    model, forward = graphed.model, graphed
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
     seq, mbs = cfg.model.seq_length, cfg.train.micro_batch_size
@@ -79,7 +80,7 @@ def test_static_addresses_no_capture_violations_no_memory_growth():
     assert rt.arena.data_ptrs() == arena_ptrs
     assert [s.data_ptrs() for s in rt.sets.all_sets()] == set_ptrs
     reports = [graph.stats for graph in graphed.graphs()]
-    assert len(reports) == graphed.num_graphs > 0
+    assert len(reports) == len(graphed.graphs()) > 0
     assert all(r.violations == 0 and r.ops_replayed > 0 for r in reports)
     # one microbatch of this model keeps ~100 KiB of activations: a leak of one tensor per step
     # would show as several times that after 48 steps
@@ -88,7 +89,7 @@ def test_static_addresses_no_capture_violations_no_memory_growth():
 
 def test_persistent_bytes_per_microbatch_match_the_planner():
     cfg = small_config(["attn", "mhc_recompute"])
-    _, _, graphed = build_for_mode(cfg, "graphed_static", torch.device("cpu"))
+    graphed = build_for_mode(cfg, "graphed_static", torch.device("cpu"))
     m = cfg.model
     shape = ModelShape(hidden_size=m.hidden_size, seq_length=m.seq_length,
                        micro_batch_size=cfg.train.micro_batch_size, num_streams=m.num_streams,
@@ -106,9 +107,9 @@ def test_bf16_graphed_static_bit_identical_to_eager_bf16():
     for want, got in zip(ref_grads, got_grads):
         assert all(got[n].dtype == torch.bfloat16 and torch.equal(want[n], got[n]) for n in want)
     fp32 = build_for_mode(small_config(["attn", "mlp", "mhc_recompute"]), "graphed_static",
-                          torch.device("cpu"))[2]
+                          torch.device("cpu"))
     # same layout: every floating slot holds half the bytes; the dropout seeds (int64) do not shrink
-    bf16 = build_for_mode(cfg, "graphed_static", torch.device("cpu"))[2]
+    bf16 = build_for_mode(cfg, "graphed_static", torch.device("cpu"))
     assert graphed.info["arena_bytes"] == bf16.runtime.arena.nbytes
     bf16_slots = [sl for r in bf16.runtime.arena.regions.values() for sl in r.slots]
     fp32_slots = [sl for r in fp32.runtime.arena.regions.values() for sl in r.slots]
@@ -122,7 +123,7 @@ def test_graphed_sublayers_with_several_microbatches_in_flight_are_refused():
     from mhc_cg.core.errors import StaticRecomputeError
     from mhc_cg.model import MHCGPT
     from mhc_cg.runtime.modes.graphed_static import GraphedStaticModel
-    from mhc_cg.runtime.modes.plan import capture_plan
+    from mhc_cg.runtime.modes.registry import capture_plan
 
     cfg = small_config(["attn", "mhc_recompute"])
     with pytest.raises(StaticRecomputeError, match="order=pipeline_order"):
@@ -138,7 +139,7 @@ def test_persistent_bytes_with_activation_recompute_match_the_planner():
     cfg = small_config(["attn", "mhc_recompute"])
     cfg.model = dataclasses.replace(cfg.model, recompute_activation=True,
                                     recompute_activation_layers=3)
-    _, _, graphed = build_for_mode(cfg, "graphed_static", torch.device("cpu"))
+    graphed = build_for_mode(cfg, "graphed_static", torch.device("cpu"))
     m = cfg.model
     shape = ModelShape(hidden_size=m.hidden_size, seq_length=m.seq_length,
                        micro_batch_size=cfg.train.micro_batch_size, num_streams=m.num_streams,

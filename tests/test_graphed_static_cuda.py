@@ -35,7 +35,8 @@ def test_five_steps_match_eager_without_recompute_on_cuda(case):
 
 def test_static_addresses_and_capture_safety_on_cuda():
     cfg = cuda_config("attn_mlp")
-    model, forward, graphed = build_for_mode(cfg, "graphed_static", torch.device("cuda"))
+    graphed = build_for_mode(cfg, "graphed_static", torch.device("cuda"))
+    model, forward = graphed.model, graphed
     rt = graphed.runtime
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)

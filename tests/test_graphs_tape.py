@@ -168,7 +168,7 @@ def test_wrong_input_shape_at_call_is_rejected():
 
 
 def test_te_backend_without_te_says_so():
-    from mhc_cg.runtime.graphs.capture import te_available
+    from mhc_cg.runtime.graphs.backends import te_available
     if te_available() and torch.cuda.is_available():
         pytest.skip("TransformerEngine is installed")
     with pytest.raises(RuntimeError, match="(TransformerEngine|CUDA device)"):

@@ -17,7 +17,7 @@ import torch
 from mhc_cg.ops import kernels as fused
 from mhc_cg.ops.dropout import counter_dropout_mask
 from mhc_cg.core.errors import ConfigError
-from mhc_cg.runtime.modes.plan import MODES
+from mhc_cg.tools.compare import compared_modes
 from mhc_cg.ops.hyper_connection import HyperConnection
 from mhc_cg.ops.kernels.dispatch import triton_installed
 from mhc_cg.model import MHCGPTConfig
@@ -320,7 +320,7 @@ def test_compare_with_triton_kernels_every_mode_bit_identical(tmp_path):
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     modes = json.loads(proc.stdout)["modes"]
-    assert set(modes) == set(MODES)
+    assert set(modes) == set(compared_modes())
     ref = modes["eager_none"]
     for name, mode in modes.items():
         assert mode["losses"] == ref["losses"], name

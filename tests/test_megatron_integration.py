@@ -57,10 +57,10 @@ def test_newer_cuda_graph_modules_spelling_is_accepted():
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(enable_hyper_connections=False, mhc_recompute_layer_num=2), "needs enable_hyper_connections"),
-    (dict(mhc_recompute_layer_num=None), "needs mhc_recompute_layer_num"),
+    (dict(enable_hyper_connections=False, mhc_recompute_layer_num=2), "enable_hyper_connections is False"),
+    (dict(mhc_recompute_layer_num=None), "mhc_recompute_layer_num is None"),
     (dict(mhc_recompute_layer_num=2, hidden_dropout=0.1, mhc_dropout_impl="torch"),
-     "cannot rewind torch's generator"),
+     "cannot rewind that generator"),
 ])
 def test_graphed_recompute_needs_mhc_recompute_and_replayable_dropout(fields, message):
     with pytest.raises(ValueError, match=message):

@@ -13,7 +13,7 @@ import torch
 
 from mhc_cg.runtime.recompute.arena import Arena
 from mhc_cg.runtime.graphs import get_backend
-from mhc_cg.tools.planner import peak_in_flight
+from mhc_cg.core.schedule import peak_in_flight
 from mhc_cg.core.schedule import pipeline_order
 from mhc_cg.runtime.recompute.persistent import PersistentSetPool, new_persistent_set
 from mhc_cg.runtime.recompute.static import build_static_recompute
@@ -37,7 +37,7 @@ def test_pipeline_order_gradients_bit_identical_with_recompute_graphs(rank):
     assert runtimes[1].sets.in_use == 0
     # FIFO along the order, exactly as the schedule planner assigns them
     try:
-        from mhc_cg.tools.planner import assign_persistent_slot_sets
+        from mhc_cg.core.schedule import assign_persistent_slot_sets
     except ImportError:
         return
     assert acquired == assign_persistent_slot_sets(order)

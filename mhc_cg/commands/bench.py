@@ -7,14 +7,14 @@ Prints the markdown table and the targets check on stdout, progress on stderr. S
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
-from mhc_cg.tools.bench import BENCH_MODES, CPU_CAVEAT, BenchOptions, markdown, parse_modes, run_bench, \
+from mhc_cg.runtime.modes.registry import MODES
+from mhc_cg.tools.bench import CPU_CAVEAT, BenchOptions, markdown, parse_modes, run_bench, \
     write_results
 from mhc_cg.config import load_config
 from mhc_cg.core.errors import ConfigError
-from mhc_cg.runtime.graphs.capture import BACKEND_NAMES
-from mhc_cg.training.session import resolve_device
+from mhc_cg.config.choices import GRAPH_BACKENDS
+from mhc_cg.training.device import resolve_device
 
 HELP = ("benchmark eager / graphed modes with and without mHC recompute: peak memory, step time, "
         "tokens/s, recompute graph vs its bandwidth bound")
@@ -29,12 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk", type=int, default=5, help="timed steps of one mode per round "
                         "of the alternation (default 5)")
     parser.add_argument("--modes", default=None, help="comma-separated subset of "
-                        f"{','.join(BENCH_MODES)} (default: all)")
+                        f"{','.join(MODES)} (default: all)")
     parser.add_argument("--out-dir", default="bench/results", help="where <device-slug>.json/.md "
                         "go (default: %(default)s)")
     parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default=None,
                         help="default: the config's train.device")
-    parser.add_argument("--backend", choices=BACKEND_NAMES, default=None,
+    parser.add_argument("--backend", choices=GRAPH_BACKENDS, default=None,
                         help="graph backend (default: the config's graph.backend)")
     parser.add_argument("--recompute-replays", type=int, default=50,
                         help="replays of the recompute graph to time (default 50)")
@@ -55,8 +55,7 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.moe_top_k <= args.moe_experts:
         raise ConfigError(f"--moe-top-k: must be in [1, --moe-experts={args.moe_experts}], "
                           f"got {args.moe_top_k}")
-    cfg = dataclasses.replace(cfg, graph=dataclasses.replace(cfg.graph, backend=backend),
-                              train=dataclasses.replace(cfg.train, device=device.type))
+    cfg = cfg.replace(graph={"backend": backend}, train={"device": device.type})
     opts = BenchOptions(modes=modes, steps=args.steps, warmup=args.warmup, chunk=args.chunk,
                         recompute_replays=args.recompute_replays, moe_experts=args.moe_experts,
                         moe_top_k=args.moe_top_k, one_at_a_time=args.one_at_a_time,

@@ -13,7 +13,8 @@ import argparse
 import yaml
 
 from mhc_cg.config import RunConfig, load_config
-from mhc_cg.runtime.modes.plan import capture_plan, configured_scopes
+from mhc_cg.config.choices import RECOMPUTE_SCOPE
+from mhc_cg.runtime.modes.registry import capture_plan
 
 HELP = "validate a YAML run config and print it resolved (every field, defaults filled in)"
 
@@ -41,8 +42,7 @@ def resolved_yaml(cfg: RunConfig) -> str:
 def summary(cfg: RunConfig) -> str:
     """One comment line: what the config makes ``mhc-cg train`` do."""
     plan = capture_plan(cfg, on_this_machine=False)  # a config may be meant for another machine
-    scopes = configured_scopes(cfg)
-    megatron = [s for s in scopes if s != "mhc_recompute"]
+    megatron = [s for s in cfg.graph.scopes if s != RECOMPUTE_SCOPE]
     return (f"# ok: mode {plan.mode}, L_r={cfg.model.resolved_recompute_layers}, "
             f"graphs {list(plan.scopes) or 'none'} on {plan.backend} "
             f"(megatron-core gets {megatron or 'none'})")

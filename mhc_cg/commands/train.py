@@ -7,7 +7,9 @@ import json
 import sys
 
 from mhc_cg.config import load_config
-from mhc_cg.runtime.modes.plan import MODES, configured_mode
+from mhc_cg.runtime.modes.registry import MODES, REFERENCE, configured_mode
+from mhc_cg.tools import pipeline_compare
+from mhc_cg.tools import compare
 from mhc_cg.training.session import train
 
 HELP = "train the mHC GPT of a config on a synthetic corpus; --compare runs every recompute mode"
@@ -18,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="override train.steps")
     parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default=None,
                         help="override train.device")
-    parser.add_argument("--mode", choices=MODES, default=None,
+    parser.add_argument("--mode", choices=list(MODES), default=None,
                         help="override the mode the config implies (graphed_static when "
                              "mhc_recompute is in cuda_graph_scope)")
     parser.add_argument("--compare", action="store_true",
@@ -32,24 +34,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     if cfg.parallel.pp_size > 1:  # one process per pipeline rank
-        from mhc_cg.tools import pipeline_compare as report
-
-        return report.run(cfg, args)
+        return pipeline_compare.run(cfg, args)
     progress = not args.no_progress
     if args.compare:
-        from mhc_cg.tools.compare import format_table, run_modes, to_json
-
-        from mhc_cg.tools.compare import mismatches
-
-        results = run_modes(cfg, steps=args.steps, device=args.device, progress=progress)
-        problems = mismatches(results)
+        results = compare.run_modes(cfg, steps=args.steps, device=args.device, progress=progress)
+        problems = compare.mismatches(results)
         if args.json:
-            print(json.dumps(to_json(results), indent=1))
+            print(json.dumps(compare.to_json(results), indent=1))
         else:
             _describe(cfg, "all modes")
-            print(format_table(results))
+            print(compare.format_table(results))
             if any(r.eval_losses for r in results.values()):
-                print("eval loss (after step " + ", ".join(map(str, results["eager_none"].eval_steps))
+                print("eval loss (after step " + ", ".join(map(str, results[REFERENCE].eval_steps))
                       + "): " + "; ".join(f"{m} {r.eval_losses[-1]:.4f}" for m, r in results.items()))
         for line in problems:
             print(f"mhc-cg train: mismatch: {line}", file=sys.stderr)

@@ -1,2 +1,12 @@
-from mhc_cg.config.schema import *  # noqa
-from mhc_cg.config.schema import load_config, RunConfig, TrainConfig, ParallelConfig, GraphConfig  # noqa
+"""The run configuration: sections (:mod:`~mhc_cg.config.schema`), the values fields may take
+(:mod:`~mhc_cg.config.choices`), every rule (:mod:`~mhc_cg.config.rules`) and YAML loading
+(:mod:`~mhc_cg.config.load`). A leaf: it imports only :mod:`mhc_cg.core` and the op names of
+:mod:`mhc_cg.ops`; the model and the runtime import it, never the reverse."""
+
+from mhc_cg.config.load import load_config
+from mhc_cg.config.rules import check
+from mhc_cg.config.schema import (GraphConfig, MHCGPTConfig, ParallelConfig, RunConfig,
+                                  TrainConfig)
+
+__all__ = ["GraphConfig", "MHCGPTConfig", "ParallelConfig", "RunConfig", "TrainConfig", "check",
+           "load_config"]

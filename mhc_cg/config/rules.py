@@ -1,26 +1,32 @@
-"""Cross-field rules of a ``RunConfig``: what each section accepts alone is checked when it is built
-(``mhc_cg.config``); what only holds between fields (scopes vs model, pipeline vs layers) is here.
+"""Every rule of a run config, one home each: one line per broken rule, naming the field and the fix.
 
-``validate(cfg)`` returns every broken rule, one line each, naming the field and the fix;
-``check(cfg)`` raises ``ConfigError`` with all of them. ``load_config`` calls ``check``, so every
-command that reads a YAML file reports these problems the same way (exit status 2).
+* a section's own rules (:func:`model_problems`, :func:`train_problems`) run when the section is
+  built (:mod:`mhc_cg.config.schema`), so a config made in code obeys them too;
+* the rules between sections (scopes vs model, pipeline vs layers, sizes) are :func:`validate`;
+  :func:`check` raises ``ConfigError`` with all of them, and ``load_config`` calls it, so every
+  command that reads a YAML file reports them the same way (exit status 2);
+* rules that depend on where or how a config runs take that as an argument:
+  :func:`device_fit_problems` (the device's memory), :func:`pipeline_driver_problems` (one process
+  per pipeline rank), :func:`recompute_graph_problems` (shared with megatron's config, under its
+  field names).
 
 What the scopes mean, and the capture plan they resolve to: :mod:`mhc_cg.runtime.modes.plan`.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
-from mhc_cg.core.errors import ConfigError, did_you_mean
-from mhc_cg.runtime.modes.plan import MOE_SCOPES, SCOPES, configured_scopes, scope_field
+from mhc_cg.config.choices import (DEVICES, DROPOUT_IMPLS, GRAPH_BACKENDS, MIN_VOCAB_SIZE,
+                                   MODEL_RECOMPUTE, MOE_SCOPES, RECOMPUTE_SCOPE, SCOPES)
+from mhc_cg.core.dtypes import DTYPE_BYTES, TRAIN_DTYPES
+from mhc_cg.core.errors import ConfigError, did_you_mean, is_positive_int
 from mhc_cg.core.schedule import schedule_problems
+from mhc_cg.ops.kernels import kernels_problem
 
 if TYPE_CHECKING:
-    from mhc_cg.config import RunConfig
-    from mhc_cg.model import MHCGPTConfig
-
-BACKENDS = ("auto", "cuda", "te", "tape")
+    from mhc_cg.config.schema import MHCGPTConfig, RunConfig, TrainConfig
 
 # Megatron-LM / MindSpeed recompute options a user may carry over, and what they map to here.
 # mhc_cg has no full-layer recompute: model.recompute: block re-runs only the mHC ops, never F.
@@ -42,6 +48,68 @@ FOREIGN_RECOMPUTE_FIELDS = {
                                                 "--recompute-activation-function-num-layers is "
                                                 "model.recompute_activation_layers here",
 }
+
+# --------------------------------------------------------------------------------------------
+# A section's own rules (run when it is built).
+
+_MODEL_POSITIVE = ("vocab_size", "seq_length", "hidden_size", "num_heads", "num_layers",
+                   "num_streams", "ffn_hidden_size", "sinkhorn_iterations")
+
+
+def model_problems(model: "MHCGPTConfig") -> list[str]:
+    """The ``model`` section's rules, field by field and between its fields."""
+    problems = [f"model.{name}: must be a positive integer, got {getattr(model, name)!r}"
+                for name in _MODEL_POSITIVE if not is_positive_int(getattr(model, name))]
+    if not problems and model.hidden_size % model.num_heads:
+        problems.append(f"model.num_heads: must divide hidden_size={model.hidden_size}, "
+                        f"got {model.num_heads}")
+    if not (isinstance(model.hidden_dropout, (int, float)) and 0.0 <= model.hidden_dropout < 1.0):
+        problems.append(f"model.hidden_dropout: must be in [0, 1), got {model.hidden_dropout!r}")
+    if model.dropout_impl not in DROPOUT_IMPLS:
+        problems.append(f"model.dropout_impl: must be one of {list(DROPOUT_IMPLS)}, "
+                        f"got {model.dropout_impl!r}")
+    import torch  # whether this machine sees a GPU decides what model.kernels can run
+
+    if (problem := kernels_problem(model.kernels, torch.cuda.is_available())) is not None:
+        problems.append(problem)
+    if model.recompute not in MODEL_RECOMPUTE:
+        problems.append(f"model.recompute: must be one of {list(MODEL_RECOMPUTE)}, "
+                        f"got {model.recompute!r}")
+    if model.recompute_layers is not None and not is_positive_int(model.recompute_layers):
+        problems.append(f"model.recompute_layers: must be a positive integer or null, "
+                        f"got {model.recompute_layers!r}")
+    if model.num_experts is not None and not (
+            is_positive_int(model.num_experts) and isinstance(model.moe_top_k, int)
+            and 1 <= model.moe_top_k <= model.num_experts):
+        problems.append(f"model.moe_top_k: must be in [1, num_experts={model.num_experts}], "
+                        f"got {model.moe_top_k!r}")
+    if not is_positive_int(model.moe_ffn_hidden_size):
+        problems.append(f"model.moe_ffn_hidden_size: must be a positive integer or null "
+                        f"(null: ffn_hidden_size), got {model.moe_ffn_hidden_size!r}")
+    if not problems:
+        problems.extend(activation_recompute_problems(model))
+    return problems
+
+
+def train_problems(train: "TrainConfig") -> list[str]:
+    """The ``train`` section's rules."""
+    problems = [f"train.{name}: must be a positive integer, got {getattr(train, name)!r}"
+                for name in ("steps", "micro_batch_size", "num_microbatches", "eval_batches")
+                if getattr(train, name) < 1]
+    if train.eval_interval < 0:
+        problems.append(f"train.eval_interval: must be >= 0 (0: no evaluation), got "
+                        f"{train.eval_interval!r}")
+    if not (math.isfinite(train.lr) and train.lr > 0):
+        problems.append(f"train.lr: must be a finite number > 0 (e.g. 3e-3), got {train.lr!r}")
+    if not (math.isfinite(train.weight_decay) and train.weight_decay >= 0):
+        problems.append(f"train.weight_decay: must be a finite number >= 0 (0 turns it off), "
+                        f"got {train.weight_decay!r}")
+    if train.device not in DEVICES:
+        problems.append(f"train.device: must be one of {list(DEVICES)}, got {train.device!r}")
+    if train.dtype not in TRAIN_DTYPES:
+        problems.append(f"train.dtype: must be one of {list(TRAIN_DTYPES)}, got {train.dtype!r}")
+    return problems
+
 
 # schedule_problems names its arguments; these are the fields a user edits.
 _SCHEDULE_FIELDS = {"pp_size": "parallel.pp_size", "vpp_size": "parallel.vpp_size",
@@ -104,9 +172,9 @@ def activation_recompute_problems(model: "MHCGPTConfig") -> list[str]:
 
 def _graph_problems(cfg: "RunConfig") -> list[str]:
     graph, problems = cfg.graph, []
-    if graph.backend not in BACKENDS:
-        problems.append(f"graph.backend: must be one of {list(BACKENDS)}, got {graph.backend!r}"
-                        f"{did_you_mean(graph.backend, BACKENDS)}")
+    if graph.backend not in GRAPH_BACKENDS:
+        problems.append(f"graph.backend: must be one of {list(GRAPH_BACKENDS)}, got "
+                        f"{graph.backend!r}{did_you_mean(graph.backend, GRAPH_BACKENDS)}")
     if graph.backend == "cuda" and cfg.train.device == "cpu":
         problems.append("graph.backend: 'cuda' captures torch.cuda.CUDAGraph, but train.device is "
                         "'cpu'; set train.device: cuda (or auto), or graph.backend: tape for the "
@@ -120,8 +188,8 @@ def _graph_problems(cfg: "RunConfig") -> list[str]:
 
 
 def _scope_problems(cfg: "RunConfig") -> list[str]:
-    model, name = cfg.model, scope_field(cfg)
-    scopes = configured_scopes(cfg)
+    model, name = cfg.model, cfg.graph.scope_field
+    scopes = cfg.graph.scopes
     problems = []
     for scope in scopes:
         if scope not in SCOPES:
@@ -131,22 +199,15 @@ def _scope_problems(cfg: "RunConfig") -> list[str]:
     if duplicates:
         problems.append(f"{name}: {duplicates} listed more than once; list each scope once")
 
-    if "mhc_recompute" in scopes:
-        if model.num_streams < 2:
-            problems.append(f"{name}: 'mhc_recompute' recomputes the mHC ops, but mHC is off "
-                            f"(model.num_streams is {model.num_streams}); set model.num_streams "
-                            f">= 2 (4 in the paper) or remove 'mhc_recompute'")
-        if model.recompute != "block":
-            problems.append(f"{name}: 'mhc_recompute' captures the block recompute, but "
-                            f"model.recompute is {model.recompute!r}; set model.recompute: block "
-                            f"or remove 'mhc_recompute'")
-        if model.dropout_impl == "torch" and model.hidden_dropout > 0:
-            problems.append(
-                f"model.dropout_impl: 'torch' draws its mask from the stateful generator; a "
-                f"replayed recompute graph cannot rewind that generator, so the recompute would "
-                f"draw a different mask than the forward and the gradients would be wrong; set "
-                f"model.dropout_impl: counter (mask = hash(seed, index), the same on every "
-                f"replay), or model.hidden_dropout: 0, or remove 'mhc_recompute' from {name}")
+    if RECOMPUTE_SCOPE in scopes:
+        problems += recompute_graph_problems(
+            mhc_on=model.num_streams >= 2, block_recompute=model.recompute == "block",
+            dropout_impl=model.dropout_impl, dropout=model.hidden_dropout, fields=dict(
+                scope=name, mhc=f"model.num_streams is {model.num_streams}",
+                mhc_fix="set model.num_streams >= 2 (4 in the paper)",
+                recompute=f"model.recompute is {model.recompute!r}",
+                recompute_fix="set model.recompute: block",
+                dropout_impl="model.dropout_impl", dropout="model.hidden_dropout"))
 
     moe_scopes = [s for s in scopes if s in MOE_SCOPES]
     if moe_scopes and not model.is_moe:
@@ -169,6 +230,31 @@ def _scope_problems(cfg: "RunConfig") -> list[str]:
     return problems
 
 
+def recompute_graph_problems(*, mhc_on: bool, block_recompute: bool, dropout_impl: str,
+                             dropout: float, fields: dict[str, str]) -> list[str]:
+    """What ``mhc_recompute`` in a graph scope needs: mHC on, block recompute on, and a dropout
+    mask a replayed graph can redraw. ``fields`` names the settings in the caller's config
+    (``scope``, ``mhc``, ``mhc_fix``, ``recompute``, ``recompute_fix``, ``dropout_impl``,
+    ``dropout``), so mhc_cg's YAML and megatron's ``TransformerConfig`` share the rule."""
+    problems = []
+    scope = fields["scope"]
+    if not mhc_on:
+        problems.append(f"{scope}: 'mhc_recompute' recomputes the mHC ops, but mHC is off "
+                        f"({fields['mhc']}); {fields['mhc_fix']} or remove 'mhc_recompute'")
+    if not block_recompute:
+        problems.append(f"{scope}: 'mhc_recompute' captures the block recompute, but "
+                        f"{fields['recompute']}; {fields['recompute_fix']} or remove "
+                        f"'mhc_recompute'")
+    if dropout_impl == "torch" and dropout > 0:
+        problems.append(
+            f"{fields['dropout_impl']}: 'torch' draws its mask from the stateful generator; a "
+            f"replayed recompute graph cannot rewind that generator, so the recompute would draw a "
+            f"different mask than the forward and the gradients would be wrong; set "
+            f"{fields['dropout_impl']}: counter (mask = hash(seed, index), the same on every "
+            f"replay), or {fields['dropout']}: 0, or remove 'mhc_recompute' from {scope}")
+    return problems
+
+
 def _pipeline_problems(cfg: "RunConfig") -> list[str]:
     par, model = cfg.parallel, cfg.model
     problems = []
@@ -185,7 +271,7 @@ def _pipeline_problems(cfg: "RunConfig") -> list[str]:
                         f"{chunks}")
         return problems
     per_chunk = model.num_layers // chunks
-    recomputing = model.recompute == "block" or "mhc_recompute" in configured_scopes(cfg)
+    recomputing = model.recompute == "block" or RECOMPUTE_SCOPE in cfg.graph.scopes
     if recomputing and chunks > 1 and model.recompute_layers is not None \
             and per_chunk % model.recompute_layers:
         divisors = [d for d in range(1, per_chunk + 1) if per_chunk % d == 0]
@@ -196,8 +282,6 @@ def _pipeline_problems(cfg: "RunConfig") -> list[str]:
     return problems
 
 
-# The synthetic corpus (mhc_cg.training.data) needs room for its strides.
-MIN_VOCAB_SIZE = 8
 # No single device holds this much; a config beyond it is a typo (hidden_size: 1e20), refused
 # before anything is allocated. What fits one device is checked against it when training starts.
 MAX_TRAIN_BYTES = 2 ** 40
@@ -208,8 +292,6 @@ def estimated_train_bytes(cfg: "RunConfig") -> int:
     main parameters and AdamW state (mixed precision), and one microbatch's activations (about 24
     stream-wide tensors per layer, plus the seq x seq attention scores of the math path). An
     order-of-magnitude figure for refusing impossible sizes up front, not a memory model."""
-    from mhc_cg.core.dtypes import DTYPE_BYTES
-
     m, t = cfg.model, cfg.train
     c, n, s, layers = m.hidden_size, m.num_streams, m.seq_length, m.num_layers
     ffn = m.ffn_hidden_size if not m.is_moe else m.moe_ffn_hidden_size * m.num_experts
@@ -234,4 +316,31 @@ def _size_problems(cfg: "RunConfig") -> list[str]:
                         f"limit of {MAX_TRAIN_BYTES / 2 ** 30:.0f} GiB that any one device holds; "
                         f"reduce model.hidden_size, num_layers, seq_length, ffn_hidden_size or "
                         f"train.micro_batch_size")
+    return problems
+
+
+def device_fit_problems(cfg: "RunConfig", device_bytes: int | None, device_type: str) -> list[str]:
+    """A run whose rough size (:func:`estimated_train_bytes`) exceeds what its device holds
+    (``device_bytes``; ``None``: unknown), refused before anything is allocated."""
+    need = estimated_train_bytes(cfg)
+    if device_bytes is None or need <= device_bytes:
+        return []
+    return [f"model: training this model needs about {need / 2 ** 30:.3g} GiB (parameters, "
+            f"optimizer state, one microbatch's activations), more than the "
+            f"{device_bytes / 2 ** 30:.3g} GiB of {device_type} memory (the limit); reduce "
+            f"model.hidden_size, num_layers, seq_length or train.micro_batch_size"]
+
+
+def pipeline_driver_problems(cfg: "RunConfig") -> list[str]:
+    """What the multi-process pipeline driver (one process per rank, static buffers on every
+    rank) does not run; empty when ``cfg`` can run on it."""
+    problems = []
+    if "mlp" in cfg.graph.scopes and not cfg.model.is_moe and cfg.model.recompute_activation:
+        problems.append("model.recompute_activation: a graphed 'mlp' sublayer writes fc1's output "
+                        "into the one persistent set it was captured with, and a pipeline keeps "
+                        "several in flight; drop 'mlp' from graph.cuda_graph_scope or set "
+                        "recompute_activation: false")
+    if cfg.model.is_moe:
+        problems.append("model.num_experts: the pipeline driver runs dense models; set "
+                        "num_experts: null or parallel.pp_size: 1")
     return problems

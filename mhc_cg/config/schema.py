@@ -1,4 +1,4 @@
-"""The typed run configuration that every command reads: YAML -> dataclasses, checked field by field.
+"""The run configuration: four sections as dataclasses, what each field holds and its default.
 
 A YAML file has up to four sections, each optional::
 
@@ -7,8 +7,8 @@ A YAML file has up to four sections, each optional::
     parallel: ParallelConfig fields (pipeline schedule)
     graph:    GraphConfig fields (capture backend and scope)
 
-Unknown sections or fields, and values of the wrong type, are reported together, each on one
-line that names the field and what is allowed.
+Building a section checks it against its rules (:mod:`mhc_cg.config.rules`), so a config built in
+code obeys the same rules as one read from YAML (:mod:`mhc_cg.config.load`).
 """
 
 from __future__ import annotations
@@ -17,17 +17,79 @@ import dataclasses
 import math
 import types
 import typing
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, fields
 
-import yaml
-
-from mhc_cg.core.dtypes import TRAIN_DTYPES
+from mhc_cg.config import rules
 from mhc_cg.core.errors import ConfigError, did_you_mean
-from mhc_cg.model import MHCGPTConfig
+
+def paper_block_size(num_streams: int, num_layers: int) -> int:
+    """L_r* = sqrt(n L / (n + 2)) (mHC paper, Eq. 20), rounded, within [1, L]."""
+    return max(1, min(num_layers, round(math.sqrt(num_streams * num_layers / (num_streams + 2)))))
+
+
+def _raise_problems(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError(problems)
+
+
+@dataclass
+class MHCGPTConfig:
+    """The ``model`` section: the mHC GPT's shape, dropout, recompute and kernels."""
+
+    vocab_size: int = 64
+    seq_length: int = 32
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_layers: int = 4
+    num_streams: int = 4
+    ffn_hidden_size: int | None = None  # None: 4 * hidden_size
+    hidden_dropout: float = 0.1
+    dropout_impl: str = "counter"  # "counter": graph-replayable; "torch": stateful generator
+    sinkhorn_iterations: int = 20
+    init_gating_factor: float = 0.01
+    init_std: float = 0.02
+    recompute: str = "none"  # "none" | "block"
+    recompute_layers: int | None = None  # L_r; None: the paper's sqrt(n*L/(n+2))
+    num_experts: int | None = None  # None: dense MLP; else a top-k routed MoE MLP
+    moe_top_k: int = 2
+    moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
+    recompute_activation: bool = False  # drop the MLP's gelu output, recompute it
+    recompute_activation_layers: int | None = None  # the first N layers do it; None: all
+    kernels: str = "auto"  # fused mHC ops: "auto" (triton on CUDA, torch on CPU) | "torch" | "triton"
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        _raise_problems(rules.model_problems(self))
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    @property
+    def resolved_recompute_layers(self) -> int:
+        """L_r: the configured block size, or the paper's optimum sqrt(n*L/(n+2)), within [1, L]."""
+        if self.recompute_layers is not None:
+            return min(self.recompute_layers, self.num_layers)
+        return paper_block_size(self.num_streams, self.num_layers)
+
+    def recomputes_activation(self, layer_number: int) -> bool:
+        """Whether layer ``layer_number`` (0-based, of the whole model) recomputes its gelu."""
+        if not self.recompute_activation:
+            return False
+        return self.recompute_activation_layers is None or layer_number < self.recompute_activation_layers
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
 
 @dataclass
 class TrainConfig:
+    """The ``train`` section: steps, batch, optimiser, device and precision."""
+
     steps: int = 60
     micro_batch_size: int = 8
     num_microbatches: int = 1  # microbatches per step (gradient accumulation / pipeline depth)
@@ -40,27 +102,13 @@ class TrainConfig:
     eval_batches: int = 2  # held-out batches per evaluation
 
     def __post_init__(self):
-        problems = [f"train.{name}: must be a positive integer, got {getattr(self, name)!r}"
-                    for name in ("steps", "micro_batch_size", "num_microbatches", "eval_batches")
-                    if getattr(self, name) < 1]
-        if self.eval_interval < 0:
-            problems.append(f"train.eval_interval: must be >= 0 (0: no evaluation), got "
-                            f"{self.eval_interval!r}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            problems.append(f"train.lr: must be a finite number > 0 (e.g. 3e-3), got {self.lr!r}")
-        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            problems.append(f"train.weight_decay: must be a finite number >= 0 (0 turns it off), "
-                            f"got {self.weight_decay!r}")
-        if self.device not in ("cpu", "cuda", "auto"):
-            problems.append(f"train.device: must be one of ['cpu', 'cuda', 'auto'], got {self.device!r}")
-        if self.dtype not in TRAIN_DTYPES:
-            problems.append(f"train.dtype: must be one of {list(TRAIN_DTYPES)}, got {self.dtype!r}")
-        if problems:
-            raise ConfigError(problems)
+        _raise_problems(rules.train_problems(self))
 
 
 @dataclass
 class ParallelConfig:
+    """The ``parallel`` section: Megatron's pipeline schedule."""
+
     pp_size: int = 1
     vpp_size: int = 1
     microbatch_group_size: int | None = None  # None: pp_size (Megatron's default)
@@ -68,13 +116,36 @@ class ParallelConfig:
 
 @dataclass
 class GraphConfig:
+    """The ``graph`` section: the capture backend and what is captured."""
+
     backend: str = "auto"  # "auto" | "cuda" | "te" | "tape"
     cuda_graph_scope: list[str] | None = None
     cuda_graph_modules: list[str] | None = None  # megatron-core >= 0.18 spelling of the same
 
+    @property
+    def scopes(self) -> list[str]:
+        """The scope list as written, under either spelling (the rules report the two
+        disagreeing); ``None`` and ``[]`` both mean "nothing captured"."""
+        scopes = self.cuda_graph_scope if self.cuda_graph_scope is not None else self.cuda_graph_modules
+        return list(scopes or [])
+
+    @property
+    def scope_field(self) -> str:
+        """The field the scopes were given in (for messages): the older spelling unless only the
+        newer was given."""
+        if self.cuda_graph_scope is None and self.cuda_graph_modules is not None:
+            return "graph.cuda_graph_modules"
+        return "graph.cuda_graph_scope"
+
+    def with_scopes(self, scopes) -> "GraphConfig":
+        """This section with ``scopes`` in the older spelling (the newer one cleared)."""
+        return dataclasses.replace(self, cuda_graph_scope=list(scopes), cuda_graph_modules=None)
+
 
 @dataclass
 class RunConfig:
+    """A whole run: the four sections."""
+
     model: MHCGPTConfig = field(default_factory=MHCGPTConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -82,97 +153,48 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: dict | None) -> "RunConfig":
+        """Build from a mapping of sections (YAML's shape): unknown sections or fields and values
+        of the wrong type are reported together, one line each naming the field and what is
+        allowed. The rules between sections are :func:`mhc_cg.config.rules.check`'s."""
         data = {} if data is None else data
         if not isinstance(data, dict):
             raise ConfigError(f"config: expected a mapping of sections, got {type(data).__name__}")
         problems: list[str] = []
-        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+        sections = typing.get_type_hints(cls)
         for key in data:
             if key not in sections:
                 problems.append(f"{key}: unknown section{did_you_mean(key, sections)}; "
                                 f"allowed: {', '.join(sections)}")
         built = {}
-        for name, section_cls in typing.get_type_hints(cls).items():
+        for name, section_cls in sections.items():
             section = _build_section(name, section_cls, data.get(name) or {}, problems)
             if section is not None:
                 built[name] = section
-        if problems:
-            raise ConfigError(problems)
+        _raise_problems(problems)
         return cls(**built)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-
-def load_config(path: str | Path | None) -> RunConfig:
-    """Read and check a YAML run config; ``None`` gives the embedded defaults.
-
-    Checks each field, then the rules between fields (``mhc_cg.config.rules``); every problem found
-    is in the one ``ConfigError``.
-    """
-    from mhc_cg.config.rules import check  # validate imports this module's types
-
-    if path is None:
-        return check(RunConfig())
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config: file not found: {path}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"config: {path} is not UTF-8 text (byte {exc.start}: "
-                          f"{exc.object[exc.start:exc.start + 1]!r}); save it as UTF-8") from None
-    except OSError as exc:
-        raise ConfigError(f"config: cannot read {path}: {exc.strerror}; check the path and "
-                          f"its permissions") from None
-    try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)
-    except ConfigError:
-        raise
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config: {path} is not valid YAML: {exc}".splitlines()[0]) from None
-    if data is None:
-        raise ConfigError(f"config: {path} is empty; write at least one section (model, train, "
-                          f"parallel, graph), or leave out --config for the built-in defaults")
-    return check(RunConfig.from_dict(data))
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the last
-    silently) and keys that are not strings."""
-
-
-def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False):
-    loader.flatten_mapping(node)
-    seen: dict = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        line = key_node.start_mark.line + 1
-        if not isinstance(key, str):
-            raise ConfigError(f"config: line {line}: key {key!r} is a {type(key).__name__}, not a "
-                              f"field name; write section and field names as text")
-        if key in seen:
-            raise ConfigError(f"config: line {line}: {key!r} is given twice (first on line "
-                              f"{seen[key]}); keep one")
-        seen[key] = line
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
-                                 _construct_unique_mapping)
+    def replace(self, **sections) -> "RunConfig":
+        """A copy with whole sections replaced, or fields of them: ``replace(model={"recompute":
+        "block"})`` or ``replace(graph=GraphConfig(...))``."""
+        changes = {}
+        for name, value in sections.items():
+            current = getattr(self, name)
+            changes[name] = dataclasses.replace(current, **value) if isinstance(value, dict) else value
+        return dataclasses.replace(self, **changes)
 
 
 def _build_section(section: str, cls: type, data: dict, problems: list[str]):
-    from mhc_cg.config.rules import FOREIGN_RECOMPUTE_FIELDS  # validate imports this module's types
-
     if not isinstance(data, dict):
         problems.append(f"{section}: expected a mapping of fields, got {type(data).__name__}")
         return None
     hints = typing.get_type_hints(cls)
     ok = True
     for key, value in data.items():
-        if section == "model" and key in FOREIGN_RECOMPUTE_FIELDS:
-            problems.append(f"model.{key}: not an mhc_cg option: {FOREIGN_RECOMPUTE_FIELDS[key]}")
+        if section == "model" and key in rules.FOREIGN_RECOMPUTE_FIELDS:
+            problems.append(f"model.{key}: not an mhc_cg option: {rules.FOREIGN_RECOMPUTE_FIELDS[key]}")
             ok = False
         elif key not in hints:
             problems.append(f"{section}.{key}: unknown field{did_you_mean(key, hints)}; "

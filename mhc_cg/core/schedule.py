@@ -23,6 +23,7 @@ first-out in both directions).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from mhc_cg.core.errors import ConfigError, is_positive_int
@@ -173,3 +174,44 @@ def pass_windows(steps: list[Step]) -> dict[tuple[int, int], tuple[int, int]]:
 def check_order(order: list[int]) -> None:
     """Raise ``ConfigError`` unless every (chunk, microbatch) runs its forward, then its backward."""
     pass_windows(decode_order(order))
+
+
+# --------------------------------------------------------------------------------------------
+# Persistent slot sets along an order: how many, and which forward takes which.
+
+def peak_in_flight(order: list[int]) -> int:
+    """The most (chunk, microbatch) passes whose forward has run and whose backward has not."""
+    pass_windows(decode_order(order))  # the count means nothing for an order out of sequence
+    live = peak = 0
+    for code in order:
+        live += 1 if code > 0 else -1
+        peak = max(peak, live)
+    return peak
+
+
+def max_persistent_slot_sets(order: list[int]) -> int:
+    """Persistent slot sets the rank needs: one per (chunk, microbatch) in flight at the peak."""
+    return peak_in_flight(order)
+
+
+def assign_persistent_slot_sets(order: list[int]) -> list[int]:
+    """The slot-set index each forward of ``order`` uses, in the order's forward sequence.
+
+    A pool of ``max_persistent_slot_sets(order)`` sets, all free at the start in index order; a
+    forward takes the front of the free list, the backward of the same (chunk, microbatch) puts
+    its set at the back. This is ``PersistentSetPool``'s policy, so graphs captured on these
+    indices find the same sets at run time.
+    """
+    steps = decode_order(order)
+    pass_windows(steps)  # rejects orders with a backward before its forward
+    free = deque(range(max_persistent_slot_sets(order)))
+    held: dict[tuple[int, int], int] = {}
+    assigned = []
+    for step in steps:
+        key = (step.chunk, step.microbatch)
+        if step.forward:
+            held[key] = free.popleft()
+            assigned.append(held[key])
+        else:
+            free.append(held.pop(key))
+    return assigned

@@ -1,2 +1,14 @@
-from mhc_cg.model.gpt import *  # noqa
-from mhc_cg.model.gpt import MHCGPT, MHCGPTConfig, MLP, MoEMLP, MHCSublayer, HyperConnectionSteps, sublayer_forward, recomputes_activation, MHCTransformerLayer  # noqa
+"""The mHC GPT: F's layers (:mod:`~mhc_cg.model.layers`), MoE (:mod:`~mhc_cg.model.moe`), one
+residual branch as named steps (:mod:`~mhc_cg.model.sublayer`) and the GPT
+(:mod:`~mhc_cg.model.gpt`). It runs plainly; recompute is the runtime's."""
+
+from mhc_cg.config import MHCGPTConfig
+from mhc_cg.model.gpt import MHCGPT, MHCTransformerLayer
+from mhc_cg.model.layers import MLP, CausalSelfAttention, RMSNorm
+from mhc_cg.model.moe import MoEMLP
+from mhc_cg.model.sublayer import (HyperConnectionSteps, MHCSublayer, recomputes_activation,
+                                   sublayer_forward)
+
+__all__ = ["CausalSelfAttention", "HyperConnectionSteps", "MHCGPT", "MHCGPTConfig",
+           "MHCSublayer", "MHCTransformerLayer", "MLP", "MoEMLP", "RMSNorm",
+           "recomputes_activation", "sublayer_forward"]

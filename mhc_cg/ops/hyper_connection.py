@@ -18,9 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from mhc_cg.ops import kernels as fused
+from mhc_cg.ops.kernels.reference import RMS_EPS, SINKHORN_EPS
 
-SINKHORN_EPS = 1e-6
-RMS_EPS = 1e-6
 
 
 def _check_streams(name: str, x: Tensor, num_streams: int, hidden_size: int | None = None) -> int:

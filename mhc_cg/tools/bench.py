@@ -1,15 +1,7 @@
 """The benchmark behind ``mhc-cg bench``: every training mode, timed in alternation, one report.
 
-Modes (:data:`BENCH_MODES`), all built from one config and the same seed:
-
-* ``eager_none``: eager, no recompute (the reference);
-* ``eager_block``: eager block recompute (frees and re-allocates the mHC intermediates);
-* ``graphed_none``: every sublayer a graph, no recompute (``mhc_cg.runtime.modes.graphed_none``);
-* ``graphed_static``: static-buffer recompute, scopes ``[attn, mlp, mhc_recompute]``;
-* ``attn_split``: each attention's norm + attention a graph fed by the eager aggregate, mHC ops
-  and MLP eager under eager block recompute (``mhc_cg.runtime.modes.attn_split``; the public peer);
-* ``moe_partial``: the same model with a top-k MoE MLP, scopes
-  ``[attn, moe_router, moe_preprocess, mhc_recompute]`` (partial capture).
+Modes: every mode of the registry (:mod:`mhc_cg.runtime.modes.registry`), each built from one config
+and the same seed (``moe_partial`` gets ``--moe-experts`` experts of top-``--moe-top-k`` routing).
 
 Per mode: peak allocated memory, median step time, tokens per second and, for modes with a
 recompute graph, that graph's replay time beside a bandwidth lower bound
@@ -39,12 +31,10 @@ the files then), so a run cut short keeps what it measured.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import platform
 import re
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,15 +44,10 @@ import torch
 
 from mhc_cg.config import RunConfig
 from mhc_cg.core.errors import ConfigError
-from mhc_cg.runtime.modes.plan import capture_plan
+from mhc_cg.core.progress import log as _log
+from mhc_cg.runtime.modes.lifecycle import ModeModel
+from mhc_cg.runtime.modes.registry import MODES, REFERENCE, capture_plan, get_mode, mode_config
 from mhc_cg.training.session import TrainSession
-from mhc_cg.config.rules import check
-
-BENCH_MODES = ("eager_none", "eager_block", "graphed_none", "graphed_static", "attn_split",
-               "moe_partial")
-GRAPHED_MODES = ("graphed_none", "graphed_static", "attn_split", "moe_partial")
-STATIC_SCOPES = ["attn", "mlp", "mhc_recompute"]
-MOE_SCOPES = ["attn", "moe_router", "moe_preprocess", "mhc_recompute"]
 CPU_MEMORY_NOTE = ("null on CPU: CPU torch keeps no allocator peak counter "
                    "(torch.cuda.max_memory_allocated exists only for CUDA devices)")
 # Relative loss tolerance against eager_none on CUDA (bf16/fp16 kernels are nondeterministic,
@@ -75,46 +60,20 @@ CPU_CAVEAT = ("CPU run: the targets are stated for an H100/H200 with CUDA graphs
 
 def log(message: str) -> None:
     """Progress on stderr (stdout carries the report)."""
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
+    _log("bench", message)
 
-
-# --------------------------------------------------------------------------------------------
-# Per-mode configs.
 
 def parse_modes(text: str | None) -> tuple[str, ...]:
-    """``"a,b"`` -> ``("a", "b")`` in :data:`BENCH_MODES` order; unknown names are a ConfigError."""
+    """``"a,b"`` -> ``("a", "b")`` in registry order; ``None``: every mode; unknown names are a
+    ConfigError."""
     if text is None:
-        return BENCH_MODES
+        return tuple(MODES)
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in BENCH_MODES]
+    unknown = [n for n in names if n not in MODES]
     if unknown or not names:
         raise ConfigError(f"--modes: unknown mode(s) {unknown or [text]}; choose a comma-separated "
-                          f"subset of {', '.join(BENCH_MODES)}")
-    return tuple(m for m in BENCH_MODES if m in names)
-
-
-def mode_config(cfg: RunConfig, mode: str, *, moe_experts: int = 8,
-                moe_top_k: int = 2) -> tuple[RunConfig, str]:
-    """The config and ``mhc_cg.training.session`` mode that benchmark ``mode`` runs.
-
-    ``moe_partial`` gives every MLP ``moe_experts`` experts of width ``ffn_hidden_size //
-    moe_experts``: the experts together hold as many parameters as the dense MLP, so the MoE
-    model fits beside the dense ones.
-    """
-    if mode not in BENCH_MODES:
-        raise ConfigError(f"unknown bench mode {mode!r}; known: {list(BENCH_MODES)}")
-    if mode in ("eager_none", "eager_block", "graphed_none", "attn_split"):
-        return cfg, mode
-    if mode == "graphed_static":
-        return check(dataclasses.replace(
-            cfg, model=dataclasses.replace(cfg.model, recompute="block"),
-            graph=dataclasses.replace(cfg.graph, cuda_graph_scope=list(STATIC_SCOPES),
-                                      cuda_graph_modules=None))), mode
-    model = dataclasses.replace(
-        cfg.model, recompute="block", num_experts=moe_experts, moe_top_k=moe_top_k,
-        moe_ffn_hidden_size=max(cfg.model.ffn_hidden_size // moe_experts, 1))
-    graph = dataclasses.replace(cfg.graph, cuda_graph_scope=list(MOE_SCOPES), cuda_graph_modules=None)
-    return check(dataclasses.replace(cfg, model=model, graph=graph)), "graphed_static"
+                          f"subset of {', '.join(MODES)}")
+    return tuple(m for m in MODES if m in names)
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,8 +141,8 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def recompute_traffic(graphed, block: int = 0) -> dict[str, int]:
-    """Bytes the recompute of ``block`` must move at least, from a prepared ``GraphedStaticModel``.
+def recompute_traffic(graphed: ModeModel, block: int = 0) -> dict[str, int]:
+    """Bytes the recompute of ``block`` must move at least, from a prepared static-recompute mode.
 
     An approximation: each byte read or written once, temporaries in cache (none spill), so
     ``read`` = the block's persistent inputs (x_l0, every sublayer's F output, the dropout seed,
@@ -198,7 +157,7 @@ def recompute_traffic(graphed, block: int = 0) -> dict[str, int]:
     inputs = _nbytes(pset.block_inputs[block]) + _nbytes(pset.seed) + sum(
         _nbytes(pset.fn_outputs[(first + i, k)]) for i in range(len(layers)) for k in range(2))
     # with activation recompute the block also re-derives the gelu output from fc1's output
-    fc1 = getattr(pset, "fc1_outputs", {})
+    fc1 = pset.fc1_outputs
     inputs += sum(_nbytes(fc1[first + i]) for i in range(len(layers)) if first + i in fc1)
     params = sum(_nbytes(p) for layer in layers for sub in (layer.attention, layer.mlp)
                  for module in (sub.hc, sub.norm) for p in module.parameters())
@@ -237,9 +196,8 @@ class ModeRunner:
         synchronize(self.device)
         before = allocated(self.device)
         begin = time.perf_counter()
-        self.cfg, train_mode = mode_config(self.cfg, self.name, moe_experts=moe_experts,
-                                           moe_top_k=moe_top_k)
-        self.session = TrainSession.build(self.cfg, capture_plan(self.cfg, train_mode, str(self.device)),
+        self.cfg = mode_config(self.cfg, self.name, moe_experts=moe_experts, moe_top_k=moe_top_k)
+        self.session = TrainSession.build(self.cfg, capture_plan(self.cfg, self.name, str(self.device)),
                                           self.device)
         self._before_build = before
         self._reserved_before_build = reserved(self.device)
@@ -288,7 +246,8 @@ class ModeRunner:
 
     def recompute_timing(self, bandwidth: float, replays: int) -> dict:
         """Replay one recompute graph (block 0, set 0) ``replays`` times; its bound from traffic."""
-        graphs = getattr(getattr(self.session.graphed, "runtime", None), "recompute_graphs", None)
+        runtime = self.session.runner.runtime
+        graphs = runtime.recompute_graphs if runtime is not None else None
         if not graphs:
             return {"recompute_graph_ms": None, "recompute_lower_bound_ms": None,
                     "recompute_note": "no recompute graph in this mode"}
@@ -300,7 +259,7 @@ class ModeRunner:
                 graph.replay()
             synchronize(self.device)
             seconds = time_repeated(graph.replay, replays, self.device)
-        traffic = recompute_traffic(self.session.graphed, 0)
+        traffic = recompute_traffic(self.session.runner, 0)
         return {"recompute_graph_ms": 1000.0 * seconds,
                 "recompute_lower_bound_ms": 1000.0 * lower_bound_seconds(traffic["total"], bandwidth),
                 "recompute_bytes": traffic, "recompute_replays": replays}
@@ -314,7 +273,7 @@ class ModeRunner:
 
 @dataclass
 class BenchOptions:
-    modes: tuple[str, ...] = BENCH_MODES
+    modes: tuple[str, ...] = field(default_factory=lambda: tuple(MODES))
     steps: int = 20
     warmup: int = 3
     chunk: int = 5  # timed steps of one mode per round
@@ -340,10 +299,9 @@ def _rounds(runners: list[ModeRunner], steps: int, chunk: int) -> None:
 
 
 def _build(name: str, cfg: RunConfig, device: torch.device, opts: BenchOptions) -> ModeRunner:
-    log(f"{name}: building{' and capturing graphs' if name in GRAPHED_MODES else ''}")
+    log(f"{name}: building{' and capturing graphs' if get_mode(name).graphed else ''}")
     runner = ModeRunner(name, cfg, device).build(opts.moe_experts, opts.moe_top_k)
-    graphed = runner.session.graphed
-    graphs = graphed.describe().get("graphs") if graphed is not None else 0
+    graphs = len(runner.session.runner.graphs())
     log(f"{name}: built in {runner.build_s:.1f} s ({graphs} graphs); {opts.warmup} warm-up steps")
     runner.warm_up(opts.warmup)
     return runner
@@ -372,7 +330,7 @@ def run_bench(cfg: RunConfig, device: torch.device, opts: BenchOptions,
     runners: list[ModeRunner] = []
 
     def finished(runner: ModeRunner) -> None:
-        reference = report["modes"].get("eager_none", {}).get("losses")
+        reference = report["modes"].get(REFERENCE, {}).get("losses")
         report["modes"][runner.name] = _mode_entry(runner, reference, timings, cfg, device)
         report["targets"] = targets_check(report["modes"])
         if on_mode_done is not None:
@@ -410,7 +368,7 @@ def run_bench(cfg: RunConfig, device: torch.device, opts: BenchOptions,
 
 
 def _report_head(cfg: RunConfig, device: torch.device, opts: BenchOptions, bandwidth: float) -> dict:
-    backend = capture_plan(cfg, "graphed_static", str(device)).backend  # as the modes resolve it
+    backend = capture_plan(cfg, REFERENCE, str(device)).backend  # as every mode resolves it
     return {
         "device": device_name(device),
         "device_type": device.type,
@@ -448,7 +406,8 @@ def losses_match(losses: list[float], reference: list[float], rtol: float) -> bo
 
 def _mode_entry(runner: ModeRunner, reference: list[float] | None, timings: dict,
                 cfg: RunConfig, device: torch.device) -> dict:
-    comparable = reference is not None and runner.name != "moe_partial"
+    mode = get_mode(runner.name)
+    comparable = reference is not None and mode.same_model
     rtol = LOSS_RTOL[cfg.train.dtype] if device.type == "cuda" else 0.0
     entry = {
         "peak_mem_bytes": runner.peak_bytes,
@@ -464,7 +423,7 @@ def _mode_entry(runner: ModeRunner, reference: list[float] | None, timings: dict
         else None,
         "build_s": runner.build_s,
     }
-    if runner.name in GRAPHED_MODES:
+    if mode.graphed:
         entry.update(timings[runner.name])
     return entry
 

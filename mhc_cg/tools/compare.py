@@ -1,10 +1,9 @@
 """``mhc-cg train --compare``: the same steps in every mode, side by side.
 
-Modes: ``eager_none`` (no recompute: the reference), ``eager_block`` (eager block recompute that
-frees and re-allocates), ``graphed_none`` (every sublayer a graph), ``graphed_static``
-(static-buffer recompute in graphs). Same weights, same data, same dropout seeds; the losses, every
-gradient of every step (compared through :func:`mhc_cg.training.session.grad_digest`) and the evaluation
-losses must agree bit for bit, and every loss must be finite (:func:`mismatches`).
+Modes: every registered mode that trains the configured model (:mod:`mhc_cg.runtime.modes.registry`),
+against the reference, ``eager_none``. Same weights, same data, same dropout seeds; the losses,
+every gradient of every step (compared through :func:`mhc_cg.training.session.grad_digest`) and the
+evaluation losses must agree bit for bit, and every loss must be finite (:func:`mismatches`).
 """
 
 from __future__ import annotations
@@ -12,14 +11,19 @@ from __future__ import annotations
 import math
 
 from mhc_cg.config import RunConfig
-from mhc_cg.runtime.modes.plan import MODES
+from mhc_cg.runtime.modes.registry import MODES, REFERENCE
 from mhc_cg.training.session import TrainResult, train
 
 
+def compared_modes() -> tuple[str, ...]:
+    """The modes ``--compare`` runs: every registered mode that trains the configured model."""
+    return tuple(mode.name for mode in MODES.values() if mode.same_model)
+
+
 def run_modes(cfg: RunConfig, *, steps: int | None = None, device: str | None = None,
-              progress: bool = True, modes: tuple[str, ...] = MODES) -> dict[str, TrainResult]:
+              progress: bool = True, modes: tuple[str, ...] | None = None) -> dict[str, TrainResult]:
     return {mode: train(cfg, steps=steps, device=device, progress=progress, mode=mode)
-            for mode in modes}
+            for mode in (modes or compared_modes())}
 
 
 def _all_finite(values: list[float]) -> bool:
@@ -27,9 +31,9 @@ def _all_finite(values: list[float]) -> bool:
 
 
 def mismatches(results: dict[str, TrainResult]) -> list[str]:
-    """Why the modes disagree with ``eager_none`` (or are not finite), one line each; empty when
+    """Why the modes disagree with the reference (or are not finite), one line each; empty when
     every loss is finite and losses, gradients and evaluation losses are bit-identical."""
-    reference = results.get("eager_none")
+    reference = results.get(REFERENCE)
     problems = []
     for mode, r in results.items():
         if not _all_finite(r.losses) or not _all_finite(r.eval_losses):
@@ -39,12 +43,12 @@ def mismatches(results: dict[str, TrainResult]) -> list[str]:
         for name in ("losses", "grad_digests", "eval_losses"):
             if getattr(r, name) != getattr(reference, name):
                 what = "gradients" if name == "grad_digests" else name.replace("_", " ")
-                problems.append(f"{mode}: {what} differ from eager_none's")
+                problems.append(f"{mode}: {what} differ from {REFERENCE}'s")
     return problems
 
 
 def to_json(results: dict[str, TrainResult]) -> dict:
-    reference = results.get("eager_none")
+    reference = results.get(REFERENCE)
     modes = {}
     for mode, r in results.items():
         modes[mode] = {
@@ -72,14 +76,14 @@ def _mib(n: int | None) -> str:
 
 
 def format_table(results: dict[str, TrainResult]) -> str:
-    reference = results.get("eager_none")
+    reference = results.get(REFERENCE)
     header = ("mode", "loss first -> last", "loss == eager_none", "held / microbatch", "arena", "persistent / mb",
               "graphs", "step ms")
     rows = []
     for mode, r in results.items():
         if not _all_finite(r.losses):
             same = "not finite"  # NaN != NaN: a difference would read as 0
-        elif reference is None or mode == "eager_none":
+        elif reference is None or mode == REFERENCE:
             same = "(reference)"
         elif not _all_finite(reference.losses):
             same = "reference not finite"

@@ -9,17 +9,16 @@ status 1 if they do not).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 from mhc_cg.config import RunConfig
 from mhc_cg.training.pipeline.driver import PipelineResult, train_pipeline
+from mhc_cg.training.session import train
 
 
 def single_process_config(cfg: RunConfig) -> RunConfig:
     """``cfg`` with ``pp_size: 1, vpp_size: 1`` (everything else as it is)."""
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(
-        cfg.parallel, pp_size=1, vpp_size=1, microbatch_group_size=None))
+    return cfg.replace(parallel={"pp_size": 1, "vpp_size": 1, "microbatch_group_size": None})
 
 
 def _kib(nbytes: int) -> str:
@@ -68,8 +67,6 @@ def run(cfg: RunConfig, args: argparse.Namespace) -> int:
                             mode=args.mode)
     reference = None
     if args.compare:
-        from mhc_cg.training.session import train
-
         reference = train(single_process_config(cfg), steps=args.steps, device=args.device,
                           progress=progress, mode=result.mode)
     equal = reference is None or (result.losses == reference.losses

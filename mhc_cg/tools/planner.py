@@ -31,10 +31,13 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from mhc_cg.config.schema import paper_block_size
 from mhc_cg.core.dtypes import DTYPE_BYTES
 from mhc_cg.core.errors import ConfigError, is_positive_int
 from mhc_cg.tools.memory import analytical
-from mhc_cg.core.schedule import Step, decode_order, pass_windows, pipeline_order
+from mhc_cg.core.schedule import (Step, assign_persistent_slot_sets, decode_order,
+                                  max_persistent_slot_sets, pass_windows, peak_in_flight,
+                                  pipeline_order)
 
 SEED_BYTES = 8  # one int64 dropout seed per persistent slot set
 
@@ -79,7 +82,7 @@ class ModelShape:
 
     def block_size(self, layers_per_chunk: int) -> int:
         """Layers per recompute block; a block never crosses a chunk (a pipeline stage)."""
-        wanted = self.recompute_layers or analytical.paper_block_size(self.num_streams,
+        wanted = self.recompute_layers or paper_block_size(self.num_streams,
                                                                         layers_per_chunk)
         return min(wanted, layers_per_chunk)
 
@@ -201,44 +204,6 @@ def count_static_input_buffers(order: list[int], num_layers_per_chunk: int | Seq
     """
     uses = static_input_uses(order, num_layers_per_chunk, reuse)
     return len({use.buffer for use in uses})
-
-
-def peak_in_flight(order: list[int]) -> int:
-    """The most (chunk, microbatch) passes whose forward has run and whose backward has not."""
-    pass_windows(decode_order(order))  # the count means nothing for an order out of sequence
-    live = peak = 0
-    for code in order:
-        live += 1 if code > 0 else -1
-        peak = max(peak, live)
-    return peak
-
-
-def max_persistent_slot_sets(order: list[int]) -> int:
-    """Persistent slot sets the rank needs: one per (chunk, microbatch) in flight at the peak."""
-    return peak_in_flight(order)
-
-
-def assign_persistent_slot_sets(order: list[int]) -> list[int]:
-    """The slot-set index each forward of ``order`` uses, in the order's forward sequence.
-
-    A pool of ``max_persistent_slot_sets(order)`` sets, all free at the start in index order; a
-    forward takes the front of the free list, the backward of the same (chunk, microbatch) puts
-    its set at the back. This is ``PersistentSetPool``'s policy, so graphs captured on these
-    indices find the same sets at run time.
-    """
-    steps = decode_order(order)
-    pass_windows(steps)  # rejects orders with a backward before its forward
-    free = deque(range(max_persistent_slot_sets(order)))
-    held: dict[tuple[int, int], int] = {}
-    assigned = []
-    for step in steps:
-        key = (step.chunk, step.microbatch)
-        if step.forward:
-            held[key] = free.popleft()
-            assigned.append(held[key])
-        else:
-            free.append(held.pop(key))
-    return assigned
 
 
 def persistent_slot_set_uses(order: list[int]) -> list[BufferUse]:

@@ -10,8 +10,8 @@ available"`` with the reason instead of failing:
   its pool id (``torch.cuda.memory_snapshot``); on the ``tape`` backend it is the unique storages
   the pool's graphs allocated while capturing (the tape never reuses memory inside a pool, so
   that is an upper bound, not a CUDA pool's size). Beside each measurement goes the cost model's
-  prediction (:data:`COST_ENTRY`, run on ``meta``) when it is importable.
-* ``kernels``: each fused Triton kernel of :data:`KERNEL_MODULE` against its torch path on the
+  prediction (:func:`mhc_cg.tools.cost.report.cost_mode`, run on ``meta``).
+* ``kernels``: each fused Triton kernel of :mod:`mhc_cg.ops.kernels` against its torch path on the
   bench's shapes: time, the bandwidth bound of the bytes it must move, exactness (CUDA only).
 * ``dropout``: counter-dropout masks drawn on the device against the same masks drawn on the CPU;
   a graph replayed on the GPU and a recompute check elsewhere must agree bit for bit.
@@ -20,9 +20,7 @@ available"`` with the reason instead of failing:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
-import importlib
 import json
 import sys
 import time
@@ -33,35 +31,23 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from mhc_cg.tools.bench import copy_bandwidth, device_name, synchronize, time_repeated
 from mhc_cg.config import RunConfig, load_config
-from mhc_cg.ops.dropout import counter_dropout_mask
+from mhc_cg.core.dtypes import TORCH_DTYPES
 from mhc_cg.core.errors import ConfigError
+from mhc_cg.ops import kernels
+from mhc_cg.ops.dropout import counter_dropout_mask
+from mhc_cg.runtime.modes.registry import MODES, build, capture_plan, mode_config
+from mhc_cg.tools.bench import copy_bandwidth, device_name, synchronize, time_repeated
+from mhc_cg.tools.cost.report import cost_mode
+from mhc_cg.training.device import resolve_device
 
 PARTS = ("pools", "kernels", "dropout")
-POOL_MODES = ("graphed_none", "graphed_static", "attn_split")
-# the cost model: cost_mode(cfg, train_mode, device) -> {"pool_reserved_bytes", "pools", ...}
-COST_ENTRY = ("mhc_cg.tools.cost.report", "cost_mode")
-# the fused kernels: each f(..., kernels="triton" | "torch"); the torch path is the reference
-KERNEL_MODULE = "mhc_cg.ops.kernels"
-FUSED_KERNELS = ("aggregate", "h_res_apply", "post_bda", "rms_norm")
+# the graphed modes of the configured model
+POOL_MODES = tuple(m.name for m in MODES.values() if m.graphed and m.same_model)
 
 
 def not_available(reason: str) -> dict:
     return {"status": "not available", "reason": reason}
-
-
-def optional_entry(entry: tuple[str, str]) -> tuple[Callable | None, str]:
-    """``(function, "")`` if ``module.function`` imports, else ``(None, why not)``."""
-    module_name, attr = entry
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        return None, f"{module_name} is not importable ({exc})"
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        return None, f"{module_name} has no function {attr}()"
-    return fn, ""
 
 
 # --------------------------------------------------------------------------------------------
@@ -113,32 +99,26 @@ def measure_pools(graphs: Sequence[Any], backend: str) -> list[dict]:
 
 
 def probe_pools(cfg: RunConfig, device: torch.device, modes: Sequence[str] = POOL_MODES) -> dict:
-    from mhc_cg.tools.bench import mode_config
-    from mhc_cg.runtime.modes.registry import build_for_plan
-    from mhc_cg.runtime.modes.plan import capture_plan
-
-    predict, why = optional_entry(COST_ENTRY)
-    result: dict[str, Any] = {"status": "ok", "cost_model": why or "available", "modes": {}}
+    result: dict[str, Any] = {"status": "ok", "cost_model": "available", "modes": {}}
     for mode in modes:
-        mode_cfg, train_mode = mode_config(cfg, mode)
-        plan = capture_plan(mode_cfg, train_mode, str(device))
+        mode_cfg = mode_config(cfg, mode)
+        plan = capture_plan(mode_cfg, mode, str(device))
         if plan.backend not in ("tape", "cuda"):
             result["modes"][mode] = not_available(f"backend {plan.backend}: its pools are TE's")
             continue
-        _, _, graphed = build_for_plan(mode_cfg, plan, device)
+        graphed = build(mode_cfg, plan, device)
         synchronize(device)
         rows = measure_pools(graphed.graphs(), plan.backend)
         entry: dict[str, Any] = {"backend": plan.backend, "pools": rows,
                                  "total_bytes": sum(r["bytes"] for r in rows)}
-        if predict is not None:
-            try:
-                cost = predict(mode_cfg, train_mode, "meta")
-            except Exception as exc:  # noqa: BLE001 - the measurement stands without it
-                entry["prediction_error"] = f"{type(exc).__name__}: {exc}"
-            else:
-                total = cost["pool_reserved_bytes"]
-                entry.update(predicted_pools=cost["pools"], predicted_total_bytes=total,
-                             measured_over_predicted=entry["total_bytes"] / total if total else None)
+        try:
+            cost = cost_mode(mode_cfg.replace(graph={"backend": "auto"}), mode, "meta")
+        except Exception as exc:  # noqa: BLE001 - the measurement stands without it
+            entry["prediction_error"] = f"{type(exc).__name__}: {exc}"
+        else:
+            total = cost["pool_reserved_bytes"]
+            entry.update(predicted_pools=cost["pools"], predicted_total_bytes=total,
+                         measured_over_predicted=entry["total_bytes"] / total if total else None)
         result["modes"][mode] = entry
         del graphed
         gc.collect()
@@ -184,12 +164,12 @@ def compare_kernel(case: KernelCase, device: torch.device, bandwidth: float, rep
             "speedup": reference_s / fused_s, "bytes": case.nbytes}
 
 
-def fused_kernel_cases(kernels: Any, cfg: RunConfig, device: torch.device) -> list[KernelCase]:
+def fused_kernel_cases(cfg: RunConfig, device: torch.device) -> list[KernelCase]:
     """The forward of each fused op on one micro-batch of the bench's shapes, Triton against
     torch; ``nbytes`` = every input read once + the output written once."""
     m = cfg.model
     s, b, n, c = m.seq_length, cfg.train.micro_batch_size, m.num_streams, m.hidden_size
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.dtype]
+    dtype = TORCH_DTYPES[cfg.train.dtype]
     g = torch.Generator(device=device).manual_seed(0)
 
     def rand(*shape: int) -> torch.Tensor:
@@ -220,18 +200,11 @@ def fused_kernel_cases(kernels: Any, cfg: RunConfig, device: torch.device) -> li
 
 
 def probe_kernels(cfg: RunConfig, device: torch.device, bandwidth: float, repeats: int = 20) -> dict:
-    try:
-        kernels = importlib.import_module(KERNEL_MODULE)
-    except ImportError as exc:
-        return not_available(f"{KERNEL_MODULE} is not importable ({exc})")
-    missing = [name for name in FUSED_KERNELS if not callable(getattr(kernels, name, None))]
-    if missing:
-        return not_available(f"{KERNEL_MODULE} has no {', '.join(missing)}")
     if device.type != "cuda":
         return not_available("no CUDA device: the fused kernels are Triton kernels")
     return {"status": "ok", "copy_bandwidth_bytes_per_s": bandwidth,
             "kernels": [compare_kernel(case, device, bandwidth, repeats)
-                        for case in fused_kernel_cases(kernels, cfg, device)]}
+                        for case in fused_kernel_cases(cfg, device)]}
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,7 +283,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=("tape", "cuda", "auto"), default=None)
     parser.add_argument("--parts", default=",".join(PARTS), help=f"subset of {','.join(PARTS)}")
     args = parser.parse_args(argv)
-    from mhc_cg.training.session import resolve_device
 
     try:
         parts = [p.strip() for p in args.parts.split(",") if p.strip()]
@@ -320,9 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                               f"{', '.join(PARTS)}")
         cfg = load_config(args.config)
         device = resolve_device(args.device or cfg.train.device)
-        cfg = dataclasses.replace(
-            cfg, graph=dataclasses.replace(cfg.graph, backend=args.backend or cfg.graph.backend),
-            train=dataclasses.replace(cfg.train, device=device.type))
+        cfg = cfg.replace(graph={"backend": args.backend or cfg.graph.backend},
+                          train={"device": device.type})
     except ConfigError as exc:
         for line in exc.problems:
             print(f"mhc_cg.tools.probe: error: {line}", file=sys.stderr)

@@ -10,13 +10,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mhc_cg.config.choices import MIN_VOCAB_SIZE
+
 STRIDES = (1, 2, 3, 5)
 
 
 class ProgressionCorpus:
     def __init__(self, vocab_size: int, seq_length: int, seed: int = 0):
-        if vocab_size < 8:
-            raise ValueError(f"ProgressionCorpus: vocab_size must be >= 8, got {vocab_size}")
+        if vocab_size < MIN_VOCAB_SIZE:
+            raise ValueError(f"ProgressionCorpus: vocab_size must be >= {MIN_VOCAB_SIZE}, got "
+                             f"{vocab_size}")
         self.vocab_size = vocab_size
         self.seq_length = seq_length
         self.generator = torch.Generator().manual_seed(seed)

@@ -11,8 +11,6 @@ with and without evaluation), under ``eval()`` and ``no_grad``: a forward-only p
 from __future__ import annotations
 
 import hashlib
-import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -21,19 +19,23 @@ import torch
 import torch.nn.functional as F
 
 from mhc_cg.config import RunConfig
-from mhc_cg.training.data import ProgressionCorpus
 from mhc_cg.core.dtypes import TORCH_DTYPES
 from mhc_cg.core.errors import ConfigError
-from mhc_cg.training.mixed_precision import MixedPrecisionOptimizer
-from mhc_cg.model import MHCGPT
-from mhc_cg.runtime.modes.registry import build_for_plan
-from mhc_cg.runtime.modes.plan import CapturePlan, capture_plan
 from mhc_cg.core.nvtx import nvtx_range, profiler_recording
+from mhc_cg.core.progress import ProgressBar
+from mhc_cg.model import MHCGPT
+from mhc_cg.runtime.modes.lifecycle import ModeModel
+from mhc_cg.runtime.modes.plan import CapturePlan
+from mhc_cg.runtime.modes.registry import (REFERENCE, build, capture_plan, configured_mode,
+                                           mode_config)
+from mhc_cg.training.data import ProgressionCorpus
+from mhc_cg.training.device import check_fits, resolve_device
+from mhc_cg.training.mixed_precision import MixedPrecisionOptimizer
 
 
 @dataclass
 class TrainResult:
-    mode: str = "eager_none"
+    mode: str = REFERENCE
     info: dict = field(default_factory=dict)  # the graphed runtime's sizes (arena, sets, graphs)
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
@@ -73,62 +75,26 @@ def held_bytes(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[to
     return out, int(sum(e.self_cpu_memory_usage for e in prof.function_events))
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device: 'cuda' was asked for but this torch build sees no CUDA GPU; "
-                          "use 'cpu' or 'auto'")
-    if name not in ("cpu", "cuda"):
-        raise ConfigError(f"train.device: must be one of ['cpu', 'cuda', 'auto'], got {name!r}")
-    return torch.device(name)
+class Microbatches:
+    """Training data and dropout seeds, drawn per microbatch in one fixed sequence: every mode,
+    and every rank of a pipeline, sees the same batches and the same masks."""
 
+    def __init__(self, cfg: RunConfig):
+        self.micro_batch_size = cfg.train.micro_batch_size
+        self.corpus = ProgressionCorpus(cfg.model.vocab_size, cfg.model.seq_length,
+                                        seed=cfg.train.seed)
+        self.seeds = torch.Generator().manual_seed(cfg.train.seed + 1)
 
-def device_memory_bytes(device: torch.device) -> int | None:
-    """What ``device`` holds in all: the GPU's memory, or the machine's RAM for the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def check_fits(cfg: RunConfig, device: torch.device) -> None:
-    """Refuse, before anything is allocated, a run whose rough size
-    (:func:`mhc_cg.config.rules.estimated_train_bytes`) exceeds what ``device`` holds."""
-    from mhc_cg.config.rules import estimated_train_bytes
-
-    limit, need = device_memory_bytes(device), estimated_train_bytes(cfg)
-    if limit is not None and need > limit:
-        raise ConfigError(f"model: training this model needs about {need / 2 ** 30:.3g} GiB "
-                          f"(parameters, optimizer state, one microbatch's activations), more than "
-                          f"the {limit / 2 ** 30:.3g} GiB of {device.type} memory (the limit); "
-                          f"reduce model.hidden_size, num_layers, seq_length or "
-                          f"train.micro_batch_size")
-
-
-class ProgressBar:
-    """A one-line progress bar on stderr (silent when ``enabled`` is false)."""
-
-    def __init__(self, total: int, label: str, enabled: bool = True, width: int = 30):
-        self.total, self.label, self.enabled, self.width = total, label, enabled, width
-
-    def update(self, done: int, note: str = "") -> None:
-        if not self.enabled:
-            return
-        filled = self.width * done // max(self.total, 1)
-        line = f"{self.label} [{'#' * filled}{'-' * (self.width - filled)}] {done}/{self.total} {note}"
-        if sys.stderr.isatty():
-            sys.stderr.write(f"\r{line}" + ("\n" if done >= self.total else ""))
-        elif done == 1 or done >= self.total or done % max(self.total // 10, 1) == 0:
-            sys.stderr.write(line + "\n")  # logs get a line every 10%, not a carriage-return smear
-        sys.stderr.flush()
+    def next(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(inputs, targets, dropout seed)`` of the next microbatch, on ``device``."""
+        inputs, targets = (t.to(device) for t in self.corpus.batch(self.micro_batch_size))
+        seed = torch.randint(0, 2 ** 31 - 1, (), generator=self.seeds).to(device)
+        return inputs, targets, seed
 
 
 @dataclass
 class TrainSession:
-    """What one mode trains with: model, forward, optimizer, data and dropout seeds.
+    """What one mode trains with: the mode's model (:class:`ModeModel`), optimizer and data.
 
     Dropout seeds come from their own generator, one per microbatch, so every mode sees the
     same masks; the weights depend only on ``cfg.train.seed``.
@@ -137,31 +103,32 @@ class TrainSession:
     cfg: RunConfig
     plan: CapturePlan
     device: torch.device
-    model: MHCGPT
-    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    graphed: object | None
+    runner: ModeModel
     optimizer: MixedPrecisionOptimizer
-    corpus: ProgressionCorpus
-    seeds: torch.Generator
+    data: Microbatches
     last_skipped: bool = False  # the last step's gradients overflowed and it was skipped
     last_grad_digest: str | None = None  # set by step(digest=True)
     _eval_data: list | None = None
 
     @classmethod
-    def build(cls, cfg: RunConfig, plan: CapturePlan, device: torch.device) -> "TrainSession":
-        model, forward, graphed = build_for_plan(cfg, plan, device)
-        optimizer = MixedPrecisionOptimizer(model.parameters(), lr=cfg.train.lr,
+    def build(cls, cfg: RunConfig, plan: CapturePlan, device: torch.device,
+              backend=None) -> "TrainSession":
+        runner = build(cfg, plan, device, backend)
+        optimizer = MixedPrecisionOptimizer(runner.model.parameters(), lr=cfg.train.lr,
                                             weight_decay=cfg.train.weight_decay,
                                             model_dtype=TORCH_DTYPES[cfg.train.dtype])
-        corpus = ProgressionCorpus(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.train.seed)
-        return cls(cfg, plan, device, model, forward, graphed, optimizer, corpus,
-                   torch.Generator().manual_seed(cfg.train.seed + 1))
+        return cls(cfg, plan, device, runner, optimizer, Microbatches(cfg))
+
+    @property
+    def model(self) -> MHCGPT:
+        return self.runner.model
+
+    def forward(self, input_ids: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+        return self.runner(input_ids, seed)
 
     def release_pending(self) -> int:
-        """Release what forwards without a backward still hold (see ``release_pending`` of the
-        graphed models); the eager modes hold nothing that outlives the autograd graph."""
-        release = getattr(self.graphed, "release_pending", None)
-        return release() if release is not None else 0
+        """Release what forwards without a backward still hold (:meth:`ModeModel.release_pending`)."""
+        return self.runner.release_pending()
 
     def evaluate(self) -> float:
         """Mean loss over ``train.eval_batches`` held-out batches: ``eval()``, ``no_grad``, no
@@ -198,8 +165,7 @@ class TrainSession:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, held = 0.0, None
         for index in range(train.num_microbatches):
-            inputs, targets = (t.to(dev) for t in self.corpus.batch(train.micro_batch_size))
-            seed = torch.randint(0, 2 ** 31 - 1, (), generator=self.seeds).to(dev)
+            inputs, targets, seed = self.data.next(dev)
 
             def forward_loss() -> torch.Tensor:
                 logits = self.forward(inputs, seed)
@@ -243,26 +209,23 @@ def train(cfg: RunConfig, *, steps: int | None = None, device: str | None = None
     """Train ``cfg.model`` on the synthetic corpus in ``mode`` (default: what the config asks).
 
     ``after_backward(step, model)`` runs once per step before the optimizer (tests read the
-    gradients there). With ``parallel.pp_size > 1`` the run is
+    gradients there). One process: a config with ``parallel.pp_size > 1`` runs on
     :func:`mhc_cg.training.pipeline.driver.train_pipeline` (one process per pipeline rank).
     """
     if cfg.parallel.pp_size > 1:
-        from mhc_cg.training.pipeline.driver import train_pipeline
-
-        if after_backward is not None:
-            raise ValueError("train: after_backward sees one process's model; a pipeline spreads "
-                             "it over processes: use train_pipeline(..., collect_grads=True)")
-        return train_pipeline(cfg, steps=steps, device=device, progress=progress, mode=mode)
+        raise ConfigError(f"parallel.pp_size: train() runs one process; a pipeline of "
+                          f"{cfg.parallel.pp_size} ranks runs on train_pipeline() (mhc-cg train "
+                          f"starts it)")
+    mode = mode or configured_mode(cfg)
+    cfg = mode_config(cfg, mode)
     dev = resolve_device(device or cfg.train.device)
     steps = cfg.train.steps if steps is None else steps
     if steps < 1:
         raise ConfigError(f"--steps: must be a positive integer, got {steps}")
     check_fits(cfg, dev)
     plan = capture_plan(cfg, mode, str(dev))
-    mode = plan.mode
     session = TrainSession.build(cfg, plan, dev)
-    graphed = session.graphed
-    result = TrainResult(mode=mode, info=graphed.describe() if graphed is not None else {})
+    result = TrainResult(mode=mode, info=session.runner.describe())
     bar = ProgressBar(steps, f"train[{mode}]", progress)
     for step in range(steps):
         start = time.perf_counter()

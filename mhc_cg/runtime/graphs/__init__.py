@@ -7,12 +7,12 @@ TransformerEngine-compatible ``make_graphed_callables`` on top of it.
 """
 
 from mhc_cg.core.errors import GraphCaptureError, GraphReplayError
-from mhc_cg.runtime.graphs.capture import (BACKEND_NAMES, Graph, GraphBackend, PoolOrder, get_backend,
-                                   resolve_backend_name)
+from mhc_cg.runtime.graphs.backends import get_backend, resolve_backend_name
+from mhc_cg.runtime.graphs.capture import Graph, GraphBackend, PoolOrder
 from mhc_cg.runtime.graphs.guard import CaptureSafetyReport
 from mhc_cg.runtime.graphs.graphed_callables import (GraphedCallables, OrderLayout, count_allocated_static_inputs,
                                 make_graphed_callables)
 
-__all__ = ["BACKEND_NAMES", "GraphedCallables", "OrderLayout", "count_allocated_static_inputs",
+__all__ = ["GraphedCallables", "OrderLayout", "count_allocated_static_inputs",
            "make_graphed_callables", "CaptureSafetyReport", "Graph", "GraphBackend", "GraphCaptureError",
            "GraphReplayError", "PoolOrder", "get_backend", "resolve_backend_name"]

@@ -45,7 +45,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from mhc_cg.runtime.graphs.capture import Graph, GraphBackend, get_backend, resolve_backend_name
+from mhc_cg.runtime.graphs.backends import get_backend, resolve_backend_name
+from mhc_cg.runtime.graphs.capture import Graph, GraphBackend
 from mhc_cg.core.storage import storage_id
 from mhc_cg.core.schedule import decode_order, pass_windows
 

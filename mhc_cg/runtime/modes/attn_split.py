@@ -26,7 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from mhc_cg.model import MHCGPT
-from mhc_cg.runtime.modes.lifecycle import (CapturedState, GraphedModel, rewind_replay_order,
+from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
+from mhc_cg.runtime.modes.lifecycle import (CapturedState, ModeModel, rewind_replay_order,
                                     runs_graphs)
 from mhc_cg.runtime.modes.plan import CapturePlan
 from mhc_cg.core.nvtx import nvtx_range
@@ -118,32 +119,28 @@ def split_attention_sublayer(steps, consumer: Callable[[Tensor], Tensor], slot: 
     return out, f"{name}/post_bda"
 
 
-class AttnSplitModel(GraphedModel):
+class AttnSplitModel(ModeModel):
     """``model`` trained in the ``attn_split`` mode; ``prepare(device)`` captures the graphs."""
 
+    graphed = True
+
     def __init__(self, model: MHCGPT, plan: CapturePlan, *, micro_batch_size: int, backend=None):
-        if plan.mode != "attn_split":
-            raise ValueError(f"AttnSplitModel runs the attn_split mode, got a plan for {plan.mode!r}")
-        self.model, self.plan, self.micro_batch_size = model, plan, micro_batch_size
-        self.backend = backend if backend is not None else plan.backend  # an object or a name
+        super().__init__(model, plan, micro_batch_size=micro_batch_size, backend=backend)
         self.block_size = model.cfg.resolved_recompute_layers
         self.consumers: list[Callable[[Tensor], Tensor]] = []
         self.slots: list[Tensor] = []  # each consumer graph's static input, [s, b, C]
-        self.graphed_callables: tuple = ()
         self.recompute_managers: list[BlockRecomputeManager] = []
-        self.captured: CapturedState | None = None
 
     def prepare(self, device: torch.device | str) -> "AttnSplitModel":
-        from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
-
         cfg = self.model.cfg
         dtype = self.model.embedding.weight.dtype
         modules = tuple(AttentionConsumer(layer.attention) for layer in self.model.layers)
         samples = tuple((torch.zeros(cfg.seq_length, self.micro_batch_size, cfg.hidden_size,
                                      device=device, dtype=dtype, requires_grad=True),)
                         for _ in modules)
-        graphed = make_graphed_callables(modules, samples, backend=self.backend)
+        graphed = make_graphed_callables(modules, samples, backend=self.capture_backend())
         self.graphed_callables = graphed
+        self.graph_labels = [f"L{layer.layer_number}.attn.core" for layer in self.model.layers]
         self.consumers = list(graphed)
         self.slots = [sample[0] for sample in samples]
         self.captured = CapturedState.of(self.model)
@@ -176,8 +173,6 @@ class AttnSplitModel(GraphedModel):
                 manager.discard_all_outputs_and_register_unified_recompute(x)
         return self.model.logits(x)
 
-    __call__ = forward
-
     def release_pending(self) -> int:
         """Forget a training forward whose backward never came (an aborted step): its block
         managers let go of their checkpoints and the next forward replays from the first graph."""
@@ -186,10 +181,6 @@ class AttnSplitModel(GraphedModel):
                 manager.abandon()
         return rewind_replay_order(self.graphed_callables)
 
-    def graphs(self) -> list:
-        return list(self.graphed_callables.graphs()) if self.graphed_callables else []
-
     def describe(self) -> dict:
-        return {"scopes": list(self.plan.scopes), "block_size": self.block_size,
-                "graphs": len(self.graphs()), "recompute_graphs": 0,
+        return {**super().describe(), "block_size": self.block_size, "recompute_graphs": 0,
                 "static_input_bytes": sum(s.numel() * s.element_size() for s in self.slots)}

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from mhc_cg.model import MHCGPT, MoEMLP
-from mhc_cg.runtime.modes.lifecycle import (CapturedState, GraphedModel, rewind_replay_order,
-                                    runs_graphs)
+from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
+from mhc_cg.runtime.modes.lifecycle import CapturedState, ModeModel, runs_graphs
 from mhc_cg.runtime.modes.plan import CapturePlan
 
 
@@ -35,29 +35,28 @@ def sublayer_sample_args(model: MHCGPT, micro_batch_size: int, count: int,
                  for _ in range(count))
 
 
-class GraphedSublayersModel(GraphedModel):
+class GraphedSublayersModel(ModeModel):
     """``model`` whose sublayers replay as graphs; ``prepare(device)`` captures them."""
 
+    graphed = True
+
     def __init__(self, model: MHCGPT, plan: CapturePlan, *, micro_batch_size: int, backend=None):
-        if plan.mode != "graphed_none":
-            raise ValueError(f"GraphedSublayersModel runs the graphed_none mode, got a plan for "
-                             f"{plan.mode!r}")
-        self.model, self.plan, self.micro_batch_size = model, plan, micro_batch_size
-        self.backend = backend if backend is not None else plan.backend  # an object or a name
+        super().__init__(model, plan, micro_batch_size=micro_batch_size, backend=backend)
         self.sublayer_fns: list[Callable] = []
-        self.graphed_callables: tuple = ()
-        self.captured: CapturedState | None = None
 
     def prepare(self, device: torch.device | str) -> "GraphedSublayersModel":
-        from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
-
         subs = [sub for layer in self.model.layers for sub in (layer.attention, layer.mlp)]
-        captured = [sub for layer in self.model.layers
-                    for sub, on in ((layer.attention, self.plan.attn), (layer.mlp, self.plan.mlp))
-                    if on and not isinstance(sub.fn, MoEMLP)]
+        captured, labels = [], []
+        for layer in self.model.layers:
+            for name, sub, on in (("attn", layer.attention, self.plan.attn),
+                                  ("mlp", layer.mlp, self.plan.mlp)):
+                if on and not isinstance(sub.fn, MoEMLP):
+                    captured.append(sub)
+                    labels.append(f"L{layer.layer_number}.{name}")
         sample_args = sublayer_sample_args(self.model, self.micro_batch_size, len(captured), device)
         self.graphed_callables = make_graphed_callables(tuple(captured), sample_args,
-                                                        backend=self.backend)
+                                                        backend=self.capture_backend())
+        self.graph_labels = labels
         graphed = dict(zip(map(id, captured), self.graphed_callables))
         self.sublayer_fns = [graphed.get(id(sub), sub) for sub in subs]  # MoE: the eager module
         self.captured = CapturedState.of(self.model)
@@ -76,15 +75,5 @@ class GraphedSublayersModel(GraphedModel):
             x = fn(x, dropout_seed)
         return self.model.logits(x)
 
-    __call__ = forward
-
-    def release_pending(self) -> int:
-        """Forget training forwards whose backward never came (an aborted step): the next forward
-        replays from the first captured graph again. Called by every training step first."""
-        return rewind_replay_order(self.graphed_callables)
-
-    def graphs(self) -> list:
-        return list(self.graphed_callables.graphs()) if self.graphed_callables else []
-
     def describe(self) -> dict:
-        return {"scopes": list(self.plan.scopes), "graphs": len(self.graphs()), "recompute_graphs": 0}
+        return {**super().describe(), "recompute_graphs": 0}

@@ -26,12 +26,14 @@ from torch import Tensor, nn
 
 from mhc_cg.model.moe import MoECudaGraphPartialCaptureSignal, MoECudaGraphTensorStore
 from mhc_cg.model import MHCGPT, MoEMLP
-from mhc_cg.runtime.modes.lifecycle import (CapturedState, GraphedModel, rewind_replay_order,
-                                    runs_graphs)
+from mhc_cg.config.choices import RECOMPUTE_SCOPE
+from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
+from mhc_cg.runtime.modes.graphed_none import sublayer_sample_args
+from mhc_cg.runtime.modes.lifecycle import CapturedState, ModeModel, runs_graphs
 from mhc_cg.runtime.modes.plan import CapturePlan
 from mhc_cg.core.nvtx import nvtx_range
 from mhc_cg.core.errors import StaticRecomputeError
-from mhc_cg.runtime.recompute.static import StaticRecompute, build_static_recompute
+from mhc_cg.runtime.recompute.static import SUBLAYER_NAMES, StaticRecompute, build_static_recompute
 
 class _Target:
     """A static buffer handed to an autograd Function as a non-tensor argument."""
@@ -131,7 +133,32 @@ def moe_eager_tail(runtime: StaticRecompute, sub: nn.Module, position: int, k: i
     return runtime.sublayer_post(sub, position, k, y, h_post, mixed, seed), y
 
 
-class GraphedStaticModel(GraphedModel):
+def slot_sublayers(plan: CapturePlan, runtime: StaticRecompute, layers, block_size: int
+                   ) -> tuple[list[nn.Module], list[tuple[int, int]]]:
+    """The modules a plan captures over ``layers`` on ``runtime``, and their ``(layer number,
+    sublayer)`` keys: whole sublayers (``attn``, ``mlp``) or a MoE sublayer's head."""
+    modules, keys = [], []
+    for index, layer in enumerate(layers):
+        position = index % block_size
+        if plan.attn:
+            modules.append(SlotSublayer(runtime, layer.attention, position, 0))
+            keys.append((layer.layer_number, 0))
+        if plan.moe_step is not None:
+            modules.append(PartialMoESublayer(runtime, layer.mlp, position, 1, plan.moe_step))
+            keys.append((layer.layer_number, 1))
+        elif plan.mlp:
+            modules.append(SlotSublayer(runtime, layer.mlp, position, 1))
+            keys.append((layer.layer_number, 1))
+    return modules, keys
+
+
+def sublayer_label(key: tuple[int, int], module: nn.Module) -> str:
+    """``L3.attn``, ``L3.mlp``, or ``L3.mlp.head`` for a MoE sublayer's captured head."""
+    layer, k = key
+    return f"L{layer}.{SUBLAYER_NAMES[k]}" + (".head" if isinstance(module, PartialMoESublayer) else "")
+
+
+class GraphedStaticModel(ModeModel):
     """``model`` with static-buffer recompute; what ``plan`` names runs as graphs.
 
     ``prepare()`` does everything that allocates: arena layout, persistent sets, capture. After
@@ -139,34 +166,25 @@ class GraphedStaticModel(GraphedModel):
     microbatches may be in flight between a forward and its backward (1 without pipelining).
     """
 
+    graphed = True
+
     def __init__(self, model: MHCGPT, plan: CapturePlan, *, micro_batch_size: int,
                  capacity: int = 1, block_size: int | None = None, backend=None):
-        if plan.mode != "graphed_static":
-            raise StaticRecomputeError(f"GraphedStaticModel runs the graphed_static mode, got a "
-                                       f"plan for {plan.mode!r}")
         if capacity > 1 and plan.graphed_sublayers:
             # one graph per sublayer serves every microbatch: a second forward replay before the
             # first one's backward would overwrite the activations that backward reads
             raise StaticRecomputeError(
                 f"capacity={capacity} microbatches in flight with graphed sublayers "
-                f"{[s for s in plan.scopes if s != 'mhc_recompute']}: each sublayer has one graph "
+                f"{[s for s in plan.scopes if s != RECOMPUTE_SCOPE]}: each sublayer has one graph "
                 f"here, valid for one microbatch at a time; for pipelined schedules capture one "
                 f"graph per (chunk, microbatch, layer) with make_graphed_callables(..., "
                 f"order=pipeline_order(...)), or graph only mhc_recompute")
-        self.model, self.plan = model, plan
-        self.micro_batch_size, self.capacity = micro_batch_size, capacity
+        super().__init__(model, plan, micro_batch_size=micro_batch_size, backend=backend)
+        self.capacity = capacity
         self.block_size = block_size or model.cfg.resolved_recompute_layers
-        self.runtime: StaticRecompute | None = None
         self.sublayer_fns: dict[tuple[int, int], Callable] = {}
-        self.graphed_callables: tuple = ()  # make_graphed_callables' result (has .graphs())
-        self.backend = backend  # a GraphBackend object; None: the plan's backend, made in prepare
-        self.captured: CapturedState | None = None
 
     def prepare(self, device: torch.device | str) -> "GraphedStaticModel":
-        from mhc_cg.runtime.modes.graphed_none import sublayer_sample_args
-        from mhc_cg.runtime.graphs import get_backend
-        from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
-
         cfg = self.model.cfg
         layers = list(self.model.layers)
         dtype = self.model.embedding.weight.dtype  # activations follow the parameters
@@ -174,21 +192,8 @@ class GraphedStaticModel(GraphedModel):
             layers, self.block_size, seq_length=cfg.seq_length,
             micro_batch_size=self.micro_batch_size, capacity=self.capacity, device=device,
             dtype=dtype)
-        if self.backend is None:
-            self.backend = get_backend(self.plan.backend)
-        modules, keys = [], []
-        for index, layer in enumerate(layers):
-            position = index % self.block_size
-            if self.plan.attn:
-                modules.append(SlotSublayer(self.runtime, layer.attention, position, 0))
-                keys.append((layer.layer_number, 0))
-            if self.plan.moe_step is not None:
-                modules.append(PartialMoESublayer(self.runtime, layer.mlp, position, 1,
-                                                  self.plan.moe_step))
-                keys.append((layer.layer_number, 1))
-            elif self.plan.mlp:
-                modules.append(SlotSublayer(self.runtime, layer.mlp, position, 1))
-                keys.append((layer.layer_number, 1))
+        backend = self.capture_backend()
+        modules, keys = slot_sublayers(self.plan, self.runtime, layers, self.block_size)
         recompute_in_sublayer_pool = False
         if modules:
             sample_args = sublayer_sample_args(self.model, self.micro_batch_size, len(modules),
@@ -197,20 +202,20 @@ class GraphedStaticModel(GraphedModel):
             before_backward = {}
             if chained is not None:
                 sample_args = chained
-                if self.plan.recompute_graph and self.backend.name != "te":
-                    self.runtime.warm_up_recompute(self.backend)
+                if self.plan.recompute_graph and backend.name != "te":
+                    self.runtime.warm_up_recompute(backend)
                     before_backward = self._recompute_captures()
                     recompute_in_sublayer_pool = True
             # a partially captured MoE sublayer leaves its experts' parameters to the eager tail
-            graphed = make_graphed_callables(tuple(modules), sample_args,
-                                             backend=self.backend,
+            graphed = make_graphed_callables(tuple(modules), sample_args, backend=backend,
                                              allow_unused_input=self.plan.moe_step is not None,
                                              capture_before_backward=before_backward)
             self.graphed_callables = graphed
+            self.graph_labels = [sublayer_label(key, module) for key, module in zip(keys, modules)]
             for key, module, fn in zip(keys, modules, graphed):
                 self.sublayer_fns[key] = self._wrap(key, module, fn)
         if self.plan.recompute_graph and not recompute_in_sublayer_pool:
-            self.runtime.capture_recompute_graphs(self.backend)
+            self.runtime.capture_recompute_graphs(backend)
         self.captured = CapturedState.of(self.model)
         return self
 
@@ -283,33 +288,3 @@ class GraphedStaticModel(GraphedModel):
         x = self.runtime.forward(x, dropout_seed, self.sublayer_fns)
         return self.model.logits(x)
 
-    __call__ = forward
-
-    def release_pending(self) -> int:
-        """Give back what every training forward whose backward never came still holds (an
-        aborted step: a non-finite loss, a forward run for its value only): its persistent set,
-        and the sublayer graphs' replay position. Returns how many forwards were released; their
-        backward raises from now on. Called by every training step first."""
-        released = self.runtime.release_pending() if self.runtime is not None else 0
-        return max(released, rewind_replay_order(self.graphed_callables))
-
-    def graphs(self) -> list:
-        """Every captured graph: sublayer forward/backward graphs, then recompute graphs."""
-        sublayer = list(self.graphed_callables.graphs()) if self.graphed_callables else []
-        return sublayer + list(self.runtime.recompute_graphs.values())
-
-    @property
-    def num_graphs(self) -> int:
-        return len(self.graphs())
-
-    def describe(self) -> dict:
-        rt = self.runtime
-        return {
-            "scopes": list(self.plan.scopes),
-            "block_size": self.block_size,
-            "arena_bytes": rt.arena.nbytes,
-            "persistent_bytes_per_microbatch": rt.sets.nbytes_per_set,
-            "persistent_sets": rt.sets.capacity,
-            "graphs": self.num_graphs,
-            "recompute_graphs": len(rt.recompute_graphs),
-        }

@@ -1,4 +1,8 @@
-"""What a graphed model must check around its captures: forward-only passes and stale captures.
+"""The model as one training mode runs it (:class:`ModeModel`), and what a capture freezes.
+
+Every tool (train, compare, bench, cost, probe, the pipeline driver) reads a run through
+:class:`ModeModel`: ``prepare``, ``forward``, ``release_pending``, its graphs (named), its static
+runtime and static buffer bytes, ``describe``. Eager modes have no graphs; the interface is the same.
 
 A capture freezes Python-level choices into the graph: the dropout probability and kind, the
 parameters' dtype, device and addresses, the input shapes. :class:`CapturedState` records them
@@ -15,32 +19,121 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from mhc_cg.core.errors import StaleCaptureError
+from mhc_cg.core.storage import storage_id
 from mhc_cg.model import MHCGPT
+from mhc_cg.runtime.graphs import GraphBackend, GraphedCallables, get_backend
+from mhc_cg.runtime.graphs.capture import Graph, Pool
+from mhc_cg.runtime.modes.plan import CapturePlan
+from mhc_cg.runtime.recompute.static import StaticRecompute
 
 
-class GraphedModel:
-    """What every graphed model shares: ``train()``/``eval()`` reach the wrapped model (so an eval
-    forward never replays a training graph), and the rewind of an aborted step's replay position."""
+class ModeModel:
+    """``model`` as the mode of ``plan`` trains it; ``forward(input_ids, seed) -> logits``.
 
-    model: MHCGPT
+    ``prepare(device)`` does everything that allocates or captures. ``backend``: a capture backend
+    object to use instead of the plan's (the cost model's recording backend). Subclasses set
+    ``graphed_callables`` (one per ``graph_labels`` entry) and ``runtime`` when they have them.
+    """
 
-    def train(self, mode: bool = True):
+    graphed = False  # whether the mode replays graphs
+
+    def __init__(self, model: MHCGPT, plan: CapturePlan, *, micro_batch_size: int,
+                 backend: GraphBackend | None = None):
+        self.model, self.plan, self.micro_batch_size = model, plan, micro_batch_size
+        self.backend = backend
+        self.graphed_callables: tuple = ()
+        self.graph_labels: list[str] = []  # what each graphed callable holds, e.g. "L3.attn"
+        self.runtime: StaticRecompute | None = None
+        self.captured: CapturedState | None = None
+
+    # -- running --------------------------------------------------------------------------------
+    def prepare(self, device: torch.device | str) -> "ModeModel":
+        return self
+
+    def forward(self, input_ids: Tensor, dropout_seed: Tensor | None) -> Tensor:
+        raise NotImplementedError
+
+    def __call__(self, input_ids: Tensor, dropout_seed: Tensor | None = None) -> Tensor:
+        return self.forward(input_ids, dropout_seed)
+
+    def train(self, mode: bool = True) -> "ModeModel":
+        """``train()``/``eval()`` reach the wrapped model, so an eval forward never replays a
+        training graph."""
         self.model.train(mode)
         return self
 
-    def eval(self):
+    def eval(self) -> "ModeModel":
         return self.train(False)
+
+    def release_pending(self) -> int:
+        """Give back what training forwards whose backward never came still hold (an aborted step);
+        returns how many were released (0 or more). Every training step calls it first."""
+        released = self.runtime.release_pending() if self.runtime is not None else 0
+        return max(released, rewind_replay_order(self.graphed_callables))
+
+    def capture_backend(self) -> GraphBackend:
+        """The backend captures go through: the one given, else the plan's."""
+        if self.backend is None:
+            self.backend = get_backend(self.plan.backend)
+        return self.backend
+
+    # -- what tools read ------------------------------------------------------------------------
+    def named_graphs(self) -> list[tuple[str, str, Graph]]:
+        """``(name, kind, graph)`` for every captured graph: each graphed callable's forward and
+        backward graph, then the recompute graphs; ``kind`` is ``forward``, ``backward`` or
+        ``recompute``."""
+        found = []
+        for label, runner in zip(self.graph_labels, self._runners()):
+            found += [(f"{label} fwd", "forward", runner.fwd_graph),
+                      (f"{label} bwd", "backward", runner.bwd_graph)]
+        found = [entry for entry in found if entry[2] is not None]
+        if self.runtime is not None:
+            found += [(f"recompute block {block} set {pset}", "recompute", graph)
+                      for (block, pset), graph in self.runtime.recompute_graphs.items()]
+        return found
+
+    def graphs(self) -> list[Graph]:
+        """Every captured graph, in :meth:`named_graphs` order."""
+        return [graph for _, _, graph in self.named_graphs()]
+
+    def static_buffer_bytes(self) -> int | None:
+        """Bytes of the graphed callables' static input and grad-output buffers: allocated outside
+        the pools, once per distinct storage; ``None`` without graphed callables."""
+        runners = self._runners()
+        if not runners:
+            return None
+        storages = {storage_id(t): t.untyped_storage().nbytes()
+                    for r in runners for t in (*r.static_inputs, *r.static_grad_outputs)
+                    if t is not None}
+        return sum(storages.values())
+
+    def _runners(self) -> list:
+        """The graphed callables' static state (none under TransformerEngine, which keeps its own)."""
+        callables = self.graphed_callables
+        return (callables.runners or []) if isinstance(callables, GraphedCallables) else []
+
+    def describe(self) -> dict:
+        """Sizes for reports: scopes, graphs and, with a static runtime, its arena and sets."""
+        info = {"scopes": list(self.plan.scopes), "graphs": len(self.graphs())}
+        if self.runtime is not None:
+            rt = self.runtime
+            info.update(block_size=rt.block_size, arena_bytes=rt.arena.nbytes,
+                        persistent_bytes_per_microbatch=rt.sets.nbytes_per_set,
+                        persistent_sets=rt.sets.capacity,
+                        recompute_graphs=len(rt.recompute_graphs))
+        return info
 
 
 def rewind_replay_order(graphed_callables) -> int:
     """Put the replay position of ``graphed_callables``' pool back at its first graph, after
     training forwards whose backward never came; returns 1 if it had moved, else 0."""
-    order = getattr(getattr(graphed_callables, "pool", None), "order", None)
-    if order is None or order.cursor == 0:
+    pool = graphed_callables.pool if isinstance(graphed_callables, GraphedCallables) else None
+    if not isinstance(pool, Pool) or pool.order.cursor == 0:
         return 0
-    order.rewind()
+    pool.order.rewind()
     return 1
 
 

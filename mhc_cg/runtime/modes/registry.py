@@ -1,60 +1,200 @@
-"""Build the model and the forward that one capture plan trains with."""
+"""Training modes: each one object (:class:`Mode`) in one registry (:data:`MODES`).
+
+A mode says what model settings it implies, what it captures (its :class:`CapturePlan`), which
+:class:`~mhc_cg.runtime.modes.lifecycle.ModeModel` runs it, and what it is comparable with.
+``train``, ``--compare``, ``bench``, ``cost``, ``probe``, the pipeline driver and the CLI's choices
+iterate :data:`MODES`; registering a mode here (:func:`register`) is all it takes to add one.
+
+Built in, in this order:
+
+* ``eager_none``: eager, no recompute of any kind (the reference every other mode must equal);
+* ``eager_block``: eager block recompute (frees the mHC intermediates, re-allocates them);
+* ``graphed_none``: every sublayer a graph, no recompute;
+* ``graphed_static``: static-buffer recompute, the configured scopes graphed (this project);
+* ``attn_split``: Megatron-LM dev's split: each attention's norm + attention a graph fed by the
+  eager aggregate, the rest eager under eager block recompute;
+* ``moe_partial``: static-buffer recompute with MoE partial capture on the MoE version of the
+  model (a dense model gets ``moe_experts`` experts, together as wide as its MLP); it trains
+  another model, so it is not compared with the reference.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch import Tensor
 
-from mhc_cg.config import RunConfig
+from mhc_cg.config import RunConfig, check
+from mhc_cg.config.choices import RECOMPUTE_SCOPE
 from mhc_cg.core.dtypes import TORCH_DTYPES
+from mhc_cg.core.errors import ConfigError
 from mhc_cg.model import MHCGPT
-from mhc_cg.runtime.modes.plan import CapturePlan, capture_plan
+from mhc_cg.runtime.graphs import GraphBackend, resolve_backend_name
+from mhc_cg.runtime.modes.attn_split import AttnSplitModel
+from mhc_cg.runtime.modes.eager import EagerModel
+from mhc_cg.runtime.modes.graphed_none import GraphedSublayersModel
+from mhc_cg.runtime.modes.graphed_static import GraphedStaticModel
+from mhc_cg.runtime.modes.lifecycle import ModeModel
+from mhc_cg.runtime.modes.plan import CapturePlan, static_capture
+from mhc_cg.runtime.recompute.eager import install_activation_recompute
 
 
-def build_for_plan(cfg: RunConfig, plan: CapturePlan, device: torch.device, backend=None
-                   ) -> tuple[MHCGPT, Callable[[Tensor, Tensor], Tensor], object | None]:
-    """``(model, forward, graphed)``; ``forward(input_ids, seed) -> logits``; ``graphed`` is the
-    graphed wrapper (``None`` in the eager modes). ``backend``: a ``GraphBackend`` object to
-    capture with instead of the plan's (the cost model's recording backend).
+@dataclass(frozen=True)
+class Mode:
+    """One training mode.
+
+    ``recompute``: the ``model.recompute`` the model is built with (``block``: the mode runs eager
+    block recompute itself); ``activation_recompute``: whether ``model.recompute_activation``
+    applies. ``capture(cfg)``: the :class:`CapturePlan` fields beyond mode and backend.
+    ``model_type`` runs it. ``same_model``: it trains the configured model, so ``--compare`` holds
+    it to the reference bit for bit. ``pipelines``: the multi-process pipeline driver runs it.
+    ``configure(cfg, **variant)``: the config it trains (a variant of the given one), ``None``:
+    the given one. ``unavailable(cfg, device)``: why it cannot run there, or ``None``.
+    """
+
+    name: str
+    summary: str
+    model_type: type[ModeModel]
+    recompute: str = "none"
+    activation_recompute: bool = True
+    capture: Callable[[RunConfig], dict] = lambda cfg: {}
+    same_model: bool = True
+    pipelines: bool = False
+    configure: Callable[..., RunConfig] | None = None
+    unavailable: Callable[[RunConfig, str], str | None] | None = None
+
+    @property
+    def graphed(self) -> bool:
+        return self.model_type.graphed
+
+
+MODES: dict[str, Mode] = {}
+REFERENCE = "eager_none"
+
+
+def register(mode: Mode) -> Mode:
+    """Add ``mode`` to the registry (after the modes already there); its name must be new."""
+    if mode.name in MODES:
+        raise ValueError(f"mode {mode.name!r} is already registered")
+    MODES[mode.name] = mode
+    return mode
+
+
+def unregister(name: str) -> None:
+    MODES.pop(name)
+
+
+def get_mode(name: str) -> Mode:
+    if name not in MODES:
+        raise ConfigError(f"--mode: must be one of {list(MODES)}, got {name!r}")
+    return MODES[name]
+
+
+def configured_mode(cfg: RunConfig) -> str:
+    """The mode a config asks for: ``graphed_static`` when ``mhc_recompute`` is in scope, else
+    eager block recompute or none as ``model.recompute`` says."""
+    if RECOMPUTE_SCOPE in cfg.graph.scopes:
+        return "graphed_static"
+    return "eager_block" if cfg.model.recompute == "block" else REFERENCE
+
+
+def mode_config(cfg: RunConfig, name: str, **variant) -> RunConfig:
+    """The config mode ``name`` trains for ``cfg`` (``variant``: options of a variant mode, e.g.
+    ``moe_experts``, ``moe_top_k``)."""
+    mode = get_mode(name)
+    return check(mode.configure(cfg, **variant)) if mode.configure is not None else cfg
+
+
+def capture_plan(cfg: RunConfig, mode: str | None = None, device: str | None = None, *,
+                 on_this_machine: bool = True) -> CapturePlan:
+    """The plan for ``cfg`` in ``mode`` (default: :func:`configured_mode`) on ``device``.
+
+    ``cfg`` must have passed :func:`mhc_cg.config.rules.check` (and be the mode's own config,
+    :func:`mode_config`). ``on_this_machine=False`` resolves the backend without asking whether
+    this machine has a GPU (``config check`` of a config meant for another machine).
+    """
+    spec = get_mode(mode or configured_mode(cfg))
+    try:
+        backend = resolve_backend_name(cfg.graph.backend, device or cfg.train.device,
+                                       on_this_machine=on_this_machine)
+    except ValueError as exc:
+        raise ConfigError(f"graph.backend: {exc}") from None
+    return CapturePlan(spec.name, backend=backend, **spec.capture(cfg))
+
+
+def build_model(cfg: RunConfig, mode: Mode, device: torch.device | str) -> MHCGPT:
+    """``cfg``'s model with the settings ``mode`` implies, in ``train.dtype`` on ``device``.
 
     The weights depend only on ``cfg.train.seed``, never on the mode, so modes can be compared.
     """
-    # The "none" modes are the references: no recompute of any kind. Activation recompute frees
-    # a storage, which no graph can hold, so graphed_none could not capture it anyway.
-    no_recompute = plan.mode in ("eager_none", "graphed_none")
+    keeps_activation = mode.activation_recompute
     model_cfg = dataclasses.replace(
-        cfg.model, recompute="block" if plan.mode in ("eager_block", "attn_split") else "none",
-        recompute_activation=cfg.model.recompute_activation and not no_recompute,
-        recompute_activation_layers=None if no_recompute else cfg.model.recompute_activation_layers)
+        cfg.model, recompute=mode.recompute,
+        recompute_activation=cfg.model.recompute_activation and keeps_activation,
+        recompute_activation_layers=cfg.model.recompute_activation_layers if keeps_activation
+        else None)
     torch.manual_seed(cfg.train.seed)
     # weights are made in fp32 (same init for every dtype), then cast
     model = MHCGPT(model_cfg).to(device=device, dtype=TORCH_DTYPES[cfg.train.dtype]).train()
-    if plan.mode == "graphed_none":
-        from mhc_cg.runtime.modes.graphed_none import GraphedSublayersModel
+    install_activation_recompute(model)
+    return model
 
-        graphed = GraphedSublayersModel(model, plan, micro_batch_size=cfg.train.micro_batch_size,
-                                        backend=backend)
-    elif plan.mode == "graphed_static":
-        from mhc_cg.runtime.modes.graphed_static import GraphedStaticModel
 
-        graphed = GraphedStaticModel(model, plan, micro_batch_size=cfg.train.micro_batch_size,
-                                     backend=backend)
-    elif plan.mode == "attn_split":
-        from mhc_cg.runtime.modes.attn_split import AttnSplitModel
-
-        graphed = AttnSplitModel(model, plan, micro_batch_size=cfg.train.micro_batch_size,
-                                 backend=backend)
-    else:
-        return model, model, None
+def build(cfg: RunConfig, plan: CapturePlan, device: torch.device | str,
+          backend: GraphBackend | None = None) -> ModeModel:
+    """The prepared :class:`ModeModel` of ``plan``'s mode: model built, graphs captured.
+    ``backend``: a capture backend object instead of the plan's (the cost model's)."""
+    mode = get_mode(plan.mode)
+    model = build_model(cfg, mode, device)
+    runner = mode.model_type(model, plan, micro_batch_size=cfg.train.micro_batch_size,
+                             backend=backend)
     with torch.enable_grad():  # capture records the backward too, even if built under no_grad
-        graphed.prepare(device)
-    return model, graphed, graphed
+        runner.prepare(device)
+    return runner
 
 
-def build_for_mode(cfg: RunConfig, mode: str, device: torch.device
-                   ) -> tuple[MHCGPT, Callable[[Tensor, Tensor], Tensor], object | None]:
-    """:func:`build_for_plan` with the plan of ``mode`` on ``device``."""
-    return build_for_plan(cfg, capture_plan(cfg, mode, str(device)), device)
+def build_for_mode(cfg: RunConfig, name: str, device: torch.device | str) -> ModeModel:
+    """:func:`build` with the plan of mode ``name`` on ``device``, from ``cfg`` as given."""
+    return build(cfg, capture_plan(cfg, name, str(device)), device)
+
+
+# --------------------------------------------------------------------------------------------
+# The built-in modes.
+
+def _moe_variant(cfg: RunConfig, *, moe_experts: int = 8, moe_top_k: int = 2) -> RunConfig:
+    model = {"recompute": "block"}
+    if not cfg.model.is_moe:
+        model.update(num_experts=moe_experts, moe_top_k=moe_top_k,
+                     moe_ffn_hidden_size=max(cfg.model.ffn_hidden_size // moe_experts, 1),
+                     recompute_activation=False, recompute_activation_layers=None)
+    return cfg.replace(model=model, graph=cfg.graph.with_scopes(
+        ["attn", "moe_router", "moe_preprocess", RECOMPUTE_SCOPE]))
+
+
+def _moe_unavailable(cfg: RunConfig, device: str) -> str | None:
+    if device == "meta":
+        return ("a MoE model's dispatch reads its token counts on the host, which meta tensors "
+                "do not have")
+    return None
+
+
+for _mode in (
+    Mode("eager_none", "eager, no recompute (the reference)", EagerModel,
+         activation_recompute=False),
+    Mode("eager_block", "eager block recompute (frees and re-allocates)", EagerModel,
+         recompute="block"),
+    # Activation recompute frees a storage, which no graph can hold
+    Mode("graphed_none", "every sublayer a graph, no recompute", GraphedSublayersModel,
+         activation_recompute=False,
+         capture=lambda cfg: dict(attn=True, mlp=not cfg.model.is_moe)),
+    Mode("graphed_static", "static-buffer recompute, sublayers and recompute in graphs",
+         GraphedStaticModel, capture=static_capture, pipelines=True),
+    Mode("attn_split", "Megatron-LM dev's split: attention graphs, the rest eager block recompute",
+         AttnSplitModel, recompute="block", capture=lambda cfg: dict(attn=True)),
+    Mode("moe_partial", "graphed_static with MoE partial capture, on the MoE model",
+         GraphedStaticModel, capture=static_capture, same_model=False, configure=_moe_variant,
+         unavailable=_moe_unavailable),
+):
+    register(_mode)

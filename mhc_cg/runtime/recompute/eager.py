@@ -23,10 +23,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from mhc_cg.core.nvtx import nvtx_range
+from mhc_cg.model.layers import MLP
 from mhc_cg.runtime.recompute.checkpoint import CheckpointWithoutOutput, RNGState
 from mhc_cg.runtime.recompute.gradient_order import order_gradient_sums
 from mhc_cg.core.storage import storage_id
@@ -236,3 +238,28 @@ def run_recompute_blocks(layers, x: Tensor, seed: Tensor | None, block_size: int
                                                   x_source, block_end=layer is block[-1])
             manager.discard_all_outputs_and_register_unified_recompute(x)
     return x
+
+
+def recompute_activation_eagerly(mlp: MLP, x: Tensor) -> Tensor:
+    """``mlp(x)`` (fc1 -> gelu -> fc2) keeping fc1's output but not the gelu output.
+
+    fc2's backward needs the gelu output before gelu's own backward runs, so a recompute bound to
+    gelu's backward would come too late. The gelu runs in a ``CheckpointWithoutOutput`` (which keeps
+    only fc1's output, as gelu itself would), its output is freed once fc2 has saved it, and a hook
+    on fc2's output gradient recomputes it into the same storage before fc2's backward reads it.
+    """
+    ckpt = CheckpointWithoutOutput(name="mlp/gelu")
+    act = ckpt.checkpoint(F.gelu, mlp.fc1(x))
+    out = mlp.fc2(act)
+    if out.requires_grad:  # otherwise no backward will ever need act
+        ckpt.discard_output_and_register_recompute(out)
+    mlp.activation_checkpoint = ckpt
+    return out
+
+
+def install_activation_recompute(model: nn.Module) -> None:
+    """Every MLP of ``model`` that asks for activation recompute recomputes its gelu eagerly
+    (:func:`recompute_activation_eagerly`)."""
+    for module in model.modules():
+        if isinstance(module, MLP) and module.recompute_activation:
+            module.activation_recompute = recompute_activation_eagerly

@@ -16,81 +16,37 @@ checks) tells storages apart by :func:`mhc_cg.core.storage.storage_id`, never by
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import torch
 import torch.nn.functional as F
 
-from mhc_cg.config import RunConfig
-from mhc_cg.tools.cost.attention import fused_attention_on_meta
-from mhc_cg.tools.cost.recording import CostBackend
-from mhc_cg.tools.cost.record import StepRecorder
-from mhc_cg.training.data import ProgressionCorpus
+from mhc_cg.config import RunConfig, check
 from mhc_cg.core.errors import ConfigError
-from mhc_cg.runtime.modes.registry import build_for_plan
-from mhc_cg.runtime.modes.plan import DEFAULT_STATIC_SCOPES, MOE_SCOPES, capture_plan, configured_scopes
-from mhc_cg.core.storage import storage_id
-from mhc_cg.config.rules import check
+from mhc_cg.core.progress import log
+from mhc_cg.runtime.modes.registry import MODES, build, capture_plan, mode_config
+from mhc_cg.tools.cost.attention import fused_attention_on_meta
+from mhc_cg.tools.cost.record import StepRecorder
+from mhc_cg.tools.cost.recording import CostBackend
+from mhc_cg.training.data import ProgressionCorpus
 
 DEVICES = ("meta", "cpu")
-PARTIAL_MOE_SCOPES = ("attn", "moe_router", "moe_preprocess", "mhc_recompute")
 RECOMPUTE_POOL_LIMIT = 1.25   # a recompute graph's pool peak, in arenas
 STATIC_MEMORY_LIMIT = 0.75    # graphed_static's pools + arena + persistent set, in graphed_none pools
 
 
-def _with_scopes(cfg: RunConfig, scopes: list[str]) -> RunConfig:
-    graph = dataclasses.replace(cfg.graph, cuda_graph_scope=scopes, cuda_graph_modules=None)
-    model = dataclasses.replace(cfg.model, recompute="block")
-    return check(dataclasses.replace(cfg, model=model, graph=graph))
-
-
-def mode_configs(cfg: RunConfig) -> list[tuple[str, RunConfig, str]]:
-    """``(report name, config, training mode)`` for every mode costed for ``cfg``.
-
-    ``graphed_static`` uses the configured scopes (MoE partial capture left out), ``moe_partial``
-    (MoE configs only) the configured ones with ``moe_router``, else attn + router + preprocess.
-    """
-    cfg = check(dataclasses.replace(cfg, graph=dataclasses.replace(cfg.graph, backend="auto")))
-    scopes = configured_scopes(cfg) or list(DEFAULT_STATIC_SCOPES)
-    static = [s for s in scopes if s not in MOE_SCOPES] or list(DEFAULT_STATIC_SCOPES)
-    static = static + ["mhc_recompute"] * ("mhc_recompute" not in static)
-    modes = [("eager_none", cfg, "eager_none"), ("eager_block", cfg, "eager_block"),
-             ("graphed_none", cfg, "graphed_none"),
-             ("graphed_static", _with_scopes(cfg, static), "graphed_static")]
-    if cfg.model.is_moe:
-        partial = scopes if "moe_router" in scopes else list(PARTIAL_MOE_SCOPES)
-        partial = partial + ["mhc_recompute"] * ("mhc_recompute" not in partial)
-        modes.append(("moe_partial", _with_scopes(cfg, partial), "graphed_static"))
-    return modes
-
-
-def _graph_names(graphed, model) -> dict[int, tuple[str, str]]:
-    """``id(graph) -> (name, kind)`` for every graph of a graphed model."""
-    subs = {id(sub): f"L{layer.layer_number}.{name}" for layer in model.layers
-            for name, sub in (("attn", layer.attention), ("mlp", layer.mlp))}
-    names: dict[int, tuple[str, str]] = {}
-    callables = getattr(graphed, "graphed_callables", None) or ()
-    for fn, runner in zip(callables, getattr(callables, "runners", None) or ()):
-        sub = getattr(fn, "sub", fn)
-        base = subs.get(id(sub), runner.label) + (".head" if hasattr(fn, "step") else "")
-        names[id(runner.fwd_graph)] = (f"{base} fwd", "forward")
-        names[id(runner.bwd_graph)] = (f"{base} bwd", "backward")
-    runtime = getattr(graphed, "runtime", None)
-    for (block, pset), graph in (runtime.recompute_graphs.items() if runtime else ()):
-        names[id(graph)] = (f"recompute block {block} set {pset}", "recompute")
-    return names
-
-
-def static_buffer_bytes(graphed) -> int | None:
-    """Bytes of the graphed callables' static input and grad-output buffers: allocated outside
-    the pools (so not in ``pool_reserved_bytes``), once per distinct storage."""
-    runners = getattr(getattr(graphed, "graphed_callables", None), "runners", None)
-    if not runners:
-        return None
-    storages = {storage_id(t): t.untyped_storage().nbytes()
-                for r in runners for t in (*r.static_inputs, *r.static_grad_outputs)
-                if t is not None}
-    return sum(storages.values())
+def mode_configs(cfg: RunConfig, device: str) -> tuple[list[tuple[str, RunConfig]], dict[str, str]]:
+    """``(mode, its config)`` for every registered mode that can be costed on ``device``, and why
+    the others cannot. The capture backend is ours (recording), so ``graph.backend`` is left to
+    ``auto``: a config meant for a GPU is costed anywhere."""
+    cfg = check(cfg.replace(graph={"backend": "auto"}))
+    costed, skipped = [], {}
+    for mode in MODES.values():
+        reason = mode.unavailable(cfg, device) if mode.unavailable is not None else None
+        if reason is not None:
+            skipped[mode.name] = reason
+        else:
+            costed.append((mode.name, mode_config(cfg, mode.name)))
+    return costed, skipped
 
 
 def _init_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -106,17 +62,19 @@ def _init_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimiz
     optimizer.zero_grad(set_to_none=True)
 
 
-def cost_mode(cfg: RunConfig, train_mode: str, device: str) -> dict:
-    """The cost of one mode of ``cfg`` on ``device`` (see the module docstring)."""
+def cost_mode(cfg: RunConfig, mode: str, device: str) -> dict:
+    """The cost of ``mode`` on its config ``cfg`` (:func:`mode_configs`) on ``device`` (see the
+    module docstring)."""
     dev = torch.device(device)
     meta = dev.type == "meta"
     backend = CostBackend(device)
-    plan = capture_plan(cfg, train_mode, "cpu")  # the backend is ours; the plan's is not used
+    plan = capture_plan(cfg, mode, "cpu")  # the backend is ours; the plan's is not used
     with contextlib.ExitStack() as stack:
         if meta:
             stack.enter_context(fused_attention_on_meta())
         with torch.device(dev) if meta else contextlib.nullcontext():
-            model, forward, graphed = build_for_plan(cfg, plan, dev, backend=backend)
+            runner = build(cfg, plan, dev, backend=backend)
+        model, forward = runner.model, runner
         # per-parameter optimizer and clipping on every device (meta has no multi-tensor ops;
         # a GPU would launch fewer, larger kernels there)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr,
@@ -140,7 +98,7 @@ def cost_mode(cfg: RunConfig, train_mode: str, device: str) -> dict:
         recorder = StepRecorder()
         with recorder:
             step()
-    names = _graph_names(graphed, model) if graphed is not None else {}
+    names = {id(graph): (name, kind) for name, kind, graph in runner.named_graphs()}
     graphs = []
     for graph in backend.captured:
         name, kind = names.get(id(graph), (graph.name, "forward"))
@@ -149,7 +107,7 @@ def cost_mode(cfg: RunConfig, train_mode: str, device: str) -> dict:
                        "pool_held_peak_bytes": graph.peak.held_peak_bytes,
                        "pool_resident_bytes": graph.peak.resident_before,
                        "escaped_bytes": graph.peak.escaped_bytes, "pool": graph.pool.id})
-    info = graphed.describe() if graphed is not None else {}
+    info = runner.describe()
     return {
         "kernels_per_step": recorder.kernels,
         "bytes_per_step": recorder.bytes,
@@ -161,7 +119,7 @@ def cost_mode(cfg: RunConfig, train_mode: str, device: str) -> dict:
         "pool_reserved_bytes": sum(p.state.high_water for p in backend.pools),
         "arena_bytes": info.get("arena_bytes"),
         "persistent_bytes_per_microbatch": info.get("persistent_bytes_per_microbatch"),
-        "static_buffer_bytes": static_buffer_bytes(graphed),
+        "static_buffer_bytes": runner.static_buffer_bytes(),
         "top_eager_kernels": dict(recorder.eager.by_op.most_common(8)),
     }
 
@@ -198,9 +156,13 @@ def cost_report(cfg: RunConfig, device: str, config_name: str | None = None) -> 
     if device == "meta" and cfg.model.is_moe:
         raise ConfigError("--device meta: a MoE model's dispatch reads its token counts on the "
                           "host, which meta tensors do not have; cost MoE configs with --device cpu")
-    modes = {name: cost_mode(mode_cfg, train_mode, device)
-             for name, mode_cfg, train_mode in mode_configs(cfg)}
-    return {"config": config_name, "device": device, "modes": modes, "checks": checks(modes)}
+    costed, skipped = mode_configs(cfg, device)
+    modes = {}
+    for index, (name, mode_cfg) in enumerate(costed, 1):
+        log("cost", f"{name}: building and recording one step ({index}/{len(costed)})")
+        modes[name] = cost_mode(mode_cfg, name, device)
+    return {"config": config_name, "device": device, "modes": modes, "skipped": skipped,
+            "checks": checks(modes)}
 
 
 def _size(nbytes: int | None) -> str:
@@ -226,6 +188,8 @@ def format_report(report: dict, per_graph: bool = True) -> str:
                      f"{len(m['graphs']):>6} {m['pools']:>5} {_size(m['pool_reserved_bytes']):>13} "
                      f"{_size(m['arena_bytes']):>10} {_size(m['persistent_bytes_per_microbatch']):>13} "
                      f"{_size(m['static_buffer_bytes']):>11}")
+    for name, reason in report.get("skipped", {}).items():
+        lines.append(f"{name}: not costed on {report['device']}: {reason}")
     for c in report["checks"]:
         value = "-" if c["value"] is None else f"{c['value']:.3f}"
         lines.append(f"{'PASS' if c['ok'] else 'FAIL'}  {c['check']}: {value}")

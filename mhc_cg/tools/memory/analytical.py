@@ -9,7 +9,6 @@ Per sublayer (attention or MLP), the discardable mHC intermediates are:
 
 from __future__ import annotations
 
-import math
 
 
 def sublayer_transient_elements(num_streams: int, hidden_size: int) -> int:
@@ -64,8 +63,3 @@ def mlp_activation_elements(ffn_hidden_size: int) -> int:
     """The MLP's gelu output per token and layer: what activation recompute no longer
     keeps. Its input, fc1's output (also ``ffn`` per token), stays: the gelu's backward needs it."""
     return ffn_hidden_size
-
-
-def paper_block_size(num_streams: int, num_layers: int) -> int:
-    """L_r* ~ sqrt(n*L / (n + 2)) (mHC paper, section 4.3.2), clamped to [1, L]."""
-    return max(1, min(num_layers, round(math.sqrt(num_streams * num_layers / (num_streams + 2)))))

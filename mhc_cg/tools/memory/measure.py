@@ -28,6 +28,7 @@ from mhc_cg.tools.memory.analytical import (block_persistent_elements, mlp_activ
                            no_recompute_elements_per_layer, saved_elements_per_layer)
 from mhc_cg.model import MLP, MHCGPT, MHCGPTConfig
 from mhc_cg.core.storage import storage_id
+from mhc_cg.runtime.recompute.eager import install_activation_recompute, run_recompute_blocks
 
 
 
@@ -48,6 +49,7 @@ def _forward_saved(model_cfg: MHCGPTConfig, micro_batch_size: int, device: str,
     with torch.device(device):
         model = MHCGPT(model_cfg)
     model.to(dtype).train()
+    install_activation_recompute(model)
     ids = torch.zeros(micro_batch_size, model_cfg.seq_length, dtype=torch.long, device=device)
     seed = torch.tensor(1234, dtype=torch.int64, device=device)
     saved: list[Tensor] = []
@@ -59,14 +61,18 @@ def _forward_saved(model_cfg: MHCGPTConfig, micro_batch_size: int, device: str,
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         x = model.embed(ids)
         after_embed = len(saved)
-        x = model.run_layers(x, seed)
+        managers: list = []
+        if model_cfg.recompute == "block":
+            x = run_recompute_blocks(model.layers, x, seed, model_cfg.resolved_recompute_layers,
+                                     managers)
+        else:
+            x = model.run_layers(x, seed)
         after_layers = len(saved)
         model.logits(x)
     params = {storage_id(p) for p in model.parameters()}
     embed_bytes, embed_keys = _unique_storage_bytes(saved[:after_embed], params)
     layer_bytes, layer_keys = _unique_storage_bytes(saved[after_embed:after_layers], params | embed_keys)
     head_bytes, _ = _unique_storage_bytes(saved[after_layers:], params | embed_keys | layer_keys)
-    managers = getattr(model, "recompute_managers", []) if model_cfg.recompute == "block" else []
     manager_bytes = sum(m.held_bytes() for m in managers)
     # each gelu checkpoint (activation recompute) holds an RNG state until its backward
     manager_bytes += sum(_activation_checkpoint_bytes(m) for m in model.modules())
@@ -76,7 +82,7 @@ def _forward_saved(model_cfg: MHCGPTConfig, micro_batch_size: int, device: str,
 
 
 def _activation_checkpoint_bytes(module: nn.Module) -> int:
-    ckpt = getattr(module, "activation_checkpoint", None) if isinstance(module, MLP) else None
+    ckpt = module.activation_checkpoint if isinstance(module, MLP) else None
     return 0 if ckpt is None or ckpt.rng_state is None else ckpt.rng_state.nbytes()
 
 

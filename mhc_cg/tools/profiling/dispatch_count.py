@@ -11,10 +11,15 @@ from __future__ import annotations
 
 from collections import Counter
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mhc_cg.model import MHCGPT
+from mhc_cg.runtime.modes.eager import EagerModel
+from mhc_cg.runtime.recompute.eager import install_activation_recompute
 from mhc_cg.tools.cost.ops import launches_kernel
 
 class KernelCounter(TorchDispatchMode):
@@ -36,10 +41,10 @@ class KernelCounter(TorchDispatchMode):
         return sum(self.counts.values())
 
 
-def count_step(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor,
+def count_step(model: EagerModel, input_ids: torch.Tensor, targets: torch.Tensor,
                seed: torch.Tensor | None) -> KernelCounter:
     """Forward, loss and backward of one microbatch (the recompute runs inside the backward)."""
-    model.zero_grad(set_to_none=True)
+    model.model.zero_grad(set_to_none=True)
     with KernelCounter() as counter:
         logits = model(input_ids, seed)
         F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).backward()
@@ -52,10 +57,6 @@ def kernels_per_layer(cfg, micro_batch_size: int = 2, device: str = "cpu") -> tu
     Models of ``2 * L_r`` and ``L_r`` layers (two blocks and one, ``L_r = resolved_recompute_layers``)
     run the same step; returns the per-layer difference and the per-op difference.
     """
-    import dataclasses
-
-    from mhc_cg.model import MHCGPT
-
     block = cfg.resolved_recompute_layers if cfg.recompute == "block" else 1
     counts = []
     for layers in (block, 2 * block):
@@ -63,10 +64,11 @@ def kernels_per_layer(cfg, micro_batch_size: int = 2, device: str = "cpu") -> tu
                                         if cfg.recompute == "block" else cfg.recompute_layers)
         torch.manual_seed(0)
         model = MHCGPT(layer_cfg).to(device).train()
+        install_activation_recompute(model)
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, cfg.vocab_size, (micro_batch_size, cfg.seq_length), generator=gen)
         seed = torch.tensor(12345, dtype=torch.int64)
-        counts.append(count_step(model, ids.to(device), ids.roll(-1, 1).to(device), seed.to(device)).counts)
+        counts.append(count_step(EagerModel(model), ids.to(device), ids.roll(-1, 1).to(device), seed.to(device)).counts)
     diff = Counter(counts[1])
     diff.subtract(counts[0])
     return sum(diff.values()) / block, +diff

@@ -1,0 +1,16 @@
+"""The values a config field may take, named once: read by the rules, the CLI and the runtime."""
+
+MODEL_RECOMPUTE = ("none", "block")
+DROPOUT_IMPLS = ("counter", "torch")  # counter: mask = hash(seed, index); torch: stateful generator
+DEVICES = ("cpu", "cuda", "auto")
+GRAPH_BACKENDS = ("auto", "cuda", "te", "tape")
+
+# graph.cuda_graph_scope: what is captured (mhc_cg.runtime.modes.plan says what each one means)
+SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mhc_recompute")
+MOE_SCOPES = ("moe", "moe_router", "moe_preprocess")
+RECOMPUTE_SCOPE = "mhc_recompute"
+# what static-buffer recompute graphs when no scope is configured
+DEFAULT_STATIC_SCOPES = ("attn", RECOMPUTE_SCOPE)
+
+# The synthetic corpus (mhc_cg.training.data) needs room for its strides.
+MIN_VOCAB_SIZE = 8
