@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mhc_cg.runtime.modes.attn_split import StaticInputCheckpoint
-from mhc_cg.runtime.modes.registry import build_for_mode
+from helpers import build_for_mode
 from mhc_cg.runtime.modes.registry import capture_plan
 
 from helpers import assert_training_close, assert_training_identical, small_config

@@ -12,7 +12,8 @@ import torch
 from mhc_cg.tools import bench
 from mhc_cg.cli import main
 from mhc_cg.config import load_config
-from mhc_cg.runtime.modes.registry import MODES, build_for_mode, mode_config
+from mhc_cg.runtime.modes.registry import MODES, mode_config
+from helpers import build_for_mode
 from mhc_cg.training.session import train
 
 TINY = """\

@@ -18,7 +18,7 @@ from mhc_cg.core.errors import GraphCaptureError
 from mhc_cg.runtime.graphs.guard import CaptureGuardMode
 from mhc_cg.runtime.graphs.tape import TapeBackend
 from mhc_cg.model import MHCGPTConfig
-from mhc_cg.runtime.modes.registry import build_for_mode
+from helpers import build_for_mode
 
 aten = torch.ops.aten
 

@@ -30,7 +30,7 @@ def test_no_project_history_in_code():
 def test_readme_layout_names_every_package():
     readme = (ROOT / "README.md").read_text()
     layout = readme[readme.index("## Layout"):]
-    packages = [p.parent.name for p in (ROOT / "mhc_cg").glob("*/__init__.py")]
+    packages = [p.parent.name for p in (ROOT / "mhc_cg").rglob("*/__init__.py")]
     assert packages
     missing = [name for name in packages if f"{name}/" not in layout]
     assert not missing, f"README layout does not mention {missing}"

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mhc_cg.tools.planner import ModelShape
-from mhc_cg.runtime.modes.registry import build_for_mode
+from helpers import build_for_mode
 
 from helpers import SCOPE_CASES, assert_training_identical, grads_per_step, small_config
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 
-from mhc_cg.runtime.modes.registry import build_for_mode
+from helpers import build_for_mode
 
 from helpers import SCOPE_CASES, assert_training_close, small_config
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from mhc_cg.config import RunConfig
-from mhc_cg.ops.dropout import counter_dropout_mask, counter_uniform_bits, dropout
+from mhc_cg.ops.dropout import counter_dropout_mask, dropout
+from mhc_cg.ops.kernels.hash import counter_bits
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.model import MHCGPT, MHCGPTConfig
 from mhc_cg.training.session import train
@@ -38,7 +39,7 @@ def test_counter_dropout_is_a_pure_function_of_seed_stream_and_index():
     keep = (a > 0).float().mean().item()
     assert abs(keep - 0.75) < 0.02
     assert torch.equal(a.unique(), torch.tensor([0.0, 1 / 0.75]))
-    bits = counter_uniform_bits(seed, 0, 1 << 16)
+    bits = counter_bits(seed, 0, 1 << 16).to(torch.int64) & 0xFFFFFFFF  # 32-bit words, non-negative
     assert bits.min() >= 0 and bits.max() < 2 ** 32
     # roughly uniform: each of 16 buckets holds ~1/16 of the values
     counts = torch.bincount(bits >> 28, minlength=16).float() / bits.numel()

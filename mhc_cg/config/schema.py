@@ -17,7 +17,7 @@ import dataclasses
 import math
 import types
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from mhc_cg.config import rules
 from mhc_cg.core.errors import ConfigError, did_you_mean
@@ -80,10 +80,6 @@ class MHCGPTConfig:
         if not self.recompute_activation:
             return False
         return self.recompute_activation_layers is None or layer_number < self.recompute_activation_layers
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
 
 @dataclass

@@ -171,11 +171,6 @@ def pass_windows(steps: list[Step]) -> dict[tuple[int, int], tuple[int, int]]:
     return windows
 
 
-def check_order(order: list[int]) -> None:
-    """Raise ``ConfigError`` unless every (chunk, microbatch) runs its forward, then its backward."""
-    pass_windows(decode_order(order))
-
-
 # --------------------------------------------------------------------------------------------
 # Persistent slot sets along an order: how many, and which forward takes which.
 

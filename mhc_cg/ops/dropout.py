@@ -17,12 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mhc_cg.ops.kernels.hash import counter_bits, counter_keep, keep_scale
-
-
-def counter_uniform_bits(seed: Tensor, stream: int, numel: int) -> Tensor:
-    """``numel`` pseudo-random 32-bit integers (as non-negative int64) for ``(seed, stream)``."""
-    return counter_bits(seed, stream, numel).to(torch.int64) & 0xFFFFFFFF
+from mhc_cg.ops.kernels.hash import counter_keep, keep_scale
 
 
 def counter_dropout_mask(seed: Tensor, stream: int, shape: torch.Size, p: float,

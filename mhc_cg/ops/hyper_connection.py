@@ -124,18 +124,6 @@ class HyperConnection(nn.Module):
                               self.alpha_res, self.bias, self.num_streams,
                               self.sinkhorn_iterations, self.kernels)
 
-    def compute_mappings_unfused(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``compute_mappings`` as composed torch ops (what the fused op computes)."""
-        _check_streams("compute_mappings", x, self.num_streams, self.hidden_size)
-        n = self.num_streams
-        rms = x.norm(dim=-1, keepdim=True) / math.sqrt(x.shape[-1])
-        r = 1.0 / (rms + RMS_EPS)
-        h = r * self.mapping_proj(x) * self._gating_scale() + self.bias
-        h_pre = torch.sigmoid(h[..., :n])
-        h_post = 2.0 * torch.sigmoid(h[..., n:2 * n])
-        h_res = sinkhorn_knopp(h[..., 2 * n:].unflatten(-1, (n, n)), self.sinkhorn_iterations)
-        return h_pre, h_post, h_res
-
     def aggregate(self, x: Tensor, h_pre: Tensor) -> Tensor:
         """``sum_i h_pre[i] * x[i]``: ``[s, b, n*C], [s, b, n] -> [s, b, C]``."""
         _check_streams("aggregate", x, self.num_streams, self.hidden_size)

@@ -369,12 +369,7 @@ def make_graphed_callables(
                          f"callable ({len(callables)}), got {len(sample_args)}")
     reuse = bool(reuse_input_buffers and layout is not None and training)
 
-    backend_obj = backend if isinstance(backend, GraphBackend) else None
-    # "auto" follows the inputs' device: CPU tensors on a GPU machine are graphed on the tape (a
-    # CUDA graph would record no kernel and its replays would return stale outputs)
-    first = next((t for a, k in zip(sample_args, sample_kwargs) for t in _flat_tensors(a, k)), None)
-    backend_name = backend_obj.name if backend_obj is not None else resolve_backend_name(
-        backend, first.device if first is not None else None)
+    backend_name = _backend_name(backend, sample_args, sample_kwargs)
     if backend_name == "te":
         if capture_before_backward:
             raise ValueError("make_graphed_callables: capture_before_backward needs the tape or "
@@ -383,8 +378,7 @@ def make_graphed_callables(
                            num_layers_per_chunk=num_layers_per_chunk, reuse_input_buffers=reuse, pool=pool,
                            num_warmup_iters=3 if num_warmup_iters is None else num_warmup_iters,
                            allow_unused_input=allow_unused_input)
-    if backend_obj is None:
-        backend_obj = get_backend(backend_name)
+    backend_obj = backend if isinstance(backend, GraphBackend) else get_backend(backend_name)
     if num_warmup_iters is None:
         num_warmup_iters = backend_obj.warmup_iters
     if reuse:
@@ -393,6 +387,35 @@ def make_graphed_callables(
         pool = backend_obj.new_pool()
     forwards, passes = _capture_sequence(callables, layout)
     func_of = dict(forwards)
+    runners = _runners(func_of, layout, sample_args, sample_kwargs)
+    # warmup and capture draw nothing the caller should see: the generators are put back after
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+        _warm_up(backend_obj, forwards, runners, sample_args, sample_kwargs, num_warmup_iters,
+                 training, allow_unused_input)
+        _capture(backend_obj, pool, passes, func_of, runners, sample_args, sample_kwargs,
+                 training, allow_unused_input, capture_before_backward or {})
+    results = _wrap(func_of, runners, layout)
+    if single:
+        return results[0]
+    out = GraphedCallables(results)
+    out.backend, out.pool, out.runners = backend_obj.name, pool, runners
+    out.static_input_sets = _distinct_input_sets([r.static_inputs for r in runners])
+    return out
+
+
+def _backend_name(backend: str | GraphBackend, sample_args: list, sample_kwargs: list) -> str:
+    """The backend's name; ``auto`` follows the inputs' device: CPU tensors on a GPU machine are
+    graphed on the tape (a CUDA graph would record no kernel and its replays would return stale
+    outputs)."""
+    if isinstance(backend, GraphBackend):
+        return backend.name
+    first = next((t for a, k in zip(sample_args, sample_kwargs) for t in _flat_tensors(a, k)), None)
+    return resolve_backend_name(backend, first.device if first is not None else None)
+
+
+def _runners(func_of: dict, layout: OrderLayout | None, sample_args: list,
+             sample_kwargs: list) -> list[GraphedRunner]:
+    """One :class:`GraphedRunner` per sample: its static inputs are the sample's tensors."""
     runners = []
     for index in range(len(sample_args)):
         func = func_of[index]
@@ -400,14 +423,11 @@ def make_graphed_callables(
         label = f"#{index}" if layout is None else _label(layout, index)
         runners.append(GraphedRunner(label, list(sample_kwargs[index]),
                                      _flat_tensors(sample_args[index], sample_kwargs[index]), params))
+    return runners
 
-    # warmup and capture draw nothing the caller should see: the generators are put back after
-    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
-        _warm_up(backend_obj, forwards, runners, sample_args, sample_kwargs, num_warmup_iters,
-                 training, allow_unused_input)
-        _capture(backend_obj, pool, passes, func_of, runners, sample_args, sample_kwargs,
-                 training, allow_unused_input, capture_before_backward or {})
 
+def _wrap(func_of: dict, runners: list[GraphedRunner], layout: OrderLayout | None) -> list:
+    """Modules stay modules without an order (their forward replays); otherwise plain functions."""
     results = []
     for index, runner in enumerate(runners):
         graphed = _graphed_function(runner)
@@ -417,12 +437,7 @@ def make_graphed_callables(
             results.append(func)
         else:
             results.append(graphed)
-    if single:
-        return results[0]
-    out = GraphedCallables(results)
-    out.backend, out.pool, out.runners = backend_obj.name, pool, runners
-    out.static_input_sets = _distinct_input_sets([r.static_inputs for r in runners])
-    return out
+    return results
 
 
 def _normalise_samples(sample_args, sample_kwargs) -> tuple[list[tuple], list[dict]]:

@@ -155,11 +155,6 @@ def build(cfg: RunConfig, plan: CapturePlan, device: torch.device | str,
     return runner
 
 
-def build_for_mode(cfg: RunConfig, name: str, device: torch.device | str) -> ModeModel:
-    """:func:`build` with the plan of mode ``name`` on ``device``, from ``cfg`` as given."""
-    return build(cfg, capture_plan(cfg, name, str(device)), device)
-
-
 # --------------------------------------------------------------------------------------------
 # The built-in modes.
 

@@ -71,7 +71,6 @@ class Arena:
         self._writer: Tensor | None = None
         self._region_offsets: dict[str, int] = {}
         self._data_ptrs: dict[tuple[str, int], int] = {}
-        self.writes = 0
 
     # -- layout ------------------------------------------------------------------------------
     @property
@@ -145,7 +144,6 @@ class Arena:
             raise ArenaLayoutError(f"region {region.name} slot {index} moved: "
                                    f"{self._data_ptrs[key]:#x} -> {ptr:#x}")
         dst.copy_(flat)
-        self.writes += 1
 
     def data_ptrs(self) -> dict[tuple[str, int], int]:
         """Every slot's address as first written (for invariance checks)."""

@@ -81,7 +81,7 @@ def train_pipeline(cfg: RunConfig, *, steps: int | None = None, device: str | No
     """Train ``cfg`` on ``parallel.pp_size`` processes; returns the last stage's losses.
 
     ``cfg`` must have passed :func:`mhc_cg.config.rules.check`. Raises ``ConfigError`` for what the
-    driver does not run (see :func:`pipeline_problems`).
+    driver does not run (a mode it does not run, :func:`mhc_cg.config.rules.pipeline_driver_problems`).
     """
     import torch.multiprocessing as mp
 
@@ -110,7 +110,7 @@ def train_pipeline(cfg: RunConfig, *, steps: int | None = None, device: str | No
             import megatron.core.parallel_state  # noqa: F401
             import megatron.core.pipeline_parallel.schedules  # noqa: F401
     with tempfile.TemporaryDirectory(prefix="mhc_cg_pp_") as out_dir:
-        mp.start_processes(rank_main, args=(cfg, steps, dev, free_port(), out_dir,
+        mp.start_processes(rank_main, args=(cfg, mode, steps, dev, free_port(), out_dir,
                                              collect_grads, progress, threads),
                            nprocs=pp, join=True, start_method="fork" if dev == "cpu" else "spawn")
         reports = [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)

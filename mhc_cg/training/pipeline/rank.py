@@ -1,7 +1,7 @@
 """One pipeline rank: its model chunks on the static-buffer runtime, driven by megatron-core's schedule.
 
 Every rank builds the whole model with ``train.seed`` exactly as the single-process run does
-(:func:`mhc_cg.runtime.modes.registry.build_model`, mode ``graphed_static``) and keeps its own
+(:func:`mhc_cg.runtime.modes.registry.build_model`, in the static-recompute mode it was given) and keeps its own
 layers: chunk ``c`` of rank ``r`` is virtual stage ``c * pp_size + r``; the first stage also embeds,
 the last one also computes the logits and the loss. The rank's chunks share one arena and one pool
 of persistent slot sets holding ``max_persistent_slot_sets(order)`` sets, the planner's figure for
@@ -42,9 +42,6 @@ from mhc_cg.runtime.recompute.persistent import PersistentSetPool, new_persisten
 from mhc_cg.runtime.recompute.static import build_static_recompute
 from mhc_cg.training.pipeline.cpu_shim import cpu_shim
 from mhc_cg.training.session import Microbatches
-
-STATIC_MODE = "graphed_static"
-
 
 class PipelineChunk(nn.Module):
     """One model chunk of one rank, as megatron-core's schedule drives it.
@@ -151,16 +148,16 @@ class RankReport:
 class PipelineRank:
     """One rank, built and captured: ``train(steps)`` runs the schedule and returns its report."""
 
-    def __init__(self, rank: int, cfg: RunConfig, dev: torch.device):
+    def __init__(self, rank: int, cfg: RunConfig, mode: str, dev: torch.device):
         from megatron.core import parallel_state
 
         par, train = cfg.parallel, cfg.train
-        self.rank, self.cfg, self.dev = rank, cfg, dev
+        self.rank, self.cfg, self.mode, self.dev = rank, cfg, mode, dev
         self.pp, self.vpp, self.m = par.pp_size, par.vpp_size, train.num_microbatches
         parallel_state.initialize_model_parallel(
             pipeline_model_parallel_size=self.pp,
             virtual_pipeline_model_parallel_size=self.vpp if self.vpp > 1 else None)
-        self.model = build_model(cfg, get_mode(STATIC_MODE), dev)
+        self.model = build_model(cfg, get_mode(mode), dev)
         per_chunk = cfg.model.num_layers // (self.pp * self.vpp)
         self.block = min(cfg.model.resolved_recompute_layers, per_chunk)
         self.stages = [c * self.pp + rank for c in range(self.vpp)]
@@ -193,7 +190,7 @@ class PipelineRank:
         """The recompute graphs per (chunk, block, set); with graphed sublayers, one graphed
         callable per (chunk, microbatch, sublayer) along the rank's order (TE's
         ``make_graphed_callables`` semantics: one pool, static inputs reused)."""
-        plan = capture_plan(self.cfg, STATIC_MODE, self.dev.type)
+        plan = capture_plan(self.cfg, self.mode, self.dev.type)
         backend = get_backend(plan.backend)
         for runtime in self.runtimes:
             runtime.capture_recompute_graphs(backend)
@@ -327,8 +324,8 @@ class PipelineRank:
         return report
 
 
-def rank_main(rank: int, cfg: RunConfig, steps: int, device: str, port: int, out_dir: str,
-               collect_grads: bool, progress: bool, threads: int) -> None:
+def rank_main(rank: int, cfg: RunConfig, mode: str, steps: int, device: str, port: int,
+              out_dir: str, collect_grads: bool, progress: bool, threads: int) -> None:
     """A spawned rank's entry: join the process group, train, write the report to ``out_dir``."""
     # megatron-core warns at import about TE/Apex being absent, once per rank: noise here
     for category in (UserWarning, FutureWarning):
@@ -340,7 +337,7 @@ def rank_main(rank: int, cfg: RunConfig, steps: int, device: str, port: int, out
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=cfg.parallel.pp_size, timeout=datetime.timedelta(seconds=300))
     try:
-        report = PipelineRank(rank, cfg, torch.device(device)).train(steps, collect_grads, progress)
+        report = PipelineRank(rank, cfg, mode, torch.device(device)).train(steps, collect_grads, progress)
         torch.save(report, Path(out_dir) / f"rank{rank}.pt")
     finally:
         from megatron.core import parallel_state

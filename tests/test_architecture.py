@@ -1,0 +1,162 @@
+"""The house's shape, checked: packages by role with dependencies one way, no import cycle, short
+functions, and a mode defined in one place that every tool picks up."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from mhc_cg.cli import main
+from mhc_cg.config import RunConfig
+from mhc_cg.runtime.modes.eager import EagerModel
+from mhc_cg.runtime.modes.registry import MODES, Mode, register, unregister
+from mhc_cg.tools.compare import run_modes, mismatches
+from mhc_cg.tools.cost.report import cost_report
+from mhc_cg.training.session import train
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("mhc_cg", "megatron_integration")
+# lower layers never import higher ones: basics <- ops <- config <- model <- runtime <- training
+# (and the megatron glue) <- tools <- cli
+LAYERS = {"mhc_cg.core": 0, "mhc_cg.ops": 1, "mhc_cg.config": 2, "mhc_cg.model": 3,
+          "mhc_cg.runtime": 4, "mhc_cg.training": 5, "megatron_integration": 5,
+          "mhc_cg.tools": 6, "mhc_cg.commands": 7, "mhc_cg.cli": 7, "mhc_cg.__main__": 7}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped |= {id(sub) for sub in ast.walk(node)}
+    return skipped
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports, function-level imports included; ``if
+    TYPE_CHECKING:`` blocks and ``from package import submodule`` edges to the package itself are
+    not counted."""
+    mods = modules()
+
+    def owner(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text())
+        skipped, edges = _type_checking_nodes(tree), set()
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = name.split(".")[:len(name.split(".")) - node.level
+                                           + (path.name == "__init__.py")]
+                    base = ".".join(parts + ([base] if base else []))
+                # ``from package import submodule`` imports the submodule
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base
+                           for a in node.names]
+            else:
+                continue
+            edges |= {owner(t) for t in targets if owner(t) not in (None, name)}
+        graph[name] = edges
+    return graph
+
+
+def layer_of(name: str) -> int | None:
+    return next((rank for prefix, rank in sorted(LAYERS.items(), key=lambda kv: -len(kv[0]))
+                 if name == prefix or name.startswith(prefix + ".")), None)
+
+
+def test_no_import_cycle():
+    graph, state, cycles = import_graph(), {}, []
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, cycles
+
+
+def test_dependencies_run_one_way():
+    upward = [(a, b) for a, targets in import_graph().items() for b in targets
+              if layer_of(a) is not None and layer_of(b) is not None and layer_of(b) > layer_of(a)]
+    assert not upward, upward
+
+
+def test_every_module_has_a_role():
+    loose = [name for name in modules() if name.count(".") == 1 and name.startswith("mhc_cg.")
+             and layer_of(name) is None]
+    assert len(loose) <= 3, loose  # besides __init__, __main__ and cli
+    assert all(layer_of(name) is not None for name in modules() if name != "mhc_cg"), \
+        [name for name in modules() if name != "mhc_cg" and layer_of(name) is None]
+
+
+def test_no_function_over_80_lines():
+    long = [(str(path.relative_to(ROOT)), node.name, node.end_lineno - node.lineno + 1)
+            for path in modules().values() for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > 80]
+    assert not long, long
+
+
+def test_a_mode_name_is_spelled_in_at_most_five_modules():
+    spelled = {name for name, path in modules().items()
+               for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.Constant) and node.value in MODES}
+    assert len(spelled) <= 5, sorted(spelled)
+
+
+TINY = {"model": {"vocab_size": 16, "seq_length": 8, "hidden_size": 16, "num_heads": 2,
+                  "num_layers": 2, "num_streams": 4, "hidden_dropout": 0.1,
+                  "recompute": "block", "recompute_layers": 1},
+        "train": {"steps": 2, "micro_batch_size": 2, "device": "cpu"},
+        "graph": {"backend": "auto", "cuda_graph_scope": ["attn", "mhc_recompute"]}}
+
+
+@pytest.fixture
+def toy_mode():
+    """A mode registered in one place: eager without recompute, under its own name."""
+    mode = register(Mode("toy_eager", "eager, no recompute, registered by a test", EagerModel,
+                         activation_recompute=False))
+    yield mode
+    unregister(mode.name)
+
+
+def test_a_toy_mode_registered_in_one_place_reaches_train_compare_and_cost(toy_mode, tmp_path,
+                                                                          capsys):
+    cfg = RunConfig.from_dict(TINY)
+    assert train(cfg, mode="toy_eager", progress=False).losses == \
+        train(cfg, mode="eager_none", progress=False).losses
+    results = run_modes(cfg, progress=False)
+    assert "toy_eager" in results and not mismatches(results)
+    assert "toy_eager" in cost_report(cfg, "meta")["modes"]
+    path = tmp_path / "tiny.yaml"
+    path.write_text(json.dumps(TINY))  # JSON is YAML
+    assert main(["train", "--config", str(path), "--mode", "toy_eager", "--json",
+                 "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out)["mode"] == "toy_eager"
