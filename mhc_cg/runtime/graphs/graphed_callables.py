@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mhc_cg.runtime.graphs.backends import get_backend, resolve_backend_name
 from mhc_cg.runtime.graphs.capture import Graph, GraphBackend
+from mhc_cg.runtime.graphs.static_inputs import check_input, describe, load_input
 from mhc_cg.core.storage import storage_id
 from mhc_cg.core.schedule import decode_order, pass_windows
 
@@ -181,6 +182,7 @@ class GraphedRunner:
     differentiable: list[bool] = field(default_factory=list)
     static_grad_outputs: list[torch.Tensor | None] = field(default_factory=list)
     static_grad_inputs: list[torch.Tensor | None] = field(default_factory=list)
+    saved_outputs: list[int] = field(default_factory=list)  # outputs the backward graph reads
 
     @property
     def surface(self) -> list[torch.Tensor]:
@@ -191,15 +193,26 @@ class GraphedRunner:
             raise TypeError(f"graphed callable {self.label}: got {len(inputs)} tensor inputs, "
                             f"captured with {len(self.static_inputs)}")
         for i, (static, given) in enumerate(zip(self.static_inputs, inputs)):
-            if not isinstance(given, torch.Tensor) or given.shape != static.shape \
-                    or given.dtype != static.dtype or given.device != static.device:
-                got = (f"{list(given.shape)} {given.dtype} on {given.device}"
-                       if isinstance(given, torch.Tensor) else type(given).__name__)
-                raise ValueError(f"graphed callable {self.label}: input {i} is {got}, but the graph "
-                                 f"was captured with {list(static.shape)} {static.dtype} on "
-                                 f"{static.device}; a graph replays fixed shapes")
-            if not _same_memory(static, given):
-                static.copy_(given)
+            check_input(f"graphed callable {self.label}: input {i}", given, static)
+        for static, given in zip(self.static_inputs, inputs):
+            load_input(static, given)
+
+    def saved_versions(self) -> tuple[int, ...]:
+        """The version counters of the outputs the backward graph reads, as a replay left them."""
+        return tuple(self.static_outputs[i]._version for i in self.saved_outputs)
+
+    def check_saved_versions(self, versions: tuple[int, ...]) -> None:
+        """Raise as autograd does when an output the backward reads was changed in place since
+        the forward replay (the returned outputs share the static outputs' version counters)."""
+        for i, version in zip(self.saved_outputs, versions):
+            now = self.static_outputs[i]._version
+            if now != version:
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by "
+                    f"an inplace operation: output {i} of graphed callable {self.label} "
+                    f"({describe(self.static_outputs[i])}) is at version {now}; expected version "
+                    f"{version}. Its backward graph reads it: clone the output before editing it "
+                    f"in place (out = out.clone())")
 
     def replay_forward(self) -> list[torch.Tensor]:
         self.fwd_graph.replay()
@@ -213,8 +226,8 @@ class GraphedRunner:
                 continue
             if grad is None:
                 static.zero_()
-            elif not _same_memory(static, grad):
-                static.copy_(grad)
+            else:
+                load_input(static, grad)
         self.bwd_graph.replay()
         # Clones, not the static buffers: AccumulateGrad adopts a lone incoming gradient as
         # ``.grad`` (and the engine may add into it in place), so handing out a static buffer would
@@ -222,9 +235,28 @@ class GraphedRunner:
         return tuple(g.clone() if g is not None else None for g in self.static_grad_inputs)
 
 
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``a`` and ``b`` start at the same element of one storage (``data_ptr`` is 0 on meta)."""
-    return storage_id(a) == storage_id(b) and a.storage_offset() == b.storage_offset()
+def saved_storages(outputs: Sequence[torch.Tensor]) -> set[int]:
+    """Storage ids of every tensor the autograd graph behind ``outputs`` saved for backward
+    (C++ nodes' ``_saved_*`` attributes, Python functions' ``saved_tensors``), down to the leaves."""
+    stack = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    seen, found = set(), set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for name in dir(node):
+            if not (name.startswith("_saved_") or name == "saved_tensors"):
+                continue
+            try:
+                value = getattr(node, name)
+            except RuntimeError:  # freed, or not a tensor attribute
+                continue
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    found.add(storage_id(t))
+        stack.extend(child for child, _ in node.next_functions)
+    return found
 
 
 class _ReplayGraphs(torch.autograd.Function):
@@ -235,12 +267,14 @@ class _ReplayGraphs(torch.autograd.Function):
         runner.copy_inputs(inputs[:len(runner.static_inputs)])
         outputs = runner.replay_forward()
         ctx.runner = runner
+        ctx.saved_versions = runner.saved_versions()
         ctx.mark_non_differentiable(*[o for o, d in zip(outputs, runner.differentiable) if not d])
         return tuple(outputs)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads: torch.Tensor):
+        ctx.runner.check_saved_versions(ctx.saved_versions)
         return (None,) + ctx.runner.replay_backward(grads)
 
 
@@ -523,6 +557,8 @@ def _capture(backend: GraphBackend, pool, passes, func_of, runners, sample_args,
                                 f"returned non-tensor outputs {[type(o).__name__ for o in flat]}")
             runner.static_outputs = flat
             runner.differentiable = [training and o.requires_grad for o in flat]
+            saved = saved_storages(flat) if training else set()
+            runner.saved_outputs = [i for i, o in enumerate(flat) if storage_id(o) in saved]
             continue
         diff_outputs = [o for o, d in zip(runner.static_outputs, runner.differentiable) if d]
         wanted = [t for t in runner.surface if t.requires_grad]

@@ -152,6 +152,7 @@ class AttnSplitModel(ModeModel):
         if not runs_graphs(self.model):  # evaluation: the plain model, no graph, no recompute
             return self.model(input_ids, dropout_seed)
         self.captured.check(self.model)
+        dropout_seed = self.graph_seed(input_ids, dropout_seed)
         layers = list(self.model.layers)
         x = self.model.embed(input_ids)
         self.recompute_managers = []

@@ -70,6 +70,7 @@ class GraphedSublayersModel(ModeModel):
         if not runs_graphs(self.model):
             return self.model(input_ids, dropout_seed)
         self.captured.check(self.model)
+        dropout_seed = self.graph_seed(input_ids, dropout_seed)
         x = self.model.embed(input_ids)
         for fn in self.sublayer_fns:
             x = fn(x, dropout_seed)

@@ -284,6 +284,7 @@ class GraphedStaticModel(ModeModel):
         if not runs_graphs(self.model):
             return self.model(input_ids, dropout_seed)
         self.captured.check(self.model)
+        dropout_seed = self.graph_seed(input_ids, dropout_seed)
         x = self.model.embed(input_ids)
         x = self.runtime.forward(x, dropout_seed, self.sublayer_fns)
         return self.model.logits(x)

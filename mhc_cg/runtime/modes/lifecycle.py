@@ -26,6 +26,7 @@ from mhc_cg.core.storage import storage_id
 from mhc_cg.model import MHCGPT
 from mhc_cg.runtime.graphs import GraphBackend, GraphedCallables, get_backend
 from mhc_cg.runtime.graphs.capture import Graph, Pool
+from mhc_cg.runtime.graphs.static_inputs import input_problem
 from mhc_cg.runtime.modes.plan import CapturePlan
 from mhc_cg.runtime.recompute.static import StaticRecompute
 
@@ -73,6 +74,19 @@ class ModeModel:
         returns how many were released (0 or more). Every training step calls it first."""
         released = self.runtime.release_pending() if self.runtime is not None else 0
         return max(released, rewind_replay_order(self.graphed_callables))
+
+    def graph_seed(self, input_ids: Tensor, dropout_seed: Tensor | None) -> Tensor:
+        """The dropout seed a training forward's graphs read: the one given, checked like every
+        graph input (an int64 scalar on the model's device); with none given, one drawn as the
+        plain model draws it (a zero when dropout is off)."""
+        seed = self.model.dropout_seed_for(input_ids, dropout_seed)
+        device = self.model.embedding.weight.device
+        if seed is None:
+            return torch.zeros((), dtype=torch.int64, device=device)
+        problem = input_problem("dropout_seed", seed, (), torch.int64, device)
+        if problem is not None:
+            raise ValueError(problem)
+        return seed
 
     def capture_backend(self) -> GraphBackend:
         """The backend captures go through: the one given, else the plan's."""

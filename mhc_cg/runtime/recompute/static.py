@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from mhc_cg.core.errors import StaticRecomputeError
 from mhc_cg.model import MLP, MHCSublayer, MHCTransformerLayer, recomputes_activation
+from mhc_cg.runtime.graphs.static_inputs import check_input
 from mhc_cg.runtime.recompute.arena import Arena, Region
 from mhc_cg.runtime.recompute.persistent import PersistentSetPool, PersistentSlotSet, new_persistent_set
 from mhc_cg.core.nvtx import nvtx_range
@@ -395,6 +396,8 @@ class StaticRecompute:
             # autograd saves less when the input needs no gradient, and the slot layout was fixed
             # for one that does; a frozen first stage pays one unused input gradient instead
             x = x.detach().requires_grad_()
+        if seed is not None:
+            check_input("dropout seed", seed, self.sets.all_sets()[0].seed)
         pset = self.sets.acquire()
         self.active_set = pset
         handles = []

@@ -1,0 +1,61 @@
+"""What a graph's static input accepts at replay, checked the same way everywhere.
+
+A replayed graph reads its inputs from static buffers with the geometry they had at capture. A
+given tensor is first checked against its buffer (:func:`check_input`: shape, dtype, device; one
+message format for every graphed callable, the static runtime's chunk input and every graphed
+mode's dropout seed), then loaded into it (:func:`load_input`):
+
+* the buffer itself (same storage, offset, shape and strides) is used as it is, as TE does;
+* a tensor that shares the buffer's memory with another geometry (``buffer.t()``, a shifted view)
+  is copied through a temporary: ``copy_`` between overlapping tensors reads what it already
+  overwrote;
+* anything else is copied in.
+
+The cost is O(inputs) per replay and never synchronises the device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mhc_cg.core.storage import storage_id
+
+
+def describe(t) -> str:
+    if not isinstance(t, Tensor):
+        return "None" if t is None else f"{type(t).__name__} {t!r}"
+    return f"{list(t.shape)} {t.dtype} on {t.device}"
+
+
+def input_problem(what: str, given, shape, dtype: torch.dtype, device: torch.device) -> str | None:
+    """One line naming ``what`` and the fix, or ``None`` when ``given`` fits the buffer."""
+    if isinstance(given, Tensor) and tuple(given.shape) == tuple(shape) and given.dtype == dtype \
+            and given.device == device:
+        return None
+    return (f"{what} is {describe(given)}, but the graph was captured with {list(shape)} {dtype} "
+            f"on {device}; pass a tensor of that shape, dtype and device (a graph replays fixed "
+            f"shapes)")
+
+
+def check_input(what: str, given, static: Tensor) -> None:
+    """Raise ``ValueError`` (:func:`input_problem`) unless ``given`` fits ``static``."""
+    problem = input_problem(what, given, static.shape, static.dtype, static.device)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def is_buffer(static: Tensor, given: Tensor) -> bool:
+    """``given`` is ``static``: the same storage, offset, shape and strides."""
+    return (storage_id(static) == storage_id(given)
+            and static.storage_offset() == given.storage_offset()
+            and static.shape == given.shape and static.stride() == given.stride())
+
+
+def load_input(static: Tensor, given: Tensor) -> None:
+    """Make ``static`` hold ``given``'s values (see the module docstring)."""
+    if is_buffer(static, given):
+        return
+    if storage_id(static) == storage_id(given):
+        given = given.clone()  # overlapping memory in another layout
+    static.copy_(given)
