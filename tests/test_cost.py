@@ -310,3 +310,42 @@ def test_moe_config_costs_partial_capture_on_cpu_and_is_refused_on_meta():
     heads = [g for g in partial["graphs"] if g["name"].endswith(".head fwd")]
     assert len(heads) == 2  # the MoE sublayer's captured head, one per layer
     assert partial["eager_kernels_per_step"] > 0  # the eager tail (dispatch, experts) counts
+
+
+# -- where the bytes go ----------------------------------------------------------------------------
+
+def test_every_byte_of_a_step_is_attributed_to_a_phase_and_a_part():
+    report = cost_report(tiny_config(), "meta", "tiny")
+    for mode, m in report["modes"].items():
+        attributed = sum(b for phase in m["bytes_by_phase_and_part"].values() for b in phase.values())
+        assert attributed == m["bytes_per_step"], mode
+        assert set(m["bytes_by_phase_and_part"]) <= {"forward", "recompute", "backward", "optimizer"}
+    copies = {mode: m["copy_bytes_per_step"] for mode, m in report["modes"].items()}
+    assert copies["eager_none"] == {} and set(copies["eager_block"]) == {"refills"}
+    assert {"static inputs", "grad outputs", "grad clones"} <= set(copies["graphed_none"])
+    assert report["modes"]["eager_none"]["mhc_traffic_C"]["recompute"] == 0
+    assert report["modes"]["eager_block"]["mhc_traffic_C"]["recompute"] > 0
+
+
+def test_an_mlp_as_wide_as_the_streams_is_not_mhc_traffic():
+    """mHC traffic is found by identity: with ffn = n * C the MLP's tensors are as wide as the
+    streams, and its bytes must still count as F's."""
+    def mhc_bytes(ffn):
+        cfg = tiny_config()
+        cfg.model = dataclasses.replace(cfg.model, ffn_hidden_size=ffn)
+        m = cost_report(cfg, "meta")["modes"]["eager_none"]
+        return m["mhc_traffic_C"], m["bytes_by_phase_and_part"]
+    streams = 4 * 16
+    as_wide, other = mhc_bytes(streams), mhc_bytes(streams - 16)
+    assert as_wide[0] == other[0]  # the same mHC traffic whatever F's width
+    assert as_wide[1]["forward"]["F and the rest"] > other[1]["forward"]["F and the rest"]
+
+
+def test_a_recompute_graph_is_costed_beside_its_bound():
+    report = cost_report(tiny_config(), "meta", "tiny")
+    recompute = [g for g in report["modes"]["graphed_static"]["graphs"] if g["kind"] == "recompute"]
+    assert recompute and all(g["bound_bytes"] > 0 for g in recompute)
+    # the bound: block input once, then per sublayer F's output read, the stream and F's input
+    # written: (n C + 2 L (n + 2) C) per token, L = 1 layer per block here, fp32
+    assert recompute[0]["bound_bytes"] == 8 * 2 * (4 * 16 + 2 * 1 * 6 * 16) * 4
+    assert all(g["over_bound"] == g["bytes"] / g["bound_bytes"] for g in recompute)

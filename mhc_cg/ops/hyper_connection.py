@@ -17,6 +17,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from mhc_cg.core import traffic
 from mhc_cg.ops import kernels as fused
 from mhc_cg.ops.kernels.reference import RMS_EPS, SINKHORN_EPS
 
@@ -83,14 +84,16 @@ def expand_streams(x: Tensor, num_streams: int) -> Tensor:
     if x.dim() != 3:
         raise ValueError(f"expand_streams: expected shape [s, b, C], got {tuple(x.shape)}")
     s, b, c = x.shape
-    return x.unsqueeze(-2).expand(s, b, num_streams, c).reshape(s, b, num_streams * c)
+    with traffic.mhc():
+        return x.unsqueeze(-2).expand(s, b, num_streams, c).reshape(s, b, num_streams * c)
 
 
 def contract_streams(x: Tensor, num_streams: int) -> Tensor:
     """``[s, b, n*C] -> [s, b, C]``: the mean over the n streams."""
     c = _check_streams("contract_streams", x, num_streams)
     s, b, _ = x.shape
-    return x.view(s, b, num_streams, c).mean(dim=-2)
+    with traffic.mhc():
+        return x.view(s, b, num_streams, c).mean(dim=-2)
 
 
 class HyperConnection(nn.Module):
@@ -120,9 +123,10 @@ class HyperConnection(nn.Module):
     def compute_mappings(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``x [s, b, n*C] -> h_pre [s, b, n], h_post [s, b, n], h_res [s, b, n, n]``."""
         _check_streams("compute_mappings", x, self.num_streams, self.hidden_size)
-        return fused.mappings(x, self.mapping_proj(x), self.alpha_pre, self.alpha_post,
-                              self.alpha_res, self.bias, self.num_streams,
-                              self.sinkhorn_iterations, self.kernels)
+        with traffic.mhc():
+            return fused.mappings(x, self.mapping_proj(x), self.alpha_pre, self.alpha_post,
+                                  self.alpha_res, self.bias, self.num_streams,
+                                  self.sinkhorn_iterations, self.kernels)
 
     def aggregate(self, x: Tensor, h_pre: Tensor) -> Tensor:
         """``sum_i h_pre[i] * x[i]``: ``[s, b, n*C], [s, b, n] -> [s, b, C]``."""

@@ -45,6 +45,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from mhc_cg.core import traffic
 from mhc_cg.runtime.graphs.backends import get_backend, resolve_backend_name
 from mhc_cg.runtime.graphs.capture import Graph, GraphBackend
 from mhc_cg.runtime.graphs.static_inputs import check_input, describe, load_input
@@ -194,8 +195,9 @@ class GraphedRunner:
                             f"captured with {len(self.static_inputs)}")
         for i, (static, given) in enumerate(zip(self.static_inputs, inputs)):
             check_input(f"graphed callable {self.label}: input {i}", given, static)
-        for static, given in zip(self.static_inputs, inputs):
-            load_input(static, given)
+        with traffic.runtime_copy("static inputs"):
+            for static, given in zip(self.static_inputs, inputs):
+                load_input(static, given)
 
     def saved_versions(self) -> tuple[int, ...]:
         """The version counters of the outputs the backward graph reads, as a replay left them."""
@@ -221,18 +223,20 @@ class GraphedRunner:
     def replay_backward(self, grads: Sequence[torch.Tensor | None]) -> tuple:
         if self.bwd_graph is None:
             return tuple(None for _ in self.surface)
-        for static, grad in zip(self.static_grad_outputs, grads):
-            if static is None:
-                continue
-            if grad is None:
-                static.zero_()
-            else:
-                load_input(static, grad)
+        with traffic.runtime_copy("grad outputs"):
+            for static, grad in zip(self.static_grad_outputs, grads):
+                if static is None:
+                    continue
+                if grad is None:
+                    static.zero_()
+                else:
+                    load_input(static, grad)
         self.bwd_graph.replay()
         # Clones, not the static buffers: AccumulateGrad adopts a lone incoming gradient as
         # ``.grad`` (and the engine may add into it in place), so handing out a static buffer would
         # let the next replay overwrite an accumulated gradient.
-        return tuple(g.clone() if g is not None else None for g in self.static_grad_inputs)
+        with traffic.runtime_copy("grad clones"):
+            return tuple(g.clone() if g is not None else None for g in self.static_grad_inputs)
 
 
 def saved_storages(outputs: Sequence[torch.Tensor]) -> set[int]:
@@ -549,7 +553,7 @@ def _capture(backend: GraphBackend, pool, passes, func_of, runners, sample_args,
         runner = runners[index]
         if kind == "fwd":
             runner.fwd_graph = backend.new_graph(pool=pool)
-            with runner.fwd_graph.capture():
+            with runner.fwd_graph.capture(), traffic.phase("forward"):
                 outputs = func_of[index](*sample_args[index], **sample_kwargs[index])
             flat, runner.output_spec = tree_flatten(outputs)
             if not all(isinstance(o, torch.Tensor) for o in flat):
@@ -567,7 +571,7 @@ def _capture(backend: GraphBackend, pool, passes, func_of, runners, sample_args,
             runner.static_grad_inputs = [None] * len(runner.surface)
             continue
         runner.bwd_graph = backend.new_graph(pool=pool)
-        with runner.bwd_graph.capture():
+        with runner.bwd_graph.capture(), traffic.phase("backward"):
             grads = _grads_of(diff_outputs, runner.surface,
                               [g for g in runner.static_grad_outputs if g is not None], allow_unused)
         # replay_backward clones them before any other graph runs: the pool may have them back

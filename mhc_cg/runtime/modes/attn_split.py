@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from mhc_cg.core import traffic
 from mhc_cg.model import MHCGPT
 from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
 from mhc_cg.runtime.modes.lifecycle import (CapturedState, ModeModel, rewind_replay_order,
@@ -87,7 +88,8 @@ def aggregate_into(steps, slot: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
         agg = steps.aggregate(x, h_pre)
         if torch.is_grad_enabled():
             return agg
-        slot.copy_(agg)
+        with traffic.runtime_copy("static inputs"):
+            slot.copy_(agg)
         return static_view(slot)
     return aggregate
 

@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from mhc_cg.core import traffic
 from mhc_cg.model.moe import MoECudaGraphPartialCaptureSignal, MoECudaGraphTensorStore
 from mhc_cg.model import MHCGPT, MoEMLP
 from mhc_cg.config.choices import RECOMPUTE_SCOPE
@@ -49,7 +50,8 @@ class _WriteInto(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: Tensor, target: _Target) -> Tensor:
         out = target.tensor.detach()
-        out.copy_(t)
+        with traffic.runtime_copy("graph outputs into the next input"):
+            out.copy_(t)
         return out
 
     @staticmethod
@@ -77,7 +79,8 @@ class SlotSublayer(nn.Module):
         out, y = self.runtime.sublayer(self.sub, self.position, self.k, x, seed)
         y = y.detach()
         if self.fn_buffer is not None:
-            self.fn_buffer.copy_(y)
+            with traffic.runtime_copy("persistent set"):
+                self.fn_buffer.copy_(y)
             y = self.fn_buffer.detach()
         if self.out_buffer is not None:
             out = _WriteInto.apply(out, _Target(self.out_buffer))

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from mhc_cg.core import traffic
 from mhc_cg.core.storage import storage_id
 
 ALIGN_BYTES = 64
@@ -143,7 +144,8 @@ class Arena:
         if self._data_ptrs.setdefault(key, ptr) != ptr:
             raise ArenaLayoutError(f"region {region.name} slot {index} moved: "
                                    f"{self._data_ptrs[key]:#x} -> {ptr:#x}")
-        dst.copy_(flat)
+        with traffic.runtime_copy("arena slots"):
+            dst.copy_(flat)
 
     def data_ptrs(self) -> dict[tuple[str, int], int]:
         """Every slot's address as first written (for invariance checks)."""

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from mhc_cg.core import traffic
 from mhc_cg.runtime.recompute.gradient_order import capture_use_gradients, grad_node_key
 from mhc_cg.core.storage import storage_id
 
@@ -264,7 +265,8 @@ class CheckpointWithoutOutput:
                 f"checkpoint {self.name!r}: its recompute was already consumed by an earlier "
                 f"backward; a second backward through a discarded checkpoint is not supported "
                 f"(run the forward again)")
-        self.recompute()
+        with traffic.phase("recompute"):
+            self.recompute()
 
     # -------------------------------------------------------------- recompute
     def recompute(self, refilled: Mapping[int, Tensor] | None = None) -> tuple[Tensor, ...]:
@@ -321,7 +323,7 @@ class CheckpointWithoutOutput:
             # A writer alias: same storage, own version counter, so saved views stay valid.
             alias = torch.empty(0, dtype=out.dtype, device=out.device)
             alias.set_(storage, out.storage_offset(), out.shape, out.stride())
-            with torch.no_grad():
+            with torch.no_grad(), traffic.runtime_copy("refills"):
                 alias.copy_(new.detach())
 
     # --------------------------------------------------------------- backward

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from mhc_cg.core import traffic
 from mhc_cg.core.nvtx import nvtx_range
 from mhc_cg.model.layers import MLP
 from mhc_cg.runtime.recompute.checkpoint import CheckpointWithoutOutput, RNGState
@@ -140,7 +141,7 @@ class BlockRecomputeManager:
         """Recompute every checkpoint in forward order, refilling inputs from their sources."""
         recomputed: list[tuple[Tensor, ...]] = []
         self.trace = []
-        with nvtx_range("recompute", 0, None, self.name):
+        with nvtx_range("recompute", 0, None, self.name), traffic.phase("recompute"):
             for ckpt in self.checkpoints:
                 fills = {i: recomputed[src][out] for i, (src, out) in self._resolved[ckpt.name].items()}
                 recomputed.append(ckpt.recompute(fills))

@@ -35,6 +35,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import torch.nn.functional as F
 
+from mhc_cg.core import traffic
 from mhc_cg.core.errors import StaticRecomputeError
 from mhc_cg.model import MLP, MHCSublayer, MHCTransformerLayer, recomputes_activation
 from mhc_cg.runtime.graphs.static_inputs import check_input
@@ -102,7 +103,8 @@ class _StoreToPersistent(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: Tensor, pset: PersistentSlotSet, index: int) -> Tensor:
         dst = pset.fc1_outputs[index]
-        dst.copy_(t)  # nothing saved a view of dst since the set was acquired: no version clash
+        with traffic.runtime_copy("persistent set"):
+            dst.copy_(t)  # nothing saved a view of dst since the set was acquired: no version clash
         return dst.as_strided(dst.size(), dst.stride(), dst.storage_offset())
 
     @staticmethod
@@ -116,7 +118,8 @@ class _StoreToPersistentSlot(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t: Tensor, dst: Tensor) -> Tensor:
-        dst.copy_(t)  # nothing saved a view of dst since the set was acquired: no version clash
+        with traffic.runtime_copy("persistent set"):
+            dst.copy_(t)  # nothing saved a view of dst since the set was acquired: no version clash
         return dst.as_strided(dst.size(), dst.stride(), dst.storage_offset())
 
     @staticmethod
@@ -341,7 +344,7 @@ class StaticRecompute:
         pool's): its temporaries are dead when the block's backward starts, whatever shares the pool.
         """
         graph = backend.new_graph(pool=pool)
-        with graph.capture():
+        with graph.capture(), traffic.phase("recompute"):
             self.recompute_block(block, pset)
         if graph.stats.escaped_bytes:
             raise StaticRecomputeError(
@@ -372,7 +375,8 @@ class StaticRecompute:
         graph = self.recompute_graphs.get((block, pset.index))
         self.trace.append(f"recompute block {block} set {pset.index} "
                           f"({'graph' if graph is not None else 'eager'})")
-        with nvtx_range("recompute", 0, None, f"block{block}"):  # same name as eager block recompute
+        # same range name as eager block recompute
+        with nvtx_range("recompute", 0, None, f"block{block}"), traffic.phase("recompute"):
             if graph is not None:
                 graph.replay()
             else:
@@ -404,11 +408,13 @@ class StaticRecompute:
         state = {"released": False}
         try:
             if seed is not None:
-                pset.seed.copy_(seed)
+                with traffic.runtime_copy("persistent set"):
+                    pset.seed.copy_(seed)
             seed_in = pset.seed if seed is not None else None
             for b, block in enumerate(self.blocks):
                 if not self._block_input_storages:  # else the block's first sublayer stores it
-                    pset.block_inputs[b].copy_(x.detach())
+                    with traffic.runtime_copy("persistent set"):
+                        pset.block_inputs[b].copy_(x.detach())
                 first = b * self.block_size
                 for position, layer in enumerate(block):
                     for k, sub in enumerate((layer.attention, layer.mlp)):
@@ -419,7 +425,8 @@ class StaticRecompute:
                             x, y = self.sublayer(sub, position, k, x, seed_in)
                         dst = pset.fn_outputs[(first + position, k)]
                         if storage_id(dst) != storage_id(y) or dst.storage_offset() != y.storage_offset():
-                            dst.copy_(y.detach())  # a graphed sublayer may have written it already
+                            with traffic.runtime_copy("persistent set"):
+                                dst.copy_(y.detach())  # a graphed sublayer may have written it already
                 if x.requires_grad:
                     handles.append(x.register_hook(self._make_block_hook(b, pset, state)))
         except BaseException:

@@ -101,3 +101,33 @@ def op_bytes(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -
     read = sum(tensor_bytes(t) for t in _tensors((args, kwargs)) if id(t) not in skip)
     written = sum(tensor_bytes(t) for t in _tensors(out))
     return read, written
+
+
+# Matrix products and attention, the ops whose FLOPs can outweigh their bytes.
+_GEMMS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"}
+_ATTENTION_FORWARD = {"aten._scaled_dot_product_flash_attention",
+                      "aten._scaled_dot_product_efficient_attention",
+                      "aten._scaled_dot_product_flash_attention_for_cpu"}
+_ATTENTION_BACKWARD = {name + "_backward" for name in _ATTENTION_FORWARD}
+
+
+def is_gemm(func: torch._ops.OpOverload) -> bool:
+    return str(func.overloadpacket) in _GEMMS
+
+
+def op_flops(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> int:
+    """Floating-point operations of one kernel: ``2 M N K`` for a matrix product; for causal
+    attention ``2 b h s^2 d`` forward (two products, half the scores masked) and 2.5 times that
+    backward (five products, the scores recomputed); 0 for everything else."""
+    name = str(func.overloadpacket)
+    if name in _GEMMS:
+        a = [t for t in args if isinstance(t, torch.Tensor)]
+        mat1, mat2 = a[-2], a[-1]  # addmm / baddbmm: (bias, mat1, mat2)
+        batch = mat1.shape[0] if mat1.dim() == 3 else 1
+        return 2 * batch * mat1.shape[-2] * mat1.shape[-1] * mat2.shape[-1]
+    if name in _ATTENTION_FORWARD or name in _ATTENTION_BACKWARD:
+        query = next(t for t in args if isinstance(t, torch.Tensor))  # [b, h, s, d]
+        b, h, s, d = query.shape
+        forward = 2 * b * h * s * s * d
+        return int(2.5 * forward) if name in _ATTENTION_BACKWARD else forward
+    return 0

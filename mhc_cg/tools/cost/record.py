@@ -20,41 +20,114 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from mhc_cg.tools.cost.allocator import Block, PoolState, rounded
-from mhc_cg.tools.cost.ops import launches_kernel, op_bytes
+from mhc_cg.core import traffic
+from mhc_cg.tools.cost.ops import is_gemm, launches_kernel, op_bytes, op_flops
 from mhc_cg.runtime.graphs.guard import CaptureGuardMode
 from mhc_cg.core.storage import storage_id
 
 
+# The machine the step times are modelled on: an H100 SXM's HBM3 bandwidth and dense bf16 rate.
+H100_BYTES_PER_S = 3.35e12
+H100_FLOPS = 989e12
+
+
 @dataclass
 class OpCounter:
-    """Kernels and bytes of the ops seen; ``by_op`` counts kernels per op name."""
+    """Kernels, bytes and FLOPs of the ops seen; ``by_op`` counts kernels per op name.
+
+    ``by_part`` splits the bytes by ``(phase, part)`` (:func:`part_of`); ``model_seconds`` sums each
+    kernel's time on the modelled GPU: its bytes at the HBM bandwidth or its FLOPs at the dense
+    rate, whichever takes longer.
+    """
 
     kernels: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
     ops: int = 0
+    flops: int = 0
+    model_seconds: float = 0.0
     by_op: Counter = field(default_factory=Counter)
+    by_part: Counter = field(default_factory=Counter)
 
     @property
     def bytes(self) -> int:
         return self.bytes_read + self.bytes_written
 
-    def add(self, func, args: tuple, kwargs: dict, out: Any) -> None:
+    def add(self, func, args: tuple, kwargs: dict, out: Any, streams: StreamTracker | None = None) -> None:
         self.ops += 1
         if not launches_kernel(func, args, kwargs, out):
             return
         read, written = op_bytes(func, args, kwargs, out)
+        flops = op_flops(func, args, kwargs, out)
         self.kernels += 1
         self.bytes_read += read
         self.bytes_written += written
+        self.flops += flops
+        self.model_seconds += max((read + written) / H100_BYTES_PER_S, flops / H100_FLOPS)
         self.by_op[str(func.overloadpacket)] += 1
+        key = (traffic.current_phase() or "other", part_of(func, args, kwargs, out, streams))
+        self.by_part[key] += read + written
 
     def add_counter(self, other: "OpCounter") -> None:
         self.kernels += other.kernels
         self.bytes_read += other.bytes_read
         self.bytes_written += other.bytes_written
         self.ops += other.ops
+        self.flops += other.flops
+        self.model_seconds += other.model_seconds
         self.by_op.update(other.by_op)
+        self.by_part.update(other.by_part)
+
+
+# What a kernel's bytes are for. mHC traffic is the fused mHC ops plus every other op that touches
+# a stream tensor (F never sees one); copies the runtime adds are named by the runtime.
+MHC_PARTS = ("mHC ops", "n-stream GEMMs", "n-stream adds", "n-stream other")
+
+
+class StreamTracker:
+    """Which storages hold n-stream tensors (the residual streams, their gradients, the mapping
+    projection's weight), by identity (a tensor with an ``n C`` dimension joins only through mHC
+    work): width alone cannot tell (an MLP of 4C is as wide as 4
+    streams of C). Work labelled :func:`mhc_cg.core.traffic.mhc` and the fused mHC ops seed the
+    set; any op touching a member joins its ``width``-wide tensors to it, so the backward's ops
+    (which no label reaches) are found through the tensors they read."""
+
+    def __init__(self, width: int):
+        self.width = width
+        self._refs: dict[int, StorageWeakRef] = {}
+
+    def _wide(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        # any dimension: the projection's weight is read transposed in the forward
+        return [t for t in tensors if self.width in t.shape]
+
+    def _member(self, t: torch.Tensor) -> bool:
+        ref = self._refs.get(storage_id(t))
+        return ref is not None and not ref.expired()
+
+    def classify(self, func, args: tuple, kwargs: dict, out: Any) -> str | None:
+        """The op's mHC part, or ``None`` when it touches no stream."""
+        wide = self._wide(_tensors((args, kwargs, out)))
+        custom = getattr(func, "namespace", "") == "mhc_cg"
+        if not (custom or traffic.in_mhc() or any(self._member(t) for t in wide)):
+            return None
+        for t in wide:
+            self._refs[storage_id(t)] = StorageWeakRef(t.untyped_storage())
+        if custom:
+            return "mHC ops"
+        if is_gemm(func):
+            return "n-stream GEMMs"
+        return "n-stream adds" if str(func.overloadpacket) in ("aten.add", "aten.add_") \
+            else "n-stream other"
+
+
+def part_of(func, args: tuple, kwargs: dict, out: Any, streams: StreamTracker | None) -> str:
+    mhc = streams.classify(func, args, kwargs, out) if streams is not None else None  # tracks too
+    copy = traffic.current_copy()
+    if copy is not None:
+        return f"copy: {copy}"
+    if traffic.current_phase() == "optimizer":
+        return "optimizer"
+    return mhc or "F and the rest"
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -68,9 +141,10 @@ class CaptureRecorder(CaptureGuardMode):
     table at the start, and :meth:`settle` returns the capture's peaks.
     """
 
-    def __init__(self, graph_name: str, pool: PoolState):
+    def __init__(self, graph_name: str, pool: PoolState, streams: StreamTracker | None = None):
         super().__init__(graph_name, keep_tensors=False)
         self.pool = pool
+        self.streams = streams
         self.counter = OpCounter()
         self.index = 0
         self.blocks: dict[int, Block] = {b.ref.cdata: b for b in pool.live_resident()}
@@ -91,7 +165,7 @@ class CaptureRecorder(CaptureGuardMode):
 
     def record(self, func, args, kwargs, out, written, fresh_outputs) -> None:
         i = self.index
-        self.counter.add(func, args, kwargs, out)
+        self.counter.add(func, args, kwargs, out, self.streams)
         for t in _tensors((args, kwargs)):
             key = storage_id(t)
             block = self.blocks.get(key)
@@ -126,16 +200,17 @@ class StepRecorder(TorchDispatchMode):
 
     active: list["StepRecorder"] = []
 
-    def __init__(self) -> None:
+    def __init__(self, streams: StreamTracker | None = None) -> None:
         super().__init__()
         self.eager = OpCounter()
         self.graphs = OpCounter()
         self.replays = 0
+        self.streams = streams
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.eager.add(func, args, kwargs, out)
+        self.eager.add(func, args, kwargs, out, self.streams)
         return out
 
     def __enter__(self):
@@ -157,3 +232,7 @@ class StepRecorder(TorchDispatchMode):
     @property
     def bytes(self) -> int:
         return self.eager.bytes + self.graphs.bytes
+
+    @property
+    def by_part(self) -> Counter:
+        return self.eager.by_part + self.graphs.by_part

@@ -20,7 +20,7 @@ from typing import Iterator
 import torch
 
 from mhc_cg.tools.cost.allocator import CapturePeak, PoolState
-from mhc_cg.tools.cost.record import CaptureRecorder, OpCounter, StepRecorder
+from mhc_cg.tools.cost.record import CaptureRecorder, OpCounter, StepRecorder, StreamTracker
 from mhc_cg.runtime.graphs.capture import Graph, GraphBackend, Pool
 
 
@@ -34,6 +34,7 @@ class CostPool(Pool):
         super().__init__(private, independent)
         self.state = PoolState()
         self.log: list["CostGraph"] = []
+        self.streams: StreamTracker | None = None  # set by the backend that registers the pool
 
 
 class CostGraph(Graph):
@@ -48,7 +49,7 @@ class CostGraph(Graph):
 
     @contextlib.contextmanager
     def _record(self) -> Iterator[None]:
-        recorder = CaptureRecorder(self.name, self.pool.state)
+        recorder = CaptureRecorder(self.name, self.pool.state, self.pool.streams)
         with recorder:
             yield
         self.stats = recorder.finish()
@@ -74,12 +75,14 @@ class CostBackend(GraphBackend):
     graph_type = CostGraph
     warmup_iters = 0  # nothing to set up lazily; warmups would only cost time on meta
 
-    def __init__(self, device: str = "meta"):
+    def __init__(self, device: str = "meta", streams: StreamTracker | None = None):
         self.device = str(device)
+        self.streams = streams  # what marks an op's bytes as mHC traffic
         self.captured: list[CostGraph] = []
         self.pools: list[CostPool] = []
 
     def _register(self, pool: CostPool) -> CostPool:
+        pool.streams = self.streams
         if pool not in self.pools:
             pool.log = self.captured
             self.pools.append(pool)

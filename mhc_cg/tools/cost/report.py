@@ -22,10 +22,14 @@ import torch.nn.functional as F
 
 from mhc_cg.config import RunConfig, check
 from mhc_cg.core.errors import ConfigError
+from mhc_cg.core import traffic
 from mhc_cg.core.progress import log
+from mhc_cg.model import recomputes_activation
 from mhc_cg.runtime.modes.registry import MODES, build, capture_plan, mode_config
 from mhc_cg.tools.cost.attention import fused_attention_on_meta
-from mhc_cg.tools.cost.record import StepRecorder
+from mhc_cg.tools.cost.attribution import (MODEL_NOTE, REFERENCE_C, by_phase_and_part, copies,
+                                           mhc_traffic_c, predicted_seconds, recompute_bound_bytes)
+from mhc_cg.tools.cost.record import StepRecorder, StreamTracker
 from mhc_cg.tools.cost.recording import CostBackend
 from mhc_cg.training.data import ProgressionCorpus
 
@@ -67,7 +71,8 @@ def cost_mode(cfg: RunConfig, mode: str, device: str) -> dict:
     module docstring)."""
     dev = torch.device(device)
     meta = dev.type == "meta"
-    backend = CostBackend(device)
+    streams = StreamTracker(cfg.model.num_streams * cfg.model.hidden_size)
+    backend = CostBackend(device, streams)
     plan = capture_plan(cfg, mode, "cpu")  # the backend is ours; the plan's is not used
     with contextlib.ExitStack() as stack:
         if meta:
@@ -85,29 +90,25 @@ def cost_mode(cfg: RunConfig, mode: str, device: str) -> dict:
         def step() -> None:
             optimizer.zero_grad(set_to_none=True)
             for _ in range(train.num_microbatches):
-                inputs, targets = (t.to(dev) for t in corpus.batch(train.micro_batch_size))
-                seed = torch.zeros((), dtype=torch.int64, device=dev)
-                logits = forward(inputs, seed)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(),
-                                       targets.flatten()) / train.num_microbatches
-                loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"), foreach=False)
-            optimizer.step()
+                with traffic.phase("forward"):  # the batch's loading counts with the forward
+                    inputs, targets = (t.to(dev) for t in corpus.batch(train.micro_batch_size))
+                    seed = torch.zeros((), dtype=torch.int64, device=dev)
+                    logits = forward(inputs, seed)
+                    loss = F.cross_entropy(logits.flatten(0, 1).float(),
+                                           targets.flatten()) / train.num_microbatches
+                with traffic.phase("backward"):
+                    loss.backward()
+            with traffic.phase("optimizer"):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"), foreach=False)
+                optimizer.step()
 
         _init_optimizer_state(model, optimizer)
-        recorder = StepRecorder()
+        recorder = StepRecorder(streams)
         with recorder:
             step()
-    names = {id(graph): (name, kind) for name, kind, graph in runner.named_graphs()}
-    graphs = []
-    for graph in backend.captured:
-        name, kind = names.get(id(graph), (graph.name, "forward"))
-        graphs.append({"name": name, "kind": kind, "kernels": graph.cost.kernels,
-                       "bytes": graph.cost.bytes, "pool_peak_bytes": graph.peak.peak_bytes,
-                       "pool_held_peak_bytes": graph.peak.held_peak_bytes,
-                       "pool_resident_bytes": graph.peak.resident_before,
-                       "escaped_bytes": graph.peak.escaped_bytes, "pool": graph.pool.id})
+    graphs = _graph_entries(runner, backend, cfg)
     info = runner.describe()
+    by_part = recorder.by_part
     return {
         "kernels_per_step": recorder.kernels,
         "bytes_per_step": recorder.bytes,
@@ -121,7 +122,35 @@ def cost_mode(cfg: RunConfig, mode: str, device: str) -> dict:
         "persistent_bytes_per_microbatch": info.get("persistent_bytes_per_microbatch"),
         "static_buffer_bytes": runner.static_buffer_bytes(),
         "top_eager_kernels": dict(recorder.eager.by_op.most_common(8)),
+        "flops_per_step": recorder.eager.flops + recorder.graphs.flops,
+        "predicted_h100_step_s": predicted_seconds(
+            recorder.eager.model_seconds + recorder.graphs.model_seconds, recorder.eager.kernels,
+            recorder.replays),
+        "bytes_by_phase_and_part": by_phase_and_part(by_part),
+        "mhc_traffic_C": mhc_traffic_c(by_part, cfg),
+        "copy_bytes_per_step": copies(by_part),
     }
+
+
+def _graph_entries(runner, backend: CostBackend, cfg: RunConfig) -> list[dict]:
+    """Every captured graph in capture order; a recompute graph with its bound beside it."""
+    names = {id(graph): (name, kind) for name, kind, graph in runner.named_graphs()}
+    entries = []
+    for graph in backend.captured:
+        name, kind = names.get(id(graph), (graph.name, "forward"))
+        entry = {"name": name, "kind": kind, "kernels": graph.cost.kernels,
+                 "bytes": graph.cost.bytes, "pool_peak_bytes": graph.peak.peak_bytes,
+                 "pool_held_peak_bytes": graph.peak.held_peak_bytes,
+                 "pool_resident_bytes": graph.peak.resident_before,
+                 "escaped_bytes": graph.peak.escaped_bytes, "pool": graph.pool.id}
+        if kind == "recompute":
+            block = int(name.split()[2])
+            layers = runner.runtime.blocks[block]
+            bound = recompute_bound_bytes(cfg, len(layers), sum(
+                recomputes_activation(layer.mlp) for layer in layers))
+            entry.update(bound_bytes=bound, over_bound=graph.cost.bytes / bound)
+        entries.append(entry)
+    return entries
 
 
 def checks(modes: dict) -> list[dict]:
@@ -188,6 +217,7 @@ def format_report(report: dict, per_graph: bool = True) -> str:
                      f"{len(m['graphs']):>6} {m['pools']:>5} {_size(m['pool_reserved_bytes']):>13} "
                      f"{_size(m['arena_bytes']):>10} {_size(m['persistent_bytes_per_microbatch']):>13} "
                      f"{_size(m['static_buffer_bytes']):>11}")
+    lines += ["", *format_traffic(report)]
     for name, reason in report.get("skipped", {}).items():
         lines.append(f"{name}: not costed on {report['device']}: {reason}")
     for c in report["checks"]:
@@ -207,3 +237,38 @@ def format_report(report: dict, per_graph: bool = True) -> str:
                          f"{g['pool']:>4} {_size(g['pool_peak_bytes']):>10} "
                          f"{_size(g['pool_held_peak_bytes']):>10} {_size(g['escaped_bytes']):>10}")
     return "\n".join(lines)
+
+
+def format_traffic(report: dict) -> list[str]:
+    """The mHC traffic per token and sublayer (C) beside the references, bytes per step by part,
+    the runtime's copies and the modelled step time, one row per mode."""
+    modes = report["modes"]
+    reference = modes.get("eager_none")
+    lines = ["mHC traffic per token and sublayer, in C (one C-wide row); " + "; ".join(
+                 f"{name}: {value:g}C" for name, value in REFERENCE_C.items()),
+             f"{'mode':15} {'forward':>8} {'recompute':>9} {'backward':>8} {'total':>7} "
+             f"{'H100 step (model)':>17} {'/eager_none':>11} {'/eager_block':>12}",
+             "-" * 95]
+    block = modes.get("eager_block")
+    for name, m in modes.items():
+        c, step = m["mhc_traffic_C"], m["predicted_h100_step_s"]
+        ratio = (lambda other: "-" if other is None else f"{step / other['predicted_h100_step_s']:.3f}")
+        lines.append(f"{name:15} {c['forward']:>8.1f} {c['recompute']:>9.1f} {c['backward']:>8.1f} "
+                     f"{c['total']:>7.1f} {step * 1e3:>14.2f} ms {ratio(reference):>11} "
+                     f"{ratio(block):>12}")
+    lines += [f"step times: {MODEL_NOTE}", "", "bytes per step by part (all phases)"]
+    parts = sorted({part for m in modes.values() for phase in m["bytes_by_phase_and_part"].values()
+                    for part in phase})
+    lines.append(f"{'part':34}" + "".join(f"{name:>15}" for name in modes))
+    for part in parts:
+        row = [sum(phase.get(part, 0) for phase in m["bytes_by_phase_and_part"].values())
+               for m in modes.values()]
+        lines.append(f"{part:34}" + "".join(f"{_size(b):>15}" for b in row))
+    for name, m in modes.items():
+        bounded = [g for g in m["graphs"] if "bound_bytes" in g]
+        if bounded:
+            worst = max(bounded, key=lambda g: g["over_bound"])
+            lines.append(f"{name}: {len(bounded)} recompute graphs, each {_size(worst['bytes'])} "
+                         f"against a bound of {_size(worst['bound_bytes'])} (worst "
+                         f"{worst['over_bound']:.2f} x bound)")
+    return lines
