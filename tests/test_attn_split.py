@@ -33,8 +33,8 @@ def test_plan_graphs_attention_only_whatever_the_scopes():
     assert (plan.attn, plan.mlp, plan.recompute_graph, plan.scopes) == (True, False, False, ("attn",))
 
 
-def test_aggregate_lives_in_the_static_input_and_the_recompute_rewrites_it():
-    """The aggregate checkpoint's output is the graph's static input: the replay copies nothing,
+def test_fn_input_lives_in_the_static_input_and_the_recompute_rewrites_it():
+    """The pre checkpoint's F input is the graph's static input: the replay copies nothing,
     discard keeps the bytes, and the recompute writes the forward's values back before the graph's
     backward reads them (a clobbered slot would change the gradients)."""
     cfg = split_config()
@@ -66,12 +66,12 @@ def test_aggregate_lives_in_the_static_input_and_the_recompute_rewrites_it():
         assert torch.equal(model.get_parameter(name).grad, g), name
 
 
-def test_discard_refuses_an_aggregate_that_left_the_slot():
+def test_discard_refuses_an_fn_input_that_left_the_slot():
     from mhc_cg.runtime.recompute.eager import BlockRecomputeManager
 
     manager = BlockRecomputeManager()
     slot = torch.zeros(3)
-    ckpt = StaticInputCheckpoint(manager, slot, name="agg")
+    ckpt = StaticInputCheckpoint(manager, slot, 0, name="pre")
     x = torch.ones(3, requires_grad=True)
     ckpt.checkpoint(lambda t: t * 2, x)  # returns a fresh tensor, not the slot
     with pytest.raises(RuntimeError, match="not the graph's static input"):

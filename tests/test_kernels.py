@@ -1,5 +1,6 @@
-"""Fused mHC ops: torch reference against the composed torch math, Triton (interpreter on CPU)
-against the reference, dropout masks bit-exact, one op per step under the graph tape, and the
+"""Fused mHC ops: the torch reference against the composed torch math (values and gradients),
+Triton (the interpreter on CPU) against the reference, the block recompute reproducing the forward
+bit for bit, dropout masks bit-exact, one op per step under the graph tape, and the
 kernel-launch count of a training step."""
 
 from __future__ import annotations
@@ -14,18 +15,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from mhc_cg.core.errors import ConfigError
+from mhc_cg.model import MHCGPTConfig
 from mhc_cg.ops import kernels as fused
 from mhc_cg.ops.dropout import counter_dropout_mask
-from mhc_cg.core.errors import ConfigError
-from mhc_cg.tools.compare import compared_modes
 from mhc_cg.ops.hyper_connection import HyperConnection
+from mhc_cg.ops.kernels import reference
 from mhc_cg.ops.kernels.dispatch import triton_installed
-from mhc_cg.model import MHCGPTConfig
-from helpers import mappings_unfused
+from mhc_cg.tools.compare import compared_modes
 from kernel_count import KernelCounter, kernels_per_layer
 
 ROOT = Path(__file__).resolve().parents[1]
 S, B = 3, 2
+EPS = 1e-5
 needs_triton = pytest.mark.skipif(not triton_installed(), reason="triton is not installed")
 
 
@@ -38,9 +40,10 @@ def interpret():
         pytest.skip("TRITON_INTERPRET=1 was not set before triton was imported")
 
 
-def make_hc(n: int, c: int, dtype=torch.float32, seed=0) -> HyperConnection:
+def make_hc(n: int, c: int, dtype=torch.float32, seed=0, iterations=20) -> HyperConnection:
     torch.manual_seed(seed)
-    hc = HyperConnection(c, num_streams=n, sinkhorn_iterations=20, init_gating_factor=0.3).to(dtype)
+    hc = HyperConnection(c, num_streams=n, sinkhorn_iterations=iterations,
+                         init_gating_factor=0.3).to(dtype)
     with torch.no_grad():
         hc.mapping_proj.weight.normal_(std=0.5)
         hc.bias.normal_()
@@ -50,69 +53,77 @@ def make_hc(n: int, c: int, dtype=torch.float32, seed=0) -> HyperConnection:
     return hc
 
 
-def sublayer_ops(hc: HyperConnection, x, y, seed, p, kernels):
-    """Every fused op of one sublayer, forward; returns the outputs (all differentiable)."""
-    hc.kernels = kernels
+def fn(z: torch.Tensor) -> torch.Tensor:
+    """A stand-in sublayer F whose gradient depends on its input."""
+    return torch.tanh(z) * 1.5
+
+
+def composed_sublayer(hc, x, norm_weight, seed, p, stream):
+    """One sublayer in composed torch ops: mappings, aggregate, RMSNorm, F, H_res, H_post, dropout."""
     h_pre, h_post, h_res = hc.compute_mappings(x)
     agg = hc.aggregate(x, h_pre)
-    weight = torch.linspace(0.5, 1.5, agg.shape[-1], dtype=x.dtype).requires_grad_()
-    normed = fused.rms_norm(agg, weight, 1e-5, kernels)
-    mixed = hc.apply_h_res(h_res, x)
-    out = hc.post_bda(y, h_post, mixed, seed, p, stream=5)
-    return [h_pre, h_post, h_res, agg, normed, mixed, out], weight
+    if norm_weight is not None:
+        agg = agg * torch.rsqrt(agg.pow(2).mean(-1, keepdim=True) + EPS) * norm_weight
+    return hc.post_bda(fn(agg), h_post, hc.apply_h_res(h_res, x), seed, p, stream)
 
 
-def run_sublayer(n, c, dtype, kernels, p=0.25):
-    hc = make_hc(n, c, dtype)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(S, B, n * c, generator=g).to(dtype).requires_grad_()
-    y = torch.randn(S, B, c, generator=g).to(dtype).requires_grad_()
-    outs, weight = sublayer_ops(hc, x, y, torch.tensor(77), p, kernels)
-    grads_out = [torch.randn(o.shape, generator=g).to(dtype) for o in outs]
-    params = [x, y, weight, *hc.parameters()]
-    grads = torch.autograd.grad(outs, params, grads_out)
-    return [o.detach() for o in outs], list(grads)
+def fused_sublayer(hc, x, norm_weight, seed, p, stream):
+    fn_input, state, x_on = hc.pre(x, norm_weight, EPS)
+    return hc.post(x_on, state, fn(fn_input), seed, p, stream)
 
 
 # ---- the torch reference against the composed torch math ---------------------------------------
 
-@pytest.mark.parametrize("n", [1, 3, 4])
-def test_reference_matches_composed_math_and_its_gradients(n):
-    hc, c = make_hc(n, 5, torch.float64), 5
+@pytest.mark.parametrize("n,norm,p", [(1, True, 0.0), (3, True, 0.3), (4, False, 0.2), (4, True, 0.0)])
+def test_fused_sublayer_matches_composed_math_and_its_gradients(n, norm, p):
+    c = 5
+    hc = make_hc(n, c, torch.float64)
+    hc.kernels = "torch"
     x = torch.randn(S, B, n * c, dtype=torch.float64, requires_grad=True)
-    fused_out = hc.compute_mappings(x)
-    composed = mappings_unfused(hc, x)
-    g = [torch.randn_like(o) for o in composed]
-    params = [x, *hc.parameters()]
-    want = torch.autograd.grad(composed, params, g)
-    got = torch.autograd.grad(fused_out, params, g)
-    for a, b in zip(fused_out, composed):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    for a, b in zip(got, want):
+    w = (torch.rand(c, dtype=torch.float64) + 0.5).requires_grad_() if norm else None
+    seed = torch.tensor(11)
+    want = composed_sublayer(hc, x, w, seed, p, 3)
+    got = fused_sublayer(hc, x, w, seed, p, 3)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(want)
+    params = [x, *hc.parameters(), *([w] if norm else [])]
+    for a, b in zip(torch.autograd.grad(got, params, g), torch.autograd.grad(want, params, g)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 def test_reference_ops_pass_gradcheck():
+    """Every output of the pre (F's input and the whole state) and of the post, against finite
+    differences of every input and parameter."""
     n, c = 3, 4
-    hc = make_hc(n, c, torch.float64)
+    hc = make_hc(n, c, torch.float64, iterations=6)
+    hc.kernels = "torch"
     x = torch.randn(2, 1, n * c, dtype=torch.float64, requires_grad=True)
     y = torch.randn(2, 1, c, dtype=torch.float64, requires_grad=True)
-    h_post = torch.rand(2, 1, n, dtype=torch.float64, requires_grad=True)
-    h_res = torch.rand(2, 1, n, n, dtype=torch.float64, requires_grad=True)
-    w = torch.rand(c, dtype=torch.float64, requires_grad=True)
-    seed = torch.tensor(3)
-    assert torch.autograd.gradcheck(lambda a, b: hc.aggregate(a, b), (x, h_post))
-    assert torch.autograd.gradcheck(lambda a, b: hc.apply_h_res(a, b), (h_res, x))
-    assert torch.autograd.gradcheck(lambda a, b, m: hc.post_bda(a, b, m, seed, 0.3, 1), (y, h_post, x))
-    assert torch.autograd.gradcheck(lambda a, b: fused.rms_norm(a, b, 1e-5), (y, w))
+    w = (torch.rand(c, dtype=torch.float64) + 0.5).requires_grad_()
+    weight, bias, alphas = hc.mapping_proj.weight, hc.bias, [hc.alpha_pre, hc.alpha_post, hc.alpha_res]
+
+    def pre(x, weight, bias, a_pre, a_post, a_res, w):
+        return fused.pre(x, weight, a_pre, a_post, a_res, bias, w, n, 6, EPS, "torch")
+
+    def post(x, state, y, bias, a_pre, a_post, a_res):
+        return fused.post(x, state, a_pre, a_post, a_res, bias, y, torch.tensor(5), 0.3, 2, n, 6,
+                          "torch")
+
+    assert torch.autograd.gradcheck(pre, (x, weight, bias, *alphas, w))
+    state = pre(x, weight, bias, *alphas, w)[1].detach().requires_grad_()
+    assert torch.autograd.gradcheck(post, (x, state, y, bias, *alphas))
+    assert torch.autograd.gradcheck(lambda a, b: fused.rms_norm(a, b, EPS), (y, w))
 
 
-def test_post_bda_mask_is_mhc_cg_dropout_mask():
-    n, c, p = 4, 7, 0.3
+def test_post_mask_is_mhc_cg_dropout_mask():
+    """With H_post = 1 (zero logits) and x = 0 the post's output is the dropout mask itself."""
+    n, c, p, t = 4, 7, 0.3, S * B
     seed = torch.tensor(2024)
-    hc = make_hc(n, c)
-    ones_y, ones_h = torch.ones(S, B, c), torch.ones(S, B, n)
-    out = hc.post_bda(ones_y, ones_h, torch.zeros(S, B, n * c), seed, p, stream=9)
+    zeros = torch.zeros(1)
+    state = torch.zeros(t, reference.state_width(n * n + 2 * n))
+    bias = torch.zeros(n * n + 2 * n)
+    out = reference.post(torch.zeros(t, n * c), state, zeros, zeros, zeros, bias,
+                         torch.ones(t, c), seed, p, 9, n, 4)
     assert torch.equal(out, counter_dropout_mask(seed, 9, out.shape, p, torch.float32))
     assert not torch.equal(out, counter_dropout_mask(seed, 8, out.shape, p, torch.float32))
 
@@ -140,19 +151,8 @@ def test_counter_hash_is_murmur3_fmix_in_32_bits():
 
 # ---- Triton (interpreter) against the torch reference ------------------------------------------
 
-@needs_triton
-@pytest.mark.parametrize("n,c", [(1, 6), (2, 12), (3, 10), (4, 24), (8, 5)])
-def test_triton_matches_reference_fp32(interpret, n, c):
-    want_out, want_grads = run_sublayer(n, c, torch.float32, "torch")
-    got_out, got_grads = run_sublayer(n, c, torch.float32, "triton")
-    for i, (a, b) in enumerate(zip(got_out, want_out)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"output {i}: {m}")
-    for i, (a, b) in enumerate(zip(got_grads, want_grads)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"gradient {i}: {m}")
-
-
-def op_cases(device, dtype, n: int, c: int, t: int) -> dict:
-    """Every forward and backward op on the same random inputs; ``case(use_triton)`` runs one."""
+def op_cases(device, dtype, n: int, c: int, t: int, norm: bool = True, p: float = 0.2) -> dict:
+    """Every op, forward and backward, on the same random inputs; ``case(use_triton)`` runs one."""
     from mhc_cg.ops.kernels import ops
 
     g = torch.Generator().manual_seed(0)
@@ -162,24 +162,23 @@ def op_cases(device, dtype, n: int, c: int, t: int) -> dict:
         return r.to(device=device, dtype=dtype)
 
     m = n * n + 2 * n
-    proj, xnorm, bias = rand(t, m), rand(t, lo=1.0), rand(m)
+    x, y, w = rand(t, n * c), rand(t, c), rand(m, n * c) * 0.3
+    bias, nw = rand(m), rand(c, lo=0.5) if norm else None
     alphas = [torch.full((1,), v, device=device, dtype=dtype) for v in (0.7, -0.4, 1.3)]
-    x, y, w = rand(t, n * c), rand(t, c), rand(c, lo=0.5)
-    h, h_res = rand(t, n, lo=0.0), rand(t, n, n, lo=0.0)
-    g_map = [rand(t, n), rand(t, n), rand(t, n, n)]
-    seed, sqrt_d = torch.tensor(3, device=device), float(n * c) ** 0.5
+    seed = torch.tensor(3, device=device)
+    state = reference.pre(x, w, *alphas, bias, nw, n, 20, EPS)[1]  # one state for the downstream ops
+    g_state = torch.randn(t, m + 2, generator=g).to(device)
+    g_out, g_x, g_post = rand(t, c), rand(t, n * c), rand(t, n * c)
     return {
-        "mappings": lambda tri: ops.mappings(proj, xnorm, *alphas, bias, n, 20, sqrt_d, tri),
-        "mappings_backward": lambda tri: ops.mappings_backward(*g_map, proj, xnorm, *alphas, bias, n,
-                                                               20, sqrt_d, tri),
-        "aggregate": lambda tri: ops.aggregate(x, h, tri),
-        "aggregate_backward": lambda tri: ops.aggregate_backward(y, x, h, tri),
-        "h_res_apply": lambda tri: ops.h_res_apply(h_res, x, tri),
-        "h_res_apply_backward": lambda tri: ops.h_res_apply_backward(x, h_res, x, tri),
-        "post_bda": lambda tri: ops.post_bda(y, h, x, seed, 0.1, 3, tri),
-        "post_bda_backward": lambda tri: ops.post_bda_backward(x, y, h, seed, 0.1, 3, tri),
-        "rms_norm": lambda tri: ops.rms_norm(y, w, 1e-5, tri),
-        "rms_norm_backward": lambda tri: ops.rms_norm_backward(x[:, :c].contiguous(), y, w, 1e-5, tri),
+        "pre": lambda tri: ops.pre(x, w, *alphas, bias, nw, n, 20, EPS, tri),
+        "pre_backward": lambda tri: ops.pre_backward(g_out, g_state, g_x, x, w, *alphas, bias, nw,
+                                                     state, n, 20, EPS, tri),
+        "post": lambda tri: ops.post(x, state, *alphas, bias, y, seed, p, 3, n, 20, tri),
+        "post_backward": lambda tri: ops.post_backward(g_post, x, state, *alphas, bias, y, seed, p,
+                                                       3, n, 20, tri),
+        "rms_norm": lambda tri: ops.rms_norm(y, w[0, :c].abs() + 0.5, EPS, tri),
+        "rms_norm_backward": lambda tri: ops.rms_norm_backward(g_out, y, w[0, :c].abs() + 0.5, EPS,
+                                                               tri),
     }
 
 
@@ -187,32 +186,99 @@ def _as_tuple(out):
     return out if isinstance(out, tuple) else (out,)
 
 
+def assert_ops_match(dtype, n, c, t, norm, rtol, atol):
+    for name, run in op_cases("cpu", dtype, n, c, t, norm).items():
+        for k, (got, want) in enumerate(zip(_as_tuple(run(True)), _as_tuple(run(False)))):
+            assert got.dtype == want.dtype and got.shape == want.shape, (name, k)
+            torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol,
+                                       msg=lambda m: f"{name} output {k}: {m}")
+
+
 @needs_triton
-@pytest.mark.parametrize("n,c", [(3, 10), (4, 24), (8, 5)])
-def test_triton_matches_reference_bf16(interpret, n, c):
-    """Each op on the same bf16 inputs: both compute in fp32 and round once to bf16."""
-    for name, run in op_cases("cpu", torch.bfloat16, n, c, t=6).items():
-        for got, want in zip(_as_tuple(run(True)), _as_tuple(run(False))):
-            assert got.dtype == want.dtype, name
-            torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2,
-                                       msg=lambda m: f"{name}: {m}")
+@pytest.mark.parametrize("n,c,t,norm", [(1, 6, 3, True), (2, 40, 17, True), (3, 10, 5, False),
+                                        (4, 24, 6, True), (8, 5, 4, False)])
+def test_triton_matches_reference_fp32(interpret, n, c, t, norm):
+    """Odd token counts and widths: tiles cross tokens, features and padded streams."""
+    assert_ops_match(torch.float32, n, c, t, norm, rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("n,c,norm", [(3, 10, True), (4, 24, False)])
+def test_triton_matches_reference_bf16(interpret, n, c, norm):
+    """Both compute in fp32 from the same bf16 inputs and round once to bf16."""
+    assert_ops_match(torch.bfloat16, n, c, 6, norm, rtol=2e-2, atol=2e-2)
+
+
+def block_chain(impl, x0, ws, params, norms, seed, p, n, iterations):
+    """A block's forward through ``impl``'s pre and post, sublayer by sublayer: the sublayer
+    inputs after the first, F's inputs, F's outputs and states (F is ``fn``)."""
+    xs, fn_inputs, ys, states = [], [], [], []
+    x, m = x0, n * n + 2 * n
+    for k, (w, prm) in enumerate(zip(ws, params)):
+        bias, a = prm[:m], [prm[m + j:m + j + 1] for j in range(3)]
+        f_in, state = impl.pre(x, w, *a, bias, None if norms is None else norms[k], n, iterations,
+                               EPS)
+        y = fn(f_in)
+        fn_inputs.append(f_in), ys.append(y), states.append(state)
+        if k + 1 < len(ws):
+            x = impl.post(x, state, *a, bias, y, seed, p, 10 + 2 * k, n, iterations)
+            xs.append(x)
+    return xs, fn_inputs, ys, states
+
+
+@pytest.mark.parametrize("use_triton", [False, pytest.param(True, marks=needs_triton)])
+@pytest.mark.parametrize("dtype,norm", [(torch.float32, True), (torch.bfloat16, False)])
+def test_block_recompute_reproduces_the_forward_bit_for_bit(request, use_triton, dtype, norm):
+    """The recompute op rebuilds every sublayer input and F input of a block, from the block
+    input, F's outputs and the states, exactly as the pre and post computed them."""
+    if use_triton:
+        request.getfixturevalue("interpret")
+    impl = fused.dispatch.triton_kernels() if use_triton else reference
+    n, c, t, sublayers, p = 3, 20, 7, 4, 0.25
+    g = torch.Generator().manual_seed(2)
+    m = n * n + 2 * n
+    x0 = torch.randn(t, n * c, generator=g).to(dtype)
+    ws = [(torch.randn(m, n * c, generator=g) * 0.3).to(dtype) for _ in range(sublayers)]
+    params = torch.cat([torch.randn(sublayers, m, generator=g),
+                        torch.tensor([[0.7, -0.4, 1.3]]).expand(sublayers, 3)], 1).to(dtype)
+    norms = (torch.rand(sublayers, c, generator=g) + 0.5).to(dtype) if norm else None
+    seed = torch.tensor(99)
+    xs, fn_inputs, ys, states = block_chain(impl, x0, ws, params, norms, seed, p, n, 5)
+    x_out = torch.full((sublayers - 1, t, n * c), float("nan"), dtype=dtype)
+    fn_out = torch.full((sublayers, t, c), float("nan"), dtype=dtype)
+    impl.recompute(x0, torch.stack(ys), torch.stack(states), params, norms, seed, p,
+                   [10 + 2 * k for k in range(sublayers)], n, 5, EPS, x_out, fn_out)
+    assert torch.equal(x_out, torch.stack(xs))
+    assert torch.equal(fn_out, torch.stack(fn_inputs))
 
 
 @needs_triton
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_triton_dropout_mask_bit_exact(interpret, p):
-    n, c = 3, 37  # odd widths: masks cross C-blocks and streams
-    hc = make_hc(n, c)
-    hc.kernels = "triton"
+    """The post's mask, forward and backward, is ``mhc_cg.ops.dropout``'s for the same seed."""
+    impl = fused.dispatch.triton_kernels()
+    n, c, t = 3, 37, 8  # odd widths: masks cross feature blocks and streams
+    m = n * n + 2 * n
+    zeros, bias = torch.zeros(1), torch.zeros(m)
+    state = torch.zeros(t, m + 2)
     for seed, stream in [(0, 0), (123456789, 3), (2 ** 31 - 2, 41)]:
         seed_t = torch.tensor(seed)
-        out = hc.post_bda(torch.ones(4, 2, c), torch.ones(4, 2, n), torch.zeros(4, 2, n * c), seed_t,
-                          p, stream)
+        out = impl.post(torch.zeros(t, n * c), state, zeros, zeros, zeros, bias, torch.ones(t, c),
+                        seed_t, p, stream, n, 4)
         assert torch.equal(out, counter_dropout_mask(seed_t, stream, out.shape, p, torch.float32))
-        # the backward regenerates the same mask: d out / d y = sum over streams of the kept scale
-        y = torch.ones(4, 2, c, requires_grad=True)
-        hc.post_bda(y, torch.ones(4, 2, n), torch.zeros(4, 2, n * c), seed_t, p, stream).sum().backward()
-        assert torch.equal(y.grad, out.view(4, 2, n, c).sum(2))
+        # d out / d y is the sum over the streams of the kept scale
+        g_y = impl.post_backward(torch.ones(t, n * c), torch.zeros(t, n * c), state, zeros, zeros,
+                                 zeros, bias, torch.ones(t, c), seed_t, p, stream, n, 4)[3]
+        assert torch.equal(g_y, out.view(t, n, c).sum(1))
+
+
+@needs_triton
+def test_triton_refuses_fp64_with_the_fix():
+    impl = fused.dispatch.triton_kernels()
+    x = torch.zeros(2, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="model.kernels: torch"):
+        impl.post(x, torch.zeros(2, 10, dtype=torch.float64), *[torch.zeros(1)] * 3,
+                  torch.zeros(8), torch.zeros(2, 4, dtype=torch.float64), None, 0.0, 0, 2, 3)
 
 
 def test_triton_on_cpu_without_interpreter_is_a_config_error(monkeypatch):
@@ -226,7 +292,7 @@ def test_triton_on_cpu_without_interpreter_is_a_config_error(monkeypatch):
     hc = make_hc(2, 4)
     hc.kernels = "triton"
     with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
-        hc.compute_mappings(torch.randn(1, 1, 8))
+        hc.pre(torch.randn(1, 1, 8), None, EPS)
 
 
 def test_cli_rejects_triton_on_cpu_with_exit_2(tmp_path):
@@ -251,22 +317,19 @@ def test_tape_records_each_fused_op_as_one_op_and_replays_it():
     n, c = 4, 6
     hc = make_hc(n, c)
     x = torch.randn(S, B, n * c)
-    y = torch.randn(S, B, c)
+    w = torch.rand(c) + 0.5
     seed = torch.tensor(5)
     graph = backend.new_graph()
     with graph.capture():
-        h_pre, h_post, h_res = hc.compute_mappings(x)
-        out = hc.post_bda(y, h_post, hc.apply_h_res(h_res, x), seed, 0.2, 0) + hc.aggregate(x, h_pre).sum()
+        out = fused_sublayer(hc, x, w, seed, 0.2, 0)
     names = [str(op.func) for op in graph.ops]
-    for op in ("mappings", "aggregate", "h_res_apply", "post_bda"):
+    for op in ("pre", "post"):
         assert names.count(f"mhc_cg.{op}.default") == 1, names
     assert not [name for name in names if name.startswith("aten.div")], names  # Sinkhorn is inside
     x.copy_(torch.randn(S, B, n * c))
     seed.fill_(6)
     graph.replay()
-    h_pre, h_post, h_res = hc.compute_mappings(x)
-    want = hc.post_bda(y, h_post, hc.apply_h_res(h_res, x), seed, 0.2, 0) + hc.aggregate(x, h_pre).sum()
-    assert torch.equal(out, want)
+    assert torch.equal(out, fused_sublayer(hc, x, w, seed, 0.2, 0))
 
 
 # ---- kernel launches per layer per training step -----------------------------------------------
@@ -279,22 +342,24 @@ def test_kernel_launching_ops_per_layer_per_step_at_most_120():
     per_layer, ops = kernels_per_layer(MHCGPTConfig(**TINY))
     print(f"kernel-launching ops per layer per step: {per_layer}; by op: {dict(ops)}")
     assert per_layer <= 120, ops
-    for op in ("mappings", "aggregate", "h_res_apply", "post_bda", "rms_norm"):
+    for op in ("pre", "post"):
         assert ops[f"mhc_cg.{op}"] > 0 and ops[f"mhc_cg.{op}_backward"] > 0
 
 
-def test_kernel_counter_sees_the_unfused_sinkhorn():
-    """The counter counts every aten op: the composed mappings alone launch hundreds."""
+def test_kernel_counter_sees_the_composed_sublayer():
+    """The counter counts every aten op: the composed sublayer alone launches hundreds, the fused
+    one a pre and a post each way (and the weight's GEMM)."""
     hc = make_hc(4, 8)
     x = torch.randn(S, B, 32, requires_grad=True)
+    w = torch.rand(8) + 0.5
     with KernelCounter() as fused_count:
-        torch.autograd.grad(hc.compute_mappings(x), x, [torch.ones(S, B, 4)] * 2 + [torch.ones(S, B, 4, 4)])
+        fused_sublayer(hc, x, w, None, 0.0, 0).sum().backward()
     with KernelCounter() as composed_count:
-        torch.autograd.grad(mappings_unfused(hc, x), x,
-                            [torch.ones(S, B, 4)] * 2 + [torch.ones(S, B, 4, 4)])
+        composed_sublayer(hc, x, w, None, 0.0, 0).sum().backward()
     assert composed_count.counts["aten.div"] >= 2 * 20 * 2  # 2 divisions per iteration, fwd + bwd
     assert composed_count.total > 10 * fused_count.total
-    assert fused_count.counts["mhc_cg.mappings"] == 1 and fused_count.counts["mhc_cg.mappings_backward"] == 1
+    for op in ("pre", "pre_backward", "post", "post_backward"):
+        assert fused_count.counts[f"mhc_cg.{op}"] == 1, fused_count.counts
 
 
 # ---- every mode bit-identical with the Triton kernels (interpreter) -----------------------------
@@ -348,7 +413,7 @@ def test_cuda_triton_kernels_timed_against_reference():
         pytest.skip("needs a CUDA GPU and triton")
     for name, run in op_cases("cuda", torch.bfloat16, 4, 4096, t=4096).items():
         for got, want in zip(_as_tuple(run(True)), _as_tuple(run(False))):
-            torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2,
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2,
                                        msg=lambda m: f"{name}: {m}")
         ref_ms, tri_ms = _time_ms(lambda: run(False)), _time_ms(lambda: run(True))
         print(f"{name:22s} torch {ref_ms:8.3f} ms  triton {tri_ms:8.3f} ms  speed-up {ref_ms / tri_ms:6.1f}x")

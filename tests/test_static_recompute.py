@@ -193,20 +193,17 @@ def test_moe_partial_capture_signal_unwinding_the_forward_leaves_nothing_claimed
 
 
 @pytest.mark.parametrize("block_size,dropout", [(1, 0.2), (2, 0.2), (2, 0.0)])
-def test_arena_holds_one_block_of_the_saved_tensor_model(block_size, dropout):
-    """The arena is what autograd saves of one block's mHC ops, nothing more: the op-by-op model
-    of memory_model.sublayer_saved_elements, up to the 64-byte alignment of each slot, less F's
-    output (C per token and sublayer), which ``h_post`` saves from the persistent set, and less
-    the block's input (n*C per token), which the first mHC ops save from there too."""
+def test_arena_holds_one_block_of_what_the_backward_reads(block_size, dropout):
+    """The arena is what the backward reads of one block besides the persistent set, nothing
+    more: each sublayer's stream input but the block's first (saved from the set), and each F
+    input: (2L - 1) n C + 2L C per token (analytical.arena_elements), up to alignment."""
     from mhc_cg.runtime.recompute.arena import ALIGN_BYTES
-    from mhc_cg.tools.memory.analytical import sublayer_saved_elements
+    from mhc_cg.tools.memory.analytical import arena_elements
 
     model = tiny_model(dropout=dropout)
     runtime = build_static_recompute(list(model.layers), block_size, seq_length=SEQ,
                                      micro_batch_size=MBS, capacity=1, device="cpu")
     cfg = model.cfg
-    per_token = sublayer_saved_elements(cfg.num_streams, cfg.hidden_size)
-    per_token -= cfg.hidden_size  # F's output: kept by the (one) persistent set, not copied
-    expected = (2 * block_size * per_token - cfg.num_streams * cfg.hidden_size) * SEQ * MBS * 4
+    expected = arena_elements(cfg.num_streams, cfg.hidden_size, block_size) * SEQ * MBS * 4
     slots = sum(len(r.slots) for r in runtime.arena.regions.values())
     assert expected <= runtime.arena.nbytes <= expected + slots * ALIGN_BYTES

@@ -1,17 +1,22 @@
-"""One residual branch of the mHC GPT as named steps, so the recompute runtimes can checkpoint,
-discard and replay them one by one::
+"""One residual branch of the mHC GPT, and the two shapes a runtime can drive a branch in.
 
-    h_pre, h_post, h_res = mappings(x)        # [s,b,n], [s,b,n], [s,b,n,n]
-    agg    = aggregate(x, h_pre)               # [s,b,C]
-    normed = norm(agg)                         # [s,b,C]
-    y      = fn(normed)                        # [s,b,C]   F: attention or MLP (never recomputed)
-    mixed  = h_res_step(h_res, x)              # [s,b,n*C]
-    out    = post_bda(y, h_post, mixed, seed)  # [s,b,n*C] = mixed + dropout(h_post * y)
+**Fused** (:class:`MHCSublayer`, ``fused = True``): the mHC work is two ops around F::
 
-``mappings``, ``aggregate``, ``h_res_step`` and ``post_bda`` are one fused op each, forward and
-backward (:mod:`mhc_cg.ops.kernels`; ``model.kernels`` picks Triton or the torch reference). The
-megatron adapters (:mod:`megatron_integration.steps`) present megatron's layers under the same
-names.
+    fn_input, state, x_on = pre(x)              # x read once: mappings state, aggregate, norm
+    y   = fn(fn_input)                           # F: attention or MLP (never recomputed)
+    out = post(x_on, state, y, seed)             # H_res x + dropout(H_post y), one pass
+
+``state`` (``[proj | xnorm | rstd]`` per token) is all the mappings are derived from; ``pre`` and
+``post`` can write into buffers they are given (:class:`mhc_cg.ops.kernels.Target`), and a block's
+chain of residual updates can be recomputed in one op (:func:`mhc_cg.ops.kernels.recompute_block`).
+
+**Stepwise** (adapters of foreign layers, e.g. Megatron-LM main's, op for op): six named steps::
+
+    h_pre, h_post, h_res = mappings(x)
+    y     = fn(norm(aggregate(x, h_pre)))
+    out   = post_bda(y, h_post, h_res_step(h_res, x), seed)
+
+:func:`sublayer_forward` runs either; the recompute runtimes do too.
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ from torch import Tensor, nn
 from mhc_cg.config import MHCGPTConfig
 from mhc_cg.model.layers import MLP, RMSNorm
 from mhc_cg.ops.hyper_connection import HyperConnection
+from mhc_cg.ops.kernels import Target
 
 
 class HyperConnectionSteps:
-    """The mHC steps every sublayer adapter shares, delegated to its hyper-connection ``hc``
-    (ours, or Megatron-LM main's ``HyperConnectionModule``: same method names)."""
+    """The stepwise mHC steps every sublayer adapter shares, delegated to its hyper-connection
+    ``hc`` (ours, or Megatron-LM main's ``HyperConnectionModule``: same method names)."""
 
+    fused = False
     hc: nn.Module
 
     def mappings(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -39,8 +46,10 @@ class HyperConnectionSteps:
         return self.hc.apply_h_res(h_res, x)
 
 
-class MHCSublayer(HyperConnectionSteps, nn.Module):
-    """One residual branch: mHC around F (attention or MLP), as named steps."""
+class MHCSublayer(nn.Module):
+    """One residual branch: mHC around F (attention or MLP), fused."""
+
+    fused = True
 
     def __init__(self, cfg: MHCGPTConfig, fn: nn.Module, dropout_stream: int):
         super().__init__()
@@ -51,23 +60,36 @@ class MHCSublayer(HyperConnectionSteps, nn.Module):
         self.fn = fn
         self.dropout_stream = dropout_stream  # unique per (layer, sublayer) within a microbatch
 
-    def post_bda(self, y: Tensor, h_post: Tensor, mixed: Tensor, seed: Tensor | None) -> Tensor:
-        """h_post and bias-dropout-add (F's bias is inside ``y``): ``mixed + dropout(h_post * y)``."""
-        return self.hc.post_bda(y, h_post, mixed, seed, self.cfg.hidden_dropout if self.training else 0.0,
-                                self.dropout_stream, self.cfg.dropout_impl)
+    @property
+    def dropout_p(self) -> float:
+        """The dropout rate in effect: 0 in eval."""
+        return self.cfg.hidden_dropout if self.training else 0.0
+
+    def pre(self, x: Tensor, fn_input_out: Target | None = None,
+            state_out: Target | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """``(F's input, state, x_on)``; see the module docstring."""
+        return self.hc.pre(x, self.norm.weight, self.norm.eps, fn_input_out, state_out)
+
+    def post(self, x_on: Tensor, state: Tensor, y: Tensor, seed: Tensor | None,
+             out: Target | None = None) -> Tensor:
+        """``H_res x + dropout(H_post y)`` (F's bias is inside ``y``)."""
+        return self.hc.post(x_on, state, y, seed, self.dropout_p, self.dropout_stream,
+                            self.cfg.dropout_impl, out)
 
     def forward(self, x: Tensor, seed: Tensor | None = None) -> Tensor:
         return sublayer_forward(self, x, seed)
 
 
 def sublayer_forward(steps, x: Tensor, seed: Tensor | None) -> Tensor:
-    """The plain mHC sublayer over named steps (an ``MHCSublayer`` or an adapter with its steps,
-    e.g. ``megatron_integration.steps.SublayerSteps``)."""
+    """The plain sublayer, fused (``steps.fused``) or stepwise (the module docstring)."""
+    if steps.fused:
+        fn_input, state, x_on = steps.pre(x)
+        return steps.post(x_on, state, steps.fn(fn_input), seed)
     h_pre, h_post, h_res = steps.mappings(x)
     y = steps.fn(steps.norm(steps.aggregate(x, h_pre)))
     return steps.post_bda(y, h_post, steps.h_res_step(h_res, x), seed)
 
 
-def recomputes_activation(sub: MHCSublayer) -> bool:
+def recomputes_activation(sub) -> bool:
     """Whether ``sub`` is a dense MLP sublayer whose gelu output is recomputed."""
     return isinstance(sub.fn, MLP) and sub.fn.recompute_activation

@@ -19,6 +19,8 @@ from torch import Tensor, nn
 
 from mhc_cg.core import traffic
 from mhc_cg.ops import kernels as fused
+from mhc_cg.ops.dropout import dropout
+from mhc_cg.ops.kernels import reference
 from mhc_cg.ops.kernels.reference import RMS_EPS, SINKHORN_EPS
 
 
@@ -123,22 +125,26 @@ class HyperConnection(nn.Module):
     def compute_mappings(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``x [s, b, n*C] -> h_pre [s, b, n], h_post [s, b, n], h_res [s, b, n, n]``."""
         _check_streams("compute_mappings", x, self.num_streams, self.hidden_size)
+        n = self.num_streams
         with traffic.mhc():
-            return fused.mappings(x, self.mapping_proj(x), self.alpha_pre, self.alpha_post,
-                                  self.alpha_res, self.bias, self.num_streams,
-                                  self.sinkhorn_iterations, self.kernels)
+            rms = x.norm(dim=-1, keepdim=True) / math.sqrt(x.shape[-1])
+            h = self.mapping_proj(x) * self._gating_scale() / (rms + RMS_EPS) + self.bias
+            return (torch.sigmoid(h[..., :n]), 2.0 * torch.sigmoid(h[..., n:2 * n]),
+                    sinkhorn_knopp(h[..., 2 * n:].unflatten(-1, (n, n)), self.sinkhorn_iterations))
 
     def aggregate(self, x: Tensor, h_pre: Tensor) -> Tensor:
         """``sum_i h_pre[i] * x[i]``: ``[s, b, n*C], [s, b, n] -> [s, b, C]``."""
         _check_streams("aggregate", x, self.num_streams, self.hidden_size)
         _check_mapping("aggregate", h_pre, x.shape[:2], (self.num_streams,))
-        return fused.aggregate(x, h_pre, self.kernels)
+        with traffic.mhc():
+            return (h_pre.unsqueeze(-1) * x.unflatten(-1, (self.num_streams, -1))).sum(-2)
 
     def apply_h_res(self, h_res: Tensor, residual: Tensor) -> Tensor:
         """``out[i] = sum_j h_res[i, j] * residual[j]``: ``[s, b, n, n], [s, b, n*C] -> [s, b, n*C]``."""
         _check_streams("apply_h_res", residual, self.num_streams, self.hidden_size)
         _check_mapping("apply_h_res", h_res, residual.shape[:2], (self.num_streams, self.num_streams))
-        return fused.h_res_apply(h_res, residual, self.kernels)
+        with traffic.mhc():
+            return torch.matmul(h_res, residual.unflatten(-1, (self.num_streams, -1))).flatten(-2)
 
     def apply_h_post(self, y: Tensor, h_post: Tensor) -> Tensor:
         """``out[i] = h_post[i] * y``: ``[s, b, C], [s, b, n] -> [s, b, n*C]``."""
@@ -150,19 +156,43 @@ class HyperConnection(nn.Module):
 
     def post_bda(self, y: Tensor, h_post: Tensor, mixed: Tensor, seed: Tensor | None, p: float,
                  stream: int, dropout_impl: str = "counter") -> Tensor:
-        """``mixed + dropout(apply_h_post(y, h_post))``, one fused op with counter dropout.
-
-        ``p`` is the dropout rate in effect (0 in eval). ``dropout_impl="torch"`` (the stateful
-        generator, not graph-replayable) is the unfused composition.
-        """
+        """``mixed + dropout(apply_h_post(y, h_post))`` with the counter mask (or torch's)."""
         _check_mapping("post_bda", h_post, y.shape[:2], (self.num_streams,))
+        with traffic.mhc():
+            return mixed + dropout(self.apply_h_post(y, h_post), p, p > 0, impl=dropout_impl,
+                                   seed=seed, stream=stream)
+
+    # -- fused: what the model runs ---------------------------------------------------------------
+    def pre(self, x: Tensor, norm_weight: Tensor | None, eps: float,
+            fn_input_out: fused.Target | None = None,
+            state_out: fused.Target | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """``(F's input, state, x_on)``: the mappings' state, ``norm(aggregate(x, h_pre))`` from
+        one read of ``x``, and ``x`` handed on to :meth:`post` (:mod:`mhc_cg.ops.kernels`)."""
+        _check_streams("pre", x, self.num_streams, self.hidden_size)
+        return fused.pre(x, self.mapping_proj.weight, self.alpha_pre, self.alpha_post,
+                         self.alpha_res, self.bias, norm_weight, self.num_streams,
+                         self.sinkhorn_iterations, eps, self.kernels, fn_input_out, state_out)
+
+    def post(self, x_on: Tensor, state: Tensor, y: Tensor, seed: Tensor | None, p: float,
+             stream: int, dropout_impl: str = "counter", out: fused.Target | None = None) -> Tensor:
+        """``H_res x + dropout(H_post y)``, the mappings from :meth:`pre`'s state. torch's
+        stateful dropout (eager only) runs unfused from the same state."""
         if p > 0 and dropout_impl == "torch":
-            return mixed + torch.nn.functional.dropout(self.apply_h_post(y, h_post), p, training=True)
+            h, _, _, _ = reference.logits_of(state.flatten(0, -2), self.alpha_pre, self.alpha_post,
+                                             self.alpha_res, self.bias, self.num_streams,
+                                             math.sqrt(x_on.shape[-1]))
+            n = self.num_streams
+            h = h.view(*state.shape[:-1], -1).to(x_on.dtype)
+            h_res = sinkhorn_knopp(h[..., 2 * n:].unflatten(-1, (n, n)), self.sinkhorn_iterations)
+            return self.post_bda(y, 2.0 * torch.sigmoid(h[..., n:2 * n]),
+                                 self.apply_h_res(h_res, x_on), None, p, stream, "torch")
         if dropout_impl not in ("counter", "torch"):
             raise ValueError(f"dropout impl must be 'counter' or 'torch', got {dropout_impl!r}")
         if p > 0 and seed is None:
             raise ValueError("counter dropout needs a seed tensor (one int64 scalar per microbatch)")
-        return fused.post_bda(y, h_post, mixed, seed, p, stream, self.kernels)
+        return fused.post(x_on, state, self.alpha_pre, self.alpha_post, self.alpha_res, self.bias,
+                          y, seed, p, stream, self.num_streams, self.sinkhorn_iterations,
+                          self.kernels, out)
 
 
 def _check_mapping(name: str, h: Tensor, lead: torch.Size, tail: tuple[int, ...]) -> None:

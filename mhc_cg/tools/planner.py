@@ -91,15 +91,15 @@ class ModelShape:
         return self.tokens * self.num_streams * self.hidden_size * self.element_bytes
 
     def persistent_set_bytes(self, layers_per_chunk: int) -> int:
-        """One persistent slot set: x_l0 per block, F output per sublayer, the dropout seed, and
-        fc1's output for each layer that recomputes its activation."""
+        """One persistent slot set: x_l0 per block, F's output and the mapping state per sublayer,
+        the dropout seed, and fc1's output for each layer that recomputes its activation."""
         size = self.block_size(layers_per_chunk)
         blocks = [min(size, layers_per_chunk - start) for start in range(0, layers_per_chunk, size)]
-        elements = sum(analytical.block_persistent_elements(self.num_streams, self.hidden_size, b)
-                       for b in blocks)
+        elements = sum(analytical.persistent_set_elements(self.num_streams, self.hidden_size, b,
+                                                          self.element_bytes) for b in blocks)
         ffn = self.ffn_hidden_size or 4 * self.hidden_size
         elements += min(self.activation_recompute_layers, layers_per_chunk) * ffn
-        return elements * self.tokens * self.element_bytes + SEED_BYTES
+        return round(elements * self.tokens * self.element_bytes) + SEED_BYTES
 
     def arena_bytes(self, layers_per_chunk: int) -> int:
         elements = analytical.arena_elements(self.num_streams, self.hidden_size,

@@ -1,15 +1,17 @@
-"""Fused mHC kernels: one op per step, forward and backward, Triton on CUDA, torch on CPU.
+"""Fused mHC kernels: a sublayer's mHC work is two ops around F, forward and backward, plus one op
+that recomputes a whole block; Triton on CUDA, the torch reference on CPU.
 
-The steps of an mHC sublayer (``mhc_cg.model``) map onto four custom ops (``mhc_cg.ops.kernels.ops``):
-
-* ``mappings``: from ``mapping_proj``'s output (the GEMM stays in cuBLAS) and the norm of x to
-  h_pre, h_post and h_res, with Sinkhorn's iterations per token in registers; the backward
-  recomputes the iterations from the logits;
-* ``aggregate``: ``sum_i h_pre[i] * x[i]``;
-* ``h_res_apply``: ``mixed[i] = sum_j h_res[i, j] * x[j]``;
-* ``post_bda``: ``mixed[i] + dropout(h_post[i] * y)``, the mask drawn in-kernel from
-  ``counter_hash(seed, stream, index)`` and drawn again in the backward (no mask is saved);
-* ``rms_norm``: the sublayer's RMSNorm (and the final norm), the scale recomputed in the backward.
+* ``pre``: the mappings and F's input, in two passes over the stream ``x``: the first computes
+  the per-token ``state = [proj | xnorm | rstd]`` (n^2 + 2n + 2 values: the mapping projection,
+  the norm of ``x`` and, through the streams' Gram matrix, the scale of the sublayer's RMSNorm),
+  the second F's input ``rstd * w * sum_i h_pre[i] x[i]``. Every mapping is derived from the
+  state (Sinkhorn in registers, per token), never stored. Its backward adds the stream gradient
+  the post sent in place (:mod:`mhc_cg.ops.kernels.autograd`);
+* ``post``: ``H_res x + dropout(H_post y)``, the residual mix, H_post, the counter dropout (mask
+  ``counter_hash(seed, stream, index)``, drawn again in the backward) and the add in one pass;
+* ``recompute_block``: a block's chain of residual updates from its input and F's outputs, writing
+  each sublayer's input and F's input into the buffers given (the static runtime's slots);
+* ``rms_norm``: an RMSNorm (the model's final norm).
 
 These wrappers take the model's ``[s, b, ...]`` tensors and a ``kernels`` choice
 (``auto | torch | triton``, see ``mhc_cg.ops.kernels.dispatch``).
@@ -17,57 +19,67 @@ These wrappers take the model's ``[s, b, ...]`` tensors and a ``kernels`` choice
 
 from __future__ import annotations
 
-import math
-
 from torch import Tensor
 
 from mhc_cg.ops.kernels import ops
+from mhc_cg.ops.kernels.autograd import Post, PostConfig, Pre, PreConfig, Target
+from mhc_cg.ops.kernels.reference import state_width
 from mhc_cg.ops.kernels.dispatch import KERNELS, kernels_problem, use_triton
 
-__all__ = ["KERNELS", "kernels_problem", "use_triton", "mappings", "aggregate", "h_res_apply",
-           "post_bda", "rms_norm"]
+__all__ = ["KERNELS", "Target", "kernels_problem", "use_triton", "pre", "post", "recompute_block",
+           "rms_norm"]
 
 
-def mappings(x: Tensor, proj: Tensor, alpha_pre: Tensor, alpha_post: Tensor, alpha_res: Tensor,
-             bias: Tensor, n: int, iterations: int, kernels: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
-    """``x [*, n*C]``, ``proj = mapping_proj(x) [*, n*n+2n]`` -> ``h_pre, h_post [*, n]``, ``h_res [*, n, n]``."""
-    lead = x.shape[:-1]
-    xnorm = x.norm(dim=-1).reshape(-1)
-    h_pre, h_post, h_res = ops.mappings(proj.reshape(-1, proj.shape[-1]), xnorm, alpha_pre,
-                                        alpha_post, alpha_res, bias, n, iterations,
-                                        math.sqrt(x.shape[-1]), use_triton(kernels, x.device))
-    return h_pre.view(*lead, n), h_post.view(*lead, n), h_res.view(*lead, n, n)
+def _flat(target: Target | None, width: int) -> Target | None:
+    if target is None:
+        return None
+    return Target(target.writer.view(-1, width), target.reader.view(-1, width))
 
 
-def aggregate(x: Tensor, h_pre: Tensor, kernels: str = "auto") -> Tensor:
-    """``sum_i h_pre[i] * x[i]``: ``[*, n*C], [*, n] -> [*, C]``."""
-    n = h_pre.shape[-1]
-    out = ops.aggregate(x.reshape(-1, x.shape[-1]), h_pre.reshape(-1, n), use_triton(kernels, x.device))
-    return out.view(*x.shape[:-1], x.shape[-1] // n)
+def pre(x: Tensor, weight: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
+        norm_weight: Tensor | None, n: int, iterations: int, eps: float, kernels: str = "auto",
+        fn_input_out: Target | None = None,
+        state_out: Target | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``x [*, nC] -> (F's input [*, C], state [*, m+2], x_on [*, nC])``; ``x_on`` (a view of
+    ``x``) is what the sublayer's :func:`post` takes. ``norm_weight`` None: no RMSNorm."""
+    lead, width = x.shape[:-1], x.shape[-1]
+    sw = state_width(weight.shape[0])
+    cfg = PreConfig(n, iterations, float(eps), use_triton(kernels, x.device))
+    fn_input, state, x_on = Pre.apply(x.reshape(-1, width), weight, a_pre, a_post, a_res, bias,
+                                      norm_weight, cfg, _flat(fn_input_out, width // n),
+                                      _flat(state_out, sw))
+    return fn_input.view(*lead, width // n), state.view(*lead, sw), x_on.view(x.shape)
 
 
-def h_res_apply(h_res: Tensor, x: Tensor, kernels: str = "auto") -> Tensor:
-    """``out[i] = sum_j h_res[i, j] * x[j]``: ``[*, n, n], [*, n*C] -> [*, n*C]``."""
-    n = h_res.shape[-1]
-    out = ops.h_res_apply(h_res.reshape(-1, n, n), x.reshape(-1, x.shape[-1]),
-                          use_triton(kernels, x.device))
-    return out.view(x.shape)
-
-
-def post_bda(y: Tensor, h_post: Tensor, mixed: Tensor, seed: Tensor | None, p: float, stream: int,
-             kernels: str = "auto") -> Tensor:
-    """``mixed[i] + dropout(h_post[i] * y)``: ``[*, C], [*, n], [*, n*C] -> [*, n*C]``.
-
-    ``seed`` None or ``p == 0`` means no dropout. The mask is the one ``mhc_cg.ops.dropout`` draws for
-    a ``[*, n*C]`` tensor with the same seed and stream.
-    """
+def post(x_on: Tensor, state: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
+         y: Tensor, seed: Tensor | None, p: float, stream: int, n: int, iterations: int,
+         kernels: str = "auto", out: Target | None = None) -> Tensor:
+    """``H_res x + dropout(H_post y)``: ``[*, nC], [*, m+2], [*, C] -> [*, nC]``. ``seed`` None
+    or ``p == 0``: no dropout; the mask is the one ``mhc_cg.ops.dropout`` draws for a ``[*, nC]``
+    tensor with the same seed and stream."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-    n = h_post.shape[-1]
-    out = ops.post_bda(y.reshape(-1, y.shape[-1]), h_post.reshape(-1, n),
-                       mixed.reshape(-1, mixed.shape[-1]), seed if p > 0 else None, float(p),
-                       int(stream), use_triton(kernels, mixed.device))
-    return out.view(mixed.shape)
+    width = x_on.shape[-1]
+    cfg = PostConfig(float(p), int(stream), n, iterations, use_triton(kernels, x_on.device))
+    result = Post.apply(x_on.reshape(-1, width), state.reshape(-1, state.shape[-1]), a_pre, a_post,
+                        a_res, bias, y.reshape(-1, y.shape[-1]), seed if p > 0 else None, cfg,
+                        _flat(out, width))
+    return result.view(x_on.shape)
+
+
+def recompute_block(x0: Tensor, ys: Tensor, states: Tensor, params: Tensor,
+                    norm_weights: Tensor | None, seed: Tensor | None, p: float,
+                    streams: list[int], n: int, iterations: int, eps: float, x_out: Tensor,
+                    fn_input_out: Tensor, kernels: str = "auto") -> None:
+    """A block's recompute into ``x_out [S-1, *, nC]`` and ``fn_input_out [S, *, C]`` (writers):
+    ``x0 [*, nC]`` its input, ``ys [S, *, C]`` F's outputs, ``states [S, *, m+2]``,
+    ``params [S, m+3]`` (``bias | a_pre, a_post, a_res`` per sublayer), ``norm_weights [S, C]``."""
+    s, width = ys.shape[0], x0.shape[-1]
+    ops.recompute(x0.reshape(-1, width), ys.reshape(s, -1, ys.shape[-1]),
+                  states.reshape(s, -1, states.shape[-1]), params, norm_weights,
+                  seed if p > 0 else None, float(p), list(streams), n, iterations, float(eps),
+                  use_triton(kernels, x0.device), x_out.view(max(s - 1, 0), -1, width),
+                  fn_input_out.view(s, -1, ys.shape[-1]))
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, kernels: str = "auto") -> Tensor:

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from mhc_cg.ops.kernels import reference
+from mhc_cg.ops.kernels.reference import state_dtype, state_width
 
 
 def _impl(use_triton: bool):
@@ -24,176 +25,124 @@ def _impl(use_triton: bool):
     return reference
 
 
-# ---- mappings ---------------------------------------------------------------------------------
+# ---- pre: mappings, aggregate and norm, from one read of x ----------------------------------------
 
-@torch.library.custom_op("mhc_cg::mappings", mutates_args=())
-def mappings(proj: Tensor, xnorm: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor,
-             bias: Tensor, n: int, iterations: int, sqrt_d: float,
-             use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
-    return _impl(use_triton).mappings(proj, xnorm, a_pre, a_post, a_res, bias, n, iterations, sqrt_d)
-
-
-@mappings.register_fake
-def _(proj, xnorm, a_pre, a_post, a_res, bias, n, iterations, sqrt_d, use_triton):
-    t = proj.shape[0]
-    return proj.new_empty(t, n), proj.new_empty(t, n), proj.new_empty(t, n, n)
+@torch.library.custom_op("mhc_cg::pre", mutates_args=())
+def pre(x: Tensor, weight: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
+        norm_weight: Tensor | None, n: int, iterations: int, eps: float,
+        use_triton: bool) -> tuple[Tensor, Tensor]:
+    """``(F's input [T, C], state [T, m+2])``; see ``reference.pre``."""
+    return _impl(use_triton).pre(x, weight, a_pre, a_post, a_res, bias, norm_weight, n,
+                                 iterations, eps)
 
 
-@torch.library.custom_op("mhc_cg::mappings_backward", mutates_args=())
-def mappings_backward(g_pre: Tensor, g_post: Tensor, g_res: Tensor, proj: Tensor, xnorm: Tensor,
-                      a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor, n: int,
-                      iterations: int, sqrt_d: float,
-                      use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """``(g_proj, g_xnorm, g_params)``; ``g_params = [g_bias (m) | g_alpha_pre, _post, _res]``."""
-    g_proj, g_xnorm, partial = _impl(use_triton).mappings_partials(
-        g_pre, g_post, g_res, proj, xnorm, a_pre, a_post, a_res, bias, n, iterations, sqrt_d)
-    return g_proj, g_xnorm, partial.sum(0).to(bias.dtype)  # a fixed-order sum: deterministic
+@pre.register_fake
+def _(x, weight, a_pre, a_post, a_res, bias, norm_weight, n, iterations, eps, use_triton):
+    return (x.new_empty(x.shape[0], x.shape[1] // n),
+            x.new_empty(x.shape[0], state_width(weight.shape[0]), dtype=state_dtype(x.dtype)))
 
 
-@mappings_backward.register_fake
-def _(g_pre, g_post, g_res, proj, xnorm, a_pre, a_post, a_res, bias, n, iterations, sqrt_d,
-      use_triton):
-    return proj.new_empty(proj.shape), xnorm.new_empty(xnorm.shape), bias.new_empty(bias.shape[0] + 3)
+@torch.library.custom_op("mhc_cg::pre_into", mutates_args=("fn_input_out", "state_out"))
+def pre_into(x: Tensor, weight: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor,
+             bias: Tensor, norm_weight: Tensor | None, n: int, iterations: int, eps: float,
+             use_triton: bool, fn_input_out: Tensor, state_out: Tensor) -> None:
+    """:func:`pre` writing into buffers it is given (an arena slot, the persistent set)."""
+    _impl(use_triton).pre(x, weight, a_pre, a_post, a_res, bias, norm_weight, n, iterations, eps,
+                          fn_input_out, state_out)
 
 
-def _mappings_setup(ctx, inputs, output):
-    proj, xnorm, a_pre, a_post, a_res, bias, n, iterations, sqrt_d, use_triton = inputs
-    ctx.save_for_backward(proj, xnorm, a_pre, a_post, a_res, bias)
-    ctx.args = (n, iterations, sqrt_d, use_triton)
+@pre_into.register_fake
+def _(x, weight, a_pre, a_post, a_res, bias, norm_weight, n, iterations, eps, use_triton,
+      fn_input_out, state_out):
+    return None
 
 
-def _mappings_grad(ctx, g_pre, g_post, g_res):
-    proj, xnorm, a_pre, a_post, a_res, bias = ctx.saved_tensors
-    n, iterations, sqrt_d, use_triton = ctx.args
-    t = proj.shape[0]
-    g_pre = proj.new_zeros(t, n) if g_pre is None else g_pre
-    g_post = proj.new_zeros(t, n) if g_post is None else g_post
-    g_res = proj.new_zeros(t, n, n) if g_res is None else g_res
-    g_proj, g_xnorm, g_params = mappings_backward(g_pre, g_post, g_res, proj, xnorm, a_pre, a_post,
-                                                  a_res, bias, n, iterations, sqrt_d, use_triton)
-    m = bias.shape[0]
-    return (g_proj, g_xnorm, g_params[m:m + 1], g_params[m + 1:m + 2], g_params[m + 2:m + 3],
-            g_params[:m], None, None, None, None)
+@torch.library.custom_op("mhc_cg::pre_backward", mutates_args=())
+def pre_backward(g_out: Tensor, g_state: Tensor, g_x: Tensor | None, x: Tensor, weight: Tensor,
+                 a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
+                 norm_weight: Tensor | None, state: Tensor, n: int, iterations: int, eps: float,
+                 use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(g_x, g_proj, g_params [m+3], g_norm_weight)``: the parameters' gradients summed over
+    the tokens in a fixed order (deterministic)."""
+    g_x, g_proj, shares, g_w = _impl(use_triton).pre_backward(
+        g_out, g_state, g_x, x, weight, a_pre, a_post, a_res, bias, norm_weight, state, n,
+        iterations, eps)
+    g_norm = g_w.sum(0).to(x.dtype) if norm_weight is not None else x.new_empty(0)
+    return g_x, g_proj, shares.sum(0).to(bias.dtype), g_norm
 
 
-mappings.register_autograd(_mappings_grad, setup_context=_mappings_setup)
+@pre_backward.register_fake
+def _(g_out, g_state, g_x, x, weight, a_pre, a_post, a_res, bias, norm_weight, state, n,
+      iterations, eps, use_triton):
+    c = norm_weight.shape[0] if norm_weight is not None else 0
+    return (x.new_empty(x.shape), state.new_empty(x.shape[0], weight.shape[0]),
+            bias.new_empty(bias.shape[0] + 3), x.new_empty(c))
 
 
-# ---- aggregate --------------------------------------------------------------------------------
+# ---- post: H_res x + dropout(H_post y), one pass --------------------------------------------------
 
-@torch.library.custom_op("mhc_cg::aggregate", mutates_args=())
-def aggregate(x: Tensor, h_pre: Tensor, use_triton: bool) -> Tensor:
-    return _impl(use_triton).aggregate(x, h_pre, h_pre.shape[1])
-
-
-@aggregate.register_fake
-def _(x, h_pre, use_triton):
-    return x.new_empty(x.shape[0], x.shape[1] // h_pre.shape[1])
-
-
-@torch.library.custom_op("mhc_cg::aggregate_backward", mutates_args=())
-def aggregate_backward(g: Tensor, x: Tensor, h_pre: Tensor, use_triton: bool) -> tuple[Tensor, Tensor]:
-    return _impl(use_triton).aggregate_backward(g, x, h_pre, h_pre.shape[1])
+@torch.library.custom_op("mhc_cg::post", mutates_args=())
+def post(x: Tensor, state: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
+         y: Tensor, seed: Tensor | None, p: float, stream: int, n: int, iterations: int,
+         use_triton: bool) -> Tensor:
+    """``H_res x + dropout(H_post y)`` [T, nC]; the mask is ``counter_hash(seed, stream, index)``."""
+    return _impl(use_triton).post(x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n,
+                                  iterations)
 
 
-@aggregate_backward.register_fake
-def _(g, x, h_pre, use_triton):
-    return x.new_empty(x.shape), h_pre.new_empty(h_pre.shape)
-
-
-def _aggregate_setup(ctx, inputs, output):
-    x, h_pre, use_triton = inputs
-    ctx.save_for_backward(x, h_pre)
-    ctx.use_triton = use_triton
-
-
-def _aggregate_grad(ctx, g):
-    x, h_pre = ctx.saved_tensors
-    g_x, g_h = aggregate_backward(g, x, h_pre, ctx.use_triton)
-    return g_x, g_h, None
-
-
-aggregate.register_autograd(_aggregate_grad, setup_context=_aggregate_setup)
-
-
-# ---- h_res ------------------------------------------------------------------------------------
-
-@torch.library.custom_op("mhc_cg::h_res_apply", mutates_args=())
-def h_res_apply(h_res: Tensor, x: Tensor, use_triton: bool) -> Tensor:
-    return _impl(use_triton).h_res_apply(h_res, x)
-
-
-@h_res_apply.register_fake
-def _(h_res, x, use_triton):
+@post.register_fake
+def _(x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, use_triton):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("mhc_cg::h_res_apply_backward", mutates_args=())
-def h_res_apply_backward(g: Tensor, h_res: Tensor, x: Tensor,
-                         use_triton: bool) -> tuple[Tensor, Tensor]:
-    return _impl(use_triton).h_res_apply_backward(g, h_res, x)
+@torch.library.custom_op("mhc_cg::post_into", mutates_args=("out",))
+def post_into(x: Tensor, state: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor,
+              bias: Tensor, y: Tensor, seed: Tensor | None, p: float, stream: int, n: int,
+              iterations: int, use_triton: bool, out: Tensor) -> None:
+    """:func:`post` writing into the buffer it is given (the next sublayer's input slot)."""
+    _impl(use_triton).post(x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations,
+                           out)
 
 
-@h_res_apply_backward.register_fake
-def _(g, h_res, x, use_triton):
-    return h_res.new_empty(h_res.shape), x.new_empty(x.shape)
+@post_into.register_fake
+def _(x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, use_triton, out):
+    return None
 
 
-def _h_res_setup(ctx, inputs, output):
-    h_res, x, use_triton = inputs
-    ctx.save_for_backward(h_res, x)
-    ctx.use_triton = use_triton
+@torch.library.custom_op("mhc_cg::post_backward", mutates_args=())
+def post_backward(g: Tensor, x: Tensor, state: Tensor, a_pre: Tensor, a_post: Tensor,
+                  a_res: Tensor, bias: Tensor, y: Tensor, seed: Tensor | None, p: float,
+                  stream: int, n: int, iterations: int,
+                  use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(g_x, g_state, g_params [m+3], g_y)``; the mask regenerated from ``seed``."""
+    g_x, g_state, shares, g_y = _impl(use_triton).post_backward(
+        g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations)
+    return g_x, g_state, shares.sum(0).to(bias.dtype), g_y
 
 
-def _h_res_grad(ctx, g):
-    h_res, x = ctx.saved_tensors
-    g_h, g_x = h_res_apply_backward(g, h_res, x, ctx.use_triton)
-    return g_h, g_x, None
+@post_backward.register_fake
+def _(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, use_triton):
+    return (x.new_empty(x.shape), state.new_empty(state.shape), bias.new_empty(bias.shape[0] + 3),
+            y.new_empty(y.shape))
 
 
-h_res_apply.register_autograd(_h_res_grad, setup_context=_h_res_setup)
+# ---- a block's recompute, in one pass ----------------------------------------------------------
+
+@torch.library.custom_op("mhc_cg::recompute", mutates_args=("x_out", "fn_input_out"))
+def recompute(x0: Tensor, ys: Tensor, states: Tensor, params: Tensor,
+              norm_weights: Tensor | None, seed: Tensor | None, p: float, streams: list[int],
+              n: int, iterations: int, eps: float, use_triton: bool, x_out: Tensor,
+              fn_input_out: Tensor) -> None:
+    """A block's sublayer inputs (``x_out [S-1, T, nC]``) and F inputs (``fn_input_out [S, T, C]``)
+    from its input, F's outputs and the states; see ``reference.recompute``."""
+    _impl(use_triton).recompute(x0, ys, states, params, norm_weights, seed, p, streams, n,
+                                iterations, eps, x_out, fn_input_out)
 
 
-# ---- h_post + bias-dropout-add ----------------------------------------------------------------
-
-@torch.library.custom_op("mhc_cg::post_bda", mutates_args=())
-def post_bda(y: Tensor, h_post: Tensor, mixed: Tensor, seed: Tensor | None, p: float, stream: int,
-             use_triton: bool) -> Tensor:
-    """``mixed[i] + dropout(h_post[i] * y)``; the mask is ``counter_hash(seed, stream, index)``."""
-    return _impl(use_triton).post_bda(y, h_post, mixed, seed, p, stream)
-
-
-@post_bda.register_fake
-def _(y, h_post, mixed, seed, p, stream, use_triton):
-    return mixed.new_empty(mixed.shape)
-
-
-@torch.library.custom_op("mhc_cg::post_bda_backward", mutates_args=())
-def post_bda_backward(g: Tensor, y: Tensor, h_post: Tensor, seed: Tensor | None, p: float,
-                      stream: int, use_triton: bool) -> tuple[Tensor, Tensor]:
-    """``(g_y, g_h_post)``, the mask regenerated from ``seed`` (none was saved)."""
-    return _impl(use_triton).post_bda_backward(g, y, h_post, seed, p, stream)
-
-
-@post_bda_backward.register_fake
-def _(g, y, h_post, seed, p, stream, use_triton):
-    return y.new_empty(y.shape), h_post.new_empty(h_post.shape)
-
-
-def _post_bda_setup(ctx, inputs, output):
-    y, h_post, mixed, seed, p, stream, use_triton = inputs
-    ctx.save_for_backward(y, h_post, seed)
-    ctx.args = (p, stream, use_triton)
-
-
-def _post_bda_grad(ctx, g):
-    y, h_post, seed = ctx.saved_tensors
-    p, stream, use_triton = ctx.args
-    g_y, g_h = post_bda_backward(g, y, h_post, seed, p, stream, use_triton)
-    return g_y, g_h, g, None, None, None, None
-
-
-post_bda.register_autograd(_post_bda_grad, setup_context=_post_bda_setup)
+@recompute.register_fake
+def _(x0, ys, states, params, norm_weights, seed, p, streams, n, iterations, eps, use_triton,
+      x_out, fn_input_out):
+    return None
 
 
 # ---- RMSNorm ----------------------------------------------------------------------------------

@@ -5,12 +5,14 @@ flatten ``[s, b, ...]``) and computes in fp32, or fp64 for fp64 inputs, casting 
 the input dtype, exactly as the Triton kernels do. Backward functions are the explicit
 derivatives (no autograd inside): the same formulas the kernels implement.
 
-Shapes: ``proj [T, n*n+2n]`` (columns ``[pre | post | res]``), ``xnorm [T]`` (the L2 norm of the
-token's ``n*C`` features), ``x [T, n*C]`` stream-major, ``y [T, C]``, ``h_pre``/``h_post [T, n]``,
-``h_res [T, n, n]``.
+Shapes: ``x [T, n*C]`` stream-major, ``y [T, C]``, the mapping weight ``[m, n*C]`` with
+``m = n*n + 2n`` (output columns ``[pre | post | res]``), the state ``[T, m+2]`` (below),
+``h_pre``/``h_post [T, n]``, ``h_res [T, n, n]``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -23,6 +25,11 @@ RMS_EPS = 1e-6
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The mapping state is kept in the compute dtype: fp32 (fp64 for fp64 models)."""
+    return compute_dtype(dtype)
 
 
 # ---- mappings --------------------------------------------------------------------------------
@@ -85,67 +92,18 @@ def sinkhorn_backward(logits: Tensor, grad: Tensor, iterations: int) -> Tensor:
     return g_l + is_max * (g_max / is_max.sum(dim=-1, keepdim=True))
 
 
-def mappings(proj: Tensor, xnorm: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor,
-             bias: Tensor, n: int, iterations: int, sqrt_d: float) -> tuple[Tensor, Tensor, Tensor]:
-    h, _, _, _ = _logits(proj, xnorm, a_pre, a_post, a_res, bias, n, sqrt_d)
-    h_pre = torch.sigmoid(h[:, :n])
-    h_post = 2.0 * torch.sigmoid(h[:, n:2 * n])
-    h_res = sinkhorn(h[:, 2 * n:].unflatten(-1, (n, n)), iterations)
-    dtype = proj.dtype
-    return h_pre.to(dtype), h_post.to(dtype), h_res.to(dtype)
+# ---- the fused sublayer: pre (mappings, aggregate, norm) and post (H_res, H_post, dropout, add) ------
+#
+# The state of a token is ``[proj (m) | xnorm | rstd]``: the mapping projection ``x W^T``, the L2
+# norm of x and the RMSNorm scale of F's input. All three come from the one read of x that the
+# projection needs: ``rstd`` through the streams' Gram matrix ``G = X X^T`` (n x n per token), as
+# ``|sum_i h_pre[i] x[i]|^2 = h_pre^T G h_pre``. Every mapping, and F's input from x, is then a
+# function of the state: the forward, the post and the block recompute all read it, none redoes a
+# reduction over the token's features.
 
-
-def mappings_partials(g_pre: Tensor, g_post: Tensor, g_res: Tensor, proj: Tensor, xnorm: Tensor,
-                      a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor, n: int,
-                      iterations: int, sqrt_d: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Per token: ``g_proj [T, m]``, ``g_xnorm [T]`` and ``partial [T, m + 3]``, the token's share
-    of the parameter gradients (``g_bias`` then ``g_alpha_pre, g_alpha_post, g_alpha_res``)."""
-    h, r, p, scale = _logits(proj, xnorm, a_pre, a_post, a_res, bias, n, sqrt_d)
-    acc = h.dtype
-    s_pre, s_post = torch.sigmoid(h[:, :n]), torch.sigmoid(h[:, n:2 * n])
-    g_h = torch.cat([
-        g_pre.to(acc) * s_pre * (1.0 - s_pre),
-        g_post.to(acc) * 2.0 * s_post * (1.0 - s_post),
-        sinkhorn_backward(h[:, 2 * n:].unflatten(-1, (n, n)), g_res.to(acc), iterations).flatten(1),
-    ], dim=1)
-    g_proj = g_h * scale * r[:, None]
-    g_r = (g_h * scale * p).sum(dim=1)
-    g_xnorm = g_r * (-r * r / sqrt_d)
-    g_scale = g_h * r[:, None] * p
-    alphas = torch.stack([g_scale[:, :n].sum(1), g_scale[:, n:2 * n].sum(1), g_scale[:, 2 * n:].sum(1)], 1)
-    return g_proj.to(proj.dtype), g_xnorm.to(xnorm.dtype), torch.cat([g_h, alphas], dim=1)
-
-
-# ---- aggregate, h_res, post + bias-dropout-add -------------------------------------------------
-
-def aggregate(x: Tensor, h_pre: Tensor, n: int) -> Tensor:
-    acc = compute_dtype(x.dtype)
-    xv = x.to(acc).unflatten(1, (n, -1))
-    return (h_pre.to(acc)[:, :, None] * xv).sum(1).to(x.dtype)
-
-
-def aggregate_backward(g: Tensor, x: Tensor, h_pre: Tensor, n: int) -> tuple[Tensor, Tensor]:
-    acc = compute_dtype(x.dtype)
-    xv, ga = x.to(acc).unflatten(1, (n, -1)), g.to(acc)
-    g_x = (h_pre.to(acc)[:, :, None] * ga[:, None, :]).flatten(1)
-    g_h = (xv * ga[:, None, :]).sum(-1)
-    return g_x.to(x.dtype), g_h.to(h_pre.dtype)
-
-
-def h_res_apply(h_res: Tensor, x: Tensor) -> Tensor:
-    n = h_res.shape[-1]
-    acc = compute_dtype(x.dtype)
-    out = torch.matmul(h_res.to(acc), x.to(acc).unflatten(1, (n, -1)))
-    return out.flatten(1).to(x.dtype)
-
-
-def h_res_apply_backward(g: Tensor, h_res: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
-    n = h_res.shape[-1]
-    acc = compute_dtype(x.dtype)
-    gv, xv, h = g.to(acc).unflatten(1, (n, -1)), x.to(acc).unflatten(1, (n, -1)), h_res.to(acc)
-    g_h = torch.matmul(gv, xv.transpose(1, 2))
-    g_x = torch.matmul(h.transpose(1, 2), gv).flatten(1)
-    return g_h.to(h_res.dtype), g_x.to(x.dtype)
+def state_width(mapping_size: int) -> int:
+    """Columns of the state: the projection's ``m = n*n + 2n``, then xnorm and rstd."""
+    return mapping_size + 2
 
 
 def dropout_keep_scaled(seed: Tensor | None, stream: int, p: float, t: int, width: int,
@@ -158,31 +116,181 @@ def dropout_keep_scaled(seed: Tensor | None, stream: int, p: float, t: int, widt
     return keep.to(torch.float32) * keep_scale(p)
 
 
-def post_bda(y: Tensor, h_post: Tensor, mixed: Tensor, seed: Tensor | None, p: float,
-             stream: int) -> Tensor:
-    """``mixed[i] + dropout(h_post[i] * y)`` over the n streams."""
-    t, n = h_post.shape
-    acc = compute_dtype(mixed.dtype)
-    post = (h_post.to(acc)[:, :, None] * y.to(acc)[:, None, :]).flatten(1)
-    mask = dropout_keep_scaled(seed, stream, p, t, mixed.shape[1], mixed.device)
-    if mask is not None:
-        post = post * mask.to(acc)
-    return (mixed.to(acc) + post).to(mixed.dtype)
+def _split_state(state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return state[:, :-2], state[:, -2], state[:, -1]
 
 
-def post_bda_backward(g: Tensor, y: Tensor, h_post: Tensor, seed: Tensor | None, p: float,
-                      stream: int) -> tuple[Tensor, Tensor]:
-    """``(g_y, g_h_post)``; the gradient of ``mixed`` is ``g`` itself."""
-    t, n = h_post.shape
-    acc = compute_dtype(g.dtype)
-    ga = g.to(acc)
-    mask = dropout_keep_scaled(seed, stream, p, t, g.shape[1], g.device)
+def logits_of(state: Tensor, a_pre, a_post, a_res, bias, n: int, sqrt_d: float):
+    """``h = r * proj * scale + bias`` from the state; returns (h, r, proj, scale)."""
+    proj, xnorm, _ = _split_state(state)
+    return _logits(proj, xnorm, a_pre, a_post, a_res, bias, n, sqrt_d)
+
+
+def mapping_state(x: Tensor, weight: Tensor, a_pre, a_post, a_res, bias, n: int, eps: float,
+                  norm: bool) -> Tensor:
+    """The state ``[proj | xnorm | rstd]`` of every token (``rstd`` is 1 without a norm)."""
+    acc = compute_dtype(x.dtype)
+    xa = x.to(acc)
+    xv = xa.unflatten(1, (n, -1))
+    gram = xv @ xv.transpose(1, 2)
+    proj = xa @ weight.to(acc).t()
+    xnorm = torch.diagonal(gram, dim1=1, dim2=2).sum(1).sqrt()
+    rstd = torch.ones_like(xnorm)
+    if norm:
+        h, _, _, _ = _logits(proj, xnorm, a_pre, a_post, a_res, bias, n, math.sqrt(x.shape[1]))
+        s = torch.sigmoid(h[:, :n])
+        mean_sq = (s[:, None, :] @ gram @ s[:, :, None]).view(-1) / xv.shape[2]
+        rstd = torch.rsqrt(mean_sq.clamp_min(0.0) + eps)
+    return torch.cat([proj, xnorm[:, None], rstd[:, None]], dim=1)
+
+
+def _aggregate(xv: Tensor, h_pre: Tensor) -> Tensor:
+    return (h_pre[:, :, None] * xv).sum(1)
+
+
+def fn_input(x: Tensor, state: Tensor, a_pre, a_post, a_res, bias, norm_weight: Tensor | None,
+             n: int) -> Tensor:
+    """F's input ``rstd * norm_weight * sum_i h_pre[i] x[i]`` (no norm when ``norm_weight`` is
+    None), h_pre and rstd from the state: the forward and the recompute compute it the same way."""
+    acc = compute_dtype(x.dtype)
+    h, _, _, _ = logits_of(state, a_pre, a_post, a_res, bias, n, math.sqrt(x.shape[1]))
+    agg = _aggregate(x.to(acc).unflatten(1, (n, -1)), torch.sigmoid(h[:, :n]))
+    if norm_weight is None:
+        return agg.to(x.dtype)
+    return (agg * state[:, -1:].to(acc) * norm_weight.to(acc)).to(x.dtype)
+
+
+def _into(value: Tensor, out: Tensor | None) -> Tensor:
+    if out is None:
+        return value
+    out.copy_(value)
+    return out
+
+
+def pre(x: Tensor, weight: Tensor, a_pre, a_post, a_res, bias, norm_weight: Tensor | None, n: int,
+        iterations: int, eps: float, fn_input_out: Tensor | None = None,
+        state_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``(F's input, state)`` (written into the ``*_out`` buffers when given)."""
+    state = _into(mapping_state(x, weight, a_pre, a_post, a_res, bias, n, eps,
+                                norm_weight is not None), state_out)
+    return _into(fn_input(x, state, a_pre, a_post, a_res, bias, norm_weight, n), fn_input_out), state
+
+
+def _state_backward(g_h: Tensor, h, r, proj, scale, n: int, sqrt_d: float):
+    """From ``g_h`` (the logits' gradient) to ``(g_state [T, m+2], param shares [T, m+3])``."""
+    g_proj = g_h * scale * r[:, None]
+    g_xnorm = (g_h * scale * proj).sum(dim=1) * (-r * r / sqrt_d)
+    g_scale = g_h * r[:, None] * proj
+    alphas = torch.stack([g_scale[:, :n].sum(1), g_scale[:, n:2 * n].sum(1),
+                          g_scale[:, 2 * n:].sum(1)], 1)
+    zero = torch.zeros_like(g_xnorm)
+    return torch.cat([g_proj, g_xnorm[:, None], zero[:, None]], 1), torch.cat([g_h, alphas], 1)
+
+
+def pre_backward(g_out: Tensor, g_state: Tensor, g_x: Tensor | None, x: Tensor, weight: Tensor,
+                 a_pre, a_post, a_res, bias, norm_weight: Tensor | None, state: Tensor, n: int,
+                 iterations: int, eps: float):
+    """``(g_x, g_proj, param shares [T, m+3], norm weight shares [T, C])`` of :func:`pre`.
+
+    ``g_state`` is the gradient the state's consumers sent back (its rstd column included),
+    ``g_x`` the one x's other use sent (added here, not by autograd); ``g_proj`` (the
+    projection's total gradient) is what the weight's gradient ``g_proj^T x`` needs."""
+    acc = compute_dtype(x.dtype)
+    sqrt_d = math.sqrt(x.shape[1])
+    xa = x.to(acc)
+    xv = xa.unflatten(1, (n, -1))
+    c = xv.shape[2]
+    h, r, proj, scale = logits_of(state, a_pre, a_post, a_res, bias, n, sqrt_d)
+    s_pre = torch.sigmoid(h[:, :n])
+    agg = _aggregate(xv, s_pre)
+    g = g_out.to(acc)
+    g_state = g_state.to(acc)
+    if norm_weight is None:
+        g_agg, g_w = g, torch.zeros(0, dtype=acc, device=x.device)
+    else:
+        w = norm_weight.to(acc)
+        rstd = state[:, -1:].to(acc)
+        gw = g * w
+        # rstd = (|agg|^2 / C + eps)^-1/2: through F's input and through the state's column
+        kappa = rstd ** 3 * ((gw * agg).sum(-1, keepdim=True) + g_state[:, -1:]) / c
+        g_agg = rstd * gw - kappa * agg
+        g_w = g * agg * rstd
+    g_h = torch.zeros_like(h)
+    g_h[:, :n] = (xv * g_agg[:, None, :]).sum(-1) * s_pre * (1.0 - s_pre)
+    g_own, shares = _state_backward(g_h, h, r, proj, scale, n, sqrt_d)
+    g_proj, g_xnorm, _ = _split_state(g_own + g_state)
+    xnorm = state[:, -2].to(acc)
+    coef = torch.where(xnorm > 0, g_xnorm / xnorm.clamp_min(torch.finfo(acc).tiny), 0.0)
+    g_xa = (s_pre[:, :, None] * g_agg[:, None, :]).flatten(1) + g_proj @ weight.to(acc) \
+        + coef[:, None] * xa
+    if g_x is not None:
+        g_xa = g_xa + g_x.to(acc)
+    return g_xa.to(x.dtype), g_proj, shares, g_w
+
+
+def _post_mappings(state, a_pre, a_post, a_res, bias, n: int, iterations: int, sqrt_d: float):
+    h, r, proj, scale = logits_of(state, a_pre, a_post, a_res, bias, n, sqrt_d)
+    s_post = torch.sigmoid(h[:, n:2 * n])
+    h_res = sinkhorn(h[:, 2 * n:].unflatten(-1, (n, n)), iterations)
+    return h, r, proj, scale, s_post, h_res
+
+
+def post(x: Tensor, state: Tensor, a_pre, a_post, a_res, bias, y: Tensor, seed: Tensor | None,
+         p: float, stream: int, n: int, iterations: int, out: Tensor | None = None) -> Tensor:
+    """``out[i] = sum_j h_res[i, j] x[j] + dropout(h_post[i] y)``, the mappings from the state."""
+    acc = compute_dtype(x.dtype)
+    t = x.shape[0]
+    *_, s_post, h_res = _post_mappings(state, a_pre, a_post, a_res, bias, n, iterations,
+                                       math.sqrt(x.shape[1]))
+    mixed = torch.matmul(h_res, x.to(acc).unflatten(1, (n, -1))).flatten(1)
+    branch = (2.0 * s_post[:, :, None] * y.to(acc)[:, None, :]).flatten(1)
+    mask = dropout_keep_scaled(seed, stream, p, t, x.shape[1], x.device)
     if mask is not None:
-        ga = ga * mask.to(acc)
-    gv = ga.unflatten(1, (n, -1))
-    g_y = (h_post.to(acc)[:, :, None] * gv).sum(1)
-    g_h = (gv * y.to(acc)[:, None, :]).sum(-1)
-    return g_y.to(y.dtype), g_h.to(h_post.dtype)
+        branch = branch * mask.to(acc)
+    return _into((mixed + branch).to(x.dtype), out)
+
+
+def post_backward(g: Tensor, x: Tensor, state: Tensor, a_pre, a_post, a_res, bias, y: Tensor,
+                  seed: Tensor | None, p: float, stream: int, n: int, iterations: int):
+    """``(g_x, g_state, param shares [T, m+3], g_y)`` of :func:`post` (the state's rstd column,
+    which the post does not read, gets 0)."""
+    acc = compute_dtype(x.dtype)
+    t = x.shape[0]
+    sqrt_d = math.sqrt(x.shape[1])
+    h, r, proj, scale, s_post, h_res = _post_mappings(state, a_pre, a_post, a_res, bias, n,
+                                                      iterations, sqrt_d)
+    gv = g.to(acc).unflatten(1, (n, -1))
+    xv = x.to(acc).unflatten(1, (n, -1))
+    g_x = torch.matmul(h_res.transpose(1, 2), gv).flatten(1)
+    g_h_res = torch.matmul(gv, xv.transpose(1, 2))
+    mask = dropout_keep_scaled(seed, stream, p, t, x.shape[1], x.device)
+    gm = gv if mask is None else gv * mask.to(acc).unflatten(1, (n, -1))
+    ya = y.to(acc)
+    g_y = (2.0 * s_post[:, :, None] * gm).sum(1)
+    g_h = torch.zeros_like(h)
+    g_h[:, n:2 * n] = (gm * ya[:, None, :]).sum(-1) * 2.0 * s_post * (1.0 - s_post)
+    g_h[:, 2 * n:] = sinkhorn_backward(h[:, 2 * n:].unflatten(-1, (n, n)), g_h_res,
+                                       iterations).flatten(1)
+    g_state, shares = _state_backward(g_h, h, r, proj, scale, n, sqrt_d)
+    return g_x.to(x.dtype), g_state, shares, g_y.to(y.dtype)
+
+
+def recompute(x0: Tensor, ys: Tensor, states: Tensor, params: Tensor, norm_weights: Tensor | None,
+              seed: Tensor | None, p: float, streams: list[int], n: int, iterations: int,
+              eps: float, x_out: Tensor, fn_input_out: Tensor) -> None:
+    """A block's mHC chain from its input: per sublayer k, F's input into ``fn_input_out[k]``
+    and, but for the last, its output (the next sublayer's input) into ``x_out[k]``.
+    ``ys [S, T, C]`` are F's outputs, ``states [S, T, m+2]``, ``params [S, m+3]``
+    (``bias | a_pre, a_post, a_res``), ``norm_weights [S, C]`` (None: no norm)."""
+    x = x0
+    m = states.shape[2] - 2
+    for k in range(ys.shape[0]):
+        bias, a = params[k, :m], params[k, m:]
+        fn_input_out[k].copy_(fn_input(x, states[k], a[0:1], a[1:2], a[2:3], bias,
+                                       None if norm_weights is None else norm_weights[k], n))
+        if k + 1 < ys.shape[0]:
+            x = post(x, states[k], a[0:1], a[1:2], a[2:3], bias, ys[k], seed, p, streams[k], n,
+                     iterations, x_out[k])
 
 
 # ---- RMSNorm (the sublayer's norm) ----------------------------------------------------------------

@@ -1,16 +1,28 @@
 """Triton kernels of the fused mHC ops; the same signatures as ``mhc_cg.ops.kernels.reference``.
 
 Loaded by ``mhc_cg.ops.kernels.dispatch.triton_kernels()`` only (so ``import mhc_cg`` never needs
-triton). Every kernel computes in fp32 and stores in the output's dtype. Tensors are token-major
-and made contiguous (a no-op for the model's); the stream axis is padded to a power of two ``NP``
-and masked.
+triton). Every kernel computes in fp32 and stores in the output's dtype; the state is fp32. The
+stream axis is padded to a power of two ``NP``, the mapping width ``m`` to ``MP`` (at least 16, as
+``tl.dot`` wants), both masked. No atomics: a parameter's gradient leaves a kernel as per-token or
+per-program shares that torch sums in a fixed order, so every result is deterministic.
 
-* ``mappings``: ``BT`` tokens per program; Sinkhorn on a ``[BT, NP, NP]`` register tile. The
-  backward recomputes the iterates from the logits: iteration k's input is rebuilt by k forward
-  iterations, so T iterations cost T*(T+1)/2 in registers and nothing is stored.
-* ``aggregate``/``h_res_apply``/``post_bda`` forwards: one program per (token, block of C).
-  Their backwards: one program per token, looping over C, so the per-token reductions
-  (``g_h_pre``, ``g_h_res``, ``g_h_post``) need no atomics and are deterministic.
+* ``_state_fwd`` (the pre's first pass): ``BT`` tokens per program, one pass over their ``x``:
+  the projection ``x W^T`` (``tl.dot``) and the streams' Gram matrix, from which the norm of x
+  and F's input's RMSNorm scale follow; writes the state ``[proj | xnorm | rstd]``.
+* ``_chain``: one program per ``BT`` tokens and ``BC`` features; for sublayer ``k = 0, 1, ...``
+  F's input ``rstd * w * sum_i h_pre[i] x_k[i]`` (``FN``), then
+  ``x_{k+1} = H_res x_k + dropout(H_post y_k)``, kept in registers (rounded to the stream's dtype,
+  as the forward stores it) and written. The pre's second pass (one step, F's input only), the post
+  (one step, the stream only) and a block's recompute (every step) are this one kernel, so the
+  recompute reproduces the forward's bits. Each program derives the mappings (Sinkhorn included)
+  of its tokens from the state: a few hundred FLOPs per token, no bytes.
+* ``_pre_bwd``: ``BT`` tokens per program, two passes over ``x`` and F's input's gradient: the
+  first reduces what the mappings' gradient needs, the second writes x's gradient (the
+  projection's share by ``tl.dot``, the post's share added in place) and the norm weight's shares.
+* ``_post_bwd``: ``BT`` tokens per program, one pass: x's and y's gradients, and the per-token
+  reductions the mappings need; then Sinkhorn's backward, which rebuilds iteration k's input with
+  k forward iterations (T iterations cost T*(T+1)/2 in registers, nothing stored).
+* ``_rms_fwd`` / ``_rms_bwd``: the model's final RMSNorm.
 """
 
 from __future__ import annotations
@@ -23,7 +35,7 @@ import triton.language as tl
 from triton import knobs
 
 from mhc_cg.ops.kernels.hash import MAX_ELEMENTS, counter_hash, keep_scale, keep_threshold
-from mhc_cg.ops.kernels.reference import RMS_EPS, SINKHORN_EPS
+from mhc_cg.ops.kernels.reference import RMS_EPS, SINKHORN_EPS, state_width
 
 INTERPRETED = bool(knobs.runtime.interpret)
 
@@ -32,13 +44,21 @@ INTERPRETED = bool(knobs.runtime.interpret)
 _hash = triton.jit(types.FunctionType(counter_hash.__code__, {**counter_hash.__globals__, "tl": tl},
                                       counter_hash.__name__))
 
+DOT_ROWS = 16  # tokens per program where a kernel multiplies by the mapping weight (tl.dot)
+CHAIN_ROWS = 4  # tokens per program elsewhere: [BT, n, n, BC] tiles stay in registers
+
 
 def _np(n: int) -> int:
     return triton.next_power_of_2(n)
 
 
-def _block_c(c: int) -> int:
-    return min(triton.next_power_of_2(c), 1024)
+def _mp(n: int) -> int:
+    return max(16, triton.next_power_of_2(n * n + 2 * n))
+
+
+def _block_c(c: int, budget: int) -> int:
+    """Features per step: ``budget`` elements over the tile's other axes, 16 to the width of C."""
+    return max(16, min(triton.next_power_of_2(c), triton.next_power_of_2(budget)))
 
 
 def _prepared(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -46,10 +66,75 @@ def _prepared(*tensors: torch.Tensor) -> list[torch.Tensor]:
     for t in tensors:
         if t.numel() > MAX_ELEMENTS:
             raise ValueError(f"mhc_cg triton kernels index with int32: at most {MAX_ELEMENTS} elements")
+        if t.dtype == torch.float64:
+            raise ValueError("mhc_cg triton kernels compute in fp32: fp64 models run model.kernels: torch")
     return [t.contiguous() for t in tensors]
 
 
-# ---- Sinkhorn on a [BT, NP, NP] tile -----------------------------------------------------------
+def _written(out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """Where a kernel writes: ``out`` when it is contiguous, else a temporary copied into it."""
+    if out is None or not out.is_contiguous():
+        return torch.empty_like(like)
+    return out
+
+
+def _deliver(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None or out is result:
+        return result
+    out.copy_(result)
+    return out
+
+
+def _dot_in_fp32(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the projection multiplies in fp32: for fp32 models, mixed dtypes, and in the
+    interpreter, whose ``tl.dot`` mishandles bf16 (bf16 products are exact in fp32 anyway)."""
+    return INTERPRETED or x.dtype == torch.float32 or weight.dtype != x.dtype
+
+
+def _dropout_args(seed, p):
+    # The hash wraps its int32 products on purpose: keep Triton's debug-mode overflow check off.
+    dropout = seed is not None and p > 0.0
+    return dict(DROPOUT=dropout, THRESHOLD=keep_threshold(p) if dropout else 0,
+                SCALE=keep_scale(p) if dropout else 1.0, sanitize_overflow=False)
+
+
+# ---- the mappings of BT tokens, from their state ------------------------------------------------
+
+@triton.jit
+def _sigmoid(h):
+    return 1.0 / (1.0 + tl.exp(-h))
+
+
+@triton.jit
+def _gate_logits(p, r, a_ptr, b_ptr, i, N: tl.constexpr):
+    """``r * p * a + b`` for one ``[BT, NP]`` block of the projection (pre or post columns)."""
+    b = tl.load(b_ptr + i, mask=i < N, other=0.0).to(tl.float32)
+    return r[:, None] * p * tl.load(a_ptr).to(tl.float32) + b[None, :]
+
+
+@triton.jit
+def _mapping_logits(state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, t, tmask, sqrt_d,
+                    N: tl.constexpr, NP: tl.constexpr, RMS: tl.constexpr):
+    """``r [BT]``, the pre and post projections and logits ``[BT, NP]``, the res projection and
+    logits ``[BT, NP, NP]`` and their mask, read from the state ``[T, m+2]``."""
+    M: tl.constexpr = N * N + 2 * N
+    SW: tl.constexpr = M + 2
+    i = tl.arange(0, NP)
+    vmask = tmask[:, None] & (i[None, :] < N)
+    xnorm = tl.load(state_ptr + t * SW + M, mask=tmask, other=1.0)
+    r = 1.0 / (xnorm / sqrt_d + RMS)
+    p_pre = tl.load(state_ptr + t[:, None] * SW + i[None, :], mask=vmask, other=0.0)
+    p_post = tl.load(state_ptr + t[:, None] * SW + N + i[None, :], mask=vmask, other=0.0)
+    col = 2 * N + i[:, None] * N + i[None, :]
+    valid = (i[:, None] < N) & (i[None, :] < N)
+    rmask = tmask[:, None, None] & valid[None, :, :]
+    p_res = tl.load(state_ptr + t[:, None, None] * SW + col[None, :, :], mask=rmask, other=0.0)
+    b_res = tl.load(bias_ptr + col, mask=valid, other=0.0).to(tl.float32)
+    l_res = r[:, None, None] * p_res * tl.load(ares_ptr).to(tl.float32) + b_res[None, :, :]
+    l_pre = _gate_logits(p_pre, r, apre_ptr, bias_ptr, i, N)
+    l_post = _gate_logits(p_post, r, apost_ptr, bias_ptr + N, i, N)
+    return r, p_pre, l_pre, p_post, l_post, p_res, l_res, vmask, rmask
+
 
 @triton.jit
 def _sk_init(logits, mask):
@@ -67,77 +152,16 @@ def _sk_iteration(m, EPS: tl.constexpr):
 
 
 @triton.jit
-def _load_logits(proj_ptr, bias_ptr, ares_ptr, r, t, tmask, N: tl.constexpr, NP: tl.constexpr):
-    M: tl.constexpr = N * N + 2 * N
-    i = tl.arange(0, NP)
-    col = 2 * N + i[:, None] * N + i[None, :]  # [NP, NP]
-    valid = (i[:, None] < N) & (i[None, :] < N)
-    mask = tmask[:, None, None] & valid[None, :, :]
-    p = tl.load(proj_ptr + t[:, None, None] * M + col[None, :, :], mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(bias_ptr + col, mask=valid, other=0.0).to(tl.float32)
-    a = tl.load(ares_ptr).to(tl.float32)
-    return r[:, None, None] * p * a + b[None, :, :], p, mask, col
-
-
-@triton.jit
-def _mappings_fwd(proj_ptr, xnorm_ptr, apre_ptr, apost_ptr, ares_ptr, bias_ptr,
-                  pre_ptr, post_ptr, res_ptr, T, sqrt_d, iterations,
-                  N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr,
-                  EPS: tl.constexpr, RMS: tl.constexpr):
-    M: tl.constexpr = N * N + 2 * N
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    tmask = t < T
-    r = 1.0 / (tl.load(xnorm_ptr + t, mask=tmask, other=1.0).to(tl.float32) / sqrt_d + RMS)
-    i = tl.arange(0, NP)
-    vmask = tmask[:, None] & (i[None, :] < N)
-    p_pre = tl.load(proj_ptr + t[:, None] * M + i[None, :], mask=vmask, other=0.0).to(tl.float32)
-    p_post = tl.load(proj_ptr + t[:, None] * M + N + i[None, :], mask=vmask, other=0.0).to(tl.float32)
-    b_pre = tl.load(bias_ptr + i, mask=i < N, other=0.0).to(tl.float32)
-    b_post = tl.load(bias_ptr + N + i, mask=i < N, other=0.0).to(tl.float32)
-    h_pre = r[:, None] * p_pre * tl.load(apre_ptr).to(tl.float32) + b_pre[None, :]
-    h_post = r[:, None] * p_post * tl.load(apost_ptr).to(tl.float32) + b_post[None, :]
-    tl.store(pre_ptr + t[:, None] * N + i[None, :], 1.0 / (1.0 + tl.exp(-h_pre)), mask=vmask)
-    tl.store(post_ptr + t[:, None] * N + i[None, :], 2.0 / (1.0 + tl.exp(-h_post)), mask=vmask)
-
-    logits, _, mask, _ = _load_logits(proj_ptr, bias_ptr, ares_ptr, r, t, tmask, N, NP)
+def _sinkhorn(logits, mask, iterations, EPS: tl.constexpr):
     m = _sk_init(logits, mask)
     for _ in range(iterations):
         m = _sk_iteration(m, EPS)
-    out = t[:, None, None] * (N * N) + i[None, :, None] * N + i[None, None, :]
-    tl.store(res_ptr + out, m, mask=mask)
+    return m
 
 
 @triton.jit
-def _mappings_bwd(gpre_ptr, gpost_ptr, gres_ptr, proj_ptr, xnorm_ptr, apre_ptr, apost_ptr,
-                  ares_ptr, bias_ptr, gproj_ptr, gxnorm_ptr, partial_ptr, T, sqrt_d, iterations,
-                  N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr,
-                  EPS: tl.constexpr, RMS: tl.constexpr):
-    M: tl.constexpr = N * N + 2 * N
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    tmask = t < T
-    r = 1.0 / (tl.load(xnorm_ptr + t, mask=tmask, other=1.0).to(tl.float32) / sqrt_d + RMS)
-    i = tl.arange(0, NP)
-    vmask = tmask[:, None] & (i[None, :] < N)
-    a_pre = tl.load(apre_ptr).to(tl.float32)
-    a_post = tl.load(apost_ptr).to(tl.float32)
-    a_res = tl.load(ares_ptr).to(tl.float32)
-
-    # sigmoid parts
-    p_pre = tl.load(proj_ptr + t[:, None] * M + i[None, :], mask=vmask, other=0.0).to(tl.float32)
-    p_post = tl.load(proj_ptr + t[:, None] * M + N + i[None, :], mask=vmask, other=0.0).to(tl.float32)
-    s_pre = 1.0 / (1.0 + tl.exp(-(r[:, None] * p_pre * a_pre
-                                  + tl.load(bias_ptr + i, mask=i < N, other=0.0).to(tl.float32)[None, :])))
-    s_post = 1.0 / (1.0 + tl.exp(-(r[:, None] * p_post * a_post
-                                   + tl.load(bias_ptr + N + i, mask=i < N, other=0.0).to(tl.float32)[None, :])))
-    g_pre = tl.load(gpre_ptr + t[:, None] * N + i[None, :], mask=vmask, other=0.0).to(tl.float32)
-    g_post = tl.load(gpost_ptr + t[:, None] * N + i[None, :], mask=vmask, other=0.0).to(tl.float32)
-    gh_pre = g_pre * s_pre * (1.0 - s_pre)
-    gh_post = g_post * 2.0 * s_post * (1.0 - s_post)
-
-    # Sinkhorn, backwards through the iterations, each input rebuilt from the logits
-    logits, p_res, mask, col = _load_logits(proj_ptr, bias_ptr, ares_ptr, r, t, tmask, N, NP)
-    gidx = t[:, None, None] * (N * N) + i[None, :, None] * N + i[None, None, :]
-    g = tl.load(gres_ptr + gidx, mask=mask, other=0.0).to(tl.float32)
+def _sinkhorn_bwd(logits, mask, g, iterations, EPS: tl.constexpr):
+    """d sinkhorn / d logits for ``g`` (0 on padding), each iteration's input rebuilt."""
     m0 = _sk_init(logits, mask)
     for k in range(iterations):
         m = m0
@@ -158,164 +182,8 @@ def _mappings_bwd(gpre_ptr, gpost_ptr, gres_ptr, proj_ptr, xnorm_ptr, apre_ptr, 
     is_max = mask & (logits == lmax[:, :, None])
     ties = tl.maximum(tl.sum(is_max.to(tl.float32), axis=2), 1.0)
     g_max = -tl.sum(g_l, axis=2) / ties
-    gh_res = tl.where(is_max, g_l + g_max[:, :, None], g_l)
+    return tl.where(is_max, g_l + g_max[:, :, None], g_l)
 
-    # gradients of proj, xnorm and the token's share of bias/alpha
-    P: tl.constexpr = M + 3
-    tl.store(gproj_ptr + t[:, None] * M + i[None, :], gh_pre * a_pre * r[:, None], mask=vmask)
-    tl.store(gproj_ptr + t[:, None] * M + N + i[None, :], gh_post * a_post * r[:, None], mask=vmask)
-    tl.store(gproj_ptr + t[:, None, None] * M + col[None, :, :], gh_res * a_res * r[:, None, None],
-             mask=mask)
-    g_r = (tl.sum(gh_pre * a_pre * p_pre, axis=1) + tl.sum(gh_post * a_post * p_post, axis=1)
-           + tl.sum(tl.sum(gh_res * a_res * p_res, axis=2), axis=1))
-    tl.store(gxnorm_ptr + t, g_r * (-r * r / sqrt_d), mask=tmask)
-    tl.store(partial_ptr + t[:, None] * P + i[None, :], gh_pre, mask=vmask)
-    tl.store(partial_ptr + t[:, None] * P + N + i[None, :], gh_post, mask=vmask)
-    tl.store(partial_ptr + t[:, None, None] * P + col[None, :, :], gh_res, mask=mask)
-    tl.store(partial_ptr + t * P + M, tl.sum(gh_pre * r[:, None] * p_pre, axis=1), mask=tmask)
-    tl.store(partial_ptr + t * P + M + 1, tl.sum(gh_post * r[:, None] * p_post, axis=1), mask=tmask)
-    tl.store(partial_ptr + t * P + M + 2,
-             tl.sum(tl.sum(gh_res * r[:, None, None] * p_res, axis=2), axis=1), mask=tmask)
-
-
-_BT = 16
-
-
-def mappings(proj, xnorm, a_pre, a_post, a_res, bias, n, iterations, sqrt_d):
-    proj, xnorm = _prepared(proj, xnorm)
-    t = proj.shape[0]
-    h_pre, h_post = proj.new_empty(t, n), proj.new_empty(t, n)
-    h_res = proj.new_empty(t, n, n)
-    _mappings_fwd[(triton.cdiv(t, _BT),)](
-        proj, xnorm, a_pre, a_post, a_res, bias, h_pre, h_post, h_res, t, float(sqrt_d), iterations,
-        N=n, NP=_np(n), BT=_BT, EPS=SINKHORN_EPS, RMS=RMS_EPS)
-    return h_pre, h_post, h_res
-
-
-def mappings_partials(g_pre, g_post, g_res, proj, xnorm, a_pre, a_post, a_res, bias, n,
-                      iterations, sqrt_d):
-    g_pre, g_post, g_res, proj, xnorm = _prepared(g_pre, g_post, g_res, proj, xnorm)
-    t, m = proj.shape
-    g_proj, g_xnorm = torch.empty_like(proj), torch.empty_like(xnorm)
-    partial = proj.new_empty(t, m + 3, dtype=torch.float32)
-    _mappings_bwd[(triton.cdiv(t, _BT),)](
-        g_pre, g_post, g_res, proj, xnorm, a_pre, a_post, a_res, bias, g_proj, g_xnorm, partial,
-        t, float(sqrt_d), iterations, N=n, NP=_np(n), BT=_BT, EPS=SINKHORN_EPS, RMS=RMS_EPS)
-    return g_proj, g_xnorm, partial
-
-
-# ---- aggregate ----------------------------------------------------------------------------------
-
-@triton.jit
-def _aggregate_fwd(x_ptr, h_ptr, out_ptr, C, N: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr):
-    t = tl.program_id(0)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
-    i = tl.arange(0, NP)
-    cmask = c < C
-    h = tl.load(h_ptr + t * N + i, mask=i < N, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + t * N * C + i[:, None] * C + c[None, :],
-                mask=(i[:, None] < N) & cmask[None, :], other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * C + c, tl.sum(h[:, None] * x, axis=0), mask=cmask)
-
-
-@triton.jit
-def _aggregate_bwd(g_ptr, x_ptr, h_ptr, gx_ptr, gh_ptr, C, N: tl.constexpr, NP: tl.constexpr,
-                   BC: tl.constexpr):
-    t = tl.program_id(0)
-    i = tl.arange(0, NP)
-    h = tl.load(h_ptr + t * N + i, mask=i < N, other=0.0).to(tl.float32)
-    gh = tl.zeros([NP], dtype=tl.float32)
-    for c0 in range(0, C, BC):
-        c = c0 + tl.arange(0, BC)
-        mask = (i[:, None] < N) & (c < C)[None, :]
-        g = tl.load(g_ptr + t * C + c, mask=c < C, other=0.0).to(tl.float32)
-        off = t * N * C + i[:, None] * C + c[None, :]
-        x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
-        tl.store(gx_ptr + off, h[:, None] * g[None, :], mask=mask)
-        gh += tl.sum(x * g[None, :], axis=1)
-    tl.store(gh_ptr + t * N + i, gh, mask=i < N)
-
-
-def aggregate(x, h_pre, n):
-    x, h_pre = _prepared(x, h_pre)
-    t, width = x.shape
-    c = width // n
-    out = x.new_empty(t, c)
-    bc = _block_c(c)
-    _aggregate_fwd[(t, triton.cdiv(c, bc))](x, h_pre, out, c, N=n, NP=_np(n), BC=bc)
-    return out
-
-
-def aggregate_backward(g, x, h_pre, n):
-    g, x, h_pre = _prepared(g, x, h_pre)
-    t, width = x.shape
-    c = width // n
-    g_x, g_h = torch.empty_like(x), torch.empty_like(h_pre)
-    _aggregate_bwd[(t,)](g, x, h_pre, g_x, g_h, c, N=n, NP=_np(n), BC=_block_c(c))
-    return g_x, g_h
-
-
-# ---- h_res --------------------------------------------------------------------------------------
-
-@triton.jit
-def _h_res_fwd(h_ptr, x_ptr, out_ptr, C, N: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr):
-    t = tl.program_id(0)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
-    i = tl.arange(0, NP)
-    cmask = c < C
-    h = tl.load(h_ptr + t * N * N + i[:, None] * N + i[None, :],
-                mask=(i[:, None] < N) & (i[None, :] < N), other=0.0).to(tl.float32)
-    mask = (i[:, None] < N) & cmask[None, :]
-    off = t * N * C + i[:, None] * C + c[None, :]
-    x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)  # [j, c]
-    tl.store(out_ptr + off, tl.sum(h[:, :, None] * x[None, :, :], axis=1), mask=mask)
-
-
-@triton.jit
-def _h_res_bwd(g_ptr, h_ptr, x_ptr, gh_ptr, gx_ptr, C, N: tl.constexpr, NP: tl.constexpr,
-               BC: tl.constexpr):
-    t = tl.program_id(0)
-    i = tl.arange(0, NP)
-    hmask = (i[:, None] < N) & (i[None, :] < N)
-    h = tl.load(h_ptr + t * N * N + i[:, None] * N + i[None, :], mask=hmask, other=0.0).to(tl.float32)
-    gh = tl.zeros([NP, NP], dtype=tl.float32)
-    for c0 in range(0, C, BC):
-        c = c0 + tl.arange(0, BC)
-        mask = (i[:, None] < N) & (c < C)[None, :]
-        off = t * N * C + i[:, None] * C + c[None, :]
-        g = tl.load(g_ptr + off, mask=mask, other=0.0).to(tl.float32)  # [i, c]
-        x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)  # [j, c]
-        tl.store(gx_ptr + off, tl.sum(h[:, :, None] * g[:, None, :], axis=0), mask=mask)
-        gh += tl.sum(g[:, None, :] * x[None, :, :], axis=2)
-    tl.store(gh_ptr + t * N * N + i[:, None] * N + i[None, :], gh, mask=hmask)
-
-
-def _block_c_3d(c: int, n: int) -> int:
-    return max(16, min(_block_c(c), 4096 // (_np(n) * _np(n))))
-
-
-def h_res_apply(h_res, x):
-    h_res, x = _prepared(h_res, x)
-    t, width = x.shape
-    n = h_res.shape[-1]
-    c = width // n
-    out = torch.empty_like(x)
-    bc = _block_c_3d(c, n)
-    _h_res_fwd[(t, triton.cdiv(c, bc))](h_res, x, out, c, N=n, NP=_np(n), BC=bc)
-    return out
-
-
-def h_res_apply_backward(g, h_res, x):
-    g, h_res, x = _prepared(g, h_res, x)
-    t, width = x.shape
-    n = h_res.shape[-1]
-    c = width // n
-    g_h, g_x = torch.empty_like(h_res), torch.empty_like(x)
-    _h_res_bwd[(t,)](g, h_res, x, g_h, g_x, c, N=n, NP=_np(n), BC=_block_c_3d(c, n))
-    return g_h, g_x
-
-
-# ---- h_post + bias-dropout-add --------------------------------------------------------------------
 
 @triton.jit
 def _keep_scaled(seed_ptr, stream, index, THRESHOLD: tl.constexpr, SCALE: tl.constexpr):
@@ -324,73 +192,362 @@ def _keep_scaled(seed_ptr, stream, index, THRESHOLD: tl.constexpr, SCALE: tl.con
     return tl.where(bits >= THRESHOLD, SCALE, 0.0)
 
 
-@triton.jit
-def _post_bda_fwd(y_ptr, h_ptr, mixed_ptr, seed_ptr, out_ptr, stream, C,
-                  N: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, DROPOUT: tl.constexpr,
-                  THRESHOLD: tl.constexpr, SCALE: tl.constexpr):
-    t = tl.program_id(0)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
-    i = tl.arange(0, NP)
-    mask = (i[:, None] < N) & (c < C)[None, :]
-    h = tl.load(h_ptr + t * N + i, mask=i < N, other=0.0).to(tl.float32)
-    y = tl.load(y_ptr + t * C + c, mask=c < C, other=0.0).to(tl.float32)
-    off = t * N * C + i[:, None] * C + c[None, :]
-    post = h[:, None] * y[None, :]
-    if DROPOUT:
-        post = post * _keep_scaled(seed_ptr, stream, off, THRESHOLD, SCALE)
-    mixed = tl.load(mixed_ptr + off, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + off, mixed + post, mask=mask)
-
+# ---- pre, first pass: the state ---------------------------------------------------------------
 
 @triton.jit
-def _post_bda_bwd(g_ptr, y_ptr, h_ptr, seed_ptr, gy_ptr, gh_ptr, stream, C,
-                  N: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, DROPOUT: tl.constexpr,
-                  THRESHOLD: tl.constexpr, SCALE: tl.constexpr):
-    t = tl.program_id(0)
+def _state_fwd(x_ptr, w_ptr, bias_ptr, apre_ptr, state_ptr, T, C, sqrt_d, eps,
+               N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr,
+               BC: tl.constexpr, NORM: tl.constexpr, DOT_F32: tl.constexpr, RMS: tl.constexpr):
+    M: tl.constexpr = N * N + 2 * N
+    SW: tl.constexpr = M + 2
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    tmask = t < T
     i = tl.arange(0, NP)
-    h = tl.load(h_ptr + t * N + i, mask=i < N, other=0.0).to(tl.float32)
-    gh = tl.zeros([NP], dtype=tl.float32)
+    mcol = tl.arange(0, MP)
+    proj = tl.zeros([BT, MP], dtype=tl.float32)
+    gram = tl.zeros([BT, NP, NP], dtype=tl.float32)
     for c0 in range(0, C, BC):
         c = c0 + tl.arange(0, BC)
-        mask = (i[:, None] < N) & (c < C)[None, :]
-        off = t * N * C + i[:, None] * C + c[None, :]
-        g = tl.load(g_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        xmask = tmask[:, None, None] & (i < N)[None, :, None] & (c < C)[None, None, :]
+        x = tl.load(x_ptr + t[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :],
+                    mask=xmask, other=0.0)
+        wmask = (i < N)[:, None, None] & (c < C)[None, :, None] & (mcol < M)[None, None, :]
+        w = tl.load(w_ptr + mcol[None, None, :] * (N * C) + i[:, None, None] * C + c[None, :, None],
+                    mask=wmask, other=0.0)
+        x2 = tl.reshape(x, [BT, NP * BC])
+        w2 = tl.reshape(w, [NP * BC, MP])
+        if DOT_F32:
+            proj = tl.dot(x2.to(tl.float32), w2.to(tl.float32), proj, input_precision="ieee")
+        else:
+            proj = tl.dot(x2, w2, proj)
+        xf = x.to(tl.float32)
+        gram += tl.sum(xf[:, :, None, :] * xf[:, None, :, :], axis=3)
+    diag = (i[:, None] == i[None, :])[None, :, :]
+    xnorm = tl.sqrt(tl.sum(tl.sum(tl.where(diag, gram, 0.0), axis=2), axis=1))
+    smask = tmask[:, None] & (mcol[None, :] < M)
+    tl.store(state_ptr + t[:, None] * SW + mcol[None, :], proj, mask=smask)
+    tl.store(state_ptr + t * SW + M, xnorm, mask=tmask)
+    rstd = tl.full([BT], 1.0, tl.float32)
+    if NORM:
+        # the pre columns of the projection, out of the register tile (one non-zero per sum)
+        pick = (mcol[None, None, :] == i[None, :, None]) & (i < N)[None, :, None]
+        p_pre = tl.sum(tl.where(pick, proj[:, None, :], 0.0), axis=2)
+        r = 1.0 / (xnorm / sqrt_d + RMS)
+        s = tl.where((i < N)[None, :], _sigmoid(_gate_logits(p_pre, r, apre_ptr, bias_ptr, i, N)), 0.0)
+        mean_sq = tl.sum(tl.sum(s[:, :, None] * gram * s[:, None, :], axis=2), axis=1) / C
+        rstd = 1.0 / tl.sqrt(tl.maximum(mean_sq, 0.0) + eps)
+    tl.store(state_ptr + t * SW + M + 1, rstd, mask=tmask)
+
+
+# ---- the chain: F's input and the post, for one sublayer or a whole block ------------------------
+
+@triton.jit
+def _chain(x_ptr, y_ptr, state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, norm_ptr, seed_ptr,
+           xo_ptr, fo_ptr, T, C, steps, posts, stream0, stream_step, p_stride, n_stride, sqrt_d,
+           iterations, N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+           FN: tl.constexpr, NORM: tl.constexpr, DROPOUT: tl.constexpr,
+           THRESHOLD: tl.constexpr, SCALE: tl.constexpr, EPS: tl.constexpr, RMS: tl.constexpr):
+    M: tl.constexpr = N * N + 2 * N
+    SW: tl.constexpr = M + 2
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    i = tl.arange(0, NP)
+    tmask = t < T
+    xmask = tmask[:, None, None] & (i < N)[None, :, None] & (c < C)[None, None, :]
+    xoff = t[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :]
+    fmask = tmask[:, None] & (c < C)[None, :]
+    foff = t[:, None] * C + c[None, :]
+    x = tl.load(x_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
+    for k in range(steps):
+        st = state_ptr + k * T * SW
+        po = k * p_stride
+        r, p_pre, l_pre, p_post, l_post, p_res, l_res, vmask, rmask = _mapping_logits(
+            st, bias_ptr + po, apre_ptr + po, apost_ptr + po, ares_ptr + po, t, tmask, sqrt_d,
+            N, NP, RMS)
+        if FN:
+            s_pre = tl.where(vmask, _sigmoid(l_pre), 0.0)
+            fn = tl.sum(s_pre[:, :, None] * x, axis=1)
+            if NORM:
+                rstd = tl.load(st + t * SW + M + 1, mask=tmask, other=0.0)
+                w = tl.load(norm_ptr + k * n_stride + c, mask=c < C, other=0.0).to(tl.float32)
+                fn = fn * rstd[:, None] * w[None, :]
+            tl.store(fo_ptr + k * T * C + foff, fn, mask=fmask)
+        if k < posts:
+            h_res = _sinkhorn(l_res, rmask, iterations, EPS)
+            s_post = tl.where(vmask, _sigmoid(l_post), 0.0)
+            y = tl.load(y_ptr + k * T * C + foff, mask=fmask, other=0.0).to(tl.float32)
+            branch = 2.0 * s_post[:, :, None] * y[:, None, :]
+            if DROPOUT:
+                branch = branch * _keep_scaled(seed_ptr, stream0 + k * stream_step, xoff,
+                                               THRESHOLD, SCALE)
+            x = tl.sum(h_res[:, :, :, None] * x[:, None, :, :], axis=2) + branch
+            x = x.to(xo_ptr.dtype.element_ty)
+            tl.store(xo_ptr + k * T * (N * C) + xoff, x, mask=xmask)
+            x = x.to(tl.float32)  # the next sublayer reads what the forward stored
+
+
+def _launch_chain(x, ys, states, bias, a_pre, a_post, a_res, p_stride, norm, n_stride, seed, p,
+                  streams, n, iterations, x_out, fn_out, fn: bool, steps: int, posts: int):
+    t, width = x.shape
+    c = width // n
+    nb = _np(n)
+    bc = _block_c(c, 2048 // (nb * nb))
+    stream0 = streams[0] if streams else 0
+    step = streams[1] - streams[0] if len(streams) > 1 else 0
+    if any(s != stream0 + k * step for k, s in enumerate(streams)):
+        raise ValueError(f"mhc_cg triton recompute: a block's dropout streams must be evenly "
+                         f"spaced, got {streams}")
+    seed_arg = seed if seed is not None else x  # never read without dropout
+    _chain[(triton.cdiv(t, CHAIN_ROWS), triton.cdiv(c, bc))](
+        x, ys, states, bias, a_pre, a_post, a_res, norm if norm is not None else x, seed_arg,
+        x_out, fn_out, t, c, steps, posts, stream0, step, p_stride, n_stride,
+        float(width) ** 0.5, iterations, N=n, NP=nb, BT=CHAIN_ROWS, BC=bc, FN=fn,
+        NORM=norm is not None, EPS=SINKHORN_EPS, RMS=RMS_EPS, **_dropout_args(seed, p))
+
+
+def pre(x, weight, a_pre, a_post, a_res, bias, norm_weight, n, iterations, eps,
+        fn_input_out=None, state_out=None):
+    x, weight = _prepared(x, weight)
+    t, width = x.shape
+    c = width // n
+    nb = _np(n)
+    state = _written(state_out, x.new_empty(t, state_width(weight.shape[0]), dtype=torch.float32))
+    _state_fwd[(triton.cdiv(t, DOT_ROWS),)](
+        x, weight, bias, a_pre, state, t, c, float(width) ** 0.5, float(eps), N=n, NP=nb,
+        MP=_mp(n), BT=DOT_ROWS, BC=_block_c(c, 512 // (nb * nb)), NORM=norm_weight is not None,
+        DOT_F32=_dot_in_fp32(x, weight), RMS=RMS_EPS)
+    fn_input = _written(fn_input_out, x.new_empty(t, c))
+    _launch_chain(x, x, state, bias, a_pre, a_post, a_res, 0, norm_weight, 0, None, 0.0, [0], n,
+                  iterations, x, fn_input, fn=True, steps=1, posts=0)
+    return _deliver(fn_input, fn_input_out), _deliver(state, state_out)
+
+
+def post(x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, out=None):
+    x, state, y = _prepared(x, state, y)
+    result = _written(out, x)
+    _launch_chain(x, y, state, bias, a_pre, a_post, a_res, 0, None, 0, seed, p, [stream], n,
+                  iterations, result, x, fn=False, steps=1, posts=1)
+    return _deliver(result, out)
+
+
+def recompute(x0, ys, states, params, norm_weights, seed, p, streams, n, iterations, eps, x_out,
+              fn_input_out):
+    x0, ys, states, params = _prepared(x0, ys, states, params)
+    norm = None if norm_weights is None else _prepared(norm_weights)[0]
+    steps = ys.shape[0]
+    m = n * n + 2 * n
+    xo, fo = _written(x_out, x_out), _written(fn_input_out, fn_input_out)
+    _launch_chain(x0, ys, states, params, params[:, m], params[:, m + 1], params[:, m + 2],
+                  params.stride(0), norm, 0 if norm is None else norm.stride(0), seed, p,
+                  list(streams), n, iterations, xo if steps > 1 else x0, fo, fn=True,
+                  steps=steps, posts=steps - 1)
+    _deliver(xo, x_out)
+    _deliver(fo, fn_input_out)
+
+
+# ---- pre backward ------------------------------------------------------------------------------
+
+@triton.jit
+def _pre_state_grads(gstate_ptr, gproj_ptr, share_ptr, apre_ptr, gh, r, p_pre, xnorm, t, tmask,
+                     vmask, sqrt_d, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr,
+                     PP: tl.constexpr):
+    """The state's gradient, the pre's own (from the pre logits' ``gh`` and xnorm) plus what the
+    post sent; stores the projection's gradient and the parameters' shares; returns the
+    projection's gradient ``[BT, MP]`` and x's coefficient from xnorm's gradient."""
+    M: tl.constexpr = N * N + 2 * N
+    SW: tl.constexpr = M + 2
+    P: tl.constexpr = M + 3
+    i = tl.arange(0, NP)
+    mcol = tl.arange(0, MP)
+    a_pre = tl.load(apre_ptr).to(tl.float32)
+    smask = tmask[:, None] & (mcol[None, :] < M)
+    g_proj = tl.load(gstate_ptr + t[:, None] * SW + mcol[None, :], mask=smask, other=0.0)
+    own = tl.where(vmask, gh * a_pre * r[:, None], 0.0)
+    pick = (mcol[None, None, :] == i[None, :, None]) & (i < N)[None, :, None]
+    g_proj += tl.sum(tl.where(pick, own[:, :, None], 0.0), axis=1)
+    tl.store(gproj_ptr + t[:, None] * M + mcol[None, :], g_proj, mask=smask)
+    g_xnorm = tl.load(gstate_ptr + t * SW + M, mask=tmask, other=0.0) \
+        + tl.sum(gh * a_pre * p_pre, axis=1) * (-r * r / sqrt_d)
+    coef = tl.where(xnorm > 0, g_xnorm / tl.where(xnorm > 0, xnorm, 1.0), 0.0)
+    pcol = tl.arange(0, PP)  # the pre gives the post's and res's bias and alphas nothing
+    a_share = tl.sum(gh * r[:, None] * p_pre, axis=1)
+    to_col = (pcol[None, None, :] == i[None, :, None]) & (i < N)[None, :, None]
+    shares = tl.sum(tl.where(to_col, gh[:, :, None], 0.0), axis=1)
+    shares = tl.where(pcol[None, :] == M, a_share[:, None], shares)
+    tl.store(share_ptr + t[:, None] * P + pcol[None, :], shares,
+             mask=tmask[:, None] & (pcol[None, :] < P))
+    return g_proj, coef
+
+
+@triton.jit
+def _pre_bwd(gout_ptr, gstate_ptr, gxin_ptr, x_ptr, w_ptr, bias_ptr, apre_ptr, apost_ptr,
+             ares_ptr, norm_ptr, state_ptr, gx_ptr, gproj_ptr, share_ptr, gw_ptr, T, C, sqrt_d,
+             N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, PP: tl.constexpr,
+             BT: tl.constexpr, BC: tl.constexpr, NORM: tl.constexpr, GXIN: tl.constexpr,
+             RMS: tl.constexpr):
+    M: tl.constexpr = N * N + 2 * N
+    SW: tl.constexpr = M + 2
+    pid = tl.program_id(0)
+    t = pid * BT + tl.arange(0, BT)
+    tmask = t < T
+    i = tl.arange(0, NP)
+    mcol = tl.arange(0, MP)
+    r, p_pre, l_pre, p_post, l_post, p_res, l_res, vmask, rmask = _mapping_logits(
+        state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, t, tmask, sqrt_d, N, NP, RMS)
+    s = tl.where(vmask, _sigmoid(l_pre), 0.0)
+    xnorm = tl.load(state_ptr + t * SW + M, mask=tmask, other=0.0)
+    rstd = tl.load(state_ptr + t * SW + M + 1, mask=tmask, other=0.0)
+
+    # pass 1: u[i] = x[i] . (g w) and v[i] = x[i] . agg, what the mappings' gradient needs
+    u = tl.zeros([BT, NP], dtype=tl.float32)
+    v = tl.zeros([BT, NP], dtype=tl.float32)
+    for c0 in range(0, C, BC):
+        c = c0 + tl.arange(0, BC)
+        xmask = tmask[:, None, None] & (i < N)[None, :, None] & (c < C)[None, None, :]
+        x = tl.load(x_ptr + t[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :],
+                    mask=xmask, other=0.0).to(tl.float32)
+        g = tl.load(gout_ptr + t[:, None] * C + c[None, :], mask=tmask[:, None] & (c < C)[None, :],
+                    other=0.0).to(tl.float32)
+        if NORM:
+            g = g * tl.load(norm_ptr + c, mask=c < C, other=0.0).to(tl.float32)[None, :]
+            agg = tl.sum(s[:, :, None] * x, axis=1)
+            v += tl.sum(x * agg[:, None, :], axis=2)
+        u += tl.sum(x * g[:, None, :], axis=2)
+    if NORM:
+        g_rstd = tl.load(gstate_ptr + t * SW + M + 1, mask=tmask, other=0.0)
+        kappa = rstd * rstd * rstd * (tl.sum(s * u, axis=1) + g_rstd) / C
+        g_s = rstd[:, None] * u - kappa[:, None] * v
+    else:
+        kappa = tl.zeros([BT], dtype=tl.float32)
+        g_s = u
+    gh = g_s * s * (1.0 - s)
+    g_proj, coef = _pre_state_grads(gstate_ptr, gproj_ptr, share_ptr, apre_ptr, gh, r, p_pre, xnorm,
+                                    t, tmask, vmask, sqrt_d, N, NP, MP, PP)
+
+    # pass 2: x's gradient, and the norm weight's shares
+    for c0 in range(0, C, BC):
+        c = c0 + tl.arange(0, BC)
+        xmask = tmask[:, None, None] & (i < N)[None, :, None] & (c < C)[None, None, :]
+        xoff = t[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :]
+        x = tl.load(x_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
+        fmask = tmask[:, None] & (c < C)[None, :]
+        g = tl.load(gout_ptr + t[:, None] * C + c[None, :], mask=fmask, other=0.0).to(tl.float32)
+        if NORM:
+            agg = tl.sum(s[:, :, None] * x, axis=1)
+            w = tl.load(norm_ptr + c, mask=c < C, other=0.0).to(tl.float32)
+            g_agg = rstd[:, None] * (g * w[None, :]) - kappa[:, None] * agg
+            tl.store(gw_ptr + pid * C + c, tl.sum(g * agg * rstd[:, None], axis=0), mask=c < C)
+        else:
+            g_agg = g
+        wmask = (mcol < M)[:, None, None] & (i < N)[None, :, None] & (c < C)[None, None, :]
+        w_blk = tl.load(w_ptr + mcol[:, None, None] * (N * C) + i[None, :, None] * C
+                        + c[None, None, :], mask=wmask, other=0.0).to(tl.float32)
+        through_proj = tl.dot(g_proj, tl.reshape(w_blk, [MP, NP * BC]), input_precision="ieee")
+        gx = s[:, :, None] * g_agg[:, None, :] + tl.reshape(through_proj, [BT, NP, BC]) \
+            + coef[:, None, None] * x
+        if GXIN:
+            gx += tl.load(gxin_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
+        tl.store(gx_ptr + xoff, gx, mask=xmask)
+
+
+def pre_backward(g_out, g_state, g_x, x, weight, a_pre, a_post, a_res, bias, norm_weight, state,
+                 n, iterations, eps):
+    g_out, g_state, x, weight, state = _prepared(g_out, g_state, x, weight, state)
+    g_state = g_state.to(torch.float32)
+    t, width = x.shape
+    c = width // n
+    m = weight.shape[0]
+    nb = _np(n)
+    programs = triton.cdiv(t, DOT_ROWS)
+    g_xa = torch.empty_like(x)
+    g_proj = x.new_empty(t, m, dtype=torch.float32)
+    shares = x.new_empty(t, m + 3, dtype=torch.float32)
+    g_w = x.new_empty(programs if norm_weight is not None else 0, c, dtype=torch.float32)
+    g_x_in = _prepared(g_x)[0] if g_x is not None else x
+    _pre_bwd[(programs,)](
+        g_out, g_state, g_x_in, x, weight, bias, a_pre, a_post, a_res,
+        norm_weight if norm_weight is not None else x, state, g_xa, g_proj, shares, g_w, t, c,
+        float(width) ** 0.5, N=n, NP=nb, MP=_mp(n), PP=triton.next_power_of_2(m + 3), BT=DOT_ROWS,
+        BC=_block_c(c, 128 // nb),
+        NORM=norm_weight is not None, GXIN=g_x is not None, RMS=RMS_EPS)
+    return g_xa, g_proj, shares, g_w
+
+
+# ---- post backward -----------------------------------------------------------------------------
+
+@triton.jit
+def _post_bwd(g_ptr, x_ptr, state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, y_ptr, seed_ptr,
+              gx_ptr, gstate_ptr, share_ptr, gy_ptr, stream, T, C, sqrt_d, iterations,
+              N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+              DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr, SCALE: tl.constexpr,
+              EPS: tl.constexpr, RMS: tl.constexpr):
+    M: tl.constexpr = N * N + 2 * N
+    SW: tl.constexpr = M + 2
+    P: tl.constexpr = M + 3
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    tmask = t < T
+    i = tl.arange(0, NP)
+    r, p_pre, l_pre, p_post, l_post, p_res, l_res, vmask, rmask = _mapping_logits(
+        state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, t, tmask, sqrt_d, N, NP, RMS)
+    s_post = tl.where(vmask, _sigmoid(l_post), 0.0)
+    h_res = _sinkhorn(l_res, rmask, iterations, EPS)
+    g_hres = tl.zeros([BT, NP, NP], dtype=tl.float32)
+    g_spost = tl.zeros([BT, NP], dtype=tl.float32)
+    for c0 in range(0, C, BC):
+        c = c0 + tl.arange(0, BC)
+        xmask = tmask[:, None, None] & (i < N)[None, :, None] & (c < C)[None, None, :]
+        xoff = t[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :]
+        fmask = tmask[:, None] & (c < C)[None, :]
+        g = tl.load(g_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + t[:, None] * C + c[None, :], mask=fmask, other=0.0).to(tl.float32)
+        tl.store(gx_ptr + xoff, tl.sum(h_res[:, :, :, None] * g[:, :, None, :], axis=1), mask=xmask)
+        g_hres += tl.sum(g[:, :, None, :] * x[:, None, :, :], axis=3)
         if DROPOUT:
-            g = g * _keep_scaled(seed_ptr, stream, off, THRESHOLD, SCALE)
-        y = tl.load(y_ptr + t * C + c, mask=c < C, other=0.0).to(tl.float32)
-        tl.store(gy_ptr + t * C + c, tl.sum(h[:, None] * g, axis=0), mask=c < C)
-        gh += tl.sum(g * y[None, :], axis=1)
-    tl.store(gh_ptr + t * N + i, gh, mask=i < N)
+            g = g * _keep_scaled(seed_ptr, stream, xoff, THRESHOLD, SCALE)
+        tl.store(gy_ptr + t[:, None] * C + c[None, :], tl.sum(2.0 * s_post[:, :, None] * g, axis=1),
+                 mask=fmask)
+        g_spost += tl.sum(g * y[:, None, :], axis=2)
+    gh_post = g_spost * 2.0 * s_post * (1.0 - s_post)
+    gh_res = _sinkhorn_bwd(l_res, rmask, g_hres, iterations, EPS)
+    a_post = tl.load(apost_ptr).to(tl.float32)
+    a_res = tl.load(ares_ptr).to(tl.float32)
+
+    # the state's gradient [0 | post | res | xnorm | 0] and the parameters' shares, by columns
+    col = 2 * N + i[:, None] * N + i[None, :]
+    zero = tl.zeros([BT, NP], dtype=tl.float32)
+    tl.store(gstate_ptr + t[:, None] * SW + i[None, :], zero, mask=vmask)
+    tl.store(gstate_ptr + t[:, None] * SW + N + i[None, :], gh_post * a_post * r[:, None], mask=vmask)
+    tl.store(gstate_ptr + t[:, None, None] * SW + col[None, :, :], gh_res * a_res * r[:, None, None],
+             mask=rmask)
+    g_r = tl.sum(gh_post * a_post * p_post, axis=1) \
+        + tl.sum(tl.sum(gh_res * a_res * p_res, axis=2), axis=1)
+    tl.store(gstate_ptr + t * SW + M, g_r * (-r * r / sqrt_d), mask=tmask)
+    tl.store(gstate_ptr + t * SW + M + 1, tl.zeros([BT], dtype=tl.float32), mask=tmask)
+    tl.store(share_ptr + t[:, None] * P + i[None, :], zero, mask=vmask)
+    tl.store(share_ptr + t[:, None] * P + N + i[None, :], gh_post, mask=vmask)
+    tl.store(share_ptr + t[:, None, None] * P + col[None, :, :], gh_res, mask=rmask)
+    tl.store(share_ptr + t * P + M, tl.zeros([BT], dtype=tl.float32), mask=tmask)
+    tl.store(share_ptr + t * P + M + 1, tl.sum(gh_post * r[:, None] * p_post, axis=1), mask=tmask)
+    tl.store(share_ptr + t * P + M + 2,
+             tl.sum(tl.sum(gh_res * r[:, None, None] * p_res, axis=2), axis=1), mask=tmask)
 
 
-def _dropout_args(seed, p):
-    # The hash wraps its int32 products on purpose: keep Triton's debug-mode overflow check off.
-    dropout = seed is not None and p > 0.0
-    return dict(DROPOUT=dropout, THRESHOLD=keep_threshold(p) if dropout else 0,
-                SCALE=keep_scale(p) if dropout else 1.0, sanitize_overflow=False)
-
-
-def post_bda(y, h_post, mixed, seed, p, stream):
-    y, h_post, mixed = _prepared(y, h_post, mixed)
-    t, n = h_post.shape
-    c = y.shape[1]
-    out = torch.empty_like(mixed)
-    bc = _block_c(c)
-    seed_arg = seed if seed is not None else mixed  # never read without dropout
-    _post_bda_fwd[(t, triton.cdiv(c, bc))](y, h_post, mixed, seed_arg, out, stream, c, N=n,
-                                            NP=_np(n), BC=bc, **_dropout_args(seed, p))
-    return out
-
-
-def post_bda_backward(g, y, h_post, seed, p, stream):
-    g, y, h_post = _prepared(g, y, h_post)
-    t, n = h_post.shape
-    c = y.shape[1]
-    g_y, g_h = torch.empty_like(y), torch.empty_like(h_post)
-    seed_arg = seed if seed is not None else g
-    _post_bda_bwd[(t,)](g, y, h_post, seed_arg, g_y, g_h, stream, c, N=n, NP=_np(n),
-                        BC=_block_c(c), **_dropout_args(seed, p))
-    return g_y, g_h
+def post_backward(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations):
+    g, x, state, y = _prepared(g, x, state, y)
+    t, width = x.shape
+    c = width // n
+    m = n * n + 2 * n
+    nb = _np(n)
+    g_x, g_y = torch.empty_like(x), torch.empty_like(y)
+    g_state = x.new_empty(t, m + 2, dtype=torch.float32)
+    shares = x.new_empty(t, m + 3, dtype=torch.float32)
+    seed_arg = seed if seed is not None else x
+    _post_bwd[(triton.cdiv(t, CHAIN_ROWS),)](
+        g, x, state, bias, a_pre, a_post, a_res, y, seed_arg, g_x, g_state, shares, g_y, stream,
+        t, c, float(width) ** 0.5, iterations, N=n, NP=nb, BT=CHAIN_ROWS,
+        BC=_block_c(c, 1024 // (nb * nb)), EPS=SINKHORN_EPS, RMS=RMS_EPS, **_dropout_args(seed, p))
+    return g_x, g_state, shares, g_y
 
 
 # ---- RMSNorm --------------------------------------------------------------------------------------
@@ -450,7 +607,7 @@ def rms_norm(x, weight, eps):
     x, weight = _prepared(x, weight)
     t, c = x.shape
     out = torch.empty_like(x)
-    _rms_fwd[(t,)](x, weight, out, c, float(eps), BC=_block_c(c))
+    _rms_fwd[(t,)](x, weight, out, c, float(eps), BC=_block_c(c, 1024))
     return out
 
 
@@ -461,5 +618,5 @@ def rms_norm_backward(g, x, weight, eps):
     g_x = torch.empty_like(x)
     part = x.new_empty(programs, c, dtype=torch.float32)
     _rms_bwd[(programs,)](g, x, weight, g_x, part, t, c, float(eps), R=_RMS_ROWS,
-                          BC=min(_block_c(c), 256))
+                          BC=_block_c(c, 256))
     return g_x, part.sum(0).to(weight.dtype)  # a fixed-order sum: deterministic

@@ -1,20 +1,21 @@
 """Mode ``attn_split``: the attention consumer graphed, mHC ops eager under eager block recompute.
 
 The split Megatron-LM's development branch ships for mHC recompute with CUDA graphs (attention-only
-graph scope with mHC selective recompute): per layer, the attention sublayer's RMSNorm and
-attention are captured as one graph whose input is the one-stream aggregate ``[s, b, C]``;
-mappings, aggregate, ``h_res``, ``h_post``, bias-dropout-add and the whole MLP sublayer run
-eagerly, as checkpoints of the eager block recompute (:mod:`mhc_cg.runtime.recompute.eager`). It is the
-strongest public alternative to ``graphed_static``, so the bench runs it beside ours.
+graph scope with mHC selective recompute): per layer, the attention is captured as a graph whose
+input is the one-stream ``[s, b, C]`` F input; the mHC ops (the fused pre and post) and the whole
+MLP sublayer run eagerly, as checkpoints of the eager block recompute
+(:mod:`mhc_cg.runtime.recompute.eager`). Megatron's graph also holds the sublayer's RMSNorm; here
+the norm is fused into the pre. It is the strongest public alternative to ``graphed_static``, so
+the bench runs it beside ours.
 
-The aggregate is written straight into the graph's static input, in the forward and in the
-recompute (:class:`StaticInputCheckpoint`), so the replay copies nothing and the aggregate costs
-no memory of its own: the static input is the only copy. That buffer is the graph's, so "discard"
-must not free it; the recompute overwrites it in place before the graph's backward replays (the
-block's unified recompute runs before any backward node of the block).
+F's input is written straight into the graph's static input, in the forward and in the recompute
+(:class:`StaticInputCheckpoint`), so the replay copies nothing and it costs no memory of its own:
+the static input is the only copy. That buffer is the graph's, so "discard" must not free it; the
+recompute overwrites it in place before the graph's backward replays (the block's unified
+recompute runs before any backward node of the block).
 
-Numbers: the graph computes ``fn(norm(agg))`` with the eager ops, and everything else is eager
-block recompute, so on the ``tape`` backend losses and gradients equal ``eager_none``'s bit for bit
+Numbers: the graph computes ``fn`` with the eager ops, and everything else is eager block
+recompute, so on the ``tape`` backend losses and gradients equal ``eager_none``'s bit for bit
 (``tests/test_attn_split.py``).
 """
 
@@ -25,8 +26,8 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from mhc_cg.core import traffic
 from mhc_cg.model import MHCGPT
+from mhc_cg.ops.kernels import Target
 from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
 from mhc_cg.runtime.modes.lifecycle import (CapturedState, ModeModel, rewind_replay_order,
                                     runs_graphs)
@@ -37,14 +38,14 @@ from mhc_cg.runtime.recompute.eager import ARMED, BlockRecomputeManager, checkpo
 
 
 class AttentionConsumer(nn.Module):
-    """The captured part of an attention sublayer: ``agg [s, b, C] -> fn(norm(agg))``."""
+    """The captured part of an attention sublayer: ``F's input [s, b, C] -> fn(...)``."""
 
     def __init__(self, sub: nn.Module):
         super().__init__()
-        self.norm, self.fn = sub.norm, sub.fn
+        self.fn = sub.fn
 
-    def forward(self, agg: Tensor) -> Tensor:
-        return self.fn(self.norm(agg))
+    def forward(self, fn_input: Tensor) -> Tensor:
+        return self.fn(fn_input)
 
 
 def static_view(buffer: Tensor) -> Tensor:
@@ -59,66 +60,61 @@ def static_view(buffer: Tensor) -> Tensor:
 
 
 class StaticInputCheckpoint(CheckpointWithoutOutput):
-    """A checkpoint whose single output lives in a graph's static input ``slot``.
+    """A checkpoint whose output ``index`` lives in a graph's static input ``slot``.
 
-    Discard keeps the bytes (they are the graph's input buffer; freeing them would break every
+    Discard keeps those bytes (they are the graph's input buffer; freeing them would break every
     replay) and only checks the output still points at the slot; the recompute writes the slot in
-    place through the base class's writer alias.
+    place through the base class's writer alias. Its other outputs are discarded as usual.
     """
 
-    def __init__(self, manager: BlockRecomputeManager, slot: Tensor, *, name: str):
+    def __init__(self, manager: BlockRecomputeManager, slot: Tensor, index: int, *, name: str):
         super().__init__(manager, name=name)
-        self.slot = slot
+        self.slot, self.index = slot, index
 
     def discard_outputs(self) -> None:
         if self.state != FORWARD:
             raise RuntimeError(f"checkpoint {self.name!r}: cannot discard in state {self.state!r}")
-        (out,) = self.outputs
+        out = self.outputs[self.index]
         if out.data_ptr() != self.slot.data_ptr():
             raise RuntimeError(f"checkpoint {self.name!r}: its output is not the graph's static "
                                f"input any more (address {out.data_ptr():#x} != "
-                               f"{self.slot.data_ptr():#x}); the aggregate must write the slot")
-        self.state = DISCARDED
+                               f"{self.slot.data_ptr():#x}); F's input must be written there")
+        kept = self.passthrough
+        self.passthrough = frozenset(kept | {self.index})  # kept, and restored by the recompute
+        try:
+            super().discard_outputs()
+        finally:
+            self.passthrough = kept
 
 
-def aggregate_into(steps, slot: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
-    """``steps.aggregate`` writing ``slot`` when it runs without grad (the checkpoint's forward);
-    with grad (the recompute) it returns the value and the checkpoint copies it into ``slot``."""
-    def aggregate(x: Tensor, h_pre: Tensor) -> Tensor:
-        agg = steps.aggregate(x, h_pre)
+def pre_into(steps, slot: Tensor) -> Callable[[Tensor], tuple[Tensor, Tensor, Tensor]]:
+    """``steps.pre`` writing F's input into ``slot`` when it runs without grad (the checkpoint's
+    forward); with grad (the recompute) it returns the value and the checkpoint copies it into
+    ``slot``."""
+    def pre(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if torch.is_grad_enabled():
-            return agg
-        with traffic.runtime_copy("static inputs"):
-            slot.copy_(agg)
-        return static_view(slot)
-    return aggregate
+            return steps.pre(x)
+        return steps.pre(x, fn_input_out=Target(slot, static_view(slot)))
+    return pre
 
 
 def split_attention_sublayer(steps, consumer: Callable[[Tensor], Tensor], slot: Tensor, x: Tensor,
                              seed: Tensor | None, manager: BlockRecomputeManager, name: str,
                              x_source: str | None) -> tuple[Tensor, str]:
-    """An attention sublayer: eager checkpointed mHC ops around the graphed ``consumer``.
+    """An attention sublayer: eager checkpointed pre and post around the graphed ``consumer``.
 
-    Same step order as :func:`mhc_cg.runtime.recompute.eager.checkpoint_sublayer`, with the norm moved
-    into the graph and the aggregate written into ``slot`` (the consumer graph's static input).
-    The attention sublayer never ends a block (its layer's MLP follows), so its bias-dropout-add
-    is always a checkpoint.
+    The same checkpoints as :func:`mhc_cg.runtime.recompute.eager.checkpoint_sublayer`, with F's
+    input written into ``slot`` (the consumer graph's static input). The attention sublayer never
+    ends a block (its layer's MLP follows), so its post is always a checkpoint.
     """
-    def step(suffix: str) -> CheckpointWithoutOutput:
-        return CheckpointWithoutOutput(manager, name=f"{name}/{suffix}")
-
     x_refill = {} if x_source is None else {0: x_source}
-    h_pre, h_post, h_res = step("mappings").checkpoint(
-        steps.mappings, x, refill=x_refill, output_keys=("h_pre", "h_post", "h_res"))
-    agg = StaticInputCheckpoint(manager, slot, name=f"{name}/aggregate").checkpoint(
-        aggregate_into(steps, slot), x, h_pre, refill={**x_refill, 1: f"{name}/mappings.h_pre"})
-    y = consumer(agg)
-    mixed = step("h_res").checkpoint(
-        steps.h_res_step, h_res, x,
-        refill={0: f"{name}/mappings.h_res", **({} if x_source is None else {1: x_source})})
-    out = step("post_bda").checkpoint(steps.post_bda, y, h_post, mixed, seed,
-                                      refill={1: f"{name}/mappings.h_post", 2: f"{name}/h_res"})
-    return out, f"{name}/post_bda"
+    fn_input, state, x_on = StaticInputCheckpoint(manager, slot, 0, name=f"{name}/pre").checkpoint(
+        pre_into(steps, slot), x, refill=x_refill, output_keys=("fn_input", "state", "x_on"),
+        passthrough=(2,))
+    y = consumer(fn_input)
+    out = CheckpointWithoutOutput(manager, name=f"{name}/post").checkpoint(
+        steps.post, x_on, state, y, seed, refill={0: f"{name}/pre.x_on", 1: f"{name}/pre.state"})
+    return out, f"{name}/post"
 
 
 class AttnSplitModel(ModeModel):

@@ -24,73 +24,38 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from mhc_cg.core import traffic
 from mhc_cg.model.moe import MoECudaGraphPartialCaptureSignal, MoECudaGraphTensorStore
 from mhc_cg.model import MHCGPT, MoEMLP
 from mhc_cg.config.choices import RECOMPUTE_SCOPE
 from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
-from mhc_cg.runtime.modes.graphed_none import sublayer_sample_args
 from mhc_cg.runtime.modes.lifecycle import CapturedState, ModeModel, runs_graphs
 from mhc_cg.runtime.modes.plan import CapturePlan
 from mhc_cg.core.nvtx import nvtx_range
 from mhc_cg.core.errors import StaticRecomputeError
 from mhc_cg.runtime.recompute.static import SUBLAYER_NAMES, StaticRecompute, build_static_recompute
 
-class _Target:
-    """A static buffer handed to an autograd Function as a non-tensor argument."""
-
-    def __init__(self, tensor: Tensor):
-        self.tensor = tensor
-
-
-class _WriteInto(torch.autograd.Function):
-    """Identity whose output is ``target.tensor`` (written here): a graph's output then lives in a
-    static buffer outside the graph's pool instead of in a block the pool keeps for good."""
-
-    @staticmethod
-    def forward(ctx, t: Tensor, target: _Target) -> Tensor:
-        out = target.tensor.detach()
-        with traffic.runtime_copy("graph outputs into the next input"):
-            out.copy_(t)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad, None
-
-
 class SlotSublayer(nn.Module):
-    """One whole mHC sublayer on the static runtime: ``(x, seed) -> (out, F output)``.
+    """One whole mHC sublayer on the static runtime: ``(x, seed) -> (out, F output, state)``.
 
     A module (its parameters are the sublayer's) so that graph capture computes their gradients.
-    The F output is returned detached: it only feeds the persistent slot set. With ``out_buffer``
-    / ``fn_buffer`` set, the sublayer writes its output / F output there (the next graph's static
-    input / the persistent set's slot), so neither stays in the graph pool as a static output.
+    F's output and the mapping state are returned detached: they only feed the persistent set.
+    The fused sublayer writes its output into the next sublayer's input buffer itself.
     """
 
     def __init__(self, runtime: StaticRecompute, sub: nn.Module, position: int, k: int):
         super().__init__()
         self.sub = sub
         self.runtime, self.position, self.k = runtime, position, k
-        self.out_buffer: Tensor | None = None
-        self.fn_buffer: Tensor | None = None
 
-    def forward(self, x: Tensor, seed: Tensor) -> tuple[Tensor, Tensor]:
-        out, y = self.runtime.sublayer(self.sub, self.position, self.k, x, seed)
-        y = y.detach()
-        if self.fn_buffer is not None:
-            with traffic.runtime_copy("persistent set"):
-                self.fn_buffer.copy_(y)
-            y = self.fn_buffer.detach()
-        if self.out_buffer is not None:
-            out = _WriteInto.apply(out, _Target(self.out_buffer))
-        return out, y
+    def forward(self, x: Tensor, seed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        out, y, state = self.runtime.sublayer(self.sub, self.position, self.k, x, seed)
+        return out, y.detach(), state.detach()
 
 
 class PartialMoESublayer(nn.Module):
-    """The captured head of a MoE MLP sublayer: mHC ops before F, then the router [+ preprocess].
+    """The captured head of a MoE MLP sublayer: the pre, then the router [+ preprocess].
 
-    Returns ``(mixed, h_post, *early)`` where ``early`` is what megatron-core's signal collects
+    Returns ``(state, x_on, *early)`` where ``early`` is what megatron-core's signal collects
     (``get_early_return_outputs``): hidden states, probs and routing map after ``route``; hidden
     states, probs and the dispatcher's tensors after ``preprocess``.
     """
@@ -104,25 +69,25 @@ class PartialMoESublayer(nn.Module):
         self.runtime, self.position, self.k, self.step = runtime, position, k, step
 
     def forward(self, x: Tensor, seed: Tensor) -> tuple[Tensor, ...]:
-        normed, h_post, mixed = self.runtime.sublayer_pre(self.sub, self.position, self.k, x)
+        fn_input, (state, x_on) = self.runtime.sublayer_pre(self.sub, self.position, self.k, x)
         moe: MoEMLP = self.sub.fn
         moe.partial_capture = self.step
         try:
             with self.runtime.fn_region():
-                moe(normed)
+                moe(fn_input)
         except MoECudaGraphPartialCaptureSignal as signal:
-            early = signal.get_early_return_outputs(normed.reshape(-1, normed.shape[-1]), None)
+            early = signal.get_early_return_outputs(fn_input.reshape(-1, fn_input.shape[-1]), None)
         else:
             raise StaticRecomputeError("the MoE layer did not raise its partial-capture signal")
         finally:
             moe.partial_capture = None
-        return (mixed, h_post, *early)
+        return (state, x_on, *early)
 
 
 def moe_eager_tail(runtime: StaticRecompute, sub: nn.Module, position: int, k: int, step: str,
-                   head_outputs: Sequence[Tensor], seed: Tensor) -> tuple[Tensor, Tensor]:
-    """The eager rest of a partially captured MoE sublayer; returns (out, F output)."""
-    mixed, h_post, hidden, probs, *rest = head_outputs
+                   head_outputs: Sequence[Tensor], seed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The eager rest of a partially captured MoE sublayer; returns (out, F output, state)."""
+    state, x_on, hidden, probs, *rest = head_outputs
     moe: MoEMLP = sub.fn
     store = MoECudaGraphTensorStore()
     if step == "route":
@@ -132,8 +97,9 @@ def moe_eager_tail(runtime: StaticRecompute, sub: nn.Module, position: int, k: i
         for name, value in zip(moe.token_dispatcher.valid_cudagraph_attrs, rest):
             setattr(moe.token_dispatcher, name, value)
     with runtime.fn_region():
-        y = moe(mixed.narrow(-1, 0, hidden.shape[-1]), store)  # only its shape is read
-    return runtime.sublayer_post(sub, position, k, y, h_post, mixed, seed), y
+        y = moe(x_on.narrow(-1, 0, hidden.shape[-1]), store)  # only its shape is read
+    out = runtime.sublayer_post(sub, position, k, y, (state, x_on), seed)
+    return out, runtime.kept_fn_output(sub, k, y), state
 
 
 def slot_sublayers(plan: CapturePlan, runtime: StaticRecompute, layers, block_size: int
@@ -199,16 +165,13 @@ class GraphedStaticModel(ModeModel):
         modules, keys = slot_sublayers(self.plan, self.runtime, layers, self.block_size)
         recompute_in_sublayer_pool = False
         if modules:
-            sample_args = sublayer_sample_args(self.model, self.micro_batch_size, len(modules),
-                                               device)
-            chained = self._chain_buffers(modules, keys, sample_args)
+            sample_args = self._static_inputs(keys)
             before_backward = {}
-            if chained is not None:
-                sample_args = chained
-                if self.plan.recompute_graph and backend.name != "te":
-                    self.runtime.warm_up_recompute(backend)
-                    before_backward = self._recompute_captures()
-                    recompute_in_sublayer_pool = True
+            if self._graphs_every_sublayer(modules, keys) and self.plan.recompute_graph \
+                    and backend.name != "te":
+                self.runtime.warm_up_recompute(backend)
+                before_backward = self._recompute_captures()
+                recompute_in_sublayer_pool = True
             # a partially captured MoE sublayer leaves its experts' parameters to the eager tail
             graphed = make_graphed_callables(tuple(modules), sample_args, backend=backend,
                                              allow_unused_input=self.plan.moe_step is not None,
@@ -240,27 +203,25 @@ class GraphedStaticModel(ModeModel):
                                                                           block, pset))
         return captures
 
-    def _chain_buffers(self, modules: list, keys: list, sample_args: tuple) -> tuple | None:
-        """When every sublayer is a graph (one microbatch in flight): two ping-pong buffers serve as
-        every graph's static input, each graph writes its output into the next one's input and
-        its F output into the persistent set. No graph then keeps its outputs in the pool, no
-        output is copied into the next input, and one pair of inputs serves all graphs.
-        Returns the chained sample args, or ``None`` where the graphs do not form that chain.
-        """
-        layers = len(self.model.layers)
-        consecutive = keys == [(layer.layer_number, k) for layer in self.model.layers
-                               for k in (0, 1)]
-        if not (consecutive and self.capacity == 1 and len(keys) == 2 * layers
-                and all(type(m) is SlotSublayer for m in modules)):
-            return None
-        pingpong = [sample_args[0][0], sample_args[1][0]]
+    def _graphs_every_sublayer(self, modules: list, keys: list) -> bool:
+        """Every sublayer is one graph, replayed in one fixed order per step."""
+        whole = [(layer.layer_number, k) for layer in self.model.layers for k in (0, 1)]
+        return keys == whole and all(type(m) is SlotSublayer for m in modules)
+
+    def _static_inputs(self, keys: list) -> tuple:
+        """Each graph reads its stream input where the sublayer before it wrote it (the block's
+        input in the persistent set, or an arena slot) and the seed from the set: aliases of those
+        buffers are its static inputs, so a replay copies nothing in."""
         pset = self.runtime.sets.all_sets()[0]
-        chained = []
-        for i, (module, (_, seed)) in enumerate(zip(modules, sample_args)):
-            module.out_buffer = pingpong[(i + 1) % 2]
-            module.fn_buffer = pset.fn_outputs[(i // 2, i % 2)]
-            chained.append((pingpong[i % 2], seed))
-        return tuple(chained)
+        seed = _alias(pset.seed)
+        samples = []
+        for layer, k in keys:
+            i = layer  # the model is one chunk: a layer's number is its index
+            block, j = i // self.block_size, 2 * (i % self.block_size) + k
+            stream = (pset.block_inputs[block] if j == 0
+                      else self.runtime.slots.stream(j).reader)
+            samples.append((_alias(stream).requires_grad_(), seed))
+        return tuple(samples)
 
     def _wrap(self, key: tuple[int, int], module: nn.Module, fn: Callable) -> Callable:
         layer, k = key
@@ -292,3 +253,8 @@ class GraphedStaticModel(ModeModel):
         x = self.runtime.forward(x, dropout_seed, self.sublayer_fns)
         return self.model.logits(x)
 
+
+def _alias(t: Tensor) -> Tensor:
+    """A leaf over ``t``'s memory with the same geometry and a version counter of its own."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset(), t.shape, t.stride())

@@ -114,15 +114,27 @@ class ModeModel:
         return [graph for _, _, graph in self.named_graphs()]
 
     def static_buffer_bytes(self) -> int | None:
-        """Bytes of the graphed callables' static input and grad-output buffers: allocated outside
-        the pools, once per distinct storage; ``None`` without graphed callables."""
+        """Bytes of the buffers allocated for the graphed callables' static inputs and grad
+        outputs, outside the pools, once per distinct storage (an input that aliases the static
+        runtime's arena or persistent sets adds nothing); ``None`` without graphed callables."""
         runners = self._runners()
         if not runners:
             return None
+        owned = self._runtime_storages()
         storages = {storage_id(t): t.untyped_storage().nbytes()
                     for r in runners for t in (*r.static_inputs, *r.static_grad_outputs)
-                    if t is not None}
+                    if t is not None and storage_id(t) not in owned}
         return sum(storages.values())
+
+    def _runtime_storages(self) -> set[int]:
+        """Storages of the static runtime's arena and persistent sets (reported on their own)."""
+        if self.runtime is None:
+            return set()
+        rt = self.runtime
+        tensors = [t for pset in rt.sets.all_sets() for t in pset.tensors()]
+        if rt.arena.buffer is not None:
+            tensors.append(rt.arena.buffer)
+        return {storage_id(t) for t in tensors}
 
     def _runners(self) -> list:
         """The graphed callables' static state (none under TransformerEngine, which keeps its own)."""

@@ -50,6 +50,11 @@ class Region:
         return sum(_aligned(s.nbytes) for s in self.slots)
 
 
+def _frozen_view(region: Region) -> Region:
+    """``region``'s layout as if fixed, to check a second claim against it."""
+    return Region(region.name, region.slots, frozen=True)
+
+
 def _aligned(nbytes: int) -> int:
     return (nbytes + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 
@@ -132,6 +137,18 @@ class Arena:
                 f"got {nbytes} bytes of {dtype}; shapes must stay fixed under static buffers")
         return slot
 
+    def fixed_slot(self, name: str, nbytes: int, dtype: torch.dtype) -> Slot:
+        """The one slot of region ``name``, claimed by the first caller and checked for every
+        later one (chunks of a pipeline rank share the arena and claim the same slots)."""
+        region = self.region(name)
+        if region.slots:
+            return self.claim(region if region.frozen else _frozen_view(region), 0, nbytes, dtype)
+        return self.claim(region, 0, nbytes, dtype)
+
+    def writer(self, slot: Slot) -> Tensor:
+        """A flat typed view of ``slot`` through the writer alias (own version counter)."""
+        return self._writer[slot.offset:slot.offset + slot.nbytes].view(slot.dtype)
+
     def reader(self, slot: Slot) -> Tensor:
         """A flat typed view of ``slot`` for consumers (never written through)."""
         return self.buffer[slot.offset:slot.offset + slot.nbytes].view(slot.dtype)
@@ -139,13 +156,16 @@ class Arena:
     def write(self, region: Region, index: int, slot: Slot, flat: Tensor) -> None:
         """Copy the flat typed ``flat`` into ``slot`` through the writer alias."""
         dst = self._writer[slot.offset:slot.offset + slot.nbytes].view(slot.dtype)
-        key = (region.name, index)
-        ptr = dst.data_ptr()
-        if self._data_ptrs.setdefault(key, ptr) != ptr:
-            raise ArenaLayoutError(f"region {region.name} slot {index} moved: "
-                                   f"{self._data_ptrs[key]:#x} -> {ptr:#x}")
+        self.track(region.name, index, dst)
         with traffic.runtime_copy("arena slots"):
             dst.copy_(flat)
+
+    def track(self, name: str, index: int, t: Tensor) -> None:
+        """Record where entry ``index`` of region ``name`` is written; refuse if it moved."""
+        key, ptr = (name, index), t.data_ptr()
+        if self._data_ptrs.setdefault(key, ptr) != ptr:
+            raise ArenaLayoutError(f"region {name} slot {index} moved: "
+                                   f"{self._data_ptrs[key]:#x} -> {ptr:#x}")
 
     def data_ptrs(self) -> dict[tuple[str, int], int]:
         """Every slot's address as first written (for invariance checks)."""

@@ -18,7 +18,8 @@ Invariants the caller relies on:
   input) is captured before ``fn`` runs and restored around the recompute, so a stateful dropout
   draws the same mask twice. The global generators are left as they were after the recompute.
 * An output that shares storage with an input cannot be discarded (freeing it would free the
-  input too): ``checkpoint`` rejects it.
+  input too): ``checkpoint`` rejects it, unless it is declared a *pass-through* (``passthrough``:
+  the input handed on, e.g. the fused mHC pre's ``x_on``), which is never discarded or restored.
 
 Inputs are *persistent* (saved with ``ctx.save_for_backward``, the default) or *refillable*
 (listed in ``refill``): not saved at all, filled at recompute time from an upstream checkpoint's
@@ -149,6 +150,7 @@ class CheckpointWithoutOutput:
         self.fn: Callable[..., Any] | None = None
         self.refill: dict[int, str] = {}
         self.output_keys: tuple[str, ...] = ()
+        self.passthrough: frozenset[int] = frozenset()  # outputs that alias an input
         self.outputs: tuple[Tensor, ...] = ()
         self.output_specs: tuple[TensorSpec, ...] = ()
         self.rng_state: RNGState | None = None
@@ -168,12 +170,14 @@ class CheckpointWithoutOutput:
 
     # ---------------------------------------------------------------- forward
     def checkpoint(self, fn: Callable[..., Any], *args: Any, refill: Mapping[int, str] | None = None,
-                   output_keys: Sequence[str] | None = None) -> Any:
+                   output_keys: Sequence[str] | None = None,
+                   passthrough: Sequence[int] = ()) -> Any:
         """Run ``fn(*args)`` without building a graph; return its output(s) as autograd outputs.
 
         ``refill``: ``{arg_index: "source_name" | "source_name.output_key"}`` for refillable
         inputs (needs a manager). ``output_keys`` names the outputs of a tuple-returning ``fn``
-        so that later checkpoints can depend on one of them.
+        so that later checkpoints can depend on one of them. ``passthrough``: indices of outputs
+        that are views of an input (kept, never freed).
         """
         if self.state != FORWARD or self.fn is not None:
             raise RuntimeError(f"checkpoint {self.name!r}: checkpoint() may be called only once")
@@ -187,6 +191,7 @@ class CheckpointWithoutOutput:
                                  f"argument (fn has {len(args)} arguments)")
         self.fn, self.refill = fn, refill
         self.output_keys = tuple(output_keys or ())
+        self.passthrough = frozenset(passthrough)
         self._args = [None if isinstance(a, Tensor) else a for a in args]
         self._input_specs = {i: TensorSpec.of(a) for i, a in enumerate(args) if isinstance(a, Tensor)}
         self._persistent_indices = tuple(i for i in self._input_specs if i not in refill)
@@ -224,7 +229,7 @@ class CheckpointWithoutOutput:
                              f"{list(self.output_keys)} for {len(self.outputs)} outputs")
         input_storages = {storage_id(t): i for i, t in enumerate(inputs)}
         for k, out in enumerate(self.outputs):
-            if storage_id(out) in input_storages:
+            if storage_id(out) in input_storages and k not in self.passthrough:
                 raise ValueError(f"checkpoint {self.name!r}: output {k} shares storage with tensor "
                                  f"input {input_storages[storage_id(out)]}; discarding it would "
                                  f"free the input (return a copy, or do not checkpoint this op)")
@@ -240,7 +245,9 @@ class CheckpointWithoutOutput:
         """Free every output's storage; consumers keep their (now empty) tensors."""
         if self.state != FORWARD:
             raise RuntimeError(f"checkpoint {self.name!r}: cannot discard in state {self.state!r}")
-        for out in self.outputs:
+        for k, out in enumerate(self.outputs):
+            if k in self.passthrough:
+                continue
             storage = out.untyped_storage()
             self._storage_nbytes.setdefault(storage_id(out), storage.nbytes())
             storage.resize_(0)
@@ -316,7 +323,9 @@ class CheckpointWithoutOutput:
                                    f"the forward's (max abs diff {diff:.3e}); fn is not deterministic")
 
     def _restore_storage(self, recomputed: tuple[Tensor, ...]) -> None:
-        for out, new in zip(self.outputs, recomputed):
+        for k, (out, new) in enumerate(zip(self.outputs, recomputed)):
+            if k in self.passthrough:
+                continue
             storage = out.untyped_storage()
             if storage.nbytes() == 0:
                 storage.resize_(self._storage_nbytes[storage_id(out)])
@@ -354,9 +363,9 @@ class CheckpointWithoutOutput:
         pointing at a zero-byte storage when the forward is abandoned."""
         if self.state != DISCARDED:
             return
-        for out in self.outputs:
+        for k, out in enumerate(self.outputs):
             storage = out.untyped_storage()
-            if storage.nbytes() == 0:
+            if storage.nbytes() == 0 and k not in self.passthrough:
                 storage.resize_(self._storage_nbytes[storage_id(out)])
 
     @property

@@ -188,12 +188,35 @@ def checkpoint_sublayer(steps, x: Tensor, seed: Tensor | None, manager: BlockRec
                         name: str, x_source: str | None, block_end: bool) -> tuple[Tensor, str | None]:
     """One mHC sublayer with every step but F a checkpoint of ``manager``.
 
-    ``steps`` has the named steps of ``mhc_cg.model.MHCSublayer`` (``mappings``, ``aggregate``,
-    ``norm``, ``fn``, ``h_res_step`` and ``post_bda``). ``x_source`` names the checkpoint that produced ``x`` (``None``: ``x``
-    is the block input, saved). Returns the output and the checkpoint that produced it (``None``
-    for the block end, which is the manager's hook tensor and so not checkpointed). The steps run
-    in ``MHCSublayer.forward``'s order, so RNG draws and autograd order match the plain path.
+    ``steps`` is a fused or a stepwise sublayer (:mod:`mhc_cg.model.sublayer`). ``x_source`` names
+    the checkpoint that produced ``x`` (``None``: ``x`` is the block input, saved). Returns the
+    output and the checkpoint that produced it (``None`` for the block end, which is the manager's
+    hook tensor and so not checkpointed). The steps run in the plain sublayer's order, so RNG
+    draws and autograd order match the plain path.
     """
+    checkpoint = _fused_checkpoints if steps.fused else _stepwise_checkpoints
+    return checkpoint(steps, x, seed, manager, name, x_source, block_end)
+
+
+def _fused_checkpoints(steps, x, seed, manager, name, x_source, block_end):
+    """``pre`` and ``post`` checkpoints; ``pre`` hands ``x`` on as its pass-through ``x_on``, so
+    the post's input is refilled from wherever ``x`` is (its own source, or the saved block input
+    itself)."""
+    x_refill = {} if x_source is None else {0: x_source}
+    fn_input, state, x_on = CheckpointWithoutOutput(manager, name=f"{name}/pre").checkpoint(
+        steps.pre, x, refill=x_refill, output_keys=("fn_input", "state", "x_on"), passthrough=(2,))
+    y = steps.fn(fn_input)  # F's output is a persistent input of the post: F is never re-run
+    if block_end:
+        # The block end is the manager's hook tensor, so it is not checkpointed: it saves x_on
+        # (restored by the recompute before its backward), the state (likewise), y and the seed
+        return steps.post(x_on, state, y, seed), None
+    out = CheckpointWithoutOutput(manager, name=f"{name}/post").checkpoint(
+        steps.post, x_on, state, y, seed,
+        refill={0: f"{name}/pre.x_on", 1: f"{name}/pre.state"})
+    return out, f"{name}/post"
+
+
+def _stepwise_checkpoints(steps, x, seed, manager, name, x_source, block_end):
     def step(suffix: str) -> CheckpointWithoutOutput:
         return CheckpointWithoutOutput(manager, name=f"{name}/{suffix}")
 
@@ -203,14 +226,11 @@ def checkpoint_sublayer(steps, x: Tensor, seed: Tensor | None, manager: BlockRec
     agg = step("aggregate").checkpoint(
         steps.aggregate, x, h_pre, refill={**x_refill, 1: f"{name}/mappings.h_pre"})
     normed = step("norm").checkpoint(steps.norm, agg, refill={0: f"{name}/aggregate"})
-    y = steps.fn(normed)  # F's output y is a persistent input of post_bda: F is never re-run
+    y = steps.fn(normed)
     mixed = step("h_res").checkpoint(
         steps.h_res_step, h_res, x,
         refill={0: f"{name}/mappings.h_res", **({} if x_source is None else {1: x_source})})
     if block_end:
-        # The block end is the manager's hook tensor, so it is not checkpointed. It saves y
-        # (persistent), h_post (refilled by the recompute before its backward) and the seed;
-        # the fused op keeps no mask.
         return steps.post_bda(y, h_post, mixed, seed), None
     out = step("post_bda").checkpoint(steps.post_bda, y, h_post, mixed, seed,
                                       refill={1: f"{name}/mappings.h_post", 2: f"{name}/h_res"})

@@ -2,7 +2,9 @@
 first-in first-out pool that hands them out along a rank's order.
 
 A set holds only what the recompute needs (the design's item 3): each block's input x_l0, each
-sublayer's F output, the dropout seed and, for MLPs with activation recompute, fc1's output. Its
+sublayer's F output, the dropout seed, for fused sublayers each one's mapping state
+(``[proj | xnorm | rstd]``, n^2 + 2n + 2 values per token) and, for MLPs with activation recompute, fc1's
+output. Its
 buffers have static addresses: recompute graphs captured on a set read them in place, so a set is
 never reused before the microbatch that holds it has run its backward.
 """
@@ -18,6 +20,7 @@ from torch import Tensor
 
 from mhc_cg.core.errors import StaticRecomputeError
 from mhc_cg.model import MHCTransformerLayer, recomputes_activation
+from mhc_cg.ops.kernels.reference import state_dtype, state_width
 
 
 @dataclass
@@ -38,16 +41,23 @@ class PersistentSlotSet:
     fn_outputs: dict[tuple[int, int], Tensor]
     seed: Tensor
     fc1_outputs: dict[int, Tensor] = field(default_factory=dict)
+    # fused sublayers: per block, F's outputs and the mapping states stacked [S, s, b, ...] (the
+    # block recompute reads them as one tensor each); ``fn_outputs`` / ``states`` view them
+    block_fn_outputs: list[Tensor] = field(default_factory=list)
+    block_states: list[Tensor] = field(default_factory=list)
+    states: dict[tuple[int, int], Tensor] = field(default_factory=dict)
 
-    def _tensors(self) -> list[Tensor]:
-        return [*self.block_inputs, *self.fn_outputs.values(), *self.fc1_outputs.values(), self.seed]
+    def tensors(self) -> list[Tensor]:
+        fn_outputs = self.block_fn_outputs or list(self.fn_outputs.values())
+        return [*self.block_inputs, *fn_outputs, *self.block_states, *self.fc1_outputs.values(),
+                self.seed]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tensors())
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def data_ptrs(self) -> list[int]:
-        return [t.data_ptr() for t in self._tensors()]
+        return [t.data_ptr() for t in self.tensors()]
 
 
 class PersistentSetPool:
@@ -101,15 +111,38 @@ def new_persistent_set(index: int, layers: list[MHCTransformerLayer], block_size
     cfg = layers[0].attention.cfg
     width = cfg.num_streams * cfg.hidden_size
     num_blocks = -(-len(layers) // block_size)
-    return PersistentSlotSet(
+    lead = (seq_length, micro_batch_size)
+    pset = PersistentSlotSet(
         index=index,
-        block_inputs=[torch.zeros(seq_length, micro_batch_size, width, dtype=dtype, device=device)
+        block_inputs=[torch.zeros(*lead, width, dtype=dtype, device=device)
                       for _ in range(num_blocks)],
-        fn_outputs={(i, k): torch.zeros(seq_length, micro_batch_size, cfg.hidden_size,
-                                        dtype=dtype, device=device)
-                    for i in range(len(layers)) for k in range(2)},
+        fn_outputs={},
         seed=torch.zeros((), dtype=torch.int64, device=device),
-        fc1_outputs={i: torch.zeros(seq_length, micro_batch_size, layer.mlp.fn.fc1.out_features,
-                                    dtype=dtype, device=device)
+        fc1_outputs={i: torch.zeros(*lead, layer.mlp.fn.fc1.out_features, dtype=dtype,
+                                    device=device)
                      for i, layer in enumerate(layers) if recomputes_activation(layer.mlp)},
     )
+    if not layers[0].attention.fused:
+        pset.fn_outputs = {(i, k): torch.zeros(*lead, cfg.hidden_size, dtype=dtype, device=device)
+                           for i in range(len(layers)) for k in range(2)}
+        return pset
+    width = state_width(cfg.num_streams * (cfg.num_streams + 2))
+    for b in range(num_blocks):
+        first, count = b * block_size, min(block_size, len(layers) - b * block_size)
+        ys = torch.zeros(2 * count, *lead, cfg.hidden_size, dtype=dtype, device=device)
+        states = torch.zeros(2 * count, *lead, width, dtype=state_dtype(dtype), device=device)
+        pset.block_fn_outputs.append(ys)
+        pset.block_states.append(states)
+        for j in range(2 * count):
+            key = (first + j // 2, j % 2)
+            pset.fn_outputs[key], pset.states[key] = _entry(ys, j), _entry(states, j)
+    return pset
+
+
+def _entry(stacked: Tensor, j: int) -> Tensor:
+    """Entry ``j`` of ``stacked`` as a tensor of its own: the same memory, but its own version
+    counter, so writing one sublayer's entry does not invalidate what autograd saved of
+    another's (views of one base would share the base's counter)."""
+    return torch.empty(0, dtype=stacked.dtype, device=stacked.device).set_(
+        stacked.untyped_storage(), stacked.storage_offset() + j * stacked.stride(0),
+        stacked.shape[1:], stacked.stride()[1:])

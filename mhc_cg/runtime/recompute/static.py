@@ -39,7 +39,9 @@ from mhc_cg.core import traffic
 from mhc_cg.core.errors import StaticRecomputeError
 from mhc_cg.model import MLP, MHCSublayer, MHCTransformerLayer, recomputes_activation
 from mhc_cg.runtime.graphs.static_inputs import check_input
+from mhc_cg.ops.kernels import Target, recompute_block
 from mhc_cg.runtime.recompute.arena import Arena, Region
+from mhc_cg.runtime.recompute.fused_slots import FusedSlots
 from mhc_cg.runtime.recompute.persistent import PersistentSetPool, PersistentSlotSet, new_persistent_set
 from mhc_cg.core.nvtx import nvtx_range
 from mhc_cg.core.storage import storage_id
@@ -135,7 +137,7 @@ class StaticRecompute:
     """
 
     def __init__(self, layers: list[MHCTransformerLayer], block_size: int, arena: Arena,
-                 sets: PersistentSetPool):
+                 sets: PersistentSetPool, slots: FusedSlots | None = None):
         if block_size < 1:
             raise StaticRecomputeError(f"block_size must be >= 1, got {block_size}")
         cfg = layers[0].attention.cfg
@@ -147,6 +149,12 @@ class StaticRecompute:
         self.block_size = block_size
         self.blocks = [self.layers[i:i + block_size] for i in range(0, len(self.layers), block_size)]
         self.arena, self.sets = arena, sets
+        # fused sublayers name every buffer (FusedSlots); stepwise ones save through the hooks
+        self.fused = layers[0].attention.fused
+        if self.fused and slots is None:
+            raise StaticRecomputeError("fused sublayers need their FusedSlots: build the runtime "
+                                       "with build_static_recompute")
+        self.slots = slots
         self._cursor: _RegionCursor | None = None
         self._in_fn = False
         self.active_set: PersistentSlotSet | None = None  # the set of the forward in progress
@@ -204,14 +212,23 @@ class StaticRecompute:
 
     # -- one sublayer ------------------------------------------------------------------------
     def sublayer_pre(self, sub: MHCSublayer, position: int, k: int,
-                     x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The mHC ops before F, saving into region segment 0: returns (normed, h_post, mixed).
+                     x: Tensor) -> tuple[Tensor, tuple]:
+        """The mHC ops before F: returns (F's input, what :meth:`sublayer_post` takes).
+
+        Fused sublayers write F's input into its arena slot and the mapping state into the
+        persistent set (:mod:`mhc_cg.runtime.recompute.fused_slots`). Stepwise ones save into
+        region segment 0 through the hooks, and the carry is ``(h_post, mixed)``:
 
         ``h_res`` is applied here, before F, so that a graph which ends inside F (MoE partial
         capture) holds every consumer of ``x``; the gradient of ``x`` is then summed in the same
         order as in ``MHCSublayer.forward`` (consumers run backward in reverse creation order, and
         h_res stays the last consumer of ``x`` created).
         """
+        if self.fused:
+            j, pset = 2 * position + k, self._direct_set()
+            state_out = None if pset is None else Target.of(pset.states[self._key(sub, k)])
+            fn_input, state, x_on = sub.pre(x, self.slots.fn_input(j), state_out)
+            return fn_input, (state, x_on)
         if (position == 0 and k == 0 and self._block_input_storages
                 and storage_id(x) not in self._block_input_storages):
             x = self._block_input_to_set(sub, x)  # the forward; the recompute reads it from there
@@ -219,36 +236,96 @@ class StaticRecompute:
             h_pre, h_post, h_res = sub.mappings(x)
             normed = self.store(sub.norm(sub.aggregate(x, h_pre)))
             mixed = sub.h_res_step(h_res, x)
-        return normed, h_post, mixed
+        return normed, (h_post, mixed)
 
-    def sublayer_post(self, sub: MHCSublayer, position: int, k: int, y: Tensor, h_post: Tensor,
-                      mixed: Tensor, seed: Tensor | None) -> Tensor:
-        """The mHC ops after F, saving into region segment 1: ``mixed + dropout(h_post * y)``.
+    def sublayer_post(self, sub: MHCSublayer, position: int, k: int, y: Tensor, carry: tuple,
+                      seed: Tensor | None) -> Tensor:
+        """The mHC ops after F, ``carry`` what :meth:`sublayer_pre` returned.
+
+        Fused sublayers keep ``y`` in the persistent set and write the output into the next
+        sublayer's input buffer. Stepwise ones save into region segment 1:
+        ``mixed + dropout(h_post * y)``.
 
         With one persistent set, ``y`` (F's output) goes to its persistent slot first, so that
         ``h_post``'s product saves the persistent tensor itself: the forward and the recompute
         (which reads ``y`` from there) then save the same tensor, and the arena holds no second
         copy of it.
         """
+        if self.fused:
+            state, x_on = carry
+            pset = self._direct_set()
+            if pset is not None:
+                y = _StoreToPersistentSlot.apply(y, pset.fn_outputs[self._key(sub, k)])
+            return sub.post(x_on, state, y, seed, self._output_target(sub, position, k, pset))
+        h_post, mixed = carry
         y = self._fn_output_to_set(sub, k, y)
         with self.mhc_region(position, k, 1):
             return sub.post_bda(y, h_post, mixed, seed)
 
     def sublayer(self, sub: MHCSublayer, position: int, k: int, x: Tensor,
-                 seed: Tensor | None) -> tuple[Tensor, Tensor]:
-        """``MHCSublayer.forward`` with its saved tensors in slots; returns (output, F output).
+                 seed: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``MHCSublayer.forward`` on the static buffers; returns (output, F output, mapping
+        state or None for stepwise sublayers).
 
-        Two segments, because a graph may end between them (MoE partial capture) and the eager
-        remainder must find its slots without the Python state of the captured part.
+        Two halves, because a graph may end between them (MoE partial capture) and the eager
+        remainder must find its buffers without the Python state of the captured part.
         """
-        normed, h_post, mixed = self.sublayer_pre(sub, position, k, x)
+        fn_input, carry = self.sublayer_pre(sub, position, k, x)
         if k == 1 and recomputes_activation(sub):
             y = self.mlp_with_activation_recompute(sub.fn, position, self._mlp_index[id(sub)],
-                                                   normed, self._set_for_fn())
+                                                   fn_input, self._set_for_fn())
         else:
             with self.fn_region():
-                y = sub.fn(normed)
-        return self.sublayer_post(sub, position, k, y, h_post, mixed, seed), y
+                y = sub.fn(fn_input)
+        out = self.sublayer_post(sub, position, k, y, carry, seed)
+        return out, self.kept_fn_output(sub, k, y), carry[0] if self.fused else None
+
+    def kept_fn_output(self, sub, k: int, y: Tensor) -> Tensor:
+        """F's output ``y`` as the persistent set keeps it, where a fused post put it there."""
+        pset = self._direct_set() if self.fused else None
+        return y if pset is None else pset.fn_outputs[self._key(sub, k)]
+
+    # -- fused sublayers: the buffers ---------------------------------------------------------
+    def _key(self, sub, k: int) -> tuple[int, int]:
+        """``(layer in the chunk, sublayer)``: the persistent set's key."""
+        return self._sub_index[id(sub)], k
+
+    def _direct_set(self) -> PersistentSlotSet | None:
+        """The set a fused sublayer writes its state and F output into: the forward's, or the only
+        one; ``None`` for a capture with several sets (it cannot know its microbatch's set: the
+        forward copies them in after the sublayer, :meth:`_keep`)."""
+        if self.active_set is not None:
+            return self.active_set
+        return self.sets.all_sets()[0] if self.sets.capacity == 1 else None
+
+    def _output_target(self, sub, position: int, k: int, pset) -> Target | None:
+        """The next sublayer's input slot; for a block's last, the next block's input (in the
+        set); ``None`` for the chunk's output."""
+        i = self._sub_index[id(sub)]
+        block, j = i // self.block_size, 2 * position + k
+        if j + 1 < 2 * len(self.blocks[block]):
+            return self.slots.stream(j + 1)
+        if block + 1 < len(self.blocks) and pset is not None:
+            return Target.of(pset.block_inputs[block + 1])
+        return None
+
+    def _block_input(self, b: int, x: Tensor, pset: PersistentSlotSet) -> Tensor:
+        """Block ``b``'s input as the set's tensor (written there unless it already is)."""
+        dst = pset.block_inputs[b]
+        if storage_id(dst) == storage_id(x) and dst.storage_offset() == x.storage_offset():
+            return x
+        return _StoreToPersistentSlot.apply(x, dst)
+
+    def _keep(self, pset: PersistentSlotSet, key: tuple[int, int], y: Tensor,
+              state: Tensor | None) -> None:
+        """What the recompute reads: F's output (and a fused sublayer's state) into the set,
+        unless the sublayer wrote it there."""
+        for dst, t in ((pset.fn_outputs[key], y), (pset.states.get(key), state)):
+            if dst is None or t is None:
+                continue
+            if storage_id(dst) != storage_id(t) or dst.storage_offset() != t.storage_offset():
+                with traffic.runtime_copy("persistent set"):
+                    dst.copy_(t.detach())
 
     def _fn_output_to_set(self, sub: MHCSublayer, k: int, y: Tensor) -> Tensor:
         if not self._fn_output_storages or storage_id(y) in self._fn_output_storages:
@@ -313,6 +390,8 @@ class StaticRecompute:
         Grad mode is on so that autograd saves, and the hooks store, exactly what the forward
         stored; the autograd graph built here is dropped on return.
         """
+        if self.fused:
+            return self._recompute_fused(block, pset)
         with torch.enable_grad():
             x = pset.block_inputs[block].detach().requires_grad_()
             first = block * self.block_size
@@ -323,10 +402,30 @@ class StaticRecompute:
                     # and the graph's pool then holds at most two of the n-stream tensors at once.
                     pre = self.sublayer_pre(sub, position, k, x)
                     x = None
-                    x = self.sublayer_post(sub, position, k, y, pre[1], pre[2], pset.seed)
+                    x = self.sublayer_post(sub, position, k, y, pre[1], pset.seed)
                     pre = None
                 if recomputes_activation(layer.mlp):
                     self.recompute_activation_slot(position, pset.fc1_outputs[first + position])
+
+    def _recompute_fused(self, block: int, pset: PersistentSlotSet) -> None:
+        """The block's chain in one op, from the set into the arena slots; then the activations."""
+        layers = self.blocks[block]
+        subs = [sub for layer in layers for sub in (layer.attention, layer.mlp)]
+        hc = subs[0].hc
+        with torch.no_grad():
+            params = torch.stack([torch.cat([s.hc.bias, s.hc.alpha_pre, s.hc.alpha_post,
+                                             s.hc.alpha_res]) for s in subs])
+            norms = torch.stack([s.norm.weight for s in subs])
+            x_out, fn_input_out = self.slots.recompute_outputs(len(subs))
+            recompute_block(pset.block_inputs[block], pset.block_fn_outputs[block],
+                            pset.block_states[block], params, norms, pset.seed,
+                            subs[0].dropout_p, [s.dropout_stream for s in subs], hc.num_streams,
+                            hc.sinkhorn_iterations, subs[0].norm.eps, x_out, fn_input_out,
+                            hc.kernels)
+        first = block * self.block_size
+        for position, layer in enumerate(layers):
+            if recomputes_activation(layer.mlp):
+                self.recompute_activation_slot(position, pset.fc1_outputs[first + position])
 
     def warm_up_recompute(self, backend) -> None:
         """Run every block's recompute once eagerly, in the backend's warmup context (a side stream
@@ -412,7 +511,9 @@ class StaticRecompute:
                     pset.seed.copy_(seed)
             seed_in = pset.seed if seed is not None else None
             for b, block in enumerate(self.blocks):
-                if not self._block_input_storages:  # else the block's first sublayer stores it
+                if self.fused:
+                    x = self._block_input(b, x, pset)
+                elif not self._block_input_storages:  # else the block's first sublayer stores it
                     with traffic.runtime_copy("persistent set"):
                         pset.block_inputs[b].copy_(x.detach())
                 first = b * self.block_size
@@ -420,13 +521,10 @@ class StaticRecompute:
                     for k, sub in enumerate((layer.attention, layer.mlp)):
                         fn = (sublayer_fns or {}).get((layer.layer_number, k))
                         if fn is not None:
-                            x, y = fn(x, seed_in)
+                            x, y, mappings = fn(x, seed_in)
                         else:
-                            x, y = self.sublayer(sub, position, k, x, seed_in)
-                        dst = pset.fn_outputs[(first + position, k)]
-                        if storage_id(dst) != storage_id(y) or dst.storage_offset() != y.storage_offset():
-                            with traffic.runtime_copy("persistent set"):
-                                dst.copy_(y.detach())  # a graphed sublayer may have written it already
+                            x, y, mappings = self.sublayer(sub, position, k, x, seed_in)
+                        self._keep(pset, (first + position, k), y, mappings)
                 if x.requires_grad:
                     handles.append(x.register_hook(self._make_block_hook(b, pset, state)))
         except BaseException:
@@ -504,7 +602,7 @@ class StaticRecompute:
                 x = x.detach().requires_grad_()
                 for position, layer in enumerate(self.blocks[0]):
                     for k, sub in enumerate((layer.attention, layer.mlp)):
-                        x, _ = self.sublayer(sub, position, k, x, seed)
+                        x = self.sublayer(sub, position, k, x, seed)[0]
         finally:
             self.active_set = None
 
@@ -529,11 +627,28 @@ def build_static_recompute(layers: list[MHCTransformerLayer], block_size: int, *
     if sets is None:
         sets = PersistentSetPool(capacity, lambda i: new_persistent_set(
             i, layers, block_size, seq_length, micro_batch_size, device, dtype))
-    runtime = StaticRecompute(layers, block_size, arena, sets)
-    if not arena.allocated:
-        cfg = layers[0].attention.cfg
+    cfg = layers[0].attention.cfg
+    slots = None
+    if layers[0].attention.fused:
+        slots = FusedSlots(arena, block_size, cfg, seq_length, micro_batch_size, dtype)
+        _claim_activation_slots(arena, layers, block_size, seq_length, micro_batch_size, dtype)
+    runtime = StaticRecompute(layers, block_size, arena, sets, slots)
+    if slots is not None:
+        arena.allocate()
+    elif not arena.allocated:
         x = torch.zeros(seq_length, micro_batch_size, cfg.num_streams * cfg.hidden_size,
                         dtype=dtype, device=device)
         runtime.discover_layout(x, torch.zeros((), dtype=torch.int64, device=device))
         arena.allocate()
     return runtime
+
+
+def _claim_activation_slots(arena: Arena, layers, block_size: int, seq_length: int,
+                            micro_batch_size: int, dtype: torch.dtype) -> None:
+    """One gelu-output slot per block position whose MLP recomputes its activation."""
+    item = torch.empty((), dtype=dtype).element_size()
+    for i, layer in enumerate(layers):
+        if recomputes_activation(layer.mlp):
+            ffn = layer.mlp.fn.fc1.out_features
+            arena.fixed_slot(f"L{i % block_size}.mlp.act",
+                             seq_length * micro_batch_size * ffn * item, dtype)

@@ -78,11 +78,16 @@ def written_args(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list
 
 
 def _out_args(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """Written keyword-only arguments (``out=``): written, never read."""
+    """Arguments written and not read: ``out=`` (keyword-only) and, for ops that write into
+    buffers they are given (``mhc_cg::post_into``), written arguments named ``out`` or ``*_out``."""
     found = []
-    for arg in func._schema.arguments:
-        if arg.kwarg_only and arg.alias_info is not None and arg.alias_info.is_write:
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        if arg.kwarg_only:
             found.extend(_tensors(kwargs.get(arg.name)))
+        elif arg.name == "out" or arg.name.endswith("_out"):
+            found.extend(_tensors(kwargs.get(arg.name) if i >= len(args) else args[i]))
     return found
 
 
@@ -96,10 +101,12 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def op_bytes(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
-    """``(read, written)`` bytes of one kernel: tensor inputs (less ``out=`` tensors), outputs."""
-    skip = {id(t) for t in _out_args(func, args, kwargs)}
-    read = sum(tensor_bytes(t) for t in _tensors((args, kwargs)) if id(t) not in skip)
-    written = sum(tensor_bytes(t) for t in _tensors(out))
+    """``(read, written)`` bytes of one kernel: tensor inputs (less written-only arguments), and
+    the outputs and written-only arguments (each tensor once)."""
+    written_only = {id(t): t for t in _out_args(func, args, kwargs)}
+    read = sum(tensor_bytes(t) for t in _tensors((args, kwargs)) if id(t) not in written_only)
+    outputs = {id(t): t for t in _tensors(out)}
+    written = sum(tensor_bytes(t) for t in {**written_only, **outputs}.values())
     return read, written
 
 

@@ -102,9 +102,10 @@ def analytical_bytes_per_layer(model_cfg: MHCGPTConfig, micro_batch_size: int,
     is the paper's persistent state: x_l0 per block and each F output.
     """
     n, c, layers = model_cfg.num_streams, model_cfg.hidden_size, model_cfg.num_layers
-    scale = model_cfg.seq_length * micro_batch_size * torch.empty((), dtype=dtype).element_size()
+    item = torch.empty((), dtype=dtype).element_size()
+    scale = model_cfg.seq_length * micro_batch_size * item
     block = sum(block_persistent_elements(n, c, size) for size in recompute_blocks(model_cfg))
-    return {"none": saved_elements_per_layer(n, c) * scale,
+    return {"none": saved_elements_per_layer(n, c, item) * scale,
             "design_none": no_recompute_elements_per_layer(n, c) * scale,
             "block": block * scale / layers,
             "activation": mlp_activation_elements(model_cfg.ffn_hidden_size) * scale}
