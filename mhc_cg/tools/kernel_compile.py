@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -256,8 +257,9 @@ def compiling_launches(capability: int):
     launches, caches, real_run = [], {}, JITFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
-        own = self.device_caches
-        self.device_caches = caches.setdefault(id(self), (self, own.__class__(self.create_binder)))[1]
+        if id(self) not in caches:
+            caches[id(self)] = (self, defaultdict(self.create_binder))  # the binder reads the target
+        own, self.device_caches = self.device_caches, caches[id(self)][1]
         try:
             kernel = real_run(self, *args, grid=grid, warmup=True, **kwargs)
         finally:
@@ -356,8 +358,11 @@ def _report_in_child(request: dict) -> dict:
     code = f"from {__name__} import child_main; child_main()"
     done = subprocess.run([sys.executable, "-c", code, json.dumps(request)], env=env,
                           stdout=subprocess.PIPE, text=True)
+    *printed, last = done.stdout.splitlines() or [""]
+    if printed:  # what the compiler printed (a ptxas failure, say) belongs with the errors
+        print("\n".join(printed), file=sys.stderr)
     try:
-        answer = json.loads(done.stdout)
+        answer = json.loads(last)
     except json.JSONDecodeError:
         raise RuntimeError(f"compiling the kernels in a child process failed (exit status "
                            f"{done.returncode}); its error is above") from None
@@ -375,7 +380,7 @@ def child_main() -> None:
         answer, status = {"error": exc.problems}, 2
     else:
         status = 0
-    print(json.dumps(answer))
+    print(json.dumps(answer))  # one line, the last on stdout
     sys.exit(status)
 
 
