@@ -1,0 +1,419 @@
+"""The fused ops' Triton kernels compiled ahead of time for a GPU this machine need not have.
+
+Each case calls one real launcher of ``mhc_cg.ops.kernels.triton_kernels`` on ``meta`` tensors of
+a model shape, while Triton's active driver is a stand-in that reports the target GPU and every
+launch is turned into a warm-up: Triton chooses block sizes, grid and specialization exactly as it
+would on the GPU, compiles down to a cubin, and launches nothing (meta tensors cost no memory).
+``cuobjdump --dump-resource-usage`` then reads each cubin's registers, stack, local and shared
+memory. A kernel spills when it needs local memory or a stack frame.
+
+To cover a new launcher, add one ``Case`` to ``CASES``::
+
+    Case("fused_pre", lambda k, s: k.fused_pre(s.t(s.T, s.n * s.C), s.t(s.T, s.M), s.n)),
+
+``k`` is the Triton kernel module, ``s`` the ``Shape`` (``s.t(*dims)``: a meta tensor of the
+shape's dtype; ``s.T`` tokens, ``s.n`` streams, ``s.C`` hidden, ``s.M = n*n + 2n``, ``s.seed``,
+``s.sqrt_d``, ``s.iterations``, ``s.dropout``). Every kernel the call launches is reported under
+the case's name; a ``[variant]`` suffix names a second call of the same launcher that Triton
+compiles differently (an integer argument equal to 1, or divisible by 16, or another constexpr).
+
+Triton decides when ``triton`` is first imported whether kernels are compiled or interpreted: a
+process with ``TRITON_INTERPRET=1`` (the test suite) compiles in a child process without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import warnings
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from mhc_cg.core.dtypes import TORCH_DTYPES
+from mhc_cg.core.errors import ConfigError
+from mhc_cg.core.progress import ProgressBar
+from mhc_cg.ops.kernels.dispatch import interpret_requested, triton_kernels
+
+DEFAULT_TARGET = "sm_90a"
+DEFAULT_HIDDEN = (2048, 7168)
+DEFAULT_TOKENS = 4096  # configs/bench_h100.yaml: seq 2048 x micro-batch 2
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One model shape, and meta tensors of it for the launchers."""
+    hidden: int
+    streams: int = 4
+    tokens: int = DEFAULT_TOKENS
+    dtype: str = "bf16"
+    iterations: int = 20
+    dropout: float = 0.1
+
+    @property
+    def C(self) -> int:
+        return self.hidden
+
+    @property
+    def n(self) -> int:
+        return self.streams
+
+    @property
+    def T(self) -> int:
+        return self.tokens
+
+    @property
+    def M(self) -> int:
+        return self.n * self.n + 2 * self.n
+
+    @property
+    def sqrt_d(self) -> float:
+        return math.sqrt(self.n * self.C)
+
+    @property
+    def seed(self) -> torch.Tensor:
+        return torch.empty((), dtype=torch.int64, device="meta")
+
+    def t(self, *dims: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.empty(*dims, dtype=dtype or TORCH_DTYPES[self.dtype], device="meta")
+
+
+@dataclass(frozen=True)
+class Case:
+    """A launcher and how to call it at a shape: ``call(kernel_module, shape)``."""
+    name: str
+    call: Callable
+
+    @property
+    def launcher(self) -> str:
+        return self.name.split("[")[0]
+
+
+def _alphas(s: Shape) -> tuple:
+    return s.t(1), s.t(1), s.t(1)
+
+
+# The arguments are those the model passes: parameters in the shape's dtype, dropout on in
+# training and off in evaluation, stream = 2 * layer + sublayer (Triton specializes an integer
+# equal to 1 or divisible by 16, so streams 0, 1 and 2 are three compiles of one kernel).
+CASES = (
+    Case("mappings", lambda k, s: k.mappings(s.t(s.T, s.M), s.t(s.T), *_alphas(s), s.t(s.M), s.n,
+                                              s.iterations, s.sqrt_d)),
+    Case("mappings_partials", lambda k, s: k.mappings_partials(
+        s.t(s.T, s.n), s.t(s.T, s.n), s.t(s.T, s.n, s.n), s.t(s.T, s.M), s.t(s.T), *_alphas(s),
+        s.t(s.M), s.n, s.iterations, s.sqrt_d)),
+    Case("aggregate", lambda k, s: k.aggregate(s.t(s.T, s.n * s.C), s.t(s.T, s.n), s.n)),
+    Case("aggregate_backward", lambda k, s: k.aggregate_backward(s.t(s.T, s.C), s.t(s.T, s.n * s.C),
+                                                                  s.t(s.T, s.n), s.n)),
+    Case("h_res_apply", lambda k, s: k.h_res_apply(s.t(s.T, s.n, s.n), s.t(s.T, s.n * s.C))),
+    Case("h_res_apply_backward", lambda k, s: k.h_res_apply_backward(
+        s.t(s.T, s.n * s.C), s.t(s.T, s.n, s.n), s.t(s.T, s.n * s.C))),
+    Case("post_bda", lambda k, s: k.post_bda(s.t(s.T, s.C), s.t(s.T, s.n), s.t(s.T, s.n * s.C),
+                                              s.seed, s.dropout, 2)),
+    Case("post_bda[stream 0]", lambda k, s: k.post_bda(
+        s.t(s.T, s.C), s.t(s.T, s.n), s.t(s.T, s.n * s.C), s.seed, s.dropout, 0)),
+    Case("post_bda[stream 1]", lambda k, s: k.post_bda(
+        s.t(s.T, s.C), s.t(s.T, s.n), s.t(s.T, s.n * s.C), s.seed, s.dropout, 1)),
+    Case("post_bda[no dropout]", lambda k, s: k.post_bda(
+        s.t(s.T, s.C), s.t(s.T, s.n), s.t(s.T, s.n * s.C), None, 0.0, 2)),
+    Case("post_bda_backward", lambda k, s: k.post_bda_backward(
+        s.t(s.T, s.n * s.C), s.t(s.T, s.C), s.t(s.T, s.n), s.seed, s.dropout, 2)),
+    Case("post_bda_backward[stream 0]", lambda k, s: k.post_bda_backward(
+        s.t(s.T, s.n * s.C), s.t(s.T, s.C), s.t(s.T, s.n), s.seed, s.dropout, 0)),
+    Case("post_bda_backward[stream 1]", lambda k, s: k.post_bda_backward(
+        s.t(s.T, s.n * s.C), s.t(s.T, s.C), s.t(s.T, s.n), s.seed, s.dropout, 1)),
+    Case("rms_norm", lambda k, s: k.rms_norm(s.t(s.T, s.C), s.t(s.C), 1e-5)),
+    Case("rms_norm_backward", lambda k, s: k.rms_norm_backward(s.t(s.T, s.C), s.t(s.T, s.C),
+                                                                s.t(s.C), 1e-5)),
+)
+
+
+@dataclass
+class KernelUsage:
+    """One compiled kernel: what launched it, and the resources its cubin declares."""
+    case: str
+    kernel: str
+    grid: list = field(default_factory=list)
+    num_warps: int = 0
+    registers: int = 0
+    stack: int = 0
+    local: int = 0
+    shared: int = 0          # static shared memory in the cubin (cuobjdump SHARED)
+    dynamic_shared: int = 0  # shared memory Triton requests at launch
+    spilled: bool = False
+
+
+# ---- targets ------------------------------------------------------------------------------------
+
+def _target_name(capability: int) -> str:
+    return f"sm_{capability}{'a' if capability >= 90 else ''}"  # Triton's own spelling
+
+
+# Capabilities this Triton's LLVM and bundled ptxas compile for (others abort inside LLVM).
+TARGETS = tuple(_target_name(c) for c in (75, 80, 86, 87, 89, 90, 100, 103, 110, 120, 121))
+
+
+def parse_target(name: str) -> int:
+    """``sm_90a`` -> 90."""
+    if name in TARGETS:
+        return int(name[3:].rstrip("a"))
+    match = re.fullmatch(r"sm_(\d+)a?", str(name))
+    hint = ""
+    if match and _target_name(int(match.group(1))) in TARGETS:
+        hint = f" (Triton compiles capability {match.group(1)} as {_target_name(int(match.group(1)))})"
+    raise ConfigError(f"--target: {name!r} is not a target Triton compiles for{hint}; "
+                      f"use one of {', '.join(TARGETS)}")
+
+
+# ---- resource usage -------------------------------------------------------------------------------
+
+def parse_resource_usage(text: str) -> dict[str, dict[str, int]]:
+    """``cuobjdump --dump-resource-usage`` output -> {function: {"REG": .., "STACK": .., ...}}."""
+    usage, function = {}, None
+    for line in text.splitlines():
+        header = re.match(r"\s*Function (\S+?):\s*$", line)
+        if header:
+            function = header.group(1)
+        elif function and "REG:" in line:
+            usage[function] = {key: int(value) for key, value in re.findall(r"(\w+)(?:\[\d+\])?:(\d+)", line)}
+            function = None
+    return usage
+
+
+def cubin_resources(cubin: bytes) -> dict[str, dict[str, int]]:
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "kernel.cubin"
+        path.write_bytes(cubin)
+        out = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", str(path)],
+                             check=True, capture_output=True, text=True).stdout
+    return parse_resource_usage(out)
+
+
+def _resources(kernel) -> dict:
+    """A compiled kernel's registers, stack, local and shared memory, and whether it spills (local
+    memory or a stack frame in any function of its cubin)."""
+    functions = cubin_resources(kernel.asm["cubin"])
+    own = functions.get(kernel.name) or next(iter(functions.values()))
+    return dict(num_warps=kernel.metadata.num_warps, registers=own["REG"], stack=own["STACK"],
+                local=own["LOCAL"], shared=own["SHARED"], dynamic_shared=kernel.metadata.shared,
+                spilled=any(f["LOCAL"] > 0 or f["STACK"] > 0 for f in functions.values()))
+
+
+# ---- launches as ahead-of-time compiles ---------------------------------------------------------
+
+def _stand_in_driver(capability: int):
+    """A Triton driver for a GPU that is not here: it names the target, device 0 and stream 0."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.driver import DriverBase
+
+    class StandIn(DriverBase):
+        @classmethod
+        def is_active(cls):
+            return False
+
+        def map_python_to_cpp_type(self, ty):
+            raise NotImplementedError("nothing is launched ahead of time")
+
+        def get_current_target(self):
+            return GPUTarget("cuda", capability, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("meta")
+
+        def get_benchmarker(self):
+            raise NotImplementedError("nothing runs ahead of time: autotuning cannot benchmark")
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device):
+            return 0
+
+    return StandIn()
+
+
+@contextlib.contextmanager
+def compiling_launches(capability: int):
+    """Within: every Triton launch compiles for ``capability`` and launches nothing; yields the list
+    of ``(jit_function, grid, compiled_kernel)`` launched so far. Each kernel's own compile caches are
+    set aside, so a later real launch in this process is not served a kernel for another GPU."""
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    if interpret_requested():
+        raise RuntimeError("Triton kernels are interpreted in this process (TRITON_INTERPRET is set): "
+                           "compile in a process without it (kernel_report does)")
+    launches, caches, real_run = [], {}, JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if id(self) not in caches:
+            caches[id(self)] = (self, defaultdict(self.create_binder))  # the binder reads the target
+        own, self.device_caches = self.device_caches, caches[id(self)][1]
+        try:
+            kernel = real_run(self, *args, grid=grid, warmup=True, **kwargs)
+        finally:
+            self.device_caches = own
+        launches.append((self, grid, kernel))
+        return kernel
+
+    previous = driver._active  # None until a real driver was asked for; set_active cannot restore that
+    driver.set_active(_stand_in_driver(capability))
+    JITFunction.run = run
+    try:
+        with warnings.catch_warnings():
+            # fusion stays on, as on the GPU today; the warning is about a later Triton's default
+            warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+            yield launches
+    finally:
+        JITFunction.run = real_run
+        driver._active = previous
+
+
+def compile_shapes(shapes: list[Shape], target: str = DEFAULT_TARGET, cases=CASES,
+                   progress: bool = False) -> list[list[KernelUsage]]:
+    """Per shape, every kernel the cases launch, compiled for ``target``; a specialization that
+    two shapes share is compiled and read once."""
+    capability, module, read = parse_target(target), triton_kernels(), {}
+    results = []
+    with compiling_launches(capability) as launches:
+        for shape in shapes:
+            bar = ProgressBar(len(cases), f"[kernels] {target} hidden {shape.hidden}", progress)
+            rows = []
+            for done, case in enumerate(cases, 1):
+                start = len(launches)
+                try:
+                    case.call(module, shape)
+                except ValueError as exc:  # the launchers' refusals of a shape
+                    raise ConfigError(f"--hidden {shape.hidden}: {case.name}: {exc}") from None
+                for _, grid, kernel in launches[start:]:
+                    if kernel.hash not in read:
+                        read[kernel.hash] = _resources(kernel)
+                    grid = list(grid) if isinstance(grid, (tuple, list)) else [str(grid)]
+                    rows.append(KernelUsage(case.name, kernel.name, grid, **read[kernel.hash]))
+                bar.update(done, case.name)
+            results.append(rows)
+    return results
+
+
+# ---- the report, in this process or in a child that compiles --------------------------------------
+
+def resolve_cases(spec: str) -> tuple[Case, ...]:
+    """``"module:NAME"`` -> that module's tuple of cases."""
+    import importlib
+
+    module, _, name = spec.partition(":")
+    return tuple(getattr(importlib.import_module(module), name or "CASES"))
+
+
+def _check_sizes(hidden, tokens) -> None:
+    bad = [h for h in hidden if isinstance(h, bool) or not isinstance(h, int) or h < 1]
+    if bad or not hidden:
+        raise ConfigError(f"--hidden: {bad[0] if bad else 'nothing'!r} is not a hidden size; "
+                          "give positive integers, e.g. --hidden 2048,7168")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ConfigError(f"--tokens: {tokens!r} is not a token count; give a positive integer, "
+                          f"e.g. --tokens {DEFAULT_TOKENS}")
+
+
+def kernel_report(hidden=DEFAULT_HIDDEN, target: str = DEFAULT_TARGET, tokens: int = DEFAULT_TOKENS,
+                  cases: str = f"{__name__}:CASES", progress: bool = False) -> dict:
+    """Every case's kernels compiled for ``target`` at each hidden size: ``{"target", "shapes":
+    [{shape..., "kernels": [KernelUsage as dict]}], "spilled": ["hidden H: case kernel", ...]}``.
+    Runs in a child process without ``TRITON_INTERPRET`` when this process interprets Triton."""
+    hidden = list(hidden)
+    _check_sizes(hidden, tokens)
+    parse_target(target)
+    request = {"hidden": hidden, "target": target, "tokens": tokens, "cases": cases,
+               "progress": progress}
+    return _report_in_child(request) if interpret_requested() else _report(request)
+
+
+def _report(request: dict) -> dict:
+    shapes = [Shape(h, tokens=request["tokens"]) for h in request["hidden"]]
+    per_shape = compile_shapes(shapes, request["target"], resolve_cases(request["cases"]),
+                               request["progress"])
+    report = {"target": request["target"], "shapes": [], "spilled": []}
+    for shape, rows in zip(shapes, per_shape):
+        report["shapes"].append({**asdict(shape), "kernels": [asdict(r) for r in rows]})
+        report["spilled"] += [f"hidden {shape.hidden}: {r.case} ({r.kernel}): {r.local} B local, "
+                              f"{r.stack} B stack" for r in rows if r.spilled]
+    return report
+
+
+def _report_in_child(request: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # the child imports what this process imports (this checkout, and the cases' module)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    code = f"from {__name__} import child_main; child_main()"
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(request)], env=env,
+                          stdout=subprocess.PIPE, text=True)
+    *printed, last = done.stdout.splitlines() or [""]
+    if printed:  # what the compiler printed (a ptxas failure, say) belongs with the errors
+        print("\n".join(printed), file=sys.stderr)
+    try:
+        answer = json.loads(last)
+    except json.JSONDecodeError:
+        raise RuntimeError(f"compiling the kernels in a child process failed (exit status "
+                           f"{done.returncode}); its error is above") from None
+    if "error" in answer:
+        raise ConfigError(answer["error"])
+    return answer
+
+
+def child_main() -> None:
+    """The child's side: the request as JSON in argv, the report (or ``{"error": [lines]}``) as
+    JSON on stdout."""
+    try:
+        answer = _report(json.loads(sys.argv[1]))
+    except ConfigError as exc:
+        answer, status = {"error": exc.problems}, 2
+    else:
+        status = 0
+    print(json.dumps(answer))  # one line, the last on stdout
+    sys.exit(status)
+
+
+# ---- the table ----------------------------------------------------------------------------------
+
+_COLUMNS = (("launcher", "case", "<"), ("kernel", "kernel", "<"), ("grid", "grid", "<"),
+            ("warps", "num_warps", ">"), ("REG", "registers", ">"), ("STACK", "stack", ">"),
+            ("LOCAL", "local", ">"), ("SHARED", "shared", ">"), ("DYN SHARED", "dynamic_shared", ">"),
+            ("spills", "spilled", "<"))
+
+
+def _cell(key: str, value) -> str:
+    if key == "grid":
+        return " x ".join(str(v) for v in value)
+    if key == "spilled":
+        return "SPILLS" if value else "no"
+    return str(value)
+
+
+def format_shape(target: str, shape: dict) -> str:
+    """One shape's kernels as a table (bytes for STACK, LOCAL and the shared columns)."""
+    title = (f"{target}, hidden {shape['hidden']}, n={shape['streams']}, {shape['tokens']} tokens, "
+             f"{shape['dtype']}, Sinkhorn {shape['iterations']} iterations, dropout {shape['dropout']}"
+             " (compiled ahead of time, not run)")
+    cells = [[_cell(key, row[key]) for _, key, _ in _COLUMNS] for row in shape["kernels"]]
+    widths = [max([len(head)] + [len(r[i]) for r in cells]) for i, (head, _, _) in enumerate(_COLUMNS)]
+
+    def line(values):
+        return "  ".join(f"{v:{align}{w}}" for v, w, (_, _, align) in zip(values, widths, _COLUMNS)).rstrip()
+
+    return "\n".join([title, line([h for h, _, _ in _COLUMNS]), line(["-" * w for w in widths]),
+                      *(line(r) for r in cells)])
+
+
+def format_report(report: dict) -> str:
+    return "\n\n".join(format_shape(report["target"], shape) for shape in report["shapes"])

@@ -1,0 +1,115 @@
+"""Every Triton kernel the fused ops launch compiles for an H100 (sm_90a) without a GPU, through the
+real launchers at the model's shapes, and none spills registers (``mhc-cg kernels``)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from mhc_cg.cli import main
+from mhc_cg.ops.kernels.dispatch import interpret_requested
+from mhc_cg.tools import kernel_compile
+from mhc_cg.tools.kernel_compile import CASES, kernel_report, parse_resource_usage
+
+KERNELS = Path(kernel_compile.__file__).resolve().parents[1] / "ops" / "kernels"
+BENCH_HIDDEN = 2048  # configs/bench_h100.yaml: seq 2048 x micro-batch 2 = 4096 tokens, n = 4, bf16
+LARGE_HIDDEN = 7168
+
+
+@pytest.fixture(scope="module")
+def report():
+    # the suite interprets Triton, so this also checks the compile moves to a child process
+    assert interpret_requested()
+    return kernel_report([BENCH_HIDDEN, LARGE_HIDDEN], "sm_90a", tokens=4096)
+
+
+@pytest.mark.parametrize("hidden", [BENCH_HIDDEN, LARGE_HIDDEN])
+def test_every_kernel_compiles_for_sm90a_without_spilling(report, hidden):
+    shape = next(s for s in report["shapes"] if s["hidden"] == hidden)
+    assert (shape["streams"], shape["tokens"], shape["dtype"], shape["iterations"]) == \
+        (4, 4096, "bf16", 20)
+    assert [row["case"] for row in shape["kernels"]] == [case.name for case in CASES]
+    assert all(0 < row["registers"] <= 255 for row in shape["kernels"]), shape["kernels"]
+    spilled = [row for row in shape["kernels"] if row["spilled"]]
+    assert not spilled, spilled
+
+
+def _calls_on_impl(tree: ast.AST) -> set[str]:
+    """Names called as ``_impl(...).<name>(...)``: the launchers the custom ops use."""
+    return {node.func.attr for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Call)
+            and getattr(node.func.value.func, "id", None) == "_impl"}
+
+
+def _launched_kernels(tree: ast.AST) -> set[str]:
+    """Names launched as ``kernel[grid](...)``."""
+    return {node.func.value.id for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+            and isinstance(node.func.value, ast.Name)}
+
+
+def test_every_launcher_the_ops_call_has_a_case():
+    used = _calls_on_impl(ast.parse((KERNELS / "ops.py").read_text()))
+    assert len(used) >= 10
+    assert used == {case.launcher for case in CASES}, \
+        "add a Case for each launcher to CASES in mhc_cg/tools/kernel_compile.py"
+
+
+def test_every_kernel_launched_is_compiled(report):
+    launched = _launched_kernels(ast.parse((KERNELS / "triton_kernels.py").read_text()))
+    compiled = {row["kernel"] for shape in report["shapes"] for row in shape["kernels"]}
+    assert launched and launched <= compiled, launched - compiled
+
+
+def test_spill_detection_flags_a_register_hungry_kernel():
+    toy = kernel_report([BENCH_HIDDEN], "sm_90a", cases="spill_toy:CASES")
+    rows = {row["case"]: row for row in toy["shapes"][0]["kernels"]}
+    assert rows["hungry"]["spilled"] and rows["hungry"]["stack"] + rows["hungry"]["local"] > 0
+    assert not rows["modest"]["spilled"] and rows["modest"]["stack"] == rows["modest"]["local"] == 0
+    assert len(toy["spilled"]) == 1 and "hungry (_minus_max)" in toy["spilled"][0]
+
+
+def test_cuobjdump_resource_lines_are_read_per_function():
+    text = ("\nResource usage:\n Common:\n  GLOBAL:0\n Function _fits:\n"
+            "  REG:40 STACK:0 SHARED:1024 LOCAL:0 CONSTANT[0]:656 TEXTURE:0 SURFACE:0 SAMPLER:0\n"
+            " Function _spills:\n"
+            "  REG:255 STACK:4248 SHARED:0 LOCAL:16 CONSTANT[0]:560 TEXTURE:0 SURFACE:0 SAMPLER:0\n")
+    usage = parse_resource_usage(text)
+    assert usage["_fits"] == {"REG": 40, "STACK": 0, "SHARED": 1024, "LOCAL": 0, "CONSTANT": 656,
+                              "TEXTURE": 0, "SURFACE": 0, "SAMPLER": 0}
+    assert (usage["_spills"]["STACK"], usage["_spills"]["LOCAL"]) == (4248, 16)
+
+
+def test_compiling_in_an_interpreting_process_is_refused():
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        with kernel_compile.compiling_launches(90):
+            pass
+
+
+def test_command_prints_a_table_per_shape_and_exits_1_on_a_spill(report, monkeypatch, capsys):
+    monkeypatch.setattr("mhc_cg.commands.kernels.kernel_report", lambda *a, **k: report)
+    assert main(["kernels", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("sm_90a, hidden ") == 2 and "REG  STACK  LOCAL  SHARED" in out
+    assert "_mappings_bwd" in out and "SPILLS" not in out
+    spilling = {**report, "spilled": ["hidden 7168: rms_norm_backward (_rms_bwd): 8 B local, 0 B stack"]}
+    monkeypatch.setattr("mhc_cg.commands.kernels.kernel_report", lambda *a, **k: spilling)
+    assert main(["kernels", "--no-progress"]) == 1
+    assert "mhc-cg kernels: spills: hidden 7168: rms_norm_backward" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--target", "sm_90"], "Triton compiles capability 90 as sm_90a"),
+    (["--target", "hopper"], "use one of sm_75, sm_80"),
+    (["--hidden", "2048,abc"], "--hidden: 'abc' is not a positive integer"),
+    (["--hidden", "-5"], "--hidden: '-5' is not a positive integer"),
+    (["--hidden", "300000"], "index with int32"),
+    (["--tokens", "0"], "--tokens: '0' is not a positive integer"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    assert main(["kernels", "--no-progress", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mhc-cg kernels: error: ") and message in err[0], err
