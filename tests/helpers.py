@@ -5,7 +5,6 @@ and running the CLI in a fresh process."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import subprocess
 import sys
@@ -18,8 +17,6 @@ from mhc_cg.config import RunConfig
 from mhc_cg.runtime.graphs import GraphCaptureError, get_backend
 from mhc_cg.model import MHCGPT, MHCGPTConfig
 from mhc_cg.core.schedule import peak_in_flight, pipeline_order
-from mhc_cg.ops.hyper_connection import sinkhorn_knopp
-from mhc_cg.ops.kernels.reference import RMS_EPS
 from mhc_cg.runtime.modes.lifecycle import ModeModel
 from mhc_cg.runtime.modes.registry import build, capture_plan
 from mhc_cg.runtime.recompute.arena import Arena
@@ -295,18 +292,6 @@ def run_cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "mhc_cg.cli", *argv], capture_output=True,
                           text=True, timeout=timeout, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
-
-
-def mappings_unfused(hc, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``hc.compute_mappings(x)`` as composed torch ops (what the fused ``mappings`` op computes)."""
-    n = hc.num_streams
-    rms = x.norm(dim=-1, keepdim=True) / math.sqrt(x.shape[-1])
-    r = 1.0 / (rms + RMS_EPS)
-    h = r * hc.mapping_proj(x) * hc._gating_scale() + hc.bias
-    h_pre = torch.sigmoid(h[..., :n])
-    h_post = 2.0 * torch.sigmoid(h[..., n:2 * n])
-    h_res = sinkhorn_knopp(h[..., 2 * n:].unflatten(-1, (n, n)), hc.sinkhorn_iterations)
-    return h_pre, h_post, h_res
 
 
 def build_for_mode(cfg, name: str, device) -> ModeModel:

@@ -42,6 +42,29 @@ def test_a_graph_is_captured_once_and_replayed_only_after_capture(backend):
             pass
 
 
+@torch.library.custom_op("mhc_cg_test::scale_into_and_sum", mutates_args=("out",))
+def _scale_into_and_sum(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    out.copy_(x * 2)
+    return x.sum(0)
+
+
+@_scale_into_and_sum.register_fake
+def _(x, out):
+    return x.new_empty(x.shape[1:])
+
+
+def test_an_op_writing_a_buffer_and_returning_a_new_tensor_replays_both(backend):
+    """Like mhc_cg::pre_backward_into: the replay rewrites the buffer and the returned tensor."""
+    x, out = torch.ones(3, 2), torch.zeros(3, 2)
+    graph = backend.new_graph()
+    with graph.capture():
+        total = _scale_into_and_sum(x, out)
+    x.fill_(5.0)
+    graph.replay()
+    assert torch.equal(out, torch.full((3, 2), 10.0))
+    assert torch.equal(total, torch.full((2,), 15.0))
+
+
 def test_in_place_metadata_change_keeps_earlier_ops_on_old_shape(backend):
     x = torch.randn(2, 3)
     graph = backend.new_graph()

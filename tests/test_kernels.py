@@ -92,27 +92,33 @@ def test_fused_sublayer_matches_composed_math_and_its_gradients(n, norm, p):
 
 
 def test_reference_ops_pass_gradcheck():
-    """Every output of the pre (F's input and the whole state) and of the post, against finite
+    """The pre and the post together (the post's backward hands x's residual gradient to the
+    pre's), every output (the sublayer's, F's input and the whole state) against finite
     differences of every input and parameter."""
     n, c = 3, 4
     hc = make_hc(n, c, torch.float64, iterations=6)
-    hc.kernels = "torch"
     x = torch.randn(2, 1, n * c, dtype=torch.float64, requires_grad=True)
     y = torch.randn(2, 1, c, dtype=torch.float64, requires_grad=True)
     w = (torch.rand(c, dtype=torch.float64) + 0.5).requires_grad_()
     weight, bias, alphas = hc.mapping_proj.weight, hc.bias, [hc.alpha_pre, hc.alpha_post, hc.alpha_res]
 
-    def pre(x, weight, bias, a_pre, a_post, a_res, w):
-        return fused.pre(x, weight, a_pre, a_post, a_res, bias, w, n, 6, EPS, "torch")
+    def sublayer(x, y, weight, bias, a_pre, a_post, a_res, w):
+        fn_input, state, x_on = fused.pre(x, weight, a_pre, a_post, a_res, bias, w, n, 6, EPS,
+                                          "torch")
+        out = fused.post(x_on, state, a_pre, a_post, a_res, bias, y * fn_input.sum(),
+                         torch.tensor(5), 0.3, 2, n, 6, "torch")
+        return out, fn_input, state
 
-    def post(x, state, y, bias, a_pre, a_post, a_res):
-        return fused.post(x, state, a_pre, a_post, a_res, bias, y, torch.tensor(5), 0.3, 2, n, 6,
-                          "torch")
-
-    assert torch.autograd.gradcheck(pre, (x, weight, bias, *alphas, w))
-    state = pre(x, weight, bias, *alphas, w)[1].detach().requires_grad_()
-    assert torch.autograd.gradcheck(post, (x, state, y, bias, *alphas))
+    assert torch.autograd.gradcheck(sublayer, (x, y, weight, bias, *alphas, w))
     assert torch.autograd.gradcheck(lambda a, b: fused.rms_norm(a, b, EPS), (y, w))
+
+
+def test_post_given_x_instead_of_x_on_is_refused():
+    hc = make_hc(2, 4)
+    x = torch.randn(S, B, 8, requires_grad=True)
+    fn_input, state, _ = hc.pre(x, None, EPS)
+    with pytest.raises(ValueError, match="x_on that pre returned"):
+        hc.post(x, state, fn(fn_input), None, 0.0, 0)
 
 
 def test_post_mask_is_mhc_cg_dropout_mask():
@@ -173,6 +179,9 @@ def op_cases(device, dtype, n: int, c: int, t: int, norm: bool = True, p: float 
         "pre": lambda tri: ops.pre(x, w, *alphas, bias, nw, n, 20, EPS, tri),
         "pre_backward": lambda tri: ops.pre_backward(g_out, g_state, g_x, x, w, *alphas, bias, nw,
                                                      state, n, 20, EPS, tri),
+        "pre_backward_into": lambda tri: (*ops.pre_backward_into(
+            g_out, g_state, g_post := g_x.clone(), x, w, *alphas, bias, nw, state, n, 20, EPS, tri),
+            g_post),
         "post": lambda tri: ops.post(x, state, *alphas, bias, y, seed, p, 3, n, 20, tri),
         "post_backward": lambda tri: ops.post_backward(g_post, x, state, *alphas, bias, y, seed, p,
                                                        3, n, 20, tri),
@@ -252,6 +261,20 @@ def test_block_recompute_reproduces_the_forward_bit_for_bit(request, use_triton,
     assert torch.equal(fn_out, torch.stack(fn_inputs))
 
 
+@pytest.mark.parametrize("use_triton", [False, pytest.param(True, marks=needs_triton)])
+def test_pre_backward_over_the_post_gradient_equals_the_fresh_one(request, use_triton):
+    """Writing x's gradient over the post's (the one-buffer chain) changes no bit of it."""
+    from mhc_cg.ops.kernels import ops
+
+    if use_triton:
+        request.getfixturevalue("interpret")
+    case = op_cases("cpu", torch.float32, 4, 24, 9)
+    fresh, into = case["pre_backward"](use_triton), case["pre_backward_into"](use_triton)
+    assert torch.equal(fresh[0], into[-1])
+    for a, b in zip(fresh[1:], into[:-1]):
+        assert torch.equal(a, b)
+
+
 @needs_triton
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_triton_dropout_mask_bit_exact(interpret, p):
@@ -268,7 +291,7 @@ def test_triton_dropout_mask_bit_exact(interpret, p):
         assert torch.equal(out, counter_dropout_mask(seed_t, stream, out.shape, p, torch.float32))
         # d out / d y is the sum over the streams of the kept scale
         g_y = impl.post_backward(torch.ones(t, n * c), torch.zeros(t, n * c), state, zeros, zeros,
-                                 zeros, bias, torch.ones(t, c), seed_t, p, stream, n, 4)[3]
+                                 zeros, bias, torch.ones(t, c), seed_t, p, stream, n, 4)[2]
         assert torch.equal(g_y, out.view(t, n, c).sum(1))
 
 

@@ -102,35 +102,60 @@ def _alphas(s: Shape) -> tuple:
     return s.t(1), s.t(1), s.t(1)
 
 
+def _pre(k, s: Shape, norm: bool = True):
+    return k.pre(s.t(s.T, s.n * s.C), s.t(s.M, s.n * s.C), *_alphas(s), s.t(s.M),
+                 s.t(s.C) if norm else None, s.n, s.iterations, 1e-5)
+
+
+def _pre_backward(k, s: Shape, in_place: bool = False, norm: bool = True):
+    g_post = s.t(s.T, s.n * s.C)
+    return k.pre_backward(s.t(s.T, s.C), s.t(s.T, s.M + 2, dtype=torch.float32), g_post,
+                          s.t(s.T, s.n * s.C), s.t(s.M, s.n * s.C), *_alphas(s), s.t(s.M),
+                          s.t(s.C) if norm else None, s.t(s.T, s.M + 2, dtype=torch.float32), s.n,
+                          s.iterations, 1e-5, g_post if in_place else None)
+
+
+def _post(k, s: Shape, stream: int, dropout: bool = True):
+    return k.post(s.t(s.T, s.n * s.C), s.t(s.T, s.M + 2, dtype=torch.float32), *_alphas(s),
+                  s.t(s.M), s.t(s.T, s.C), s.seed if dropout else None,
+                  s.dropout if dropout else 0.0, stream, s.n, s.iterations)
+
+
+def _post_backward(k, s: Shape, stream: int, dropout: bool = True):
+    return k.post_backward(s.t(s.T, s.n * s.C), s.t(s.T, s.n * s.C),
+                           s.t(s.T, s.M + 2, dtype=torch.float32), *_alphas(s), s.t(s.M),
+                           s.t(s.T, s.C), s.seed if dropout else None,
+                           s.dropout if dropout else 0.0, stream, s.n, s.iterations)
+
+
+def _recompute(k, s: Shape, steps: int = 4, dropout: bool = True):
+    # a block of `steps` sublayers, its streams evenly spaced as the model numbers them
+    return k.recompute(s.t(s.T, s.n * s.C), s.t(steps, s.T, s.C),
+                       s.t(steps, s.T, s.M + 2, dtype=torch.float32), s.t(steps, s.M + 3),
+                       s.t(steps, s.C), s.seed if dropout else None, s.dropout if dropout else 0.0,
+                       [2 + k_ for k_ in range(steps)], s.n, s.iterations, 1e-5,
+                       s.t(steps - 1, s.T, s.n * s.C), s.t(steps, s.T, s.C))
+
+
 # The arguments are those the model passes: parameters in the shape's dtype, dropout on in
 # training and off in evaluation, stream = 2 * layer + sublayer (Triton specializes an integer
 # equal to 1 or divisible by 16, so streams 0, 1 and 2 are three compiles of one kernel).
 CASES = (
-    Case("mappings", lambda k, s: k.mappings(s.t(s.T, s.M), s.t(s.T), *_alphas(s), s.t(s.M), s.n,
-                                              s.iterations, s.sqrt_d)),
-    Case("mappings_partials", lambda k, s: k.mappings_partials(
-        s.t(s.T, s.n), s.t(s.T, s.n), s.t(s.T, s.n, s.n), s.t(s.T, s.M), s.t(s.T), *_alphas(s),
-        s.t(s.M), s.n, s.iterations, s.sqrt_d)),
-    Case("aggregate", lambda k, s: k.aggregate(s.t(s.T, s.n * s.C), s.t(s.T, s.n), s.n)),
-    Case("aggregate_backward", lambda k, s: k.aggregate_backward(s.t(s.T, s.C), s.t(s.T, s.n * s.C),
-                                                                  s.t(s.T, s.n), s.n)),
-    Case("h_res_apply", lambda k, s: k.h_res_apply(s.t(s.T, s.n, s.n), s.t(s.T, s.n * s.C))),
-    Case("h_res_apply_backward", lambda k, s: k.h_res_apply_backward(
-        s.t(s.T, s.n * s.C), s.t(s.T, s.n, s.n), s.t(s.T, s.n * s.C))),
-    Case("post_bda", lambda k, s: k.post_bda(s.t(s.T, s.C), s.t(s.T, s.n), s.t(s.T, s.n * s.C),
-                                              s.seed, s.dropout, 2)),
-    Case("post_bda[stream 0]", lambda k, s: k.post_bda(
-        s.t(s.T, s.C), s.t(s.T, s.n), s.t(s.T, s.n * s.C), s.seed, s.dropout, 0)),
-    Case("post_bda[stream 1]", lambda k, s: k.post_bda(
-        s.t(s.T, s.C), s.t(s.T, s.n), s.t(s.T, s.n * s.C), s.seed, s.dropout, 1)),
-    Case("post_bda[no dropout]", lambda k, s: k.post_bda(
-        s.t(s.T, s.C), s.t(s.T, s.n), s.t(s.T, s.n * s.C), None, 0.0, 2)),
-    Case("post_bda_backward", lambda k, s: k.post_bda_backward(
-        s.t(s.T, s.n * s.C), s.t(s.T, s.C), s.t(s.T, s.n), s.seed, s.dropout, 2)),
-    Case("post_bda_backward[stream 0]", lambda k, s: k.post_bda_backward(
-        s.t(s.T, s.n * s.C), s.t(s.T, s.C), s.t(s.T, s.n), s.seed, s.dropout, 0)),
-    Case("post_bda_backward[stream 1]", lambda k, s: k.post_bda_backward(
-        s.t(s.T, s.n * s.C), s.t(s.T, s.C), s.t(s.T, s.n), s.seed, s.dropout, 1)),
+    Case("pre", lambda k, s: _pre(k, s)),
+    Case("pre[no norm]", lambda k, s: _pre(k, s, norm=False)),
+    Case("pre_backward", lambda k, s: _pre_backward(k, s)),
+    Case("pre_backward[in place]", lambda k, s: _pre_backward(k, s, in_place=True)),
+    Case("pre_backward[no norm]", lambda k, s: _pre_backward(k, s, norm=False)),
+    Case("post", lambda k, s: _post(k, s, 2)),
+    Case("post[stream 0]", lambda k, s: _post(k, s, 0)),
+    Case("post[stream 1]", lambda k, s: _post(k, s, 1)),
+    Case("post[no dropout]", lambda k, s: _post(k, s, 2, dropout=False)),
+    Case("post_backward", lambda k, s: _post_backward(k, s, 2)),
+    Case("post_backward[stream 0]", lambda k, s: _post_backward(k, s, 0)),
+    Case("post_backward[stream 1]", lambda k, s: _post_backward(k, s, 1)),
+    Case("post_backward[no dropout]", lambda k, s: _post_backward(k, s, 2, dropout=False)),
+    Case("recompute", lambda k, s: _recompute(k, s)),
+    Case("recompute[no dropout]", lambda k, s: _recompute(k, s, dropout=False)),
     Case("rms_norm", lambda k, s: k.rms_norm(s.t(s.T, s.C), s.t(s.C), 1e-5)),
     Case("rms_norm_backward", lambda k, s: k.rms_norm_backward(s.t(s.T, s.C), s.t(s.T, s.C),
                                                                 s.t(s.C), 1e-5)),

@@ -22,33 +22,24 @@ from __future__ import annotations
 from torch import Tensor
 
 from mhc_cg.ops.kernels import ops
-from mhc_cg.ops.kernels.autograd import Post, PostConfig, Pre, PreConfig, Target
-from mhc_cg.ops.kernels.reference import state_width
+from mhc_cg.ops.kernels.autograd import (Post, PostConfig, Pre, PreConfig, Target,
+                                         overwritable)
 from mhc_cg.ops.kernels.dispatch import KERNELS, kernels_problem, use_triton
 
-__all__ = ["KERNELS", "Target", "kernels_problem", "use_triton", "pre", "post", "recompute_block",
-           "rms_norm"]
-
-
-def _flat(target: Target | None, width: int) -> Target | None:
-    if target is None:
-        return None
-    return Target(target.writer.view(-1, width), target.reader.view(-1, width))
+__all__ = ["KERNELS", "Target", "kernels_problem", "use_triton", "overwritable", "pre", "post",
+           "recompute_block", "rms_norm"]
 
 
 def pre(x: Tensor, weight: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
         norm_weight: Tensor | None, n: int, iterations: int, eps: float, kernels: str = "auto",
         fn_input_out: Target | None = None,
         state_out: Target | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """``x [*, nC] -> (F's input [*, C], state [*, m+2], x_on [*, nC])``; ``x_on`` (a view of
-    ``x``) is what the sublayer's :func:`post` takes. ``norm_weight`` None: no RMSNorm."""
-    lead, width = x.shape[:-1], x.shape[-1]
-    sw = state_width(weight.shape[0])
+    """``x [*, nC] -> (F's input [*, C], state [*, m+2], x_on [*, nC])``. ``x_on`` (a view of
+    ``x``) is for the sublayer's :func:`post` and nothing else (see
+    :mod:`mhc_cg.ops.kernels.autograd`). ``norm_weight`` None: no RMSNorm."""
     cfg = PreConfig(n, iterations, float(eps), use_triton(kernels, x.device))
-    fn_input, state, x_on = Pre.apply(x.reshape(-1, width), weight, a_pre, a_post, a_res, bias,
-                                      norm_weight, cfg, _flat(fn_input_out, width // n),
-                                      _flat(state_out, sw))
-    return fn_input.view(*lead, width // n), state.view(*lead, sw), x_on.view(x.shape)
+    return Pre.apply(x, weight, a_pre, a_post, a_res, bias, norm_weight, cfg, fn_input_out,
+                     state_out)
 
 
 def post(x_on: Tensor, state: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
@@ -59,12 +50,9 @@ def post(x_on: Tensor, state: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tens
     tensor with the same seed and stream."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-    width = x_on.shape[-1]
     cfg = PostConfig(float(p), int(stream), n, iterations, use_triton(kernels, x_on.device))
-    result = Post.apply(x_on.reshape(-1, width), state.reshape(-1, state.shape[-1]), a_pre, a_post,
-                        a_res, bias, y.reshape(-1, y.shape[-1]), seed if p > 0 else None, cfg,
-                        _flat(out, width))
-    return result.view(x_on.shape)
+    return Post.apply(x_on, state, a_pre, a_post, a_res, bias, y, seed if p > 0 else None, cfg,
+                      out)
 
 
 def recompute_block(x0: Tensor, ys: Tensor, states: Tensor, params: Tensor,

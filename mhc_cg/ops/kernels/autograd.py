@@ -2,14 +2,26 @@
 
 ::
 
-    fn_input, state, x_on = Pre.apply(x, ...)          # x read once; x_on is a view of x
+    fn_input, state, x_on = Pre.apply(x, ...)          # x_on is a view of x, for the post only
     y = F(fn_input)
     out = Post.apply(x_on, state, ..., y, seed, ...)  # H_res x + dropout(H_post y)
 
-Why ``x_on``: ``x`` then has one consumer, ``Pre``. ``Post``'s gradient for ``x`` arrives at
-``Pre``'s backward as the gradient of ``x_on``, and the pre backward kernel adds it in place while
-it writes ``x``'s gradient, so the stream's gradient is never summed by separate adds of n-stream
-tensors. ``state`` (``[proj | xnorm | rstd]`` per token) is what both ops derive the mappings from, so
+**The stream's gradient is summed in one kernel.** ``x`` has one consumer, ``Pre``; ``Post``
+reads it through ``x_on``. The post's backward does not compute its share of x's gradient
+(``H_res^T g``, n*C per token): it hands ``g``, its output's gradient, on as ``x_on``'s, and the
+pre's backward kernel adds ``H_res^T g`` while it writes x's whole gradient. So the gradient that
+autograd delivers for ``x_on`` is the post output's, not ``x_on``'s own: **nothing but the post
+may read** ``x_on`` (another consumer's gradient would be summed into it). A post given ``x``
+instead of the ``x_on`` of the pre that made its state is refused.
+
+**One gradient buffer down the chain.** A gradient the pre's backward wrote is marked
+*overwritable* (:func:`overwritable`): its one reader is the next sublayer's post and pre. When
+``g`` arrives so marked (or a graph's static grad-output buffer, marked by the runtime), the pre's
+backward writes x's gradient over it in place (``pre_backward_into``): a chain of sublayers
+keeps one n*C gradient buffer instead of one per sublayer. Anything else (a user's gradient, an
+engine's sum) is never written.
+
+``state`` (``[proj | xnorm | rstd]`` per token) is what both ops derive the mappings from, so
 neither H_pre, H_post nor H_res is ever materialised or kept.
 
 Buffers: given ``fn_input_out`` / ``state_out`` / ``out`` (a :class:`Target`), an op writes its
@@ -46,6 +58,21 @@ class Target:
         return r.as_strided(r.size(), r.stride(), r.storage_offset())
 
 
+OVERWRITABLE = "_mhc_overwritable"
+
+
+def overwritable(t: Tensor) -> Tensor:
+    """Mark ``t`` (a stream gradient whose one reader is the next fused backward) as a buffer
+    that backward may write x's gradient over; returns ``t``."""
+    setattr(t, OVERWRITABLE, True)
+    return t
+
+
+def is_overwritable(t: Tensor | None, like: Tensor) -> bool:
+    return (t is not None and getattr(t, OVERWRITABLE, False) and t.shape == like.shape
+            and t.dtype == like.dtype and t.is_contiguous() and not t.requires_grad)
+
+
 @dataclass(frozen=True)
 class PreConfig:
     n: int
@@ -54,40 +81,62 @@ class PreConfig:
     use_triton: bool
 
 
+def _flat(t: Tensor | None, width: int) -> Tensor | None:
+    return None if t is None else t.reshape(-1, width)
+
+
+def _flat_target(target: Target | None, width: int) -> Target | None:
+    if target is None:
+        return None
+    return Target(target.writer.view(-1, width), target.reader.view(-1, width))
+
+
 class Pre(torch.autograd.Function):
-    """``(x, mapping weight, alphas, bias, norm weight) -> (F's input, state, x_on)``."""
+    """``(x [*, nC], mapping weight, alphas, bias, norm weight) -> (F's input [*, C],
+    state [*, m+2], x_on)``."""
 
     @staticmethod
     def forward(ctx, x, weight, a_pre, a_post, a_res, bias, norm_weight, cfg: PreConfig,
                 fn_input_out: Target | None, state_out: Target | None):
-        args = (x, weight, a_pre, a_post, a_res, bias, norm_weight, cfg.n, cfg.iterations,
+        lead, width = x.shape[:-1], x.shape[-1]
+        c, sw = width // cfg.n, state_width(weight.shape[0])
+        xf = x.reshape(-1, width)
+        args = (xf, weight, a_pre, a_post, a_res, bias, norm_weight, cfg.n, cfg.iterations,
                 cfg.eps, cfg.use_triton)
         if fn_input_out is None:
             fn_input, state = ops.pre(*args)
         else:
             if state_out is None:  # a state of its own: where it lives is no buffer's concern
-                state_out = Target.of(x.new_empty(x.shape[0], state_width(weight.shape[0]),
-                                                  dtype=state_dtype(x.dtype)))
-            ops.pre_into(*args, fn_input_out.writer, state_out.writer)
-            fn_input, state = fn_input_out.view(), state_out.view()
+                state_out = Target.of(x.new_empty(xf.shape[0], sw, dtype=state_dtype(x.dtype)))
+            fn_out, st_out = _flat_target(fn_input_out, c), _flat_target(state_out, sw)
+            ops.pre_into(*args, fn_out.writer, st_out.writer)
+            fn_input, state = fn_out.view(), st_out.view()
         ctx.save_for_backward(x, weight, a_pre, a_post, a_res, bias, norm_weight, state)
         ctx.cfg = cfg
-        return fn_input, state, x.view_as(x)
+        ctx.set_materialize_grads(False)  # an output nobody used: None, not zeros
+        return fn_input.view(*lead, c), state.view(*lead, sw), x.view_as(x)
 
     @staticmethod
-    def backward(ctx, g_fn_input, g_state, g_x_on):
+    def backward(ctx, g_fn_input, g_state, g_post):
         x, weight, a_pre, a_post, a_res, bias, norm_weight, state = ctx.saved_tensors
         cfg = ctx.cfg
-        if g_fn_input is None:
-            g_fn_input = torch.zeros(x.shape[0], x.shape[1] // cfg.n, dtype=x.dtype,
-                                     device=x.device)
-        if g_state is None:
-            g_state = torch.zeros_like(state)
-        g_x, g_proj, g_params, g_w = ops.pre_backward(
-            g_fn_input, g_state, g_x_on, x, weight, a_pre, a_post, a_res, bias, norm_weight,
-            state, cfg.n, cfg.iterations, cfg.eps, cfg.use_triton)
-        g_weight = g_proj.to(x.dtype).t() @ x  # the projection's weight: a GEMM, deterministic
-        return (g_x, g_weight.to(weight.dtype), *_alphas_and_bias(g_params, bias),
+        width = x.shape[-1]
+        xf = x.reshape(-1, width)
+        g_fn = (torch.zeros(xf.shape[0], width // cfg.n, dtype=x.dtype, device=x.device)
+                if g_fn_input is None else g_fn_input.reshape(-1, width // cfg.n))
+        g_st = torch.zeros_like(state) if g_state is None else g_state.reshape(state.shape)
+        args = (weight, a_pre, a_post, a_res, bias, norm_weight, state, cfg.n, cfg.iterations,
+                cfg.eps, cfg.use_triton)
+        if is_overwritable(g_post, x):
+            g_proj, g_params, g_w = ops.pre_backward_into(g_fn, g_st, g_post.view(-1, width), xf,
+                                                          *args)
+            g_x = g_post
+        else:
+            g_x, g_proj, g_params, g_w = ops.pre_backward(g_fn, g_st, _flat(g_post, width), xf,
+                                                          *args)
+            g_x = g_x.view(x.shape)
+        g_weight = g_proj.to(x.dtype).t() @ xf  # the projection's weight: a GEMM, deterministic
+        return (overwritable(g_x), g_weight.to(weight.dtype), *_alphas_and_bias(g_params, bias),
                 g_w if norm_weight is not None else None, None, None, None)
 
 
@@ -101,30 +150,41 @@ class PostConfig:
 
 
 class Post(torch.autograd.Function):
-    """``(x_on, state, alphas, bias, y, seed) -> H_res x + dropout(H_post y)``."""
+    """``(x_on [*, nC], state [*, m+2], alphas, bias, y [*, C], seed) -> H_res x + dropout(H_post y)``."""
 
     @staticmethod
     def forward(ctx, x, state, a_pre, a_post, a_res, bias, y, seed, cfg: PostConfig,
                 out: Target | None):
-        args = (x, state, a_pre, a_post, a_res, bias, y, seed, cfg.p, cfg.stream, cfg.n,
+        pre_node = state.grad_fn
+        if isinstance(pre_node, Pre._backward_cls) and x.grad_fn is not pre_node:
+            raise ValueError("mhc_cg post: x must be the x_on that pre returned with this state, "
+                             "not x: the post's backward hands its output's gradient on through it")
+        width = x.shape[-1]
+        xf, sf, yf = x.reshape(-1, width), state.reshape(-1, state.shape[-1]), y.reshape(-1, y.shape[-1])
+        args = (xf, sf, a_pre, a_post, a_res, bias, yf, seed, cfg.p, cfg.stream, cfg.n,
                 cfg.iterations, cfg.use_triton)
         if out is None:
             result = ops.post(*args)
         else:
-            ops.post_into(*args, out.writer)
-            result = out.view()
+            target = _flat_target(out, width)
+            ops.post_into(*args, target.writer)
+            result = target.view()
         ctx.save_for_backward(x, state, a_pre, a_post, a_res, bias, y, seed)
         ctx.cfg = cfg
-        return result
+        return result.view(x.shape)
 
     @staticmethod
     def backward(ctx, g):
         x, state, a_pre, a_post, a_res, bias, y, seed = ctx.saved_tensors
         cfg = ctx.cfg
-        g_x, g_state, g_params, g_y = ops.post_backward(
-            g, x, state, a_pre, a_post, a_res, bias, y, seed, cfg.p, cfg.stream, cfg.n,
-            cfg.iterations, cfg.use_triton)
-        return (g_x, g_state, *_alphas_and_bias(g_params, bias), g_y, None, None, None)
+        width = x.shape[-1]
+        g_state, g_params, g_y = ops.post_backward(
+            g.reshape(-1, width), x.reshape(-1, width), state.reshape(-1, state.shape[-1]),
+            a_pre, a_post, a_res, bias, y.reshape(-1, y.shape[-1]), seed, cfg.p, cfg.stream,
+            cfg.n, cfg.iterations, cfg.use_triton)
+        # g goes on as x_on's: the pre's backward adds H_res^T g (see the module docstring)
+        return (g, g_state.view(state.shape), *_alphas_and_bias(g_params, bias), g_y.view(y.shape),
+                None, None, None)
 
 
 def _alphas_and_bias(g_params: Tensor, bias: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:

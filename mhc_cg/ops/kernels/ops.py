@@ -58,24 +58,52 @@ def _(x, weight, a_pre, a_post, a_res, bias, norm_weight, n, iterations, eps, us
 
 
 @torch.library.custom_op("mhc_cg::pre_backward", mutates_args=())
-def pre_backward(g_out: Tensor, g_state: Tensor, g_x: Tensor | None, x: Tensor, weight: Tensor,
+def pre_backward(g_out: Tensor, g_state: Tensor, g_post: Tensor | None, x: Tensor, weight: Tensor,
                  a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
                  norm_weight: Tensor | None, state: Tensor, n: int, iterations: int, eps: float,
                  use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(g_x, g_proj, g_params [m+3], g_norm_weight)``: the parameters' gradients summed over
-    the tokens in a fixed order (deterministic)."""
+    """``(g_x, g_proj, g_params [m+3], g_norm_weight)``, ``g_x`` with the post's residual path
+    ``H_res^T g_post``; the parameters' gradients summed over the tokens in a fixed order."""
     g_x, g_proj, shares, g_w = _impl(use_triton).pre_backward(
-        g_out, g_state, g_x, x, weight, a_pre, a_post, a_res, bias, norm_weight, state, n,
+        g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight, state, n,
         iterations, eps)
-    g_norm = g_w.sum(0).to(x.dtype) if norm_weight is not None else x.new_empty(0)
-    return g_x, g_proj, shares.sum(0).to(bias.dtype), g_norm
+    return g_x, g_proj, *_summed(shares, g_w, bias, x, norm_weight)
 
 
 @pre_backward.register_fake
-def _(g_out, g_state, g_x, x, weight, a_pre, a_post, a_res, bias, norm_weight, state, n,
+def _(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight, state, n,
       iterations, eps, use_triton):
+    return (x.new_empty(x.shape), *_pre_backward_fakes(x, weight, bias, norm_weight))
+
+
+@torch.library.custom_op("mhc_cg::pre_backward_into", mutates_args=("g_post",))
+def pre_backward_into(g_out: Tensor, g_state: Tensor, g_post: Tensor, x: Tensor, weight: Tensor,
+                      a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
+                      norm_weight: Tensor | None, state: Tensor, n: int, iterations: int,
+                      eps: float, use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`pre_backward` writing x's gradient over ``g_post``, which it reads first: the
+    stream's gradient keeps one buffer down a chain of sublayers."""
+    _, g_proj, shares, g_w = _impl(use_triton).pre_backward(
+        g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight, state, n,
+        iterations, eps, g_post)
+    return g_proj, *_summed(shares, g_w, bias, x, norm_weight)
+
+
+@pre_backward_into.register_fake
+def _(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight, state, n,
+      iterations, eps, use_triton):
+    return _pre_backward_fakes(x, weight, bias, norm_weight)
+
+
+def _summed(shares: Tensor, g_w: Tensor, bias: Tensor, x: Tensor,
+            norm_weight: Tensor | None) -> tuple[Tensor, Tensor]:
+    g_norm = g_w.sum(0).to(x.dtype) if norm_weight is not None else x.new_empty(0)
+    return shares.sum(0).to(bias.dtype), g_norm
+
+
+def _pre_backward_fakes(x, weight, bias, norm_weight):
     c = norm_weight.shape[0] if norm_weight is not None else 0
-    return (x.new_empty(x.shape), state.new_empty(x.shape[0], weight.shape[0]),
+    return (x.new_empty(x.shape[0], weight.shape[0], dtype=state_dtype(x.dtype)),
             bias.new_empty(bias.shape[0] + 3), x.new_empty(c))
 
 
@@ -113,17 +141,17 @@ def _(x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, u
 def post_backward(g: Tensor, x: Tensor, state: Tensor, a_pre: Tensor, a_post: Tensor,
                   a_res: Tensor, bias: Tensor, y: Tensor, seed: Tensor | None, p: float,
                   stream: int, n: int, iterations: int,
-                  use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(g_x, g_state, g_params [m+3], g_y)``; the mask regenerated from ``seed``."""
-    g_x, g_state, shares, g_y = _impl(use_triton).post_backward(
+                  use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(g_state, g_params [m+3], g_y)``; the mask regenerated from ``seed``. x's gradient is
+    :func:`pre_backward`'s (``g_post``)."""
+    g_state, shares, g_y = _impl(use_triton).post_backward(
         g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations)
-    return g_x, g_state, shares.sum(0).to(bias.dtype), g_y
+    return g_state, shares.sum(0).to(bias.dtype), g_y
 
 
 @post_backward.register_fake
 def _(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, use_triton):
-    return (x.new_empty(x.shape), state.new_empty(state.shape), bias.new_empty(bias.shape[0] + 3),
-            y.new_empty(y.shape))
+    return state.new_empty(state.shape), bias.new_empty(bias.shape[0] + 3), y.new_empty(y.shape)
 
 
 # ---- a block's recompute, in one pass ----------------------------------------------------------

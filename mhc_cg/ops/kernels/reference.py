@@ -187,14 +187,17 @@ def _state_backward(g_h: Tensor, h, r, proj, scale, n: int, sqrt_d: float):
     return torch.cat([g_proj, g_xnorm[:, None], zero[:, None]], 1), torch.cat([g_h, alphas], 1)
 
 
-def pre_backward(g_out: Tensor, g_state: Tensor, g_x: Tensor | None, x: Tensor, weight: Tensor,
-                 a_pre, a_post, a_res, bias, norm_weight: Tensor | None, state: Tensor, n: int,
-                 iterations: int, eps: float):
-    """``(g_x, g_proj, param shares [T, m+3], norm weight shares [T, C])`` of :func:`pre`.
+def pre_backward(g_out: Tensor, g_state: Tensor, g_post: Tensor | None, x: Tensor,
+                 weight: Tensor, a_pre, a_post, a_res, bias, norm_weight: Tensor | None,
+                 state: Tensor, n: int, iterations: int, eps: float, g_x_out: Tensor | None = None):
+    """``(g_x, g_proj, param shares [T, m+3], norm weight shares [T, C])`` of :func:`pre`, and of
+    the post's residual path: ``g_x`` includes ``H_res^T g_post``.
 
     ``g_state`` is the gradient the state's consumers sent back (its rstd column included),
-    ``g_x`` the one x's other use sent (added here, not by autograd); ``g_proj`` (the
-    projection's total gradient) is what the weight's gradient ``g_proj^T x`` needs."""
+    ``g_post`` the gradient of the sublayer's output (the post's backward leaves the residual
+    path to this op, so the stream's gradient is summed here, in one pass); ``g_proj`` (the
+    projection's total gradient) is what the weight's gradient ``g_proj^T x`` needs. ``g_x_out``
+    given: x's gradient is written there (it may be ``g_post`` itself)."""
     acc = compute_dtype(x.dtype)
     sqrt_d = math.sqrt(x.shape[1])
     xa = x.to(acc)
@@ -223,9 +226,11 @@ def pre_backward(g_out: Tensor, g_state: Tensor, g_x: Tensor | None, x: Tensor, 
     coef = torch.where(xnorm > 0, g_xnorm / xnorm.clamp_min(torch.finfo(acc).tiny), 0.0)
     g_xa = (s_pre[:, :, None] * g_agg[:, None, :]).flatten(1) + g_proj @ weight.to(acc) \
         + coef[:, None] * xa
-    if g_x is not None:
-        g_xa = g_xa + g_x.to(acc)
-    return g_xa.to(x.dtype), g_proj, shares, g_w
+    if g_post is not None:
+        h_res = sinkhorn(h[:, 2 * n:].unflatten(-1, (n, n)), iterations)
+        g_xa = g_xa + torch.matmul(h_res.transpose(1, 2),
+                                   g_post.to(acc).unflatten(1, (n, -1))).flatten(1)
+    return _into(g_xa.to(x.dtype), g_x_out), g_proj, shares, g_w
 
 
 def _post_mappings(state, a_pre, a_post, a_res, bias, n: int, iterations: int, sqrt_d: float):
@@ -252,8 +257,9 @@ def post(x: Tensor, state: Tensor, a_pre, a_post, a_res, bias, y: Tensor, seed: 
 
 def post_backward(g: Tensor, x: Tensor, state: Tensor, a_pre, a_post, a_res, bias, y: Tensor,
                   seed: Tensor | None, p: float, stream: int, n: int, iterations: int):
-    """``(g_x, g_state, param shares [T, m+3], g_y)`` of :func:`post` (the state's rstd column,
-    which the post does not read, gets 0)."""
+    """``(g_state, param shares [T, m+3], g_y)`` of :func:`post` (the state's rstd column, which
+    the post does not read, gets 0). x's gradient ``H_res^T g`` is left to :func:`pre_backward`,
+    which writes the stream's whole gradient at once."""
     acc = compute_dtype(x.dtype)
     t = x.shape[0]
     sqrt_d = math.sqrt(x.shape[1])
@@ -261,7 +267,6 @@ def post_backward(g: Tensor, x: Tensor, state: Tensor, a_pre, a_post, a_res, bia
                                                       iterations, sqrt_d)
     gv = g.to(acc).unflatten(1, (n, -1))
     xv = x.to(acc).unflatten(1, (n, -1))
-    g_x = torch.matmul(h_res.transpose(1, 2), gv).flatten(1)
     g_h_res = torch.matmul(gv, xv.transpose(1, 2))
     mask = dropout_keep_scaled(seed, stream, p, t, x.shape[1], x.device)
     gm = gv if mask is None else gv * mask.to(acc).unflatten(1, (n, -1))
@@ -272,7 +277,7 @@ def post_backward(g: Tensor, x: Tensor, state: Tensor, a_pre, a_post, a_res, bia
     g_h[:, 2 * n:] = sinkhorn_backward(h[:, 2 * n:].unflatten(-1, (n, n)), g_h_res,
                                        iterations).flatten(1)
     g_state, shares = _state_backward(g_h, h, r, proj, scale, n, sqrt_d)
-    return g_x.to(x.dtype), g_state, shares, g_y.to(y.dtype)
+    return g_state, shares, g_y.to(y.dtype)
 
 
 def recompute(x0: Tensor, ys: Tensor, states: Tensor, params: Tensor, norm_weights: Tensor | None,

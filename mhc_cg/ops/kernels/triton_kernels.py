@@ -28,6 +28,7 @@ per-program shares that torch sums in a fixed order, so every result is determin
 from __future__ import annotations
 
 import types
+from typing import Callable
 
 import torch
 import triton
@@ -71,10 +72,11 @@ def _prepared(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.contiguous() for t in tensors]
 
 
-def _written(out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """Where a kernel writes: ``out`` when it is contiguous, else a temporary copied into it."""
+def _written(out: torch.Tensor | None, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Where a kernel writes: ``out`` when it is contiguous, else a new tensor (``make()``),
+    which :func:`_deliver` copies into ``out``."""
     if out is None or not out.is_contiguous():
-        return torch.empty_like(like)
+        return make()
     return out
 
 
@@ -311,12 +313,13 @@ def pre(x, weight, a_pre, a_post, a_res, bias, norm_weight, n, iterations, eps,
     t, width = x.shape
     c = width // n
     nb = _np(n)
-    state = _written(state_out, x.new_empty(t, state_width(weight.shape[0]), dtype=torch.float32))
+    state = _written(state_out, lambda: x.new_empty(t, state_width(weight.shape[0]),
+                                                   dtype=torch.float32))
     _state_fwd[(triton.cdiv(t, DOT_ROWS),)](
         x, weight, bias, a_pre, state, t, c, float(width) ** 0.5, float(eps), N=n, NP=nb,
         MP=_mp(n), BT=DOT_ROWS, BC=_block_c(c, 512 // (nb * nb)), NORM=norm_weight is not None,
         DOT_F32=_dot_in_fp32(x, weight), RMS=RMS_EPS)
-    fn_input = _written(fn_input_out, x.new_empty(t, c))
+    fn_input = _written(fn_input_out, lambda: x.new_empty(t, c))
     _launch_chain(x, x, state, bias, a_pre, a_post, a_res, 0, norm_weight, 0, None, 0.0, [0], n,
                   iterations, x, fn_input, fn=True, steps=1, posts=0)
     return _deliver(fn_input, fn_input_out), _deliver(state, state_out)
@@ -324,7 +327,7 @@ def pre(x, weight, a_pre, a_post, a_res, bias, norm_weight, n, iterations, eps,
 
 def post(x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, out=None):
     x, state, y = _prepared(x, state, y)
-    result = _written(out, x)
+    result = _written(out, lambda: torch.empty_like(x))
     _launch_chain(x, y, state, bias, a_pre, a_post, a_res, 0, None, 0, seed, p, [stream], n,
                   iterations, result, x, fn=False, steps=1, posts=1)
     return _deliver(result, out)
@@ -336,7 +339,8 @@ def recompute(x0, ys, states, params, norm_weights, seed, p, streams, n, iterati
     norm = None if norm_weights is None else _prepared(norm_weights)[0]
     steps = ys.shape[0]
     m = n * n + 2 * n
-    xo, fo = _written(x_out, x_out), _written(fn_input_out, fn_input_out)
+    xo = _written(x_out, lambda: torch.empty_like(x_out))
+    fo = _written(fn_input_out, lambda: torch.empty_like(fn_input_out))
     _launch_chain(x0, ys, states, params, params[:, m], params[:, m + 1], params[:, m + 2],
                   params.stride(0), norm, 0 if norm is None else norm.stride(0), seed, p,
                   list(streams), n, iterations, xo if steps > 1 else x0, fo, fn=True,
@@ -380,11 +384,11 @@ def _pre_state_grads(gstate_ptr, gproj_ptr, share_ptr, apre_ptr, gh, r, p_pre, x
 
 
 @triton.jit
-def _pre_bwd(gout_ptr, gstate_ptr, gxin_ptr, x_ptr, w_ptr, bias_ptr, apre_ptr, apost_ptr,
+def _pre_bwd(gout_ptr, gstate_ptr, gpost_ptr, x_ptr, w_ptr, bias_ptr, apre_ptr, apost_ptr,
              ares_ptr, norm_ptr, state_ptr, gx_ptr, gproj_ptr, share_ptr, gw_ptr, T, C, sqrt_d,
-             N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, PP: tl.constexpr,
-             BT: tl.constexpr, BC: tl.constexpr, NORM: tl.constexpr, GXIN: tl.constexpr,
-             RMS: tl.constexpr):
+             iterations, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, PP: tl.constexpr,
+             BT: tl.constexpr, BC: tl.constexpr, NORM: tl.constexpr, GPOST: tl.constexpr,
+             IN_PLACE: tl.constexpr, EPS: tl.constexpr, RMS: tl.constexpr):
     M: tl.constexpr = N * N + 2 * N
     SW: tl.constexpr = M + 2
     pid = tl.program_id(0)
@@ -397,6 +401,8 @@ def _pre_bwd(gout_ptr, gstate_ptr, gxin_ptr, x_ptr, w_ptr, bias_ptr, apre_ptr, a
     s = tl.where(vmask, _sigmoid(l_pre), 0.0)
     xnorm = tl.load(state_ptr + t * SW + M, mask=tmask, other=0.0)
     rstd = tl.load(state_ptr + t * SW + M + 1, mask=tmask, other=0.0)
+    if GPOST:
+        h_res = _sinkhorn(l_res, rmask, iterations, EPS)
 
     # pass 1: u[i] = x[i] . (g w) and v[i] = x[i] . agg, what the mappings' gradient needs
     u = tl.zeros([BT, NP], dtype=tl.float32)
@@ -445,13 +451,16 @@ def _pre_bwd(gout_ptr, gstate_ptr, gxin_ptr, x_ptr, w_ptr, bias_ptr, apre_ptr, a
         through_proj = tl.dot(g_proj, tl.reshape(w_blk, [MP, NP * BC]), input_precision="ieee")
         gx = s[:, :, None] * g_agg[:, None, :] + tl.reshape(through_proj, [BT, NP, BC]) \
             + coef[:, None, None] * x
-        if GXIN:
-            gx += tl.load(gxin_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
+        if GPOST:  # the post's residual path: H_res^T g
+            g_post = tl.load(gpost_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
+            gx += tl.sum(h_res[:, :, :, None] * g_post[:, :, None, :], axis=1)
+        if IN_PLACE:  # every thread has read its part of g_post before any overwrites it
+            tl.debug_barrier()
         tl.store(gx_ptr + xoff, gx, mask=xmask)
 
 
-def pre_backward(g_out, g_state, g_x, x, weight, a_pre, a_post, a_res, bias, norm_weight, state,
-                 n, iterations, eps):
+def pre_backward(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight,
+                 state, n, iterations, eps, g_x_out=None):
     g_out, g_state, x, weight, state = _prepared(g_out, g_state, x, weight, state)
     g_state = g_state.to(torch.float32)
     t, width = x.shape
@@ -459,25 +468,28 @@ def pre_backward(g_out, g_state, g_x, x, weight, a_pre, a_post, a_res, bias, nor
     m = weight.shape[0]
     nb = _np(n)
     programs = triton.cdiv(t, DOT_ROWS)
-    g_xa = torch.empty_like(x)
+    in_place = g_x_out is not None and g_x_out is g_post and g_post.is_contiguous()
+    if g_post is not None and not in_place:
+        g_post = _prepared(g_post)[0]
+    g_x = g_post if in_place else _written(g_x_out, lambda: torch.empty_like(x))
     g_proj = x.new_empty(t, m, dtype=torch.float32)
     shares = x.new_empty(t, m + 3, dtype=torch.float32)
     g_w = x.new_empty(programs if norm_weight is not None else 0, c, dtype=torch.float32)
-    g_x_in = _prepared(g_x)[0] if g_x is not None else x
     _pre_bwd[(programs,)](
-        g_out, g_state, g_x_in, x, weight, bias, a_pre, a_post, a_res,
-        norm_weight if norm_weight is not None else x, state, g_xa, g_proj, shares, g_w, t, c,
-        float(width) ** 0.5, N=n, NP=nb, MP=_mp(n), PP=triton.next_power_of_2(m + 3), BT=DOT_ROWS,
-        BC=_block_c(c, 128 // nb),
-        NORM=norm_weight is not None, GXIN=g_x is not None, RMS=RMS_EPS)
-    return g_xa, g_proj, shares, g_w
+        g_out, g_state, g_post if g_post is not None else x, x, weight, bias, a_pre, a_post, a_res,
+        norm_weight if norm_weight is not None else x, state, g_x, g_proj, shares, g_w, t, c,
+        float(width) ** 0.5, iterations, N=n, NP=nb, MP=_mp(n), PP=triton.next_power_of_2(m + 3),
+        BT=DOT_ROWS, BC=_block_c(c, 64 // nb), NORM=norm_weight is not None,
+        GPOST=g_post is not None, IN_PLACE=in_place, EPS=SINKHORN_EPS, RMS=RMS_EPS,
+        num_warps=8)  # at 4 warps the Sinkhorn backward's live state spills past 255 registers
+    return _deliver(g_x, g_x_out), g_proj, shares, g_w
 
 
 # ---- post backward -----------------------------------------------------------------------------
 
 @triton.jit
 def _post_bwd(g_ptr, x_ptr, state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, y_ptr, seed_ptr,
-              gx_ptr, gstate_ptr, share_ptr, gy_ptr, stream, T, C, sqrt_d, iterations,
+              gstate_ptr, share_ptr, gy_ptr, stream, T, C, sqrt_d, iterations,
               N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
               DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr, SCALE: tl.constexpr,
               EPS: tl.constexpr, RMS: tl.constexpr):
@@ -490,7 +502,6 @@ def _post_bwd(g_ptr, x_ptr, state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, 
     r, p_pre, l_pre, p_post, l_post, p_res, l_res, vmask, rmask = _mapping_logits(
         state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, t, tmask, sqrt_d, N, NP, RMS)
     s_post = tl.where(vmask, _sigmoid(l_post), 0.0)
-    h_res = _sinkhorn(l_res, rmask, iterations, EPS)
     g_hres = tl.zeros([BT, NP, NP], dtype=tl.float32)
     g_spost = tl.zeros([BT, NP], dtype=tl.float32)
     for c0 in range(0, C, BC):
@@ -501,7 +512,6 @@ def _post_bwd(g_ptr, x_ptr, state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, 
         g = tl.load(g_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
         y = tl.load(y_ptr + t[:, None] * C + c[None, :], mask=fmask, other=0.0).to(tl.float32)
-        tl.store(gx_ptr + xoff, tl.sum(h_res[:, :, :, None] * g[:, :, None, :], axis=1), mask=xmask)
         g_hres += tl.sum(g[:, :, None, :] * x[:, None, :, :], axis=3)
         if DROPOUT:
             g = g * _keep_scaled(seed_ptr, stream, xoff, THRESHOLD, SCALE)
@@ -539,15 +549,15 @@ def post_backward(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n
     c = width // n
     m = n * n + 2 * n
     nb = _np(n)
-    g_x, g_y = torch.empty_like(x), torch.empty_like(y)
+    g_y = torch.empty_like(y)
     g_state = x.new_empty(t, m + 2, dtype=torch.float32)
     shares = x.new_empty(t, m + 3, dtype=torch.float32)
     seed_arg = seed if seed is not None else x
     _post_bwd[(triton.cdiv(t, CHAIN_ROWS),)](
-        g, x, state, bias, a_pre, a_post, a_res, y, seed_arg, g_x, g_state, shares, g_y, stream,
+        g, x, state, bias, a_pre, a_post, a_res, y, seed_arg, g_state, shares, g_y, stream,
         t, c, float(width) ** 0.5, iterations, N=n, NP=nb, BT=CHAIN_ROWS,
         BC=_block_c(c, 1024 // (nb * nb)), EPS=SINKHORN_EPS, RMS=RMS_EPS, **_dropout_args(seed, p))
-    return g_x, g_state, shares, g_y
+    return g_state, shares, g_y
 
 
 # ---- RMSNorm --------------------------------------------------------------------------------------

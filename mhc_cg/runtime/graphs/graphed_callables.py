@@ -46,6 +46,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mhc_cg.core import traffic
+from mhc_cg.ops.kernels import overwritable
 from mhc_cg.runtime.graphs.backends import get_backend, resolve_backend_name
 from mhc_cg.runtime.graphs.capture import Graph, GraphBackend
 from mhc_cg.runtime.graphs.static_inputs import check_input, describe, load_input
@@ -618,7 +619,8 @@ def _grad_output_buffers(runner: GraphedRunner, shared: dict) -> list[torch.Tens
         slot = (key, seen[key])
         seen[key] += 1
         if slot not in shared:
-            shared[slot] = torch.empty_like(output)
+            # the backward graph is its one reader: a fused backward may write x's gradient over it
+            shared[slot] = overwritable(torch.empty_like(output))
         buffers.append(shared[slot])
     return buffers
 

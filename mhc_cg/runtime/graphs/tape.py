@@ -21,7 +21,8 @@ How each recorded op replays (decided once, at capture):
 * *metadata mutation* (``transpose_``, ``set_``, ``resize_`` on an owned tensor): skipped, its
   effect on the tensor object persists. Ops recorded before it referred to the tensor's old
   metadata, so their references are swapped for a frozen alias (same storage, old metadata);
-* *in-place / out=* (writes an argument): re-run as recorded, writing the same tensors;
+* *in-place / out=* (writes an argument): re-run as recorded, writing the same tensors (and, for
+  an op that also returns new tensors, copying those into the captured outputs);
 * *uninitialised allocation* (``empty``, ``empty_like``, ...): nothing to do;
 * *functional* (fresh outputs): re-run and ``copy_`` the results into the captured outputs.
 
@@ -75,8 +76,8 @@ def _classify(func: torch._ops.OpOverload, written: list[torch.Tensor], outputs:
               fresh_outputs: bool) -> str:
     if torch.Tag.inplace_view in func.tags:
         return _KIND_SKIP
-    if written:
-        return _KIND_RUN
+    if written:  # and new outputs besides (a custom op that writes a buffer and returns more)
+        return _KIND_COPY_OUT if outputs and fresh_outputs else _KIND_RUN
     if func.overloadpacket in _UNINITIALISED_ALLOCATIONS or not outputs:
         return _KIND_SKIP
     returns_alias = any(r.alias_info is not None for r in func._schema.returns)
