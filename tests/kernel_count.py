@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mhc_cg.model import MHCGPT
 from mhc_cg.runtime.modes.eager import EagerModel
 from mhc_cg.runtime.recompute.eager import install_activation_recompute
-from mhc_cg.tools.cost.ops import launches_kernel
+from mhc_cg.tools.cost.ops import kernel_launches, launches_kernel
 
 class KernelCounter(TorchDispatchMode):
     """``counts[op name]``: kernel-launching ops dispatched while the mode is active."""
@@ -33,7 +33,7 @@ class KernelCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if launches_kernel(func, args, kwargs, out):
-            self.counts[str(func.overloadpacket).replace("torch.ops.", "")] += 1
+            self.counts[str(func.overloadpacket).replace("torch.ops.", "")] += kernel_launches(func)
         return out
 
     @property

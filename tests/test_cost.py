@@ -82,6 +82,31 @@ def test_bytes_count_inputs_and_outputs_and_expanded_inputs_once():
     assert step.eager.bytes_written == 64 * 32 * 4
 
 
+def test_fused_ops_are_charged_their_second_passes_and_the_buffers_they_write():
+    """The pre launches two kernels, each reading x; its backward reads x and g_out in both of its
+    passes and writes x's grad over g_post (read first)."""
+    t, n, c = 64, 4, 32
+    m = n * n + 2 * n
+    x, weight, bias = torch.randn(t, n * c), torch.randn(m, n * c), torch.randn(m)
+    alphas = [torch.ones(1) for _ in range(3)]
+    norm = torch.ones(c)
+    with StepRecorder() as step:
+        fn_input, state = torch.ops.mhc_cg.pre(x, weight, *alphas, bias, norm, n, 20, 1e-5, False)
+    size = lambda *ts: sum(u.numel() * u.element_size() for u in ts)  # noqa: E731
+    assert step.eager.kernels == 2
+    assert step.eager.bytes_read == size(x, x, weight, *alphas, bias, norm)
+    assert step.eager.bytes_written == size(fn_input, state)
+
+    g_out, g_state, g_post = torch.randn(t, c), torch.randn_like(state), torch.randn(t, n * c)
+    with StepRecorder() as step:
+        grads = torch.ops.mhc_cg.pre_backward_into(g_out, g_state, g_post, x, weight, *alphas,
+                                                   bias, norm, state, n, 20, 1e-5, False)
+    assert step.eager.kernels == 1
+    assert step.eager.bytes_read == size(g_out, g_out, g_state, g_post, x, x, weight, *alphas,
+                                         bias, norm, state)
+    assert step.eager.bytes_written == size(g_post, *grads)
+
+
 # -- the guard pins nothing ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("keep", [False, True])

@@ -3,8 +3,11 @@ every backend must keep is in tests/test_graph_semantics.py."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mhc_cg.runtime.graphs import GraphCaptureError, GraphReplayError, get_backend
 
@@ -230,3 +233,86 @@ def test_a_released_output_is_poisoned_when_another_graph_of_the_pool_replays(ba
     assert torch.isnan(released).all() and torch.equal(other, x + 1)
     first.replay()
     assert torch.equal(released, x * 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# A chain of fused mHC sublayers: the stream's grad is lent from one backward graph to the next.
+
+def _fused_sublayers(count: int):
+    from mhc_cg.config import MHCGPTConfig
+    from mhc_cg.model.sublayer import MHCSublayer
+
+    cfg = MHCGPTConfig(vocab_size=32, seq_length=4, hidden_size=8, num_heads=2, num_layers=1,
+                       hidden_dropout=0.0)
+    torch.manual_seed(0)
+    return [MHCSublayer(cfg, torch.nn.Linear(8, 8), stream) for stream in range(count)]
+
+
+def _graphed_chain(subs):
+    from mhc_cg.runtime.graphs import make_graphed_callables
+
+    samples = tuple((torch.randn(4, 2, 32, requires_grad=True),) for _ in subs)
+    return make_graphed_callables(tuple(subs), samples, num_warmup_iters=1, backend="tape")
+
+
+class StreamCopies(TorchDispatchMode):
+    """Counts ``copy_`` and ``clone`` calls on stream-shaped tensors ``[4, 2, 32]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.copy_.default, torch.ops.aten.clone.default) \
+                and tuple(out.shape) == (4, 2, 32):
+            self.counts[func.__name__.split(".")[0]] += 1
+        return out
+
+
+def test_a_chain_of_graphed_sublayers_lends_the_stream_grad_and_matches_eager():
+    """Each sublayer's backward writes its input's grad over its grad output (a buffer shared by
+    every backward graph) and hands it uncloned to the graphed sublayer before, which reads it in
+    place. Gradients equal eager's bit for bit, and the stream's grad is copied in and cloned
+    once per chain (the incoming grad, the chain input's grad), not once per graph."""
+    eager, subs = _fused_sublayers(3), _fused_sublayers(3)
+    graphed = _graphed_chain(subs)
+    for _ in range(2):
+        x, g = torch.randn(4, 2, 32), torch.randn(4, 2, 32)
+        xe, xg = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_e, out_g = xe, xg
+        for e, s in zip(eager, graphed):
+            out_e, out_g = e(out_e), s(out_g)
+        assert torch.equal(out_e, out_g)
+        out_e.backward(g)
+        with StreamCopies() as seen:
+            out_g.backward(g)
+        assert seen.counts == {"copy_": 1, "clone": 1}, seen.counts
+        assert torch.equal(xe.grad, xg.grad)
+        for e, s in zip(eager, subs):
+            for (name, pe), ps in zip(e.named_parameters(), s.parameters()):
+                assert torch.equal(pe.grad, ps.grad), name
+
+
+def test_a_graphed_output_feeding_two_graphed_consumers_is_refused_not_mixed_up():
+    """A lent grad lives in the buffer every backward graph writes: if a second graphed consumer
+    of the same output replays its backward before the producer's reads the grad, the replay
+    raises rather than hand the producer the wrong gradient."""
+    subs = _fused_sublayers(3)
+    graphed = _graphed_chain(subs)
+    first, left, right = graphed
+    x = torch.randn(4, 2, 32, requires_grad=True)
+    h = first(x)
+    loss = left(h).sum() + right(h).sum()
+    with pytest.raises(RuntimeError, match="must feed only that one"):
+        loss.backward()
+    # cloned for the second use, such graphs give eager's gradients
+    first, left, right = _graphed_chain(_fused_sublayers(3))
+    eager = _fused_sublayers(3)
+    xe = x.detach().clone().requires_grad_()
+    he = eager[0](xe)
+    (eager[1](he).sum() + eager[2](he).sum()).backward()
+    x.grad = None
+    h = first(x)
+    (left(h).sum() + right(h.clone()).sum()).backward()
+    assert torch.equal(x.grad, xe.grad)

@@ -17,6 +17,15 @@ from mhc_cg.ops.kernels import reference
 from mhc_cg.ops.kernels.reference import state_dtype, state_width
 
 
+# What a fused op's Triton kernels do beyond one pass over each tensor, for the cost model: the
+# launches it makes (the pre: its state pass, then its F-input pass) and the arguments a second
+# pass reads again (the pre reads x twice; its backward reads x and g_out in both of its passes).
+LAUNCHES = {"mhc_cg::pre": 2, "mhc_cg::pre_into": 2}
+READ_TWICE = {"mhc_cg::pre": ("x",), "mhc_cg::pre_into": ("x",),
+              "mhc_cg::pre_backward": ("x", "g_out"),
+              "mhc_cg::pre_backward_into": ("x", "g_out")}
+
+
 def _impl(use_triton: bool):
     if use_triton:
         from mhc_cg.ops.kernels.dispatch import triton_kernels

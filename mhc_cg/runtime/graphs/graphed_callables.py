@@ -34,6 +34,12 @@ returns the static buffers themselves, and autograd's ``AccumulateGrad`` adopts 
 gradient as ``.grad`` and adds later ones into it in place; without an order one graph serves
 every microbatch, so its next backward replay would overwrite the accumulated ``.grad``
 (tests/test_graphs_tape.py::test_gradients_accumulate_over_microbatches_replaying_one_graph).
+The exception is a grad *lent* down a chain of graphs: when an input is another graphed
+callable's output and this backward wrote the input's grad into the very grad-output buffer the
+producer's backward reads (a fused mHC backward writes the stream's grad over its grad output,
+and every backward graph shares those buffers), the buffer goes to autograd uncloned and the
+producer reads it where it lies. A backward graph that would overwrite a lent buffer before its
+reader replays raises (:class:`_LentGrads`).
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ from mhc_cg.core import traffic
 from mhc_cg.ops.kernels import overwritable
 from mhc_cg.runtime.graphs.backends import get_backend, resolve_backend_name
 from mhc_cg.runtime.graphs.capture import Graph, GraphBackend
-from mhc_cg.runtime.graphs.static_inputs import check_input, describe, load_input
+from mhc_cg.runtime.graphs.static_inputs import check_input, describe, is_buffer, load_input
 from mhc_cg.core.storage import storage_id
 from mhc_cg.core.schedule import decode_order, pass_windows
 
@@ -219,11 +225,35 @@ class GraphedRunner:
 
     def replay_forward(self) -> list[torch.Tensor]:
         self.fwd_graph.replay()
+        _LENT.forget(self)  # a new forward: no backward of the last one will read a lent grad
         return [o.detach() for o in self.static_outputs]
 
-    def replay_backward(self, grads: Sequence[torch.Tensor | None]) -> tuple:
+    def lendable_inputs(self, inputs: Sequence[torch.Tensor]) -> dict[int, "GraphedRunner"]:
+        """Inputs whose grad this backward may return uncloned: {input index: producer}.
+
+        An input qualifies when it is an output of another graphed callable P whose static
+        grad-output buffer for it is the very buffer this backward writes the input's grad into
+        (a fused backward writes the stream's grad over its grad output, and every backward graph
+        shares the grad-output buffers): P's backward then reads it in place, copying nothing.
+        """
+        lend = {}
+        for i, (given, grad) in enumerate(zip(inputs, self.static_grad_inputs)):
+            if grad is None or not isinstance(given, torch.Tensor) or not given.requires_grad:
+                continue
+            producer = getattr(given.grad_fn, "runner", None)
+            if not isinstance(producer, GraphedRunner):
+                continue
+            target = producer.static_grad_outputs[given.output_nr] \
+                if given.output_nr < len(producer.static_grad_outputs) else None
+            if target is not None and is_buffer(target, grad):
+                lend[i] = producer
+        return lend
+
+    def replay_backward(self, grads: Sequence[torch.Tensor | None],
+                        lend: Mapping[int, "GraphedRunner"] = {}) -> tuple:
         if self.bwd_graph is None:
             return tuple(None for _ in self.surface)
+        _LENT.check_writer(self)
         with traffic.runtime_copy("grad outputs"):
             for static, grad in zip(self.static_grad_outputs, grads):
                 if static is None:
@@ -235,9 +265,54 @@ class GraphedRunner:
         self.bwd_graph.replay()
         # Clones, not the static buffers: AccumulateGrad adopts a lone incoming gradient as
         # ``.grad`` (and the engine may add into it in place), so handing out a static buffer would
-        # let the next replay overwrite an accumulated gradient.
+        # let the next replay overwrite an accumulated gradient. The exception is a grad lent to
+        # the graphed producer whose backward reads it where it lies (``lendable_inputs``).
+        out = []
         with traffic.runtime_copy("grad clones"):
-            return tuple(g.clone() if g is not None else None for g in self.static_grad_inputs)
+            for i, g in enumerate(self.static_grad_inputs):
+                if i in lend:
+                    _LENT.lend(g, lend[i], self)
+                    out.append(g)
+                else:
+                    out.append(g.clone() if g is not None else None)
+        return tuple(out)
+
+
+class _LentGrads:
+    """Grad buffers handed to autograd uncloned, each until its one reader's backward replays.
+
+    Autograd hands a lent buffer to the producer's backward next along the chain; if any other
+    backward graph would overwrite the buffer first (two graphed consumers of one output, say),
+    its replay raises instead of feeding the producer another graph's gradient.
+    """
+
+    def __init__(self):
+        self._by_storage: dict[int, tuple[GraphedRunner, GraphedRunner]] = {}
+
+    def lend(self, buffer: torch.Tensor, reader: GraphedRunner, lender: GraphedRunner) -> None:
+        self._by_storage[storage_id(buffer)] = (reader, lender)
+
+    def forget(self, reader: GraphedRunner) -> None:
+        for key in [k for k, (r, _) in self._by_storage.items() if r is reader]:
+            del self._by_storage[key]
+
+    def check_writer(self, runner: GraphedRunner) -> None:
+        """Before ``runner``'s backward replays (it writes its grad-output buffers)."""
+        for buffer in runner.static_grad_outputs:
+            if buffer is None or storage_id(buffer) not in self._by_storage:
+                continue
+            reader, lender = self._by_storage[storage_id(buffer)]
+            if reader is not runner:
+                raise RuntimeError(
+                    f"graphed callable {runner.label}'s backward would overwrite the input grad "
+                    f"that {lender.label}'s backward returned for {reader.label}'s output before "
+                    f"{reader.label}'s backward read it; an output of a graphed callable that "
+                    f"feeds another graphed callable must feed only that one (clone it for any "
+                    f"other use: out.clone())")
+            del self._by_storage[storage_id(buffer)]
+
+
+_LENT = _LentGrads()
 
 
 def saved_storages(outputs: Sequence[torch.Tensor]) -> set[int]:
@@ -269,6 +344,8 @@ class _ReplayGraphs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runner: GraphedRunner, *inputs: torch.Tensor):
+        # before the copies: one may write a buffer that a given input is a view of
+        ctx.lend = runner.lendable_inputs(inputs[:len(runner.static_inputs)])
         runner.copy_inputs(inputs[:len(runner.static_inputs)])
         outputs = runner.replay_forward()
         ctx.runner = runner
@@ -280,7 +357,7 @@ class _ReplayGraphs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads: torch.Tensor):
         ctx.runner.check_saved_versions(ctx.saved_versions)
-        return (None,) + ctx.runner.replay_backward(grads)
+        return (None,) + ctx.runner.replay_backward(grads, ctx.lend)
 
 
 def _graphed_function(runner: GraphedRunner) -> Callable:

@@ -10,6 +10,9 @@ The one definition the cost model (and any kernel count elsewhere) uses:
   tensor inputs (read) plus its tensor outputs (written); an ``out=`` tensor is written, not read,
   and an in-place op's ``self`` is both.
 
+A fused mHC op (``mhc_cg::*``) says itself how many kernels it launches and which arguments its
+kernels read twice (``LAUNCHES`` and ``READ_TWICE`` in :mod:`mhc_cg.ops.kernels.ops`).
+
 What this cannot see: a library call that launches several kernels (cuBLAS split-K, attention's
 forward and its reduction) counts once; ops the GPU would fuse count separately.
 """
@@ -22,6 +25,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from mhc_cg.core.storage import storage_id
+from mhc_cg.ops.kernels.ops import LAUNCHES, READ_TWICE
 
 aten = torch.ops.aten
 
@@ -66,6 +70,18 @@ def launches_kernel(func: torch._ops.OpOverload, args: tuple = (), kwargs: dict 
     return True
 
 
+def kernel_launches(func: torch._ops.OpOverload) -> int:
+    """Kernels one call of a kernel-launching ``func`` makes."""
+    return LAUNCHES.get(func._schema.name, 1)
+
+
+def _argument(func: torch._ops.OpOverload, args: tuple, kwargs: dict, name: str):
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == name:
+            return kwargs.get(name) if arg.kwarg_only or i >= len(args) else args[i]
+    raise KeyError(f"{func._schema.name} has no argument {name!r}")
+
+
 def written_args(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensor arguments the schema marks as written (``Tensor(a!)``)."""
     written = []
@@ -101,13 +117,15 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def op_bytes(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
-    """``(read, written)`` bytes of one kernel: tensor inputs (less written-only arguments), and
-    the outputs and written-only arguments (each tensor once)."""
+    """``(read, written)`` bytes of one call: tensor inputs (less written-only arguments, plus the
+    arguments a fused op reads twice), and the outputs and written arguments (each tensor once)."""
     written_only = {id(t): t for t in _out_args(func, args, kwargs)}
     read = sum(tensor_bytes(t) for t in _tensors((args, kwargs)) if id(t) not in written_only)
-    outputs = {id(t): t for t in _tensors(out)}
-    written = sum(tensor_bytes(t) for t in {**written_only, **outputs}.values())
-    return read, written
+    read += sum(tensor_bytes(t) for name in READ_TWICE.get(func._schema.name, ())
+                for t in _tensors(_argument(func, args, kwargs, name)))
+    written = {id(t): t for t in _tensors(out)}
+    written.update((id(t), t) for t in written_args(func, args, kwargs))
+    return read, sum(tensor_bytes(t) for t in written.values())
 
 
 # Matrix products and attention, the ops whose FLOPs can outweigh their bytes.

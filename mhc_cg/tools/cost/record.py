@@ -21,7 +21,8 @@ from torch.utils._pytree import tree_flatten
 
 from mhc_cg.tools.cost.allocator import Block, PoolState, rounded
 from mhc_cg.core import traffic
-from mhc_cg.tools.cost.ops import is_gemm, launches_kernel, op_bytes, op_flops
+from mhc_cg.tools.cost.ops import (is_gemm, kernel_launches, launches_kernel, op_bytes,
+                                   op_flops)
 from mhc_cg.runtime.graphs.guard import CaptureGuardMode
 from mhc_cg.core.storage import storage_id
 
@@ -59,12 +60,13 @@ class OpCounter:
             return
         read, written = op_bytes(func, args, kwargs, out)
         flops = op_flops(func, args, kwargs, out)
-        self.kernels += 1
+        launches = kernel_launches(func)
+        self.kernels += launches
         self.bytes_read += read
         self.bytes_written += written
         self.flops += flops
         self.model_seconds += max((read + written) / H100_BYTES_PER_S, flops / H100_FLOPS)
-        self.by_op[str(func.overloadpacket)] += 1
+        self.by_op[str(func.overloadpacket)] += launches
         key = (traffic.current_phase() or "other", part_of(func, args, kwargs, out, streams))
         self.by_part[key] += read + written
 
