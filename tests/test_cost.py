@@ -305,6 +305,12 @@ def test_report_lists_every_mode_with_the_documented_fields():
     assert report["modes"]["eager_none"]["graphs"] == []
     assert report["modes"]["graphed_none"]["arena_bytes"] is None
     assert len(report["checks"]) == 2
+    # the second budget counts what both modes keep outside their pools too
+    static, none = report["modes"]["graphed_static"], report["modes"]["graphed_none"]
+    kept = (static["pool_reserved_bytes"] + static["arena_bytes"] + static["static_buffer_bytes"]
+            + static["persistent_bytes_per_microbatch"])
+    assert report["checks"][1]["value"] == kept / (none["pool_reserved_bytes"]
+                                                   + none["static_buffer_bytes"])
 
 
 def test_static_buffers_outside_the_pools_are_counted_once_per_storage():
