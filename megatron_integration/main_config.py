@@ -80,15 +80,15 @@ def megatron_problems(cfg: RunConfig) -> list[str]:
 
 def _scope_problems(scopes: list[str], field: str) -> list[str]:
     layer_scopes, _ = split_recompute_scope(scopes)
+    fix = f"set {field}: [attn, {RECOMPUTE_SCOPE}]"
     problems = []
     if "attn" not in layer_scopes:
-        problems.append(f"{field}: {scopes} graphs no layer; megatron's helper graphs the attention "
-                        f"sublayer with its mHC ops: list 'attn' (e.g. [attn, {RECOMPUTE_SCOPE}])")
+        problems.append(f"{field}: {scopes} graphs no layer, but megatron's helper graphs the "
+                        f"attention sublayer with its mHC ops; {fix}")
     others = [s for s in layer_scopes if s != "attn"]
     if others:
         problems.append(f"{field}: {others} not supported with mhc_cg under megatron's helper yet "
-                        f"(the MLP sublayer runs eagerly on the static runtime); keep [attn, "
-                        f"{RECOMPUTE_SCOPE}]")
+                        f"(the MLP sublayer runs eagerly on the static runtime); {fix}")
     return problems
 
 
