@@ -136,6 +136,12 @@ def install_static_recompute(decoder, static_type: type[StaticMHCBlock], *, seq_
     ``GraphedSublayerMixin`` when megatron's TE graphs are on, or the helper would capture the
     layer's own attention path, whose mHC state is not in the slots.
     """
+    if decoder.config.pipeline_model_parallel_size > 1:
+        raise NotImplementedError(
+            f"install_static_recompute: pipeline_model_parallel_size="
+            f"{decoder.config.pipeline_model_parallel_size}: a layer graph writes the one persistent "
+            f"slot set it was captured with, so one microbatch may be in flight here; run pipeline "
+            f"parallelism on mhc_cg's own pipeline driver (mhc-cg train with parallel.pp_size)")
     if decoder.config.cuda_graph_impl == "transformer_engine":
         plain = [type(layer).__name__ for layer in decoder.layers
                  if not isinstance(layer, GraphedSublayerMixin)]

@@ -1,7 +1,7 @@
 """Training a megatron GPT with megatron-core's own schedule, and measuring what one step holds.
 
 ``train_run`` trains one model chunk (pipeline size 1) with ``forward_backward_func``: megatron's
-DDP (fp32 grad buffers), a causal-mask token corpus drawn from a seed, and plain SGD on fp32
+DDP (fp32 grad buffers), the synthetic progression corpus drawn from a seed, and AdamW on fp32
 master weights, so every run of a comparison sees the same data and the same update. With a TE
 graph ``helper``, the first ``warmup_steps`` run eagerly and the helper captures before the next
 (as megatron's training loop does with ``cuda_graph_warmup_steps``).
@@ -26,13 +26,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
 
 from mhc_cg.core.progress import log
 from mhc_cg.core.storage import storage_id
+from mhc_cg.training.data import ProgressionCorpus
 
 from .graph_hook import chunk_decoder
 
@@ -93,33 +94,36 @@ def wrap_for_training(model: torch.nn.Module, config) -> torch.nn.Module:
 
 
 def token_batches(setup: TrainSetup, device) -> list[dict]:
-    """Every microbatch of the run, from ``setup.seed``: tokens, next-token labels, positions and
-    a causal mask ``[mbs, 1, s, s]`` (megatron's boolean "masked out"), the shape megatron's
-    graph helper gives the layers' static mask."""
-    gen = torch.Generator().manual_seed(setup.seed)
+    """Every microbatch of the run, from ``setup.seed``: the synthetic progression corpus
+    (learnable in a few steps), positions and a causal mask ``[mbs, 1, s, s]`` (megatron's
+    boolean "masked out"), the shape megatron's graph helper gives the layers' static mask."""
+    corpus = ProgressionCorpus(setup.vocab_size, setup.seq_length, seed=setup.seed)
     s, b = setup.seq_length, setup.micro_batch_size
     mask = torch.ones(b, 1, s, s, dtype=torch.bool).triu(diagonal=1).to(device)
     positions = torch.arange(s).expand(b, s).to(device)
     batches = []
     for _ in range(setup.steps * setup.num_microbatches):
-        tokens = torch.randint(0, setup.vocab_size, (b, s + 1), generator=gen).to(device)
-        batches.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
-                        "position_ids": positions, "attention_mask": mask})
+        tokens, labels = (t.to(device) for t in corpus.batch(b))
+        batches.append({"tokens": tokens, "labels": labels, "position_ids": positions,
+                        "attention_mask": mask})
     return batches
 
 
-class MasterSGD:
-    """``w -= lr * grad`` on fp32 master copies of the parameters, copied back after each step."""
+class MasterAdamW:
+    """AdamW on fp32 master copies of the parameters, their grads megatron's fp32 grad buffers;
+    the masters are copied back into the (bf16) parameters after each step."""
 
     def __init__(self, chunk: torch.nn.Module, lr: float):
         self.params = [p for p in chunk.parameters() if p.requires_grad]
-        self.masters = [p.detach().float().clone() for p in self.params]
-        self.lr = lr
+        self.masters = [p.detach().float().clone().requires_grad_() for p in self.params]
+        self.optimizer = torch.optim.AdamW(self.masters, lr=lr, weight_decay=0.0)
 
     @torch.no_grad()
     def step(self) -> None:
         for p, master in zip(self.params, self.masters):
-            master.add_(p.main_grad, alpha=-self.lr)
+            master.grad = p.main_grad
+        self.optimizer.step()
+        for p, master in zip(self.params, self.masters):
             p.copy_(master)
 
 
@@ -268,6 +272,26 @@ def _trace_len(decoder) -> int:
     return len(static.runtime.trace) if static is not None else 0
 
 
+@contextlib.contextmanager
+def measuring(decoder: torch.nn.Module, into: dict) -> Iterator[None]:
+    """Measure the step run inside (see the module docstring); the figures go into ``into``."""
+    probe, before, trace = StepProbe(decoder), graph_replays(decoder), _trace_len(decoder)
+    checkpoints, undo = _count_checkpoints()
+    try:
+        yield
+    finally:
+        undo()
+    after = graph_replays(decoder)
+    into.update(
+        saved_bytes_per_layer=(None if probe.held_bytes is None
+                               else round(probe.held_bytes / len(decoder.layers))),
+        layer_graph_replays_per_step=after[0] - before[0],
+        recompute_graph_replays_per_step=after[1] - before[1],
+        mhc_checkpoints_per_step=checkpoints(),
+        recomputed_sublayers_per_step=recomputed_sublayers(decoder, trace),
+        arena_bytes=arena_bytes(decoder))
+
+
 def train_run(name: str, chunk: torch.nn.Module, setup: TrainSetup, *, helper=None,
               cpu: bool = True) -> dict:
     """Train ``chunk`` (DDP-wrapped) ``setup.steps`` steps; losses, per-step gradient hashes and
@@ -276,21 +300,18 @@ def train_run(name: str, chunk: torch.nn.Module, setup: TrainSetup, *, helper=No
 
     from mhc_cg.training.pipeline.cpu_shim import cpu_shim
 
-    device = next(chunk.parameters()).device
-    data = iter(token_batches(setup, device))
+    data = iter(token_batches(setup, next(chunk.parameters()).device))
     decoder = chunk_decoder(chunk)
-    optimizer = MasterSGD(chunk, setup.lr)
+    optimizer = MasterAdamW(chunk, setup.lr)
     forward_backward = get_forward_backward_func()
     result = {"losses": [], "grad_digests": []}
     for step in range(setup.steps):
         if helper is not None and step == setup.warmup_steps:
             helper.create_cudagraphs()
         last = step == setup.steps - 1
-        if last:
-            probe, before, trace = StepProbe(decoder), graph_replays(decoder), _trace_len(decoder)
-            checkpoints, undo = _count_checkpoints()
         chunk.zero_grad_buffer()
-        with cpu_shim() if cpu else contextlib.nullcontext():
+        with (measuring(decoder, result) if last else contextlib.nullcontext()), \
+                (cpu_shim() if cpu else contextlib.nullcontext()):
             reduced = forward_backward(forward_step_func=_forward_step, data_iterator=data,
                                        model=[chunk], num_microbatches=setup.num_microbatches,
                                        seq_length=setup.seq_length,
@@ -299,16 +320,6 @@ def train_run(name: str, chunk: torch.nn.Module, setup: TrainSetup, *, helper=No
         result["grad_digests"].append(grad_digest(chunk))
         optimizer.step()
         log(TOOL, f"{name}: step {step + 1}/{setup.steps} loss {result['losses'][-1]:.6f}")
-    undo()
-    after = graph_replays(decoder)
-    layers = len(decoder.layers)
-    result.update(
-        saved_bytes_per_layer=None if probe.held_bytes is None else round(probe.held_bytes / layers),
-        layer_graph_replays_per_step=after[0] - before[0],
-        recompute_graph_replays_per_step=after[1] - before[1],
-        mhc_checkpoints_per_step=checkpoints(),
-        recomputed_sublayers_per_step=recomputed_sublayers(decoder, trace),
-        arena_bytes=arena_bytes(decoder))
     return result
 
 
@@ -320,6 +331,7 @@ def _forward_step(data_iterator, model):
 
     def loss_func(output_tensor: Tensor):
         loss = output_tensor.float().mean()
-        return loss, {"lm loss": loss.detach()}
+        # a copy: megatron scales the returned loss in place by 1 / num_microbatches
+        return loss, {"lm loss": loss.detach().clone()}
 
     return output, loss_func
