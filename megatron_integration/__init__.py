@@ -11,8 +11,8 @@
   recompute and static buffers (needs ``main``'s megatron.core on the path when used);
 * ``main_config``, ``main_process``, ``main_runs``: ``main``'s GPT under its TE graph helper, run
   in a child process with ``main``'s megatron first on the path (``mhc-cg megatron``);
-* ``megatron_training``: training with megatron-core's ``forward_backward_func``, and what a step
-  holds; ``cpu_shims``: megatron on a CPU build of torch.
+* ``megatron_training``: training with megatron-core's ``forward_backward_func``; ``step_probe``:
+  what a step holds and replays; ``cpu_shims``: megatron on a CPU build of torch.
 
 Importing this package imports nothing from megatron-core; import the submodules.
 """
