@@ -156,8 +156,9 @@ def run_child(argv: list[str], first_on_path: list[Path], *, env: dict | None = 
               forward_prefix: str | None = None, timeout: float | None = None) -> tuple[int, str]:
     """Run ``python argv`` with ``first_on_path`` then this repository first on ``PYTHONPATH``.
 
-    Lines of the child's stderr that start with ``forward_prefix`` (its progress) go to this
-    process's stderr as they come; returns ``(exit status, the child's other output)``.
+    Lines of the child's output that start with ``forward_prefix`` (its progress) go to this
+    process's stderr as they come; returns ``(exit status, the child's other output)``. Without
+    ``forward_prefix`` the child is killed after ``timeout`` seconds (``TimeoutExpired``).
     """
     child_env = dict(os.environ, **(env or {}))
     child_env["PYTHONPATH"] = os.pathsep.join(
@@ -167,20 +168,22 @@ def run_child(argv: list[str], first_on_path: list[Path], *, env: dict | None = 
     child_env["PYTHONWARNINGS"] = "ignore"  # megatron warns about missing TE/Apex on every import
     proc = subprocess.Popen([sys.executable, *argv], env=child_env, cwd=str(REPO), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    kept = []
     try:
-        for line in proc.stdout:
-            if forward_prefix and line.startswith(forward_prefix):
+        if forward_prefix is None:
+            output, _ = proc.communicate(timeout=timeout)
+            return proc.returncode, output
+        kept = []
+        for line in proc.stdout:  # as the child writes it
+            if line.startswith(forward_prefix):
                 sys.stderr.write(line)
                 sys.stderr.flush()
             else:
                 kept.append(line)
-        status = proc.wait(timeout=timeout)
+        return proc.wait(), "".join(kept)
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # a timeout, or this process interrupted
             proc.kill()
             proc.wait()
-    return status, "".join(kept)
 
 
 def run_main_job(spec: dict, *, progress_prefix: str | None = None) -> dict:
