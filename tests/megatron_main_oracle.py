@@ -385,6 +385,7 @@ def _core_gpt(run: str, shape: dict, setup):
 def core_helper_job(shapes: list[dict]) -> dict:
     """megatron-core 0.16.1 (pinned) with our own mHC layer: eager without recompute, eager block
     recompute, and mhc_cg under megatron-core's TE graph helper, for each shape."""
+    from megatron_integration.graph_hook import chunk_decoder
     from megatron_integration.megatron_training import TrainSetup, train_run, use_microbatches
 
     _init_model_parallel()
@@ -401,6 +402,9 @@ def core_helper_job(shapes: list[dict]) -> dict:
             runs[run]["recompute_graphs"] = [list(vars(key).values()) for key in
                                              getattr(helper, "mhc_recompute_graphs", {})]
             runs[run]["order"] = getattr(helper, "mhc_order", None)
+            runs[run]["graph_inputs"] = [list(graphed.runner.static_inputs[0].shape)
+                                         for layer in chunk_decoder(chunk).layers
+                                         for graphed in getattr(layer, "cuda_graphs", [])]
         cases.append({"shape": shape, "runs": runs})
     return {"cases": cases}
 

@@ -119,6 +119,8 @@ def test_megatron_core_0_16_helper_with_our_layer_is_bit_identical(core_cases, i
     for reference in ("core_eager_none", "core_eager_block"):
         _assert_same_training(ours, runs[reference], reference)
     _assert_graphs_replayed(ours, shape)
+    # each layer graph is the mHC sublayer on the n*C stream: [seq, mbs, 4 streams x hidden 32]
+    assert ours["graph_inputs"] == [[16, 2, 4 * 32]] * shape["num_layers"]
     # captured along the helper's order (pp 1: one forward, one backward), last block first
     assert ours["order"] == [1, -1]
     expected = recompute_capture_order(ours["order"], shape["num_layers"], shape["recompute_layers"])
