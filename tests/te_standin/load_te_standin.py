@@ -7,7 +7,10 @@ decide at import whether TE is there (megatron-core 0.16.1's ``attention.py`` th
 schedules and DDP are made of (``MEGATRON_MODULES``) while no TE is importable, with their
 TE-less fallbacks; then it makes ``transformer_engine`` the stand-in and re-imports the one
 megatron module that needs it, ``megatron.core.transformer.cuda_graphs`` (whose
-``TECudaGraphHelper`` asserts TE's graph support at construction).
+``TECudaGraphHelper`` asserts TE's graph support at construction). Modules that bound its
+``is_graph_capturing`` at import (DDP's grad hooks, the MoE layer) keep the first copy's flag:
+DDP's hooks do not run while a capture computes its grads (``torch.autograd.grad``), and the
+models here have no MoE.
 
 CUDA calls the helper makes that a CPU build of torch refuses, each replaced here and nothing
 else:
@@ -16,7 +19,7 @@ else:
   the CPU runs every op synchronously, so waiting for the device is a no-op.
 
 ``torch.cuda.current_device`` and ``torch.cuda.empty_cache`` are not touched here: the first is
-part of running megatron on the CPU at all (``megatron_integration.main_cpu``), the second is
+part of running megatron on the CPU at all (``megatron_integration.cpu_shims``), the second is
 already a no-op without CUDA.
 """
 
@@ -38,7 +41,7 @@ def load() -> None:
     if "megatron.core" not in sys.modules:
         raise RuntimeError("load the TransformerEngine stand-in after importing megatron.core; "
                            "imported first, it breaks megatron's TE extension classes")
-    if importlib.util.find_spec("transformer_engine") is not None and HERE not in sys.path:
+    if HERE not in sys.path and importlib.util.find_spec("transformer_engine") is not None:
         raise RuntimeError("a real TransformerEngine is installed; the stand-in is for machines "
                            "without it")
     for name in MEGATRON_MODULES:

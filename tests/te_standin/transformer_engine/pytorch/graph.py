@@ -1,20 +1,16 @@
-"""TE's ``make_graphed_callables`` on mhc_cg's tape backend, and the capture flags TE keeps."""
+"""TE's ``make_graphed_callables`` on mhc_cg's tape backend, and the names megatron imports beside it."""
 
 from __future__ import annotations
 
 from mhc_cg.runtime.graphs import make_graphed_callables as mhc_cg_make_graphed_callables
 
-_capturing = False
-
 
 def set_capture_start() -> None:
-    global _capturing
-    _capturing = True
+    """TE tells its own modules that a capture runs; the stand-in has no TE modules to tell."""
 
 
 def set_capture_end() -> None:
-    global _capturing
-    _capturing = False
+    """See :func:`set_capture_start`."""
 
 
 def _fp8_requested(fp8_enabled) -> bool:
