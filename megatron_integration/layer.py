@@ -14,10 +14,12 @@
   the block input and each F output stay; one hook on the block's last output recomputes the rest.
   Blocks restart at each block (model chunk), so they never cross a pipeline stage.
 * ``get_mhc_layer_spec``: megatron-core's local GPT layer spec with ``MegatronMHCTransformerLayer``.
-  ``cpu_attention=True`` swaps the core attention for ``SDPACoreAttention``: megatron-core 0.16's
-  ``DotProductAttention.forward`` takes its score buffer from
-  ``parallel_state.get_global_memory_buffer().get_tensor(...)``, which allocates on
-  ``torch.cuda.current_device()`` and so cannot run without CUDA.
+  ``cpu_attention=True`` swaps the core attention for ``SDPACoreAttention``
+  (``megatron_integration.sdpa_attention``): megatron-core 0.16's ``DotProductAttention`` cannot
+  run without CUDA.
+* Under megatron's TE graph helper (``cuda_graph_impl: transformer_engine``) the layer's graph is
+  its attention sublayer on mhc_cg's static runtime (``GraphedSublayerMixin``,
+  ``megatron_integration.graphed_layer``; the helper: ``megatron_integration.graph_hook``).
 
 Pipeline parallelism across processes would also need megatron-core's p2p tensor shape to be
 ``[s, b, n*C]`` (it assumes ``hidden_size``); that is not wired here.
