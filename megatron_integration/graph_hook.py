@@ -1,34 +1,37 @@
-"""Capturing the mHC recompute graphs alongside megatron-core's TE layer graphs.
+"""megatron-core's TE graph helper, with mhc_cg's recompute graphs captured along its order.
 
 What is hooked: megatron-core's ``megatron.core.transformer.cuda_graphs.TECudaGraphHelper``
-(``cuda_graph_impl="transformer_engine"``). Its ``create_cudagraphs()`` builds the rank's schedule
-order in ``_get_cuda_graph_input_data()`` (returned as ``kwargs["_order"]`` for TE's
-``make_graphed_callables``), captures every layer graph along it, then calls
-``_finish_capturing()``. ``RecomputeCaptureMixin`` overrides exactly those two methods:
+(``cuda_graph_impl: transformer_engine``), in megatron-core 0.16.1 and in Megatron-LM main alike.
+Its ``create_cudagraphs()`` builds the rank's schedule order in ``_get_cuda_graph_input_data()``
+(``kwargs["_order"]`` for TE's ``make_graphed_callables``), captures every layer graph along it,
+then calls ``_finish_capturing()``. ``RecomputeCaptureMixin`` overrides exactly those two:
 
-* ``_get_cuda_graph_input_data``: remembers the order megatron-core computed;
-* ``_finish_capturing``: before megatron-core ends its capture phase (zeroes gradients, frees the
+* ``_get_cuda_graph_input_data``: remembers the order megatron computed;
+* ``_finish_capturing``: before megatron ends its capture phase (zeroes gradients, frees the
   warm-up state), captures one recompute graph per (chunk, recompute block, persistent slot set)
   in the order the schedule first needs them: walking the order, at each backward ``-c`` of
   microbatch k, chunk c's blocks last to first, on the slot set microbatch k's forward took
-  (``mhc_cg.tools.planner.assign_persistent_slot_sets``, first-in first-out, as at run time).
+  (:func:`mhc_cg.core.schedule.assign_persistent_slot_sets`, first-in first-out, as at run time).
 
-Each recompute graph has its own private pool (docs/design.md, invariant 4), so capturing it after the layer
-graphs does not break the shared pool's capture-equals-replay order: only the recompute graphs'
-order among themselves, and the slot sets they read, must follow the schedule, and they do.
+The recompute graphs of a rank share one pool of independent graphs (docs/design.md, invariant 4):
+each leaves nothing allocated, so capturing them after the layer graphs does not disturb the
+layer graphs' pool order, and they replay wherever a block's backward needs them.
 
-``make_te_graph_helper`` needs TransformerEngine and a GPU (megatron-core's helper asserts TE's
-graph support in ``__init__``); ``recompute_capture_order`` and the mixin run anywhere.
+``make_te_graph_helper`` puts every model chunk's decoder on the static runtime
+(:func:`megatron_integration.graphed_layer.install_static_recompute`: the layers' TE graphs are
+their attention sublayers with mHC state in arena slots) and returns the helper; call its
+``create_cudagraphs()`` where megatron's training loop does.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mhc_cg.core.schedule import assign_persistent_slot_sets
-from mhc_cg.core.schedule import decode_order
+from mhc_cg.core.schedule import assign_persistent_slot_sets, decode_order
+from mhc_cg.runtime.graphs import get_backend, resolve_backend_name
+from mhc_cg.runtime.recompute.static import StaticRecompute
 
 
 @dataclass(frozen=True)
@@ -67,19 +70,41 @@ def recompute_capture_order(order: Sequence[int], layers_per_chunk: int | Sequen
     return keys
 
 
-CaptureRecompute = Callable[[RecomputeGraphKey], object]
+def capture_recompute_graphs(order: Sequence[int], runtimes: Sequence[StaticRecompute],
+                             backend=None) -> dict[RecomputeGraphKey, object]:
+    """Capture every recompute graph of a rank along ``order``; ``runtimes[c - 1]`` is chunk c's.
+
+    ``backend``: a graph backend (default: the one for the runtimes' device, ``tape`` on the CPU).
+    The graphs share one pool of independent graphs and are also kept by their runtimes, whose
+    block hooks replay them.
+    """
+    sizes = {rt.block_size for rt in runtimes}
+    if len(sizes) != 1:
+        raise ValueError(f"every model chunk needs the same recompute block size, got {sorted(sizes)}")
+    if backend is None:
+        device = runtimes[0].arena.buffer.device
+        backend = get_backend(resolve_backend_name("auto", device))
+    for runtime in runtimes:
+        runtime.warm_up_recompute(backend)
+    pool = backend.new_pool(independent=True)
+    graphs = {}
+    for key in recompute_capture_order(order, [len(rt.layers) for rt in runtimes], sizes.pop()):
+        runtime = runtimes[key.chunk - 1]
+        runtime.capture_recompute_graph(backend, pool, key.block,
+                                        runtime.sets.all_sets()[key.slot_set])
+        graphs[key] = runtime.recompute_graphs[(key.block, key.slot_set)]
+    return graphs
 
 
 class RecomputeCaptureMixin:
     """Put before ``TECudaGraphHelper`` in the bases; see the module docstring.
 
-    Set ``mhc_capture_recompute`` (called once per key, returns the graph) and
-    ``mhc_recompute_block_size`` before ``create_cudagraphs()``; the graphs end up in
-    ``mhc_recompute_graphs`` keyed by ``RecomputeGraphKey``, in capture order.
+    ``mhc_recompute_graph``: capture the recompute graphs (``mhc_recompute`` in the graph scope);
+    without it the runtimes recompute eagerly. The graphs end up in ``mhc_recompute_graphs``
+    keyed by ``RecomputeGraphKey``, in capture order.
     """
 
-    mhc_capture_recompute: CaptureRecompute | None = None
-    mhc_recompute_block_size: int = 1
+    mhc_recompute_graph: bool = True
 
     def _get_cuda_graph_input_data(self):
         sample_args, kwargs = super()._get_cuda_graph_input_data()
@@ -88,26 +113,60 @@ class RecomputeCaptureMixin:
 
     def _finish_capturing(self, start_time):
         self.mhc_recompute_graphs = {}
-        if self.mhc_capture_recompute is not None:
-            layers = [n for n in self.num_layers_per_chunk]
-            for key in recompute_capture_order(self.mhc_order, layers, self.mhc_recompute_block_size):
-                self.mhc_recompute_graphs[key] = self.mhc_capture_recompute(key)
+        if self.mhc_recompute_graph:
+            self.mhc_recompute_graphs = capture_recompute_graphs(self.mhc_order, self.mhc_runtimes())
         return super()._finish_capturing(start_time)
+
+    def mhc_runtimes(self) -> list[StaticRecompute]:
+        """Each model chunk's static runtime, chunk 1 first."""
+        return [chunk_decoder(chunk).mhc_static.runtime for chunk in self.model]
+
+
+def chunk_decoder(model_chunk):
+    """The decoder (``TransformerBlock``) of a model chunk, through megatron's wrappers."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    return get_attr_wrapped_model(model_chunk, "decoder", allow_none=False, return_model_obj=True
+                                  ).decoder
+
+
+_HELPERS: dict[type, type] = {}
 
 
 def make_te_graph_helper(model, config, seq_length: int, micro_batch_size: int,
-                         capture_recompute: CaptureRecompute | None, optimizers=()):
-    """megatron-core's ``TECudaGraphHelper`` with the recompute graphs captured in order.
+                         optimizers: Sequence = (), *, recompute_graphs: bool | None = None):
+    """megatron-core's ``TECudaGraphHelper`` over mHC layers on the static runtime.
 
-    Needs TransformerEngine and CUDA (megatron-core asserts them). ``config`` is an
-    ``MHCTransformerConfig``; its ``mhc_recompute_layer_num`` is the block size.
+    ``model``: megatron's list of model chunks (DDP-wrapped, as the helper expects). Each chunk's
+    decoder is put on the static runtime first, if it is not yet. ``recompute_graphs``: capture
+    the recompute graphs (default: ``config.mhc_recompute_graph``, set by ``mhc_recompute`` in
+    the scope of an ``MHCTransformerConfig``). Needs TransformerEngine (on the CPU, the test
+    stand-in in ``tests/te_standin``); megatron-core's helper asserts its graph support.
     """
     from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
 
-    class MHCTECudaGraphHelper(RecomputeCaptureMixin, TECudaGraphHelper):
-        pass
+    from .graphed_layer import install_static_recompute
 
-    helper = MHCTECudaGraphHelper(model, config, seq_length, micro_batch_size, list(optimizers))
-    helper.mhc_capture_recompute = capture_recompute if config.mhc_recompute_graph else None
-    helper.mhc_recompute_block_size = config.mhc_recompute_layer_num or 1
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    for chunk in chunks:
+        decoder = chunk_decoder(chunk)
+        if not hasattr(decoder, "mhc_static"):
+            install_static_recompute(decoder, static_block_type(decoder.config),
+                                     seq_length=seq_length, micro_batch_size=micro_batch_size)
+    if TECudaGraphHelper not in _HELPERS:  # looked up per call: loading TE re-imports the module
+        _HELPERS[TECudaGraphHelper] = type("MHCTECudaGraphHelper",
+                                           (RecomputeCaptureMixin, TECudaGraphHelper), {})
+    helper = _HELPERS[TECudaGraphHelper](chunks, config, seq_length, micro_batch_size,
+                                         list(optimizers))
+    helper.mhc_recompute_graph = (getattr(config, "mhc_recompute_graph", False)
+                                  if recompute_graphs is None else recompute_graphs)
     return helper
+
+
+def static_block_type(config) -> type:
+    """``StaticMHCBlock`` for our layer (an ``MHCTransformerConfig``), ``StaticMainBlock`` for
+    Megatron-LM main's ``HyperConnectionTransformerLayer``."""
+    from .main_branch import StaticMainBlock
+    from .static import StaticMHCBlock
+
+    return StaticMHCBlock if hasattr(config, "enable_hyper_connections") else StaticMainBlock

@@ -14,10 +14,12 @@
   the block input and each F output stay; one hook on the block's last output recomputes the rest.
   Blocks restart at each block (model chunk), so they never cross a pipeline stage.
 * ``get_mhc_layer_spec``: megatron-core's local GPT layer spec with ``MegatronMHCTransformerLayer``.
-  ``cpu_attention=True`` swaps the core attention for ``SDPACoreAttention``: megatron-core 0.16's
-  ``DotProductAttention.forward`` takes its score buffer from
-  ``parallel_state.get_global_memory_buffer().get_tensor(...)``, which allocates on
-  ``torch.cuda.current_device()`` and so cannot run without CUDA.
+  ``cpu_attention=True`` swaps the core attention for ``SDPACoreAttention``
+  (``megatron_integration.sdpa_attention``): megatron-core 0.16's ``DotProductAttention`` cannot
+  run without CUDA.
+* Under megatron's TE graph helper (``cuda_graph_impl: transformer_engine``) the layer's graph is
+  its attention sublayer on mhc_cg's static runtime (``GraphedSublayerMixin``,
+  ``megatron_integration.graphed_layer``; the helper: ``megatron_integration.graph_hook``).
 
 Pipeline parallelism across processes would also need megatron-core's p2p tensor shape to be
 ``[s, b, n*C]`` (it assumes ``hidden_size``); that is not wired here.
@@ -29,12 +31,9 @@ import copy
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -43,43 +42,10 @@ from mhc_cg.ops.hyper_connection import HyperConnection, contract_streams, expan
 from mhc_cg.model import sublayer_forward
 from mhc_cg.runtime.recompute.eager import run_recompute_blocks
 
+from .graphed_layer import GraphedSublayerMixin
+from .sdpa_attention import SDPACoreAttention
 from .transformer_config import MHCTransformerConfig
 from .steps import LayerSteps
-
-
-class SDPACoreAttention(MegatronModule):
-    """A core attention with ``DotProductAttention``'s interface on ``F.scaled_dot_product_attention``.
-
-    ``query/key/value [s, b, heads, head_dim] -> [s, b, heads * head_dim]``; causal when no mask
-    is given and the mask type is causal; ``attention_mask`` is megatron's boolean "masked out".
-    Runs on any device (no tensor parallelism, no packed sequences).
-    """
-
-    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
-                 attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type=None, pg_collection=None):
-        super().__init__(config=config)
-        self.attn_mask_type = attn_mask_type
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self.softmax_scale = softmax_scale
-
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                attn_mask_type: AttnMaskType | None = None, attention_bias=None,
-                packed_seq_params=None) -> Tensor:
-        if attention_bias is not None or packed_seq_params is not None:
-            raise NotImplementedError("SDPACoreAttention: no attention bias or packed sequences")
-        if key.shape[2] != query.shape[2]:  # grouped-query attention
-            repeat = query.shape[2] // key.shape[2]
-            key, value = key.repeat_interleave(repeat, dim=2), value.repeat_interleave(repeat, dim=2)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        mask_type = attn_mask_type or self.attn_mask_type
-        causal = attention_mask is None and mask_type == AttnMaskType.causal
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
-            dropout_p=self.dropout_p if self.training else 0.0, is_causal=causal,
-            scale=self.softmax_scale)
-        s, b = query.shape[0], query.shape[1]
-        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
 def get_mhc_layer_spec(*, cpu_attention: bool = False, normalization: str = "RMSNorm") -> ModuleSpec:
@@ -91,7 +57,7 @@ def get_mhc_layer_spec(*, cpu_attention: bool = False, normalization: str = "RMS
     return spec
 
 
-class MegatronMHCTransformerLayer(TransformerLayer):
+class MegatronMHCTransformerLayer(GraphedSublayerMixin, TransformerLayer):
     """A ``TransformerLayer`` on n residual streams; see the module docstring."""
 
     def __init__(self, config: MHCTransformerConfig, submodules, layer_number: int = 1,
@@ -154,9 +120,7 @@ class MHCTransformerBlock(TransformerBlock):
         if not getattr(config, "enable_hyper_connections", False):
             return super().forward(hidden_states, attention_mask, **kwargs)
         hidden_states = self.streams_in(hidden_states)
-        seed = None
-        if config.mhc_dropout_impl == "counter" and self.training and config.hidden_dropout > 0:
-            seed = torch.randint(0, 2 ** 31 - 1, (), dtype=torch.int64).to(hidden_states.device)
+        seed = self.draw_dropout_seed(hidden_states)
         if config.mhc_recompute and self.training and torch.is_grad_enabled():
             hidden_states = self._run_recompute_blocks(hidden_states, attention_mask, seed, kwargs)
         else:
@@ -164,6 +128,13 @@ class MHCTransformerBlock(TransformerBlock):
                 hidden_states, _ = layer(hidden_states, attention_mask=attention_mask,
                                          mhc_dropout_seed=seed, **kwargs)
         return self.streams_out(hidden_states)
+
+    def draw_dropout_seed(self, like: Tensor) -> Tensor | None:
+        """A training forward's seed for ``counter`` dropout (``None`` when dropout needs none)."""
+        config = self.config
+        if config.mhc_dropout_impl == "counter" and self.training and config.hidden_dropout > 0:
+            return torch.randint(0, 2 ** 31 - 1, (), dtype=torch.int64).to(like.device)
+        return None
 
     def streams_in(self, hidden_states: Tensor) -> Tensor:
         """``[s, b, C] -> [s, b, n*C]`` on the first pipeline stage (later stages get streams)."""

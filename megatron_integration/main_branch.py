@@ -36,6 +36,7 @@ from mhc_cg.core.errors import StaticRecomputeError
 from mhc_cg.model import HyperConnectionSteps
 from mhc_cg.runtime.recompute.eager import BlockRecomputeManager, run_recompute_blocks
 
+from .graphed_layer import GraphedSublayerMixin
 from .static import StaticMHCBlock
 from .steps import LayerSteps
 
@@ -53,17 +54,40 @@ def _main_modules():
     return HyperConnectionModule, HyperConnectionTransformerLayer
 
 
-def main_mhc_layer_spec(normalization: str = "RMSNorm"):
+def main_mhc_layer_spec(normalization: str = "RMSNorm", *, cpu_attention: bool = False,
+                        graphed: bool = False):
     """``main``'s ``get_gpt_layer_local_spec`` with ``HyperConnectionTransformerLayer`` and a
-    ``HyperConnectionModule`` around attention and MLP (``main`` builds no such spec in core)."""
+    ``HyperConnectionModule`` around attention and MLP (``main`` builds no such spec in core).
+
+    ``cpu_attention``: the core attention is ``SDPACoreAttention`` (``megatron_integration.
+    sdpa_attention``). ``graphed``: the layer is ``main``'s with ``GraphedSublayerMixin``, for
+    megatron's TE layer graphs on mhc_cg's static runtime (``graphed_layer``); same parameters.
+    """
     hyper_connection, layer = _main_modules()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
-    spec.module = layer
+    spec.module = graphed_main_layer_class() if graphed else layer
     spec.submodules.self_attention_hyper_connection = hyper_connection
     spec.submodules.mlp_hyper_connection = hyper_connection
+    if cpu_attention:
+        from .sdpa_attention import SDPACoreAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return spec
+
+
+_GRAPHED_LAYER: list[type] = []
+
+
+def graphed_main_layer_class() -> type:
+    """``HyperConnectionTransformerLayer`` with ``GraphedSublayerMixin`` (made once, on first use:
+    ``main``'s class exists only where ``main``'s megatron.core is imported)."""
+    if not _GRAPHED_LAYER:
+        _, layer = _main_modules()
+        _GRAPHED_LAYER.append(type("GraphedHyperConnectionTransformerLayer",
+                                   (GraphedSublayerMixin, layer), {}))
+    return _GRAPHED_LAYER[0]
 
 
 class MainSublayerSteps(HyperConnectionSteps):

@@ -52,14 +52,29 @@ class StaticMHCBlock:
     def streams_out(self, x: Tensor) -> Tensor:
         return self.block.streams_out(x)
 
+    @property
+    def seeded(self) -> bool:
+        """Dropout draws its mask from a seed (``counter``), so a forward passes one."""
+        config = self.block.config
+        return (getattr(config, "mhc_dropout_impl", "torch") == "counter"
+                and config.hidden_dropout > 0)
+
+    def draw_seed(self, like: Tensor) -> Tensor | None:
+        """This forward's dropout seed, drawn as the block's own forward draws it."""
+        draw = getattr(self.block, "draw_dropout_seed", None)
+        return draw(like) if draw is not None else None
+
     def capture_recompute_graphs(self, backend) -> None:
         self.runtime.capture_recompute_graphs(backend)
 
     def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None,
-                dropout_seed: Tensor | None = None) -> Tensor:
+                dropout_seed: Tensor | None = None, sublayer_fns: dict | None = None,
+                **attention_kwargs) -> Tensor:
+        """``attention_kwargs`` go to each layer's attention (rotary embeddings, ...);
+        ``sublayer_fns`` replace sublayers, as in ``StaticRecompute.forward``."""
         for steps in self.steps:  # the runtime holds these objects: rebind F's arguments
-            steps.bind(attention_mask)
-        x = self.runtime.forward(self.streams_in(hidden_states), dropout_seed)
+            steps.bind(attention_mask, **attention_kwargs)
+        x = self.runtime.forward(self.streams_in(hidden_states), dropout_seed, sublayer_fns)
         return self.streams_out(x)
 
     __call__ = forward

@@ -15,7 +15,8 @@ from mhc_cg.core.errors import ConfigError
 
 # command name -> module under mhc_cg.commands
 COMMANDS = {"train": "train", "memory": "memory", "schedule": "schedule", "config": "config_check",
-            "timeline": "timeline", "bench": "bench", "cost": "cost", "kernels": "kernels"}
+            "timeline": "timeline", "bench": "bench", "cost": "cost", "kernels": "kernels",
+            "megatron": "megatron"}
 
 
 def _command_modules():

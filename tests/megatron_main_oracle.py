@@ -4,137 +4,58 @@ No megatron-core release has mHC yet, so ``../shared/third_party/megatron-lm-mai
 source snapshot of Megatron-LM ``main``'s ``megatron/core``) is extracted into a scratch directory
 and imported by a *separate* Python process whose ``PYTHONPATH`` puts it first: in that process
 ``import megatron.core`` is ``main``'s, while the pinned megatron-core of the test process is
-untouched.
+untouched. Finding the snapshot and running the child are the shipped
+:mod:`megatron_integration.main_process`'s (``mhc-cg megatron`` uses the same).
 
 The parent side (``snapshot_archive``, ``extract_snapshot``, ``run_job``) is imported by the tests.
-The child side is this file run as a script: ``python megatron_main_oracle.py JOB OUT.json``
-installs the CPU shims, runs one job (a function of this module named in ``JOBS``) and writes
-its JSON result to ``OUT.json``. The jobs measure; the tests assert.
-
-CPU shims the child installs before importing ``main`` (``main`` is written for CUDA):
-
-* ``TORCH_COMPILE_DISABLE=1``: several ``HyperConnectionModule`` methods carry ``torch.compile``;
-* ``torch.cuda.nvtx.range`` -> a null context (CPU torch raises);
-* ``torch.cuda.current_device`` -> ``"cpu"``: ``DotProductAttention`` takes its score buffer from
-  ``GlobalMemoryBuffer``, which allocates on the current CUDA device (the buffer is ``baddbmm``'s
-  ``beta=0`` input, so its device is all that matters);
-* ``fused_softmax.get_default_causal_mask`` (the causal mask when none is passed) -> the same
-  mask on CPU (main builds it on ``"cuda"``);
-* megatron's CUDA RNG state getters/setters -> empty state / no-op: its
-  ``CheckpointWithoutOutput`` saves and restores CPU *and* CUDA RNG states; on CPU only the CPU
-  generator exists (and it is still saved and restored);
-* without TransformerEngine: ``CheckpointWithoutOutput`` always enters its TE path
-  (``activation_recompute_forward``, ``FP8GlobalStateManager``, ``fp8_autocast``), whose names
-  are then undefined; with FP8 off each is a no-op, so the shims are null contexts and "FP8 off".
+The child side is this file run as a script: ``python megatron_main_oracle.py JOB OUT.json ARGS``
+installs the CPU shims (:mod:`megatron_integration.cpu_shims`), runs one job (a function of this
+module named in ``JOBS``) and writes its JSON result to ``OUT.json``. The jobs measure; the tests
+assert. ``run_job(None, ...)`` runs a job on the pinned megatron-core instead of ``main``; jobs
+that use megatron's TE graph helper load the TransformerEngine stand-in (``tests/te_standin``)
+after megatron.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
-import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-ARCHIVE_GLOB = "megatron-lm-main-*.tar.gz"
-# ``../shared/third_party`` beside the repository (one level up again for a git worktree kept in
-# a sub-folder), or the folder named by MHC_CG_THIRD_PARTY
-SEARCH_DIRS = tuple([Path(os.environ["MHC_CG_THIRD_PARTY"])] if "MHC_CG_THIRD_PARTY" in os.environ
-                    else []) + (REPO.parent / "shared" / "third_party",
-                                REPO.parent.parent / "shared" / "third_party")
+from megatron_integration.main_process import (ARCHIVE_GLOB, extract_snapshot,  # noqa: F401
+                                               load_te_standin, run_child, snapshot_archive,
+                                               third_party_dirs)
+
+HERE = Path(__file__).resolve().parent
+STANDIN = HERE / "te_standin"
 CHILD_TIMEOUT_S = 300
+HELPER_JOBS = ("main_helper", "core_helper")  # jobs that run megatron's TE graph helper
 
 
 # ------------------------------------------------------------------------------ parent side
-def snapshot_archive() -> Path | None:
-    """The newest ``megatron-lm-main-*.tar.gz`` next to the repository (``../shared/third_party``)."""
-    for directory in SEARCH_DIRS:
-        found = sorted(glob.glob(str(directory / ARCHIVE_GLOB)))
-        if found:
-            return Path(found[-1])
-    return None
-
-
 def skip_reason() -> str:
     return (f"no Megatron-LM main snapshot ({ARCHIVE_GLOB}) in "
-            f"{' or '.join(str(d) for d in SEARCH_DIRS)}")
+            f"{' or '.join(str(d) for d in third_party_dirs())}")
 
 
-def extract_snapshot(archive: Path, into: Path) -> Path:
-    """Extract ``archive`` under ``into`` (once); return the directory to put on ``PYTHONPATH``."""
-    root = into / archive.name.removesuffix(".tar.gz")
-    if not (root / "megatron" / "core" / "__init__.py").exists():
-        root.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(archive) as tar:
-            tar.extractall(root, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-    return root
-
-
-def run_job(snapshot_root: Path, job: str, **kwargs) -> dict:
-    """Run ``job(**kwargs)`` in a fresh process that imports ``main``'s megatron.core; its result."""
-    out = snapshot_root.parent / f"{job}-{os.getpid()}.json"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(snapshot_root), str(REPO)])
-    env["TORCH_COMPILE_DISABLE"] = "1"
-    env["PYTHONWARNINGS"] = "ignore"  # main warns about missing TE/Apex on every import
-    cmd = [sys.executable, str(Path(__file__).resolve()), job, str(out), json.dumps(kwargs)]
-    proc = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True,
-                          timeout=CHILD_TIMEOUT_S)
-    if proc.returncode != 0:
-        raise AssertionError(f"oracle job {job!r} failed (exit {proc.returncode}):\n"
-                             f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+def run_job(snapshot_root: Path | None, job: str, **kwargs) -> dict:
+    """Run ``job(**kwargs)`` in a fresh process that imports ``main``'s megatron.core (the pinned
+    megatron-core when ``snapshot_root`` is ``None``); its result."""
+    scratch = snapshot_root.parent if snapshot_root is not None else Path(os.environ.get(
+        "TMPDIR", "/tmp"))
+    out = scratch / f"{job}-{os.getpid()}.json"
+    first = [snapshot_root] if snapshot_root is not None else []
+    status, output = run_child([str(Path(__file__).resolve()), job, str(out), json.dumps(kwargs),
+                                str(snapshot_root or "")], first, timeout=CHILD_TIMEOUT_S)
+    if status != 0:
+        raise AssertionError(f"oracle job {job!r} failed (exit {status}):\n{output[-8000:]}")
     result = json.loads(out.read_text())
     out.unlink()
     return result
 
 
 # ------------------------------------------------------------------------------- child side
-def install_cpu_shims() -> None:
-    """Let ``main``'s CUDA-first code run on CPU torch; see the module docstring."""
-    import contextlib
-    import types
-
-    import torch
-
-    os.environ["TORCH_COMPILE_DISABLE"] = "1"
-    torch.set_num_threads(1)
-    if not torch.cuda.is_available():
-        torch.cuda.nvtx.range = lambda *args, **kwargs: contextlib.nullcontext()
-        torch.cuda.current_device = lambda: "cpu"
-        from megatron.core.tensor_parallel import random as mrandom
-
-        mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
-        mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
-        from megatron.core.fusions import fused_softmax
-
-        fused_softmax.get_default_causal_mask = _causal_mask_on_cpu
-    from megatron.core.tensor_parallel import random as mrandom
-
-    if not mrandom.HAVE_TE:
-        # CheckpointWithoutOutput always takes its TE path (``self.fp8 = fp8 is not None``)
-        mrandom.FP8GlobalStateManager = types.SimpleNamespace(
-            is_fp8_enabled=lambda: False, get_fp8_recipe=lambda: None)
-        mrandom.activation_recompute_forward = lambda **kwargs: contextlib.nullcontext()
-        mrandom.fp8_autocast = lambda enabled, fp8_recipe=None: _no_fp8(enabled)
-
-
-def _causal_mask_on_cpu(sq: int):
-    import torch
-
-    return torch.ones(sq, sq, dtype=torch.bool).triu(diagonal=1)
-
-
-def _no_fp8(enabled: bool):
-    import contextlib
-
-    if enabled:
-        raise RuntimeError("FP8 needs TransformerEngine, which is not installed")
-    return contextlib.nullcontext()
-
-
 def max_abs_diff(a, b) -> float:
     return (a.double() - b.double()).abs().max().item()
 
@@ -239,20 +160,9 @@ LAYER_SHAPE = dict(num_layers=4, num_attention_heads=4, use_cpu_initialization=T
 
 def _init_model_parallel() -> None:
     """One gloo process, tensor/pipeline sizes 1: megatron's parallel state on CPU."""
-    import torch
-    from megatron.core import parallel_state
+    from megatron_integration.megatron_training import init_single_process
 
-    from mhc_cg.training.pipeline.driver import free_port
-
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
-                                         rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    # what model_parallel_cuda_manual_seed registers; its CUDA state is empty under the CPU shims
-    # (attention dropout is 0, so no draw reads it)
-    from megatron.core.tensor_parallel import random as mrandom
-
-    mrandom.get_cuda_rng_tracker().states_[mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME] = \
-        torch.empty(0, dtype=torch.uint8)
+    init_single_process(cpu=True, seed=0)
 
 
 def _main_blocks(hidden: int, hidden_dropout: float, block_size: int):
@@ -411,17 +321,110 @@ def main_layer_job(seq: int = 8, batch: int = 2, hidden: int = 32, block_size: i
     return result
 
 
-JOBS = {"hyper_connection": hyper_connection_job, "main_layer": main_layer_job}
+# ------------------------------------------- megatron's TE graph helper drives the runtime
+MAIN_CONFIG = HERE.parent / "configs" / "megatron_main_mhc.yaml"
+
+
+def _shaped(base, shape: dict):
+    """``base`` (a RunConfig) with ``shape``'s model and train fields."""
+    model = {k: v for k, v in shape.items() if k in ("num_layers", "recompute_layers")}
+    train = {k: v for k, v in shape.items() if k in ("num_microbatches", "steps")}
+    return base.replace(model=model, train=train)
+
+
+def main_helper_job(shapes: list[dict]) -> dict:
+    """Megatron-LM main's GPT under its TE graph helper, for each shape: main's three runs and
+    mhc_cg's (``megatron_integration.main_runs.compare_runs``, what ``mhc-cg megatron --compare``
+    runs), from the shipped config with the shape's layers, block size and microbatches."""
+    from mhc_cg.config import load_config
+    from megatron_integration.main_runs import RUNS, compare_runs
+
+    _init_model_parallel()
+    base = load_config(MAIN_CONFIG).replace(train={"device": "cpu"})
+    return {"cases": [dict(shape=shape, **compare_runs(_shaped(base, shape), list(RUNS), cpu=True))
+                      for shape in shapes]}
+
+
+CORE_RUNS = ("core_eager_none", "core_eager_block", "mhc_cg")
+
+
+def _core_gpt(run: str, shape: dict, setup):
+    """megatron-core 0.16.1's GPTModel with our mHC layer and block (``MHCTransformerBlock``
+    replaces the plain decoder GPTModel builds, for the stream boundaries), counter dropout 0.1,
+    bf16, DDP-wrapped; under the TE graph helper for ``mhc_cg``."""
+    import torch
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron_integration.graph_hook import make_te_graph_helper
+    from megatron_integration.layer import MHCTransformerBlock, get_mhc_layer_spec
+    from megatron_integration.megatron_training import wrap_for_training
+    from megatron_integration.transformer_config import MHCTransformerConfig
+
+    graphed = run == "mhc_cg"
+    config = MHCTransformerConfig(
+        num_layers=shape["num_layers"], hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+        hidden_dropout=0.1, attention_dropout=0.0, mhc_dropout_impl="counter",
+        enable_hyper_connections=True, num_residual_streams=4,
+        mhc_recompute_layer_num=None if run == "core_eager_none" else shape["recompute_layers"],
+        params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, bf16=True,
+        use_cpu_initialization=True, normalization="RMSNorm", bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False, masked_softmax_fusion=False,
+        cuda_graph_impl="transformer_engine" if graphed else "none",
+        cuda_graph_scope=["attn", "mhc_recompute"] if graphed else [], cuda_graph_warmup_steps=1)
+    torch.manual_seed(setup.seed)
+    spec = get_mhc_layer_spec(cpu_attention=True)
+    model = GPTModel(config, spec, vocab_size=setup.vocab_size,
+                     max_sequence_length=setup.seq_length)
+    model.decoder = MHCTransformerBlock(config, spec, pre_process=True, post_process=True)
+    chunk = wrap_for_training(model, config)
+    helper = (make_te_graph_helper([chunk], config, setup.seq_length, setup.micro_batch_size)
+              if graphed else None)
+    return chunk, helper
+
+
+def core_helper_job(shapes: list[dict]) -> dict:
+    """megatron-core 0.16.1 (pinned) with our own mHC layer: eager without recompute, eager block
+    recompute, and mhc_cg under megatron-core's TE graph helper, for each shape."""
+    from megatron_integration.graph_hook import chunk_decoder
+    from megatron_integration.megatron_training import TrainSetup, train_run, use_microbatches
+
+    _init_model_parallel()
+    cases = []
+    for shape in shapes:
+        setup = TrainSetup(vocab_size=64, seq_length=16, micro_batch_size=2,
+                           num_microbatches=shape["num_microbatches"], steps=shape["steps"],
+                           lr=0.05, seed=1234)
+        use_microbatches(setup)
+        runs = {}
+        for run in CORE_RUNS:
+            chunk, helper = _core_gpt(run, shape, setup)
+            runs[run] = train_run(run, chunk, setup, helper=helper, cpu=True)
+            runs[run]["recompute_graphs"] = [list(vars(key).values()) for key in
+                                             getattr(helper, "mhc_recompute_graphs", {})]
+            runs[run]["order"] = getattr(helper, "mhc_order", None)
+            runs[run]["graph_inputs"] = [list(graphed.runner.static_inputs[0].shape)
+                                         for layer in chunk_decoder(chunk).layers
+                                         for graphed in getattr(layer, "cuda_graphs", [])]
+        cases.append({"shape": shape, "runs": runs})
+    return {"cases": cases}
+
+
+JOBS = {"hyper_connection": hyper_connection_job, "main_layer": main_layer_job,
+        "main_helper": main_helper_job, "core_helper": core_helper_job}
 
 
 def _child(argv: list[str]) -> None:
-    job, out, kwargs = argv[0], Path(argv[1]), json.loads(argv[2])
+    job, out, kwargs, snapshot = argv[0], Path(argv[1]), json.loads(argv[2]), argv[3]
+    from megatron_integration.cpu_shims import install_cpu_shims
+
     install_cpu_shims()
     import megatron.core
 
-    snapshot = Path(megatron.core.__file__).resolve().parents[2]
-    if snapshot != Path(os.environ["PYTHONPATH"].split(os.pathsep)[0]).resolve():
+    where = Path(megatron.core.__file__).resolve().parents[2]
+    if snapshot and where != Path(snapshot).resolve():
         raise SystemExit(f"megatron.core resolved to {megatron.core.__file__}, not the snapshot")
+    if job in HELPER_JOBS:
+        load_te_standin(STANDIN)
     result = JOBS[job](**kwargs)
     result["megatron_core"] = megatron.core.__file__
     out.write_text(json.dumps(result))

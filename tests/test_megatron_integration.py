@@ -195,32 +195,45 @@ def test_recompute_capture_order_follows_the_first_backwards():
 
 
 def test_mixin_captures_recompute_graphs_in_order_before_megatron_finishes():
+    """The helper-side mixin on a stand-in for megatron's helper (which needs TE): every chunk's
+    recompute graphs, captured along the helper's order before its capture phase ends, held by
+    the runtimes whose block hooks replay them (the real helper: tests/test_megatron_helper.py)."""
+    from helpers import PIPELINE_MBS, PIPELINE_SEQ, chunk_layers, rank_model
+    from mhc_cg.core.schedule import peak_in_flight
+    from mhc_cg.runtime.recompute.static import build_static_recompute
+
+    order = pipeline_order(2, 0, 4, 2)  # rank 0 of pp 2, 2 chunks, 4 microbatches
+    model, shape = rank_model(), dict(seq_length=PIPELINE_SEQ, micro_batch_size=PIPELINE_MBS,
+                                      capacity=peak_in_flight(order), device="cpu")
+    first = build_static_recompute(chunk_layers(model, 1), 1, **shape)
+    # one arena and one pool of slot sets for the rank's chunks, as in the pipeline
+    runtimes = [first, build_static_recompute(chunk_layers(model, 2), 1, arena=first.arena,
+                                              sets=first.sets, **shape)]
     events = []
 
-    class FakeTEHelper:  # stands in for megatron-core's TECudaGraphHelper, which needs TE
-        num_layers_per_chunk = [2, 2]
-
+    class HelperWithoutTE:  # megatron's TECudaGraphHelper's two hooked methods, in its sequence
         def _get_cuda_graph_input_data(self):
-            return ["sample"], {"_order": pipeline_order(2, 0, 2, 2)}
+            return ["sample"], {"_order": order}
 
         def _finish_capturing(self, start_time):
-            events.append("finish")
+            events.append(("finish", sum(len(rt.recompute_graphs) for rt in runtimes)))
 
         def create_cudagraphs(self):
             self._get_cuda_graph_input_data()
-            events.append("layers")
             self._finish_capturing(0.0)
 
-    class Helper(RecomputeCaptureMixin, FakeTEHelper):
-        pass
+    class Helper(RecomputeCaptureMixin, HelperWithoutTE):
+        def mhc_runtimes(self):
+            return runtimes
 
     helper = Helper()
-    helper.mhc_recompute_block_size = 1
-    helper.mhc_capture_recompute = lambda key: events.append(key) or f"graph{key}"
     helper.create_cudagraphs()
-    keys = recompute_capture_order(pipeline_order(2, 0, 2, 2), [2, 2], 1)
-    assert events == ["layers", *keys, "finish"]
+    keys = recompute_capture_order(order, [len(rt.layers) for rt in runtimes], 1)
+    assert len({key.slot_set for key in keys}) == peak_in_flight(order) > 1
     assert list(helper.mhc_recompute_graphs) == keys
+    assert events == [("finish", len(keys))]  # all captured before megatron's phase ends
+    for key, graph in helper.mhc_recompute_graphs.items():
+        assert runtimes[key.chunk - 1].recompute_graphs[(key.block, key.slot_set)] is graph
 
 
 @pytest.mark.parametrize("graphs", [False, True])

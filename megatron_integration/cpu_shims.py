@@ -1,0 +1,67 @@
+"""Running megatron-core's CUDA-first code on a CPU build of torch, in a process of its own.
+
+``install_cpu_shims()`` replaces, for the rest of the process and only without CUDA, the few
+calls megatron's modules make that a CPU build of torch refuses, each named here:
+
+* ``TORCH_COMPILE_DISABLE=1``: several ``HyperConnectionModule`` methods of Megatron-LM main carry
+  ``torch.compile``;
+* ``torch.cuda.nvtx.range`` -> a null context (CPU torch raises);
+* ``torch.cuda.current_device`` -> ``"cpu"``: buffers megatron allocates on "the current device"
+  (``DotProductAttention``'s score buffer, DDP's grad buffers, the graph helper's static inputs)
+  land on the CPU;
+* ``fused_softmax.get_default_causal_mask`` (the causal mask when none is passed) -> the same
+  mask on the CPU (megatron builds it on ``"cuda"``);
+* megatron's CUDA RNG state getters/setters -> empty state / no-op: its
+  ``CheckpointWithoutOutput`` saves and restores CPU *and* CUDA RNG states; on the CPU only the
+  CPU generator exists (and it is still saved and restored);
+* without TransformerEngine: ``CheckpointWithoutOutput`` always enters its TE path
+  (``activation_recompute_forward``, ``FP8GlobalStateManager``, ``fp8_autocast``), whose names
+  are then undefined; with FP8 off each is a no-op, so the shims are null contexts and "FP8 off".
+
+The schedules' ``device="cuda"`` token counters are :func:`mhc_cg.training.pipeline.cpu_shim.cpu_shim`'s,
+entered around each ``forward_backward_func`` call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import types
+
+
+def install_cpu_shims() -> None:
+    """See the module docstring; call it before megatron builds anything."""
+    import torch
+
+    os.environ["TORCH_COMPILE_DISABLE"] = "1"
+    torch.set_num_threads(1)
+    if not torch.cuda.is_available():
+        torch.cuda.nvtx.range = lambda *args, **kwargs: contextlib.nullcontext()
+        torch.cuda.current_device = lambda: "cpu"
+        from megatron.core.tensor_parallel import random as mrandom
+
+        mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+        mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
+        from megatron.core.fusions import fused_softmax
+
+        fused_softmax.get_default_causal_mask = _causal_mask_on_cpu
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if not mrandom.HAVE_TE:
+        # CheckpointWithoutOutput always takes its TE path (``self.fp8 = fp8 is not None``)
+        mrandom.FP8GlobalStateManager = types.SimpleNamespace(
+            is_fp8_enabled=lambda: False, get_fp8_recipe=lambda: None)
+        mrandom.activation_recompute_forward = lambda **kwargs: contextlib.nullcontext()
+        mrandom.fp8_autocast = lambda enabled, fp8_recipe=None: _no_fp8(enabled)
+
+
+def _causal_mask_on_cpu(sq: int):
+    import torch
+
+    return torch.ones(sq, sq, dtype=torch.bool).triu(diagonal=1)
+
+
+def _no_fp8(enabled: bool):
+    if enabled:
+        raise RuntimeError("FP8 needs TransformerEngine, which is not installed")
+    return contextlib.nullcontext()

@@ -1,0 +1,184 @@
+"""What one training step of a megatron decoder holds and replays, measured while it runs.
+
+:func:`measuring` wraps a step; its figures:
+
+* **saved bytes per layer** (:func:`held_bytes`): the distinct storages the decoder holds from its
+  forward to its backward, over its layers: what autograd keeps (parameters left out; a storage
+  the recompute freed counts zero), what each replayed layer graph's backward reads that its
+  forward left in the graphs' pool or static inputs, and the static runtime's persistent set. The
+  runtime's arena is apart (:func:`arena_bytes`): see :func:`held_bytes`;
+* **graph replays per step**: forward and backward replays of the layer graphs, and replays of
+  mhc_cg's recompute graphs;
+* **mHC checkpoints per step**: the ``CheckpointWithoutOutput`` objects megatron's mHC recompute
+  managers register (counted by wrapping ``CheckpointWithoutOutputManager.add_checkpoint`` for
+  the step), and the sublayers mhc_cg's runtime recomputes.
+
+Layer graphs expose what their backward reads only on the ``tape`` backend (the CPU emulation);
+elsewhere the saved bytes are ``None``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from mhc_cg.core.storage import storage_id
+
+
+def _count_checkpoints() -> tuple[Callable[[], int], Callable[[], None]]:
+    """Count ``CheckpointWithoutOutputManager.add_checkpoint`` calls (megatron's mHC recompute
+    managers); returns ``(count, undo)``. A megatron without the manager counts 0."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    manager = getattr(mrandom, "CheckpointWithoutOutputManager", None)
+    if manager is None:
+        return (lambda: 0), (lambda: None)
+    calls = [0]
+    original = manager.add_checkpoint
+
+    def counted(self, ckpt):
+        calls[0] += 1
+        return original(self, ckpt)
+
+    manager.add_checkpoint = counted
+
+    def undo() -> None:
+        manager.add_checkpoint = original
+
+    return (lambda: calls[0]), undo
+
+
+class StepProbe:
+    """Measures the decoder's next forward (its first microbatch): :func:`held_bytes` of what
+    autograd saved in it, taken when the forward ends."""
+
+    def __init__(self, decoder: torch.nn.Module):
+        self.decoder = decoder
+        self.saved: list[Tensor] = []
+        self.held_bytes: int | None = None
+        self._context = contextlib.ExitStack()
+        self._handles = [decoder.register_forward_pre_hook(self._enter),
+                         decoder.register_forward_hook(self._leave)]
+
+    def _enter(self, module, args) -> None:
+        self._context.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
+
+    def _pack(self, t: Tensor) -> Tensor:
+        self.saved.append(t)
+        return t
+
+    def _leave(self, module, args, output) -> None:
+        self._context.close()
+        for handle in self._handles:
+            handle.remove()
+        self.held_bytes = held_bytes(self.decoder, self.saved)
+        self.saved = []  # hold nothing past the measurement
+
+
+def _unpack(t: Tensor) -> Tensor:
+    return t
+
+
+def held_bytes(decoder: torch.nn.Module, saved: list[Tensor]) -> int | None:
+    """Bytes of the distinct storages ``decoder`` holds for its backward; see the module docstring.
+
+    The static runtime's arena is not among them: every block's recompute rewrites its slots
+    before the block's backward, so it holds nothing from a forward to its backward; it is the
+    recompute's workspace, once per rank (:func:`arena_bytes`), as the block of outputs that
+    megatron's eager recompute re-allocates in the backward is its.
+    """
+    excluded = {storage_id(p) for p in decoder.parameters()}
+    storages = {storage_id(t): t.untyped_storage().nbytes() for t in saved}
+    for layer in decoder.layers:
+        graphs = getattr(layer, "cuda_graphs", None)
+        if graphs:
+            read = backward_reads(graphs[getattr(layer, "current_microbatch", 0) % len(graphs)])
+            if read is None:
+                return None
+            storages.update(read)
+    static = getattr(decoder, "mhc_static", None)
+    if static is not None:
+        runtime = static.runtime
+        storages.update((storage_id(t), t.untyped_storage().nbytes())
+                        for t in _set_tensors(runtime.sets.all_sets()[0]))
+        excluded.add(storage_id(runtime.arena.buffer))
+    return sum(nbytes for key, nbytes in storages.items() if key not in excluded)
+
+
+def arena_bytes(decoder: torch.nn.Module) -> int:
+    """The static runtime's arena (one recompute block's mHC state, once per rank); 0 without."""
+    static = getattr(decoder, "mhc_static", None)
+    return static.runtime.arena.nbytes if static is not None else 0
+
+
+def _set_tensors(pset) -> list[Tensor]:
+    return [*pset.block_inputs, *pset.fn_outputs.values(), *pset.fc1_outputs.values(), pset.seed]
+
+
+def backward_reads(graphed: Callable) -> dict[int, int] | None:
+    """``{storage: bytes}`` the backward graph of a tape-graphed callable reads that its own
+    capture did not allocate and that are not its grad-output buffers (what the forward left for
+    it); ``None`` when the graphs are not on the tape."""
+    runner = getattr(graphed, "runner", None)
+    graph = getattr(runner, "bwd_graph", None)
+    if graph is None or not hasattr(graph, "ops"):
+        return None
+    skip = set(graph.made_storages) | {storage_id(g) for g in runner.static_grad_outputs
+                                       if g is not None}
+    read = {}
+    for op in graph.ops:
+        for t in op.flat_args:
+            if isinstance(t, Tensor) and storage_id(t) not in skip:
+                read[storage_id(t)] = t.untyped_storage().nbytes()
+    return read
+
+
+def graph_replays(decoder: torch.nn.Module) -> tuple[int, int]:
+    """``(layer graph replays, recompute graph replays)`` so far (forward and backward graphs)."""
+    layer = 0
+    for module in decoder.layers:
+        for graphed in getattr(module, "cuda_graphs", None) or ():
+            runner = getattr(graphed, "runner", None)
+            layer += sum(g.replays for g in (getattr(runner, "fwd_graph", None),
+                                              getattr(runner, "bwd_graph", None)) if g is not None)
+    static = getattr(decoder, "mhc_static", None)
+    recompute = sum(g.replays for g in static.runtime.recompute_graphs.values()) if static else 0
+    return layer, recompute
+
+
+def recomputed_sublayers(decoder: torch.nn.Module, since: int) -> int:
+    """Sublayers the static runtime recomputed since its trace had ``since`` entries."""
+    static = getattr(decoder, "mhc_static", None)
+    if static is None:
+        return 0
+    runtime = static.runtime
+    blocks = [int(line.split()[2]) for line in runtime.trace[since:]]  # "recompute block B set S"
+    return sum(2 * len(runtime.blocks[b]) for b in blocks)
+
+
+def _trace_len(decoder) -> int:
+    static = getattr(decoder, "mhc_static", None)
+    return len(static.runtime.trace) if static is not None else 0
+
+
+@contextlib.contextmanager
+def measuring(decoder: torch.nn.Module, into: dict) -> Iterator[None]:
+    """Measure the step run inside (see the module docstring); the figures go into ``into``."""
+    probe, before, trace = StepProbe(decoder), graph_replays(decoder), _trace_len(decoder)
+    checkpoints, undo = _count_checkpoints()
+    try:
+        yield
+    finally:
+        undo()
+    after = graph_replays(decoder)
+    into.update(
+        saved_bytes_per_layer=(None if probe.held_bytes is None
+                               else round(probe.held_bytes / len(decoder.layers))),
+        layer_graph_replays_per_step=after[0] - before[0],
+        recompute_graph_replays_per_step=after[1] - before[1],
+        mhc_checkpoints_per_step=checkpoints(),
+        recomputed_sublayers_per_step=recomputed_sublayers(decoder, trace),
+        arena_bytes=arena_bytes(decoder))

@@ -1,0 +1,172 @@
+"""megatron-core's TECudaGraphHelper drives mhc_cg's static runtime, on the CPU (tape graphs through
+the TransformerEngine stand-in in ``tests/te_standin``).
+
+* Megatron-LM main (the snapshot; ``tests/megatron_main_oracle.py``): main's GPT of
+  ``HyperConnectionTransformerLayer``s, trained with megatron's ``forward_backward_func`` under
+  main's own helper with ``cuda_graph_modules: [attn, mhc_recompute]``, beside main eagerly
+  without recompute, with its ``[mhc]`` recompute, and under its helper with ``[mhc]``;
+* megatron-core 0.16.1 (pinned) with our own mHC layer, beside it eagerly without recompute and
+  with eager block recompute (counter dropout 0.1);
+* ``mhc-cg megatron --compare --json`` on the shipped config, and its errors.
+
+One child process per megatron computes every shape.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_main_oracle import extract_snapshot, run_job, skip_reason, snapshot_archive
+from megatron_integration.graph_hook import RecomputeGraphKey, recompute_capture_order
+
+ROOT = Path(__file__).resolve().parent.parent
+# (layers, layers per recompute block, microbatches): one block, two, a partial last block,
+# blocks of one layer
+SHAPES = [dict(num_layers=2, recompute_layers=2, num_microbatches=1, steps=3),
+          dict(num_layers=4, recompute_layers=2, num_microbatches=2, steps=3),
+          dict(num_layers=3, recompute_layers=2, num_microbatches=2, steps=3),
+          dict(num_layers=4, recompute_layers=1, num_microbatches=1, steps=3)]
+IDS = [f"L{s['num_layers']}-Lr{s['recompute_layers']}-M{s['num_microbatches']}" for s in SHAPES]
+
+
+@pytest.fixture(scope="module")
+def main_snapshot(tmp_path_factory):
+    archive = snapshot_archive()
+    if archive is None:
+        pytest.skip(skip_reason())
+    return extract_snapshot(archive, tmp_path_factory.mktemp("megatron_main"))
+
+
+@pytest.fixture(scope="module")
+def main_cases(main_snapshot):
+    result = run_job(main_snapshot, "main_helper", shapes=SHAPES)
+    assert "megatron-lm-main" in result["megatron_core"]
+    return result["cases"]
+
+
+@pytest.fixture(scope="module")
+def core_cases():
+    result = run_job(None, "core_helper", shapes=SHAPES)
+    assert "site-packages" in result["megatron_core"]  # the pinned release, not main
+    return result["cases"]
+
+
+def _blocks(shape) -> int:
+    return math.ceil(shape["num_layers"] / shape["recompute_layers"])
+
+
+def _assert_same_training(ours, reference, what):
+    assert ours["losses"] == reference["losses"], what
+    assert ours["grad_digests"] == reference["grad_digests"], what  # every gradient byte, every step
+
+
+def _assert_graphs_replayed(run, shape):
+    layers, microbatches = shape["num_layers"], shape["num_microbatches"]
+    # every layer's forward and backward graph, once per microbatch
+    assert run["layer_graph_replays_per_step"] == 2 * layers * microbatches
+    # every recompute block's graph, by its hook, once per microbatch
+    assert run["recompute_graph_replays_per_step"] == _blocks(shape) * microbatches
+    assert run["recomputed_sublayers_per_step"] == 2 * layers * microbatches
+
+
+@pytest.mark.parametrize("index", range(len(SHAPES)), ids=IDS)
+def test_megatron_main_under_its_helper_is_bit_identical_to_main(main_cases, index):
+    case = main_cases[index]
+    runs = case["runs"]
+    assert case["bit_identical"] is True and case["mismatches"] == []
+    for reference in ("main_eager_none", "main_eager_mhc", "main_graphed_mhc"):
+        _assert_same_training(runs["mhc_cg"], runs[reference], reference)
+    _assert_graphs_replayed(runs["mhc_cg"], case["shape"])
+
+
+@pytest.mark.parametrize("index", range(len(SHAPES)), ids=IDS)
+def test_every_mhc_checkpoint_main_registers_eagerly_is_recomputed_under_graphs(main_cases, index):
+    """Main checkpoints 6 ops per layer of a block less the block end's MLP bias-dropout-add;
+    under its helper only the MLP side's 3 per layer (the attention side runs in the graph,
+    where no recompute manager reaches it). mhc_cg recomputes every sublayer under graphs."""
+    case = main_cases[index]
+    shape, runs = case["shape"], case["runs"]
+    layers, microbatches = shape["num_layers"], shape["num_microbatches"]
+    blocks = _blocks(shape)
+    assert runs["main_eager_mhc"]["mhc_checkpoints_per_step"] == (6 * layers - blocks) * microbatches
+    assert runs["main_graphed_mhc"]["mhc_checkpoints_per_step"] == (3 * layers - blocks) * microbatches
+    assert runs["main_graphed_mhc"]["recompute_graph_replays_per_step"] == 0
+    assert runs["mhc_cg"]["mhc_checkpoints_per_step"] == 0
+    assert runs["mhc_cg"]["recomputed_sublayers_per_step"] == 2 * layers * microbatches
+
+
+@pytest.mark.parametrize("index", range(len(SHAPES)), ids=IDS)
+def test_megatron_main_saved_bytes_nothing_silently_kept(main_cases, index):
+    runs = main_cases[index]["runs"]
+    saved = {name: run["saved_bytes_per_layer"] for name, run in runs.items()}
+    print(f"\n{IDS[index]} saved bytes per layer: {saved}; mhc_cg arena "
+          f"{runs['mhc_cg']['arena_bytes']} B per rank")
+    assert saved["mhc_cg"] <= saved["main_eager_mhc"] < saved["main_eager_none"]
+    assert saved["mhc_cg"] < saved["main_graphed_mhc"]
+    assert runs["mhc_cg"]["arena_bytes"] > 0
+
+
+@pytest.mark.parametrize("index", range(len(SHAPES)), ids=IDS)
+def test_megatron_core_0_16_helper_with_our_layer_is_bit_identical(core_cases, index):
+    case = core_cases[index]
+    shape, runs = case["shape"], case["runs"]
+    ours = runs["mhc_cg"]
+    for reference in ("core_eager_none", "core_eager_block"):
+        _assert_same_training(ours, runs[reference], reference)
+    _assert_graphs_replayed(ours, shape)
+    # each layer graph is the mHC sublayer on the n*C stream: [seq, mbs, 4 streams x hidden 32]
+    assert ours["graph_inputs"] == [[16, 2, 4 * 32]] * shape["num_layers"]
+    # captured along the helper's order (pp 1: one forward, one backward), last block first
+    assert ours["order"] == [1, -1]
+    expected = recompute_capture_order(ours["order"], shape["num_layers"], shape["recompute_layers"])
+    assert [RecomputeGraphKey(*key) for key in ours["recompute_graphs"]] == expected
+    saved = {name: run["saved_bytes_per_layer"] for name, run in runs.items()}
+    assert saved["mhc_cg"] <= saved["core_eager_block"] < saved["core_eager_none"]
+
+
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "mhc_cg", "megatron", *args], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, **(env or {})},
+                          timeout=600)
+
+
+def test_cli_compare_json_on_the_shipped_config(main_snapshot):
+    proc = _cli("--config", "configs/megatron_main_mhc.yaml", "--compare", "--json")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    assert set(result) == {"bit_identical", "runs"} and result["bit_identical"] is True
+    assert set(result["runs"]) == {"main_eager_none", "main_eager_mhc", "main_graphed_mhc", "mhc_cg"}
+    assert all(set(run) == {"losses", "saved_bytes_per_layer", "layer_graph_replays_per_step",
+                            "recompute_graph_replays_per_step"} for run in result["runs"].values())
+    ours, runs = result["runs"]["mhc_cg"], result["runs"]
+    assert ours["layer_graph_replays_per_step"] > 0 and ours["recompute_graph_replays_per_step"] > 0
+    assert ours["saved_bytes_per_layer"] <= runs["main_eager_mhc"]["saved_bytes_per_layer"]
+    assert ours["saved_bytes_per_layer"] < runs["main_graphed_mhc"]["saved_bytes_per_layer"]
+    assert "[mhc-cg megatron] mhc_cg: step 4/4" in proc.stderr  # progress on stderr
+
+
+def test_cli_says_what_is_missing_when_main_is_not_found(tmp_path):
+    env = {"MHC_CG_THIRD_PARTY": str(tmp_path), "MHC_CG_MEGATRON_LM": ""}
+    proc = _cli("--config", "configs/megatron_main_mhc.yaml", env=env)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr
+    assert "Megatron-LM main's megatron.core" in lines[0] and "set MHC_CG_MEGATRON_LM" in lines[0]
+
+
+def test_cli_refuses_what_the_megatron_path_cannot_run(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("model: {recompute: block, hidden_dropout: 0.1}\ntrain: {dtype: fp32}\n"
+                      "parallel: {pp_size: 2}\n"
+                      "graph: {backend: te, cuda_graph_modules: [mlp, mhc_recompute]}\n")
+    proc = _cli("--config", str(config))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    for field in ("model.dropout_impl", "model.hidden_dropout", "train.dtype", "parallel.pp_size",
+                  "graph.cuda_graph_modules"):
+        assert any(line.startswith(f"mhc-cg megatron: error: {field}:") and " set " in line
+                   for line in proc.stderr.splitlines()), field
