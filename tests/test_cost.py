@@ -82,6 +82,16 @@ def test_bytes_count_inputs_and_outputs_and_expanded_inputs_once():
     assert step.eager.bytes_written == 64 * 32 * 4
 
 
+def test_a_copy_reads_its_source_and_writes_its_destination_and_an_add_reads_both():
+    dst, src = torch.empty(64, 32), torch.randn(64, 32)
+    with StepRecorder() as step:
+        dst.copy_(src)
+    assert (step.eager.bytes_read, step.eager.bytes_written) == (64 * 32 * 4, 64 * 32 * 4)
+    with StepRecorder() as step:
+        dst.add_(src)
+    assert (step.eager.bytes_read, step.eager.bytes_written) == (2 * 64 * 32 * 4, 64 * 32 * 4)
+
+
 def test_fused_ops_are_charged_their_second_passes_and_the_buffers_they_write():
     """The pre launches two kernels, each reading x; its backward reads x and g_out in both of its
     passes and writes x's grad over g_post (read first)."""

@@ -93,10 +93,15 @@ def written_args(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list
     return written
 
 
+# In-place ops that overwrite ``self`` without reading it (a copy writes its destination only).
+OVERWRITE_SELF = frozenset({aten.copy_, aten.zero_, aten.fill_})
+
+
 def _out_args(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """Arguments written and not read: ``out=`` (keyword-only) and, for ops that write into
-    buffers they are given (``mhc_cg::post_into``), written arguments named ``out`` or ``*_out``."""
-    found = []
+    """Arguments written and not read: ``out=`` (keyword-only), ``self`` of an op that overwrites
+    it (``copy_``, ``zero_``, ``fill_``) and, for ops that write into buffers they are given
+    (``mhc_cg::post_into``), written arguments named ``out`` or ``*_out``."""
+    found = [args[0]] if func.overloadpacket in OVERWRITE_SELF and args else []
     for i, arg in enumerate(func._schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
