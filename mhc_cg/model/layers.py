@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from mhc_cg.config import MHCGPTConfig
 from mhc_cg.ops import kernels as fused
+from mhc_cg.ops.output_linear import OutputLinear
 
 
 class RMSNorm(nn.Module):
@@ -32,7 +33,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.num_heads = cfg.num_heads
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.proj = OutputLinear(cfg.hidden_size, cfg.hidden_size)
 
     def forward(self, x: Tensor) -> Tensor:
         s, b, c = x.shape
@@ -57,7 +58,7 @@ class MLP(nn.Module):
         super().__init__()
         ffn_hidden_size = ffn_hidden_size or cfg.ffn_hidden_size
         self.fc1 = nn.Linear(cfg.hidden_size, ffn_hidden_size)
-        self.fc2 = nn.Linear(ffn_hidden_size, cfg.hidden_size)
+        self.fc2 = OutputLinear(ffn_hidden_size, cfg.hidden_size)
         self.recompute_activation = recompute_activation
         # (mlp, x) -> output, installed by a runtime; None: keep the activation
         self.activation_recompute: Callable[["MLP", Tensor], Tensor] | None = None

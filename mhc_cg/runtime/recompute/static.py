@@ -38,8 +38,9 @@ import torch.nn.functional as F
 from mhc_cg.core import traffic
 from mhc_cg.core.errors import StaticRecomputeError
 from mhc_cg.model import MLP, MHCSublayer, MHCTransformerLayer, recomputes_activation
-from mhc_cg.runtime.graphs.static_inputs import check_input
+from mhc_cg.runtime.graphs.static_inputs import check_input, is_buffer
 from mhc_cg.ops.kernels import Target, recompute_block
+from mhc_cg.ops.output_linear import output_into
 from mhc_cg.runtime.recompute.arena import Arena, Region
 from mhc_cg.runtime.recompute.fused_slots import FusedSlots
 from mhc_cg.runtime.recompute.persistent import PersistentSetPool, PersistentSlotSet, new_persistent_set
@@ -254,7 +255,7 @@ class StaticRecompute:
         if self.fused:
             state, x_on = carry
             pset = self._direct_set()
-            if pset is not None:
+            if pset is not None and not is_buffer(pset.fn_outputs[self._key(sub, k)], y):
                 y = _StoreToPersistentSlot.apply(y, pset.fn_outputs[self._key(sub, k)])
             return sub.post(x_on, state, y, seed, self._output_target(sub, position, k, pset))
         h_post, mixed = carry
@@ -271,12 +272,15 @@ class StaticRecompute:
         remainder must find its buffers without the Python state of the captured part.
         """
         fn_input, carry = self.sublayer_pre(sub, position, k, x)
-        if k == 1 and recomputes_activation(sub):
-            y = self.mlp_with_activation_recompute(sub.fn, position, self._mlp_index[id(sub)],
-                                                   fn_input, self._set_for_fn())
-        else:
-            with self.fn_region():
-                y = sub.fn(fn_input)
+        pset = self._direct_set() if self.fused else None
+        # F's last Linear writes its output into the set itself (no copy after F)
+        with output_into(None if pset is None else pset.fn_outputs[self._key(sub, k)]):
+            if k == 1 and recomputes_activation(sub):
+                y = self.mlp_with_activation_recompute(sub.fn, position, self._mlp_index[id(sub)],
+                                                       fn_input, self._set_for_fn())
+            else:
+                with self.fn_region():
+                    y = sub.fn(fn_input)
         out = self.sublayer_post(sub, position, k, y, carry, seed)
         return out, self.kept_fn_output(sub, k, y), carry[0] if self.fused else None
 
