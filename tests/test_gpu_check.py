@@ -4,6 +4,7 @@ config), each writing its own files; and the probe's pieces on hand-made inputs.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import gzip
 import json
 import os
@@ -148,3 +149,20 @@ def test_mask_agreement_rows_and_keep_fraction():
 def test_probe_rejects_unknown_parts(capsys):
     assert probe.main(["--out", "unused", "--parts", "pools,gpu"]) == 2
     assert "--parts: unknown part(s) ['gpu']" in capsys.readouterr().err
+
+
+def test_the_probes_kernel_cases_call_every_fused_op_and_match_the_reference():
+    """The GPU probe's cases run here through Triton's interpreter on a tiny shape: each calls
+    today's fused ops (a stale case would only fail on the GPU) and agrees with the reference."""
+    from mhc_cg.config import MHCGPTConfig, RunConfig
+
+    cfg = RunConfig()
+    cfg.model = MHCGPTConfig(vocab_size=32, seq_length=4, hidden_size=16, num_heads=2,
+                             num_layers=2, hidden_dropout=0.1, sinkhorn_iterations=4)
+    cfg.train = dataclasses.replace(cfg.train, micro_batch_size=2, dtype="fp32", device="cpu")
+    cases = probe.fused_kernel_cases(cfg, torch.device("cpu"))
+    assert [case.name for case in cases] == ["pre", "post", "recompute_block", "rms_norm"]
+    for case in cases:
+        row = probe.compare_kernel(case, torch.device("cpu"), bandwidth=1e9, repeats=1)
+        assert row["max_abs_diff"] < 1e-4, row
+        assert row["bytes"] > 0

@@ -166,37 +166,60 @@ def compare_kernel(case: KernelCase, device: torch.device, bandwidth: float, rep
 
 def fused_kernel_cases(cfg: RunConfig, device: torch.device) -> list[KernelCase]:
     """The forward of each fused op on one micro-batch of the bench's shapes, Triton against
-    torch; ``nbytes`` = every input read once + the output written once."""
+    torch: a sublayer's pre and post, a block's recompute (two layers) and the final RMSNorm.
+    ``nbytes`` is its bound: every input read once and every output written once (the pre reads
+    x twice, so its bound is below what it can reach)."""
     m = cfg.model
     s, b, n, c = m.seq_length, cfg.train.micro_batch_size, m.num_streams, m.hidden_size
     dtype = TORCH_DTYPES[cfg.train.dtype]
+    width, iterations, eps, p = n * n + 2 * n, m.sinkhorn_iterations, 1e-5, m.hidden_dropout
     g = torch.Generator(device=device).manual_seed(0)
 
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g, device=device, dtype=dtype)
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * torch.randn(*shape, generator=g, device=device)).to(dtype)
 
-    def nbytes(*tensors: torch.Tensor, out: int) -> int:
-        return sum(t.numel() * t.element_size() for t in tensors) + out * rand(1).element_size()
+    def size(*tensors: torch.Tensor) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
 
-    x, y, h_pre, h_post = rand(s, b, n * c), rand(s, b, c), rand(s, b, n), rand(s, b, n)
-    h_res, weight = rand(s, b, n, n), rand(c)
+    x, y = rand(s, b, n * c), rand(s, b, c)
+    weight, bias, norm = rand(width, n * c, scale=(n * c) ** -0.5), rand(width), rand(c)
+    alphas = tuple(torch.full((1,), 0.01, device=device, dtype=dtype) for _ in range(3))
     seed = torch.tensor(1234, device=device)
-    p = m.hidden_dropout
+    with torch.no_grad():
+        fn_input, state, x_on = kernels.pre(x, weight, *alphas, bias, norm, n, iterations, eps,
+                                            kernels="torch")
+    steps = 4  # a block of two layers
+    ys, states = rand(steps, s, b, c), state.unsqueeze(0).repeat(steps, 1, 1, 1)
+    params = torch.cat([bias, *alphas]).unsqueeze(0).repeat(steps, 1)
+    norms, streams = norm.unsqueeze(0).repeat(steps, 1), [2 + k for k in range(steps)]
 
-    def pair(name: str) -> tuple[Callable, Callable]:
-        fn = getattr(kernels, name)
-        return (lambda *a: fn(*a, kernels="triton")), (lambda *a: fn(*a, kernels="torch"))
+    def pre(which: str) -> Callable:
+        return lambda *a: kernels.pre(*a, kernels=which)[:2]
 
-    cases = []
-    for name, args, out in (
-            ("aggregate", (x, h_pre), s * b * c),
-            ("h_res_apply", (h_res, x), s * b * n * c),
-            ("post_bda", (y, h_post, x, seed, p, 1), s * b * n * c),
-            ("rms_norm", (y, weight, 1e-5), s * b * c)):
-        fused, reference = pair(name)
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        cases.append(KernelCase(name, fused, reference, args, nbytes(*tensors, out=out)))
-    return cases
+    def post(which: str) -> Callable:
+        return lambda *a: kernels.post(*a, kernels=which)
+
+    def recompute(which: str) -> Callable:
+        def run(*a: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            x_out, fn_out = x.new_empty(steps - 1, *x.shape), y.new_empty(steps, *y.shape)
+            kernels.recompute_block(*a, x_out, fn_out, kernels=which)
+            return x_out, fn_out
+        return run
+
+    def rms_norm(which: str) -> Callable:
+        return lambda *a: kernels.rms_norm(*a, kernels=which)
+
+    pre_args = (x, weight, *alphas, bias, norm, n, iterations, eps)
+    post_args = (x_on, state, *alphas, bias, y, seed, p, 1, n, iterations)
+    recompute_args = (x, ys, states, params, norms, seed, p, streams, n, iterations, eps)
+    return [
+        KernelCase("pre", pre("triton"), pre("torch"), pre_args,
+                   size(x, weight, fn_input, state)),
+        KernelCase("post", post("triton"), post("torch"), post_args, size(x, state, y, x)),
+        KernelCase("recompute_block", recompute("triton"), recompute("torch"), recompute_args,
+                   size(x, ys, states) + (steps - 1) * size(x) + steps * size(y)),
+        KernelCase("rms_norm", rms_norm("triton"), rms_norm("torch"), (y, norm, eps), 2 * size(y)),
+    ]
 
 
 def probe_kernels(cfg: RunConfig, device: torch.device, bandwidth: float, repeats: int = 20) -> dict:
