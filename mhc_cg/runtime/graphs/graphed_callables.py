@@ -39,7 +39,8 @@ callable's output and this backward wrote the input's grad into the very grad-ou
 producer's backward reads (a fused mHC backward writes the stream's grad over its grad output,
 and every backward graph shares those buffers), the buffer goes to autograd uncloned and the
 producer reads it where it lies. A backward graph that would overwrite a lent buffer before its
-reader replays raises (:class:`_LentGrads`).
+reader replays raises (:class:`_LentGrads`). As with TE's static grads, a tensor hook that keeps
+the grad of such an input sees it change when the producer's backward replays: clone it there.
 """
 
 from __future__ import annotations
