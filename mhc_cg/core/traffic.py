@@ -29,34 +29,28 @@ _mhc: list[bool] = []
 
 
 @contextlib.contextmanager
-def phase(name: str) -> Iterator[None]:
+def _pushed(stack: list, value) -> Iterator[None]:
+    stack.append(value)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def phase(name: str) -> contextlib.AbstractContextManager:
     """Work inside is ``name``'s (one of :data:`PHASES`)."""
-    _phases.append(name)
-    try:
-        yield
-    finally:
-        _phases.pop()
+    return _pushed(_phases, name)
 
 
-@contextlib.contextmanager
-def runtime_copy(what: str) -> Iterator[None]:
+def runtime_copy(what: str) -> contextlib.AbstractContextManager:
     """The ops inside copy data the runtime moves for ``what`` (no eager run would)."""
-    _copies.append(what)
-    try:
-        yield
-    finally:
-        _copies.pop()
+    return _pushed(_copies, what)
 
 
-@contextlib.contextmanager
-def mhc() -> Iterator[None]:
+def mhc() -> contextlib.AbstractContextManager:
     """The ops inside are the mHC steps' (mappings, aggregate, H_res, H_post, the stream expand
     and contract), not F's: they seed what the cost model counts as mHC traffic."""
-    _mhc.append(True)
-    try:
-        yield
-    finally:
-        _mhc.pop()
+    return _pushed(_mhc, True)
 
 
 def in_mhc() -> bool:

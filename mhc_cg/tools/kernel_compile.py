@@ -133,7 +133,7 @@ def _recompute(k, s: Shape, steps: int = 4, dropout: bool = True):
     return k.recompute(s.t(s.T, s.n * s.C), s.t(steps, s.T, s.C),
                        s.t(steps, s.T, s.M + 2, dtype=torch.float32), s.t(steps, s.M + 3),
                        s.t(steps, s.C), s.seed if dropout else None, s.dropout if dropout else 0.0,
-                       [2 + k_ for k_ in range(steps)], s.n, s.iterations, 1e-5,
+                       list(range(2, 2 + steps)), s.n, s.iterations, 1e-5,
                        s.t(steps - 1, s.T, s.n * s.C), s.t(steps, s.T, s.C))
 
 

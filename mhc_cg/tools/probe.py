@@ -193,32 +193,23 @@ def fused_kernel_cases(cfg: RunConfig, device: torch.device) -> list[KernelCase]
     params = torch.cat([bias, *alphas]).unsqueeze(0).repeat(steps, 1)
     norms, streams = norm.unsqueeze(0).repeat(steps, 1), [2 + k for k in range(steps)]
 
-    def pre(which: str) -> Callable:
-        return lambda *a: kernels.pre(*a, kernels=which)[:2]
+    def both(fn: Callable) -> tuple[Callable, Callable]:
+        return (lambda *a: fn(*a, kernels="triton")), (lambda *a: fn(*a, kernels="torch"))
 
-    def post(which: str) -> Callable:
-        return lambda *a: kernels.post(*a, kernels=which)
-
-    def recompute(which: str) -> Callable:
-        def run(*a: Any) -> tuple[torch.Tensor, torch.Tensor]:
-            x_out, fn_out = x.new_empty(steps - 1, *x.shape), y.new_empty(steps, *y.shape)
-            kernels.recompute_block(*a, x_out, fn_out, kernels=which)
-            return x_out, fn_out
-        return run
-
-    def rms_norm(which: str) -> Callable:
-        return lambda *a: kernels.rms_norm(*a, kernels=which)
+    def recompute(*a: Any, **choice: str) -> tuple[torch.Tensor, torch.Tensor]:
+        x_out, fn_out = x.new_empty(steps - 1, *x.shape), y.new_empty(steps, *y.shape)
+        kernels.recompute_block(*a, x_out, fn_out, **choice)
+        return x_out, fn_out
 
     pre_args = (x, weight, *alphas, bias, norm, n, iterations, eps)
     post_args = (x_on, state, *alphas, bias, y, seed, p, 1, n, iterations)
     recompute_args = (x, ys, states, params, norms, seed, p, streams, n, iterations, eps)
     return [
-        KernelCase("pre", pre("triton"), pre("torch"), pre_args,
-                   size(x, weight, fn_input, state)),
-        KernelCase("post", post("triton"), post("torch"), post_args, size(x, state, y, x)),
-        KernelCase("recompute_block", recompute("triton"), recompute("torch"), recompute_args,
+        KernelCase("pre", *both(kernels.pre), pre_args, size(x, weight, fn_input, state)),
+        KernelCase("post", *both(kernels.post), post_args, size(x, state, y, x)),
+        KernelCase("recompute_block", *both(recompute), recompute_args,
                    size(x, ys, states) + (steps - 1) * size(x) + steps * size(y)),
-        KernelCase("rms_norm", rms_norm("triton"), rms_norm("torch"), (y, norm, eps), 2 * size(y)),
+        KernelCase("rms_norm", *both(kernels.rms_norm), (y, norm, eps), 2 * size(y)),
     ]
 
 

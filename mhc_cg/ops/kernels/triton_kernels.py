@@ -579,6 +579,17 @@ def _rms_fwd(x_ptr, w_ptr, out_ptr, C, eps, BC: tl.constexpr):
 
 
 @triton.jit
+def _rms_rows(g_ptr, x_ptr, w_ptr, rows, rmask, c, C):
+    """One ``[R, BC]`` tile of the rows' g and x, the weight's ``[BC]``, and where they lie."""
+    mask = rmask[:, None] & (c < C)[None, :]
+    off = rows[:, None] * C + c[None, :]
+    x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + c, mask=c < C, other=0.0).to(tl.float32)
+    return g, x, w, off, mask
+
+
+@triton.jit
 def _rms_bwd(g_ptr, x_ptr, w_ptr, gx_ptr, gw_part_ptr, T, C, eps, R: tl.constexpr, BC: tl.constexpr):
     """``R`` rows per program; writes g_x and the program's share of g_weight (one row of partials)."""
     pid = tl.program_id(0)
@@ -587,23 +598,14 @@ def _rms_bwd(g_ptr, x_ptr, w_ptr, gx_ptr, gw_part_ptr, T, C, eps, R: tl.constexp
     ss = tl.zeros([R], dtype=tl.float32)
     dot = tl.zeros([R], dtype=tl.float32)
     for c0 in range(0, C, BC):
-        c = c0 + tl.arange(0, BC)
-        mask = rmask[:, None] & (c < C)[None, :]
-        off = rows[:, None] * C + c[None, :]
-        x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + off, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + c, mask=c < C, other=0.0).to(tl.float32)
+        g, x, w, off, mask = _rms_rows(g_ptr, x_ptr, w_ptr, rows, rmask, c0 + tl.arange(0, BC), C)
         ss += tl.sum(x * x, axis=1)
         dot += tl.sum(g * w[None, :] * x, axis=1)
     rstd = 1.0 / tl.sqrt(ss / C + eps)
     mean_gx = dot * rstd / C  # mean(g_xhat * xhat)
     for c0 in range(0, C, BC):
         c = c0 + tl.arange(0, BC)
-        mask = rmask[:, None] & (c < C)[None, :]
-        off = rows[:, None] * C + c[None, :]
-        x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + off, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + c, mask=c < C, other=0.0).to(tl.float32)
+        g, x, w, off, mask = _rms_rows(g_ptr, x_ptr, w_ptr, rows, rmask, c, C)
         xhat = x * rstd[:, None]
         gx = rstd[:, None] * (g * w[None, :] - xhat * mean_gx[:, None])
         tl.store(gx_ptr + off, gx, mask=mask)

@@ -251,7 +251,7 @@ class GraphedRunner:
         return lend
 
     def replay_backward(self, grads: Sequence[torch.Tensor | None],
-                        lend: Mapping[int, "GraphedRunner"] = {}) -> tuple:
+                        lend: Mapping[int, "GraphedRunner"] | None = None) -> tuple:
         if self.bwd_graph is None:
             return tuple(None for _ in self.surface)
         _LENT.check_writer(self)
@@ -271,7 +271,7 @@ class GraphedRunner:
         out = []
         with traffic.runtime_copy("grad clones"):
             for i, g in enumerate(self.static_grad_inputs):
-                if i in lend:
+                if lend and i in lend:
                     _LENT.lend(g, lend[i], self)
                     out.append(g)
                 else:

@@ -75,22 +75,20 @@ def kernel_launches(func: torch._ops.OpOverload) -> int:
     return LAUNCHES.get(func._schema.name, 1)
 
 
-def _argument(func: torch._ops.OpOverload, args: tuple, kwargs: dict, name: str):
+def _arguments(func: torch._ops.OpOverload, args: tuple, kwargs: dict):
+    """``(schema argument, value given)`` for each argument of the call."""
     for i, arg in enumerate(func._schema.arguments):
-        if arg.name == name:
-            return kwargs.get(name) if arg.kwarg_only or i >= len(args) else args[i]
-    raise KeyError(f"{func._schema.name} has no argument {name!r}")
+        yield arg, kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
+
+
+def _is_written(arg) -> bool:
+    return arg.alias_info is not None and arg.alias_info.is_write
 
 
 def written_args(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensor arguments the schema marks as written (``Tensor(a!)``)."""
-    written = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
-        written.extend(_tensors(value))
-    return written
+    return [t for arg, value in _arguments(func, args, kwargs) if _is_written(arg)
+            for t in _tensors(value)]
 
 
 # In-place ops that overwrite ``self`` without reading it (a copy writes its destination only).
@@ -102,13 +100,10 @@ def _out_args(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[to
     it (``copy_``, ``zero_``, ``fill_``) and, for ops that write into buffers they are given
     (``mhc_cg::post_into``), written arguments named ``out`` or ``*_out``."""
     found = [args[0]] if func.overloadpacket in OVERWRITE_SELF and args else []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        if arg.kwarg_only:
-            found.extend(_tensors(kwargs.get(arg.name)))
-        elif arg.name == "out" or arg.name.endswith("_out"):
-            found.extend(_tensors(kwargs.get(arg.name) if i >= len(args) else args[i]))
+    for arg, value in _arguments(func, args, kwargs):
+        if _is_written(arg) and (arg.kwarg_only or arg.name == "out"
+                                 or arg.name.endswith("_out")):
+            found.extend(_tensors(value))
     return found
 
 
@@ -126,8 +121,9 @@ def op_bytes(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -
     arguments a fused op reads twice), and the outputs and written arguments (each tensor once)."""
     written_only = {id(t): t for t in _out_args(func, args, kwargs)}
     read = sum(tensor_bytes(t) for t in _tensors((args, kwargs)) if id(t) not in written_only)
-    read += sum(tensor_bytes(t) for name in READ_TWICE.get(func._schema.name, ())
-                for t in _tensors(_argument(func, args, kwargs, name)))
+    twice = READ_TWICE.get(func._schema.name, ())
+    read += sum(tensor_bytes(t) for arg, value in _arguments(func, args, kwargs)
+                if arg.name in twice for t in _tensors(value))
     written = {id(t): t for t in _tensors(out)}
     written.update((id(t), t) for t in written_args(func, args, kwargs))
     return read, sum(tensor_bytes(t) for t in written.values())
