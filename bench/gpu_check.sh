@@ -16,6 +16,10 @@
 # what ran. The limits add up to GPU_CHECK_BUDGET_S (default 1140 s, under 20 minutes); a part
 # that would start with less than 15 s left is skipped and says so.
 #
+# GPU_CHECK_PARTS (space-separated, default all: tests probe bench profile timeline) runs a subset,
+# so the checklist can be split over calls of a machine that limits one command's time; the
+# summary is then appended to, not rewritten.
+#
 # --dry-run (or MHC_CG_GPU_CHECK_DRY=1): the same parts on the CPU with a tiny config and the tape
 # backend, a few steps each, three modes (eager_none, graphed_static, attn_split); CI runs it
 # (tests/test_gpu_check.py). GPU_CHECK_MODES, GPU_CHECK_TESTS and GPU_CHECK_CONFIG override the
@@ -29,7 +33,8 @@ PY=${PYTHON:-python}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT_DIR"
 SUMMARY="$OUT_DIR/summary.tsv"
-printf 'part\tstatus\texit_code\tseconds\tlimit_s\n' > "$SUMMARY"
+PARTS=${GPU_CHECK_PARTS:-tests probe bench profile timeline}
+[ -s "$SUMMARY" ] && [ -n "${GPU_CHECK_PARTS:-}" ] || printf 'part\tstatus\texit_code\tseconds\tlimit_s\n' > "$SUMMARY"
 START=$(date +%s)
 
 # BUDGET: seconds for all parts; LIMITS: each part's own limit (a profile's applies per mode)
@@ -69,7 +74,7 @@ limit_of() { local kv; for kv in "${LIMITS[@]}"; do [ "${kv%%=*}" = "$1" ] && ec
 
 {
     echo "# bench/gpu_check.sh $([ "$DRY" = 1 ] && echo --dry-run) $OUT_DIR"
-    echo "started $(date -u +%Y-%m-%dT%H:%M:%SZ); config $CFG; budget ${BUDGET} s"
+    echo "started $(date -u +%Y-%m-%dT%H:%M:%SZ); config $CFG; budget ${BUDGET} s; parts $PARTS"
     echo "git $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git status --porcelain --untracked-files=no 2>/dev/null | grep -q . && echo ' (uncommitted changes)')"
     "$PY" - <<'EOF' 2>&1
 import importlib.util, platform, torch
@@ -83,11 +88,12 @@ for name in ("triton", "yaml", "nvtx", "megatron.core", "transformer_engine"):
     print(f"{name}: {'yes' if found else 'no'}")
 EOF
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
-} > "$OUT_DIR/env.txt" 2>&1
+} >> "$OUT_DIR/env.txt" 2>&1
 
 # part NAME LIMIT_S LOG CMD...: run CMD under min(LIMIT_S, what is left), log to LOG, one summary line
 part() {
     local name=$1 limit=$2 log=$3; shift 3
+    case " $PARTS " in *" ${name%%:*} "*) ;; *) return 0 ;; esac
     local left=$(( BUDGET - ($(date +%s) - START) ))
     mkdir -p "$(dirname "$log")"
     if [ "$left" -lt 15 ]; then
