@@ -1,18 +1,44 @@
-"""megatron-core glue for mhc_cg.
+"""mhc_cg inside Megatron: mHC layers, the static runtime under megatron's TE graph helper.
 
-* ``transformer_config``: ``MHCTransformerConfig``, a ``TransformerConfig`` with the mHC fields;
-* ``mapping``: ``to_transformer_config(RunConfig)``, from mhc_cg's YAML config;
-* ``layer``: ``MegatronMHCTransformerLayer`` / ``MHCTransformerBlock`` and ``get_mhc_layer_spec``;
-* ``sdpa_attention``: ``SDPACoreAttention``, a core attention that runs on the CPU;
-* ``static``: ``StaticMHCBlock``, that block on mhc_cg's static-buffer runtime (recompute graphs);
-* ``graphed_layer``: megatron's TE layer graphs as mHC sublayers on the static runtime;
-* ``graph_hook``: megatron's ``TECudaGraphHelper`` with the recompute graphs captured along its order;
-* ``main_branch``: Megatron-LM ``main``'s own ``HyperConnectionTransformerLayer`` on mhc_cg's block
-  recompute and static buffers (needs ``main``'s megatron.core on the path when used);
-* ``main_config``, ``main_process``, ``main_runs``: ``main``'s GPT under its TE graph helper, run
-  in a child process with ``main``'s megatron first on the path (``mhc-cg megatron``);
-* ``megatron_training``: training with megatron-core's ``forward_backward_func``; ``step_probe``:
-  what a step holds and replays; ``cpu_shims``: megatron on a CPU build of torch.
+What a Megatron user imports, from here (each loaded on first use: importing this package
+imports nothing from megatron-core):
 
-Importing this package imports nothing from megatron-core; import the submodules.
+* ``MHCTransformerConfig``, ``to_transformer_config``: megatron-core's config with the mHC fields,
+  and mhc_cg's YAML mapped onto it (``config/``);
+* ``get_mhc_layer_spec``, ``MHCTransformerBlock``: mhc_cg's mHC layer as a megatron-core layer
+  spec; ``main_mhc_layer_spec``: Megatron-LM main's own ``HyperConnectionTransformerLayer``
+  (``layers/``);
+* ``make_te_graph_helper``: megatron's ``TECudaGraphHelper`` with every decoder on mhc_cg's static
+  runtime and the recompute graphs captured along the helper's order; ``install_static_recompute``
+  and ``StaticMHCBlock`` for the parts (``capture/``).
+
+``harness/`` is not for import by users: it runs Megatron-LM snapshots in child processes for
+``mhc-cg megatron`` and the tests (training loop, measurements, CPU shims, TransformerEngine's
+graph API on the tape).
 """
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "MHCTransformerConfig": "megatron_integration.config.transformer_config",
+    "to_transformer_config": "megatron_integration.config.field_map",
+    "get_mhc_layer_spec": "megatron_integration.layers.mhc_layer",
+    "MHCTransformerBlock": "megatron_integration.layers.mhc_layer",
+    "MegatronMHCTransformerLayer": "megatron_integration.layers.mhc_layer",
+    "main_mhc_layer_spec": "megatron_integration.layers.main_layer",
+    "make_te_graph_helper": "megatron_integration.capture.te_graph_helper",
+    "install_static_recompute": "megatron_integration.capture.install",
+    "StaticMHCBlock": "megatron_integration.capture.static_block",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'megatron_integration' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

@@ -5,14 +5,14 @@ source snapshot of Megatron-LM ``main``'s ``megatron/core``) is extracted into a
 and imported by a *separate* Python process whose ``PYTHONPATH`` puts it first: in that process
 ``import megatron.core`` is ``main``'s, while the pinned megatron-core of the test process is
 untouched. Finding the snapshot and running the child are the shipped
-:mod:`megatron_integration.main_process`'s (``mhc-cg megatron`` uses the same).
+:mod:`megatron_integration.harness.child_process`'s (``mhc-cg megatron`` uses the same).
 
 The parent side (``snapshot_archive``, ``extract_snapshot``, ``run_job``) is imported by the tests.
 The child side is this file run as a script: ``python megatron_main_oracle.py JOB OUT.json ARGS``
-installs the CPU shims (:mod:`megatron_integration.cpu_shims`), runs one job (a function of this
+installs the CPU shims (:mod:`megatron_integration.harness.cpu_shims`), runs one job (a function of this
 module named in ``JOBS``) and writes its JSON result to ``OUT.json``. The jobs measure; the tests
 assert. ``run_job(None, ...)`` runs a job on the pinned megatron-core instead of ``main``; jobs
-that use megatron's TE graph helper load the TransformerEngine stand-in (``tests/te_standin``)
+that use megatron's TE graph helper load the TransformerEngine stand-in (``megatron_integration/harness/te_on_tape``)
 after megatron.
 """
 
@@ -23,12 +23,12 @@ import os
 import sys
 from pathlib import Path
 
-from megatron_integration.main_process import (ARCHIVE_GLOB, extract_snapshot,  # noqa: F401
+from megatron_integration.harness.child_process import (ARCHIVE_GLOB, extract_snapshot,  # noqa: F401
                                                load_te_standin, run_child, snapshot_archive,
                                                third_party_dirs)
 
 HERE = Path(__file__).resolve().parent
-STANDIN = HERE / "te_standin"
+STANDIN = HERE.parent / "megatron_integration" / "harness" / "te_on_tape"
 CHILD_TIMEOUT_S = 300
 HELPER_JOBS = ("main_helper", "core_helper")  # jobs that run megatron's TE graph helper
 
@@ -160,7 +160,7 @@ LAYER_SHAPE = dict(num_layers=4, num_attention_heads=4, use_cpu_initialization=T
 
 def _init_model_parallel() -> None:
     """One gloo process, tensor/pipeline sizes 1: megatron's parallel state on CPU."""
-    from megatron_integration.megatron_training import init_single_process
+    from megatron_integration.harness.training import init_single_process
 
     init_single_process(cpu=True, seed=0)
 
@@ -172,7 +172,7 @@ def _main_blocks(hidden: int, hidden_dropout: float, block_size: int):
     from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_integration.main_branch import main_mhc_layer_spec
+    from megatron_integration.layers.main_layer import main_mhc_layer_spec
 
     shape = dict(LAYER_SHAPE, hidden_size=hidden, ffn_hidden_size=2 * hidden)
     plain_cfg = TransformerConfig(**shape, hidden_dropout=hidden_dropout)
@@ -245,7 +245,8 @@ def main_layer_job(seq: int = 8, batch: int = 2, hidden: int = 32, block_size: i
     """
     import torch
 
-    from megatron_integration.main_branch import MainBlock, StaticMainBlock
+    from megatron_integration.capture.static_block import StaticMainBlock
+    from megatron_integration.layers.main_layer import MainBlock
     from mhc_cg.core.errors import StaticRecomputeError
     from mhc_cg.runtime.graphs import get_backend
 
@@ -334,10 +335,10 @@ def _shaped(base, shape: dict):
 
 def main_helper_job(shapes: list[dict]) -> dict:
     """Megatron-LM main's GPT under its TE graph helper, for each shape: main's three runs and
-    mhc_cg's (``megatron_integration.main_runs.compare_runs``, what ``mhc-cg megatron --compare``
+    mhc_cg's (``megatron_integration.harness.main_runs.compare_runs``, what ``mhc-cg megatron --compare``
     runs), from the shipped config with the shape's layers, block size and microbatches."""
     from mhc_cg.config import load_config
-    from megatron_integration.main_runs import RUNS, compare_runs
+    from megatron_integration.harness.main_runs import RUNS, compare_runs
 
     _init_model_parallel()
     base = load_config(MAIN_CONFIG).replace(train={"device": "cpu"})
@@ -355,10 +356,10 @@ def _core_gpt(run: str, shape: dict, setup):
     import torch
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from megatron_integration.graph_hook import make_te_graph_helper
-    from megatron_integration.layer import MHCTransformerBlock, get_mhc_layer_spec
-    from megatron_integration.megatron_training import wrap_for_training
-    from megatron_integration.transformer_config import MHCTransformerConfig
+    from megatron_integration.capture.te_graph_helper import make_te_graph_helper
+    from megatron_integration.layers.mhc_layer import MHCTransformerBlock, get_mhc_layer_spec
+    from megatron_integration.harness.training import wrap_for_training
+    from megatron_integration.config.transformer_config import MHCTransformerConfig
 
     graphed = run == "mhc_cg"
     config = MHCTransformerConfig(
@@ -385,8 +386,8 @@ def _core_gpt(run: str, shape: dict, setup):
 def core_helper_job(shapes: list[dict]) -> dict:
     """megatron-core 0.16.1 (pinned) with our own mHC layer: eager without recompute, eager block
     recompute, and mhc_cg under megatron-core's TE graph helper, for each shape."""
-    from megatron_integration.graph_hook import chunk_decoder
-    from megatron_integration.megatron_training import TrainSetup, train_run, use_microbatches
+    from megatron_integration.capture.te_graph_helper import chunk_decoder
+    from megatron_integration.harness.training import TrainSetup, train_run, use_microbatches
 
     _init_model_parallel()
     cases = []
@@ -415,7 +416,7 @@ JOBS = {"hyper_connection": hyper_connection_job, "main_layer": main_layer_job,
 
 def _child(argv: list[str]) -> None:
     job, out, kwargs, snapshot = argv[0], Path(argv[1]), json.loads(argv[2]), argv[3]
-    from megatron_integration.cpu_shims import install_cpu_shims
+    from megatron_integration.harness.cpu_shims import install_cpu_shims
 
     install_cpu_shims()
     import megatron.core

@@ -1,5 +1,5 @@
 """megatron-core's TECudaGraphHelper drives mhc_cg's static runtime, on the CPU (tape graphs through
-the TransformerEngine stand-in in ``tests/te_standin``).
+the TransformerEngine stand-in in ``megatron_integration/harness/te_on_tape``).
 
 * Megatron-LM main (the snapshot; ``tests/megatron_main_oracle.py``): main's GPT of
   ``HyperConnectionTransformerLayer``s, trained with megatron's ``forward_backward_func`` under
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from megatron_main_oracle import extract_snapshot, run_job, skip_reason, snapshot_archive
-from megatron_integration.graph_hook import RecomputeGraphKey, recompute_capture_order
+from megatron_integration.capture.te_graph_helper import RecomputeGraphKey, recompute_capture_order
 
 ROOT = Path(__file__).resolve().parent.parent
 # (layers, layers per recompute block, microbatches): one block, two, a partial last block,

@@ -14,10 +14,10 @@ from mhc_cg.core.errors import ConfigError  # noqa: E402
 from mhc_cg.training.pipeline.driver import free_port  # noqa: E402
 from mhc_cg.tools.planner import plan  # noqa: E402
 from mhc_cg.core.schedule import pipeline_order  # noqa: E402
-from megatron_integration.transformer_config import MHCTransformerConfig  # noqa: E402
-from megatron_integration.graph_hook import (RecomputeCaptureMixin, RecomputeGraphKey,  # noqa: E402
+from megatron_integration.config.transformer_config import MHCTransformerConfig  # noqa: E402
+from megatron_integration.capture.te_graph_helper import (RecomputeCaptureMixin, RecomputeGraphKey,  # noqa: E402
                                              recompute_capture_order)
-from megatron_integration.mapping import to_transformer_config  # noqa: E402
+from megatron_integration.config.field_map import to_transformer_config  # noqa: E402
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 SHAPE = dict(num_layers=4, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
@@ -60,7 +60,7 @@ def test_newer_cuda_graph_modules_spelling_is_accepted():
     (dict(enable_hyper_connections=False, mhc_recompute_layer_num=2), "enable_hyper_connections is False"),
     (dict(mhc_recompute_layer_num=None), "mhc_recompute_layer_num is None"),
     (dict(mhc_recompute_layer_num=2, hidden_dropout=0.1, mhc_dropout_impl="torch"),
-     "cannot rewind that generator"),
+     "cannot rewind"),
 ])
 def test_graphed_recompute_needs_mhc_recompute_and_replayable_dropout(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -124,7 +124,7 @@ def model_parallel():
 
 
 def run_block(cfg: MHCTransformerConfig, cpu_attention: bool = True, device: str = "cpu"):
-    from megatron_integration.layer import MHCTransformerBlock, get_mhc_layer_spec
+    from megatron_integration.layers.mhc_layer import MHCTransformerBlock, get_mhc_layer_spec
 
     torch.manual_seed(0)
     if device == "cuda":
@@ -241,8 +241,8 @@ def test_block_on_static_buffers_equals_without_recompute(model_parallel, graphs
     """megatron-core's mHC block through mhc_cg's static runtime (arena slots, persistent sets,
     tape recompute graphs), two microbatches in flight: outputs and every gradient bit-identical."""
     from mhc_cg.runtime.graphs import get_backend
-    from megatron_integration.layer import MHCTransformerBlock, get_mhc_layer_spec
-    from megatron_integration.static import StaticMHCBlock
+    from megatron_integration.layers.mhc_layer import MHCTransformerBlock, get_mhc_layer_spec
+    from megatron_integration.capture.static_block import StaticMHCBlock
 
     base = dict(hidden_dropout=0.1, mhc_dropout_impl="counter")
     out0, dx0, grads0, _ = run_block(mhc_config(**base))

@@ -119,7 +119,7 @@ def test_megatron_main_saved_bytes_per_layer(main_layer):
 def test_megatron_main_layer_module_imports_without_main():
     """The adapter module imports with the pinned megatron-core; using it says what it needs."""
     pytest.importorskip("megatron.core")
-    from megatron_integration import main_branch as main_layer
+    from megatron_integration.layers import main_layer
 
     try:
         import megatron.core.transformer.hyper_connection  # noqa: F401

@@ -9,6 +9,14 @@ GRAPH_BACKENDS = ("auto", "cuda", "te", "tape")
 SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mhc_recompute")
 MOE_SCOPES = ("moe", "moe_router", "moe_preprocess")
 RECOMPUTE_SCOPE = "mhc_recompute"
+
+
+def split_recompute_scope(scopes) -> tuple[list[str], bool]:
+    """``(the scopes megatron knows, whether 'mhc_recompute' was listed)``: megatron's
+    ``CudaGraphScope`` has no ``mhc_recompute``, so it is taken off before megatron parses them."""
+    return [s for s in scopes if s != RECOMPUTE_SCOPE], RECOMPUTE_SCOPE in scopes
+
+
 # what static-buffer recompute graphs when no scope is configured
 DEFAULT_STATIC_SCOPES = ("attn", RECOMPUTE_SCOPE)
 

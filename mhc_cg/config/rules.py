@@ -19,7 +19,8 @@ import math
 from typing import TYPE_CHECKING
 
 from mhc_cg.config.choices import (DEVICES, DROPOUT_IMPLS, GRAPH_BACKENDS, MIN_VOCAB_SIZE,
-                                   MODEL_RECOMPUTE, MOE_SCOPES, RECOMPUTE_SCOPE, SCOPES)
+                                   MODEL_RECOMPUTE, MOE_SCOPES, RECOMPUTE_SCOPE, SCOPES,
+                                   split_recompute_scope)
 from mhc_cg.core.dtypes import DTYPE_BYTES, TRAIN_DTYPES
 from mhc_cg.core.errors import ConfigError, did_you_mean, is_positive_int
 from mhc_cg.core.schedule import schedule_problems
@@ -245,14 +246,26 @@ def recompute_graph_problems(*, mhc_on: bool, block_recompute: bool, dropout_imp
         problems.append(f"{scope}: 'mhc_recompute' captures the block recompute, but "
                         f"{fields['recompute']}; {fields['recompute_fix']} or remove "
                         f"'mhc_recompute'")
-    if dropout_impl == "torch" and dropout > 0:
-        problems.append(
-            f"{fields['dropout_impl']}: 'torch' draws its mask from the stateful generator; a "
-            f"replayed recompute graph cannot rewind that generator, so the recompute would draw a "
-            f"different mask than the forward and the gradients would be wrong; set "
-            f"{fields['dropout_impl']}: counter (mask = hash(seed, index), the same on every "
-            f"replay), or {fields['dropout']}: 0, or remove 'mhc_recompute' from {scope}")
-    return problems
+    problem = stateful_dropout_problem(dropout_impl, dropout, fields["dropout_impl"],
+                                       fields["dropout"], also=f"or remove 'mhc_recompute' from {scope}")
+    return problems + ([problem] if problem else [])
+
+
+def stateful_dropout_problem(dropout_impl: str, dropout: float, impl_field: str | None,
+                             dropout_field: str, also: str = "") -> str | None:
+    """The one rule of dropout under recompute into static slots (or a replayed graph): a mask
+    drawn from torch's stateful generator cannot be redrawn, so the recompute would draw another
+    mask and the gradients would be wrong. ``impl_field`` is ``None`` where the layer has no
+    counter dropout to switch to (Megatron-LM main's)."""
+    if dropout_impl != "torch" or not dropout > 0:
+        return None
+    fix = (f"set {impl_field}: counter (mask = hash(seed, index), the same on every replay), or "
+           f"{dropout_field}: 0" if impl_field else f"set {dropout_field}: 0")
+    what = (f"{impl_field}: 'torch' draws the mask" if impl_field
+            else f"{dropout_field}: {dropout} draws its mask")
+    return (f"{what} from the stateful generator, which a recompute into static slots (or a "
+            f"replayed graph) cannot rewind, so the recompute would draw another mask; "
+            f"{fix}{', ' + also if also else ''}")
 
 
 def _pipeline_problems(cfg: "RunConfig") -> list[str]:
@@ -343,4 +356,63 @@ def pipeline_driver_problems(cfg: "RunConfig") -> list[str]:
     if cfg.model.is_moe:
         problems.append("model.num_experts: the pipeline driver runs dense models; set "
                         "num_experts: null or parallel.pp_size: 1")
+    return problems
+
+
+# --------------------------------------------------------------------------------------------
+# Megatron-LM main's own mHC layer under its TE graph helper, on mhc_cg's runtime.
+
+# eager training steps before megatron's helper captures (its ``cuda_graph_warmup_steps``)
+MEGATRON_WARMUP_STEPS = 1
+MEGATRON_BACKENDS = ("te", "auto")
+
+
+def megatron_main_problems(cfg: "RunConfig") -> list[str]:
+    """What ``main``'s ``HyperConnectionTransformerLayer`` under ``TECudaGraphHelper`` with
+    mhc_cg's static-buffer recompute needs beyond the general rules."""
+    m, t, p, g = cfg.model, cfg.train, cfg.parallel, cfg.graph
+    problems = []
+    if m.num_streams < 2:
+        problems.append(f"model.num_streams: {m.num_streams} turns mHC off; set 2 or more (4 in the paper)")
+    if m.recompute != "block":
+        problems.append("model.recompute: mhc_cg's runtime is the mHC recompute; set model.recompute: "
+                        "block (megatron's recompute_modules: [mhc])")
+    if m.dropout_impl != "torch":
+        problems.append(f"model.dropout_impl: Megatron-LM main's mHC layer draws its dropout from "
+                        f"torch's generator, not {m.dropout_impl!r}; set model.dropout_impl: torch")
+    if (problem := stateful_dropout_problem("torch", m.hidden_dropout, None,
+                                            "model.hidden_dropout")) is not None:
+        problems.append(problem)
+    if m.is_moe:
+        problems.append("model.num_experts: Megatron-LM main refuses MoE MLPs inside "
+                        "HyperConnectionTransformerLayer; set model.num_experts: null")
+    if m.recompute_activation:
+        problems.append("model.recompute_activation: not wired for Megatron-LM main's MLP; set false")
+    if t.dtype != "bf16":
+        problems.append(f"train.dtype: {t.dtype!r}: megatron-core's TECudaGraphHelper makes each "
+                        f"layer's static inputs bf16; set train.dtype: bf16")
+    if p.pp_size != 1 or p.vpp_size != 1:
+        problems.append(f"parallel.pp_size: {p.pp_size} x vpp_size {p.vpp_size}: Megatron-LM main "
+                        f"refuses mHC with pipeline parallelism; set pp_size: 1 and vpp_size: 1")
+    if g.backend not in MEGATRON_BACKENDS:
+        problems.append(f"graph.backend: {g.backend!r}: megatron's TECudaGraphHelper captures with "
+                        f"TransformerEngine's make_graphed_callables; set graph.backend: te (or auto)")
+    problems += _megatron_scope_problems(g.scopes, g.scope_field)
+    if t.steps <= MEGATRON_WARMUP_STEPS:
+        problems.append(f"train.steps: {t.steps}: the first {MEGATRON_WARMUP_STEPS} step runs eagerly before "
+                        f"megatron's helper captures; set train.steps to {MEGATRON_WARMUP_STEPS + 1} or more")
+    return problems
+
+
+def _megatron_scope_problems(scopes: list[str], field: str) -> list[str]:
+    layer_scopes, _ = split_recompute_scope(scopes)
+    fix = f"set {field}: [attn, {RECOMPUTE_SCOPE}]"
+    problems = []
+    if "attn" not in layer_scopes:
+        problems.append(f"{field}: {scopes} graphs no layer, but megatron's helper graphs the "
+                        f"attention sublayer with its mHC ops; {fix}")
+    others = [s for s in layer_scopes if s != "attn"]
+    if others:
+        problems.append(f"{field}: {others} not supported with mhc_cg under megatron's helper yet "
+                        f"(the MLP sublayer runs eagerly on the static runtime); {fix}")
     return problems

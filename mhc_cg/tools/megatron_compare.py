@@ -1,8 +1,8 @@
 """``mhc-cg megatron``'s work: Megatron-LM main's mHC GPT under megatron's TE graph helper.
 
-:func:`run` checks a config for the megatron path (:mod:`megatron_integration.main_config`),
-runs :mod:`megatron_integration.main_runs` in a child process with Megatron-LM main's megatron
-first on the path (:mod:`megatron_integration.main_process`) and returns its result;
+:func:`run` checks a config for the megatron path (:func:`mhc_cg.config.rules.megatron_main_problems`),
+runs :mod:`megatron_integration.harness.main_runs` in a child process with Megatron-LM main's megatron
+first on the path (:mod:`megatron_integration.harness.child_process`) and returns its result;
 :func:`to_json` and :func:`format_table` present it.
 """
 
@@ -14,9 +14,10 @@ import torch
 
 from mhc_cg.config import RunConfig
 from mhc_cg.core.errors import ConfigError
-from megatron_integration.main_config import megatron_problems, split_recompute_scope
-from megatron_integration.main_process import find_main, run_main_job
-from megatron_integration.main_runs import REFERENCES, RUNS
+from mhc_cg.config.choices import split_recompute_scope
+from mhc_cg.config.rules import megatron_main_problems
+from megatron_integration.harness.child_process import find_main, run_main_job
+from megatron_integration.harness.main_runs import REFERENCES, RUNS
 
 OURS = "mhc_cg"
 JSON_FIELDS = ("losses", "saved_bytes_per_layer", "layer_graph_replays_per_step",
@@ -36,7 +37,7 @@ def resolve_device(cfg: RunConfig) -> str:
 def run(cfg: RunConfig, compare: bool, progress: bool = True) -> dict:
     """Train ``mhc_cg`` (and with ``compare`` main's three runs) in a child process; its result
     (``ConfigError`` for a config the megatron path cannot run, or when main is not found)."""
-    problems = megatron_problems(cfg)
+    problems = megatron_main_problems(cfg)
     if problems:
         raise ConfigError(problems)
     device = resolve_device(cfg)

@@ -35,6 +35,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import torch.nn.functional as F
 
+from mhc_cg.config.rules import stateful_dropout_problem
 from mhc_cg.core import traffic
 from mhc_cg.core.errors import StaticRecomputeError
 from mhc_cg.model import MLP, MHCSublayer, MHCTransformerLayer, recomputes_activation
@@ -142,10 +143,10 @@ class StaticRecompute:
         if block_size < 1:
             raise StaticRecomputeError(f"block_size must be >= 1, got {block_size}")
         cfg = layers[0].attention.cfg
-        if cfg.dropout_impl == "torch" and cfg.hidden_dropout > 0:
-            raise StaticRecomputeError(
-                "static-buffer recompute needs dropout_impl='counter': a recompute (and a replayed "
-                "graph) cannot rewind torch's stateful generator to redraw the forward's mask")
+        problem = stateful_dropout_problem(cfg.dropout_impl, cfg.hidden_dropout,
+                                           "dropout_impl", "hidden_dropout")
+        if problem is not None:
+            raise StaticRecomputeError(f"static-buffer recompute: {problem}")
         self.layers = list(layers)
         self.block_size = block_size
         self.blocks = [self.layers[i:i + block_size] for i in range(0, len(self.layers), block_size)]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from megatron.core.transformer import TransformerConfig
 
-from mhc_cg.config.choices import DROPOUT_IMPLS, RECOMPUTE_SCOPE as MHC_SCOPE
+from mhc_cg.config.choices import DROPOUT_IMPLS, RECOMPUTE_SCOPE as MHC_SCOPE, split_recompute_scope
 from mhc_cg.config.rules import recompute_graph_problems
 from mhc_cg.ops.kernels import KERNELS
 
@@ -103,10 +103,9 @@ class MHCTransformerConfig(TransformerConfig):
             if value is None or not _scope_list(value) or not all(
                     isinstance(s, str) for s in _scope_list(value)):
                 continue  # already enums (megatron-core parsed it), or empty
-            scopes = _scope_list(value)
-            if MHC_SCOPE in scopes:
+            scopes, listed = split_recompute_scope(_scope_list(value))
+            if listed:
                 self.mhc_recompute_graph = True
-                scopes = [s for s in scopes if s != MHC_SCOPE]
                 if not scopes and self.cuda_graph_impl != "none":
                     # megatron-core reads an empty scope as "capture the whole layer".
                     raise ValueError(f"{name}=['{MHC_SCOPE}'] leaves megatron-core an empty scope, "

@@ -1,7 +1,7 @@
 """Megatron-LM main's own mHC GPT under its TE graph helper, on mhc_cg's runtime and beside main's.
 
 Every run trains ``main``'s ``GPTModel`` of ``HyperConnectionTransformerLayer``s from the same
-weights, data and update (:mod:`megatron_integration.megatron_training`):
+weights, data and update (:mod:`megatron_integration.harness.training`):
 
 * ``main_eager_none``: no recompute, no graphs;
 * ``main_eager_mhc``: ``main``'s own ``recompute_modules: [mhc]``, eager;
@@ -9,11 +9,11 @@ weights, data and update (:mod:`megatron_integration.megatron_training`):
   ``cuda_graph_modules: [attn]``: the attention side's mHC ops run inside the layer graph, where
   no recompute manager reaches them, so ``main`` keeps them (today's silent drop);
 * ``mhc_cg``: the same layers with ``GraphedSublayerMixin`` on mhc_cg's static runtime, the layer
-  graphs captured by ``main``'s helper (:func:`megatron_integration.graph_hook.make_te_graph_helper`)
+  graphs captured by ``main``'s helper (:func:`megatron_integration.capture.te_graph_helper.make_te_graph_helper`)
   and the recompute graphs along its order.
 
-It needs ``main``'s megatron.core first on the path: :mod:`megatron_integration.main_process`
-runs it as ``python -m megatron_integration.main_runs SPEC.json OUT.json`` in a child process.
+It needs ``main``'s megatron.core first on the path: :mod:`megatron_integration.harness.child_process`
+runs it as ``python -m megatron_integration.harness.main_runs SPEC.json OUT.json`` in a child process.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 from mhc_cg.config import RunConfig
 from mhc_cg.core.dtypes import TORCH_DTYPES
 
-from .main_config import WARMUP_STEPS, main_config_kwargs
-from .megatron_training import TrainSetup, train_run, wrap_for_training
+from megatron_integration.config.field_map import WARMUP_STEPS, main_config_kwargs
+from megatron_integration.harness.training import TrainSetup, train_run, wrap_for_training
 
 RUNS = ("main_eager_none", "main_eager_mhc", "main_graphed_mhc", "mhc_cg")
 REFERENCES = ("main_eager_none", "main_eager_mhc")  # what mhc_cg must equal bit for bit
@@ -66,8 +66,8 @@ def build_run(run: str, cfg: RunConfig, cpu: bool):
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
 
-    from .graph_hook import make_te_graph_helper
-    from .main_branch import main_mhc_layer_spec
+    from megatron_integration.capture.te_graph_helper import make_te_graph_helper
+    from megatron_integration.layers.main_layer import main_mhc_layer_spec
 
     kwargs, recompute_graph = main_config_kwargs(cfg)
     config = main_transformer_config(run_kwargs(kwargs, run))
@@ -92,7 +92,7 @@ def compare_runs(cfg: RunConfig, runs: list[str], cpu: bool) -> dict:
     ``bit_identical`` holds when every step's loss and every gradient byte of ``mhc_cg`` equal
     those of each reference run present (``None`` when there is nothing to compare).
     """
-    from .megatron_training import use_microbatches
+    from megatron_integration.harness.training import use_microbatches
 
     use_microbatches(setup_of(cfg))
     results = {}
@@ -117,13 +117,13 @@ def child_main(argv: list[str]) -> None:
     spec = json.loads(Path(argv[0]).read_text())
     cpu = spec["device"] != "cuda"
     if cpu:
-        from .cpu_shims import install_cpu_shims
+        from megatron_integration.harness.cpu_shims import install_cpu_shims
 
         install_cpu_shims()
     import megatron.core  # noqa: F401  (before TransformerEngine's stand-in, see main_process)
 
-    from .main_process import STANDIN_ENV, load_te_standin
-    from .megatron_training import init_single_process
+    from megatron_integration.harness.child_process import STANDIN_ENV, load_te_standin
+    from megatron_integration.harness.training import init_single_process
 
     if os.environ.get(STANDIN_ENV):
         load_te_standin(os.environ[STANDIN_ENV])

@@ -9,17 +9,17 @@
   pipeline stage, contracts them (mean) before the final layernorm on the last. With
   ``config.mhc_recompute_layer_num = L_r`` it runs groups of L_r layers under one
   ``mhc_cg.runtime.recompute.eager.BlockRecomputeManager`` (``run_recompute_blocks``, the same code as mhc_cg's
-  own model, over the step adapters of ``megatron_integration.steps``): every mHC step (mappings, aggregate, norm, H_post,
+  own model, over the step adapters of ``megatron_integration.layers.steps``): every mHC step (mappings, aggregate, norm, H_post,
   H_res, bias-dropout-add) is a ``CheckpointWithoutOutput`` whose output is freed after the block;
   the block input and each F output stay; one hook on the block's last output recomputes the rest.
   Blocks restart at each block (model chunk), so they never cross a pipeline stage.
 * ``get_mhc_layer_spec``: megatron-core's local GPT layer spec with ``MegatronMHCTransformerLayer``.
   ``cpu_attention=True`` swaps the core attention for ``SDPACoreAttention``
-  (``megatron_integration.sdpa_attention``): megatron-core 0.16's ``DotProductAttention`` cannot
+  (``megatron_integration.layers.sdpa_attention``): megatron-core 0.16's ``DotProductAttention`` cannot
   run without CUDA.
 * Under megatron's TE graph helper (``cuda_graph_impl: transformer_engine``) the layer's graph is
   its attention sublayer on mhc_cg's static runtime (``GraphedSublayerMixin``,
-  ``megatron_integration.graphed_layer``; the helper: ``megatron_integration.graph_hook``).
+  ``megatron_integration.layers.graphed_sublayer``; the helper: ``megatron_integration.capture.te_graph_helper``).
 
 Pipeline parallelism across processes would also need megatron-core's p2p tensor shape to be
 ``[s, b, n*C]`` (it assumes ``hidden_size``); that is not wired here.
@@ -42,10 +42,10 @@ from mhc_cg.ops.hyper_connection import HyperConnection, contract_streams, expan
 from mhc_cg.model import sublayer_forward
 from mhc_cg.runtime.recompute.eager import run_recompute_blocks
 
-from .graphed_layer import GraphedSublayerMixin
-from .sdpa_attention import SDPACoreAttention
-from .transformer_config import MHCTransformerConfig
-from .steps import LayerSteps
+from megatron_integration.layers.graphed_sublayer import GraphedSublayerMixin
+from megatron_integration.layers.sdpa_attention import SDPACoreAttention
+from megatron_integration.config.transformer_config import MHCTransformerConfig
+from megatron_integration.layers.steps import LayerSteps
 
 
 def get_mhc_layer_spec(*, cpu_attention: bool = False, normalization: str = "RMSNorm") -> ModuleSpec:

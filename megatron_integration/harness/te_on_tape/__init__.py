@@ -1,4 +1,12 @@
-"""Load the TransformerEngine stand-in into a process that has imported megatron already.
+"""TransformerEngine's graph API on mhc_cg's tape, for megatron's TE graph helper on a CPU.
+
+``transformer_engine/`` beside this file is a stand-in for TE's package: its
+``make_graphed_callables`` is mhc_cg's (``mhc_cg.runtime.graphs``) on the ``tape`` backend, with
+TE's argument names and ``_order`` semantics; FP8 is refused. It exists so that megatron's own
+``TECudaGraphHelper`` can run where TE cannot be installed (no GPU): ``mhc-cg megatron`` on a CPU
+and the tests. On a GPU, real TransformerEngine is used and this is never loaded.
+
+``load()`` puts it into a process that has imported megatron already.
 
 Order matters: megatron's ``extensions/transformer_engine.py`` subclasses TE's modules at import
 (``class TELinear(te.pytorch.Linear)``), which the stand-in does not have, and other modules
@@ -19,7 +27,7 @@ else:
   the CPU runs every op synchronously, so waiting for the device is a no-op.
 
 ``torch.cuda.current_device`` and ``torch.cuda.empty_cache`` are not touched here: the first is
-part of running megatron on the CPU at all (``megatron_integration.cpu_shims``), the second is
+part of running megatron on the CPU at all (``megatron_integration.harness.cpu_shims``), the second is
 already a no-op without CUDA.
 """
 

@@ -12,9 +12,9 @@ this process, so work on ``main``'s layer runs in a child process whose ``PYTHON
    kept in a sub-folder): the snapshot the tests use.
 
 A snapshot is extracted into a scratch folder. Megatron's TE graph helper needs
-TransformerEngine, which installs only with CUDA: on a machine without a GPU the child loads the
-test stand-in of an mhc_cg checkout (``tests/te_standin``) after megatron, never shipped in the
-package (``MHC_CG_TE_STANDIN`` names its folder for the child).
+TransformerEngine, which installs only with CUDA: on a machine without a GPU the child loads
+:mod:`megatron_integration.harness.te_on_tape` after megatron (TE's graph API on mhc_cg's tape,
+FP8 refused); ``MHC_CG_TE_STANDIN`` names its folder for the child.
 """
 
 from __future__ import annotations
@@ -34,12 +34,13 @@ from typing import Iterator
 
 from mhc_cg.core.errors import ConfigError
 
-REPO = Path(__file__).resolve().parent.parent
+# the folder that holds ``megatron_integration`` (a checkout, or site-packages)
+REPO = Path(__file__).resolve().parents[2]
 ARCHIVE_GLOB = "megatron-lm-main-*.tar.gz"
 MAIN_ENV = "MHC_CG_MEGATRON_LM"
 THIRD_PARTY_ENV = "MHC_CG_THIRD_PARTY"
 STANDIN_ENV = "MHC_CG_TE_STANDIN"
-STANDIN_DIR = REPO / "tests" / "te_standin"
+STANDIN_DIR = Path(__file__).resolve().parent / "te_on_tape"
 MHC_MODULE = Path("megatron", "core", "transformer", "hyper_connection.py")
 
 
@@ -119,20 +120,15 @@ def te_standin_for(device: str) -> Path | None:
                               "TransformerEngine, which is not installed; pip install "
                               "'transformer-engine[pytorch]', or set train.device: cpu")
         return None
-    if not (STANDIN_DIR / "load_te_standin.py").is_file():
-        raise ConfigError(f"train.device: cpu: megatron's TECudaGraphHelper needs TransformerEngine, "
-                          f"which needs a GPU; on the CPU mhc-cg uses the test stand-in of an "
-                          f"mhc_cg checkout ({STANDIN_DIR}), which this installation lacks; run "
-                          f"from a checkout, or on a GPU with transformer-engine")
     return STANDIN_DIR
 
 
 def load_te_standin(folder: str | Path) -> None:
     """In a child that has imported megatron: load the stand-in of ``folder`` (its
-    ``load_te_standin.py``, imported by path so that ``transformer_engine`` is not importable
-    before megatron's modules are)."""
-    path = Path(folder) / "load_te_standin.py"
-    spec = importlib.util.spec_from_file_location("load_te_standin", path)
+    ``__init__.py``, imported by path so that ``transformer_engine`` is not importable before
+    megatron's modules are)."""
+    path = Path(folder) / "__init__.py"
+    spec = importlib.util.spec_from_file_location("te_on_tape_loader", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     module.load()
@@ -187,7 +183,7 @@ def run_child(argv: list[str], first_on_path: list[Path], *, env: dict | None = 
 
 
 def run_main_job(spec: dict, *, progress_prefix: str | None = None) -> dict:
-    """Run ``megatron_integration.main_runs`` on ``spec`` in a child with ``main`` first on the
+    """Run ``megatron_integration.harness.main_runs`` on ``spec`` in a child with ``main`` first on the
     path; its result (``RuntimeError`` with the child's output if it fails)."""
     source = find_main()
     standin = te_standin_for(spec["device"])
@@ -195,7 +191,7 @@ def run_main_job(spec: dict, *, progress_prefix: str | None = None) -> dict:
     with main_on_path(source) as first, tempfile.TemporaryDirectory(prefix="mhc_cg_job_") as tmp:
         spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "out.json")
         spec_path.write_text(json.dumps(spec))
-        status, output = run_child(["-m", "megatron_integration.main_runs", str(spec_path),
+        status, output = run_child(["-m", "megatron_integration.harness.main_runs", str(spec_path),
                                     str(out_path)], first, env=env, forward_prefix=progress_prefix)
         if status != 0:
             raise RuntimeError(f"the Megatron-LM main process ({source.describe()}) failed with "

@@ -13,7 +13,7 @@ its functions need ``main``'s ``megatron.core`` first on the path when called.
   block recompute, static buffers and recompute graphs) then runs ``main``'s modules unchanged.
 * ``MainBlock``: ``main``'s ``TransformerBlock`` of those layers, forward through ``mhc_cg``'s
   eager block recompute (``forward_block_recompute``) or its static-buffer runtime
-  (``StaticMainBlock``).
+  (``megatron_integration.capture.static_block.StaticMainBlock``).
 
 The steps keep ``main``'s arithmetic op for op, so gradients equal ``main``'s no-recompute path
 bit for bit: F returns ``(output, bias)`` with the bias not added (``skip_bias_add``), and
@@ -32,15 +32,13 @@ from typing import Callable
 
 from torch import Tensor
 
-from mhc_cg.core.errors import StaticRecomputeError
 from mhc_cg.model import HyperConnectionSteps
 from mhc_cg.runtime.recompute.eager import BlockRecomputeManager, run_recompute_blocks
 
-from .graphed_layer import GraphedSublayerMixin
-from .static import StaticMHCBlock
-from .steps import LayerSteps
+from megatron_integration.layers.graphed_sublayer import GraphedSublayerMixin
+from megatron_integration.layers.steps import LayerSteps
 
-MAIN_NEEDED = ("megatron_integration.main_branch: needs Megatron-LM main's megatron.core "
+MAIN_NEEDED = ("megatron_integration.layers.main_layer: needs Megatron-LM main's megatron.core "
                "(megatron.core.transformer.hyper_connection); the installed megatron-core has no "
                "mHC: put a main checkout first on PYTHONPATH")
 
@@ -61,7 +59,7 @@ def main_mhc_layer_spec(normalization: str = "RMSNorm", *, cpu_attention: bool =
 
     ``cpu_attention``: the core attention is ``SDPACoreAttention`` (``megatron_integration.
     sdpa_attention``). ``graphed``: the layer is ``main``'s with ``GraphedSublayerMixin``, for
-    megatron's TE layer graphs on mhc_cg's static runtime (``graphed_layer``); same parameters.
+    megatron's TE layer graphs on mhc_cg's static runtime (``graphed_sublayer``); same parameters.
     """
     hyper_connection, layer = _main_modules()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -71,7 +69,7 @@ def main_mhc_layer_spec(normalization: str = "RMSNorm", *, cpu_attention: bool =
     spec.submodules.self_attention_hyper_connection = hyper_connection
     spec.submodules.mlp_hyper_connection = hyper_connection
     if cpu_attention:
-        from .sdpa_attention import SDPACoreAttention
+        from megatron_integration.layers.sdpa_attention import SDPACoreAttention
 
         spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return spec
@@ -197,32 +195,3 @@ class MainBlock:
         x = run_recompute_blocks(self.steps, self.streams_in(hidden_states), None, size,
                                  self.managers)
         return self.streams_out(x)
-
-
-class StaticMainBlock(StaticMHCBlock):
-    """``main``'s mHC block on static buffers (arena slots, persistent sets, recompute graphs).
-
-    ``hidden_dropout`` must be 0: ``main``'s dropout draws from torch's stateful generator, which
-    a recompute into fixed slots (and a replayed graph) cannot rewind.
-    """
-
-    steps_type = MainLayerSteps
-
-    def __init__(self, block, *, seq_length: int, micro_batch_size: int, capacity: int = 1):
-        if block.config.hidden_dropout > 0:
-            raise StaticRecomputeError(
-                f"hidden_dropout={block.config.hidden_dropout}: Megatron-LM main's mHC dropout "
-                f"draws from torch's stateful generator, which a recompute into static slots (or a "
-                f"replayed graph) cannot rewind; set hidden_dropout=0 for StaticMainBlock")
-        self.main = MainBlock(block)
-        super().__init__(block, seq_length=seq_length, micro_batch_size=micro_batch_size,
-                         capacity=capacity)
-
-    def mhc_enabled(self, config) -> bool:
-        return bool(getattr(config, "enable_mhc_connections", False))
-
-    def streams_in(self, hidden_states: Tensor) -> Tensor:
-        return self.main.streams_in(hidden_states)
-
-    def streams_out(self, x: Tensor) -> Tensor:
-        return self.main.streams_out(x)

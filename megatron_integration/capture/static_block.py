@@ -1,20 +1,24 @@
-"""megatron-core's mHC block on mhc_cg's static-buffer runtime (arena slots, recompute graphs).
+"""megatron's mHC blocks on mhc_cg's static-buffer runtime (arena slots, recompute graphs).
 
 ``StaticMHCBlock(block, ...)`` runs an ``MHCTransformerBlock``'s layers through
 ``mhc_cg.runtime.recompute.static.StaticRecompute``: the mHC ops of each sublayer save into arena slots,
 the block input and every F output go to a persistent slot set, and a hook on each recompute
 block's output re-runs (or, after ``capture_recompute_graphs``, replays) the block's mHC ops
 before its backward. Megatron's modules are used as they are, through the step adapters of
-``megatron_integration.steps``.
+``megatron_integration.layers.steps``.
 """
 
 from __future__ import annotations
 
 from torch import Tensor, nn
 
+from mhc_cg.config.rules import stateful_dropout_problem
+from mhc_cg.core.errors import StaticRecomputeError
+
 from mhc_cg.runtime.recompute.static import StaticRecompute, build_static_recompute
 
-from .steps import LayerSteps
+from megatron_integration.layers.main_layer import MainBlock, MainLayerSteps
+from megatron_integration.layers.steps import LayerSteps
 
 
 class StaticMHCBlock:
@@ -25,7 +29,7 @@ class StaticMHCBlock:
     at construction (``seq_length``, ``micro_batch_size``); ``capacity`` microbatches may be in
     flight. Blocks of ``config.mhc_recompute_layer_num`` layers (all layers when unset).
     Subclasses for another layer type override ``steps_type``, ``mhc_enabled`` and the stream
-    boundaries (``megatron_integration.main_branch.StaticMainBlock``).
+    boundaries (``StaticMainBlock`` below).
     """
 
     steps_type = LayerSteps
@@ -78,3 +82,31 @@ class StaticMHCBlock:
         return self.streams_out(x)
 
     __call__ = forward
+
+
+class StaticMainBlock(StaticMHCBlock):
+    """``main``'s mHC block on static buffers (arena slots, persistent sets, recompute graphs).
+
+    ``hidden_dropout`` must be 0: ``main``'s dropout draws from torch's stateful generator, which
+    a recompute into fixed slots (and a replayed graph) cannot rewind.
+    """
+
+    steps_type = MainLayerSteps
+
+    def __init__(self, block, *, seq_length: int, micro_batch_size: int, capacity: int = 1):
+        problem = stateful_dropout_problem("torch", block.config.hidden_dropout, None,
+                                           "hidden_dropout")
+        if problem is not None:
+            raise StaticRecomputeError(f"StaticMainBlock: {problem}")
+        self.main = MainBlock(block)
+        super().__init__(block, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                         capacity=capacity)
+
+    def mhc_enabled(self, config) -> bool:
+        return bool(getattr(config, "enable_mhc_connections", False))
+
+    def streams_in(self, hidden_states: Tensor) -> Tensor:
+        return self.main.streams_in(hidden_states)
+
+    def streams_out(self, x: Tensor) -> Tensor:
+        return self.main.streams_out(x)

@@ -18,7 +18,7 @@ each leaves nothing allocated, so capturing them after the layer graphs does not
 layer graphs' pool order, and they replay wherever a block's backward needs them.
 
 ``make_te_graph_helper`` puts every model chunk's decoder on the static runtime
-(:func:`megatron_integration.graphed_layer.install_static_recompute`: the layers' TE graphs are
+(:func:`megatron_integration.capture.install.install_static_recompute`: the layers' TE graphs are
 their attention sublayers with mHC state in arena slots) and returns the helper; call its
 ``create_cudagraphs()`` where megatron's training loop does.
 """
@@ -141,11 +141,11 @@ def make_te_graph_helper(model, config, seq_length: int, micro_batch_size: int,
     decoder is put on the static runtime first, if it is not yet. ``recompute_graphs``: capture
     the recompute graphs (default: ``config.mhc_recompute_graph``, set by ``mhc_recompute`` in
     the scope of an ``MHCTransformerConfig``). Needs TransformerEngine (on the CPU, the test
-    stand-in in ``tests/te_standin``); megatron-core's helper asserts its graph support.
+    stand-in in ``megatron_integration/harness/te_on_tape``); megatron-core's helper asserts its graph support.
     """
     from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
 
-    from .graphed_layer import install_static_recompute
+    from megatron_integration.capture.install import install_static_recompute
 
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     for chunk in chunks:
@@ -166,7 +166,6 @@ def make_te_graph_helper(model, config, seq_length: int, micro_batch_size: int,
 def static_block_type(config) -> type:
     """``StaticMHCBlock`` for our layer (an ``MHCTransformerConfig``), ``StaticMainBlock`` for
     Megatron-LM main's ``HyperConnectionTransformerLayer``."""
-    from .main_branch import StaticMainBlock
-    from .static import StaticMHCBlock
+    from megatron_integration.capture.static_block import StaticMainBlock, StaticMHCBlock
 
     return StaticMHCBlock if hasattr(config, "enable_hyper_connections") else StaticMainBlock

@@ -6,7 +6,7 @@ master weights, so every run of a comparison sees the same data and the same upd
 graph ``helper``, the first ``warmup_steps`` run eagerly and the helper captures before the next
 (as megatron's training loop does with ``cuda_graph_warmup_steps``). It records each step's loss
 and a hash of every gradient byte, and what the last step holds and replays
-(:mod:`megatron_integration.step_probe`).
+(:mod:`megatron_integration.harness.step_probe`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from torch import Tensor
 from mhc_cg.core.progress import log
 from mhc_cg.training.data import ProgressionCorpus
 
-from .graph_hook import chunk_decoder
-from .step_probe import measuring
+from megatron_integration.capture.te_graph_helper import chunk_decoder
+from megatron_integration.harness.step_probe import measuring
 
 TOOL = "mhc-cg megatron"
 

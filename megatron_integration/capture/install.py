@@ -1,0 +1,95 @@
+"""Put a megatron decoder's training forward on mhc_cg's static-buffer runtime.
+
+``install_static_recompute(decoder, ...)`` puts a decoder (megatron's ``TransformerBlock`` of
+``GraphedSublayerMixin`` layers) on the runtime: the decoder's training forward becomes the
+runtime's chunk forward (persistent set per microbatch, block hooks that run or replay the
+recompute), and every layer that holds graphs is called through megatron's ``__call__`` for its
+attention sublayer, so each layer graph replays once per microbatch. Evaluation and ``no_grad``
+run the decoder's own forward.
+
+What it does to the model: the decoder's class becomes a subclass of its own with the static
+forward (as ``torch.nn.utils.parametrize`` does), and it gains ``mhc_static``; each layer gains
+``mhc_site``. Parameters and submodules are untouched.
+
+One persistent slot set (one microbatch in flight: no pipeline parallelism): a captured graph
+writes the set it was captured with.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from megatron_integration.capture.static_block import StaticMHCBlock
+from megatron_integration.layers.graphed_sublayer import GraphedSublayerMixin, SublayerSite
+
+
+class StaticDecoderMixin:
+    """A ``TransformerBlock`` whose training forward runs on ``self.mhc_static`` (its runtime)."""
+
+    mhc_static: StaticMHCBlock
+
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, **kwargs):
+        if not (self.training and torch.is_grad_enabled()):
+            return super().forward(hidden_states, attention_mask, **kwargs)
+        static = self.mhc_static
+        graphed = graphed_sublayer_fns(self.layers, attention_mask, kwargs)
+        return static.forward(hidden_states, attention_mask, static.draw_seed(hidden_states),
+                              sublayer_fns=graphed, **kwargs)
+
+
+def graphed_sublayer_fns(layers, attention_mask: Tensor | None,
+                         kwargs: dict) -> dict[tuple[int, int], Callable]:
+    """``{(layer number, 0): fn}`` for the layers that hold TE graphs: ``fn(x, seed)`` calls the
+    layer through megatron's ``__call__`` (which replays this microbatch's graph)."""
+    fns = {}
+    for layer in layers:
+        if getattr(layer, "cuda_graphs", None):
+            def replay(x: Tensor, seed: Tensor | None, layer=layer) -> tuple:
+                out, y, *state = layer(hidden_states=x, attention_mask=attention_mask, **kwargs)
+                return out, y, (state[0] if state else None)
+            fns[(layer.layer_number, 0)] = replay
+    return fns
+
+
+_STATIC_DECODERS: dict[type, type] = {}
+
+
+def _static_decoder_class(cls: type) -> type:
+    if cls not in _STATIC_DECODERS:
+        _STATIC_DECODERS[cls] = type(f"Static{cls.__name__}", (StaticDecoderMixin, cls), {})
+    return _STATIC_DECODERS[cls]
+
+
+def install_static_recompute(decoder, static_type: type[StaticMHCBlock], *, seq_length: int,
+                             micro_batch_size: int) -> StaticMHCBlock:
+    """Put ``decoder``'s training forward on a ``static_type`` runtime (see the module docstring).
+
+    The decoder keeps its parameters and submodules; its class becomes a subclass of its own
+    with the static forward (as ``torch.nn.utils.parametrize`` does). Every layer must be a
+    ``GraphedSublayerMixin`` when megatron's TE graphs are on, or the helper would capture the
+    layer's own attention path, whose mHC state is not in the slots.
+    """
+    if decoder.config.pipeline_model_parallel_size > 1:
+        raise NotImplementedError(
+            f"install_static_recompute: pipeline_model_parallel_size="
+            f"{decoder.config.pipeline_model_parallel_size}: a layer graph writes the one persistent "
+            f"slot set it was captured with, so one microbatch may be in flight here; run pipeline "
+            f"parallelism on mhc_cg's own pipeline driver (mhc-cg train with parallel.pp_size)")
+    if decoder.config.cuda_graph_impl == "transformer_engine":
+        plain = [type(layer).__name__ for layer in decoder.layers
+                 if not isinstance(layer, GraphedSublayerMixin)]
+        if plain:
+            raise TypeError(f"install_static_recompute: layers {sorted(set(plain))} are not "
+                            f"GraphedSublayerMixin layers; build the model from the graphed layer "
+                            f"spec (main_mhc_layer_spec(graphed=True) for Megatron-LM main)")
+    static = static_type(decoder, seq_length=seq_length, micro_batch_size=micro_batch_size)
+    decoder.mhc_static = static
+    decoder.__class__ = _static_decoder_class(type(decoder))
+    runtime = static.runtime
+    seed = runtime.sets.all_sets()[0].seed if static.seeded else None
+    for index, (layer, steps) in enumerate(zip(decoder.layers, static.steps)):
+        layer.mhc_site = SublayerSite(runtime, steps, index % runtime.block_size, seed)
+    return static

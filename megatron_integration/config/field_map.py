@@ -1,0 +1,132 @@
+"""mhc_cg's YAML ``RunConfig`` as megatron's ``TransformerConfig``: one field map, two spellings.
+
+``transformer_config_kwargs`` / ``to_transformer_config``: mhc_cg's own layer on megatron-core
+(``MHCTransformerConfig``, the dev branch's field names). ``main_config_kwargs``: Megatron-LM
+main's own ``HyperConnectionTransformerLayer`` (main's ``TransformerConfig``, main's names, plain
+values that cross a process boundary as JSON). Both take the shared fields from
+``_shared_kwargs``.
+
+==============================  =============================================================
+RunConfig                       MHCTransformerConfig
+==============================  =============================================================
+model.num_layers/hidden_size    num_layers / hidden_size
+model.num_heads                 num_attention_heads
+model.ffn_hidden_size           ffn_hidden_size
+model.hidden_dropout            hidden_dropout (attention_dropout 0: mhc_cg's attention has none)
+model.dropout_impl              mhc_dropout_impl
+model.kernels                   mhc_kernels
+model.init_std                  init_method_std
+model.num_streams               num_residual_streams; enable_hyper_connections = n > 1
+model.sinkhorn_iterations       mhc_sinkhorn_iterations
+model.init_gating_factor        mhc_init_gating_factor
+model.recompute (block)         mhc_recompute_layer_num = L_r (None when recompute is none)
+model.num_experts/moe_top_k     num_moe_experts / moe_router_topk
+model.moe_ffn_hidden_size       moe_ffn_hidden_size
+train.dtype                     params_dtype, pipeline_dtype, bf16 / fp16
+train.device == cpu             use_cpu_initialization
+parallel.pp_size / vpp_size     pipeline_model_parallel_size / virtual_pipeline_model_parallel_size
+parallel.microbatch_group_size  microbatch_group_size_per_vp_stage
+graph.cuda_graph_scope          cuda_graph_scope (``mhc_recompute`` -> mhc_recompute_graph)
+graph.backend                   cuda_graph_impl: ``te`` -> transformer_engine (megatron-core's
+                                TECudaGraphHelper captures the layers); cuda/tape/auto -> none
+                                (mhc_cg's own graphed callables capture them)
+==============================  =============================================================
+
+Normalisation is RMSNorm (as mhc_cg's model); fusions that need CUDA extensions are off.
+
+Megatron-LM main's spellings and settings, where they differ:
+
+==============================  =============================================================
+RunConfig                       Megatron-LM main's TransformerConfig
+==============================  =============================================================
+model.num_streams               enable_mhc_connections, mhc_num_residual_streams
+model.recompute: block          recompute_granularity: selective, recompute_modules: [mhc]
+train.dtype                     params_dtype / pipeline_dtype as a string ("bf16")
+graph.cuda_graph_scope          cuda_graph_modules without ``mhc_recompute`` (returned apart:
+                                mhc_cg captures the recompute graphs)
+graph.backend                   always transformer_engine (megatron's TECudaGraphHelper);
+                                ``cuda_graph_warmup_steps`` = ``WARMUP_STEPS``
+==============================  =============================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mhc_cg.config import RunConfig, check
+from mhc_cg.config.choices import split_recompute_scope
+from mhc_cg.core.dtypes import TORCH_DTYPES
+
+# eager training steps before megatron's helper captures (its ``cuda_graph_warmup_steps``)
+from mhc_cg.config.rules import MEGATRON_WARMUP_STEPS as WARMUP_STEPS
+
+# fused kernels that need CUDA extensions; mhc_cg's bias-dropout-add is its own
+_NO_CUDA_FUSIONS = dict(bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+                        masked_softmax_fusion=False, apply_rope_fusion=False)
+
+
+def _shared_kwargs(run_cfg: RunConfig) -> dict[str, Any]:
+    """The fields both spellings share."""
+    m, t = run_cfg.model, run_cfg.train
+    return dict(num_layers=m.num_layers, hidden_size=m.hidden_size,
+                num_attention_heads=m.num_heads, ffn_hidden_size=m.ffn_hidden_size,
+                hidden_dropout=m.hidden_dropout, attention_dropout=0.0,
+                init_method_std=m.init_std, normalization="RMSNorm",
+                mhc_sinkhorn_iterations=m.sinkhorn_iterations,
+                mhc_init_gating_factor=m.init_gating_factor, bf16=t.dtype == "bf16",
+                **_NO_CUDA_FUSIONS)
+
+
+def transformer_config_kwargs(run_cfg: RunConfig) -> dict[str, Any]:
+    """The keyword arguments of ``MHCTransformerConfig`` that ``run_cfg`` implies."""
+    check(run_cfg)
+    m, t, p = run_cfg.model, run_cfg.train, run_cfg.parallel
+    scopes = run_cfg.graph.scopes
+    kwargs = _shared_kwargs(run_cfg)
+    kwargs.update(
+        enable_hyper_connections=m.num_streams > 1,
+        num_residual_streams=m.num_streams,
+        mhc_recompute_layer_num=m.resolved_recompute_layers if m.recompute == "block" else None,
+        mhc_dropout_impl=m.dropout_impl,
+        mhc_kernels=m.kernels,
+        params_dtype=TORCH_DTYPES[t.dtype],
+        pipeline_dtype=TORCH_DTYPES[t.dtype],
+        fp16=t.dtype == "fp16",
+        use_cpu_initialization=t.device == "cpu",
+        pipeline_model_parallel_size=p.pp_size,
+        virtual_pipeline_model_parallel_size=p.vpp_size if p.vpp_size > 1 else None,
+        microbatch_group_size_per_vp_stage=p.microbatch_group_size,
+        cuda_graph_scope=scopes,
+        cuda_graph_impl="transformer_engine" if scopes and run_cfg.graph.backend == "te" else "none",
+    )
+    if m.is_moe:
+        kwargs.update(num_moe_experts=m.num_experts, moe_router_topk=m.moe_top_k,
+                      moe_ffn_hidden_size=m.moe_ffn_hidden_size)
+    return kwargs
+
+
+def to_transformer_config(run_cfg: RunConfig, **overrides: Any):
+    """``run_cfg`` (validated first) as megatron-core's ``MHCTransformerConfig``; ``overrides`` win."""
+    from megatron_integration.config.transformer_config import MHCTransformerConfig
+
+    return MHCTransformerConfig(**{**transformer_config_kwargs(run_cfg), **overrides})
+
+
+def main_config_kwargs(run_cfg: RunConfig) -> tuple[dict[str, Any], bool]:
+    """``(Megatron-LM main's TransformerConfig keyword arguments, capture the recompute graphs)``.
+
+    Types are plain (dtype as a string, ``"bf16"``): the arguments cross a process boundary as
+    JSON; :func:`megatron_integration.harness.main_runs.main_transformer_config` builds the config.
+    """
+    m, t = run_cfg.model, run_cfg.train
+    layer_scopes, recompute_graph = split_recompute_scope(run_cfg.graph.scopes)
+    kwargs = _shared_kwargs(run_cfg)
+    kwargs.update(
+        enable_mhc_connections=m.num_streams > 1, mhc_num_residual_streams=m.num_streams,
+        recompute_granularity="selective", recompute_modules=["mhc"],
+        mhc_recompute_layer_num=m.resolved_recompute_layers,
+        params_dtype=t.dtype, pipeline_dtype=t.dtype,
+        use_cpu_initialization=t.device != "cuda",
+        cuda_graph_impl="transformer_engine", cuda_graph_modules=layer_scopes,
+        cuda_graph_warmup_steps=WARMUP_STEPS)
+    return kwargs, recompute_graph

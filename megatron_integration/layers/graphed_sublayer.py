@@ -1,0 +1,85 @@
+"""The layer side of megatron's TE layer graphs on mhc_cg's static runtime.
+
+megatron-core's ``TECudaGraphHelper`` (``cuda_graph_impl: transformer_engine``) graphs each
+``GraphableMegatronModule`` layer: TE's ``make_graphed_callables`` calls the layer, whose
+``__call__`` routes to ``_te_cuda_graph_capture`` while the helper captures, and to
+``_te_cuda_graph_replay`` once the layer holds graphs. ``GraphedSublayerMixin`` (put before the
+layer class in the bases) makes both the *attention sublayer on the n*C stream* of the static
+runtime, mHC ops included:
+
+* capture: ``StaticRecompute.sublayer`` of the attention steps, so its mHC ops save into arena
+  slots and F's output and the block input go to the persistent slot set; the graph returns
+  ``(output, F output)`` (and a fused sublayer's mapping state);
+* replay: megatron's own replay (its manual parameter hooks, the graph of this microbatch);
+  the MLP sublayer stays with the runtime, eager.
+
+Where the layer runs on the runtime (``SublayerSite``) is set by
+:func:`megatron_integration.capture.install.install_static_recompute`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+import torch
+
+from mhc_cg.runtime.recompute.static import StaticRecompute
+
+from megatron_integration.layers.steps import LayerSteps
+
+
+@dataclass
+class SublayerSite:
+    """Where a layer's attention sublayer runs on the runtime: its steps and block position."""
+
+    runtime: StaticRecompute
+    steps: LayerSteps
+    position: int
+    seed: Tensor | None  # the persistent set's seed buffer, when dropout draws from seeds
+
+    def attention(self, x: Tensor, attention_mask: Tensor | None, kwargs: dict) -> tuple:
+        """The attention sublayer with its mHC ops in slots: ``(output, F output)``, and the
+        mapping state after them for a fused sublayer (a graph's outputs are tensors)."""
+        self.steps.bind(attention_mask, **kwargs)
+        out, y, state = self.runtime.sublayer(self.steps.attention, self.position, 0, x, self.seed)
+        # F's output and the state only feed the persistent set
+        return (out, y.detach()) if state is None else (out, y.detach(), state.detach())
+
+
+class GraphedSublayerMixin:
+    """The attention sublayer, mHC ops included, as the layer's TE graph; see the module docstring."""
+
+    mhc_site: SublayerSite | None = None
+
+    def get_layer_static_inputs(self, seq_length: int, micro_batch_size: int) -> dict:
+        """megatron's static inputs with the hidden states on the n*C stream, in the layer's dtype."""
+        inputs = super().get_layer_static_inputs(seq_length, micro_batch_size)
+        hidden = inputs["hidden_states"]
+        cfg = self._site().steps.attention.cfg
+        inputs["hidden_states"] = torch.ones(
+            (hidden.shape[0], hidden.shape[1], cfg.num_streams * cfg.hidden_size),
+            dtype=self.config.params_dtype, device=hidden.device, requires_grad=True)
+        return inputs
+
+    def _te_cuda_graph_capture(self, hidden_states: Tensor, attention_mask: Tensor | None = None,
+                               **kwargs) -> tuple:
+        return self._site().attention(hidden_states, attention_mask, _attention_kwargs(kwargs))
+
+    def _te_cuda_graph_replay(self, *args, **kwargs):
+        from megatron.core.transformer.module import GraphableMegatronModule
+
+        # megatron's replay of this microbatch's graph, without TransformerLayer's eager MLP after it
+        return GraphableMegatronModule._te_cuda_graph_replay(self, *args, **kwargs)
+
+    def _site(self) -> SublayerSite:
+        if self.mhc_site is None:
+            raise RuntimeError(f"{type(self).__name__} {self.layer_number}: no static runtime; call "
+                               f"megatron_integration.capture.install.install_static_recompute on "
+                               f"its decoder before the TE graph helper captures it")
+        return self.mhc_site
+
+
+def _attention_kwargs(kwargs: dict) -> dict:
+    """The layer keywords the attention takes (TE adds ``is_first_microbatch`` for its modules)."""
+    return {k: v for k, v in kwargs.items() if k != "is_first_microbatch"}
