@@ -207,18 +207,12 @@ def _train_step(block, forward, x0, seed: int, measure=None):
     return out.detach(), x.grad.clone(), grads, nbytes
 
 
-def _saved_bytes(block, saved, exclude=()) -> int:
+def _saved_bytes(block, saved, exclude=frozenset()) -> int:
     """Bytes of the distinct storages autograd keeps from this forward to its backward, parameters
-    excluded (a storage the recompute freed counts zero)."""
-    params = {p.untyped_storage()._cdata for p in block.parameters()}
-    seen, total = set(), 0
-    for t in saved:
-        storage = t.untyped_storage()
-        if storage._cdata in params or storage._cdata in seen or storage.data_ptr() in exclude:
-            continue
-        seen.add(storage._cdata)
-        total += storage.nbytes()
-    return total
+    and the storages in ``exclude`` left out (a storage the recompute freed counts zero)."""
+    from mhc_cg.core.storage import distinct_storage_bytes, storage_id
+
+    return distinct_storage_bytes(saved, {storage_id(p) for p in block.parameters()} | set(exclude))
 
 
 def _compare(reference, other) -> dict:
@@ -249,6 +243,7 @@ def main_layer_job(seq: int = 8, batch: int = 2, hidden: int = 32, block_size: i
     from megatron_integration.layers.main_layer import MainBlock
     from mhc_cg.core.errors import StaticRecomputeError
     from mhc_cg.runtime.graphs import get_backend
+    from mhc_cg.core.storage import storage_id
 
     _init_model_parallel()
     result = {}
@@ -290,14 +285,15 @@ def main_layer_job(seq: int = 8, batch: int = 2, hidden: int = 32, block_size: i
             static.capture_recompute_graphs(get_backend("tape"))
             runtime = static.runtime
             pset_ptrs = {p for s in runtime.sets.all_sets() for p in s.data_ptrs()}
-            arena_ptr = runtime.arena.buffer.untyped_storage().data_ptr()
+            static_storages = {storage_id(t) for s in runtime.sets.all_sets() for t in s.tensors()}
+            static_storages.add(storage_id(runtime.arena.buffer))
             other = []
 
             def measure(block, saved):
                 entry["saved_in_static_buffers"] = sum(
                     runtime.arena.contains(t) or t.untyped_storage().data_ptr() in pset_ptrs
                     for t in saved)
-                nbytes = _saved_bytes(block, saved, exclude=pset_ptrs | {arena_ptr})
+                nbytes = _saved_bytes(block, saved, exclude=static_storages)
                 # a second microbatch in flight before the first one's backward
                 other.append(static(torch.randn(seq, batch, hidden),
                                     attention_mask=mask))

@@ -18,6 +18,7 @@ from mhc_cg.runtime.recompute.arena import ALIGN_BYTES
 from mhc_cg.cli import main
 from mhc_cg.config import RunConfig, load_config
 from mhc_cg.core.errors import ConfigError
+from mhc_cg.core.storage import distinct_storage_bytes, storage_id
 from mhc_cg.runtime.graphs import get_backend
 from mhc_cg.tools.memory.measure import measure_saved_bytes
 from mhc_cg.runtime.modes.eager import EagerModel
@@ -163,12 +164,10 @@ def _heap_saved_bytes(model, runtime, ids, seed) -> tuple[int, object]:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = runtime.forward(model.embed(ids), seed)
-    static = {p.untyped_storage()._cdata for p in model.parameters()}
-    static |= {t.untyped_storage()._cdata for s in runtime.sets.all_sets()
+    static = {storage_id(p) for p in model.parameters()}
+    static |= {storage_id(t) for s in runtime.sets.all_sets()
                for t in (*s.block_inputs, *s.fn_outputs.values(), *s.fc1_outputs.values())}
-    seen = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in saved
-            if not runtime.arena.contains(t) and t.untyped_storage()._cdata not in static}
-    return sum(seen.values()), out
+    return distinct_storage_bytes([t for t in saved if not runtime.arena.contains(t)], static), out
 
 
 def test_a_microbatch_keeps_one_activation_less_per_layer_under_the_static_runtime():

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Iterator
 
 from mhc_cg.core.errors import ConfigError
+from mhc_cg.runtime.graphs.backends import te_available
 
 # the folder that holds ``megatron_integration`` (a checkout, or site-packages)
 REPO = Path(__file__).resolve().parents[2]
@@ -115,7 +116,7 @@ def find_main() -> MainSource:
 def te_standin_for(device: str) -> Path | None:
     """The stand-in folder the child loads in place of TransformerEngine, or ``None`` for real TE."""
     if device == "cuda":
-        if importlib.util.find_spec("transformer_engine") is None:
+        if not te_available():
             raise ConfigError("train.device: cuda runs megatron's TECudaGraphHelper with "
                               "TransformerEngine, which is not installed; pip install "
                               "'transformer-engine[pytorch]', or set train.device: cpu")

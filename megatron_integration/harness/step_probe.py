@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor
 
-from mhc_cg.core.storage import storage_id
+from mhc_cg.core.storage import storage_bytes, storage_id
 
 
 def _count_checkpoints() -> tuple[Callable[[], int], Callable[[], None]]:
@@ -91,7 +91,7 @@ def held_bytes(decoder: torch.nn.Module, saved: list[Tensor]) -> int | None:
     megatron's eager recompute re-allocates in the backward is its.
     """
     excluded = {storage_id(p) for p in decoder.parameters()}
-    storages = {storage_id(t): t.untyped_storage().nbytes() for t in saved}
+    storages = storage_bytes(saved)
     for layer in decoder.layers:
         graphs = getattr(layer, "cuda_graphs", None)
         if graphs:
@@ -102,8 +102,7 @@ def held_bytes(decoder: torch.nn.Module, saved: list[Tensor]) -> int | None:
     static = getattr(decoder, "mhc_static", None)
     if static is not None:
         runtime = static.runtime
-        storages.update((storage_id(t), t.untyped_storage().nbytes())
-                        for t in _set_tensors(runtime.sets.all_sets()[0]))
+        storages.update(storage_bytes(runtime.sets.all_sets()[0].tensors()))
         excluded.add(storage_id(runtime.arena.buffer))
     return sum(nbytes for key, nbytes in storages.items() if key not in excluded)
 
@@ -112,10 +111,6 @@ def arena_bytes(decoder: torch.nn.Module) -> int:
     """The static runtime's arena (one recompute block's mHC state, once per rank); 0 without."""
     static = getattr(decoder, "mhc_static", None)
     return static.runtime.arena.nbytes if static is not None else 0
-
-
-def _set_tensors(pset) -> list[Tensor]:
-    return [*pset.block_inputs, *pset.fn_outputs.values(), *pset.fc1_outputs.values(), pset.seed]
 
 
 def backward_reads(graphed: Callable) -> dict[int, int] | None:

@@ -8,12 +8,11 @@ first on the path (:mod:`megatron_integration.harness.child_process`) and return
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from mhc_cg.config import RunConfig
 from mhc_cg.core.errors import ConfigError
+from mhc_cg.runtime.graphs.backends import te_available
 from mhc_cg.config.choices import split_recompute_scope
 from mhc_cg.config.rules import megatron_main_problems
 from megatron_integration.harness.child_process import find_main, run_main_job
@@ -30,8 +29,7 @@ def resolve_device(cfg: RunConfig) -> str:
     else ``cpu`` (megatron's helper then runs with the test stand-in for TE)."""
     if cfg.train.device != "auto":
         return cfg.train.device
-    has_te = importlib.util.find_spec("transformer_engine") is not None
-    return "cuda" if torch.cuda.is_available() and has_te else "cpu"
+    return "cuda" if torch.cuda.is_available() and te_available() else "cpu"
 
 
 def run(cfg: RunConfig, compare: bool, progress: bool = True) -> dict:

@@ -35,6 +35,7 @@ from mhc_cg.runtime.modes.plan import CapturePlan
 from mhc_cg.core.nvtx import nvtx_range
 from mhc_cg.runtime.recompute.checkpoint import FORWARD, DISCARDED, CheckpointWithoutOutput
 from mhc_cg.runtime.recompute.eager import ARMED, BlockRecomputeManager, checkpoint_sublayer
+from mhc_cg.core.storage import own_version_alias
 
 
 class AttentionConsumer(nn.Module):
@@ -54,9 +55,7 @@ def static_view(buffer: Tensor) -> Tensor:
     The checkpoint's Function attaches its node to the tensor it returns; returning the graph's
     static input itself (a leaf that requires grad) would graft that node onto the graph's buffer.
     """
-    view = torch.empty(0, dtype=buffer.dtype, device=buffer.device)
-    view.set_(buffer.untyped_storage(), buffer.storage_offset(), buffer.shape, buffer.stride())
-    return view
+    return own_version_alias(buffer)
 
 
 class StaticInputCheckpoint(CheckpointWithoutOutput):

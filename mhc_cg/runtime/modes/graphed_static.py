@@ -33,6 +33,7 @@ from mhc_cg.runtime.modes.plan import CapturePlan
 from mhc_cg.core.nvtx import nvtx_range
 from mhc_cg.core.errors import StaticRecomputeError
 from mhc_cg.runtime.recompute.static import SUBLAYER_NAMES, StaticRecompute, build_static_recompute
+from mhc_cg.core.storage import own_version_alias
 
 class SlotSublayer(nn.Module):
     """One whole mHC sublayer on the static runtime: ``(x, seed) -> (out, F output, state)``.
@@ -213,14 +214,14 @@ class GraphedStaticModel(ModeModel):
         input in the persistent set, or an arena slot) and the seed from the set: aliases of those
         buffers are its static inputs, so a replay copies nothing in."""
         pset = self.runtime.sets.all_sets()[0]
-        seed = _alias(pset.seed)
+        seed = own_version_alias(pset.seed)
         samples = []
         for layer, k in keys:
             i = layer  # the model is one chunk: a layer's number is its index
             block, j = i // self.block_size, 2 * (i % self.block_size) + k
             stream = (pset.block_inputs[block] if j == 0
                       else self.runtime.slots.stream(j).reader)
-            samples.append((_alias(stream).requires_grad_(), seed))
+            samples.append((own_version_alias(stream).requires_grad_(), seed))
         return tuple(samples)
 
     def _wrap(self, key: tuple[int, int], module: nn.Module, fn: Callable) -> Callable:
@@ -252,9 +253,3 @@ class GraphedStaticModel(ModeModel):
         x = self.model.embed(input_ids)
         x = self.runtime.forward(x, dropout_seed, self.sublayer_fns)
         return self.model.logits(x)
-
-
-def _alias(t: Tensor) -> Tensor:
-    """A leaf over ``t``'s memory with the same geometry and a version counter of its own."""
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
-        t.untyped_storage(), t.storage_offset(), t.shape, t.stride())

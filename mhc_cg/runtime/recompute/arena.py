@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from mhc_cg.core import traffic
-from mhc_cg.core.storage import storage_id
+from mhc_cg.core.storage import own_version_alias, storage_id
 
 ALIGN_BYTES = 64
 
@@ -107,8 +107,7 @@ class Arena:
                 offset += _aligned(slot.nbytes)
             region.frozen = True
         self.buffer = torch.zeros(max(offset, ALIGN_BYTES), dtype=torch.uint8, device=self.device)
-        self._writer = torch.empty(0, dtype=torch.uint8, device=self.device).set_(
-            self.buffer.untyped_storage())
+        self._writer = own_version_alias(self.buffer)
 
     # -- addresses ---------------------------------------------------------------------------
     def contains(self, t: Tensor) -> bool:

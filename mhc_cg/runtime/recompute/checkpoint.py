@@ -39,7 +39,7 @@ from torch import Tensor
 
 from mhc_cg.core import traffic
 from mhc_cg.runtime.recompute.gradient_order import capture_use_gradients, grad_node_key
-from mhc_cg.core.storage import storage_id
+from mhc_cg.core.storage import own_version_alias, storage_id
 
 if TYPE_CHECKING:
     from mhc_cg.runtime.recompute.eager import BlockRecomputeManager
@@ -330,8 +330,7 @@ class CheckpointWithoutOutput:
             if storage.nbytes() == 0:
                 storage.resize_(self._storage_nbytes[storage_id(out)])
             # A writer alias: same storage, own version counter, so saved views stay valid.
-            alias = torch.empty(0, dtype=out.dtype, device=out.device)
-            alias.set_(storage, out.storage_offset(), out.shape, out.stride())
+            alias = own_version_alias(out)
             with torch.no_grad(), traffic.runtime_copy("refills"):
                 alias.copy_(new.detach())
 

@@ -21,6 +21,7 @@ from torch import Tensor
 from mhc_cg.core.errors import StaticRecomputeError
 from mhc_cg.model import MHCTransformerLayer, recomputes_activation
 from mhc_cg.ops.kernels.reference import state_dtype, state_width
+from mhc_cg.core.storage import own_version_alias
 
 
 @dataclass
@@ -143,6 +144,5 @@ def _entry(stacked: Tensor, j: int) -> Tensor:
     """Entry ``j`` of ``stacked`` as a tensor of its own: the same memory, but its own version
     counter, so writing one sublayer's entry does not invalidate what autograd saved of
     another's (views of one base would share the base's counter)."""
-    return torch.empty(0, dtype=stacked.dtype, device=stacked.device).set_(
-        stacked.untyped_storage(), stacked.storage_offset() + j * stacked.stride(0),
-        stacked.shape[1:], stacked.stride()[1:])
+    return own_version_alias(stacked, stacked.storage_offset() + j * stacked.stride(0),
+                             stacked.shape[1:], stacked.stride()[1:])

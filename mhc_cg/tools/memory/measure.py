@@ -27,21 +27,14 @@ from mhc_cg.core.dtypes import TORCH_DTYPES
 from mhc_cg.tools.memory.analytical import (block_persistent_elements, mlp_activation_elements,
                            no_recompute_elements_per_layer, saved_elements_per_layer)
 from mhc_cg.model import MLP, MHCGPT, MHCGPTConfig
-from mhc_cg.core.storage import storage_id
+from mhc_cg.core.storage import storage_bytes, storage_id
 from mhc_cg.runtime.recompute.eager import install_activation_recompute, run_recompute_blocks
 
 
 
 def _unique_storage_bytes(tensors: list[Tensor], exclude: set[int]) -> tuple[int, set[int]]:
-    seen: set[int] = set()
-    total = 0
-    for t in tensors:
-        key = storage_id(t)
-        if key in exclude or key in seen:
-            continue
-        seen.add(key)
-        total += t.untyped_storage().nbytes()
-    return total, seen
+    found = storage_bytes(tensors, exclude)
+    return sum(found.values()), set(found)
 
 
 def _forward_saved(model_cfg: MHCGPTConfig, micro_batch_size: int, device: str,
