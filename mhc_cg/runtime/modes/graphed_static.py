@@ -32,7 +32,8 @@ from mhc_cg.runtime.modes.lifecycle import CapturedState, ModeModel, runs_graphs
 from mhc_cg.runtime.modes.plan import CapturePlan
 from mhc_cg.core.nvtx import nvtx_range
 from mhc_cg.core.errors import StaticRecomputeError
-from mhc_cg.runtime.recompute.static import SUBLAYER_NAMES, StaticRecompute, build_static_recompute
+from mhc_cg.runtime.recompute.static import StaticRecompute, build_static_recompute
+from mhc_cg.runtime.recompute.sublayers import SUBLAYER_NAMES
 from mhc_cg.core.storage import own_version_alias
 
 class SlotSublayer(nn.Module):

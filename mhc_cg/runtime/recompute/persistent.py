@@ -87,6 +87,13 @@ class PersistentSetPool:
         self._in_use.append(pset)
         return pset
 
+    def fixed_set(self) -> PersistentSlotSet | None:
+        """The set every forward takes, when the pool holds just one; else ``None``. Work outside
+        a forward (a graph captured once and replayed for every microbatch, layout discovery)
+        may write that set; with more, only a capture bound to its microbatch's set may write
+        one (``StaticRecompute.capturing_for``)."""
+        return self._sets[0] if len(self._sets) == 1 else None
+
     def release(self, pset: PersistentSlotSet) -> None:
         if pset not in self._in_use:
             raise StaticRecomputeError(f"persistent set {pset.index} released twice")

@@ -1,0 +1,241 @@
+"""How a sublayer's mHC ops keep their state on the static buffers: two strategies, one runtime.
+
+:class:`mhc_cg.runtime.recompute.static.StaticRecompute` runs blocks, persistent sets, hooks and
+recompute graphs; what a sublayer writes where is one of these:
+
+* ``FusedSublayers``: mhc_cg's fused sublayers name every buffer (``FusedSlots``): the pre writes
+  F's input into its arena slot and the mapping state into the persistent set, F's last Linear
+  writes its output into the set, the post writes the next sublayer's input slot. The block
+  recompute is one op (:func:`mhc_cg.ops.kernels.recompute_block`).
+* ``HookedSublayers``: layers run step by step (foreign layers, Megatron-LM main's among them):
+  whatever autograd saves inside the mHC ops is copied into the next slot of the sublayer's arena
+  region by ``saved_tensors_hooks``, and autograd keeps a view of the slot. The block input and F's
+  output go to the persistent set first, so they are saved from there (never a second copy in the
+  arena). The block recompute re-runs the mHC ops under the same hooks, writing the same slots.
+
+Either way the autograd graph is the one eager builds: same ops, same order, so gradients are
+bit-identical to no recompute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+from torch import Tensor
+
+from mhc_cg.core.storage import storage_id
+from mhc_cg.model import recomputes_activation
+from mhc_cg.ops.kernels import Target, recompute_block
+from mhc_cg.runtime.graphs.static_inputs import is_buffer
+from mhc_cg.runtime.recompute.fused_slots import FusedSlots
+from mhc_cg.runtime.recompute.store import RegionCursor, store_in, store_in_slot
+
+if TYPE_CHECKING:
+    from mhc_cg.runtime.recompute.static import StaticRecompute
+
+SUBLAYER_NAMES = ("attn", "mlp")
+
+
+def sublayers_for(layers, arena, block_size: int, seq_length: int, micro_batch_size: int,
+                  dtype: torch.dtype):
+    """The strategy ``layers`` need: fused when their sublayers are fused, else hooked."""
+    if layers[0].attention.fused:
+        return FusedSublayers(FusedSlots(arena, block_size, layers[0].attention.cfg, seq_length,
+                                         micro_batch_size, dtype))
+    return HookedSublayers()
+
+
+class FusedSublayers:
+    """Fused sublayers on named buffers; see the module docstring."""
+
+    def __init__(self, slots: FusedSlots):
+        self.slots = slots
+        self.rt: StaticRecompute | None = None  # set by the runtime
+
+    def lay_out(self, seq_length: int, micro_batch_size: int, dtype: torch.dtype) -> None:
+        """Every slot is named up front: the activation slots, then the arena in one piece."""
+        rt = self.rt
+        item = torch.empty((), dtype=dtype).element_size()
+        for i, layer in enumerate(rt.layers):
+            if recomputes_activation(layer.mlp):
+                ffn = layer.mlp.fn.fc1.out_features
+                rt.arena.fixed_slot(f"L{i % rt.block_size}.mlp.act",
+                                    seq_length * micro_batch_size * ffn * item, dtype)
+        rt.arena.allocate()
+
+    def pre(self, sub, position: int, k: int, x: Tensor) -> tuple[Tensor, tuple]:
+        rt, pset = self.rt, self.rt.writing_set()
+        state_out = None if pset is None else Target.of(pset.states[rt.key(sub, k)])
+        fn_input, state, x_on = sub.pre(x, self.slots.fn_input(2 * position + k), state_out)
+        return fn_input, (state, x_on)
+
+    def post(self, sub, position: int, k: int, y: Tensor, carry: tuple,
+             seed: Tensor | None) -> Tensor:
+        state, x_on = carry
+        pset = self.rt.writing_set()
+        if pset is not None and not is_buffer(pset.fn_outputs[self.rt.key(sub, k)], y):
+            y = store_in(y, pset.fn_outputs[self.rt.key(sub, k)])
+        return sub.post(x_on, state, y, seed, self._output_target(sub, position, k, pset))
+
+    def fn_output_buffer(self, sub, k: int) -> Tensor:
+        """Where F's last Linear writes its output: the set's buffer (no copy after F)."""
+        pset = self.rt.writing_set()
+        return None if pset is None else pset.fn_outputs[self.rt.key(sub, k)]
+
+    def kept_fn_output(self, sub, k: int, y: Tensor) -> Tensor:
+        """F's output as the persistent set keeps it, where the post put it there."""
+        pset = self.rt.writing_set()
+        return y if pset is None else pset.fn_outputs[self.rt.key(sub, k)]
+
+    def state(self, carry: tuple) -> Tensor:
+        return carry[0]
+
+    def block_input(self, b: int, x: Tensor, pset) -> Tensor:
+        """Block ``b``'s input as the set's tensor (written there unless it already is)."""
+        dst = pset.block_inputs[b]
+        if storage_id(dst) == storage_id(x) and dst.storage_offset() == x.storage_offset():
+            return x
+        return store_in(x, dst)
+
+    def recompute_block(self, block: int, pset) -> None:
+        """The block's chain in one op, from the set into the arena slots; then the activations."""
+        rt = self.rt
+        subs = [sub for layer in rt.blocks[block] for sub in (layer.attention, layer.mlp)]
+        hc = subs[0].hc
+        with torch.no_grad():
+            params = torch.stack([torch.cat([s.hc.bias, s.hc.alpha_pre, s.hc.alpha_post,
+                                             s.hc.alpha_res]) for s in subs])
+            norms = torch.stack([s.norm.weight for s in subs])
+            x_out, fn_input_out = self.slots.recompute_outputs(len(subs))
+            recompute_block(pset.block_inputs[block], pset.block_fn_outputs[block],
+                            pset.block_states[block], params, norms, pset.seed,
+                            subs[0].dropout_p, [s.dropout_stream for s in subs], hc.num_streams,
+                            hc.sinkhorn_iterations, subs[0].norm.eps, x_out, fn_input_out,
+                            hc.kernels)
+        for position in range(len(rt.blocks[block])):
+            rt.recompute_activation(block, position, pset)
+
+    def _output_target(self, sub, position: int, k: int, pset) -> Target | None:
+        """The next sublayer's input slot; for a block's last, the next block's input (in the
+        set); ``None`` for the chunk's output."""
+        rt = self.rt
+        block, j = rt.index(sub) // rt.block_size, 2 * position + k
+        if j + 1 < 2 * len(rt.blocks[block]):
+            return self.slots.stream(j + 1)
+        if block + 1 < len(rt.blocks) and pset is not None:
+            return Target.of(pset.block_inputs[block + 1])
+        return None
+
+
+class HookedSublayers:
+    """Sublayers saved through ``saved_tensors_hooks``; see the module docstring."""
+
+    def __init__(self):
+        self.rt: StaticRecompute | None = None  # set by the runtime
+        self._cursor: RegionCursor | None = None
+        self._persistent: set[int] = set()  # storages of every set's block inputs and F outputs
+
+    def lay_out(self, seq_length: int, micro_batch_size: int, dtype: torch.dtype) -> None:
+        """Discover the arena's layout by running the first block once on zeros, then allocate."""
+        rt = self.rt
+        self._persistent = {storage_id(t) for pset in rt.sets.all_sets()
+                            for t in (*pset.block_inputs, *pset.fn_outputs.values())}
+        if rt.arena.allocated:  # shared with a chunk that laid it out
+            return
+        cfg = rt.layers[0].attention.cfg
+        device = rt.sets.all_sets()[0].seed.device
+        x = torch.zeros(seq_length, micro_batch_size, cfg.num_streams * cfg.hidden_size,
+                        dtype=dtype, device=device)
+        rt.discover_layout(x, torch.zeros((), dtype=torch.int64, device=device))
+        rt.arena.allocate()
+
+    # -- the hooks ---------------------------------------------------------------------------
+    def _pack(self, t: Tensor) -> Tensor:
+        rt, key = self.rt, storage_id(t)
+        if (rt.in_fn or rt.arena.contains(t) or key in rt.param_storages
+                or key in self._persistent):
+            return t
+        return self._cursor.save(t)
+
+    @contextlib.contextmanager
+    def region(self, position: int, sublayer: int, segment: int) -> Iterator[None]:
+        """Everything autograd saves in here goes to arena region (position, sublayer, segment)."""
+        name = f"L{position}.{SUBLAYER_NAMES[sublayer]}.{segment}"
+        previous = self._cursor
+        self._cursor = RegionCursor(self.rt.arena, self.rt.arena.region(name))
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+                yield
+        finally:
+            self._cursor = previous
+
+    # -- one sublayer ------------------------------------------------------------------------
+    def pre(self, sub, position: int, k: int, x: Tensor) -> tuple[Tensor, tuple]:
+        """Region segment 0; the carry is ``(h_post, mixed)``.
+
+        ``h_res`` is applied here, before F, so that a graph which ends inside F (MoE partial
+        capture) holds every consumer of ``x``; the gradient of ``x`` is then summed in the same
+        order as in ``MHCSublayer.forward`` (consumers run backward in reverse creation order, and
+        h_res stays the last consumer of ``x`` created).
+        """
+        rt = self.rt
+        if position == 0 and k == 0 and storage_id(x) not in self._persistent:
+            # x_l0 to its set first: the block's mHC ops save it from there, and the recompute
+            # reads it there
+            pset = rt.required_set("a hooked sublayer (the block input)")
+            x = store_in(x, pset.block_inputs[rt.index(sub) // rt.block_size])
+        with self.region(position, k, 0):
+            h_pre, h_post, h_res = sub.mappings(x)
+            normed = store_in_slot(sub.norm(sub.aggregate(x, h_pre)), self._cursor)
+            mixed = sub.h_res_step(h_res, x)
+        return normed, (h_post, mixed)
+
+    def post(self, sub, position: int, k: int, y: Tensor, carry: tuple,
+             seed: Tensor | None) -> Tensor:
+        """Region segment 1: ``mixed + dropout(h_post * y)``, ``y`` first to its set, so that
+        the forward and the recompute (which reads it there) save the same tensor."""
+        h_post, mixed = carry
+        if storage_id(y) not in self._persistent:
+            pset = self.rt.required_set("a hooked sublayer (F's output)")
+            y = store_in(y, pset.fn_outputs[self.rt.key(sub, k)])
+        with self.region(position, k, 1):
+            return sub.post_bda(y, h_post, mixed, seed)
+
+    def fn_output_buffer(self, sub, k: int) -> None:
+        return None  # F writes where it likes; the post stores its output
+
+    def kept_fn_output(self, sub, k: int, y: Tensor) -> Tensor:
+        return y
+
+    def state(self, carry: tuple) -> None:
+        return None
+
+    def block_input(self, b: int, x: Tensor, pset) -> Tensor:
+        return x  # the block's first pre stores it
+
+    def recompute_block(self, block: int, pset) -> None:
+        """Re-run block ``block``'s mHC ops from ``pset`` into the arena (no F, nothing returned).
+
+        Grad mode is on so that autograd saves, and the hooks store, exactly what the forward
+        stored; the autograd graph built here is dropped on return.
+        """
+        rt = self.rt
+        with torch.enable_grad():
+            x = pset.block_inputs[block].detach().requires_grad_()
+            first = block * rt.block_size
+            for position, layer in enumerate(rt.blocks[block]):
+                for k, sub in enumerate((layer.attention, layer.mlp)):
+                    y = pset.fn_outputs[(first + position, k)].detach().requires_grad_()
+                    # Drop each temporary at its last use: what reads it saved it into slots,
+                    # and the graph's pool then holds at most two of the n-stream tensors at once.
+                    pre = self.pre(sub, position, k, x)
+                    x = None
+                    x = self.post(sub, position, k, y, pre[1], pset.seed)
+                    pre = None
+                rt.recompute_activation(block, position, pset)
+
+
+def _unpack(t: Tensor) -> Tensor:
+    return t
