@@ -330,6 +330,20 @@ def test_triton_post_backward_where_exp_underflows_matches_the_reference(interpr
 
 
 @needs_triton
+def test_triton_recompute_refuses_outputs_past_int32_indexing():
+    """The recompute's output offsets (sublayer x token x feature) are int32: a larger output
+    would wrap into other rows, so it is refused before any launch."""
+    impl = fused.dispatch.triton_kernels()
+    n, c, t, s = 2, 2 ** 14, 2 ** 13, 9  # x_out: 8 x 2^13 x 2^15 = 2^31 elements
+    m = n * n + 2 * n
+    x_out = torch.empty(s - 1, t, n * c, device="meta")
+    with pytest.raises(ValueError, match="int32"):
+        impl.recompute(torch.zeros(1, n * c), torch.zeros(s, 1, c), torch.zeros(s, 1, m + 2),
+                       torch.zeros(s, m + 3), None, None, 0.0, list(range(s)), n, 5, EPS, x_out,
+                       torch.empty(s, t, c, device="meta"))
+
+
+@needs_triton
 def test_triton_refuses_fp64_with_the_fix():
     impl = fused.dispatch.triton_kernels()
     x = torch.zeros(2, 8, dtype=torch.float64)

@@ -62,11 +62,16 @@ def _block_c(c: int, budget: int) -> int:
     return max(16, min(triton.next_power_of_2(c), triton.next_power_of_2(budget)))
 
 
-def _prepared(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors, contiguous (a no-op for the model's tensors), checked for int32 indexing."""
+def _indexable(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.numel() > MAX_ELEMENTS:
             raise ValueError(f"mhc_cg triton kernels index with int32: at most {MAX_ELEMENTS} elements")
+
+
+def _prepared(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors, contiguous (a no-op for the model's tensors), checked for int32 indexing."""
+    _indexable(*tensors)
+    for t in tensors:
         if t.dtype == torch.float64:
             raise ValueError("mhc_cg triton kernels compute in fp32: fp64 models run model.kernels: torch")
     return [t.contiguous() for t in tensors]
@@ -339,6 +344,7 @@ def recompute(x0, ys, states, params, norm_weights, seed, p, streams, n, iterati
               fn_input_out):
     x0, ys, states, params = _prepared(x0, ys, states, params)
     norm = None if norm_weights is None else _prepared(norm_weights)[0]
+    _indexable(x_out, fn_input_out)  # (S-1) x T x nC outgrows the inputs, and wraps in int32
     steps = ys.shape[0]
     m = n * n + 2 * n
     xo = _written(x_out, lambda: torch.empty_like(x_out))
