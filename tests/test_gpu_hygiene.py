@@ -85,6 +85,63 @@ def test_cuda_backend_warms_cublas_before_the_first_capture():
     assert torch.equal(out, a @ a) or torch.allclose(out.float(), (a @ a).float(), rtol=1e-2)
 
 
+class FakeAllocator:
+    """The caching allocator's four counters as the bench reads them: live and reserved bytes,
+    and their maxima since the last reset (which sets them to the current values)."""
+
+    def __init__(self):
+        self.live = self.held = self.max_live = self.max_held = 0
+
+    def take(self, live: int, reserve: int = 0) -> None:
+        self.live += live
+        self.held += reserve
+        self.max_live, self.max_held = max(self.max_live, self.live), max(self.max_held, self.held)
+
+    def reset(self, device=None) -> None:
+        self.max_live, self.max_held = self.live, self.held
+
+
+def test_bench_peak_reserved_counts_the_pools_its_build_captured(monkeypatch):
+    """Another mode holds 500 live / 800 reserved bytes. This one's build captures a graph pool
+    (100 reserved, 60 live) beside its parameters (40 / 64); its first step allocates optimizer
+    state (10 / 16); each step's activations (30) live inside the pool."""
+    fake = FakeAllocator()
+    fake.take(500, 800)
+
+    class Session:
+        optimizer = type("Optimizer", (), {"zero_grad": lambda self, set_to_none: None})()
+        stepped = False
+
+        @classmethod
+        def build(cls, cfg, plan, device):
+            fake.take(40, 64)
+            fake.take(60, 100)
+            return cls()
+
+        def step(self):
+            if not self.stepped:
+                fake.take(10, 16)
+                self.stepped = True
+            fake.take(30)
+            fake.take(-30)
+            return 1.0, None, None
+
+    monkeypatch.setattr(bench, "TrainSession", Session)
+    monkeypatch.setattr(bench, "mode_config", lambda cfg, name, **kw: cfg)
+    monkeypatch.setattr(bench, "capture_plan", lambda *args: None)
+    monkeypatch.setattr(bench, "synchronize", lambda device: None)
+    monkeypatch.setattr(bench, "allocated", lambda device: fake.live)
+    monkeypatch.setattr(bench, "reserved", lambda device: fake.held)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", fake.reset)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: fake.max_live)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: fake.max_held)
+    runner = bench.ModeRunner("graphed_static", None, torch.device("cuda")).build(8, 2)
+    runner.warm_up(1)
+    runner.run_chunk(2)
+    assert (runner.resident_bytes, runner.resident_reserved_bytes) == (110, 180)
+    assert (runner.peak_bytes, runner.peak_reserved_bytes) == (140, 180)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bench_peak_reserved_counts_graph_pools():

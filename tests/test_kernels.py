@@ -19,7 +19,7 @@ from mhc_cg.core.errors import ConfigError
 from mhc_cg.model import MHCGPTConfig
 from mhc_cg.ops import kernels as fused
 from mhc_cg.ops.dropout import counter_dropout_mask
-from mhc_cg.ops.hyper_connection import HyperConnection
+from mhc_cg.ops.hyper_connection import HyperConnection, sinkhorn_knopp
 from mhc_cg.ops.kernels import reference
 from mhc_cg.ops.kernels.dispatch import triton_installed
 from mhc_cg.tools.compare import compared_modes
@@ -293,6 +293,54 @@ def test_triton_dropout_mask_bit_exact(interpret, p):
         g_y = impl.post_backward(torch.ones(t, n * c), torch.zeros(t, n * c), state, zeros, zeros,
                                  zeros, bias, torch.ones(t, c), seed_t, p, stream, n, 4)[2]
         assert torch.equal(g_y, out.view(t, n, c).sum(1))
+
+
+def test_sinkhorn_backward_where_exp_underflows_is_finite_and_matches_fp64():
+    """A column 90 below every row's maximum: exp gives fp32 subnormals there, where the
+    gradient with respect to m (as 1/m) overflows fp32."""
+    g = torch.Generator().manual_seed(0)
+    logits, grad = torch.randn(64, 4, 4, generator=g), torch.randn(64, 4, 4, generator=g)
+    logits[:, :, -1] -= 90.0
+    leaf = logits.double().requires_grad_()
+    (want,) = torch.autograd.grad(sinkhorn_knopp(leaf, 20), leaf, grad.double())
+    got = reference.sinkhorn_backward(logits, grad, 20)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+@needs_triton
+def test_triton_post_backward_where_exp_underflows_matches_the_reference(interpret):
+    """Logits that spread past exp's range (a C=4096 model's, say) keep the mappings' gradient
+    finite, as the reference's."""
+    impl = fused.dispatch.triton_kernels()
+    n, c, t = 4, 24, 8
+    m = n * n + 2 * n
+    g = torch.Generator().manual_seed(1)
+    x, y, gg = torch.randn(t, n * c, generator=g), torch.randn(t, c, generator=g), \
+        torch.randn(t, n * c, generator=g)
+    w = torch.randn(m, n * c, generator=g) * 0.3
+    bias = torch.randn(m, generator=g)
+    bias[2 * n + n - 1::n] -= 90.0  # the res logits' last column
+    alphas = [torch.full((1,), v) for v in (0.7, -0.4, 1.3)]
+    state = reference.pre(x, w, *alphas, bias, None, n, 20, EPS)[1]
+    args = (gg, x, state, *alphas, bias, y, None, 0.0, 0, n, 20)
+    for got, want in zip(impl.post_backward(*args), reference.post_backward(*args)):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@needs_triton
+def test_triton_recompute_refuses_outputs_past_int32_indexing():
+    """The recompute's output offsets (sublayer x token x feature) are int32: a larger output
+    would wrap into other rows, so it is refused before any launch."""
+    impl = fused.dispatch.triton_kernels()
+    n, c, t, s = 2, 2 ** 14, 2 ** 13, 9  # x_out: 8 x 2^13 x 2^15 = 2^31 elements
+    m = n * n + 2 * n
+    x_out = torch.empty(s - 1, t, n * c, device="meta")
+    with pytest.raises(ValueError, match="int32"):
+        impl.recompute(torch.zeros(1, n * c), torch.zeros(s, 1, c), torch.zeros(s, 1, m + 2),
+                       torch.zeros(s, m + 3), None, None, 0.0, list(range(s)), n, 5, EPS, x_out,
+                       torch.empty(s, t, c, device="meta"))
 
 
 @needs_triton

@@ -118,6 +118,9 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> floa
         dst.copy_(src)
     synchronize(device)
     seconds = time_repeated(lambda: dst.copy_(src), repeats, device)
+    del src, dst
+    if device.type == "cuda":  # else a mode's build could reuse the cached blocks, unseen in reserved
+        torch.cuda.empty_cache()
     return 2 * nbytes / seconds
 
 
@@ -194,13 +197,14 @@ class ModeRunner:
 
     def build(self, moe_experts: int, moe_top_k: int) -> "ModeRunner":
         synchronize(self.device)
-        before = allocated(self.device)
+        # before building: the graph pools its captures reserve are the mode's own
+        before, reserved_before = allocated(self.device), reserved(self.device)
         begin = time.perf_counter()
         self.cfg = mode_config(self.cfg, self.name, moe_experts=moe_experts, moe_top_k=moe_top_k)
         self.session = TrainSession.build(self.cfg, capture_plan(self.cfg, self.name, str(self.device)),
                                           self.device)
         self._before_build = before
-        self._reserved_before_build = reserved(self.device)
+        self._reserved_before_build = reserved_before
         self.build_s = time.perf_counter() - begin
         return self
 

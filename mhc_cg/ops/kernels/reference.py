@@ -58,9 +58,10 @@ def _normalise(m: Tensor, dim: int) -> tuple[Tensor, Tensor]:
 
 
 def _normalise_backward(g: Tensor, out: Tensor, s: Tensor, dim: int) -> Tensor:
-    """Gradient through ``out = m / max(s, eps)``, ``s = sum(m, dim)``: no path through a clamped ``s``."""
-    through = (g * out).sum(dim=dim, keepdim=True) * (s >= SINKHORN_EPS)
-    return (g - through) / s.clamp_min(SINKHORN_EPS)
+    """Through ``out = m / max(s, eps)``, ``s = sum(m, dim)``, for gradients with respect to the
+    logarithm (``g * out`` in, ``g_m * m`` out): no division, so an entry of m that underflows
+    towards 0 cannot blow the gradient up; no path through a clamped ``s``."""
+    return g - out * (g.sum(dim=dim, keepdim=True) * (s >= SINKHORN_EPS))
 
 
 def sinkhorn(logits: Tensor, iterations: int) -> Tensor:
@@ -82,11 +83,13 @@ def sinkhorn_backward(logits: Tensor, grad: Tensor, iterations: int) -> Tensor:
             out, s = _normalise(m, dim)
             steps.append((out, s, dim))
             m = out
-    g = grad
+    # m's gradient grows as 1/m where logits spread past exp's range (overflowing fp32); its
+    # product with m, the gradient with respect to log m, keeps the result's scale
+    g = grad * m
     for out, s, dim in reversed(steps):
         g = _normalise_backward(g, out, s, dim)
     # m0 = exp(L - max): the max's share goes to the maxima, split evenly between ties (as amax's)
-    g_l = g * m0
+    g_l = g
     is_max = logits == logits.amax(dim=-1, keepdim=True)
     g_max = -g_l.sum(dim=-1, keepdim=True)
     return g_l + is_max * (g_max / is_max.sum(dim=-1, keepdim=True))

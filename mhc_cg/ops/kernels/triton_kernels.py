@@ -62,11 +62,16 @@ def _block_c(c: int, budget: int) -> int:
     return max(16, min(triton.next_power_of_2(c), triton.next_power_of_2(budget)))
 
 
-def _prepared(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors, contiguous (a no-op for the model's tensors), checked for int32 indexing."""
+def _indexable(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.numel() > MAX_ELEMENTS:
             raise ValueError(f"mhc_cg triton kernels index with int32: at most {MAX_ELEMENTS} elements")
+
+
+def _prepared(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors, contiguous (a no-op for the model's tensors), checked for int32 indexing."""
+    _indexable(*tensors)
+    for t in tensors:
         if t.dtype == torch.float64:
             raise ValueError("mhc_cg triton kernels compute in fp32: fp64 models run model.kernels: torch")
     return [t.contiguous() for t in tensors]
@@ -163,23 +168,25 @@ def _sinkhorn(logits, mask, iterations, EPS: tl.constexpr):
 
 @triton.jit
 def _sinkhorn_bwd(logits, mask, g, iterations, EPS: tl.constexpr):
-    """d sinkhorn / d logits for ``g`` (0 on padding), each iteration's input rebuilt."""
+    """d sinkhorn / d logits for ``g`` (0 on padding), each iteration's input rebuilt. ``g``
+    runs as the gradient with respect to log m (``g_m * m``), as the reference's does: m's own
+    grows as 1/m and overflows where the logits spread past exp's range."""
     m0 = _sk_init(logits, mask)
     for k in range(iterations):
         m = m0
         for _ in range(iterations - 1 - k):
             m = _sk_iteration(m, EPS)
         s_row = tl.sum(m, axis=2)
-        c_row = tl.maximum(s_row, EPS)
-        mid = m / c_row[:, :, None]
+        mid = m / tl.maximum(s_row, EPS)[:, :, None]
         s_col = tl.sum(mid, axis=1)
-        c_col = tl.maximum(s_col, EPS)
-        out = mid / c_col[:, None, :]
-        through = tl.where(s_col >= EPS, tl.sum(g * out, axis=1), 0.0)
-        g = (g - through[:, None, :]) / c_col[:, None, :]
-        through = tl.where(s_row >= EPS, tl.sum(g * mid, axis=2), 0.0)
-        g = tl.where(mask, (g - through[:, :, None]) / c_row[:, :, None], 0.0)  # padding stays 0
-    g_l = g * m0
+        out = mid / tl.maximum(s_col, EPS)[:, None, :]
+        if k == 0:  # out is the result
+            g = g * out
+        through = tl.where(s_col >= EPS, tl.sum(g, axis=1), 0.0)
+        g = g - out * through[:, None, :]
+        through = tl.where(s_row >= EPS, tl.sum(g, axis=2), 0.0)
+        g = tl.where(mask, g - mid * through[:, :, None], 0.0)  # padding stays 0
+    g_l = g
     lmax = tl.max(tl.where(mask, logits, float("-inf")), axis=2)
     is_max = mask & (logits == lmax[:, :, None])
     ties = tl.maximum(tl.sum(is_max.to(tl.float32), axis=2), 1.0)
@@ -337,6 +344,7 @@ def recompute(x0, ys, states, params, norm_weights, seed, p, streams, n, iterati
               fn_input_out):
     x0, ys, states, params = _prepared(x0, ys, states, params)
     norm = None if norm_weights is None else _prepared(norm_weights)[0]
+    _indexable(x_out, fn_input_out)  # (S-1) x T x nC outgrows the inputs, and wraps in int32
     steps = ys.shape[0]
     m = n * n + 2 * n
     xo = _written(x_out, lambda: torch.empty_like(x_out))
