@@ -1,4 +1,5 @@
-"""The documents the code and the README point at exist, and the README's layout matches the tree."""
+"""The documents the code, the README and docs/ point at exist, and the README's layout matches
+the tree."""
 
 from __future__ import annotations
 
