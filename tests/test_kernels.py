@@ -5,6 +5,7 @@ kernel-launch count of a training step."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mhc_cg.config import RunConfig, check
+from mhc_cg.config.rules import device_fit_problems
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.model import MHCGPTConfig
 from mhc_cg.ops import kernels as fused
@@ -356,8 +359,11 @@ def test_triton_on_cpu_without_interpreter_is_a_config_error(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if torch.cuda.is_available():
         pytest.skip("CUDA is available: model.kernels: triton is valid here")
+    cfg = RunConfig(model=MHCGPTConfig(kernels="triton"))  # a section alone cannot know the device
     with pytest.raises(ConfigError, match="model.kernels: 'triton' on CPU runs only in Triton's interpreter"):
-        MHCGPTConfig(kernels="triton")
+        check(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, device="cpu")))
+    # where the device is resolved (the run's plan), auto on this CPU machine is refused too
+    assert any("Triton's interpreter" in p for p in device_fit_problems(cfg, None, "cpu"))
     with pytest.raises(ConfigError, match="model.kernels: must be one of"):
         MHCGPTConfig(kernels="cuda")
     hc = make_hc(2, 4)
@@ -370,7 +376,7 @@ def test_cli_rejects_triton_on_cpu_with_exit_2(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("CUDA is available: model.kernels: triton is valid here")
     cfg = tmp_path / "k.yaml"
-    cfg.write_text("model: {kernels: triton}\n")
+    cfg.write_text("model: {kernels: triton}\ntrain: {device: cpu}\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
     proc = subprocess.run([sys.executable, "-m", "mhc_cg.cli", "config", "check", str(cfg)],

@@ -24,7 +24,7 @@ from mhc_cg.config.choices import (DEVICES, DROPOUT_IMPLS, GRAPH_BACKENDS, MIN_V
 from mhc_cg.core.dtypes import DTYPE_BYTES, TRAIN_DTYPES
 from mhc_cg.core.errors import ConfigError, did_you_mean, is_positive_int
 from mhc_cg.core.schedule import schedule_problems
-from mhc_cg.ops.kernels import kernels_problem
+from mhc_cg.ops.kernels import KERNELS, kernels_problem
 
 if TYPE_CHECKING:
     from mhc_cg.config.schema import MHCGPTConfig, RunConfig, TrainConfig
@@ -69,10 +69,8 @@ def model_problems(model: "MHCGPTConfig") -> list[str]:
     if model.dropout_impl not in DROPOUT_IMPLS:
         problems.append(f"model.dropout_impl: must be one of {list(DROPOUT_IMPLS)}, "
                         f"got {model.dropout_impl!r}")
-    import torch  # whether this machine sees a GPU decides what model.kernels can run
-
-    if (problem := kernels_problem(model.kernels, torch.cuda.is_available())) is not None:
-        problems.append(problem)
+    if model.kernels not in KERNELS:
+        problems.append(f"model.kernels: must be one of {list(KERNELS)}, got {model.kernels!r}")
     if model.recompute not in MODEL_RECOMPUTE:
         problems.append(f"model.recompute: must be one of {list(MODEL_RECOMPUTE)}, "
                         f"got {model.recompute!r}")
@@ -125,7 +123,16 @@ def validate(cfg: "RunConfig") -> list[str]:
     a config that reached here has passed them.
     """
     return [*_graph_problems(cfg), *_scope_problems(cfg), *_pipeline_problems(cfg),
-            *_size_problems(cfg)]
+            *_size_problems(cfg), *_kernel_problems(cfg)]
+
+
+def _kernel_problems(cfg: "RunConfig") -> list[str]:
+    """``model.kernels`` on a config that names the CPU (on ``cuda``/``auto`` the device is
+    known where the run is planned: :func:`device_fit_problems`)."""
+    if cfg.train.device != "cpu":
+        return []
+    problem = kernels_problem(cfg.model.kernels, cuda=False)
+    return [problem] if problem else []
 
 
 def check(cfg: "RunConfig") -> "RunConfig":
@@ -334,11 +341,13 @@ def _size_problems(cfg: "RunConfig") -> list[str]:
 
 def device_fit_problems(cfg: "RunConfig", device_bytes: int | None, device_type: str) -> list[str]:
     """A run whose rough size (:func:`estimated_train_bytes`) exceeds what its device holds
-    (``device_bytes``; ``None``: unknown), refused before anything is allocated."""
+    (``device_bytes``; ``None``: unknown), or whose ``model.kernels`` cannot run there, refused
+    before anything is allocated."""
+    problems = [p for p in (kernels_problem(cfg.model.kernels, device_type == "cuda"),) if p]
     need = estimated_train_bytes(cfg)
     if device_bytes is None or need <= device_bytes:
-        return []
-    return [f"model: training this model needs about {need / 2 ** 30:.3g} GiB (parameters, "
+        return problems
+    return problems + [f"model: training this model needs about {need / 2 ** 30:.3g} GiB (parameters, "
             f"optimizer state, one microbatch's activations), more than the "
             f"{device_bytes / 2 ** 30:.3g} GiB of {device_type} memory (the limit); reduce "
             f"model.hidden_size, num_layers, seq_length or train.micro_batch_size"]
