@@ -9,7 +9,7 @@ untouched. Finding the snapshot and running the child are the shipped
 
 The parent side (``snapshot_archive``, ``extract_snapshot``, ``run_job``) is imported by the tests.
 The child side is this file run as a script: ``python megatron_main_oracle.py JOB OUT.json ARGS``
-installs the CPU shims (:mod:`megatron_integration.harness.cpu_shims`), runs one job (a function of this
+installs the CPU shims (:mod:`megatron_integration.harness.megatron_on_cpu`), runs one job (a function of this
 module named in ``JOBS``) and writes its JSON result to ``OUT.json``. The jobs measure; the tests
 assert. ``run_job(None, ...)`` runs a job on the pinned megatron-core instead of ``main``; jobs
 that use megatron's TE graph helper load the TransformerEngine stand-in (``megatron_integration/harness/te_on_tape``)
@@ -412,7 +412,7 @@ JOBS = {"hyper_connection": hyper_connection_job, "main_layer": main_layer_job,
 
 def _child(argv: list[str]) -> None:
     job, out, kwargs, snapshot = argv[0], Path(argv[1]), json.loads(argv[2]), argv[3]
-    from megatron_integration.harness.cpu_shims import install_cpu_shims
+    from megatron_integration.harness.megatron_on_cpu import install_cpu_shims
 
     install_cpu_shims()
     import megatron.core

@@ -10,9 +10,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from mhc_cg.config import RunConfig
 from mhc_cg.tools.cost.allocator import rounded
-from mhc_cg.tools.cost.recording import CostBackend
+from mhc_cg.tools.cost.cost_backend import CostBackend
 from mhc_cg.tools.cost.ops import launches_kernel
-from mhc_cg.tools.cost.record import StepRecorder
+from mhc_cg.tools.cost.op_counters import StepRecorder
 from mhc_cg.tools.cost.report import cost_mode, cost_report, mode_configs
 from mhc_cg.core.errors import GraphCaptureError
 from mhc_cg.runtime.graphs.guard import CaptureGuardMode

@@ -117,7 +117,7 @@ def child_main(argv: list[str]) -> None:
     spec = json.loads(Path(argv[0]).read_text())
     cpu = spec["device"] != "cuda"
     if cpu:
-        from megatron_integration.harness.cpu_shims import install_cpu_shims
+        from megatron_integration.harness.megatron_on_cpu import install_cpu_shims
 
         install_cpu_shims()
     import megatron.core  # noqa: F401  (before TransformerEngine's stand-in, see main_process)

@@ -128,7 +128,7 @@ def train_run(name: str, chunk: torch.nn.Module, setup: TrainSetup, *, helper=No
     the last step's measurements (see the module docstring)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from mhc_cg.training.pipeline.cpu_shim import cpu_shim
+    from mhc_cg.training.pipeline.schedules_on_cpu import cpu_shim
 
     data = iter(token_batches(setup, next(chunk.parameters()).device))
     decoder = chunk_decoder(chunk)

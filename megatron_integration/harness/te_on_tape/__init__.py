@@ -27,7 +27,7 @@ else:
   the CPU runs every op synchronously, so waiting for the device is a no-op.
 
 ``torch.cuda.current_device`` and ``torch.cuda.empty_cache`` are not touched here: the first is
-part of running megatron on the CPU at all (``megatron_integration.harness.cpu_shims``), the second is
+part of running megatron on the CPU at all (``megatron_integration.harness.megatron_on_cpu``), the second is
 already a no-op without CUDA.
 """
 

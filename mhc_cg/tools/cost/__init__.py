@@ -2,8 +2,8 @@
 
 * :mod:`mhc_cg.tools.cost.ops`: which aten ops launch a kernel, and their bytes (the one definition);
 * :mod:`mhc_cg.tools.cost.allocator`: the CUDA caching allocator during capture, emulated;
-* :mod:`mhc_cg.tools.cost.record`: op counters and the capture recorder;
-* :mod:`mhc_cg.tools.cost.recording`: the recording graph backend (any device, ``meta`` included);
+* :mod:`mhc_cg.tools.cost.op_counters`: op counters and the capture recorder;
+* :mod:`mhc_cg.tools.cost.cost_backend`: the recording graph backend (any device, ``meta`` included);
 * :mod:`mhc_cg.tools.cost.report`: the per-mode report of ``mhc-cg cost``.
 """
 

@@ -1,6 +1,6 @@
 """Where a step's bytes go, in the units the mHC literature uses, and what a step would take on an H100.
 
-A recorded step's bytes are split by ``(phase, part)`` (:func:`mhc_cg.tools.cost.record.part_of`):
+A recorded step's bytes are split by ``(phase, part)`` (:func:`mhc_cg.tools.cost.op_counters.part_of`):
 phases ``forward``, ``recompute``, ``backward``, ``optimizer``; parts the fused mHC ops, other ops
 on n-stream tensors (GEMMs, adds, the rest), F and the rest (GEMMs, attention, embedding, head,
 loss), the optimizer, and each copy the runtime adds, by name. The mHC traffic is reported per
@@ -9,7 +9,7 @@ token and sublayer in units of C, one ``C``-wide row of the model's dtype: the p
 
 The step time is a **model**, not a measurement: every kernel takes its bytes at the HBM bandwidth
 or its FLOPs at the dense bf16 rate, whichever is longer
-(:data:`~mhc_cg.tools.cost.record.H100_BYTES_PER_S`, :data:`~mhc_cg.tools.cost.record.H100_FLOPS`),
+(:data:`~mhc_cg.tools.cost.op_counters.H100_BYTES_PER_S`, :data:`~mhc_cg.tools.cost.op_counters.H100_FLOPS`),
 plus :data:`EAGER_LAUNCH_S` per kernel launched eagerly and :data:`GRAPH_LAUNCH_S` per graph
 replay, counted as if never hidden behind the GPU's work.
 """
@@ -20,7 +20,7 @@ from collections import Counter
 
 from mhc_cg.config import RunConfig
 from mhc_cg.core.dtypes import DTYPE_BYTES
-from mhc_cg.tools.cost.record import MHC_PARTS, H100_BYTES_PER_S, H100_FLOPS
+from mhc_cg.tools.cost.op_counters import MHC_PARTS, H100_BYTES_PER_S, H100_FLOPS
 
 EAGER_LAUNCH_S = 4e-6  # host overhead of one eager kernel launch
 GRAPH_LAUNCH_S = 8e-6  # one graph replay's launch

@@ -1,7 +1,7 @@
 """The per-mode cost report behind ``mhc-cg cost``: kernels and bytes per training step, and
 every captured graph with its kernels, bytes and pool peak.
 
-Each mode is built with the recording backend (:mod:`mhc_cg.tools.cost.recording`), on ``meta`` (nothing
+Each mode is built with the recording backend (:mod:`mhc_cg.tools.cost.cost_backend`), on ``meta`` (nothing
 allocated: the benchmark shape on a laptop; attention as the GPU's fused kernel,
 :mod:`mhc_cg.tools.cost.attention`) or on ``cpu``. Captures happen while the mode is prepared, as in
 training (without warmup iterations: nothing is set up lazily here); then the optimizer makes its
@@ -29,8 +29,8 @@ from mhc_cg.runtime.modes.registry import MODES, build, capture_plan, mode_confi
 from mhc_cg.tools.cost.attention import fused_attention_on_meta
 from mhc_cg.tools.cost.attribution import (MODEL_NOTE, REFERENCE_C, by_phase_and_part, copies,
                                            mhc_traffic_c, predicted_seconds, recompute_bound_bytes)
-from mhc_cg.tools.cost.record import StepRecorder, StreamTracker
-from mhc_cg.tools.cost.recording import CostBackend
+from mhc_cg.tools.cost.op_counters import StepRecorder, StreamTracker
+from mhc_cg.tools.cost.cost_backend import CostBackend
 from mhc_cg.training.data import ProgressionCorpus
 
 DEVICES = ("meta", "cpu")

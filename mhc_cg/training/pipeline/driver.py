@@ -5,7 +5,7 @@ CPU, NCCL on GPU) and every rank runs megatron-core's own schedule
 (``megatron.core.pipeline_parallel.schedules.get_forward_backward_func``: interleaved 1F1B with
 ``vpp_size > 1``, plain 1F1B otherwise) with real point-to-point sends and receives of the
 residual stream, ``[seq, micro_batch, n * hidden]`` wide. On CPU the schedule runs inside
-:func:`mhc_cg.training.pipeline.cpu_shim.cpu_shim`.
+:func:`mhc_cg.training.pipeline.schedules_on_cpu.cpu_shim`.
 
 One rank is :class:`mhc_cg.training.pipeline.rank.PipelineRank`.
 

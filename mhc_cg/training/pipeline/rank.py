@@ -40,7 +40,7 @@ from mhc_cg.runtime.modes.registry import build_model, capture_plan, get_mode
 from mhc_cg.runtime.recompute.arena import Arena
 from mhc_cg.runtime.recompute.persistent import PersistentSetPool, new_persistent_set
 from mhc_cg.runtime.recompute.static import build_static_recompute
-from mhc_cg.training.pipeline.cpu_shim import cpu_shim
+from mhc_cg.training.pipeline.schedules_on_cpu import cpu_shim
 from mhc_cg.training.session import Microbatches
 
 class PipelineChunk(nn.Module):

@@ -18,7 +18,7 @@ calls megatron's modules make that a CPU build of torch refuses, each named here
   (``activation_recompute_forward``, ``FP8GlobalStateManager``, ``fp8_autocast``), whose names
   are then undefined; with FP8 off each is a no-op, so the shims are null contexts and "FP8 off".
 
-The schedules' ``device="cuda"`` token counters are :func:`mhc_cg.training.pipeline.cpu_shim.cpu_shim`'s,
+The schedules' ``device="cuda"`` token counters are :func:`mhc_cg.training.pipeline.schedules_on_cpu.cpu_shim`'s,
 entered around each ``forward_backward_func`` call.
 """
 

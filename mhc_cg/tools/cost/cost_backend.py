@@ -1,6 +1,6 @@
 """The recording backend: graphs captured for their cost, on any device (``meta`` included).
 
-A capture runs the body once under :class:`~mhc_cg.tools.cost.record.CaptureRecorder` (the same guard
+A capture runs the body once under :class:`~mhc_cg.tools.cost.op_counters.CaptureRecorder` (the same guard
 every backend captures under, plus a kernel counter and the pool's block table), so the same
 illegal ops are refused. A replay does no work: it adds the graph's kernels and bytes to the
 training step being recorded. Pools share blocks as CUDA pools do
@@ -20,7 +20,7 @@ from typing import Iterator
 import torch
 
 from mhc_cg.tools.cost.allocator import CapturePeak, PoolState
-from mhc_cg.tools.cost.record import CaptureRecorder, OpCounter, StepRecorder, StreamTracker
+from mhc_cg.tools.cost.op_counters import CaptureRecorder, OpCounter, StepRecorder, StreamTracker
 from mhc_cg.runtime.graphs.capture import Graph, GraphBackend, Pool
 
 
