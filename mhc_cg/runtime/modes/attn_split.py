@@ -32,9 +32,8 @@ from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
 from mhc_cg.runtime.modes.lifecycle import (CapturedState, ModeModel, rewind_replay_order,
                                     runs_graphs)
 from mhc_cg.runtime.modes.plan import CapturePlan
-from mhc_cg.core.nvtx import nvtx_range
 from mhc_cg.runtime.recompute.checkpoint import FORWARD, DISCARDED, CheckpointWithoutOutput
-from mhc_cg.runtime.recompute.eager import ARMED, BlockRecomputeManager, checkpoint_sublayer
+from mhc_cg.runtime.recompute.eager import ARMED, BlockRecomputeManager, run_recompute_blocks
 from mhc_cg.core.storage import own_version_alias
 
 
@@ -150,26 +149,16 @@ class AttnSplitModel(ModeModel):
             return self.model(input_ids, dropout_seed)
         self.captured.check(self.model)
         dropout_seed = self.graph_seed(input_ids, dropout_seed)
-        layers = list(self.model.layers)
-        x = self.model.embed(input_ids)
         self.recompute_managers = []
-        for start in range(0, len(layers), self.block_size):
-            block = layers[start:start + self.block_size]
-            manager = BlockRecomputeManager(name=f"block{start // self.block_size}")
-            self.recompute_managers.append(manager)
-            with manager.forward_scope():
-                x_source = None  # the block input is kept, not refilled
-                for i, layer in enumerate(block, start):
-                    with nvtx_range("fwd", 0, None, f"{i}.attn"):
-                        x, x_source = split_attention_sublayer(
-                            layer.attention, self.consumers[i], self.slots[i], x, dropout_seed,
-                            manager, f"layer{i}/attention", x_source)
-                    with nvtx_range("fwd", 0, None, f"{i}.mlp"):  # named as graphed_static's
-                        x, x_source = checkpoint_sublayer(
-                            layer.mlp, x, dropout_seed, manager, f"layer{i}/mlp", x_source,
-                            block_end=layer is block[-1])
-                manager.discard_all_outputs_and_register_unified_recompute(x)
+        x = run_recompute_blocks(self.model.layers, self.model.embed(input_ids), dropout_seed,
+                                 self.block_size, self.recompute_managers,
+                                 attention=self._split_attention, ranges=True)
         return self.model.logits(x)
+
+    def _split_attention(self, i: int, layer, x: Tensor, seed: Tensor, manager,
+                         x_source) -> tuple[Tensor, object]:
+        return split_attention_sublayer(layer.attention, self.consumers[i], self.slots[i], x, seed,
+                                        manager, f"layer{i}/attention", x_source)
 
     def release_pending(self) -> int:
         """Forget a training forward whose backward never came (an aborted step): its block

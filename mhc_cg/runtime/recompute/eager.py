@@ -21,7 +21,7 @@ can be reused.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -238,12 +238,16 @@ def _stepwise_checkpoints(steps, x, seed, manager, name, x_source, block_end):
 
 
 def run_recompute_blocks(layers, x: Tensor, seed: Tensor | None, block_size: int,
-                         managers: list[BlockRecomputeManager]) -> Tensor:
+                         managers: list[BlockRecomputeManager], *,
+                         attention: Callable | None = None, ranges: bool = False) -> Tensor:
     """Eager block recompute over ``layers`` (each with ``.attention`` / ``.mlp`` steps).
 
     One manager per block of ``block_size`` layers, appended to ``managers`` as it starts (so the
     caller still sees it, empty, if an exception unwinds its forward): each block keeps its input
     x_l0 and every F output; its hook tensor is the block's last bias-dropout-add output.
+    ``attention(i, layer, x, seed, manager, x_source) -> (x, x_source)`` replaces the attention
+    sublayer's checkpoint (Megatron-LM dev's split graphs its core); ``ranges`` names each
+    sublayer's NVTX range as the graphed modes do (``fwd``, ``{i}.attn`` / ``{i}.mlp``).
     """
     layers = list(layers)
     for start in range(0, len(layers), block_size):
@@ -253,12 +257,23 @@ def run_recompute_blocks(layers, x: Tensor, seed: Tensor | None, block_size: int
         with manager.forward_scope():
             x_source = None  # the block input is persistent, not refilled
             for i, layer in enumerate(block, start):
-                x, x_source = checkpoint_sublayer(layer.attention, x, seed, manager,
-                                                  f"layer{i}/attention", x_source, block_end=False)
-                x, x_source = checkpoint_sublayer(layer.mlp, x, seed, manager, f"layer{i}/mlp",
-                                                  x_source, block_end=layer is block[-1])
+                with _sublayer_range(ranges, f"{i}.attn"):
+                    if attention is None:
+                        x, x_source = checkpoint_sublayer(layer.attention, x, seed, manager,
+                                                          f"layer{i}/attention", x_source,
+                                                          block_end=False)
+                    else:
+                        x, x_source = attention(i, layer, x, seed, manager, x_source)
+                with _sublayer_range(ranges, f"{i}.mlp"):
+                    x, x_source = checkpoint_sublayer(layer.mlp, x, seed, manager,
+                                                      f"layer{i}/mlp", x_source,
+                                                      block_end=layer is block[-1])
             manager.discard_all_outputs_and_register_unified_recompute(x)
     return x
+
+
+def _sublayer_range(named: bool, label: str):
+    return nvtx_range("fwd", 0, None, label) if named else contextlib.nullcontext()
 
 
 def recompute_activation_eagerly(mlp: MLP, x: Tensor) -> Tensor:
