@@ -64,8 +64,12 @@ def _static_decoder_class(cls: type) -> type:
 
 
 def install_static_recompute(decoder, static_type: type[StaticMHCBlock], *, seq_length: int,
-                             micro_batch_size: int) -> StaticMHCBlock:
+                             micro_batch_size: int, slot_sets: int = 1) -> StaticMHCBlock:
     """Put ``decoder``'s training forward on a ``static_type`` runtime (see the module docstring).
+
+    ``slot_sets``: persistent slot sets, the most microbatches in flight on this rank
+    (:func:`mhc_cg.core.schedule.max_persistent_slot_sets` of the rank's order; 1 without
+    pipeline parallelism).
 
     The decoder keeps its parameters and submodules; its class becomes a subclass of its own
     with the static forward (as ``torch.nn.utils.parametrize`` does). Every layer must be a
@@ -85,11 +89,12 @@ def install_static_recompute(decoder, static_type: type[StaticMHCBlock], *, seq_
             raise TypeError(f"install_static_recompute: layers {sorted(set(plain))} are not "
                             f"GraphedSublayerMixin layers; build the model from the graphed layer "
                             f"spec (main_mhc_layer_spec(graphed=True) for Megatron-LM main)")
-    static = static_type(decoder, seq_length=seq_length, micro_batch_size=micro_batch_size)
+    static = static_type(decoder, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                         capacity=slot_sets)
     decoder.mhc_static = static
     decoder.__class__ = _static_decoder_class(type(decoder))
     runtime = static.runtime
-    seed = runtime.sets.all_sets()[0].seed if static.seeded else None
     for index, (layer, steps) in enumerate(zip(decoder.layers, static.steps)):
-        layer.mhc_site = SublayerSite(runtime, steps, index % runtime.block_size, seed)
+        layer.mhc_site = SublayerSite(runtime, steps, index % runtime.block_size,
+                                      static.seeded)
     return static

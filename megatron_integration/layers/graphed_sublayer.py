@@ -36,13 +36,15 @@ class SublayerSite:
     runtime: StaticRecompute
     steps: LayerSteps
     position: int
-    seed: Tensor | None  # the persistent set's seed buffer, when dropout draws from seeds
+    seeded: bool  # dropout draws its mask from the persistent set's seed
 
     def attention(self, x: Tensor, attention_mask: Tensor | None, kwargs: dict) -> tuple:
         """The attention sublayer with its mHC ops in slots: ``(output, F output)``, and the
         mapping state after them for a fused sublayer (a graph's outputs are tensors)."""
         self.steps.bind(attention_mask, **kwargs)
-        out, y, state = self.runtime.sublayer(self.steps.attention, self.position, 0, x, self.seed)
+        # the seed of the set this capture writes (its microbatch's, along the order)
+        seed = self.runtime.writing_set().seed if self.seeded else None
+        out, y, state = self.runtime.sublayer(self.steps.attention, self.position, 0, x, seed)
         # F's output and the state only feed the persistent set
         return (out, y.detach()) if state is None else (out, y.detach(), state.detach())
 
