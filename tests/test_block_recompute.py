@@ -13,10 +13,10 @@ TINY = dict(vocab_size=32, seq_length=8, hidden_size=16, num_heads=2, num_layers
             hidden_dropout=0.2)
 
 
-def _grads(runner: EagerModel, ids, seed=None):
-    runner.model.zero_grad(set_to_none=True)
-    runner(ids, seed).float().square().mean().backward()
-    return {n: p.grad.clone() for n, p in runner.model.named_parameters()}
+def _grads(mode_model: EagerModel, ids, seed=None):
+    mode_model.model.zero_grad(set_to_none=True)
+    mode_model(ids, seed).float().square().mean().backward()
+    return {n: p.grad.clone() for n, p in mode_model.model.named_parameters()}
 
 
 def _pair(**overrides):

@@ -67,7 +67,7 @@ def test_forward_only_passes_between_steps_keep_every_mode_bit_identical():
         assert evals == ref_evals, mode
         assert all(torch.equal(a, b) for a, b in zip(side, ref_side)), mode
         session.release_pending()
-        runtime = session.runner.runtime
+        runtime = session.mode_model.runtime
         if runtime is not None:
             assert runtime.sets.in_use == 0 and runtime.pending == 0
 
@@ -77,7 +77,7 @@ def test_evaluation_claims_no_set_and_keeps_the_replay_order(mode):
     cfg = tiny_run_config()
     session = session_for(cfg, mode)
     session.step()
-    graphed = session.runner
+    graphed = session.mode_model
     replays = [g.replays for g in graphed.graphs()]
     session.evaluate()
     with torch.no_grad():
@@ -92,7 +92,7 @@ def test_evaluation_claims_no_set_and_keeps_the_replay_order(mode):
 def test_release_pending_is_the_documented_call_and_a_released_backward_raises():
     cfg = tiny_run_config()
     session = session_for(cfg, "graphed_static")
-    graphed = session.runner
+    graphed = session.mode_model
     inputs, targets, seed = side_batch(cfg)
     loss = F.cross_entropy(graphed(inputs, seed).flatten(0, 1), targets.flatten())
     assert graphed.runtime.sets.in_use == 1 and graphed.runtime.pending == 1

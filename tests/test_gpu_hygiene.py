@@ -135,11 +135,11 @@ def test_bench_peak_reserved_counts_the_pools_its_build_captured(monkeypatch):
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", fake.reset)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: fake.max_live)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: fake.max_held)
-    runner = bench.ModeRunner("graphed_static", None, torch.device("cuda")).build(8, 2)
-    runner.warm_up(1)
-    runner.run_chunk(2)
-    assert (runner.resident_bytes, runner.resident_reserved_bytes) == (110, 180)
-    assert (runner.peak_bytes, runner.peak_reserved_bytes) == (140, 180)
+    mode_bench = bench.ModeBench("graphed_static", None, torch.device("cuda")).build(8, 2)
+    mode_bench.warm_up(1)
+    mode_bench.run_chunk(2)
+    assert (mode_bench.resident_bytes, mode_bench.resident_reserved_bytes) == (110, 180)
+    assert (mode_bench.peak_bytes, mode_bench.peak_reserved_bytes) == (140, 180)
 
 
 @pytest.mark.cuda

@@ -106,12 +106,12 @@ def test_every_graphed_mode_refuses_a_bad_dropout_seed_in_one_line(mode):
 @pytest.mark.parametrize("mode", [m.name for m in MODES.values() if m.graphed and m.same_model])
 def test_no_dropout_seed_draws_one_as_the_plain_model_does(mode):
     cfg = small_config(["attn", "mhc_recompute"])
-    runners = {name: build_for_mode(cfg, name, "cpu") for name in ("eager_none", mode)}
+    mode_models = {name: build_for_mode(cfg, name, "cpu") for name in ("eager_none", mode)}
     ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size,
                                                   cfg.model.seq_length))
     grads = {}
-    for name, runner in runners.items():
+    for name, mode_model in mode_models.items():
         torch.manual_seed(11)  # the seed the forward draws
-        runner(ids, None).float().square().mean().backward()
-        grads[name] = [p.grad for p in runner.model.parameters()]
+        mode_model(ids, None).float().square().mean().backward()
+        grads[name] = [p.grad for p in mode_model.model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(grads["eager_none"], grads[mode]))

@@ -180,7 +180,7 @@ def lower_bound_seconds(total_bytes: int, bandwidth: float) -> float:
 # One mode: its model, optimizer and data, stepped on demand.
 
 @dataclass
-class ModeRunner:
+class ModeBench:
     name: str
     cfg: RunConfig
     device: torch.device
@@ -195,7 +195,7 @@ class ModeRunner:
     losses: list[float] = field(default_factory=list)
     peak_bytes: int | None = None
 
-    def build(self, moe_experts: int, moe_top_k: int) -> "ModeRunner":
+    def build(self, moe_experts: int, moe_top_k: int) -> "ModeBench":
         synchronize(self.device)
         # before building: the graph pools its captures reserve are the mode's own
         before, reserved_before = allocated(self.device), reserved(self.device)
@@ -250,7 +250,7 @@ class ModeRunner:
 
     def recompute_timing(self, bandwidth: float, replays: int) -> dict:
         """Replay one recompute graph (block 0, set 0) ``replays`` times; its bound from traffic."""
-        runtime = self.session.runner.runtime
+        runtime = self.session.mode_model.runtime
         graphs = runtime.recompute_graphs if runtime is not None else None
         if not graphs:
             return {"recompute_graph_ms": None, "recompute_lower_bound_ms": None,
@@ -263,7 +263,7 @@ class ModeRunner:
                 graph.replay()
             synchronize(self.device)
             seconds = time_repeated(graph.replay, replays, self.device)
-        traffic = recompute_traffic(self.session.runner, 0)
+        traffic = recompute_traffic(self.session.mode_model, 0)
         return {"recompute_graph_ms": 1000.0 * seconds,
                 "recompute_lower_bound_ms": 1000.0 * lower_bound_seconds(traffic["total"], bandwidth),
                 "recompute_bytes": traffic, "recompute_replays": replays}
@@ -288,32 +288,32 @@ class BenchOptions:
     one_at_a_time: bool = False
 
 
-def _rounds(runners: list[ModeRunner], steps: int, chunk: int) -> None:
+def _rounds(mode_benches: list[ModeBench], steps: int, chunk: int) -> None:
     done, index = 0, 0
     total = -(-steps // chunk)
     while done < steps:
         n = min(chunk, steps - done)
         index += 1
-        for runner in runners:
-            runner.run_chunk(n)
+        for mode_bench in mode_benches:
+            mode_bench.run_chunk(n)
         done += n
         medians = ", ".join(f"{r.name} {1000 * statistics.median(r.step_times):.1f} ms"
-                            for r in runners)
+                            for r in mode_benches)
         log(f"round {index}/{total}: {done}/{steps} steps per mode; median so far: {medians}")
 
 
-def _build(name: str, cfg: RunConfig, device: torch.device, opts: BenchOptions) -> ModeRunner:
+def _build(name: str, cfg: RunConfig, device: torch.device, opts: BenchOptions) -> ModeBench:
     log(f"{name}: building{' and capturing graphs' if get_mode(name).graphed else ''}")
-    runner = ModeRunner(name, cfg, device).build(opts.moe_experts, opts.moe_top_k)
-    graphs = len(runner.session.runner.graphs())
-    log(f"{name}: built in {runner.build_s:.1f} s ({graphs} graphs); {opts.warmup} warm-up steps")
-    runner.warm_up(opts.warmup)
-    return runner
+    mode_bench = ModeBench(name, cfg, device).build(opts.moe_experts, opts.moe_top_k)
+    graphs = len(mode_bench.session.mode_model.graphs())
+    log(f"{name}: built in {mode_bench.build_s:.1f} s ({graphs} graphs); {opts.warmup} warm-up steps")
+    mode_bench.warm_up(opts.warmup)
+    return mode_bench
 
 
-def _free(runners: list[ModeRunner], device: torch.device) -> None:
-    for runner in runners:
-        runner.release()
+def _free(mode_benches: list[ModeBench], device: torch.device) -> None:
+    for mode_bench in mode_benches:
+        mode_bench.release()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -331,11 +331,11 @@ def run_bench(cfg: RunConfig, device: torch.device, opts: BenchOptions,
     bandwidth = copy_bandwidth(device, opts.bandwidth_bytes)
     report = _report_head(cfg, device, opts, bandwidth)
     timings: dict[str, dict] = {}
-    runners: list[ModeRunner] = []
+    mode_benches: list[ModeBench] = []
 
-    def finished(runner: ModeRunner) -> None:
+    def finished(mode_bench: ModeBench) -> None:
         reference = report["modes"].get(REFERENCE, {}).get("losses")
-        report["modes"][runner.name] = _mode_entry(runner, reference, timings, cfg, device)
+        report["modes"][mode_bench.name] = _mode_entry(mode_bench, reference, timings, cfg, device)
         report["targets"] = targets_check(report["modes"])
         if on_mode_done is not None:
             on_mode_done(report)
@@ -343,30 +343,30 @@ def run_bench(cfg: RunConfig, device: torch.device, opts: BenchOptions,
     if not opts.one_at_a_time:
         try:
             for name in opts.modes:
-                runners.append(_build(name, cfg, device, opts))
-            _rounds(runners, opts.steps, opts.chunk)
-            for runner in runners:
-                timings[runner.name] = runner.recompute_timing(bandwidth, opts.recompute_replays)
+                mode_benches.append(_build(name, cfg, device, opts))
+            _rounds(mode_benches, opts.steps, opts.chunk)
+            for mode_bench in mode_benches:
+                timings[mode_bench.name] = mode_bench.recompute_timing(bandwidth, opts.recompute_replays)
         except torch.OutOfMemoryError:
             # start over with nothing resident: partial timings of a crowded device are discarded
-            _free(runners, device)
-            runners, timings = [], {}
+            _free(mode_benches, device)
+            mode_benches, timings = [], {}
             report["bench"]["schedule"] = "one_at_a_time"
             report["bench"]["schedule_note"] = ("all modes at once ran out of device memory; modes "
                                                 "ran one at a time")
             log(report["bench"]["schedule_note"])
-        for runner in runners:
-            finished(runner)
+        for mode_bench in mode_benches:
+            finished(mode_bench)
     else:
         report["bench"]["schedule"] = "one_at_a_time"
         report["bench"]["schedule_note"] = "asked for with --one-at-a-time"
-    if not runners:
+    if not mode_benches:
         for name in opts.modes:
-            runner = _build(name, cfg, device, opts)
-            _rounds([runner], opts.steps, opts.chunk)
-            timings[name] = runner.recompute_timing(bandwidth, opts.recompute_replays)
-            finished(runner)
-            _free([runner], device)
+            mode_bench = _build(name, cfg, device, opts)
+            _rounds([mode_bench], opts.steps, opts.chunk)
+            timings[name] = mode_bench.recompute_timing(bandwidth, opts.recompute_replays)
+            finished(mode_bench)
+            _free([mode_bench], device)
     report["targets"] = targets_check(report["modes"])
     return report
 
@@ -408,27 +408,27 @@ def losses_match(losses: list[float], reference: list[float], rtol: float) -> bo
     return all(abs(a - b) <= rtol * abs(b) for a, b in zip(losses, reference))
 
 
-def _mode_entry(runner: ModeRunner, reference: list[float] | None, timings: dict,
+def _mode_entry(mode_bench: ModeBench, reference: list[float] | None, timings: dict,
                 cfg: RunConfig, device: torch.device) -> dict:
-    mode = get_mode(runner.name)
+    mode = get_mode(mode_bench.name)
     comparable = reference is not None and mode.same_model
     rtol = LOSS_RTOL[cfg.train.dtype] if device.type == "cuda" else 0.0
     entry = {
-        "peak_mem_bytes": runner.peak_bytes,
-        "peak_reserved_bytes": runner.peak_reserved_bytes,
-        "resident_bytes": runner.resident_bytes,
-        "resident_reserved_bytes": runner.resident_reserved_bytes,
-        "step_ms_median": 1000.0 * statistics.median(runner.step_times),
-        "step_ms": [1000.0 * t for t in runner.step_times],
-        "tokens_per_s": runner.tokens_per_step / statistics.median(runner.step_times),
-        "losses": runner.losses,
-        "losses_equal_eager_none": runner.losses == reference if comparable else None,
-        "losses_match_eager_none": losses_match(runner.losses, reference, rtol) if comparable
+        "peak_mem_bytes": mode_bench.peak_bytes,
+        "peak_reserved_bytes": mode_bench.peak_reserved_bytes,
+        "resident_bytes": mode_bench.resident_bytes,
+        "resident_reserved_bytes": mode_bench.resident_reserved_bytes,
+        "step_ms_median": 1000.0 * statistics.median(mode_bench.step_times),
+        "step_ms": [1000.0 * t for t in mode_bench.step_times],
+        "tokens_per_s": mode_bench.tokens_per_step / statistics.median(mode_bench.step_times),
+        "losses": mode_bench.losses,
+        "losses_equal_eager_none": mode_bench.losses == reference if comparable else None,
+        "losses_match_eager_none": losses_match(mode_bench.losses, reference, rtol) if comparable
         else None,
-        "build_s": runner.build_s,
+        "build_s": mode_bench.build_s,
     }
     if mode.graphed:
-        entry.update(timings[runner.name])
+        entry.update(timings[mode_bench.name])
     return entry
 
 

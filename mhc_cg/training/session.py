@@ -103,7 +103,7 @@ class TrainSession:
     cfg: RunConfig
     plan: CapturePlan
     device: torch.device
-    runner: ModeModel
+    mode_model: ModeModel
     optimizer: MixedPrecisionOptimizer
     data: Microbatches
     last_skipped: bool = False  # the last step's gradients overflowed and it was skipped
@@ -113,22 +113,22 @@ class TrainSession:
     @classmethod
     def build(cls, cfg: RunConfig, plan: CapturePlan, device: torch.device,
               backend=None) -> "TrainSession":
-        runner = build(cfg, plan, device, backend)
-        optimizer = MixedPrecisionOptimizer(runner.model.parameters(), lr=cfg.train.lr,
+        mode_model = build(cfg, plan, device, backend)
+        optimizer = MixedPrecisionOptimizer(mode_model.model.parameters(), lr=cfg.train.lr,
                                             weight_decay=cfg.train.weight_decay,
                                             model_dtype=TORCH_DTYPES[cfg.train.dtype])
-        return cls(cfg, plan, device, runner, optimizer, Microbatches(cfg))
+        return cls(cfg, plan, device, mode_model, optimizer, Microbatches(cfg))
 
     @property
     def model(self) -> MHCGPT:
-        return self.runner.model
+        return self.mode_model.model
 
     def forward(self, input_ids: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-        return self.runner(input_ids, seed)
+        return self.mode_model(input_ids, seed)
 
     def release_pending(self) -> int:
         """Release what forwards without a backward still hold (:meth:`ModeModel.release_pending`)."""
-        return self.runner.release_pending()
+        return self.mode_model.release_pending()
 
     def evaluate(self) -> float:
         """Mean loss over ``train.eval_batches`` held-out batches: ``eval()``, ``no_grad``, no
@@ -225,7 +225,7 @@ def train(cfg: RunConfig, *, steps: int | None = None, device: str | None = None
     check_fits(cfg, dev)
     plan = capture_plan(cfg, mode, str(dev))
     session = TrainSession.build(cfg, plan, dev)
-    result = TrainResult(mode=mode, info=session.runner.describe())
+    result = TrainResult(mode=mode, info=session.mode_model.describe())
     bar = ProgressBar(steps, f"train[{mode}]", progress)
     for step in range(steps):
         start = time.perf_counter()

@@ -148,11 +148,11 @@ def build(cfg: RunConfig, plan: CapturePlan, device: torch.device | str,
     ``backend``: a capture backend object instead of the plan's (the cost model's)."""
     mode = get_mode(plan.mode)
     model = build_model(cfg, mode, device)
-    runner = mode.model_type(model, plan, micro_batch_size=cfg.train.micro_batch_size,
+    mode_model = mode.model_type(model, plan, micro_batch_size=cfg.train.micro_batch_size,
                              backend=backend)
     with torch.enable_grad():  # capture records the backward too, even if built under no_grad
-        runner.prepare(device)
-    return runner
+        mode_model.prepare(device)
+    return mode_model
 
 
 # --------------------------------------------------------------------------------------------

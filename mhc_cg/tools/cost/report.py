@@ -78,8 +78,8 @@ def cost_mode(cfg: RunConfig, mode: str, device: str) -> dict:
         if meta:
             stack.enter_context(fused_attention_on_meta())
         with torch.device(dev) if meta else contextlib.nullcontext():
-            runner = build(cfg, plan, dev, backend=backend)
-        model, forward = runner.model, runner
+            mode_model = build(cfg, plan, dev, backend=backend)
+        model, forward = mode_model.model, mode_model
         # per-parameter optimizer and clipping on every device (meta has no multi-tensor ops;
         # a GPU would launch fewer, larger kernels there)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr,
@@ -106,8 +106,8 @@ def cost_mode(cfg: RunConfig, mode: str, device: str) -> dict:
         recorder = StepRecorder(streams)
         with recorder:
             step()
-    graphs = _graph_entries(runner, backend, cfg)
-    info = runner.describe()
+    graphs = _graph_entries(mode_model, backend, cfg)
+    info = mode_model.describe()
     by_part = recorder.by_part
     return {
         "kernels_per_step": recorder.kernels,
@@ -120,7 +120,7 @@ def cost_mode(cfg: RunConfig, mode: str, device: str) -> dict:
         "pool_reserved_bytes": sum(p.state.high_water for p in backend.pools),
         "arena_bytes": info.get("arena_bytes"),
         "persistent_bytes_per_microbatch": info.get("persistent_bytes_per_microbatch"),
-        "static_buffer_bytes": runner.static_buffer_bytes(),
+        "static_buffer_bytes": mode_model.static_buffer_bytes(),
         "top_eager_kernels": dict(recorder.eager.by_op.most_common(8)),
         "flops_per_step": recorder.eager.flops + recorder.graphs.flops,
         "predicted_h100_step_s": predicted_seconds(
@@ -132,9 +132,9 @@ def cost_mode(cfg: RunConfig, mode: str, device: str) -> dict:
     }
 
 
-def _graph_entries(runner, backend: CostBackend, cfg: RunConfig) -> list[dict]:
+def _graph_entries(mode_model, backend: CostBackend, cfg: RunConfig) -> list[dict]:
     """Every captured graph in capture order; a recompute graph with its bound beside it."""
-    names = {id(graph): (name, kind) for name, kind, graph in runner.named_graphs()}
+    names = {id(graph): (name, kind) for name, kind, graph in mode_model.named_graphs()}
     entries = []
     for graph in backend.captured:
         name, kind = names.get(id(graph), (graph.name, "forward"))
@@ -145,7 +145,7 @@ def _graph_entries(runner, backend: CostBackend, cfg: RunConfig) -> list[dict]:
                  "escaped_bytes": graph.peak.escaped_bytes, "pool": graph.pool.id}
         if kind == "recompute":
             block = int(name.split()[2])
-            layers = runner.runtime.blocks[block]
+            layers = mode_model.runtime.blocks[block]
             bound = recompute_bound_bytes(cfg, len(layers), sum(
                 recomputes_activation(layer.mlp) for layer in layers))
             entry.update(bound_bytes=bound, over_bound=graph.cost.bytes / bound)
