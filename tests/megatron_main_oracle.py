@@ -1,10 +1,12 @@
-"""Megatron-LM ``main``'s own mHC as a test oracle, run in a subprocess.
+"""Megatron-LM ``main``'s own mHC as a test oracle, run in a subprocess (and ``dev``'s, whose
+``HyperConnectionModule`` applies H_res transposed: the ``dev_hyper_connection`` job).
 
 No megatron-core release has mHC yet, so ``../shared/third_party/megatron-lm-main-*.tar.gz`` (a
 source snapshot of Megatron-LM ``main``'s ``megatron/core``) is extracted into a scratch directory
 and imported by a *separate* Python process whose ``PYTHONPATH`` puts it first: in that process
 ``import megatron.core`` is ``main``'s, while the pinned megatron-core of the test process is
-untouched. Finding the snapshot and running the child are the shipped
+untouched (``../shared/third_party/megatron-lm-dev-*.tar.gz`` likewise for ``dev``, through
+``snapshot_archive("dev")``). Finding the snapshot and running the child are the shipped
 :mod:`megatron_integration.harness.child_process`'s (``mhc-cg megatron`` uses the same).
 
 The parent side (``snapshot_archive``, ``extract_snapshot``, ``run_job``) is imported by the tests.
@@ -23,9 +25,9 @@ import os
 import sys
 from pathlib import Path
 
-from megatron_integration.harness.child_process import (ARCHIVE_GLOB, extract_snapshot,  # noqa: F401
-                                               load_te_standin, run_child, snapshot_archive,
-                                               third_party_dirs)
+from megatron_integration.harness.child_process import (ARCHIVE_GLOB, archive_glob,  # noqa: F401
+                                               extract_snapshot, load_te_standin, run_child,
+                                               snapshot_archive, third_party_dirs)
 
 HERE = Path(__file__).resolve().parent
 STANDIN = HERE.parent / "megatron_integration" / "harness" / "te_on_tape"
@@ -34,14 +36,14 @@ HELPER_JOBS = ("main_helper", "core_helper")  # jobs that run megatron's TE grap
 
 
 # ------------------------------------------------------------------------------ parent side
-def skip_reason() -> str:
-    return (f"no Megatron-LM main snapshot ({ARCHIVE_GLOB}) in "
+def skip_reason(branch: str = "main") -> str:
+    return (f"no Megatron-LM {branch} snapshot ({archive_glob(branch)}) in "
             f"{' or '.join(str(d) for d in third_party_dirs())}")
 
 
 def run_job(snapshot_root: Path | None, job: str, **kwargs) -> dict:
-    """Run ``job(**kwargs)`` in a fresh process that imports ``main``'s megatron.core (the pinned
-    megatron-core when ``snapshot_root`` is ``None``); its result."""
+    """Run ``job(**kwargs)`` in a fresh process that imports the snapshot's megatron.core (the
+    pinned megatron-core when ``snapshot_root`` is ``None``); its result."""
     scratch = snapshot_root.parent if snapshot_root is not None else Path(os.environ.get(
         "TMPDIR", "/tmp"))
     out = scratch / f"{job}-{os.getpid()}.json"
@@ -147,6 +149,146 @@ def hyper_connection_job(streams: list[int], dtypes: list[str], seq: int = 5, ba
                 "grad_scale": max(g.abs().max().item() for g in grads_m.values()),
                 "doubly_stochastic_err": max_abs_diff(values_o["h_res"].sum(-1),
                                                       torch.ones(seq, batch, n)),
+            })
+    return {"cases": cases}
+
+
+def dev_hyper_connection_job(streams: list[int], dtypes: list[str], seq: int = 5, batch: int = 3,
+                             hidden: int = 16) -> dict:
+    """Megatron-LM ``dev``'s ``HyperConnectionModule`` (which applies ``H_res^T``) beside
+    ``HyperConnection(h_res_transposed=True)``, non-fused and fused (the torch reference), and
+    beside ``HyperConnection()`` (main's layout), on the same ``state_dict`` and input.
+
+    Dev's module differs from main's in more than the layout: an additive eps (1e-6) in its
+    Sinkhorn and in H_pre, zeroed here on the instance (``sinkhorn_eps``, ``compute_h_eps``) so
+    that what remains is the layout; and its projection and norm run in fp32 whatever the dtype
+    (its fp64 mappings carry fp32 rounding). Compared: the whole sublayer (mappings, aggregate,
+    dev's ``fused_h_res_h_post_bda`` at dropout 0, its ``h_post_bda``) with dev's module as it
+    is (``as_is``) and with its ``_projection_and_get_norm`` alone replaced by the same math in
+    the input's dtype (``projection_in_dtype``); and the layout's step alone, dev's
+    ``apply_h_res`` and ``fused_h_res_h_post_bda`` given dev's own ``h_res`` and ``h_post``.
+    Largest absolute differences of values and gradients (input, F's bias, parameters; for the
+    step, its every input).
+    """
+    import math
+
+    import torch
+
+    from megatron.core.transformer.hyper_connection import HyperConnectionModule
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mhc_cg.ops.hyper_connection import HyperConnection
+
+    cases = []
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        for n in streams:
+            torch.manual_seed(2000 + n)
+            config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=4,
+                                       enable_hyper_connections=True, num_residual_streams=n,
+                                       mhc_sinkhorn_iterations=20, mhc_init_gating_factor=0.01,
+                                       params_dtype=dtype, use_cpu_initialization=True)
+            theirs = HyperConnectionModule(config, layer_number=1).to(dtype)
+            theirs.sinkhorn_eps = 0.0
+            theirs.compute_h_eps = 0.0
+            with torch.no_grad():  # off the init; res logits spread: H_res far from symmetric
+                for p in theirs.parameters():
+                    p.add_(0.3 * torch.randn_like(p))
+                theirs.bias[2 * n:].add_(1.5 * torch.randn(n * n, dtype=dtype))
+            ours = {}
+            for name, transposed in (("dev_layout", True), ("main_layout", False)):
+                ours[name] = HyperConnection(hidden, n, config.mhc_sinkhorn_iterations,
+                                             config.mhc_init_gating_factor, kernels="torch",
+                                             h_res_transposed=transposed).to(dtype)
+                ours[name].load_state_dict(theirs.state_dict(), strict=True)
+            f_weight = torch.randn(hidden, hidden, dtype=dtype) / hidden ** 0.5
+            f_bias = torch.randn(hidden, dtype=dtype)
+            x0 = torch.randn(seq, batch, n * hidden, dtype=dtype)
+            probe = torch.randn(seq, batch, n * hidden, dtype=dtype)
+
+            def sublayer_f(agg):
+                return torch.tanh(agg @ f_weight)
+
+            def run(module, how: str):
+                module.zero_grad(set_to_none=True)  # ours["dev_layout"] runs twice
+                x = x0.clone().requires_grad_()
+                bias = f_bias.clone().requires_grad_()
+                if how == "dev":
+                    agg, h_res, h_post, residual = module(x)
+                    out = module.fused_h_res_h_post_bda(h_res, residual, h_post,
+                                                        (sublayer_f(agg), bias), 0.0, True, False)
+                elif how == "fused":
+                    fn_input, state, x_on = module.pre(x, None, 0.0)
+                    out = module.post(x_on, state, sublayer_f(fn_input) + bias, None, 0.0, 0)
+                else:
+                    h_pre, h_post, h_res = module.compute_mappings(x)
+                    y = sublayer_f(module.aggregate(x, h_pre))
+                    out = module.apply_h_res(h_res, x) + module.apply_h_post(
+                        y + bias.expand_as(y), h_post)
+                (out * probe).sum().backward()
+                grads = {"x": x.grad, "f_bias": bias.grad,
+                         **{name: p.grad for name, p in module.named_parameters()}}
+                return out.detach(), grads
+
+            def projection_in_dtype(x):
+                r = 1.0 / (x.norm(dim=-1, keepdim=True) / math.sqrt(x.shape[-1])
+                           + theirs.norm_eps)
+                return theirs.mapping_proj(x), r
+
+            ran = {name: run(module, how) for name, module, how in (
+                ("ours_dev_layout", ours["dev_layout"], "composed"),
+                ("ours_dev_layout_fused", ours["dev_layout"], "fused"),
+                ("ours_main_layout", ours["main_layout"], "composed"))}
+            compared, scales = {}, {}
+            for variant in ("as_is", "projection_in_dtype"):
+                if variant == "projection_in_dtype":
+                    theirs._projection_and_get_norm = projection_in_dtype
+                out_d, grads_d = run(theirs, "dev")
+                scales[variant] = {"value": out_d.abs().max().item(),
+                                   "grad": max(g.abs().max().item() for g in grads_d.values())}
+                compared[variant] = {
+                    name: {"out": max_abs_diff(out_d, out_o),
+                           "grad": {k: max_abs_diff(grads_d[k], grads_o[k]) for k in grads_d},
+                           "grad_keys_equal": sorted(grads_d) == sorted(grads_o)}
+                    for name, (out_o, grads_o) in ran.items()}
+
+            # the layout's step alone, from dev's own mappings
+            with torch.no_grad():
+                _, h_res0, h_post0, _ = theirs(x0)
+            y0 = sublayer_f(torch.randn(seq, batch, hidden, dtype=dtype))
+
+            def step(module, dev: bool):
+                leaves = {"h_res": h_res0.clone(), "x": x0.clone(), "h_post": h_post0.clone(),
+                          "y": y0.clone(), "f_bias": f_bias.clone()}
+                for t in leaves.values():
+                    t.requires_grad_()
+                h_res, x, h_post, y, bias = leaves.values()
+                if dev:
+                    mixed = module.apply_h_res(h_res, x)
+                    out = module.fused_h_res_h_post_bda(h_res, x, h_post, (y, bias), 0.0, True,
+                                                        False)
+                else:
+                    mixed = module.apply_h_res(h_res, x)
+                    out = mixed + module.apply_h_post(y + bias.expand_as(y), h_post)
+                (out * probe + mixed * probe.flip(-1)).sum().backward()
+                return {"out": out.detach(), "mixed": mixed.detach()}, \
+                    {k: t.grad for k, t in leaves.items()}
+
+            values_d, step_grads_d = step(theirs, True)
+            step_diffs = {}
+            for name in ("dev_layout", "main_layout"):
+                values_o, step_grads_o = step(ours[name], False)
+                step_diffs[name] = {
+                    "values": {k: max_abs_diff(values_d[k], values_o[k]) for k in values_d},
+                    "grad": {k: max_abs_diff(step_grads_d[k], step_grads_o[k])
+                             for k in step_grads_d}}
+            cases.append({
+                "n": n, "dtype": dtype_name,
+                "h_res_asymmetry": (h_res0 - h_res0.transpose(-1, -2)).abs().max().item(),
+                "scale": scales,
+                "step_value_scale": max(v.abs().max().item() for v in values_d.values()),
+                "step_grad_scale": max(g.abs().max().item() for g in step_grads_d.values()),
+                "sublayer": compared, "step": step_diffs,
             })
     return {"cases": cases}
 
@@ -406,7 +548,8 @@ def core_helper_job(shapes: list[dict]) -> dict:
     return {"cases": cases}
 
 
-JOBS = {"hyper_connection": hyper_connection_job, "main_layer": main_layer_job,
+JOBS = {"hyper_connection": hyper_connection_job, "dev_hyper_connection": dev_hyper_connection_job,
+        "main_layer": main_layer_job,
         "main_helper": main_helper_job, "core_helper": core_helper_job}
 
 

@@ -5,6 +5,7 @@ kernel-launch count of a training step."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -43,10 +44,11 @@ def interpret():
         pytest.skip("TRITON_INTERPRET=1 was not set before triton was imported")
 
 
-def make_hc(n: int, c: int, dtype=torch.float32, seed=0, iterations=20) -> HyperConnection:
+def make_hc(n: int, c: int, dtype=torch.float32, seed=0, iterations=20,
+            **options) -> HyperConnection:
     torch.manual_seed(seed)
     hc = HyperConnection(c, num_streams=n, sinkhorn_iterations=iterations,
-                         init_gating_factor=0.3).to(dtype)
+                         init_gating_factor=0.3, **options).to(dtype)
     with torch.no_grad():
         hc.mapping_proj.weight.normal_(std=0.5)
         hc.bias.normal_()
@@ -160,7 +162,8 @@ def test_counter_hash_is_murmur3_fmix_in_32_bits():
 
 # ---- Triton (interpreter) against the torch reference ------------------------------------------
 
-def op_cases(device, dtype, n: int, c: int, t: int, norm: bool = True, p: float = 0.2) -> dict:
+def op_cases(device, dtype, n: int, c: int, t: int, norm: bool = True, p: float = 0.2,
+             h_res_transposed: bool = False) -> dict:
     """Every op, forward and backward, on the same random inputs; ``case(use_triton)`` runs one."""
     from mhc_cg.ops.kernels import ops
 
@@ -178,16 +181,17 @@ def op_cases(device, dtype, n: int, c: int, t: int, norm: bool = True, p: float 
     state = reference.pre(x, w, *alphas, bias, nw, n, 20, EPS)[1]  # one state for the downstream ops
     g_state = torch.randn(t, m + 2, generator=g).to(device)
     g_out, g_x, g_post = rand(t, c), rand(t, n * c), rand(t, n * c)
+    ht = (True,) if h_res_transposed else ()  # the default layout: calls without the argument
     return {
         "pre": lambda tri: ops.pre(x, w, *alphas, bias, nw, n, 20, EPS, tri),
         "pre_backward": lambda tri: ops.pre_backward(g_out, g_state, g_x, x, w, *alphas, bias, nw,
-                                                     state, n, 20, EPS, tri),
+                                                     state, n, 20, EPS, tri, *ht),
         "pre_backward_into": lambda tri: (*ops.pre_backward_into(
-            g_out, g_state, g_post := g_x.clone(), x, w, *alphas, bias, nw, state, n, 20, EPS, tri),
-            g_post),
-        "post": lambda tri: ops.post(x, state, *alphas, bias, y, seed, p, 3, n, 20, tri),
+            g_out, g_state, g_post := g_x.clone(), x, w, *alphas, bias, nw, state, n, 20, EPS, tri,
+            *ht), g_post),
+        "post": lambda tri: ops.post(x, state, *alphas, bias, y, seed, p, 3, n, 20, tri, *ht),
         "post_backward": lambda tri: ops.post_backward(g_post, x, state, *alphas, bias, y, seed, p,
-                                                       3, n, 20, tri),
+                                                       3, n, 20, tri, *ht),
         "rms_norm": lambda tri: ops.rms_norm(y, w[0, :c].abs() + 0.5, EPS, tri),
         "rms_norm_backward": lambda tri: ops.rms_norm_backward(g_out, y, w[0, :c].abs() + 0.5, EPS,
                                                                tri),
@@ -198,8 +202,11 @@ def _as_tuple(out):
     return out if isinstance(out, tuple) else (out,)
 
 
-def assert_ops_match(dtype, n, c, t, norm, rtol, atol):
-    for name, run in op_cases("cpu", dtype, n, c, t, norm).items():
+def assert_ops_match(dtype, n, c, t, norm, rtol, atol, h_res_transposed=False, only=None):
+    cases = op_cases("cpu", dtype, n, c, t, norm, h_res_transposed=h_res_transposed)
+    for name, run in cases.items():
+        if only is not None and name not in only:
+            continue
         for k, (got, want) in enumerate(zip(_as_tuple(run(True)), _as_tuple(run(False)))):
             assert got.dtype == want.dtype and got.shape == want.shape, (name, k)
             torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol,
@@ -221,7 +228,7 @@ def test_triton_matches_reference_bf16(interpret, n, c, norm):
     assert_ops_match(torch.bfloat16, n, c, 6, norm, rtol=2e-2, atol=2e-2)
 
 
-def block_chain(impl, x0, ws, params, norms, seed, p, n, iterations):
+def block_chain(impl, x0, ws, params, norms, seed, p, n, iterations, h_res_transposed=False):
     """A block's forward through ``impl``'s pre and post, sublayer by sublayer: the sublayer
     inputs after the first, F's inputs, F's outputs and states (F is ``fn``)."""
     xs, fn_inputs, ys, states = [], [], [], []
@@ -233,7 +240,8 @@ def block_chain(impl, x0, ws, params, norms, seed, p, n, iterations):
         y = fn(f_in)
         fn_inputs.append(f_in), ys.append(y), states.append(state)
         if k + 1 < len(ws):
-            x = impl.post(x, state, *a, bias, y, seed, p, 10 + 2 * k, n, iterations)
+            x = impl.post(x, state, *a, bias, y, seed, p, 10 + 2 * k, n, iterations,
+                          **({"h_res_transposed": True} if h_res_transposed else {}))
             xs.append(x)
     return xs, fn_inputs, ys, states
 
@@ -383,6 +391,130 @@ def test_cli_rejects_triton_on_cpu_with_exit_2(tmp_path):
                           capture_output=True, text=True, env=env, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr
     assert "model.kernels: 'triton' on CPU runs only in Triton's interpreter" in proc.stderr
+
+
+# ---- H_res's transposed layout (Megatron-LM dev): H_res^T x -------------------------------------
+
+def h_res_asymmetry(hc: HyperConnection, x: torch.Tensor) -> float:
+    """``max |H_res - H_res^T|`` over the tokens: where it is 0 the layouts agree (every doubly
+    stochastic 2 x 2 matrix is symmetric, hence n >= 3 below)."""
+    with torch.no_grad():
+        h_res = hc.compute_mappings(x)[2]
+    return (h_res - h_res.transpose(-1, -2)).abs().max().item()
+
+
+@pytest.mark.parametrize("n,norm,p", [(3, True, 0.3), (4, False, 0.0)])
+def test_transposed_h_res_fused_sublayer_matches_composed_math_and_its_gradients(n, norm, p):
+    """The reference pre and post with ``h_res_transposed`` against the non-fused HyperConnection
+    with it (fp64, as tight as the default layout's test); the two layouts' outputs differ."""
+    c = 5
+    main = make_hc(n, c, torch.float64)
+    hc = make_hc(n, c, torch.float64, h_res_transposed=True)
+    main.kernels = hc.kernels = "torch"
+    with torch.no_grad():  # res logits far apart: H_res far from symmetric
+        for module in (main, hc):
+            module.bias[2 * n:] *= 3.0
+    x = torch.randn(S, B, n * c, dtype=torch.float64, requires_grad=True)
+    w = (torch.rand(c, dtype=torch.float64) + 0.5).requires_grad_() if norm else None
+    seed = torch.tensor(11)
+    assert h_res_asymmetry(hc, x) > 0.05
+    want = composed_sublayer(hc, x, w, seed, p, 3)
+    assert (want - composed_sublayer(main, x, w, seed, p, 3)).abs().max() > 0.05
+    got = fused_sublayer(hc, x, w, seed, p, 3)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(want)
+    params = [x, *hc.parameters(), *([w] if norm else [])]
+    for a, b in zip(torch.autograd.grad(got, params, g), torch.autograd.grad(want, params, g)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_post_with_another_h_res_layout_than_its_pre_is_refused():
+    """The pre's backward applies H_res to the post's gradient: one layout for both."""
+    hc = make_hc(3, 4)
+    x = torch.randn(S, B, 12, requires_grad=True)
+    fn_input, state, x_on = hc.pre(x, None, EPS)
+    hc.h_res_transposed = True
+    with pytest.raises(ValueError, match="h_res_transposed must be the pre's"):
+        hc.post(x_on, state, fn(fn_input), None, 0.0, 0)
+
+
+@needs_triton
+def test_transposed_h_res_triton_sublayer_matches_composed_math_and_its_gradients(interpret):
+    """The Triton pre and post (interpreter, fp32) with ``h_res_transposed`` against the non-fused
+    HyperConnection with it, in fp64 from the same values: values and every gradient; the post
+    into a buffer (``post_into``) gives the same bits."""
+    n, c = 3, 8
+    hc = make_hc(n, c, iterations=6, h_res_transposed=True)
+    hc.kernels = "triton"
+    ref = copy.deepcopy(hc).double()
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(S, B, n * c, generator=g, requires_grad=True)
+    w = (torch.rand(c, generator=g) + 0.5).requires_grad_()
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    seed = torch.tensor(7)
+    assert h_res_asymmetry(ref, x64) > 0.05
+    got = fused_sublayer(hc, x, w, seed, 0.2, 1)
+    want = composed_sublayer(ref, x64, w64, seed, 0.2, 1)
+    with torch.no_grad():
+        fn_input, state, x_on = hc.pre(x, w, EPS)
+        into = hc.post(x_on, state, fn(fn_input), seed, 0.2, 1,
+                       out=fused.Target.of(torch.empty_like(got)))
+    assert torch.equal(into, got)
+    # fp32 against fp64: a few fp32 roundings through 6 Sinkhorn iterations and the norm
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    grad = torch.randn(want.shape, generator=g)
+    got_g = torch.autograd.grad(got, [x, *hc.parameters(), w], grad)
+    want_g = torch.autograd.grad(want, [x64, *ref.parameters(), w64], grad.double())
+    for name, a, b in zip(["x", *dict(hc.named_parameters()), "norm"], got_g, want_g):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+@needs_triton
+def test_transposed_h_res_triton_ops_match_reference(interpret):
+    """Every op that applies H_res, Triton against the reference, in the transposed layout
+    (which changes each of them: neither layout's results are the other's)."""
+    # the output H_res changes: x's gradient, the stream, the state's gradient
+    layout_ops = {"pre_backward": 0, "pre_backward_into": -1, "post": 0, "post_backward": 0}
+    assert_ops_match(torch.float32, 3, 10, 5, True, 1e-5, 1e-5, h_res_transposed=True,
+                     only=layout_ops)
+    main, dev = (op_cases("cpu", torch.float32, 3, 10, 5, h_res_transposed=ht) for ht in (0, 1))
+    for name, k in layout_ops.items():
+        a, b = _as_tuple(main[name](False))[k], _as_tuple(dev[name](False))[k]
+        assert (a - b).abs().max() > 1e-2, name
+
+
+@pytest.mark.parametrize("use_triton", [False, pytest.param(True, marks=needs_triton)])
+def test_transposed_h_res_block_recompute_reproduces_the_forward_bit_for_bit(request, use_triton):
+    """With ``h_res_transposed`` the recompute rebuilds the block's inputs as the transposed pre
+    and post computed them, bit for bit; the default layout's recompute does not."""
+    if use_triton:
+        request.getfixturevalue("interpret")
+    impl = fused.dispatch.triton_kernels() if use_triton else reference
+    n, c, t, sublayers, p = 3, 20, 7, 4, 0.25
+    g = torch.Generator().manual_seed(3)
+    m = n * n + 2 * n
+    x0 = torch.randn(t, n * c, generator=g)
+    ws = [torch.randn(m, n * c, generator=g) * 0.3 for _ in range(sublayers)]
+    params = torch.cat([torch.randn(sublayers, m, generator=g) * 2.0,
+                        torch.tensor([[0.7, -0.4, 1.3]]).expand(sublayers, 3)], 1)
+    norms = torch.rand(sublayers, c, generator=g) + 0.5
+    seed, streams = torch.tensor(99), [10 + 2 * k for k in range(sublayers)]
+    xs, fn_inputs, ys, states = block_chain(impl, x0, ws, params, norms, seed, p, n, 5,
+                                            h_res_transposed=True)
+
+    def recompute(**layout):
+        x_out = torch.full((sublayers - 1, t, n * c), float("nan"))
+        fn_out = torch.full((sublayers, t, c), float("nan"))
+        impl.recompute(x0, torch.stack(ys), torch.stack(states), params, norms, seed, p, streams,
+                       n, 5, EPS, x_out, fn_out, **layout)
+        return x_out, fn_out
+
+    x_out, fn_out = recompute(h_res_transposed=True)
+    assert torch.equal(x_out, torch.stack(xs))
+    assert torch.equal(fn_out, torch.stack(fn_inputs))
+    x_main, _ = recompute()
+    assert (x_main - x_out).abs().max() > 1e-2
 
 
 # ---- one op per step: what the graph tape records ----------------------------------------------

@@ -11,7 +11,8 @@ this process, so work on ``main``'s layer runs in a child process whose ``PYTHON
    ``../shared/third_party`` beside the repository (one level further up for a git worktree
    kept in a sub-folder): the snapshot the tests use.
 
-A snapshot is extracted into a scratch folder. Megatron's TE graph helper needs
+A snapshot is extracted into a scratch folder. The tests also find Megatron-LM ``dev``'s snapshot
+(``megatron-lm-dev-*.tar.gz``, :func:`snapshot_archive` of ``"dev"``) the same way. Megatron's TE graph helper needs
 TransformerEngine, which installs only with CUDA: on a machine without a GPU the child loads
 :mod:`megatron_integration.harness.te_on_tape` after megatron (TE's graph API on mhc_cg's tape,
 FP8 refused); ``MHC_CG_TE_STANDIN`` names its folder for the child.
@@ -37,7 +38,14 @@ from mhc_cg.runtime.graphs.backends import te_available
 
 # the folder that holds ``megatron_integration`` (a checkout, or site-packages)
 REPO = Path(__file__).resolve().parents[2]
-ARCHIVE_GLOB = "megatron-lm-main-*.tar.gz"
+
+
+def archive_glob(branch: str = "main") -> str:
+    """The file names of a Megatron-LM ``branch``'s snapshots (``main`` or ``dev``)."""
+    return f"megatron-lm-{branch}-*.tar.gz"
+
+
+ARCHIVE_GLOB = archive_glob("main")
 MAIN_ENV = "MHC_CG_MEGATRON_LM"
 THIRD_PARTY_ENV = "MHC_CG_THIRD_PARTY"
 STANDIN_ENV = "MHC_CG_TE_STANDIN"
@@ -52,10 +60,10 @@ def third_party_dirs() -> list[Path]:
     return [REPO.parent / "shared" / "third_party", REPO.parent.parent / "shared" / "third_party"]
 
 
-def snapshot_archive() -> Path | None:
-    """The newest ``megatron-lm-main-*.tar.gz`` of :func:`third_party_dirs`."""
+def snapshot_archive(branch: str = "main") -> Path | None:
+    """The newest ``megatron-lm-{branch}-*.tar.gz`` of :func:`third_party_dirs`."""
     for directory in third_party_dirs():
-        found = sorted(glob.glob(str(directory / ARCHIVE_GLOB)))
+        found = sorted(glob.glob(str(directory / archive_glob(branch))))
         if found:
             return Path(found[-1])
     return None

@@ -6,8 +6,9 @@ Layout and conventions (kept identical to Megatron-LM ``main`` so weights intero
   C features of one stream contiguous.
 * ``mapping_proj`` maps ``n*C -> n*n + 2n``; its output columns are ``[pre (n) | post (n) | res (n*n)]``.
 * ``apply_h_res(h_res, x)[i] = sum_j h_res[i, j] * x[j]``: row ``i`` of ``h_res`` says how much
-  of every input stream ``j`` flows into output stream ``i``. (Megatron-LM's ``dev`` branch uses
-  the transpose; we follow ``main``.)
+  of every input stream ``j`` flows into output stream ``i`` (Megatron-LM ``main``). With
+  ``h_res_transposed=True`` it is ``sum_j h_res[j, i] * x[j]``, ``H_res^T x`` (Megatron-LM
+  ``dev``): the same parameters and the same ``h_res``, applied as its transpose.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ class HyperConnection(nn.Module):
     """The mHC mappings around one sublayer F: ``x' = H_res x + H_post^T F(H_pre x)``."""
 
     def __init__(self, hidden_size: int, num_streams: int = 4, sinkhorn_iterations: int = 20,
-                 init_gating_factor: float = 0.01, kernels: str = "auto"):
+                 init_gating_factor: float = 0.01, kernels: str = "auto",
+                 h_res_transposed: bool = False):
         super().__init__()
         if hidden_size < 1 or num_streams < 1:
             raise ValueError(f"HyperConnection: hidden_size and num_streams must be >= 1, "
@@ -111,6 +113,7 @@ class HyperConnection(nn.Module):
         self.num_streams = n = num_streams
         self.sinkhorn_iterations = sinkhorn_iterations
         self.kernels = kernels  # mhc_cg.ops.kernels: "auto" | "torch" | "triton"
+        self.h_res_transposed = bool(h_res_transposed)  # see the module docstring
         self.mapping_proj = nn.Linear(n * hidden_size, n * n + 2 * n, bias=False)
         self.alpha_pre = nn.Parameter(torch.full((1,), float(init_gating_factor)))
         self.alpha_post = nn.Parameter(torch.full((1,), float(init_gating_factor)))
@@ -140,9 +143,12 @@ class HyperConnection(nn.Module):
             return (h_pre.unsqueeze(-1) * x.unflatten(-1, (self.num_streams, -1))).sum(-2)
 
     def apply_h_res(self, h_res: Tensor, residual: Tensor) -> Tensor:
-        """``out[i] = sum_j h_res[i, j] * residual[j]``: ``[s, b, n, n], [s, b, n*C] -> [s, b, n*C]``."""
+        """``out[i] = sum_j h_res[i, j] * residual[j]`` (``h_res[j, i]`` with
+        ``h_res_transposed``): ``[s, b, n, n], [s, b, n*C] -> [s, b, n*C]``."""
         _check_streams("apply_h_res", residual, self.num_streams, self.hidden_size)
         _check_mapping("apply_h_res", h_res, residual.shape[:2], (self.num_streams, self.num_streams))
+        if self.h_res_transposed:
+            h_res = h_res.transpose(-1, -2)
         with traffic.mhc():
             return torch.matmul(h_res, residual.unflatten(-1, (self.num_streams, -1))).flatten(-2)
 
@@ -171,12 +177,14 @@ class HyperConnection(nn.Module):
         _check_streams("pre", x, self.num_streams, self.hidden_size)
         return fused.pre(x, self.mapping_proj.weight, self.alpha_pre, self.alpha_post,
                          self.alpha_res, self.bias, norm_weight, self.num_streams,
-                         self.sinkhorn_iterations, eps, self.kernels, fn_input_out, state_out)
+                         self.sinkhorn_iterations, eps, self.kernels, fn_input_out, state_out,
+                         h_res_transposed=self.h_res_transposed)
 
     def post(self, x_on: Tensor, state: Tensor, y: Tensor, seed: Tensor | None, p: float,
              stream: int, dropout_impl: str = "counter", out: fused.Target | None = None) -> Tensor:
-        """``H_res x + dropout(H_post y)``, the mappings from :meth:`pre`'s state. torch's
-        stateful dropout (eager only) runs unfused from the same state."""
+        """``H_res x + dropout(H_post y)`` (``H_res^T x`` with ``h_res_transposed``), the mappings
+        from :meth:`pre`'s state. torch's stateful dropout (eager only) runs unfused from the
+        same state."""
         if p > 0 and dropout_impl == "torch":
             h, _, _, _ = reference.logits_of(state.flatten(0, -2), self.alpha_pre, self.alpha_post,
                                              self.alpha_res, self.bias, self.num_streams,
@@ -192,7 +200,7 @@ class HyperConnection(nn.Module):
             raise ValueError("counter dropout needs a seed tensor (one int64 scalar per microbatch)")
         return fused.post(x_on, state, self.alpha_pre, self.alpha_post, self.alpha_res, self.bias,
                           y, seed, p, stream, self.num_streams, self.sinkhorn_iterations,
-                          self.kernels, out)
+                          self.kernels, out, h_res_transposed=self.h_res_transposed)
 
 
 def _check_mapping(name: str, h: Tensor, lead: torch.Size, tail: tuple[int, ...]) -> None:

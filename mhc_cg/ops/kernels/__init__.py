@@ -14,7 +14,8 @@ that recomputes a whole block; Triton on CUDA, the torch reference on CPU.
 * ``rms_norm``: an RMSNorm (the model's final norm).
 
 These wrappers take the model's ``[s, b, ...]`` tensors and a ``kernels`` choice
-(``auto | torch | triton``, see ``mhc_cg.ops.kernels.dispatch``).
+(``auto | torch | triton``, see ``mhc_cg.ops.kernels.dispatch``), and H_res's layout
+``h_res_transposed`` (False: ``H_res x``, Megatron-LM main; True: ``H_res^T x``, Megatron-LM dev).
 """
 
 from __future__ import annotations
@@ -32,25 +33,29 @@ __all__ = ["KERNELS", "Target", "kernels_problem", "use_triton", "overwritable",
 
 def pre(x: Tensor, weight: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
         norm_weight: Tensor | None, n: int, iterations: int, eps: float, kernels: str = "auto",
-        fn_input_out: Target | None = None,
-        state_out: Target | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        fn_input_out: Target | None = None, state_out: Target | None = None, *,
+        h_res_transposed: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """``x [*, nC] -> (F's input [*, C], state [*, m+2], x_on [*, nC])``. ``x_on`` (a view of
     ``x``) is for the sublayer's :func:`post` and nothing else (see
-    :mod:`mhc_cg.ops.kernels.autograd`). ``norm_weight`` None: no RMSNorm."""
-    cfg = PreConfig(n, iterations, float(eps), use_triton(kernels, x.device))
+    :mod:`mhc_cg.ops.kernels.autograd`). ``norm_weight`` None: no RMSNorm. ``h_res_transposed``
+    must be the post's: the pre's backward adds the post's residual path to x's gradient."""
+    cfg = PreConfig(n, iterations, float(eps), use_triton(kernels, x.device),
+                    bool(h_res_transposed))
     return Pre.apply(x, weight, a_pre, a_post, a_res, bias, norm_weight, cfg, fn_input_out,
                      state_out)
 
 
 def post(x_on: Tensor, state: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
          y: Tensor, seed: Tensor | None, p: float, stream: int, n: int, iterations: int,
-         kernels: str = "auto", out: Target | None = None) -> Tensor:
+         kernels: str = "auto", out: Target | None = None, *,
+         h_res_transposed: bool = False) -> Tensor:
     """``H_res x + dropout(H_post y)``: ``[*, nC], [*, m+2], [*, C] -> [*, nC]``. ``seed`` None
     or ``p == 0``: no dropout; the mask is the one ``mhc_cg.ops.dropout`` draws for a ``[*, nC]``
     tensor with the same seed and stream."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-    cfg = PostConfig(float(p), int(stream), n, iterations, use_triton(kernels, x_on.device))
+    cfg = PostConfig(float(p), int(stream), n, iterations, use_triton(kernels, x_on.device),
+                     bool(h_res_transposed))
     return Post.apply(x_on, state, a_pre, a_post, a_res, bias, y, seed if p > 0 else None, cfg,
                       out)
 
@@ -58,7 +63,8 @@ def post(x_on: Tensor, state: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tens
 def recompute_block(x0: Tensor, ys: Tensor, states: Tensor, params: Tensor,
                     norm_weights: Tensor | None, seed: Tensor | None, p: float,
                     streams: list[int], n: int, iterations: int, eps: float, x_out: Tensor,
-                    fn_input_out: Tensor, kernels: str = "auto") -> None:
+                    fn_input_out: Tensor, kernels: str = "auto", *,
+                    h_res_transposed: bool = False) -> None:
     """A block's recompute into ``x_out [S-1, *, nC]`` and ``fn_input_out [S, *, C]`` (writers):
     ``x0 [*, nC]`` its input, ``ys [S, *, C]`` F's outputs, ``states [S, *, m+2]``,
     ``params [S, m+3]`` (``bias | a_pre, a_post, a_res`` per sublayer), ``norm_weights [S, C]``."""
@@ -67,7 +73,7 @@ def recompute_block(x0: Tensor, ys: Tensor, states: Tensor, params: Tensor,
                   states.reshape(s, -1, states.shape[-1]), params, norm_weights,
                   seed if p > 0 else None, float(p), list(streams), n, iterations, float(eps),
                   use_triton(kernels, x0.device), x_out.view(max(s - 1, 0), -1, width),
-                  fn_input_out.view(s, -1, ys.shape[-1]))
+                  fn_input_out.view(s, -1, ys.shape[-1]), bool(h_res_transposed))
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, kernels: str = "auto") -> Tensor:

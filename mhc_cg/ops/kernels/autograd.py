@@ -79,6 +79,7 @@ class PreConfig:
     iterations: int
     eps: float
     use_triton: bool
+    h_res_transposed: bool = False  # the backward adds the post's H_res path to x's gradient
 
 
 def _flat(t: Tensor | None, width: int) -> Tensor | None:
@@ -126,7 +127,7 @@ class Pre(torch.autograd.Function):
                 if g_fn_input is None else g_fn_input.reshape(-1, width // cfg.n))
         g_st = torch.zeros_like(state) if g_state is None else g_state.reshape(state.shape)
         args = (weight, a_pre, a_post, a_res, bias, norm_weight, state, cfg.n, cfg.iterations,
-                cfg.eps, cfg.use_triton)
+                cfg.eps, cfg.use_triton, cfg.h_res_transposed)
         if is_overwritable(g_post, x):
             g_proj, g_params, g_w = ops.pre_backward_into(g_fn, g_st, g_post.view(-1, width), xf,
                                                           *args)
@@ -147,6 +148,7 @@ class PostConfig:
     n: int
     iterations: int
     use_triton: bool
+    h_res_transposed: bool = False
 
 
 class Post(torch.autograd.Function):
@@ -159,15 +161,19 @@ class Post(torch.autograd.Function):
         if isinstance(pre_node, Pre._backward_cls) and x.grad_fn is not pre_node:
             raise ValueError("mhc_cg post: x must be the x_on that pre returned with this state, "
                              "not x: the post's backward hands its output's gradient on through it")
+        if isinstance(pre_node, Pre._backward_cls) and \
+                pre_node.cfg.h_res_transposed != cfg.h_res_transposed:
+            raise ValueError("mhc_cg post: h_res_transposed must be the pre's: the pre's backward "
+                             "applies H_res to the post's gradient")
         width = x.shape[-1]
         xf, sf, yf = x.reshape(-1, width), state.reshape(-1, state.shape[-1]), y.reshape(-1, y.shape[-1])
         args = (xf, sf, a_pre, a_post, a_res, bias, yf, seed, cfg.p, cfg.stream, cfg.n,
                 cfg.iterations, cfg.use_triton)
         if out is None:
-            result = ops.post(*args)
+            result = ops.post(*args, cfg.h_res_transposed)
         else:
             target = _flat_target(out, width)
-            ops.post_into(*args, target.writer)
+            ops.post_into(*args, target.writer, cfg.h_res_transposed)
             result = target.view()
         ctx.save_for_backward(x, state, a_pre, a_post, a_res, bias, y, seed)
         ctx.cfg = cfg
@@ -181,7 +187,7 @@ class Post(torch.autograd.Function):
         g_state, g_params, g_y = ops.post_backward(
             g.reshape(-1, width), x.reshape(-1, width), state.reshape(-1, state.shape[-1]),
             a_pre, a_post, a_res, bias, y.reshape(-1, y.shape[-1]), seed, cfg.p, cfg.stream,
-            cfg.n, cfg.iterations, cfg.use_triton)
+            cfg.n, cfg.iterations, cfg.use_triton, cfg.h_res_transposed)
         # g goes on as x_on's: the pre's backward adds H_res^T g (see the module docstring)
         return (g, g_state.view(state.shape), *_alphas_and_bias(g_params, bias), g_y.view(y.shape),
                 None, None, None)

@@ -5,7 +5,9 @@ graph tape sees ``torch.ops.mhc_cg.<name>.default``) and the ``meta`` device (fa
 implementations). Forward and backward are one op each; the boolean ``use_triton`` argument picks
 the Triton kernels (``mhc_cg.ops.kernels.triton_kernels``) or the torch reference
 (``mhc_cg.ops.kernels.reference``). Every op takes token-major 2-D tensors; ``mhc_cg.ops.kernels``
-flattens and restores the ``[s, b, ...]`` layout around them with views.
+flattens and restores the ``[s, b, ...]`` layout around them with views. The ops that apply H_res
+take ``h_res_transposed`` last (default False: ``H_res x``; True: ``H_res^T x``, see
+``reference``), so a call without it keeps today's layout.
 """
 
 from __future__ import annotations
@@ -70,18 +72,20 @@ def _(x, weight, a_pre, a_post, a_res, bias, norm_weight, n, iterations, eps, us
 def pre_backward(g_out: Tensor, g_state: Tensor, g_post: Tensor | None, x: Tensor, weight: Tensor,
                  a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
                  norm_weight: Tensor | None, state: Tensor, n: int, iterations: int, eps: float,
-                 use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                 use_triton: bool,
+                 h_res_transposed: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(g_x, g_proj, g_params [m+3], g_norm_weight)``, ``g_x`` with the post's residual path
-    ``H_res^T g_post``; the parameters' gradients summed over the tokens in a fixed order."""
+    ``H_res^T g_post`` (``H_res g_post`` transposed); the parameters' gradients summed over the
+    tokens in a fixed order."""
     g_x, g_proj, shares, g_w = _impl(use_triton).pre_backward(
         g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight, state, n,
-        iterations, eps)
+        iterations, eps, h_res_transposed=h_res_transposed)
     return g_x, g_proj, *_summed(shares, g_w, bias, x, norm_weight)
 
 
 @pre_backward.register_fake
 def _(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight, state, n,
-      iterations, eps, use_triton):
+      iterations, eps, use_triton, h_res_transposed=False):
     return (x.new_empty(x.shape), *_pre_backward_fakes(x, weight, bias, norm_weight))
 
 
@@ -89,18 +93,19 @@ def _(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight
 def pre_backward_into(g_out: Tensor, g_state: Tensor, g_post: Tensor, x: Tensor, weight: Tensor,
                       a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
                       norm_weight: Tensor | None, state: Tensor, n: int, iterations: int,
-                      eps: float, use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
+                      eps: float, use_triton: bool,
+                      h_res_transposed: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`pre_backward` writing x's gradient over ``g_post``, which it reads first: the
     stream's gradient keeps one buffer down a chain of sublayers."""
     _, g_proj, shares, g_w = _impl(use_triton).pre_backward(
         g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight, state, n,
-        iterations, eps, g_post)
+        iterations, eps, g_post, h_res_transposed=h_res_transposed)
     return g_proj, *_summed(shares, g_w, bias, x, norm_weight)
 
 
 @pre_backward_into.register_fake
 def _(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight, state, n,
-      iterations, eps, use_triton):
+      iterations, eps, use_triton, h_res_transposed=False):
     return _pre_backward_fakes(x, weight, bias, norm_weight)
 
 
@@ -121,45 +126,50 @@ def _pre_backward_fakes(x, weight, bias, norm_weight):
 @torch.library.custom_op("mhc_cg::post", mutates_args=())
 def post(x: Tensor, state: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
          y: Tensor, seed: Tensor | None, p: float, stream: int, n: int, iterations: int,
-         use_triton: bool) -> Tensor:
+         use_triton: bool, h_res_transposed: bool = False) -> Tensor:
     """``H_res x + dropout(H_post y)`` [T, nC]; the mask is ``counter_hash(seed, stream, index)``."""
     return _impl(use_triton).post(x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n,
-                                  iterations)
+                                  iterations, h_res_transposed=h_res_transposed)
 
 
 @post.register_fake
-def _(x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, use_triton):
+def _(x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, use_triton,
+      h_res_transposed=False):
     return x.new_empty(x.shape)
 
 
 @torch.library.custom_op("mhc_cg::post_into", mutates_args=("out",))
 def post_into(x: Tensor, state: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor,
               bias: Tensor, y: Tensor, seed: Tensor | None, p: float, stream: int, n: int,
-              iterations: int, use_triton: bool, out: Tensor) -> None:
+              iterations: int, use_triton: bool, out: Tensor,
+              h_res_transposed: bool = False) -> None:
     """:func:`post` writing into the buffer it is given (the next sublayer's input slot)."""
     _impl(use_triton).post(x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations,
-                           out)
+                           out, h_res_transposed=h_res_transposed)
 
 
 @post_into.register_fake
-def _(x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, use_triton, out):
+def _(x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, use_triton, out,
+      h_res_transposed=False):
     return None
 
 
 @torch.library.custom_op("mhc_cg::post_backward", mutates_args=())
 def post_backward(g: Tensor, x: Tensor, state: Tensor, a_pre: Tensor, a_post: Tensor,
                   a_res: Tensor, bias: Tensor, y: Tensor, seed: Tensor | None, p: float,
-                  stream: int, n: int, iterations: int,
-                  use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
+                  stream: int, n: int, iterations: int, use_triton: bool,
+                  h_res_transposed: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """``(g_state, g_params [m+3], g_y)``; the mask regenerated from ``seed``. x's gradient is
     :func:`pre_backward`'s (``g_post``)."""
     g_state, shares, g_y = _impl(use_triton).post_backward(
-        g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations)
+        g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations,
+        h_res_transposed=h_res_transposed)
     return g_state, shares.sum(0).to(bias.dtype), g_y
 
 
 @post_backward.register_fake
-def _(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, use_triton):
+def _(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, use_triton,
+      h_res_transposed=False):
     return state.new_empty(state.shape), bias.new_empty(bias.shape[0] + 3), y.new_empty(y.shape)
 
 
@@ -169,16 +179,17 @@ def _(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations
 def recompute(x0: Tensor, ys: Tensor, states: Tensor, params: Tensor,
               norm_weights: Tensor | None, seed: Tensor | None, p: float, streams: list[int],
               n: int, iterations: int, eps: float, use_triton: bool, x_out: Tensor,
-              fn_input_out: Tensor) -> None:
+              fn_input_out: Tensor, h_res_transposed: bool = False) -> None:
     """A block's sublayer inputs (``x_out [S-1, T, nC]``) and F inputs (``fn_input_out [S, T, C]``)
     from its input, F's outputs and the states; see ``reference.recompute``."""
     _impl(use_triton).recompute(x0, ys, states, params, norm_weights, seed, p, streams, n,
-                                iterations, eps, x_out, fn_input_out)
+                                iterations, eps, x_out, fn_input_out,
+                                h_res_transposed=h_res_transposed)
 
 
 @recompute.register_fake
 def _(x0, ys, states, params, norm_weights, seed, p, streams, n, iterations, eps, use_triton,
-      x_out, fn_input_out):
+      x_out, fn_input_out, h_res_transposed=False):
     return None
 
 

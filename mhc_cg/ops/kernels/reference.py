@@ -8,6 +8,11 @@ derivatives (no autograd inside): the same formulas the kernels implement.
 Shapes: ``x [T, n*C]`` stream-major, ``y [T, C]``, the mapping weight ``[m, n*C]`` with
 ``m = n*n + 2n`` (output columns ``[pre | post | res]``), the state ``[T, m+2]`` (below),
 ``h_pre``/``h_post [T, n]``, ``h_res [T, n, n]``.
+
+H_res's layout (``h_res_transposed``): False, the residual mix is ``H_res x`` (``out[i] =
+sum_j h_res[i, j] x[j]``, Megatron-LM main); True, ``H_res^T x`` (``out[i] = sum_j h_res[j, i]
+x[j]``, Megatron-LM dev). Only the ops that apply H_res take it: the post, its backward, the
+pre's backward (x's gradient through the post) and the block recompute.
 """
 
 from __future__ import annotations
@@ -192,9 +197,11 @@ def _state_backward(g_h: Tensor, h, r, proj, scale, n: int, sqrt_d: float):
 
 def pre_backward(g_out: Tensor, g_state: Tensor, g_post: Tensor | None, x: Tensor,
                  weight: Tensor, a_pre, a_post, a_res, bias, norm_weight: Tensor | None,
-                 state: Tensor, n: int, iterations: int, eps: float, g_x_out: Tensor | None = None):
+                 state: Tensor, n: int, iterations: int, eps: float, g_x_out: Tensor | None = None,
+                 *, h_res_transposed: bool = False):
     """``(g_x, g_proj, param shares [T, m+3], norm weight shares [T, C])`` of :func:`pre`, and of
-    the post's residual path: ``g_x`` includes ``H_res^T g_post``.
+    the post's residual path: ``g_x`` includes ``H_res^T g_post`` (``H_res g_post`` for the
+    transposed layout).
 
     ``g_state`` is the gradient the state's consumers sent back (its rstd column included),
     ``g_post`` the gradient of the sublayer's output (the post's backward leaves the residual
@@ -231,7 +238,7 @@ def pre_backward(g_out: Tensor, g_state: Tensor, g_post: Tensor | None, x: Tenso
         + coef[:, None] * xa
     if g_post is not None:
         h_res = sinkhorn(h[:, 2 * n:].unflatten(-1, (n, n)), iterations)
-        g_xa = g_xa + torch.matmul(h_res.transpose(1, 2),
+        g_xa = g_xa + torch.matmul(h_res if h_res_transposed else h_res.transpose(1, 2),
                                    g_post.to(acc).unflatten(1, (n, -1))).flatten(1)
     return _into(g_xa.to(x.dtype), g_x_out), g_proj, shares, g_w
 
@@ -244,13 +251,16 @@ def _post_mappings(state, a_pre, a_post, a_res, bias, n: int, iterations: int, s
 
 
 def post(x: Tensor, state: Tensor, a_pre, a_post, a_res, bias, y: Tensor, seed: Tensor | None,
-         p: float, stream: int, n: int, iterations: int, out: Tensor | None = None) -> Tensor:
-    """``out[i] = sum_j h_res[i, j] x[j] + dropout(h_post[i] y)``, the mappings from the state."""
+         p: float, stream: int, n: int, iterations: int, out: Tensor | None = None, *,
+         h_res_transposed: bool = False) -> Tensor:
+    """``out[i] = sum_j h_res[i, j] x[j] + dropout(h_post[i] y)`` (``h_res[j, i]`` transposed),
+    the mappings from the state."""
     acc = compute_dtype(x.dtype)
     t = x.shape[0]
     *_, s_post, h_res = _post_mappings(state, a_pre, a_post, a_res, bias, n, iterations,
                                        math.sqrt(x.shape[1]))
-    mixed = torch.matmul(h_res, x.to(acc).unflatten(1, (n, -1))).flatten(1)
+    mixed = torch.matmul(h_res.transpose(1, 2) if h_res_transposed else h_res,
+                         x.to(acc).unflatten(1, (n, -1))).flatten(1)
     branch = (2.0 * s_post[:, :, None] * y.to(acc)[:, None, :]).flatten(1)
     mask = dropout_keep_scaled(seed, stream, p, t, x.shape[1], x.device)
     if mask is not None:
@@ -259,7 +269,8 @@ def post(x: Tensor, state: Tensor, a_pre, a_post, a_res, bias, y: Tensor, seed: 
 
 
 def post_backward(g: Tensor, x: Tensor, state: Tensor, a_pre, a_post, a_res, bias, y: Tensor,
-                  seed: Tensor | None, p: float, stream: int, n: int, iterations: int):
+                  seed: Tensor | None, p: float, stream: int, n: int, iterations: int, *,
+                  h_res_transposed: bool = False):
     """``(g_state, param shares [T, m+3], g_y)`` of :func:`post` (the state's rstd column, which
     the post does not read, gets 0). x's gradient ``H_res^T g`` is left to :func:`pre_backward`,
     which writes the stream's whole gradient at once."""
@@ -270,7 +281,9 @@ def post_backward(g: Tensor, x: Tensor, state: Tensor, a_pre, a_post, a_res, bia
                                                       iterations, sqrt_d)
     gv = g.to(acc).unflatten(1, (n, -1))
     xv = x.to(acc).unflatten(1, (n, -1))
-    g_h_res = torch.matmul(gv, xv.transpose(1, 2))
+    # d out[i] / d h_res[i, j] = x[j]; transposed, d out[j] / d h_res[i, j] = x[i]
+    g_h_res = torch.matmul(xv, gv.transpose(1, 2)) if h_res_transposed else \
+        torch.matmul(gv, xv.transpose(1, 2))
     mask = dropout_keep_scaled(seed, stream, p, t, x.shape[1], x.device)
     gm = gv if mask is None else gv * mask.to(acc).unflatten(1, (n, -1))
     ya = y.to(acc)
@@ -285,7 +298,8 @@ def post_backward(g: Tensor, x: Tensor, state: Tensor, a_pre, a_post, a_res, bia
 
 def recompute(x0: Tensor, ys: Tensor, states: Tensor, params: Tensor, norm_weights: Tensor | None,
               seed: Tensor | None, p: float, streams: list[int], n: int, iterations: int,
-              eps: float, x_out: Tensor, fn_input_out: Tensor) -> None:
+              eps: float, x_out: Tensor, fn_input_out: Tensor, *,
+              h_res_transposed: bool = False) -> None:
     """A block's mHC chain from its input: per sublayer k, F's input into ``fn_input_out[k]``
     and, but for the last, its output (the next sublayer's input) into ``x_out[k]``.
     ``ys [S, T, C]`` are F's outputs, ``states [S, T, m+2]``, ``params [S, m+3]``
@@ -298,7 +312,7 @@ def recompute(x0: Tensor, ys: Tensor, states: Tensor, params: Tensor, norm_weigh
                                        None if norm_weights is None else norm_weights[k], n))
         if k + 1 < ys.shape[0]:
             x = post(x, states[k], a[0:1], a[1:2], a[2:3], bias, ys[k], seed, p, streams[k], n,
-                     iterations, x_out[k])
+                     iterations, x_out[k], h_res_transposed=h_res_transposed)
 
 
 # ---- RMSNorm (the sublayer's norm) ----------------------------------------------------------------

@@ -23,6 +23,9 @@ per-program shares that torch sums in a fixed order, so every result is determin
   reductions the mappings need; then Sinkhorn's backward, which rebuilds iteration k's input with
   k forward iterations (T iterations cost T*(T+1)/2 in registers, nothing stored).
 * ``_rms_fwd`` / ``_rms_bwd``: the model's final RMSNorm.
+
+H_res's transposed layout (``HT``, a constexpr) swaps which axis of the ``[BT, NP, NP]`` tile the
+kernels reduce over where they apply H_res or form its gradient: no transpose, no other kernel.
 """
 
 from __future__ import annotations
@@ -255,7 +258,8 @@ def _chain(x_ptr, y_ptr, state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, nor
            xo_ptr, fo_ptr, T, C, steps, posts, stream0, stream_step, p_stride, n_stride, sqrt_d,
            iterations, N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
            FN: tl.constexpr, NORM: tl.constexpr, DROPOUT: tl.constexpr,
-           THRESHOLD: tl.constexpr, SCALE: tl.constexpr, EPS: tl.constexpr, RMS: tl.constexpr):
+           THRESHOLD: tl.constexpr, SCALE: tl.constexpr, EPS: tl.constexpr, RMS: tl.constexpr,
+           HT: tl.constexpr):
     M: tl.constexpr = N * N + 2 * N
     SW: tl.constexpr = M + 2
     t = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -289,14 +293,18 @@ def _chain(x_ptr, y_ptr, state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, nor
             if DROPOUT:
                 branch = branch * _keep_scaled(seed_ptr, stream0 + k * stream_step, xoff,
                                                THRESHOLD, SCALE)
-            x = tl.sum(h_res[:, :, :, None] * x[:, None, :, :], axis=2) + branch
+            if HT:  # out[j] = sum_i h_res[i, j] x[i]
+                x = tl.sum(h_res[:, :, :, None] * x[:, :, None, :], axis=1) + branch
+            else:  # out[i] = sum_j h_res[i, j] x[j]
+                x = tl.sum(h_res[:, :, :, None] * x[:, None, :, :], axis=2) + branch
             x = x.to(xo_ptr.dtype.element_ty)
             tl.store(xo_ptr + k * T * (N * C) + xoff, x, mask=xmask)
             x = x.to(tl.float32)  # the next sublayer reads what the forward stored
 
 
 def _launch_chain(x, ys, states, bias, a_pre, a_post, a_res, p_stride, norm, n_stride, seed, p,
-                  streams, n, iterations, x_out, fn_out, fn: bool, steps: int, posts: int):
+                  streams, n, iterations, x_out, fn_out, fn: bool, steps: int, posts: int,
+                  h_res_transposed: bool = False):
     t, width = x.shape
     c = width // n
     nb = _np(n)
@@ -311,7 +319,8 @@ def _launch_chain(x, ys, states, bias, a_pre, a_post, a_res, p_stride, norm, n_s
         x, ys, states, bias, a_pre, a_post, a_res, norm if norm is not None else x, seed_arg,
         x_out, fn_out, t, c, steps, posts, stream0, step, p_stride, n_stride,
         float(width) ** 0.5, iterations, N=n, NP=nb, BT=CHAIN_ROWS, BC=bc, FN=fn,
-        NORM=norm is not None, EPS=SINKHORN_EPS, RMS=RMS_EPS, **_dropout_args(seed, p))
+        NORM=norm is not None, EPS=SINKHORN_EPS, RMS=RMS_EPS, HT=h_res_transposed,
+        **_dropout_args(seed, p))
 
 
 def pre(x, weight, a_pre, a_post, a_res, bias, norm_weight, n, iterations, eps,
@@ -332,16 +341,18 @@ def pre(x, weight, a_pre, a_post, a_res, bias, norm_weight, n, iterations, eps,
     return _deliver(fn_input, fn_input_out), _deliver(state, state_out)
 
 
-def post(x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, out=None):
+def post(x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, out=None, *,
+         h_res_transposed=False):
     x, state, y = _prepared(x, state, y)
     result = _written(out, lambda: torch.empty_like(x))
     _launch_chain(x, y, state, bias, a_pre, a_post, a_res, 0, None, 0, seed, p, [stream], n,
-                  iterations, result, x, fn=False, steps=1, posts=1)
+                  iterations, result, x, fn=False, steps=1, posts=1,
+                  h_res_transposed=h_res_transposed)
     return _deliver(result, out)
 
 
 def recompute(x0, ys, states, params, norm_weights, seed, p, streams, n, iterations, eps, x_out,
-              fn_input_out):
+              fn_input_out, *, h_res_transposed=False):
     x0, ys, states, params = _prepared(x0, ys, states, params)
     norm = None if norm_weights is None else _prepared(norm_weights)[0]
     _indexable(x_out, fn_input_out)  # (S-1) x T x nC outgrows the inputs, and wraps in int32
@@ -352,7 +363,7 @@ def recompute(x0, ys, states, params, norm_weights, seed, p, streams, n, iterati
     _launch_chain(x0, ys, states, params, params[:, m], params[:, m + 1], params[:, m + 2],
                   params.stride(0), norm, 0 if norm is None else norm.stride(0), seed, p,
                   list(streams), n, iterations, xo if steps > 1 else x0, fo, fn=True,
-                  steps=steps, posts=steps - 1)
+                  steps=steps, posts=steps - 1, h_res_transposed=h_res_transposed)
     _deliver(xo, x_out)
     _deliver(fo, fn_input_out)
 
@@ -396,7 +407,7 @@ def _pre_bwd(gout_ptr, gstate_ptr, gpost_ptr, x_ptr, w_ptr, bias_ptr, apre_ptr, 
              ares_ptr, norm_ptr, state_ptr, gx_ptr, gproj_ptr, share_ptr, gw_ptr, T, C, sqrt_d,
              iterations, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, PP: tl.constexpr,
              BT: tl.constexpr, BC: tl.constexpr, NORM: tl.constexpr, GPOST: tl.constexpr,
-             IN_PLACE: tl.constexpr, EPS: tl.constexpr, RMS: tl.constexpr):
+             IN_PLACE: tl.constexpr, EPS: tl.constexpr, RMS: tl.constexpr, HT: tl.constexpr):
     M: tl.constexpr = N * N + 2 * N
     SW: tl.constexpr = M + 2
     pid = tl.program_id(0)
@@ -459,16 +470,19 @@ def _pre_bwd(gout_ptr, gstate_ptr, gpost_ptr, x_ptr, w_ptr, bias_ptr, apre_ptr, 
         through_proj = tl.dot(g_proj, tl.reshape(w_blk, [MP, NP * BC]), input_precision="ieee")
         gx = s[:, :, None] * g_agg[:, None, :] + tl.reshape(through_proj, [BT, NP, BC]) \
             + coef[:, None, None] * x
-        if GPOST:  # the post's residual path: H_res^T g
+        if GPOST:  # the post's residual path: H_res^T g (H_res g for the transposed layout)
             g_post = tl.load(gpost_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
-            gx += tl.sum(h_res[:, :, :, None] * g_post[:, :, None, :], axis=1)
+            if HT:
+                gx += tl.sum(h_res[:, :, :, None] * g_post[:, None, :, :], axis=2)
+            else:
+                gx += tl.sum(h_res[:, :, :, None] * g_post[:, :, None, :], axis=1)
         if IN_PLACE:  # every thread has read its part of g_post before any overwrites it
             tl.debug_barrier()
         tl.store(gx_ptr + xoff, gx, mask=xmask)
 
 
 def pre_backward(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight,
-                 state, n, iterations, eps, g_x_out=None):
+                 state, n, iterations, eps, g_x_out=None, *, h_res_transposed=False):
     g_out, g_state, x, weight, state = _prepared(g_out, g_state, x, weight, state)
     g_state = g_state.to(torch.float32)
     t, width = x.shape
@@ -489,6 +503,7 @@ def pre_backward(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, 
         float(width) ** 0.5, iterations, N=n, NP=nb, MP=_mp(n), PP=triton.next_power_of_2(m + 3),
         BT=DOT_ROWS, BC=_block_c(c, 64 // nb), NORM=norm_weight is not None,
         GPOST=g_post is not None, IN_PLACE=in_place, EPS=SINKHORN_EPS, RMS=RMS_EPS,
+        HT=h_res_transposed,
         num_warps=8)  # at 4 warps the Sinkhorn backward's live state spills past 255 registers
     return _deliver(g_x, g_x_out), g_proj, shares, g_w
 
@@ -500,7 +515,7 @@ def _post_bwd(g_ptr, x_ptr, state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, 
               gstate_ptr, share_ptr, gy_ptr, stream, T, C, sqrt_d, iterations,
               N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
               DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr, SCALE: tl.constexpr,
-              EPS: tl.constexpr, RMS: tl.constexpr):
+              EPS: tl.constexpr, RMS: tl.constexpr, HT: tl.constexpr):
     M: tl.constexpr = N * N + 2 * N
     SW: tl.constexpr = M + 2
     P: tl.constexpr = M + 3
@@ -520,7 +535,10 @@ def _post_bwd(g_ptr, x_ptr, state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, 
         g = tl.load(g_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
         y = tl.load(y_ptr + t[:, None] * C + c[None, :], mask=fmask, other=0.0).to(tl.float32)
-        g_hres += tl.sum(g[:, :, None, :] * x[:, None, :, :], axis=3)
+        if HT:  # d out[j] / d h_res[i, j] = x[i]
+            g_hres += tl.sum(x[:, :, None, :] * g[:, None, :, :], axis=3)
+        else:  # d out[i] / d h_res[i, j] = x[j]
+            g_hres += tl.sum(g[:, :, None, :] * x[:, None, :, :], axis=3)
         if DROPOUT:
             g = g * _keep_scaled(seed_ptr, stream, xoff, THRESHOLD, SCALE)
         tl.store(gy_ptr + t[:, None] * C + c[None, :], tl.sum(2.0 * s_post[:, :, None] * g, axis=1),
@@ -551,7 +569,8 @@ def _post_bwd(g_ptr, x_ptr, state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, 
              tl.sum(tl.sum(gh_res * r[:, None, None] * p_res, axis=2), axis=1), mask=tmask)
 
 
-def post_backward(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations):
+def post_backward(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, *,
+                  h_res_transposed=False):
     g, x, state, y = _prepared(g, x, state, y)
     t, width = x.shape
     c = width // n
@@ -564,7 +583,8 @@ def post_backward(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n
     _post_bwd[(triton.cdiv(t, CHAIN_ROWS),)](
         g, x, state, bias, a_pre, a_post, a_res, y, seed_arg, g_state, shares, g_y, stream,
         t, c, float(width) ** 0.5, iterations, N=n, NP=nb, BT=CHAIN_ROWS,
-        BC=_block_c(c, 1024 // (nb * nb)), EPS=SINKHORN_EPS, RMS=RMS_EPS, **_dropout_args(seed, p))
+        BC=_block_c(c, 1024 // (nb * nb)), EPS=SINKHORN_EPS, RMS=RMS_EPS, HT=h_res_transposed,
+        **_dropout_args(seed, p))
     return g_state, shares, g_y
 
 

@@ -113,7 +113,7 @@ class FusedSublayers:
                             pset.block_states[block], params, norms, pset.seed,
                             subs[0].dropout_p, [s.dropout_stream for s in subs], hc.num_streams,
                             hc.sinkhorn_iterations, subs[0].norm.eps, x_out, fn_input_out,
-                            hc.kernels)
+                            hc.kernels, h_res_transposed=hc.h_res_transposed)
         for position in range(len(rt.blocks[block])):
             rt.recompute_activation(block, position, pset)
 
