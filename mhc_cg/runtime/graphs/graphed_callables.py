@@ -184,6 +184,7 @@ class GraphedRunner:
     kwargs_keys: list[str]
     static_inputs: list[torch.Tensor]           # the user's flattened args + kwargs
     params: tuple[torch.nn.Parameter, ...]
+    buffers: tuple[torch.Tensor, ...] = ()      # the module's buffers
     fwd_graph: Graph | None = None
     bwd_graph: Graph | None = None
     static_outputs: list[torch.Tensor] = field(default_factory=list)
@@ -536,10 +537,12 @@ def _runners(func_of: dict, layout: OrderLayout | None, sample_args: list,
     runners = []
     for index in range(len(sample_args)):
         func = func_of[index]
-        params = tuple(func.parameters()) if isinstance(func, torch.nn.Module) else ()
+        module = isinstance(func, torch.nn.Module)
+        params = tuple(func.parameters()) if module else ()
         label = f"#{index}" if layout is None else _label(layout, index)
         runners.append(GraphedRunner(label, list(sample_kwargs[index]),
-                                     _flat_tensors(sample_args[index], sample_kwargs[index]), params))
+                                     _flat_tensors(sample_args[index], sample_kwargs[index]), params,
+                                     tuple(func.buffers()) if module else ()))
     return runners
 
 
@@ -632,7 +635,8 @@ def _capture(backend: GraphBackend, pool, passes, func_of, runners, sample_args,
         runner = runners[index]
         if kind == "fwd":
             runner.fwd_graph = backend.new_graph(pool=pool)
-            with runner.fwd_graph.capture(), traffic.phase("forward"):
+            with runner.fwd_graph.capture(runner.surface + list(runner.buffers)), \
+                    traffic.phase("forward"):
                 outputs = func_of[index](*sample_args[index], **sample_kwargs[index])
             flat, runner.output_spec = tree_flatten(outputs)
             if not all(isinstance(o, torch.Tensor) for o in flat):
@@ -650,7 +654,9 @@ def _capture(backend: GraphBackend, pool, passes, func_of, runners, sample_args,
             runner.static_grad_inputs = [None] * len(runner.surface)
             continue
         runner.bwd_graph = backend.new_graph(pool=pool)
-        with runner.bwd_graph.capture(), traffic.phase("backward"):
+        resident = runner.surface + list(runner.buffers) + \
+            [g for g in runner.static_grad_outputs if g is not None]
+        with runner.bwd_graph.capture(resident), traffic.phase("backward"):
             grads = _grads_of(diff_outputs, runner.surface,
                               [g for g in runner.static_grad_outputs if g is not None], allow_unused)
         # replay_backward clones them before any other graph runs: the pool may have them back

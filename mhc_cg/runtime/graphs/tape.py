@@ -28,12 +28,29 @@ How each recorded op replays (decided once, at capture):
 
 The tape also re-checks, before each replay, that every storage it used still has the size and
 address it had at capture: on a GPU a freed input or output reads or writes garbage silently.
+
+What a launch freezes in a kernel's arguments, a replay keeps, where a replay of the recorded
+Python-level ops would otherwise read the present:
+
+* **CPU scalars.** CUDA passes a 0-dim CPU tensor among a device op's operands by value: it is read
+  on the host when the kernel is launched, so a graph keeps the value it had at capture (on CUDA
+  the guard refuses it). The tape's one device is the host, so ``device`` cannot tell a CPU scalar
+  from a 0-dim device tensor; the tape takes for device memory what a GPU run keeps there: what a
+  capture of the tape allocated (this graph or any live one), parameters, and the ``inputs`` given
+  to :meth:`~mhc_cg.runtime.graphs.capture.Graph.capture` (graphed callables give their static
+  inputs, parameters, buffers and grad-output buffers). Any other 0-dim tensor an aten op reads is
+  a CPU scalar: the op is recorded with a copy of its value at that point of the capture, and an
+  aten op that writes one is host work, run at capture and skipped at replay. Custom ops are never
+  baked: their kernels read tensors through device pointers (a CPU tensor there is an error on a
+  GPU, not a baked value). A 0-dim device tensor the tape cannot know (a module buffer captured
+  outside ``make_graphed_callables``) is baked: pass it in ``inputs``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -41,6 +58,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mhc_cg.core.errors import GraphCaptureError, GraphReplayError
+from mhc_cg.core.storage import storage_id
 from mhc_cg.runtime.graphs.capture import Graph, GraphBackend, Pool
 from mhc_cg.runtime.graphs.guard import CaptureGuardMode, user_source_line
 
@@ -89,9 +107,11 @@ def _classify(func: torch._ops.OpOverload, written: list[torch.Tensor], outputs:
 class _TapeRecorder(CaptureGuardMode):
     """The guard, plus a record of every op that ran."""
 
-    def __init__(self, graph_name: str):
+    def __init__(self, graph_name: str, inputs: tuple[torch.Tensor, ...] = ()):
         super().__init__(graph_name, keep_tensors=True)  # a replay needs every tensor it recorded
         self.ops: list[RecordedOp] = []
+        # storages a GPU run keeps on the device, besides what this capture allocates
+        self.on_device = {storage_id(t) for t in inputs}
 
     def before_op(self, func, args, kwargs, written):
         if torch.Tag.inplace_view in func.tags:
@@ -115,7 +135,21 @@ class _TapeRecorder(CaptureGuardMode):
         flat_args, spec = tree_flatten((args, kwargs))
         outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         kind = _classify(func, written, outputs, fresh_outputs)
+        self.on_device.update(storage_id(a) for a in flat_args if isinstance(a, torch.nn.Parameter))
+        if kind != _KIND_SKIP and func.namespace == "aten":
+            if any(self._host_scalar(t) for t in written):
+                kind = _KIND_SKIP  # host work: on a GPU it runs once, at capture
+            else:  # its value now is what the launch would pass by value
+                flat_args = [a.detach().clone() if self._host_scalar(a) else a for a in flat_args]
         self.ops.append(RecordedOp(func, flat_args, spec, outputs, kind))
+
+    def _host_scalar(self, t: Any) -> bool:
+        """``t`` is a 0-dim tensor a GPU run would keep on the host (see the module docstring)."""
+        if not isinstance(t, torch.Tensor) or t.dim() != 0 or t.device.type != "cpu":
+            return False
+        key = storage_id(t)
+        return not (key in self.on_device or self.book.is_owned(t)
+                    or any(key in graph.made_storages for graph in _CAPTURED))
 
 
 def _alias_with_current_metadata(t: torch.Tensor) -> torch.Tensor:
@@ -199,7 +233,7 @@ class TapeGraph(Graph):
 
     @contextlib.contextmanager
     def _record(self) -> Iterator[None]:
-        recorder = _TapeRecorder(self.name)
+        recorder = _TapeRecorder(self.name, self._inputs)
         with _host_read_traps(self.name), recorder:
             yield
         self.stats = recorder.finish()
@@ -208,6 +242,7 @@ class TapeGraph(Graph):
         self.stats.ops_replayed = sum(op.kind != _KIND_SKIP for op in self.ops)
         self._storages = [(s.holder, s.nbytes, s.data_ptr, s.owned)
                           for s in recorder.book.storages.values()]
+        _CAPTURED.add(self)
 
     def _replay(self) -> None:
         for holder, nbytes, data_ptr, owned in self._storages:
@@ -226,6 +261,10 @@ class TapeGraph(Graph):
     def _release(self, t: torch.Tensor) -> torch.Tensor:
         self.pool.release(self, t)
         return t
+
+
+# Every captured tape graph still alive: what they allocated is device memory to later captures.
+_CAPTURED: "weakref.WeakSet[TapeGraph]" = weakref.WeakSet()
 
 
 class TapeBackend(GraphBackend):
