@@ -44,6 +44,12 @@ Python-level ops would otherwise read the present:
   baked: their kernels read tensors through device pointers (a CPU tensor there is an error on a
   GPU, not a baked value). A 0-dim device tensor the tape cannot know (a module buffer captured
   outside ``make_graphed_callables``) is baked: pass it in ``inputs``.
+* **Geometry.** A kernel's arguments hold each tensor's data pointer, sizes and strides as they
+  were at launch, so a tensor re-laid-out in place after capture (``t_``, ``as_strided_``,
+  ``resize_`` within its bytes) is read and written with its captured layout at its captured
+  address. The tape replays every op on the captured layout of the same storage; a tensor moved
+  to another storage (``set_``, ``.data =``) raises, since the graph would keep memory that may
+  have been freed.
 """
 
 from __future__ import annotations
@@ -79,14 +85,20 @@ class RecordedOp:
     outputs: list[torch.Tensor]
     kind: str
 
-    def replay(self) -> None:
+    def replay(self, relaid: dict[int, torch.Tensor]) -> None:
+        """``relaid``: id of a recorded tensor -> an alias with its captured layout, for those whose
+        layout changed since capture."""
         if self.kind == _KIND_SKIP:
             return
-        args, kwargs = tree_unflatten(self.flat_args, self.spec)
+        flat_args, outputs = self.flat_args, self.outputs
+        if relaid:
+            flat_args = [relaid.get(id(a), a) for a in flat_args]
+            outputs = [relaid.get(id(o), o) for o in outputs]
+        args, kwargs = tree_unflatten(flat_args, self.spec)
         result = self.func(*args, **kwargs)
         if self.kind == _KIND_COPY_OUT:
             fresh = [r for r in tree_flatten(result)[0] if isinstance(r, torch.Tensor)]
-            for captured, new in zip(self.outputs, fresh):
+            for captured, new in zip(outputs, fresh):
                 captured.copy_(new)
 
 
@@ -227,6 +239,7 @@ class TapeGraph(Graph):
         super().__init__(pool)
         self.ops: list[RecordedOp] = []
         self._storages: list[tuple[torch.Tensor, int, int, bool]] = []
+        self._layouts: list[_Layout] = []
 
     def __repr__(self) -> str:
         return f"<{self.name}: {len(self.ops)} ops, {self._state}>"
@@ -242,6 +255,7 @@ class TapeGraph(Graph):
         self.stats.ops_replayed = sum(op.kind != _KIND_SKIP for op in self.ops)
         self._storages = [(s.holder, s.nbytes, s.data_ptr, s.owned)
                           for s in recorder.book.storages.values()]
+        self._layouts = _layouts(self.ops)
         _CAPTURED.add(self)
 
     def _replay(self) -> None:
@@ -253,14 +267,51 @@ class TapeGraph(Graph):
                     f"{list(holder.shape)} {holder.dtype} was resized or freed since capture ({nbytes} bytes at {data_ptr:#x} -> "
                     f"{storage.nbytes()} at {storage.data_ptr():#x}); a CUDA graph would read "
                     f"and write the stale address")
+        relaid = self._relaid()
         self.pool.poison_released(self)
         with torch.no_grad():
             for op in self.ops:
-                op.replay()
+                op.replay(relaid)
+
+    def _relaid(self) -> dict[int, torch.Tensor]:
+        """Aliases with the captured layout of the tensors whose layout changed since capture."""
+        relaid = {}
+        for t, storage, data_ptr, size, stride, offset in self._layouts:
+            if t.data_ptr() == data_ptr and t.size() == size and t.stride() == stride:
+                continue
+            if storage_id(t) != storage._cdata:
+                raise GraphReplayError(
+                    f"{self.name}: a tensor the graph reads or writes ({list(size)} {t.dtype}) was "
+                    f"moved to another storage since capture (set_, .data =); a CUDA graph keeps "
+                    f"using the old address, which may have been freed")
+            relaid[id(t)] = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                storage, offset, size, stride)
+        return relaid
 
     def _release(self, t: torch.Tensor) -> torch.Tensor:
         self.pool.release(self, t)
         return t
+
+
+# A tensor's identity and what a launch froze of it: storage, data pointer, sizes, strides, offset.
+_Layout = tuple[torch.Tensor, torch.UntypedStorage, int, torch.Size, tuple[int, ...], int]
+
+
+def _layouts(ops: list[RecordedOp]) -> list[_Layout]:
+    """The layout at the end of the capture of every tensor a replayed op reads or writes.
+
+    Final, not per op: a tensor re-laid-out during the capture (``t_`` of a graph tensor) is
+    already swapped for a frozen alias in the ops recorded before the change.
+    """
+    found: dict[int, _Layout] = {}
+    for op in ops:
+        if op.kind == _KIND_SKIP:
+            continue
+        for t in itertools.chain(op.flat_args, op.outputs):
+            if isinstance(t, torch.Tensor) and id(t) not in found:
+                found[id(t)] = (t, t.untyped_storage(), t.data_ptr(), t.size(), t.stride(),
+                                t.storage_offset())
+    return list(found.values())
 
 
 # Every captured tape graph still alive: what they allocated is device memory to later captures.
