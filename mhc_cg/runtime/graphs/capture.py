@@ -21,7 +21,7 @@ import contextlib
 import gc
 import itertools
 from abc import ABC, abstractmethod
-from typing import Any, ContextManager, Iterator, Sequence
+from typing import Any, ContextManager, Iterator
 
 import torch
 
@@ -125,20 +125,13 @@ class Graph(ABC):
         self.made_storages: set[int] = set()  # storage ids allocated by the capture (set by _record)
         self.replays = 0
         self._state = "new"
-        self._inputs: tuple[torch.Tensor, ...] = ()  # capture()'s inputs, while it runs
 
     def __repr__(self) -> str:
         return f"<{self.name}: {self._state}>"
 
     @contextlib.contextmanager
-    def capture(self, inputs: Sequence[torch.Tensor] = ()) -> Iterator[None]:
-        """Run the body once, recording its ops. A graph is captured at most once.
-
-        ``inputs``: tensors made before the capture that every replay reads where they lie (static
-        inputs, parameters, buffers, grad-output buffers). A GPU run keeps them on the device; only
-        the tape, whose one device is the host, needs telling (it bakes a 0-dim tensor it does not
-        know to be on the device, as CUDA bakes a CPU scalar: :mod:`~mhc_cg.runtime.graphs.tape`).
-        """
+    def capture(self) -> Iterator[None]:
+        """Run the body once, recording its ops. A graph is captured at most once."""
         if self._state != "new":
             raise GraphCaptureError(f"{self.name}: capture() called on a graph that is {self._state}; "
                                     f"make a new graph with backend.new_graph()")
@@ -148,7 +141,6 @@ class Graph(ABC):
         # pauses it around torch.cuda.graph; TE does)
         gc_was_enabled = gc.isenabled()
         gc.disable()
-        self._inputs = tuple(inputs)
         try:
             with self._record():
                 yield
@@ -156,7 +148,6 @@ class Graph(ABC):
             self._state = "failed"
             raise
         finally:
-            self._inputs = ()
             if gc_was_enabled:
                 gc.enable()
         if self.pool.independent and self.stats.escaped_bytes:

@@ -60,7 +60,8 @@ from mhc_cg.ops.kernels import overwritable
 from mhc_cg.runtime.graphs.backends import get_backend, resolve_backend_name
 from mhc_cg.runtime.graphs.capture import Graph, GraphBackend
 from mhc_cg.runtime.graphs.static_inputs import (BufferLayout, buffer_layout, check_input, describe,
-                                                  is_buffer, layout_problem, load_input)
+                                                  is_buffer, layout_problem, load_input,
+                                                  static_buffer)
 from mhc_cg.core.storage import storage_id
 from mhc_cg.core.schedule import decode_order, pass_windows
 
@@ -188,7 +189,6 @@ class GraphedRunner:
     kwargs_keys: list[str]
     static_inputs: list[torch.Tensor]           # the user's flattened args + kwargs
     params: tuple[torch.nn.Parameter, ...]
-    buffers: tuple[torch.Tensor, ...] = ()      # the module's buffers
     layouts: list[BufferLayout] = field(default_factory=list)  # the surface's, as the forward captured it
     fwd_graph: Graph | None = None
     bwd_graph: Graph | None = None
@@ -551,9 +551,10 @@ def _runners(func_of: dict, layout: OrderLayout | None, sample_args: list,
         module = isinstance(func, torch.nn.Module)
         params = tuple(func.parameters()) if module else ()
         label = f"#{index}" if layout is None else _label(layout, index)
-        runners.append(GraphedRunner(label, list(sample_kwargs[index]),
-                                     _flat_tensors(sample_args[index], sample_kwargs[index]), params,
-                                     tuple(func.buffers()) if module else ()))
+        inputs = _flat_tensors(sample_args[index], sample_kwargs[index])
+        for t in (*inputs, *params, *(func.buffers() if module else ())):
+            static_buffer(t)
+        runners.append(GraphedRunner(label, list(sample_kwargs[index]), inputs, params))
     return runners
 
 
@@ -646,8 +647,7 @@ def _capture(backend: GraphBackend, pool, passes, func_of, runners, sample_args,
         runner = runners[index]
         if kind == "fwd":
             runner.fwd_graph = backend.new_graph(pool=pool)
-            with runner.fwd_graph.capture(runner.surface + list(runner.buffers)), \
-                    traffic.phase("forward"):
+            with runner.fwd_graph.capture(), traffic.phase("forward"):
                 outputs = func_of[index](*sample_args[index], **sample_kwargs[index])
             runner.layouts = [buffer_layout(t) for t in runner.surface]
             flat, runner.output_spec = tree_flatten(outputs)
@@ -666,9 +666,7 @@ def _capture(backend: GraphBackend, pool, passes, func_of, runners, sample_args,
             runner.static_grad_inputs = [None] * len(runner.surface)
             continue
         runner.bwd_graph = backend.new_graph(pool=pool)
-        resident = runner.surface + list(runner.buffers) + \
-            [g for g in runner.static_grad_outputs if g is not None]
-        with runner.bwd_graph.capture(resident), traffic.phase("backward"):
+        with runner.bwd_graph.capture(), traffic.phase("backward"):
             grads = _grads_of(diff_outputs, runner.surface,
                               [g for g in runner.static_grad_outputs if g is not None], allow_unused)
         # replay_backward clones them before any other graph runs: the pool may have them back
@@ -716,7 +714,7 @@ def _grad_output_buffers(runner: GraphedRunner, shared: dict) -> list[torch.Tens
         seen[key] += 1
         if slot not in shared:
             # the backward graph is its one reader: a fused backward may write x's gradient over it
-            shared[slot] = overwritable(torch.empty_like(output))
+            shared[slot] = static_buffer(overwritable(torch.empty_like(output)))
         buffers.append(shared[slot])
     return buffers
 

@@ -17,14 +17,36 @@ hold its address, sizes and strides from the capture, so re-laying it out in pla
 unseen by the replay, which reads the old layout as if nothing happened.
 
 The cost is O(inputs) per replay and never synchronises the device.
+
+Every static buffer (a graph's inputs, an arena, persistent sets) is registered where it is made
+(:func:`static_buffer`): a GPU run allocates it on the device, and the tape, whose one device is
+the host, must not take a 0-dim one for a CPU scalar (:mod:`~mhc_cg.runtime.graphs.tape`).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mhc_cg.core.storage import storage_id
+
+
+# weak (a buffer is forgotten with its tensor) and by identity (a WeakSet would compare tensors
+# with ==, elementwise)
+_STATIC_BUFFERS = WeakIdKeyDictionary()
+
+
+def static_buffer(t: Tensor) -> Tensor:
+    """Register ``t`` as a static buffer (device memory every replay reads where it lies); returns
+    it. The register is by storage: views of ``t`` count too."""
+    _STATIC_BUFFERS[t] = True
+    return t
+
+
+def static_storages() -> set[int]:
+    """Storage ids of every live static buffer."""
+    return {storage_id(t) for t in list(_STATIC_BUFFERS.keys())}
 
 
 def describe(t) -> str:

@@ -36,14 +36,15 @@ Python-level ops would otherwise read the present:
   on the host when the kernel is launched, so a graph keeps the value it had at capture (on CUDA
   the guard refuses it). The tape's one device is the host, so ``device`` cannot tell a CPU scalar
   from a 0-dim device tensor; the tape takes for device memory what a GPU run keeps there: what a
-  capture of the tape allocated (this graph or any live one), parameters, and the ``inputs`` given
-  to :meth:`~mhc_cg.runtime.graphs.capture.Graph.capture` (graphed callables give their static
-  inputs, parameters, buffers and grad-output buffers). Any other 0-dim tensor an aten op reads is
-  a CPU scalar: the op is recorded with a copy of its value at that point of the capture, and an
-  aten op that writes one is host work, run at capture and skipped at replay. Custom ops are never
-  baked: their kernels read tensors through device pointers (a CPU tensor there is an error on a
-  GPU, not a baked value). A 0-dim device tensor the tape cannot know (a module buffer captured
-  outside ``make_graphed_callables``) is baked: pass it in ``inputs``.
+  capture of the tape allocated (this graph or any live one), parameters, and static buffers
+  (:func:`~mhc_cg.runtime.graphs.static_inputs.static_buffer`: graphed callables' inputs, module
+  buffers and grad-output buffers, the arena, the persistent sets). Any other 0-dim tensor an aten
+  op reads is a CPU scalar: the op is recorded with a copy of its value at that point of the
+  capture, and an aten op that writes one is host work, run at capture and skipped at replay.
+  Custom ops are never baked: their kernels read tensors through device pointers (a CPU tensor
+  there is an error on a GPU, not a baked value). A 0-dim device tensor made outside those (a
+  module buffer captured with the bare primitive) is baked unless registered with
+  ``static_buffer``.
 * **Geometry.** A kernel's arguments hold each tensor's data pointer, sizes and strides as they
   were at launch, so a tensor re-laid-out in place after capture (``t_``, ``as_strided_``,
   ``resize_`` within its bytes) is read and written with its captured layout at its captured
@@ -67,6 +68,7 @@ from mhc_cg.core.errors import GraphCaptureError, GraphReplayError
 from mhc_cg.core.storage import storage_id
 from mhc_cg.runtime.graphs.capture import Graph, GraphBackend, Pool
 from mhc_cg.runtime.graphs.guard import CaptureGuardMode, user_source_line
+from mhc_cg.runtime.graphs.static_inputs import static_storages
 
 aten = torch.ops.aten
 
@@ -119,11 +121,11 @@ def _classify(func: torch._ops.OpOverload, written: list[torch.Tensor], outputs:
 class _TapeRecorder(CaptureGuardMode):
     """The guard, plus a record of every op that ran."""
 
-    def __init__(self, graph_name: str, inputs: tuple[torch.Tensor, ...] = ()):
+    def __init__(self, graph_name: str):
         super().__init__(graph_name, keep_tensors=True)  # a replay needs every tensor it recorded
         self.ops: list[RecordedOp] = []
         # storages a GPU run keeps on the device, besides what this capture allocates
-        self.on_device = {storage_id(t) for t in inputs}
+        self.on_device = static_storages()
 
     def before_op(self, func, args, kwargs, written):
         if torch.Tag.inplace_view in func.tags:
@@ -246,7 +248,7 @@ class TapeGraph(Graph):
 
     @contextlib.contextmanager
     def _record(self) -> Iterator[None]:
-        recorder = _TapeRecorder(self.name, self._inputs)
+        recorder = _TapeRecorder(self.name)
         with _host_read_traps(self.name), recorder:
             yield
         self.stats = recorder.finish()
