@@ -27,6 +27,7 @@ Invariants the tests check: slot addresses never move, nothing is resized or re-
 from __future__ import annotations
 
 import contextlib
+from collections import Counter, deque
 from typing import Callable, Iterator
 
 import torch
@@ -175,7 +176,10 @@ class StaticRecompute:
         # Block inputs likewise, with one set: the block's first mHC ops save it from there
         self._block_input_storages = ({storage_id(t) for t in sets.all_sets()[0].block_inputs}
                                       if sets.capacity == 1 else set())
-        self.trace: list[str] = []  # what ran, in order (for tests and debugging)
+        # The last recomputes run, in order (for tests and debugging): a ring of two rounds of
+        # every (block, set), so a long run keeps a fixed number; ``recomputes`` counts them all.
+        self.trace: deque[str] = deque(maxlen=2 * len(self.blocks) * sets.capacity)
+        self.recomputes: Counter[tuple[int, str]] = Counter()  # (block, "graph" | "eager") -> runs
         # forwards whose backward has not finished: persistent set index -> its hooks' state
         self._pending: dict[int, dict] = {}
 
@@ -476,8 +480,9 @@ class StaticRecompute:
 
     def run_recompute(self, block: int, pset: PersistentSlotSet) -> None:
         graph = self.recompute_graphs.get((block, pset.index))
-        self.trace.append(f"recompute block {block} set {pset.index} "
-                          f"({'graph' if graph is not None else 'eager'})")
+        how = "graph" if graph is not None else "eager"
+        self.recomputes[(block, how)] += 1
+        self.trace.append(f"recompute block {block} set {pset.index} ({how})")
         # same range name as eager block recompute
         with nvtx_range("recompute", 0, None, f"block{block}"), traffic.phase("recompute"):
             if graph is not None:
