@@ -20,6 +20,7 @@ elsewhere the saved bytes are ``None``.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from typing import Callable, Iterator
 
 import torch
@@ -144,25 +145,25 @@ def graph_replays(decoder: torch.nn.Module) -> tuple[int, int]:
     return layer, recompute
 
 
-def recomputed_sublayers(decoder: torch.nn.Module, since: int) -> int:
-    """Sublayers the static runtime recomputed since its trace had ``since`` entries."""
+def recomputed_sublayers(decoder: torch.nn.Module, since: Counter) -> int:
+    """Sublayers the static runtime recomputed since its recompute counts were ``since``."""
     static = getattr(decoder, "mhc_static", None)
     if static is None:
         return 0
     runtime = static.runtime
-    blocks = [int(line.split()[2]) for line in runtime.trace[since:]]  # "recompute block B set S"
-    return sum(2 * len(runtime.blocks[b]) for b in blocks)
+    runs = runtime.recomputes - since  # (block, how) -> recomputes
+    return sum(2 * len(runtime.blocks[block]) * n for (block, _), n in runs.items())
 
 
-def _trace_len(decoder) -> int:
+def _recompute_counts(decoder) -> Counter:
     static = getattr(decoder, "mhc_static", None)
-    return len(static.runtime.trace) if static is not None else 0
+    return Counter(static.runtime.recomputes) if static is not None else Counter()
 
 
 @contextlib.contextmanager
 def measuring(decoder: torch.nn.Module, into: dict) -> Iterator[None]:
     """Measure the step run inside (see the module docstring); the figures go into ``into``."""
-    probe, before, trace = StepProbe(decoder), graph_replays(decoder), _trace_len(decoder)
+    probe, before, runs = StepProbe(decoder), graph_replays(decoder), _recompute_counts(decoder)
     checkpoints, undo = _count_checkpoints()
     try:
         yield
@@ -175,5 +176,5 @@ def measuring(decoder: torch.nn.Module, into: dict) -> Iterator[None]:
         layer_graph_replays_per_step=after[0] - before[0],
         recompute_graph_replays_per_step=after[1] - before[1],
         mhc_checkpoints_per_step=checkpoints(),
-        recomputed_sublayers_per_step=recomputed_sublayers(decoder, trace),
+        recomputed_sublayers_per_step=recomputed_sublayers(decoder, runs),
         arena_bytes=arena_bytes(decoder))

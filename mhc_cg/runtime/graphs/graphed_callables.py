@@ -19,9 +19,12 @@ What a caller relies on (the same as TE's ``make_graphed_callables``):
   since every replay clones them before any other graph runs. TE does the same with
   ``_reuse_graph_input_output_buffers``; without it, every backward graph keeps its weight and
   input gradients in the pool for good.
-* **A call** copies each input into its static buffer only when it is not that buffer already,
-  replays the forward graph and returns *detached static outputs*: they are overwritten by the
-  next replay of the same graph. Autograd sees an ``autograd.Function`` whose backward copies the
+* **A call** first refuses, in one line naming it, a static input or parameter re-laid-out in
+  place or moved to another storage since capture (the graph would keep its captured layout and
+  address, unseen: :func:`~mhc_cg.runtime.graphs.static_inputs.layout_problem`). It then copies
+  each input into its static buffer only when it is not that buffer already, replays the forward
+  graph and returns *detached static outputs*: they are overwritten by the next replay of the
+  same graph. Autograd sees an ``autograd.Function`` whose backward copies the
   incoming grads into static grad-output buffers, replays the backward graph and returns the
   grads it computed, those of the module's parameters included (parameters are inputs of the
   Function, so autograd accumulates them into ``.grad``).
@@ -56,7 +59,9 @@ from mhc_cg.core import traffic
 from mhc_cg.ops.kernels import overwritable
 from mhc_cg.runtime.graphs.backends import get_backend, resolve_backend_name
 from mhc_cg.runtime.graphs.capture import Graph, GraphBackend
-from mhc_cg.runtime.graphs.static_inputs import check_input, describe, is_buffer, load_input
+from mhc_cg.runtime.graphs.static_inputs import (BufferLayout, buffer_layout, check_input, describe,
+                                                  is_buffer, layout_problem, load_input,
+                                                  static_buffer)
 from mhc_cg.core.storage import storage_id
 from mhc_cg.core.schedule import decode_order, pass_windows
 
@@ -184,6 +189,7 @@ class GraphedRunner:
     kwargs_keys: list[str]
     static_inputs: list[torch.Tensor]           # the user's flattened args + kwargs
     params: tuple[torch.nn.Parameter, ...]
+    layouts: list[BufferLayout] = field(default_factory=list)  # the surface's, as the forward captured it
     fwd_graph: Graph | None = None
     bwd_graph: Graph | None = None
     static_outputs: list[torch.Tensor] = field(default_factory=list)
@@ -201,6 +207,12 @@ class GraphedRunner:
         if len(inputs) != len(self.static_inputs):
             raise TypeError(f"graphed callable {self.label}: got {len(inputs)} tensor inputs, "
                             f"captured with {len(self.static_inputs)}")
+        for i, (t, captured) in enumerate(zip(self.surface, self.layouts)):
+            n = len(self.static_inputs)
+            what = f"input {i}" if i < n else f"parameter {i - n}"
+            problem = layout_problem(f"graphed callable {self.label}: {what}", t, captured)
+            if problem is not None:
+                raise ValueError(problem)
         for i, (static, given) in enumerate(zip(self.static_inputs, inputs)):
             check_input(f"graphed callable {self.label}: input {i}", given, static)
         with traffic.runtime_copy("static inputs"):
@@ -536,10 +548,13 @@ def _runners(func_of: dict, layout: OrderLayout | None, sample_args: list,
     runners = []
     for index in range(len(sample_args)):
         func = func_of[index]
-        params = tuple(func.parameters()) if isinstance(func, torch.nn.Module) else ()
+        module = isinstance(func, torch.nn.Module)
+        params = tuple(func.parameters()) if module else ()
         label = f"#{index}" if layout is None else _label(layout, index)
-        runners.append(GraphedRunner(label, list(sample_kwargs[index]),
-                                     _flat_tensors(sample_args[index], sample_kwargs[index]), params))
+        inputs = _flat_tensors(sample_args[index], sample_kwargs[index])
+        for t in (*inputs, *params, *(func.buffers() if module else ())):
+            static_buffer(t)
+        runners.append(GraphedRunner(label, list(sample_kwargs[index]), inputs, params))
     return runners
 
 
@@ -634,6 +649,7 @@ def _capture(backend: GraphBackend, pool, passes, func_of, runners, sample_args,
             runner.fwd_graph = backend.new_graph(pool=pool)
             with runner.fwd_graph.capture(), traffic.phase("forward"):
                 outputs = func_of[index](*sample_args[index], **sample_kwargs[index])
+            runner.layouts = [buffer_layout(t) for t in runner.surface]
             flat, runner.output_spec = tree_flatten(outputs)
             if not all(isinstance(o, torch.Tensor) for o in flat):
                 raise TypeError(f"make_graphed_callables: callable for sample {runner.label} "
@@ -698,7 +714,7 @@ def _grad_output_buffers(runner: GraphedRunner, shared: dict) -> list[torch.Tens
         seen[key] += 1
         if slot not in shared:
             # the backward graph is its one reader: a fused backward may write x's gradient over it
-            shared[slot] = overwritable(torch.empty_like(output))
+            shared[slot] = static_buffer(overwritable(torch.empty_like(output)))
         buffers.append(shared[slot])
     return buffers
 

@@ -28,12 +28,36 @@ How each recorded op replays (decided once, at capture):
 
 The tape also re-checks, before each replay, that every storage it used still has the size and
 address it had at capture: on a GPU a freed input or output reads or writes garbage silently.
+
+What a launch freezes in a kernel's arguments, a replay keeps, where a replay of the recorded
+Python-level ops would otherwise read the present:
+
+* **CPU scalars.** CUDA passes a 0-dim CPU tensor among a device op's operands by value: it is read
+  on the host when the kernel is launched, so a graph keeps the value it had at capture (on CUDA
+  the guard refuses it). The tape's one device is the host, so ``device`` cannot tell a CPU scalar
+  from a 0-dim device tensor; the tape takes for device memory what a GPU run keeps there: what a
+  capture of the tape allocated (this graph or any live one), parameters, and static buffers
+  (:func:`~mhc_cg.runtime.graphs.static_inputs.static_buffer`: graphed callables' inputs, module
+  buffers and grad-output buffers, the arena, the persistent sets). Any other 0-dim tensor an aten
+  op reads is a CPU scalar: the op is recorded with a copy of its value at that point of the
+  capture, and an aten op that writes one is host work, run at capture and skipped at replay.
+  Custom ops are never baked: their kernels read tensors through device pointers (a CPU tensor
+  there is an error on a GPU, not a baked value). A 0-dim device tensor made outside those (a
+  module buffer captured with the bare primitive) is baked unless registered with
+  ``static_buffer``.
+* **Geometry.** A kernel's arguments hold each tensor's data pointer, sizes and strides as they
+  were at launch, so a tensor re-laid-out in place after capture (``t_``, ``as_strided_``,
+  ``resize_`` within its bytes) is read and written with its captured layout at its captured
+  address. The tape replays every op on the captured layout of the same storage; a tensor moved
+  to another storage (``set_``, ``.data =``) raises, since the graph would keep memory that may
+  have been freed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -41,8 +65,10 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mhc_cg.core.errors import GraphCaptureError, GraphReplayError
+from mhc_cg.core.storage import storage_id
 from mhc_cg.runtime.graphs.capture import Graph, GraphBackend, Pool
 from mhc_cg.runtime.graphs.guard import CaptureGuardMode, user_source_line
+from mhc_cg.runtime.graphs.static_inputs import static_storages
 
 aten = torch.ops.aten
 
@@ -61,14 +87,20 @@ class RecordedOp:
     outputs: list[torch.Tensor]
     kind: str
 
-    def replay(self) -> None:
+    def replay(self, relaid: dict[int, torch.Tensor]) -> None:
+        """``relaid``: id of a recorded tensor -> an alias with its captured layout, for those whose
+        layout changed since capture."""
         if self.kind == _KIND_SKIP:
             return
-        args, kwargs = tree_unflatten(self.flat_args, self.spec)
+        flat_args, outputs = self.flat_args, self.outputs
+        if relaid:
+            flat_args = [relaid.get(id(a), a) for a in flat_args]
+            outputs = [relaid.get(id(o), o) for o in outputs]
+        args, kwargs = tree_unflatten(flat_args, self.spec)
         result = self.func(*args, **kwargs)
         if self.kind == _KIND_COPY_OUT:
             fresh = [r for r in tree_flatten(result)[0] if isinstance(r, torch.Tensor)]
-            for captured, new in zip(self.outputs, fresh):
+            for captured, new in zip(outputs, fresh):
                 captured.copy_(new)
 
 
@@ -92,6 +124,8 @@ class _TapeRecorder(CaptureGuardMode):
     def __init__(self, graph_name: str):
         super().__init__(graph_name, keep_tensors=True)  # a replay needs every tensor it recorded
         self.ops: list[RecordedOp] = []
+        # storages a GPU run keeps on the device, besides what this capture allocates
+        self.on_device = static_storages()
 
     def before_op(self, func, args, kwargs, written):
         if torch.Tag.inplace_view in func.tags:
@@ -115,7 +149,21 @@ class _TapeRecorder(CaptureGuardMode):
         flat_args, spec = tree_flatten((args, kwargs))
         outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         kind = _classify(func, written, outputs, fresh_outputs)
+        self.on_device.update(storage_id(a) for a in flat_args if isinstance(a, torch.nn.Parameter))
+        if kind != _KIND_SKIP and func.namespace == "aten":
+            if any(self._host_scalar(t) for t in written):
+                kind = _KIND_SKIP  # host work: on a GPU it runs once, at capture
+            else:  # its value now is what the launch would pass by value
+                flat_args = [a.detach().clone() if self._host_scalar(a) else a for a in flat_args]
         self.ops.append(RecordedOp(func, flat_args, spec, outputs, kind))
+
+    def _host_scalar(self, t: Any) -> bool:
+        """``t`` is a 0-dim tensor a GPU run would keep on the host (see the module docstring)."""
+        if not isinstance(t, torch.Tensor) or t.dim() != 0 or t.device.type != "cpu":
+            return False
+        key = storage_id(t)
+        return not (key in self.on_device or self.book.is_owned(t)
+                    or any(key in graph.made_storages for graph in _CAPTURED))
 
 
 def _alias_with_current_metadata(t: torch.Tensor) -> torch.Tensor:
@@ -193,6 +241,7 @@ class TapeGraph(Graph):
         super().__init__(pool)
         self.ops: list[RecordedOp] = []
         self._storages: list[tuple[torch.Tensor, int, int, bool]] = []
+        self._layouts: list[_Layout] = []
 
     def __repr__(self) -> str:
         return f"<{self.name}: {len(self.ops)} ops, {self._state}>"
@@ -208,6 +257,8 @@ class TapeGraph(Graph):
         self.stats.ops_replayed = sum(op.kind != _KIND_SKIP for op in self.ops)
         self._storages = [(s.holder, s.nbytes, s.data_ptr, s.owned)
                           for s in recorder.book.storages.values()]
+        self._layouts = _layouts(self.ops)
+        _CAPTURED.add(self)
 
     def _replay(self) -> None:
         for holder, nbytes, data_ptr, owned in self._storages:
@@ -218,14 +269,55 @@ class TapeGraph(Graph):
                     f"{list(holder.shape)} {holder.dtype} was resized or freed since capture ({nbytes} bytes at {data_ptr:#x} -> "
                     f"{storage.nbytes()} at {storage.data_ptr():#x}); a CUDA graph would read "
                     f"and write the stale address")
+        relaid = self._relaid()
         self.pool.poison_released(self)
         with torch.no_grad():
             for op in self.ops:
-                op.replay()
+                op.replay(relaid)
+
+    def _relaid(self) -> dict[int, torch.Tensor]:
+        """Aliases with the captured layout of the tensors whose layout changed since capture."""
+        relaid = {}
+        for t, storage, data_ptr, size, stride, offset in self._layouts:
+            if t.data_ptr() == data_ptr and t.size() == size and t.stride() == stride:
+                continue
+            if storage_id(t) != storage._cdata:
+                raise GraphReplayError(
+                    f"{self.name}: a tensor the graph reads or writes ({list(size)} {t.dtype}) was "
+                    f"moved to another storage since capture (set_, .data =); a CUDA graph keeps "
+                    f"using the old address, which may have been freed")
+            relaid[id(t)] = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                storage, offset, size, stride)
+        return relaid
 
     def _release(self, t: torch.Tensor) -> torch.Tensor:
         self.pool.release(self, t)
         return t
+
+
+# A tensor's identity and what a launch froze of it: storage, data pointer, sizes, strides, offset.
+_Layout = tuple[torch.Tensor, torch.UntypedStorage, int, torch.Size, tuple[int, ...], int]
+
+
+def _layouts(ops: list[RecordedOp]) -> list[_Layout]:
+    """The layout at the end of the capture of every tensor a replayed op reads or writes.
+
+    Final, not per op: a tensor re-laid-out during the capture (``t_`` of a graph tensor) is
+    already swapped for a frozen alias in the ops recorded before the change.
+    """
+    found: dict[int, _Layout] = {}
+    for op in ops:
+        if op.kind == _KIND_SKIP:
+            continue
+        for t in itertools.chain(op.flat_args, op.outputs):
+            if isinstance(t, torch.Tensor) and id(t) not in found:
+                found[id(t)] = (t, t.untyped_storage(), t.data_ptr(), t.size(), t.stride(),
+                                t.storage_offset())
+    return list(found.values())
+
+
+# Every captured tape graph still alive: what they allocated is device memory to later captures.
+_CAPTURED: "weakref.WeakSet[TapeGraph]" = weakref.WeakSet()
 
 
 class TapeBackend(GraphBackend):

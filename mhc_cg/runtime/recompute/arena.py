@@ -26,6 +26,7 @@ from torch import Tensor
 
 from mhc_cg.core import traffic
 from mhc_cg.core.storage import own_version_alias, storage_id
+from mhc_cg.runtime.graphs.static_inputs import static_buffer
 
 ALIGN_BYTES = 64
 
@@ -106,7 +107,8 @@ class Arena:
                 slot.offset = offset
                 offset += _aligned(slot.nbytes)
             region.frozen = True
-        self.buffer = torch.zeros(max(offset, ALIGN_BYTES), dtype=torch.uint8, device=self.device)
+        self.buffer = static_buffer(torch.zeros(max(offset, ALIGN_BYTES), dtype=torch.uint8,
+                                                device=self.device))
         self._writer = own_version_alias(self.buffer)
 
     # -- addresses ---------------------------------------------------------------------------

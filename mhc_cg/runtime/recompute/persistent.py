@@ -22,6 +22,7 @@ from mhc_cg.core.errors import StaticRecomputeError
 from mhc_cg.model import MHCTransformerLayer, recomputes_activation
 from mhc_cg.ops.kernels.reference import state_dtype, state_width
 from mhc_cg.core.storage import own_version_alias
+from mhc_cg.runtime.graphs.static_inputs import static_buffer
 
 
 @dataclass
@@ -125,7 +126,7 @@ def new_persistent_set(index: int, layers: list[MHCTransformerLayer], block_size
         block_inputs=[torch.zeros(*lead, width, dtype=dtype, device=device)
                       for _ in range(num_blocks)],
         fn_outputs={},
-        seed=torch.zeros((), dtype=torch.int64, device=device),
+        seed=static_buffer(torch.zeros((), dtype=torch.int64, device=device)),  # 0-dim, on device
         fc1_outputs={i: torch.zeros(*lead, layer.mlp.fn.fc1.out_features, dtype=dtype,
                                     device=device)
                      for i, layer in enumerate(layers) if recomputes_activation(layer.mlp)},

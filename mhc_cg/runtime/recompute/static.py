@@ -25,6 +25,7 @@ Invariants the tests check: slot addresses never move, nothing is resized or re-
 from __future__ import annotations
 
 import contextlib
+from collections import Counter, deque
 from typing import Callable, Iterator
 
 import torch
@@ -79,7 +80,10 @@ class StaticRecompute:
         # Parameters (and views of them, e.g. a transposed weight) are saved as they are: they do
         # not change between a forward and its backward, so copying them into slots is waste.
         self.param_storages = {storage_id(p) for layer in self.layers for p in layer.parameters()}
-        self.trace: list[str] = []  # what ran, in order (for tests and debugging)
+        # The last recomputes run, in order (for tests and debugging): a ring of two rounds of
+        # every (block, set), so a long run keeps a fixed number; ``recomputes`` counts them all.
+        self.trace: deque[str] = deque(maxlen=2 * len(self.blocks) * sets.capacity)
+        self.recomputes: Counter[tuple[int, str]] = Counter()  # (block, "graph" | "eager") -> runs
         # forwards whose backward has not finished: persistent set index -> its hooks' state
         self._pending: dict[int, dict] = {}
 
@@ -263,8 +267,9 @@ class StaticRecompute:
 
     def run_recompute(self, block: int, pset: PersistentSlotSet) -> None:
         graph = self.recompute_graphs.get((block, pset.index))
-        self.trace.append(f"recompute block {block} set {pset.index} "
-                          f"({'graph' if graph is not None else 'eager'})")
+        how = "graph" if graph is not None else "eager"
+        self.recomputes[(block, how)] += 1
+        self.trace.append(f"recompute block {block} set {pset.index} ({how})")
         # same range name as eager block recompute
         with nvtx_range("recompute", 0, None, f"block{block}"), traffic.phase("recompute"):
             if graph is not None:

@@ -18,6 +18,7 @@ import contextlib
 import datetime
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -314,9 +315,9 @@ class PipelineRank:
                 report.losses.append(loss)
                 bar.update(step + 1, f"loss {loss:.4f}")
         report.peak_sets_in_use = self.peak_sets
-        trace = [line for runtime in self.runtimes for line in runtime.trace]
-        report.recomputes_replayed = sum(line.endswith("(graph)") for line in trace)
-        report.recomputes_eager = sum(line.endswith("(eager)") for line in trace)
+        runs = sum((runtime.recomputes for runtime in self.runtimes), Counter())
+        report.recomputes_replayed = sum(n for (_, how), n in runs.items() if how == "graph")
+        report.recomputes_eager = sum(n for (_, how), n in runs.items() if how == "eager")
         if self.graphed is not None:
             graphs = list(self.graphed.graphs())
             report.sublayer_graphs = len(graphs)
