@@ -541,7 +541,7 @@ def core_helper_job(shapes: list[dict]) -> dict:
             runs[run]["recompute_graphs"] = [list(vars(key).values()) for key in
                                              getattr(helper, "mhc_recompute_graphs", {})]
             runs[run]["order"] = getattr(helper, "mhc_order", None)
-            runs[run]["graph_inputs"] = [list(graphed.runner.static_inputs[0].shape)
+            runs[run]["graph_inputs"] = [list(graphed.state.static_inputs[0].shape)
                                          for layer in chunk_decoder(chunk).layers
                                          for graphed in getattr(layer, "cuda_graphs", [])]
         cases.append({"shape": shape, "runs": runs})

@@ -222,7 +222,7 @@ def test_backward_graphs_give_their_gradients_back_to_the_pool():
     backend = CostBackend("cpu")
     graphed = make_graphed_callables(modules, samples, backend=backend)
     activation, weight = rounded(batch * width * 4), rounded(width * width * 4)
-    backwards = [r.bwd_graph for r in graphed.runners]
+    backwards = [r.bwd_graph for r in graphed.states]
     assert all(g.peak.escaped_bytes == activation + weight for g in backwards)  # x and W grads
     live = sum(b.nbytes for b in graphed.pool.state.live_resident())
     assert live == layers * activation
@@ -241,10 +241,10 @@ def test_recompute_graphs_join_the_sublayer_pool_where_they_replay():
     pool = graphed.graphed_callables.pool
     assert len(recompute) == 2 and all(g.pool is pool for g in recompute.values())
     sequence = pool.order.sequence
-    runners = graphed.graphed_callables.runners
+    states = graphed.graphed_callables.states
     for block in range(2):  # one layer per block: its mlp (index 2 * block + 1) ends it
         at = sequence.index(recompute[(block, 0)])
-        assert sequence[at + 1] is runners[2 * block + 1].bwd_graph
+        assert sequence[at + 1] is states[2 * block + 1].bwd_graph
     for _ in range(2):
         ids = torch.randint(0, 32, (2, 8))  # [micro_batch, seq]
         forward(ids, torch.zeros((), dtype=torch.int64)).sum().backward()

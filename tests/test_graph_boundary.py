@@ -76,7 +76,7 @@ def test_editing_an_output_nothing_saved_gives_eagers_gradients(backend_name):
 def test_an_input_aliasing_the_static_buffer_in_another_layout_gives_the_eager_answer(
         backend_name, alias):
     module, fn = graphed(backend_name, saves_output=True)
-    static = fn.forward.runner.static_inputs[0]
+    static = fn.forward.state.static_inputs[0]
     with torch.no_grad():
         static.copy_(torch.randn(4, 4, device=static.device))
         # the same storage and first element, another geometry: a transpose, or row 0 repeated

@@ -42,9 +42,9 @@ def test_make_graphed_callables_takes_tes_arguments_and_replays_on_the_tape(te_g
     layers[1](layers[0](x_eager)).square().sum().backward()
     assert torch.equal(x.grad, x_eager.grad)
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, (p for l in layers for p in l.parameters())))
-    runners = [g.runner for g in graphed]
-    assert {r.fwd_graph.pool.kind for r in runners} == {"tape"}
-    assert [(r.fwd_graph.replays, r.bwd_graph.replays) for r in runners] == [(1, 1), (1, 1)]
+    states = [g.state for g in graphed]
+    assert {r.fwd_graph.pool.kind for r in states} == {"tape"}
+    assert [(r.fwd_graph.replays, r.bwd_graph.replays) for r in states] == [(1, 1), (1, 1)]
 
 
 @pytest.mark.parametrize("fp8", [dict(fp8_enabled=True), dict(fp8_enabled=(False, True)),

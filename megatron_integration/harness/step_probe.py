@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from mhc_cg.core.storage import storage_bytes, storage_id
+from mhc_cg.runtime.graphs.graphed_callables import GraphedState
 
 
 def _count_checkpoints() -> tuple[Callable[[], int], Callable[[], None]]:
@@ -94,60 +95,59 @@ def held_bytes(decoder: torch.nn.Module, saved: list[Tensor]) -> int | None:
     excluded = {storage_id(p) for p in decoder.parameters()}
     storages = storage_bytes(saved)
     for layer in decoder.layers:
-        graphs = getattr(layer, "cuda_graphs", None)
-        if graphs:
-            read = backward_reads(graphs[getattr(layer, "current_microbatch", 0) % len(graphs)])
+        states = _graph_states(layer)
+        if states:
+            read = backward_reads(states[getattr(layer, "current_microbatch", 0) % len(states)])
             if read is None:
                 return None
             storages.update(read)
-    static = getattr(decoder, "mhc_static", None)
+    static = _static(decoder)
     if static is not None:
-        runtime = static.runtime
-        storages.update(storage_bytes(runtime.sets.all_sets()[0].tensors()))
-        excluded.add(storage_id(runtime.arena.buffer))
+        storages.update(storage_bytes(static.runtime.sets.all_sets()[0].tensors()))
+        excluded.add(storage_id(static.runtime.arena.buffer))
     return sum(nbytes for key, nbytes in storages.items() if key not in excluded)
 
 
 def arena_bytes(decoder: torch.nn.Module) -> int:
     """The static runtime's arena (one recompute block's mHC state, once per rank); 0 without."""
-    static = getattr(decoder, "mhc_static", None)
+    static = _static(decoder)
     return static.runtime.arena.nbytes if static is not None else 0
 
 
-def backward_reads(graphed: Callable) -> dict[int, int] | None:
-    """``{storage: bytes}`` the backward graph of a tape-graphed callable reads that its own
-    capture did not allocate and that are not its grad-output buffers (what the forward left for
-    it); ``None`` when the graphs are not on the tape."""
-    runner = getattr(graphed, "runner", None)
-    graph = getattr(runner, "bwd_graph", None)
-    if graph is None or not hasattr(graph, "ops"):
+def _static(decoder):
+    """The decoder's static runtime block; ``None`` for a decoder on megatron's own forward."""
+    return getattr(decoder, "mhc_static", None)
+
+
+def _graph_states(layer) -> list[GraphedState | None]:
+    """Each of the layer's TE graphs' state (megatron keeps the graphs in ``cuda_graphs``); ``None``
+    for a callable of real TransformerEngine, which keeps its own."""
+    return [getattr(graphed, "state", None) for graphed in getattr(layer, "cuda_graphs", None) or ()]
+
+
+def backward_reads(state: GraphedState | None) -> dict[int, int] | None:
+    """``{storage: bytes}`` a graphed callable's backward graph reads that its capture did not
+    allocate and that are not its grad-output buffers (what the forward left for it); ``None``
+    where the backend keeps no record of what its kernels read."""
+    read = None if state is None or state.bwd_graph is None else state.bwd_graph.external_reads()
+    if read is None:
         return None
-    skip = set(graph.made_storages) | {storage_id(g) for g in runner.static_grad_outputs
-                                       if g is not None}
-    read = {}
-    for op in graph.ops:
-        for t in op.flat_args:
-            if isinstance(t, Tensor) and storage_id(t) not in skip:
-                read[storage_id(t)] = t.untyped_storage().nbytes()
-    return read
+    grad_outputs = {storage_id(g) for g in state.static_grad_outputs if g is not None}
+    return {key: nbytes for key, nbytes in read.items() if key not in grad_outputs}
 
 
 def graph_replays(decoder: torch.nn.Module) -> tuple[int, int]:
     """``(layer graph replays, recompute graph replays)`` so far (forward and backward graphs)."""
-    layer = 0
-    for module in decoder.layers:
-        for graphed in getattr(module, "cuda_graphs", None) or ():
-            runner = getattr(graphed, "runner", None)
-            layer += sum(g.replays for g in (getattr(runner, "fwd_graph", None),
-                                              getattr(runner, "bwd_graph", None)) if g is not None)
-    static = getattr(decoder, "mhc_static", None)
+    layer = sum(g.replays for module in decoder.layers for state in _graph_states(module)
+                if state is not None for g in (state.fwd_graph, state.bwd_graph) if g is not None)
+    static = _static(decoder)
     recompute = sum(g.replays for g in static.runtime.recompute_graphs.values()) if static else 0
     return layer, recompute
 
 
 def recomputed_sublayers(decoder: torch.nn.Module, since: Counter) -> int:
     """Sublayers the static runtime recomputed since its recompute counts were ``since``."""
-    static = getattr(decoder, "mhc_static", None)
+    static = _static(decoder)
     if static is None:
         return 0
     runtime = static.runtime
@@ -156,7 +156,7 @@ def recomputed_sublayers(decoder: torch.nn.Module, since: Counter) -> int:
 
 
 def _recompute_counts(decoder) -> Counter:
-    static = getattr(decoder, "mhc_static", None)
+    static = _static(decoder)
     return Counter(static.runtime.recomputes) if static is not None else Counter()
 
 

@@ -129,6 +129,12 @@ class Graph(ABC):
     def __repr__(self) -> str:
         return f"<{self.name}: {self._state}>"
 
+    def external_reads(self) -> dict[int, int] | None:
+        """``{storage id: bytes}`` of what the graph reads that its capture did not allocate
+        (static inputs, parameters, what an earlier graph left), or ``None`` where the backend
+        keeps no record of its kernels' arguments (a CUDA graph)."""
+        return None
+
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
         """Run the body once, recording its ops. A graph is captured at most once."""

@@ -182,8 +182,8 @@ def _flat_tensors(args: Any, kwargs: dict) -> list[torch.Tensor]:
 # One graphed (chunk, microbatch, layer): its graphs and static buffers.
 
 @dataclass
-class GraphedRunner:
-    """The static state behind one graphed callable."""
+class GraphedState:
+    """The static state behind one graphed callable: its captured graphs and static buffers."""
 
     label: str
     kwargs_keys: list[str]
@@ -241,7 +241,7 @@ class GraphedRunner:
         _LENT.forget(self)  # a new forward: no backward of the last one will read a lent grad
         return [o.detach() for o in self.static_outputs]
 
-    def lendable_inputs(self, inputs: Sequence[torch.Tensor]) -> dict[int, "GraphedRunner"]:
+    def lendable_inputs(self, inputs: Sequence[torch.Tensor]) -> dict[int, "GraphedState"]:
         """Inputs whose grad this backward may return uncloned: {input index: producer}.
 
         An input qualifies when it is an output of another graphed callable P whose static
@@ -253,8 +253,8 @@ class GraphedRunner:
         for i, (given, grad) in enumerate(zip(inputs, self.static_grad_inputs)):
             if grad is None or not isinstance(given, torch.Tensor) or not given.requires_grad:
                 continue
-            producer = getattr(given.grad_fn, "runner", None)
-            if not isinstance(producer, GraphedRunner):
+            producer = getattr(given.grad_fn, "state", None)
+            if not isinstance(producer, GraphedState):
                 continue
             target = producer.static_grad_outputs[given.output_nr] \
                 if given.output_nr < len(producer.static_grad_outputs) else None
@@ -263,7 +263,7 @@ class GraphedRunner:
         return lend
 
     def replay_backward(self, grads: Sequence[torch.Tensor | None],
-                        lend: Mapping[int, "GraphedRunner"] | None = None) -> tuple:
+                        lend: Mapping[int, "GraphedState"] | None = None) -> tuple:
         if self.bwd_graph is None:
             return tuple(None for _ in self.surface)
         _LENT.check_writer(self)
@@ -300,24 +300,24 @@ class _LentGrads:
     """
 
     def __init__(self):
-        self._by_storage: dict[int, tuple[GraphedRunner, GraphedRunner]] = {}
+        self._by_storage: dict[int, tuple[GraphedState, GraphedState]] = {}
 
-    def lend(self, buffer: torch.Tensor, reader: GraphedRunner, lender: GraphedRunner) -> None:
+    def lend(self, buffer: torch.Tensor, reader: GraphedState, lender: GraphedState) -> None:
         self._by_storage[storage_id(buffer)] = (reader, lender)
 
-    def forget(self, reader: GraphedRunner) -> None:
+    def forget(self, reader: GraphedState) -> None:
         for key in [k for k, (r, _) in self._by_storage.items() if r is reader]:
             del self._by_storage[key]
 
-    def check_writer(self, runner: GraphedRunner) -> None:
-        """Before ``runner``'s backward replays (it writes its grad-output buffers)."""
-        for buffer in runner.static_grad_outputs:
+    def check_writer(self, state: GraphedState) -> None:
+        """Before ``state``'s backward replays (it writes its grad-output buffers)."""
+        for buffer in state.static_grad_outputs:
             if buffer is None or storage_id(buffer) not in self._by_storage:
                 continue
             reader, lender = self._by_storage[storage_id(buffer)]
-            if reader is not runner:
+            if reader is not state:
                 raise RuntimeError(
-                    f"graphed callable {runner.label}'s backward would overwrite the input grad "
+                    f"graphed callable {state.label}'s backward would overwrite the input grad "
                     f"that {lender.label}'s backward returned for {reader.label}'s output before "
                     f"{reader.label}'s backward read it; an output of a graphed callable that "
                     f"feeds another graphed callable must feed only that one (clone it for any "
@@ -356,35 +356,35 @@ class _ReplayGraphs(torch.autograd.Function):
     """Forward replays the forward graph; backward replays the backward graph."""
 
     @staticmethod
-    def forward(ctx, runner: GraphedRunner, *inputs: torch.Tensor):
+    def forward(ctx, state: GraphedState, *inputs: torch.Tensor):
         # before the copies: one may write a buffer that a given input is a view of
-        ctx.lend = runner.lendable_inputs(inputs[:len(runner.static_inputs)])
-        runner.copy_inputs(inputs[:len(runner.static_inputs)])
-        outputs = runner.replay_forward()
-        ctx.runner = runner
-        ctx.saved_versions = runner.saved_versions()
-        ctx.mark_non_differentiable(*[o for o, d in zip(outputs, runner.differentiable) if not d])
+        ctx.lend = state.lendable_inputs(inputs[:len(state.static_inputs)])
+        state.copy_inputs(inputs[:len(state.static_inputs)])
+        outputs = state.replay_forward()
+        ctx.state = state
+        ctx.saved_versions = state.saved_versions()
+        ctx.mark_non_differentiable(*[o for o, d in zip(outputs, state.differentiable) if not d])
         return tuple(outputs)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads: torch.Tensor):
-        ctx.runner.check_saved_versions(ctx.saved_versions)
-        return (None,) + ctx.runner.replay_backward(grads, ctx.lend)
+        ctx.state.check_saved_versions(ctx.saved_versions)
+        return (None,) + ctx.state.replay_backward(grads, ctx.lend)
 
 
-def _graphed_function(runner: GraphedRunner) -> Callable:
+def _graphed_function(state: GraphedState) -> Callable:
     def graphed(*user_args: Any, **user_kwargs: Any) -> Any:
-        missing = [k for k in runner.kwargs_keys if k not in user_kwargs]
+        missing = [k for k in state.kwargs_keys if k not in user_kwargs]
         if missing:
-            raise TypeError(f"graphed callable {runner.label} was captured with keyword arguments "
-                            f"{runner.kwargs_keys}; missing {missing}")
+            raise TypeError(f"graphed callable {state.label} was captured with keyword arguments "
+                            f"{state.kwargs_keys}; missing {missing}")
         flat = tree_flatten(user_args)[0] + tree_flatten(
-            [user_kwargs[k] for k in runner.kwargs_keys])[0]
-        outputs = _ReplayGraphs.apply(runner, *flat, *runner.params)
-        return tree_unflatten(list(outputs), runner.output_spec)
+            [user_kwargs[k] for k in state.kwargs_keys])[0]
+        outputs = _ReplayGraphs.apply(state, *flat, *state.params)
+        return tree_unflatten(list(outputs), state.output_spec)
 
-    graphed.runner = runner  # type: ignore[attr-defined]
+    graphed.state = state  # type: ignore[attr-defined]
     return graphed
 
 
@@ -392,18 +392,27 @@ def _graphed_function(runner: GraphedRunner) -> Callable:
 # The result.
 
 class GraphedCallables(tuple):
-    """The graphed callables (a tuple, as TE returns), with what was built for them."""
+    """The graphed callables (a tuple, as TE returns), with what was built for them: the
+    ``backend``'s name, the ``pool``, each callable's ``states`` (``None`` under TE, which keeps
+    its own) and how many distinct static input sets they read."""
 
     backend: str
     pool: Any
-    runners: list[GraphedRunner] | None
+    states: list[GraphedState] | None
     static_input_sets: int
+
+    def __new__(cls, callables: Sequence, *, backend: str, pool: Any,
+                states: list[GraphedState] | None, static_input_sets: int) -> "GraphedCallables":
+        self = super().__new__(cls, callables)
+        self.backend, self.pool, self.states = backend, pool, states
+        self.static_input_sets = static_input_sets
+        return self
 
     def graphs(self) -> list[Graph]:
         """Every captured graph (forward and backward) of the tape/cuda backends."""
         found = []
-        for runner in self.runners or ():
-            found.extend(g for g in (runner.fwd_graph, runner.bwd_graph) if g is not None)
+        for state in self.states or ():
+            found.extend(g for g in (state.fwd_graph, state.bwd_graph) if g is not None)
         return found
 
 
@@ -420,8 +429,8 @@ def count_allocated_static_inputs(graphed: Any) -> int:
     """
     if isinstance(graphed, GraphedCallables):
         return graphed.static_input_sets
-    runner = getattr(graphed, "runner", None) or getattr(getattr(graphed, "forward", None), "runner", None)
-    if runner is None:
+    state = getattr(graphed, "state", None) or getattr(getattr(graphed, "forward", None), "state", None)
+    if state is None:
         raise TypeError(f"count_allocated_static_inputs: expected the result of "
                         f"mhc_cg.runtime.graphs.make_graphed_callables, got {type(graphed).__name__}")
     return 1
@@ -516,20 +525,18 @@ def make_graphed_callables(
         pool = backend_obj.new_pool()
     forwards, passes = _capture_sequence(callables, layout)
     func_of = dict(forwards)
-    runners = _runners(func_of, layout, sample_args, sample_kwargs)
+    states = _runners(func_of, layout, sample_args, sample_kwargs)
     # warmup and capture draw nothing the caller should see: the generators are put back after
     with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
-        _warm_up(backend_obj, forwards, runners, sample_args, sample_kwargs, num_warmup_iters,
+        _warm_up(backend_obj, forwards, states, sample_args, sample_kwargs, num_warmup_iters,
                  training, allow_unused_input)
-        _capture(backend_obj, pool, passes, func_of, runners, sample_args, sample_kwargs,
+        _capture(backend_obj, pool, passes, func_of, states, sample_args, sample_kwargs,
                  training, allow_unused_input, capture_before_backward or {})
-    results = _wrap(func_of, runners, layout)
+    results = _wrap(func_of, states, layout)
     if single:
         return results[0]
-    out = GraphedCallables(results)
-    out.backend, out.pool, out.runners = backend_obj.name, pool, runners
-    out.static_input_sets = _distinct_input_sets([r.static_inputs for r in runners])
-    return out
+    return GraphedCallables(results, backend=backend_obj.name, pool=pool, states=states,
+                            static_input_sets=_distinct_input_sets([r.static_inputs for r in states]))
 
 
 def _backend_name(backend: str | GraphBackend, sample_args: list, sample_kwargs: list) -> str:
@@ -543,9 +550,9 @@ def _backend_name(backend: str | GraphBackend, sample_args: list, sample_kwargs:
 
 
 def _runners(func_of: dict, layout: OrderLayout | None, sample_args: list,
-             sample_kwargs: list) -> list[GraphedRunner]:
-    """One :class:`GraphedRunner` per sample: its static inputs are the sample's tensors."""
-    runners = []
+             sample_kwargs: list) -> list[GraphedState]:
+    """One :class:`GraphedState` per sample: its static inputs are the sample's tensors."""
+    states = []
     for index in range(len(sample_args)):
         func = func_of[index]
         module = isinstance(func, torch.nn.Module)
@@ -554,15 +561,15 @@ def _runners(func_of: dict, layout: OrderLayout | None, sample_args: list,
         inputs = _flat_tensors(sample_args[index], sample_kwargs[index])
         for t in (*inputs, *params, *(func.buffers() if module else ())):
             static_buffer(t)
-        runners.append(GraphedRunner(label, list(sample_kwargs[index]), inputs, params))
-    return runners
+        states.append(GraphedState(label, list(sample_kwargs[index]), inputs, params))
+    return states
 
 
-def _wrap(func_of: dict, runners: list[GraphedRunner], layout: OrderLayout | None) -> list:
+def _wrap(func_of: dict, states: list[GraphedState], layout: OrderLayout | None) -> list:
     """Modules stay modules without an order (their forward replays); otherwise plain functions."""
     results = []
-    for index, runner in enumerate(runners):
-        graphed = _graphed_function(runner)
+    for index, state in enumerate(states):
+        graphed = _graphed_function(state)
         func = func_of[index]
         if layout is None and isinstance(func, torch.nn.Module):
             func.forward = _graphed_forward(func, graphed)
@@ -597,11 +604,10 @@ def _through_te(callables, sample_args, sample_kwargs, single: bool, **options) 
                                        sample_kwargs=pick(sample_kwargs), **options)
     if single:
         return result
-    wrapped = GraphedCallables(result)
-    wrapped.backend, wrapped.pool, wrapped.runners = "te", options["pool"], None
     # TE rewrote sample_args in place when it shared buffers.
-    wrapped.static_input_sets = _distinct_input_sets(
-        [_flat_tensors(a, k) for a, k in zip(sample_args, sample_kwargs)])
+    wrapped = GraphedCallables(result, backend="te", pool=options["pool"], states=None,
+                               static_input_sets=_distinct_input_sets(
+                                   [_flat_tensors(a, k) for a, k in zip(sample_args, sample_kwargs)]))
     return wrapped
 
 
@@ -624,7 +630,7 @@ def _capture_sequence(callables: tuple, layout: OrderLayout | None
     return forwards, passes
 
 
-def _warm_up(backend: GraphBackend, forwards, runners, sample_args, sample_kwargs,
+def _warm_up(backend: GraphBackend, forwards, states, sample_args, sample_kwargs,
              iterations: int, training: bool, allow_unused: bool) -> None:
     """Eager iterations before any capture (lazy library setup never happens inside one)."""
     with backend.warmup():
@@ -632,45 +638,45 @@ def _warm_up(backend: GraphBackend, forwards, runners, sample_args, sample_kwarg
             for _ in range(iterations):
                 outputs = tree_flatten(func(*sample_args[index], **sample_kwargs[index]))[0]
                 if training:
-                    _grads_of(outputs, runners[index].surface, None, allow_unused)
+                    _grads_of(outputs, states[index].surface, None, allow_unused)
                 del outputs
     backend.synchronize()
 
 
-def _capture(backend: GraphBackend, pool, passes, func_of, runners, sample_args, sample_kwargs,
+def _capture(backend: GraphBackend, pool, passes, func_of, states, sample_args, sample_kwargs,
              training: bool, allow_unused: bool, before_backward: Mapping[int, Callable]) -> None:
     """Capture every forward and backward graph in ``passes``' order, all in ``pool``."""
     shared_grad_outputs: dict[tuple, torch.Tensor] = {}
     for kind, index in passes:
         if kind == "bwd" and training and index in before_backward:
             before_backward[index](pool)
-        runner = runners[index]
+        state = states[index]
         if kind == "fwd":
-            runner.fwd_graph = backend.new_graph(pool=pool)
-            with runner.fwd_graph.capture(), traffic.phase("forward"):
+            state.fwd_graph = backend.new_graph(pool=pool)
+            with state.fwd_graph.capture(), traffic.phase("forward"):
                 outputs = func_of[index](*sample_args[index], **sample_kwargs[index])
-            runner.layouts = [buffer_layout(t) for t in runner.surface]
-            flat, runner.output_spec = tree_flatten(outputs)
+            state.layouts = [buffer_layout(t) for t in state.surface]
+            flat, state.output_spec = tree_flatten(outputs)
             if not all(isinstance(o, torch.Tensor) for o in flat):
-                raise TypeError(f"make_graphed_callables: callable for sample {runner.label} "
+                raise TypeError(f"make_graphed_callables: callable for sample {state.label} "
                                 f"returned non-tensor outputs {[type(o).__name__ for o in flat]}")
-            runner.static_outputs = flat
-            runner.differentiable = [training and o.requires_grad for o in flat]
+            state.static_outputs = flat
+            state.differentiable = [training and o.requires_grad for o in flat]
             saved = saved_storages(flat) if training else set()
-            runner.saved_outputs = [i for i, o in enumerate(flat) if storage_id(o) in saved]
+            state.saved_outputs = [i for i, o in enumerate(flat) if storage_id(o) in saved]
             continue
-        diff_outputs = [o for o, d in zip(runner.static_outputs, runner.differentiable) if d]
-        wanted = [t for t in runner.surface if t.requires_grad]
-        runner.static_grad_outputs = _grad_output_buffers(runner, shared_grad_outputs)
+        diff_outputs = [o for o, d in zip(state.static_outputs, state.differentiable) if d]
+        wanted = [t for t in state.surface if t.requires_grad]
+        state.static_grad_outputs = _grad_output_buffers(state, shared_grad_outputs)
         if not diff_outputs or not wanted:
-            runner.static_grad_inputs = [None] * len(runner.surface)
+            state.static_grad_inputs = [None] * len(state.surface)
             continue
-        runner.bwd_graph = backend.new_graph(pool=pool)
-        with runner.bwd_graph.capture(), traffic.phase("backward"):
-            grads = _grads_of(diff_outputs, runner.surface,
-                              [g for g in runner.static_grad_outputs if g is not None], allow_unused)
+        state.bwd_graph = backend.new_graph(pool=pool)
+        with state.bwd_graph.capture(), traffic.phase("backward"):
+            grads = _grads_of(diff_outputs, state.surface,
+                              [g for g in state.static_grad_outputs if g is not None], allow_unused)
         # replay_backward clones them before any other graph runs: the pool may have them back
-        runner.static_grad_inputs = runner.bwd_graph.release_outputs(grads)
+        state.static_grad_inputs = state.bwd_graph.release_outputs(grads)
         del grads
     backend.synchronize()
 
@@ -699,13 +705,13 @@ def _grads_of(outputs: list, surface: list[torch.Tensor], grad_outputs: list | N
     return [next(grads) if t.requires_grad else None for t in surface]
 
 
-def _grad_output_buffers(runner: GraphedRunner, shared: dict) -> list[torch.Tensor | None]:
-    """Static grad-output buffers of ``runner``'s differentiable outputs, shared by every backward
+def _grad_output_buffers(state: GraphedState, shared: dict) -> list[torch.Tensor | None]:
+    """Static grad-output buffers of ``state``'s differentiable outputs, shared by every backward
     graph: a backward reads its buffers only while it replays, and each replay first copies its
     incoming grads in. The n-th output of a (shape, dtype, stride, device) in one graph gets the
     n-th buffer of that key."""
     buffers, seen = [], Counter()
-    for output, differentiable in zip(runner.static_outputs, runner.differentiable):
+    for output, differentiable in zip(state.static_outputs, state.differentiable):
         if not differentiable:
             buffers.append(None)
             continue
@@ -731,5 +737,5 @@ def _graphed_forward(module: torch.nn.Module, graphed: Callable) -> Callable:
             return graphed(*args, **kwargs)
         return eager_forward(*args, **kwargs)
 
-    forward.runner = graphed.runner  # type: ignore[attr-defined]
+    forward.state = graphed.state  # type: ignore[attr-defined]
     return forward

@@ -65,7 +65,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mhc_cg.core.errors import GraphCaptureError, GraphReplayError
-from mhc_cg.core.storage import storage_id
+from mhc_cg.core.storage import own_version_alias, storage_bytes, storage_id
 from mhc_cg.runtime.graphs.capture import Graph, GraphBackend, Pool
 from mhc_cg.runtime.graphs.guard import CaptureGuardMode, user_source_line
 from mhc_cg.runtime.graphs.static_inputs import static_storages
@@ -138,11 +138,11 @@ class _TapeRecorder(CaptureGuardMode):
         for op in self.ops:
             for i, a in enumerate(op.flat_args):
                 if a is t:
-                    frozen = frozen if frozen is not None else _alias_with_current_metadata(t)
+                    frozen = frozen if frozen is not None else own_version_alias(t)
                     op.flat_args[i] = frozen
             for i, o in enumerate(op.outputs):
                 if o is t:
-                    frozen = frozen if frozen is not None else _alias_with_current_metadata(t)
+                    frozen = frozen if frozen is not None else own_version_alias(t)
                     op.outputs[i] = frozen
 
     def record(self, func, args, kwargs, out, written, fresh_outputs):
@@ -164,12 +164,6 @@ class _TapeRecorder(CaptureGuardMode):
         key = storage_id(t)
         return not (key in self.on_device or self.book.is_owned(t)
                     or any(key in graph.made_storages for graph in _CAPTURED))
-
-
-def _alias_with_current_metadata(t: torch.Tensor) -> torch.Tensor:
-    alias = torch.empty(0, dtype=t.dtype, device=t.device)
-    alias.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
-    return alias
 
 
 _HOST_READ_METHODS = ("tolist", "numpy", "cpu")
@@ -246,6 +240,10 @@ class TapeGraph(Graph):
     def __repr__(self) -> str:
         return f"<{self.name}: {len(self.ops)} ops, {self._state}>"
 
+    def external_reads(self) -> dict[int, int]:
+        return storage_bytes([t for op in self.ops for t in op.flat_args
+                              if isinstance(t, torch.Tensor)], self.made_storages)
+
     @contextlib.contextmanager
     def _record(self) -> Iterator[None]:
         recorder = _TapeRecorder(self.name)
@@ -286,8 +284,7 @@ class TapeGraph(Graph):
                     f"{self.name}: a tensor the graph reads or writes ({list(size)} {t.dtype}) was "
                     f"moved to another storage since capture (set_, .data =); a CUDA graph keeps "
                     f"using the old address, which may have been freed")
-            relaid[id(t)] = torch.empty(0, dtype=t.dtype, device=t.device).set_(
-                storage, offset, size, stride)
+            relaid[id(t)] = own_version_alias(t, offset, size, stride)  # t's storage, checked above
         return relaid
 
     def _release(self, t: torch.Tensor) -> torch.Tensor:

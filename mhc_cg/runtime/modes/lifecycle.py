@@ -100,9 +100,9 @@ class ModeModel:
         backward graph, then the recompute graphs; ``kind`` is ``forward``, ``backward`` or
         ``recompute``."""
         found = []
-        for label, runner in zip(self.graph_labels, self._runners()):
-            found += [(f"{label} fwd", "forward", runner.fwd_graph),
-                      (f"{label} bwd", "backward", runner.bwd_graph)]
+        for label, state in zip(self.graph_labels, self._graphed_states()):
+            found += [(f"{label} fwd", "forward", state.fwd_graph),
+                      (f"{label} bwd", "backward", state.bwd_graph)]
         found = [entry for entry in found if entry[2] is not None]
         if self.runtime is not None:
             found += [(f"recompute block {block} set {pset}", "recompute", graph)
@@ -117,12 +117,12 @@ class ModeModel:
         """Bytes of the buffers allocated for the graphed callables' static inputs and grad
         outputs, outside the pools, once per distinct storage (an input that aliases the static
         runtime's arena or persistent sets adds nothing); ``None`` without graphed callables."""
-        runners = self._runners()
-        if not runners:
+        states = self._graphed_states()
+        if not states:
             return None
         owned = self._runtime_storages()
         storages = {storage_id(t): t.untyped_storage().nbytes()
-                    for r in runners for t in (*r.static_inputs, *r.static_grad_outputs)
+                    for r in states for t in (*r.static_inputs, *r.static_grad_outputs)
                     if t is not None and storage_id(t) not in owned}
         return sum(storages.values())
 
@@ -136,10 +136,10 @@ class ModeModel:
             tensors.append(rt.arena.buffer)
         return {storage_id(t) for t in tensors}
 
-    def _runners(self) -> list:
+    def _graphed_states(self) -> list:
         """The graphed callables' static state (none under TransformerEngine, which keeps its own)."""
         callables = self.graphed_callables
-        return (callables.runners or []) if isinstance(callables, GraphedCallables) else []
+        return (callables.states or []) if isinstance(callables, GraphedCallables) else []
 
     def describe(self) -> dict:
         """Sizes for reports: scopes, graphs and, with a static runtime, its arena and sets."""
