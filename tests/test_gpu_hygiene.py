@@ -151,7 +151,12 @@ def test_bench_peak_reserved_counts_graph_pools():
     opts = bench.BenchOptions(modes=("graphed_static",), steps=2, warmup=1, chunk=1,
                               recompute_replays=1, one_at_a_time=True)
     entry = bench.run_bench(cfg, torch.device("cuda"), opts)["modes"]["graphed_static"]
-    assert entry["peak_reserved_bytes"] >= entry["peak_mem_bytes"] > 0
+    # The caching allocator packs allocations of at most 1 MiB into 2 MiB segments shared with
+    # whatever was allocated before the mode's build, so the reserved growth may trail the
+    # allocated growth by up to one such segment (seen on an H100: 64 MiB reserved vs 65 MiB).
+    small_segment = 2 * 2 ** 20
+    assert entry["peak_reserved_bytes"] >= entry["peak_mem_bytes"] - small_segment
+    assert entry["peak_mem_bytes"] > 0
 
 
 def test_make_graphed_callables_auto_follows_the_inputs_device(monkeypatch):

@@ -17,7 +17,9 @@ building every mode does not fit, they run one at a time instead (reported as ``
 ``max_memory_allocated`` misses memory a graph pool keeps reserved after its capture (blocks its
 capture freed, which only that pool may reuse), so each mode also reports ``peak_reserved_bytes``:
 ``max_memory_reserved`` during its steps minus the other modes' reserved bytes, which counts the
-pools whole.
+pools whole. Segments reserved before a mode's build may take some of its small allocations (the
+allocator packs those of at most 1 MiB into shared 2 MiB segments), so its reserved figure can
+trail its allocated one by up to a segment.
 
 **Precision.** Parameters and activations are ``train.dtype`` (fp32, bf16 or fp16) with fp32 main
 parameters and optimizer state (:mod:`mhc_cg.training.mixed_precision`), loss in fp32. The static slots
