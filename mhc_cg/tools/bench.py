@@ -19,7 +19,8 @@ capture freed, which only that pool may reuse), so each mode also reports ``peak
 ``max_memory_reserved`` during its steps minus the other modes' reserved bytes, which counts the
 pools whole. Segments reserved before a mode's build may take some of its small allocations (the
 allocator packs those of at most 1 MiB into shared 2 MiB segments), so its reserved figure can
-trail its allocated one by up to a segment.
+trail its allocated one by up to a segment. Modes timed in alternation reuse each other's freed
+cache, so the figure is reported (not ``null``) only when modes run one at a time.
 
 **Precision.** Parameters and activations are ``train.dtype`` (fp32, bf16 or fp16) with fp32 main
 parameters and optimizer state (:mod:`mhc_cg.training.mixed_precision`), loss in fp32. The static slots
@@ -358,6 +359,8 @@ def run_bench(cfg: RunConfig, device: torch.device, opts: BenchOptions,
                                                 "ran one at a time")
             log(report["bench"]["schedule_note"])
         for mode_bench in mode_benches:
+            # alternating modes reuse each other's freed cache: reserved bytes are not per mode
+            mode_bench.peak_reserved_bytes = None
             finished(mode_bench)
     else:
         report["bench"]["schedule"] = "one_at_a_time"
