@@ -85,7 +85,7 @@ def test_megatron_main_layer_on_eager_block_recompute_is_bit_identical(main_laye
     assert eager["managers"] == 2 and eager["freed_outputs"] > 0
     assert eager["biases_seen"] == 8  # F's skipped bias, every sublayer of the 4 layers
     assert "hidden_dropout: 0.1" in eager["static_with_torch_dropout"]
-    assert "set hidden_dropout=0" in eager["static_with_torch_dropout"]
+    assert "set hidden_dropout: 0" in eager["static_with_torch_dropout"]
 
 
 def test_megatron_main_layer_on_static_buffers_with_recompute_graphs_is_bit_identical(main_layer):
