@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from mhc_cg.core.errors import StaleCaptureError
-from mhc_cg.core.storage import storage_id
+from mhc_cg.core.storage import distinct_storage_bytes, storage_id
 from mhc_cg.model import MHCGPT
 from mhc_cg.runtime.graphs import GraphBackend, GraphedCallables, get_backend
 from mhc_cg.runtime.graphs.capture import Graph, Pool
@@ -120,11 +120,9 @@ class ModeModel:
         states = self._graphed_states()
         if not states:
             return None
-        owned = self._runtime_storages()
-        storages = {storage_id(t): t.untyped_storage().nbytes()
-                    for r in states for t in (*r.static_inputs, *r.static_grad_outputs)
-                    if t is not None and storage_id(t) not in owned}
-        return sum(storages.values())
+        buffers = [t for state in states for t in (*state.static_inputs, *state.static_grad_outputs)
+                   if t is not None]
+        return distinct_storage_bytes(buffers, self._runtime_storages())
 
     def _runtime_storages(self) -> set[int]:
         """Storages of the static runtime's arena and persistent sets (reported on their own)."""
