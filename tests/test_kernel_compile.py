@@ -1,9 +1,11 @@
 """Every Triton kernel the fused ops launch compiles for an H100 (sm_90a) without a GPU, through the
-real launchers at the model's shapes, and none spills registers (``mhc-cg kernels``)."""
+real launchers at the model's shapes, and none spills registers; each reports the warps an SM keeps
+resident and the bytes they keep in flight (``mhc-cg kernels``)."""
 
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,8 @@ import pytest
 from mhc_cg.cli import main
 from mhc_cg.ops.kernels.dispatch import interpret_requested
 from mhc_cg.tools import kernel_compile
-from mhc_cg.tools.kernel_compile import CASES, kernel_report, parse_resource_usage
+from mhc_cg.tools.kernel_compile import (CASES, H100, in_flight, kernel_report, parse_resource_usage,
+                                         resident_warps)
 
 KERNELS = Path(kernel_compile.__file__).resolve().parents[1] / "ops" / "kernels"
 BENCH_HIDDEN = 2048  # configs/bench_h100.yaml: seq 2048 x micro-batch 2 = 4096 tokens, n = 4, bf16
@@ -117,3 +120,65 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert main(["kernels", "--no-progress", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mhc-cg kernels: error: ") and message in err[0], err
+
+
+@pytest.mark.parametrize("registers, warps, shared, programs, expected", [
+    # 255 x 32 = 8160 -> 8192 per warp; 65536 / 8192 = 8 warps: one 8-warp block, two 4-warp ones
+    (255, 8, 0, None, (8, "registers")),
+    (255, 4, 0, None, (8, "registers")),
+    # 178 x 32 = 5696 -> 5888 per warp; 11 warps, 8 in groups of 4: two 4-warp blocks
+    (178, 4, 4096, None, (8, "registers")),
+    # 100 KiB + 1 KiB reserved per block: 228 // 101 = 2 blocks of 4 warps (registers allow 16)
+    (32, 4, 100 * 1024, None, (8, "shared")),
+    (32, 4, 228 * 1024, None, (0, "shared")),  # over 227 KiB per block: never launches
+    # 24 x 32 = 768 per warp: 84 warps by registers, 64 by the SM's warp limit: 4 blocks of 16
+    (24, 16, 0, None, (64, "warps")),
+    (16, 1, 0, None, (32, "blocks")),  # one-warp blocks stop at 32 blocks per SM
+    (40, 4, 0, 256, (8, "grid")),  # 256 programs over 132 SMs: at most 2 blocks each
+])
+def test_resident_warps_by_hand(registers, warps, shared, programs, expected):
+    assert resident_warps(registers, warps, shared, programs) == expected
+
+
+def test_little_law_by_hand():
+    assert H100.bytes_in_flight() == pytest.approx(3.35e12 * 700e-9 / 132)  # ~17765 B per SM
+    flight, share = in_flight(64, 8.0)  # a full SM, 8 B per thread: 16 KiB
+    assert flight == 16384 and share == pytest.approx(16384 / 17765.15, rel=1e-5) and share < 1
+
+
+def test_every_kernel_reports_its_warps_and_bytes_in_flight(report):
+    assert report["sm"]["bytes_in_flight"] == pytest.approx(H100.bytes_in_flight())
+    below = []
+    for shape in report["shapes"]:
+        for row in shape["kernels"]:
+            assert 0 < row["resident_warps"] <= 64 and row["warp_limit"] in \
+                {"registers", "shared", "warps", "blocks", "grid"}, row
+            assert row["loads"].startswith(("x[", "g[")) and row["load_bytes"] > 0, row
+            assert row["in_flight"] == row["resident_warps"] * 32 * row["load_bytes"]
+            assert row["bandwidth_share"] == pytest.approx(row["in_flight"] / H100.bytes_in_flight())
+            if row["bandwidth_share"] < 1:
+                below.append(f"hidden {shape['hidden']}: {row['case']} ({row['kernel']})")
+    assert [line.split(":", 2)[0] + ":" + line.split(":", 2)[1] for line in report["below_bandwidth"]] \
+        == below
+
+
+def test_command_json_and_table_carry_the_in_flight_columns(report, monkeypatch, capsys):
+    monkeypatch.setattr("mhc_cg.commands.kernels.kernel_report", lambda *a, **k: report)
+    assert main(["kernels", "--no-progress", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    fields = {"resident_warps", "warp_limit", "loads", "load_bytes", "in_flight", "bandwidth_share"}
+    assert all(fields <= set(row) for shape in printed["shapes"] for row in shape["kernels"])
+    assert main(["kernels", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "WARPS/SM" in out and "in flight/SM" in out and "17765 B per SM" in out
+
+
+def test_tiny_loads_per_thread_are_flagged():
+    toy = kernel_report([BENCH_HIDDEN], "sm_90a", cases="inflight_toy:CASES")
+    rows = {row["case"]: row for row in toy["shapes"][0]["kernels"]}
+    sip, gulp = rows["sip"], rows["gulp"]
+    # one-warp blocks: 32 blocks per SM, 32 threads each with 2 bytes out: 2 KiB of ~17.8 KB
+    assert (sip["resident_warps"], sip["warp_limit"], sip["load_bytes"]) == (32, "blocks", 2)
+    assert sip["in_flight"] == 2048 and sip["bandwidth_share"] < 0.2
+    assert gulp["load_bytes"] == 64 and gulp["bandwidth_share"] > 1
+    assert len(toy["below_bandwidth"]) == 1 and "sip (_copy)" in toy["below_bandwidth"][0]

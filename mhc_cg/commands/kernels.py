@@ -1,5 +1,6 @@
 """``mhc-cg kernels``: every fused Triton kernel compiled ahead of time for a GPU (none needed here):
-registers, stack, local and shared memory per kernel; exit status 1 if any kernel spills."""
+registers, stack, local and shared memory per kernel, the warps an SM keeps resident and the bytes
+they keep in flight against the bandwidth-latency product; exit status 1 if any kernel spills."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from mhc_cg.tools.kernel_compile import (DEFAULT_HIDDEN, DEFAULT_TARGET, DEFAULT
                                          format_report, kernel_report)
 
 HELP = ("compile every fused Triton kernel for a GPU ahead of time (no GPU needed): registers, "
-        "shared memory, spills")
+        "shared memory, spills, bytes in flight per SM")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

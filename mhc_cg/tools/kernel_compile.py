@@ -175,6 +175,12 @@ class KernelUsage:
     shared: int = 0          # static shared memory in the cubin (cuobjdump SHARED)
     dynamic_shared: int = 0  # shared memory Triton requests at launch
     spilled: bool = False
+    resident_warps: int = 0  # warps per SM, under every limit below (SM) and the grid's size
+    warp_limit: str = ""     # the limit that binds: registers, shared, warps, blocks or grid
+    loads: str = ""          # the HBM loads one step keeps outstanding (see STREAM_LOADS)
+    load_bytes: float | None = None  # per thread and step, times the steps a pipelined load runs ahead
+    in_flight: float | None = None   # bytes per SM: resident warps x 32 threads x load_bytes
+    bandwidth_share: float | None = None  # in_flight / SMLimits.bytes_in_flight(); < 1: cannot reach it
 
 
 # ---- targets ------------------------------------------------------------------------------------
@@ -235,6 +241,110 @@ def _resources(kernel) -> dict:
                 spilled=any(f["LOCAL"] > 0 or f["STACK"] > 0 for f in functions.values()))
 
 
+# ---- can a kernel keep HBM busy: warps per SM and bytes in flight (Little's law) -----------------
+
+@dataclass(frozen=True)
+class SMLimits:
+    """One GPU's per-SM limits and its memory's bandwidth-latency product. Assumed, not measured:
+    the H100 SXM5 as NVIDIA's Hopper tuning guide and the CUDA programming guide's compute
+    capability 9.0 table give it (132 SMs, 64K 32-bit registers, 228 KiB shared memory of which a
+    block may take 227 KiB and 1 KiB is reserved per block, 64 warps and 32 blocks), registers
+    allocated per warp in units of 256 with warps in groups of 4 (CUDA occupancy calculator, 9.0),
+    3.35 TB/s HBM3 (H100 SXM5 datasheet), and 700 ns, a loaded DRAM latency inside the 600 to
+    800 ns that microbenchmarks of Hopper report."""
+    sms: int = 132
+    registers: int = 65536
+    register_unit: int = 256
+    warp_granularity: int = 4
+    shared: int = 228 * 1024
+    shared_per_block: int = 227 * 1024
+    shared_reserved: int = 1024
+    warps: int = 64
+    blocks: int = 32
+    bandwidth: float = 3.35e12  # bytes/s
+    latency: float = 700e-9     # s
+
+    def bytes_in_flight(self) -> float:
+        """Bytes each SM must keep outstanding to hold the bandwidth (Little's law)."""
+        return self.bandwidth * self.latency / self.sms
+
+
+H100 = SMLimits()
+
+
+def resident_warps(registers: int, num_warps: int, shared: int, programs: int | None = None,
+                   sm: SMLimits = H100) -> tuple[int, str]:
+    """Warps per SM a kernel keeps resident, and the limit that binds first: ``shared`` is the
+    block's static plus dynamic shared memory; ``programs`` (the grid), when given, caps the blocks
+    per SM at an even share of them."""
+    per_warp = -(-registers * 32 // sm.register_unit) * sm.register_unit
+    by_registers = sm.registers // per_warp // sm.warp_granularity * sm.warp_granularity
+    block_shared = shared + sm.shared_reserved
+    limits = {"registers": by_registers // num_warps,
+              "shared": sm.shared // block_shared if shared <= sm.shared_per_block else 0,
+              "warps": sm.warps // num_warps,
+              "blocks": sm.blocks}
+    if programs is not None:
+        limits["grid"] = -(-programs // sm.sms)
+    binding = min(limits, key=limits.get)  # the first of equals, in the order above
+    return limits[binding] * num_warps, binding
+
+
+def in_flight(warps: int, load_bytes: float, sm: SMLimits = H100) -> tuple[float, float]:
+    """Bytes per SM outstanding when ``warps`` warps each have ``load_bytes`` per thread in flight,
+    and their share of the bandwidth-latency product: below 1 the SM cannot reach the bandwidth."""
+    flight = warps * 32 * load_bytes
+    return flight, flight / sm.bytes_in_flight()
+
+
+def tile(name: str, bound: dict, pointer: str, *dims: str | int) -> tuple[str, int, int]:
+    sizes = [d if isinstance(d, int) else int(bound[d]) for d in dims]
+    return f"{name}[{'x'.join(map(str, sizes))}]", math.prod(sizes), bound[pointer].element_size()
+
+
+# Per kernel: the loads of one step of its streaming loop from tensors that scale with tokens x
+# hidden (read from HBM once). Weights, the per-token state and the mask's seed are left out: they
+# are small and served from L2. Every load of a step counts as outstanding at once (the most the
+# step could have in flight), and a ``pipelined`` load (a tl.dot operand that ptxas receives as
+# cp.async copies, num_stages deep) counts num_stages - 1 steps.
+STREAM_LOADS: dict[str, Callable[[dict], list[tuple[str, int, int, bool]]]] = {
+    "_state_fwd": lambda b: [(*tile("x", b, "x_ptr", "BT", "N", "BC"), True)],
+    "_chain": lambda b: [(*tile("x", b, "x_ptr", "BT", "N", "BC"), False)]
+    + ([(*tile("y", b, "y_ptr", "BT", "BC"), False)] if b["posts"] > 0 else []),
+    "_pre_bwd": lambda b: [(*tile("x", b, "x_ptr", "BT", "N", "BC"), False),
+                           (*tile("g", b, "gout_ptr", "BT", "BC"), False)]
+    + ([(*tile("g_post", b, "gpost_ptr", "BT", "N", "BC"), False)] if b["GPOST"] else []),
+    "_post_bwd": lambda b: [(*tile("g", b, "g_ptr", "BT", "N", "BC"), False),
+                            (*tile("x", b, "x_ptr", "BT", "N", "BC"), False),
+                            (*tile("y", b, "y_ptr", "BT", "BC"), False)],
+    "_rms_fwd": lambda b: [(*tile("x", b, "x_ptr", "BC"), False)],
+    "_rms_bwd": lambda b: [(*tile("g", b, "g_ptr", "R", "BC"), False),
+                           (*tile("x", b, "x_ptr", "R", "BC"), False)],
+}
+
+_DTYPE_NAMES = {1: "8-bit", 2: "16-bit", 4: "fp32", 8: "64-bit"}
+
+
+def _with_in_flight(usage: KernelUsage, kernel, bound: dict, sm: SMLimits = H100) -> KernelUsage:
+    """``usage`` with its resident warps, its loads in flight and their share of the bandwidth."""
+    programs = math.prod(int(g) for g in usage.grid) if all(str(g).isdigit() for g in usage.grid) else None
+    usage.resident_warps, usage.warp_limit = resident_warps(
+        usage.registers, usage.num_warps, usage.shared + usage.dynamic_shared, programs, sm)
+    spec = STREAM_LOADS.get(usage.kernel)
+    if spec is None:
+        usage.loads = "(no STREAM_LOADS entry)"
+        return usage
+    ahead = max(1, kernel.metadata.num_stages - 1) if "cp.async" in kernel.asm["ptx"] else 1
+    loads = spec(bound)
+    threads = usage.num_warps * 32
+    usage.load_bytes = sum(n * size * (ahead if piped else 1) for _, n, size, piped in loads) / threads
+    usage.loads = " + ".join(f"{name} {_DTYPE_NAMES.get(size, f'{size}-byte')}"
+                             + (f" x{ahead} stages" if piped and ahead > 1 else "")
+                             for name, _, size, piped in loads)
+    usage.in_flight, usage.bandwidth_share = in_flight(usage.resident_warps, usage.load_bytes, sm)
+    return usage
+
+
 # ---- launches as ahead-of-time compiles ---------------------------------------------------------
 
 def _stand_in_driver(capability: int):
@@ -271,7 +381,7 @@ def _stand_in_driver(capability: int):
 @contextlib.contextmanager
 def compiling_launches(capability: int):
     """Within: every Triton launch compiles for ``capability`` and launches nothing; yields the list
-    of ``(jit_function, grid, compiled_kernel)`` launched so far. Each kernel's own compile caches are
+    of ``(jit_function, grid, compiled_kernel, arguments by name)`` launched so far. Each kernel's own compile caches are
     set aside, so a later real launch in this process is not served a kernel for another GPU."""
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
@@ -282,6 +392,7 @@ def compiling_launches(capability: int):
     launches, caches, real_run = [], {}, JITFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
+        bound = {**dict(zip(self.arg_names, args)), **kwargs}
         if id(self) not in caches:
             caches[id(self)] = (self, defaultdict(self.create_binder))  # the binder reads the target
         own, self.device_caches = self.device_caches, caches[id(self)][1]
@@ -289,7 +400,7 @@ def compiling_launches(capability: int):
             kernel = real_run(self, *args, grid=grid, warmup=True, **kwargs)
         finally:
             self.device_caches = own
-        launches.append((self, grid, kernel))
+        launches.append((self, grid, kernel, bound))
         return kernel
 
     previous = driver._active  # None until a real driver was asked for; set_active cannot restore that
@@ -321,11 +432,12 @@ def compile_shapes(shapes: list[Shape], target: str = DEFAULT_TARGET, cases=CASE
                     case.call(module, shape)
                 except ValueError as exc:  # the launchers' refusals of a shape
                     raise ConfigError(f"--hidden {shape.hidden}: {case.name}: {exc}") from None
-                for _, grid, kernel in launches[start:]:
+                for _, grid, kernel, bound in launches[start:]:
                     if kernel.hash not in read:
                         read[kernel.hash] = _resources(kernel)
                     grid = list(grid) if isinstance(grid, (tuple, list)) else [str(grid)]
-                    rows.append(KernelUsage(case.name, kernel.name, grid, **read[kernel.hash]))
+                    usage = KernelUsage(case.name, kernel.name, grid, **read[kernel.hash])
+                    rows.append(_with_in_flight(usage, kernel, bound))
                 bar.update(done, case.name)
             results.append(rows)
     return results
@@ -368,11 +480,17 @@ def _report(request: dict) -> dict:
     shapes = [Shape(h, tokens=request["tokens"]) for h in request["hidden"]]
     per_shape = compile_shapes(shapes, request["target"], resolve_cases(request["cases"]),
                                request["progress"])
-    report = {"target": request["target"], "shapes": [], "spilled": []}
+    report = {"target": request["target"],
+              "sm": {**asdict(H100), "bytes_in_flight": H100.bytes_in_flight()},
+              "shapes": [], "spilled": [], "below_bandwidth": []}
     for shape, rows in zip(shapes, per_shape):
         report["shapes"].append({**asdict(shape), "kernels": [asdict(r) for r in rows]})
         report["spilled"] += [f"hidden {shape.hidden}: {r.case} ({r.kernel}): {r.local} B local, "
                               f"{r.stack} B stack" for r in rows if r.spilled]
+        report["below_bandwidth"] += [
+            f"hidden {shape.hidden}: {r.case} ({r.kernel}): {r.in_flight:.0f} B in flight per SM, "
+            f"{r.bandwidth_share:.2f} of {H100.bytes_in_flight():.0f}" for r in rows
+            if r.bandwidth_share is not None and r.bandwidth_share < 1.0]
     return report
 
 
@@ -414,10 +532,21 @@ def child_main() -> None:
 _COLUMNS = (("launcher", "case", "<"), ("kernel", "kernel", "<"), ("grid", "grid", "<"),
             ("warps", "num_warps", ">"), ("REG", "registers", ">"), ("STACK", "stack", ">"),
             ("LOCAL", "local", ">"), ("SHARED", "shared", ">"), ("DYN SHARED", "dynamic_shared", ">"),
-            ("spills", "spilled", "<"))
+            ("spills", "spilled", "<"), ("WARPS/SM", "resident_warps", ">"),
+            ("limit", "warp_limit", "<"), ("B/thread", "load_bytes", ">"),
+            ("in flight/SM", "in_flight", ">"), ("share", "bandwidth_share", ">"),
+            ("bandwidth", "bandwidth_share", "<"))
 
 
-def _cell(key: str, value) -> str:
+def _cell(key: str, value, head: str = "") -> str:
+    if head == "bandwidth":
+        return "?" if value is None else "CANNOT REACH" if value < 1.0 else "ok"
+    if value is None:
+        return "?"
+    if key in ("load_bytes", "in_flight"):
+        return f"{value:.0f}"
+    if key == "bandwidth_share":
+        return f"{value:.2f}"
     if key == "grid":
         return " x ".join(str(v) for v in value)
     if key == "spilled":
@@ -430,7 +559,7 @@ def format_shape(target: str, shape: dict) -> str:
     title = (f"{target}, hidden {shape['hidden']}, n={shape['streams']}, {shape['tokens']} tokens, "
              f"{shape['dtype']}, Sinkhorn {shape['iterations']} iterations, dropout {shape['dropout']}"
              " (compiled ahead of time, not run)")
-    cells = [[_cell(key, row[key]) for _, key, _ in _COLUMNS] for row in shape["kernels"]]
+    cells = [[_cell(key, row[key], head) for head, key, _ in _COLUMNS] for row in shape["kernels"]]
     widths = [max([len(head)] + [len(r[i]) for r in cells]) for i, (head, _, _) in enumerate(_COLUMNS)]
 
     def line(values):
@@ -440,5 +569,12 @@ def format_shape(target: str, shape: dict) -> str:
                       *(line(r) for r in cells)])
 
 
+def format_sm(sm: dict) -> str:
+    return (f"in flight: Little's law on an H100 SXM5 (assumed): {sm['bandwidth'] / 1e12:.2f} TB/s x "
+            f"{sm['latency'] * 1e9:.0f} ns / {sm['sms']} SMs = {sm['bytes_in_flight']:.0f} B per SM; "
+            "share below 1: the kernel cannot reach the bandwidth")
+
+
 def format_report(report: dict) -> str:
-    return "\n\n".join(format_shape(report["target"], shape) for shape in report["shapes"])
+    tables = [format_shape(report["target"], shape) for shape in report["shapes"]]
+    return "\n\n".join(tables + ([format_sm(report["sm"])] if "sm" in report else []))
