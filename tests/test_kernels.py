@@ -87,13 +87,20 @@ def test_fused_sublayer_matches_composed_math_and_its_gradients(n, norm, p):
     x = torch.randn(S, B, n * c, dtype=torch.float64, requires_grad=True)
     w = (torch.rand(c, dtype=torch.float64) + 0.5).requires_grad_() if norm else None
     seed = torch.tensor(11)
+    assert_fused_equals_composed(hc, x, w, seed, p)
+
+
+def assert_fused_equals_composed(hc, x, w, seed, p):
+    """The fused sublayer against the composed one (fp64): output and every gradient; returns
+    the composed output."""
     want = composed_sublayer(hc, x, w, seed, p, 3)
     got = fused_sublayer(hc, x, w, seed, p, 3)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     g = torch.randn_like(want)
-    params = [x, *hc.parameters(), *([w] if norm else [])]
+    params = [x, *hc.parameters(), *([w] if w is not None else [])]
     for a, b in zip(torch.autograd.grad(got, params, g), torch.autograd.grad(want, params, g)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    return want
 
 
 def test_reference_ops_pass_gradcheck():
@@ -418,14 +425,8 @@ def test_transposed_h_res_fused_sublayer_matches_composed_math_and_its_gradients
     w = (torch.rand(c, dtype=torch.float64) + 0.5).requires_grad_() if norm else None
     seed = torch.tensor(11)
     assert h_res_asymmetry(hc, x) > 0.05
-    want = composed_sublayer(hc, x, w, seed, p, 3)
+    want = assert_fused_equals_composed(hc, x, w, seed, p)
     assert (want - composed_sublayer(main, x, w, seed, p, 3)).abs().max() > 0.05
-    got = fused_sublayer(hc, x, w, seed, p, 3)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    g = torch.randn_like(want)
-    params = [x, *hc.parameters(), *([w] if norm else [])]
-    for a, b in zip(torch.autograd.grad(got, params, g), torch.autograd.grad(want, params, g)):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 def test_post_with_another_h_res_layout_than_its_pre_is_refused():
