@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from megatron.core.transformer import TransformerConfig
 
 from mhc_cg.config.choices import DROPOUT_IMPLS, RECOMPUTE_SCOPE as MHC_SCOPE, split_recompute_scope
-from mhc_cg.config.rules import recompute_graph_problems
+from mhc_cg.config.rules import choice_problems, recompute_graph_problems
 from mhc_cg.ops.kernels import KERNELS
 
 # megatron-core 0.18 renamed cuda_graph_scope to cuda_graph_modules; 0.16 knows only the former.
@@ -117,11 +117,8 @@ class MHCTransformerConfig(TransformerConfig):
         problems = []
         if self.num_residual_streams < 1:
             problems.append(f"num_residual_streams must be >= 1, got {self.num_residual_streams}")
-        if self.mhc_dropout_impl not in DROPOUT_IMPLS:
-            problems.append(f"mhc_dropout_impl must be one of {list(DROPOUT_IMPLS)}, "
-                            f"got {self.mhc_dropout_impl!r}")
-        if self.mhc_kernels not in KERNELS:
-            problems.append(f"mhc_kernels must be one of {list(KERNELS)}, got {self.mhc_kernels!r}")
+        problems += choice_problems(("mhc_dropout_impl", self.mhc_dropout_impl, DROPOUT_IMPLS),
+                                    ("mhc_kernels", self.mhc_kernels, KERNELS))
         if self.mhc_recompute_layer_num is not None and self.mhc_recompute_layer_num < 1:
             problems.append(f"mhc_recompute_layer_num must be >= 1 or None, "
                             f"got {self.mhc_recompute_layer_num}")

@@ -66,14 +66,9 @@ def model_problems(model: "MHCGPTConfig") -> list[str]:
                         f"got {model.num_heads}")
     if not (isinstance(model.hidden_dropout, (int, float)) and 0.0 <= model.hidden_dropout < 1.0):
         problems.append(f"model.hidden_dropout: must be in [0, 1), got {model.hidden_dropout!r}")
-    if model.dropout_impl not in DROPOUT_IMPLS:
-        problems.append(f"model.dropout_impl: must be one of {list(DROPOUT_IMPLS)}, "
-                        f"got {model.dropout_impl!r}")
-    if model.kernels not in KERNELS:
-        problems.append(f"model.kernels: must be one of {list(KERNELS)}, got {model.kernels!r}")
-    if model.recompute not in MODEL_RECOMPUTE:
-        problems.append(f"model.recompute: must be one of {list(MODEL_RECOMPUTE)}, "
-                        f"got {model.recompute!r}")
+    problems += choice_problems(("model.dropout_impl", model.dropout_impl, DROPOUT_IMPLS),
+                                ("model.kernels", model.kernels, KERNELS),
+                                ("model.recompute", model.recompute, MODEL_RECOMPUTE))
     if model.recompute_layers is not None and not is_positive_int(model.recompute_layers):
         problems.append(f"model.recompute_layers: must be a positive integer or null, "
                         f"got {model.recompute_layers!r}")
@@ -103,11 +98,14 @@ def train_problems(train: "TrainConfig") -> list[str]:
     if not (math.isfinite(train.weight_decay) and train.weight_decay >= 0):
         problems.append(f"train.weight_decay: must be a finite number >= 0 (0 turns it off), "
                         f"got {train.weight_decay!r}")
-    if train.device not in DEVICES:
-        problems.append(f"train.device: must be one of {list(DEVICES)}, got {train.device!r}")
-    if train.dtype not in TRAIN_DTYPES:
-        problems.append(f"train.dtype: must be one of {list(TRAIN_DTYPES)}, got {train.dtype!r}")
-    return problems
+    return problems + choice_problems(("train.device", train.device, DEVICES),
+                                      ("train.dtype", train.dtype, TRAIN_DTYPES))
+
+
+def choice_problems(*fields: tuple[str, object, tuple]) -> list[str]:
+    """``(field, value, allowed)`` -> one line for each value that is not among its allowed ones."""
+    return [f"{field}: must be one of {list(allowed)}, got {value!r}"
+            for field, value, allowed in fields if value not in allowed]
 
 
 # schedule_problems names its arguments; these are the fields a user edits.

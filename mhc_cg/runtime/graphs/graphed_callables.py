@@ -207,12 +207,12 @@ class GraphedState:
         if len(inputs) != len(self.static_inputs):
             raise TypeError(f"graphed callable {self.label}: got {len(inputs)} tensor inputs, "
                             f"captured with {len(self.static_inputs)}")
+        n = len(self.static_inputs)
         for i, (t, captured) in enumerate(zip(self.surface, self.layouts)):
-            n = len(self.static_inputs)
-            what = f"input {i}" if i < n else f"parameter {i - n}"
-            problem = layout_problem(f"graphed callable {self.label}: {what}", t, captured)
-            if problem is not None:
-                raise ValueError(problem)
+            if buffer_layout(t) != captured:  # every replay: compare first, word the error after
+                what = f"input {i}" if i < n else f"parameter {i - n}"
+                raise ValueError(layout_problem(f"graphed callable {self.label}: {what}", t,
+                                                captured))
         for i, (static, given) in enumerate(zip(self.static_inputs, inputs)):
             check_input(f"graphed callable {self.label}: input {i}", given, static)
         with traffic.runtime_copy("static inputs"):
