@@ -5,14 +5,14 @@
 runtime's chunk forward (persistent set per microbatch, block hooks that run or replay the
 recompute), and every layer that holds graphs is called through megatron's ``__call__`` for its
 attention sublayer, so each layer graph replays once per microbatch. Evaluation and ``no_grad``
-run the decoder's own forward.
+run the decoder's own forward. ``install_rank(decoders, ..., order)`` does it for every model
+chunk of one pipeline rank: one arena and one pool of persistent sets shared by the chunks,
+``max_persistent_slot_sets(order)`` sets, and each layer told which set each microbatch's graph
+writes (``SublayerSite.graph_sets``).
 
 What it does to the model: the decoder's class becomes a subclass of its own with the static
 forward (as ``torch.nn.utils.parametrize`` does), and it gains ``mhc_static``; each layer gains
 ``mhc_site``. Parameters and submodules are untouched.
-
-One persistent slot set (one microbatch in flight: no pipeline parallelism): a captured graph
-writes the set it was captured with.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+
+from mhc_cg.core.schedule import assign_persistent_slot_sets, max_persistent_slot_sets
+from mhc_cg.runtime.recompute.static import StaticRecompute
 
 from megatron_integration.capture.static_block import StaticMHCBlock
 from megatron_integration.layers.graphed_sublayer import GraphedSublayerMixin, SublayerSite
@@ -35,6 +38,8 @@ class StaticDecoderMixin:
         if not (self.training and torch.is_grad_enabled()):
             return super().forward(hidden_states, attention_mask, **kwargs)
         static = self.mhc_static
+        if not getattr(self, "pre_process", True):
+            hidden_states = self.input_tensor  # the pipeline's received n-stream tensor
         graphed = graphed_sublayer_fns(self.layers, attention_mask, kwargs)
         return static.forward(hidden_states, attention_mask, static.draw_seed(hidden_states),
                               sublayer_fns=graphed, **kwargs)
@@ -48,6 +53,8 @@ def graphed_sublayer_fns(layers, attention_mask: Tensor | None,
     for layer in layers:
         if getattr(layer, "cuda_graphs", None):
             def replay(x: Tensor, seed: Tensor | None, layer=layer) -> tuple:
+                layer.mhc_site.check_replay(getattr(layer, "current_microbatch", 0)
+                                            % len(layer.cuda_graphs))
                 out, y, *state = layer(hidden_states=x, attention_mask=attention_mask, **kwargs)
                 return out, y, (state[0] if state else None)
             fns[(layer.layer_number, 0)] = replay
@@ -64,24 +71,23 @@ def _static_decoder_class(cls: type) -> type:
 
 
 def install_static_recompute(decoder, static_type: type[StaticMHCBlock], *, seq_length: int,
-                             micro_batch_size: int, slot_sets: int = 1) -> StaticMHCBlock:
+                             micro_batch_size: int, slot_sets: int = 1,
+                             shared: StaticRecompute | None = None,
+                             graph_sets: list[int] | None = None) -> StaticMHCBlock:
     """Put ``decoder``'s training forward on a ``static_type`` runtime (see the module docstring).
 
     ``slot_sets``: persistent slot sets, the most microbatches in flight on this rank
     (:func:`mhc_cg.core.schedule.max_persistent_slot_sets` of the rank's order; 1 without
-    pipeline parallelism).
+    pipeline parallelism). ``shared``: a runtime of another chunk of this rank whose arena and
+    sets this one shares. ``graph_sets``: the set each microbatch of this chunk takes along the
+    order (see :class:`SublayerSite`). ``seq_length`` is the rank's own (divided by the tensor
+    parallel size under sequence parallelism).
 
     The decoder keeps its parameters and submodules; its class becomes a subclass of its own
     with the static forward (as ``torch.nn.utils.parametrize`` does). Every layer must be a
     ``GraphedSublayerMixin`` when megatron's TE graphs are on, or the helper would capture the
     layer's own attention path, whose mHC state is not in the slots.
     """
-    if decoder.config.pipeline_model_parallel_size > 1:
-        raise NotImplementedError(
-            f"install_static_recompute: pipeline_model_parallel_size="
-            f"{decoder.config.pipeline_model_parallel_size}: a layer graph writes the one persistent "
-            f"slot set it was captured with, so one microbatch may be in flight here; run pipeline "
-            f"parallelism on mhc_cg's own pipeline driver (mhc-cg train with parallel.pp_size)")
     if decoder.config.cuda_graph_impl == "transformer_engine":
         plain = [type(layer).__name__ for layer in decoder.layers
                  if not isinstance(layer, GraphedSublayerMixin)]
@@ -90,11 +96,35 @@ def install_static_recompute(decoder, static_type: type[StaticMHCBlock], *, seq_
                             f"GraphedSublayerMixin layers; build the model from the graphed layer "
                             f"spec (main_mhc_layer_spec(graphed=True) for Megatron-LM main)")
     static = static_type(decoder, seq_length=seq_length, micro_batch_size=micro_batch_size,
-                         capacity=slot_sets)
+                         capacity=slot_sets, shared=shared)
     decoder.mhc_static = static
     decoder.__class__ = _static_decoder_class(type(decoder))
     runtime = static.runtime
     for index, (layer, steps) in enumerate(zip(decoder.layers, static.steps)):
         layer.mhc_site = SublayerSite(runtime, steps, index % runtime.block_size,
-                                      static.seeded)
+                                      static.seeded, list(graph_sets or [0]))
     return static
+
+
+def install_rank(decoders: list, static_type: type[StaticMHCBlock], *, seq_length: int,
+                 micro_batch_size: int, order: list[int]) -> list[StaticMHCBlock]:
+    """Every model chunk of one rank on one arena and one pool of persistent sets, sized by the
+    rank's ``order`` (megatron's, as its TE graph helper computes it: ``+c`` forward, ``-c``
+    backward of chunk c); see the module docstring."""
+    depths = {len(decoder.layers) for decoder in decoders}
+    if len(depths) != 1:
+        raise ValueError(f"install_rank: model chunks of {sorted(depths)} layers; the chunks of a "
+                         f"rank share one pool of persistent sets and need the same depth")
+    slot_sets = max_persistent_slot_sets(order)
+    taken = assign_persistent_slot_sets(order)
+    forwards = [code for code in order if code > 0]
+    statics, shared = [], None
+    for chunk, decoder in enumerate(decoders, start=1):
+        graph_sets = [s for code, s in zip(forwards, taken) if code == chunk]
+        static = install_static_recompute(decoder, static_type, seq_length=seq_length,
+                                          micro_batch_size=micro_batch_size, slot_sets=slot_sets,
+                                          shared=shared, graph_sets=graph_sets)
+        static.order = list(order)
+        shared = shared or static.runtime
+        statics.append(static)
+    return statics

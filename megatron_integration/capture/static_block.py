@@ -17,6 +17,7 @@ from mhc_cg.core.errors import StaticRecomputeError
 
 from mhc_cg.runtime.recompute.static import StaticRecompute, build_static_recompute
 
+from megatron_integration.layers.dev_layer import DevLayerSteps
 from megatron_integration.layers.main_layer import MainBlock, MainLayerSteps
 from megatron_integration.layers.steps import LayerSteps
 
@@ -35,17 +36,19 @@ class StaticMHCBlock:
     steps_type = LayerSteps
 
     def __init__(self, block: nn.Module, *, seq_length: int, micro_batch_size: int,
-                 capacity: int = 1):
+                 capacity: int = 1, shared: StaticRecompute | None = None):
         config = block.config
         if not self.mhc_enabled(config):
             raise ValueError(f"{type(self).__name__}: the block's config has mHC off")
         self.block = block
+        self.order: list[int] | None = None  # the rank's schedule order it was sized for
         self.steps = [self.steps_type(layer) for layer in block.layers]
         size = config.mhc_recompute_layer_num or len(self.steps)
-        dtype = next(block.parameters()).dtype
+        dtype = config.params_dtype  # the stream's; mHC parameters may be kept in fp32
         self.runtime: StaticRecompute = build_static_recompute(
             self.steps, size, seq_length=seq_length, micro_batch_size=micro_batch_size,
-            capacity=capacity, device=next(block.parameters()).device, dtype=dtype)
+            capacity=capacity, device=next(block.parameters()).device, dtype=dtype,
+            arena=shared.arena if shared else None, sets=shared.sets if shared else None)
 
     def mhc_enabled(self, config) -> bool:
         return bool(getattr(config, "enable_hyper_connections", False))
@@ -93,14 +96,15 @@ class StaticMainBlock(StaticMHCBlock):
 
     steps_type = MainLayerSteps
 
-    def __init__(self, block, *, seq_length: int, micro_batch_size: int, capacity: int = 1):
+    def __init__(self, block, *, seq_length: int, micro_batch_size: int, capacity: int = 1,
+                 shared: StaticRecompute | None = None):
         problem = stateful_dropout_problem("torch", block.config.hidden_dropout, None,
                                            "hidden_dropout")
         if problem is not None:
             raise StaticRecomputeError(f"StaticMainBlock: {problem}")
         self.main = MainBlock(block)
         super().__init__(block, seq_length=seq_length, micro_batch_size=micro_batch_size,
-                         capacity=capacity)
+                         capacity=capacity, shared=shared)
 
     def mhc_enabled(self, config) -> bool:
         return bool(getattr(config, "enable_mhc_connections", False))
@@ -110,3 +114,32 @@ class StaticMainBlock(StaticMHCBlock):
 
     def streams_out(self, x: Tensor) -> Tensor:
         return self.main.streams_out(x)
+
+
+class StaticDevBlock(StaticMHCBlock):
+    """Megatron-LM ``dev``'s mHC block on static buffers; its stream boundaries are ``dev``'s own
+    block methods (the pipeline's received tensor, expand, learned contraction, final norm).
+
+    ``hidden_dropout`` must be 0, as for ``main`` (torch's stateful generator).
+    """
+
+    steps_type = DevLayerSteps
+
+    def __init__(self, block, *, seq_length: int, micro_batch_size: int, capacity: int = 1,
+                 shared: StaticRecompute | None = None):
+        problem = stateful_dropout_problem("torch", block.config.hidden_dropout, None,
+                                           "hidden_dropout")
+        if problem is not None:
+            raise StaticRecomputeError(f"StaticDevBlock: {problem}")
+        if getattr(block.config, "use_fused_mhc", False):
+            raise StaticRecomputeError("StaticDevBlock: use_fused_mhc runs dev's cuTile/Triton "
+                                       "kernels, which the step adapters do not call; set "
+                                       "use_fused_mhc=False")
+        super().__init__(block, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                         capacity=capacity, shared=shared)
+
+    def streams_in(self, hidden_states: Tensor) -> Tensor:
+        return self.block.preprocess_for_layer_schedule(hidden_states)
+
+    def streams_out(self, x: Tensor) -> Tensor:
+        return self.block.postprocess_for_layer_schedule(x)

@@ -29,7 +29,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mhc_cg.core.schedule import assign_persistent_slot_sets, decode_order
+from mhc_cg.core.schedule import assign_persistent_slot_sets, decode_order, pipeline_order
 from mhc_cg.runtime.graphs import get_backend, resolve_backend_name
 from mhc_cg.runtime.recompute.static import StaticRecompute
 
@@ -109,6 +109,15 @@ class RecomputeCaptureMixin:
     def _get_cuda_graph_input_data(self):
         sample_args, kwargs = super()._get_cuda_graph_input_data()
         self.mhc_order = list(kwargs["_order"])
+        decoders = [chunk_decoder(chunk) for chunk in self.model]
+        planned = decoders[0].mhc_static.order
+        if planned is not None and planned != self.mhc_order:
+            raise RuntimeError(f"megatron's TE graph helper captures along {self.mhc_order}, but "
+                               f"the static runtime was installed for {planned}; install it with "
+                               f"the helper's order (make_te_graph_helper does)")
+        for decoder in decoders:  # a capture after delete_cuda_graphs starts at microbatch 0
+            for layer in decoder.layers:
+                layer.mhc_site.captures = 0
         return sample_args, kwargs
 
     def _finish_capturing(self, start_time):
@@ -137,22 +146,27 @@ def make_te_graph_helper(model, config, seq_length: int, micro_batch_size: int,
                          optimizers: Sequence = (), *, recompute_graphs: bool | None = None):
     """megatron-core's ``TECudaGraphHelper`` over mHC layers on the static runtime.
 
-    ``model``: megatron's list of model chunks (DDP-wrapped, as the helper expects). Each chunk's
-    decoder is put on the static runtime first, if it is not yet. ``recompute_graphs``: capture
-    the recompute graphs (default: ``config.mhc_recompute_graph``, set by ``mhc_recompute`` in
-    the scope of an ``MHCTransformerConfig``). Needs TransformerEngine (on the CPU, the test
-    stand-in in ``megatron_integration/harness/te_on_tape``); megatron-core's helper asserts its graph support.
+    ``model``: megatron's list of model chunks of this rank (DDP-wrapped, as the helper expects).
+    Unless they are on the static runtime already, every chunk's decoder is put there, sharing
+    one arena and one pool of persistent sets sized by the rank's order
+    (:func:`rank_order`, checked against the helper's own when it captures).
+    ``recompute_graphs``: capture the recompute graphs (default: ``config.mhc_recompute_graph``,
+    set by ``mhc_recompute`` in the scope of an ``MHCTransformerConfig``). Needs
+    TransformerEngine (on the CPU, the stand-in in ``megatron_integration/harness/te_on_tape``);
+    megatron-core's helper asserts its graph support.
     """
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
 
-    from megatron_integration.capture.install import install_static_recompute
+    from megatron_integration.capture.install import install_rank
 
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    for chunk in chunks:
-        decoder = chunk_decoder(chunk)
-        if not hasattr(decoder, "mhc_static"):
-            install_static_recompute(decoder, static_block_type(decoder.config),
-                                     seq_length=seq_length, micro_batch_size=micro_batch_size)
+    decoders = [chunk_decoder(chunk) for chunk in chunks]
+    if not hasattr(decoders[0], "mhc_static"):
+        install_rank(decoders, static_block_type(decoders[0]),
+                     seq_length=rank_seq_length(config, seq_length),
+                     micro_batch_size=micro_batch_size,
+                     order=rank_order(config, len(chunks), get_num_microbatches()))
     if TECudaGraphHelper not in _HELPERS:  # looked up per call: loading TE re-imports the module
         _HELPERS[TECudaGraphHelper] = type("MHCTECudaGraphHelper",
                                            (RecomputeCaptureMixin, TECudaGraphHelper), {})
@@ -163,9 +177,35 @@ def make_te_graph_helper(model, config, seq_length: int, micro_batch_size: int,
     return helper
 
 
-def static_block_type(config) -> type:
-    """``StaticMHCBlock`` for our layer (an ``MHCTransformerConfig``), ``StaticMainBlock`` for
-    Megatron-LM main's ``HyperConnectionTransformerLayer``."""
-    from megatron_integration.capture.static_block import StaticMainBlock, StaticMHCBlock
+def rank_order(config, num_chunks: int, num_microbatches: int) -> list[int]:
+    """The order megatron's TE graph helper captures this rank's layer graphs along: one
+    microbatch without a pipeline (its one graph per layer serves every microbatch), else the
+    rank's pipeline schedule (:func:`mhc_cg.core.schedule.pipeline_order`, megatron's own)."""
+    from megatron.core import parallel_state
 
-    return StaticMHCBlock if hasattr(config, "enable_hyper_connections") else StaticMainBlock
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    if pp_size == 1:
+        return [1, -1]
+    return pipeline_order(pp_size, parallel_state.get_pipeline_model_parallel_rank(),
+                          num_microbatches, num_chunks, config.microbatch_group_size_per_vp_stage)
+
+
+def rank_seq_length(config, seq_length: int) -> int:
+    """The sequence length a layer of this rank sees: split over the tensor-parallel ranks under
+    sequence parallelism."""
+    if getattr(config, "sequence_parallel", False):
+        return seq_length // config.tensor_model_parallel_size
+    return seq_length
+
+
+def static_block_type(decoder) -> type:
+    """The static block for a decoder's layers: ``StaticMHCBlock`` for mhc_cg's layer,
+    ``StaticMainBlock`` / ``StaticDevBlock`` for Megatron-LM main's / dev's
+    ``HyperConnectionTransformerLayer``."""
+    from megatron_integration.capture.static_block import (StaticDevBlock, StaticMainBlock,
+                                                           StaticMHCBlock)
+    from megatron_integration.layers.dev_layer import is_dev_config
+
+    if not hasattr(decoder.layers[0], "self_attention_hyper_connection"):
+        return StaticMHCBlock
+    return StaticDevBlock if is_dev_config(decoder.config) else StaticMainBlock

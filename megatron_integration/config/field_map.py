@@ -1,9 +1,9 @@
 """mhc_cg's YAML ``RunConfig`` as megatron's ``TransformerConfig``: one field map, two spellings.
 
 ``transformer_config_kwargs`` / ``to_transformer_config``: mhc_cg's own layer on megatron-core
-(``MHCTransformerConfig``, the dev branch's field names). ``main_config_kwargs``: Megatron-LM
-main's own ``HyperConnectionTransformerLayer`` (main's ``TransformerConfig``, main's names, plain
-values that cross a process boundary as JSON). Both take the shared fields from
+(``MHCTransformerConfig``, the dev branch's field names). ``megatron_config_kwargs``:
+Megatron-LM main's or dev's own ``HyperConnectionTransformerLayer`` (the branch's
+``TransformerConfig`` and names, plain values that cross a process boundary as JSON). Both take the shared fields from
 ``_shared_kwargs``.
 
 ==============================  =============================================================
@@ -34,12 +34,17 @@ graph.backend                   cuda_graph_impl: ``te`` -> transformer_engine (m
 
 Normalisation is RMSNorm (as mhc_cg's model); fusions that need CUDA extensions are off.
 
-Megatron-LM main's spellings and settings, where they differ:
+Megatron-LM main's and dev's spellings and settings, where they differ
+(:func:`megatron_config_kwargs`):
 
 ==============================  =============================================================
 RunConfig                       Megatron-LM main's TransformerConfig
 ==============================  =============================================================
-model.num_streams               enable_mhc_connections, mhc_num_residual_streams
+model.num_streams               main: enable_mhc_connections, mhc_num_residual_streams;
+                                dev: enable_hyper_connections, num_residual_streams
+                                (use_fused_mhc off)
+parallel.tp_size                tensor_model_parallel_size
+parallel.sequence_parallel      sequence_parallel
 model.recompute: block          recompute_granularity: selective, recompute_modules: [mhc]
 train.dtype                     params_dtype / pipeline_dtype as a string ("bf16")
 graph.cuda_graph_scope          cuda_graph_modules without ``mhc_recompute`` (returned apart:
@@ -112,21 +117,32 @@ def to_transformer_config(run_cfg: RunConfig, **overrides: Any):
     return MHCTransformerConfig(**{**transformer_config_kwargs(run_cfg), **overrides})
 
 
-def main_config_kwargs(run_cfg: RunConfig) -> tuple[dict[str, Any], bool]:
-    """``(Megatron-LM main's TransformerConfig keyword arguments, capture the recompute graphs)``.
+def megatron_config_kwargs(run_cfg: RunConfig, branch: str = "main") -> tuple[dict[str, Any], bool]:
+    """``(Megatron-LM's TransformerConfig keyword arguments on branch main or dev, capture the
+    recompute graphs)``.
 
     Types are plain (dtype as a string, ``"bf16"``): the arguments cross a process boundary as
-    JSON; :func:`megatron_integration.harness.main_runs.main_transformer_config` builds the config.
+    JSON; :func:`megatron_integration.harness.runs.transformer_config` builds the config.
     """
-    m, t = run_cfg.model, run_cfg.train
+    m, t, p = run_cfg.model, run_cfg.train, run_cfg.parallel
     layer_scopes, recompute_graph = split_recompute_scope(run_cfg.graph.scopes)
     kwargs = _shared_kwargs(run_cfg)
+    if branch == "main":
+        kwargs.update(enable_mhc_connections=m.num_streams > 1, mhc_num_residual_streams=m.num_streams)
+    else:  # dev's names; its cuTile/Triton mHC kernels off (the native ops, on any device)
+        kwargs.update(enable_hyper_connections=m.num_streams > 1, num_residual_streams=m.num_streams,
+                      use_fused_mhc=False)
     kwargs.update(
-        enable_mhc_connections=m.num_streams > 1, mhc_num_residual_streams=m.num_streams,
         recompute_granularity="selective", recompute_modules=["mhc"],
         mhc_recompute_layer_num=m.resolved_recompute_layers,
         params_dtype=t.dtype, pipeline_dtype=t.dtype,
         use_cpu_initialization=t.device != "cuda",
         cuda_graph_impl="transformer_engine", cuda_graph_modules=layer_scopes,
-        cuda_graph_warmup_steps=WARMUP_STEPS)
+        cuda_graph_warmup_steps=WARMUP_STEPS,
+        tensor_model_parallel_size=p.tp_size, sequence_parallel=p.sequence_parallel,
+        pipeline_model_parallel_size=p.pp_size,
+        virtual_pipeline_model_parallel_size=p.vpp_size if p.vpp_size > 1 else None,
+        microbatch_group_size_per_vp_stage=p.microbatch_group_size)
+    if p.pp_size > 1 and t.device != "cuda":
+        kwargs["batch_p2p_comm"] = False  # the batched path synchronizes CUDA; gloo sends one by one
     return kwargs, recompute_graph

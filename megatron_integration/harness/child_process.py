@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,27 +99,38 @@ class MainSource:
         return str(self.folder or self.archive or "the installed megatron-core")
 
 
-def find_main() -> MainSource:
-    """See the module docstring; ``ConfigError`` (one line: what is missing, the fix) if absent."""
-    given = os.environ.get(MAIN_ENV)
+BRANCH_ENV = {"main": MAIN_ENV, "dev": "MHC_CG_MEGATRON_LM_DEV"}
+
+
+def find_megatron(branch: str = "main") -> MainSource:
+    """Where Megatron-LM ``branch``'s megatron.core comes from (see the module docstring; ``dev``
+    has no installed form); ``ConfigError`` (one line: what is missing, the fix) if absent."""
+    env = BRANCH_ENV[branch]
+    given = os.environ.get(env)
     if given:
         path = Path(given)
         if path.is_file() and path.name.endswith(".tar.gz"):
             return MainSource(archive=path)
         if (path / MHC_MODULE).is_file():
             return MainSource(folder=path)
-        raise ConfigError(f"{MAIN_ENV}={given}: neither a Megatron-LM checkout with "
-                          f"{MHC_MODULE} nor a .tar.gz snapshot; point it at Megatron-LM main")
-    if installed_has_mhc():
+        raise ConfigError(f"{env}={given}: neither a Megatron-LM checkout with "
+                          f"{MHC_MODULE} nor a .tar.gz snapshot; point it at Megatron-LM {branch}")
+    if branch == "main" and installed_has_mhc():
         return MainSource()
-    archive = snapshot_archive()
+    archive = snapshot_archive(branch)
     if archive is not None:
         return MainSource(archive=archive)
+    installed = "the installed megatron-core has no mHC and " if branch == "main" else ""
     raise ConfigError(
-        f"Megatron-LM main's megatron.core (HyperConnectionTransformerLayer) not found: the "
-        f"installed megatron-core has no mHC and no {ARCHIVE_GLOB} is in "
-        f"{' or '.join(str(d) for d in third_party_dirs())}; set {MAIN_ENV} to a Megatron-LM main "
+        f"Megatron-LM {branch}'s megatron.core (HyperConnectionTransformerLayer) not found: "
+        f"{installed}no {archive_glob(branch)} is in "
+        f"{' or '.join(str(d) for d in third_party_dirs())}; set {env} to a Megatron-LM {branch} "
         f"checkout (or its snapshot .tar.gz)")
+
+
+def find_main() -> MainSource:
+    """:func:`find_megatron` of ``main``."""
+    return find_megatron("main")
 
 
 def te_standin_for(device: str) -> Path | None:
@@ -165,12 +177,7 @@ def run_child(argv: list[str], first_on_path: list[Path], *, env: dict | None = 
     process's stderr as they come; returns ``(exit status, the child's other output)``. Without
     ``forward_prefix`` the child is killed after ``timeout`` seconds (``TimeoutExpired``).
     """
-    child_env = dict(os.environ, **(env or {}))
-    child_env["PYTHONPATH"] = os.pathsep.join(
-        [str(p) for p in first_on_path] + [str(REPO)]
-        + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-    child_env["TORCH_COMPILE_DISABLE"] = "1"
-    child_env["PYTHONWARNINGS"] = "ignore"  # megatron warns about missing TE/Apex on every import
+    child_env = _child_env(first_on_path, env)
     proc = subprocess.Popen([sys.executable, *argv], env=child_env, cwd=str(REPO), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -191,18 +198,90 @@ def run_child(argv: list[str], first_on_path: list[Path], *, env: dict | None = 
             proc.wait()
 
 
-def run_main_job(spec: dict, *, progress_prefix: str | None = None) -> dict:
-    """Run ``megatron_integration.harness.main_runs`` on ``spec`` in a child with ``main`` first on the
-    path; its result (``RuntimeError`` with the child's output if it fails)."""
-    source = find_main()
+def run_ranks(argv: list[str], first_on_path: list[Path], world_size: int, *,
+              env: dict | None = None, forward_rank: int = 0, forward_prefix: str | None = None,
+              timeout: float | None = None) -> tuple[int, str]:
+    """Run ``python argv RANK WORLD PORT`` once per rank, each with ``first_on_path`` first on
+    ``PYTHONPATH`` (one process per rank; they meet on a local TCP port).
+
+    Progress lines (``forward_prefix``) of rank ``forward_rank`` go to this process's stderr as
+    they come. When a rank fails, the others are killed (they would wait on it forever).
+    Returns ``(0, "")``, or ``(the failed rank's exit status, its output)``; after ``timeout``
+    seconds every rank is killed and the status is ``-1``.
+    """
+    from mhc_cg.training.pipeline.driver import free_port
+
+    child_env = _child_env(first_on_path, env)
+    port = str(free_port())
+    with tempfile.TemporaryDirectory(prefix="mhc_cg_ranks_") as logs:
+        procs, files = [], []
+        for rank in range(world_size):
+            log_file = open(Path(logs, f"rank{rank}.log"), "w+")
+            files.append(log_file)
+            procs.append(subprocess.Popen([sys.executable, *argv, str(rank), str(world_size), port],
+                                          env=child_env, cwd=str(REPO), text=True,
+                                          stdout=log_file, stderr=subprocess.STDOUT))
+        try:
+            return _wait_for_ranks(procs, files, forward_rank, forward_prefix, timeout)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            for log_file in files:
+                log_file.close()
+
+
+def _wait_for_ranks(procs, files, forward_rank: int, forward_prefix: str | None,
+                    timeout: float | None) -> tuple[int, str]:
+    start, forwarded = time.monotonic(), 0
+    while True:
+        if forward_prefix is not None:
+            with open(files[forward_rank].name) as log_file:
+                lines = log_file.read().splitlines(keepends=True)
+            for line in lines[forwarded:]:
+                if line.startswith(forward_prefix) and line.endswith("\n"):
+                    sys.stderr.write(line)
+                    sys.stderr.flush()
+            forwarded = len(lines) - (0 if not lines or lines[-1].endswith("\n") else 1)
+        failed = [(rank, p.returncode) for rank, p in enumerate(procs)
+                  if p.poll() is not None and p.returncode != 0]
+        if failed:
+            rank, status = failed[0]
+            return status, f"rank {rank}:\n{Path(files[rank].name).read_text()}"
+        if all(p.poll() is not None for p in procs):
+            return 0, ""
+        if timeout is not None and time.monotonic() - start > timeout:
+            return -1, "timed out; rank 0:\n" + Path(files[0].name).read_text()
+        time.sleep(0.2)
+
+
+def _child_env(first_on_path: list[Path], env: dict | None) -> dict:
+    child_env = dict(os.environ, **(env or {}))
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        [str(p) for p in first_on_path] + [str(REPO)]
+        + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    child_env["TORCH_COMPILE_DISABLE"] = "1"
+    child_env["PYTHONWARNINGS"] = "ignore"  # megatron warns about missing TE/Apex on every import
+    child_env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # megatron's sequence-parallel overlap wants it
+    return child_env
+
+
+def run_megatron_job(spec: dict, *, world_size: int = 1, forward_rank: int = 0,
+                     progress_prefix: str | None = None, timeout: float | None = None) -> dict:
+    """Run :mod:`megatron_integration.harness.runs` on ``spec`` in ``world_size`` processes with
+    Megatron-LM ``spec["branch"]`` first on the path; every rank's result (``RuntimeError`` with
+    the failing rank's output if one fails)."""
+    source = find_megatron(spec["branch"])
     standin = te_standin_for(spec["device"])
     env = {STANDIN_ENV: str(standin)} if standin is not None else {}
     with main_on_path(source) as first, tempfile.TemporaryDirectory(prefix="mhc_cg_job_") as tmp:
-        spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "out.json")
+        spec_path = Path(tmp, "spec.json")
         spec_path.write_text(json.dumps(spec))
-        status, output = run_child(["-m", "megatron_integration.harness.main_runs", str(spec_path),
-                                    str(out_path)], first, env=env, forward_prefix=progress_prefix)
+        status, output = run_ranks(["-m", "megatron_integration.harness.runs", str(spec_path), tmp],
+                                   first, world_size, env=env, forward_rank=forward_rank,
+                                   forward_prefix=progress_prefix, timeout=timeout)
         if status != 0:
-            raise RuntimeError(f"the Megatron-LM main process ({source.describe()}) failed with "
-                               f"exit status {status}:\n{output[-6000:]}")
-        return json.loads(out_path.read_text())
+            raise RuntimeError(f"the Megatron-LM {spec['branch']} process ({source.describe()}) "
+                               f"failed with exit status {status}, {output[-6000:]}")
+        return [json.loads(Path(tmp, f"rank{rank}.json").read_text()) for rank in range(world_size)]

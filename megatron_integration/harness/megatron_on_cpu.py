@@ -9,11 +9,17 @@ calls megatron's modules make that a CPU build of torch refuses, each named here
 * ``torch.cuda.current_device`` -> ``"cpu"``: buffers megatron allocates on "the current device"
   (``DotProductAttention``'s score buffer, DDP's grad buffers, the graph helper's static inputs)
   land on the CPU;
+* ``torch.cuda.current_stream`` -> a stream with nothing to wait on: megatron's DDP asks for it
+  before each gradient reduction, to wait on events only a CUDA graph replay records;
 * ``fused_softmax.get_default_causal_mask`` (the causal mask when none is passed) -> the same
   mask on the CPU (megatron builds it on ``"cuda"``);
 * megatron's CUDA RNG state getters/setters -> empty state / no-op: its
   ``CheckpointWithoutOutput`` saves and restores CPU *and* CUDA RNG states; on the CPU only the
   CPU generator exists (and it is still saved and restored);
+* Megatron-LM dev's ``GraphableMegatronModule.set_te_cuda_graph_static_hidden_inputs`` (its TE
+  graph helper hands each layer its graphs' static hidden inputs) refuses tensors that are not
+  CUDA tensors: the same bookkeeping without that check; likewise its ``MHCRecomputeArenaSlot``
+  (the attention-only split's fixed-address slots) for a CPU tensor;
 * without TransformerEngine: ``CheckpointWithoutOutput`` always enters its TE path
   (``activation_recompute_forward``, ``FP8GlobalStateManager``, ``fp8_autocast``), whose names
   are then undefined; with FP8 off each is a no-op, so the shims are null contexts and "FP8 off".
@@ -38,6 +44,7 @@ def install_cpu_shims() -> None:
     if not torch.cuda.is_available():
         torch.cuda.nvtx.range = lambda *args, **kwargs: contextlib.nullcontext()
         torch.cuda.current_device = lambda: "cpu"
+        torch.cuda.current_stream = lambda device=None: _HOST_STREAM
         from megatron.core.tensor_parallel import random as mrandom
 
         mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
@@ -45,6 +52,17 @@ def install_cpu_shims() -> None:
         from megatron.core.fusions import fused_softmax
 
         fused_softmax.get_default_causal_mask = _causal_mask_on_cpu
+        from megatron.core.transformer.module import GraphableMegatronModule
+
+        if hasattr(GraphableMegatronModule, "set_te_cuda_graph_static_hidden_inputs"):
+            GraphableMegatronModule.set_te_cuda_graph_static_hidden_inputs = \
+                _static_hidden_inputs_on_cpu
+        try:
+            from megatron.core.transformer import mhc_recompute
+        except ImportError:  # main and releases: no arena
+            mhc_recompute = None
+        if mhc_recompute is not None:
+            mhc_recompute.MHCRecomputeArenaSlot.__init__ = _arena_slot_on_cpu
     from megatron.core.tensor_parallel import random as mrandom
 
     if not mrandom.HAVE_TE:
@@ -55,10 +73,34 @@ def install_cpu_shims() -> None:
         mrandom.fp8_autocast = lambda enabled, fp8_recipe=None: _no_fp8(enabled)
 
 
+# the CPU runs every op in order: nothing to wait for
+_HOST_STREAM = types.SimpleNamespace(wait_event=lambda event: None, wait_stream=lambda stream: None,
+                                     synchronize=lambda: None)
+
+
 def _causal_mask_on_cpu(sq: int):
     import torch
 
     return torch.ones(sq, sq, dtype=torch.bool).triu(diagonal=1)
+
+
+def _static_hidden_inputs_on_cpu(self, inputs) -> None:
+    inputs = tuple(inputs)
+    if len(inputs) != len(self.cuda_graphs):
+        raise ValueError(f"{len(inputs)} static hidden inputs for {len(self.cuda_graphs)} graphs")
+    self._te_cuda_graph_static_hidden_inputs = inputs
+    self._te_cuda_graph_static_hidden_input_ptrs = tuple(t.data_ptr() for t in inputs)
+
+
+def _arena_slot_on_cpu(self, key, tensor) -> None:
+    from megatron.core.transformer.mhc_recompute import MHCRecomputeSlotMetadata
+
+    if not tensor.is_contiguous():
+        raise ValueError("mHC recompute arena slots must be contiguous")
+    self.key, self.consumer = key, tensor
+    self.metadata = MHCRecomputeSlotMetadata(shape=tensor.shape, dtype=tensor.dtype,
+                                             device=tensor.device, layout=tensor.layout,
+                                             data_ptr=tensor.data_ptr())
 
 
 def _no_fp8(enabled: bool):

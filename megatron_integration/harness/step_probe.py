@@ -35,7 +35,9 @@ def _count_checkpoints() -> tuple[Callable[[], int], Callable[[], None]]:
     managers); returns ``(count, undo)``. A megatron without the manager counts 0."""
     from megatron.core.tensor_parallel import random as mrandom
 
-    manager = getattr(mrandom, "CheckpointWithoutOutputManager", None)
+    # main's name, and dev's
+    manager = (getattr(mrandom, "CheckpointWithoutOutputManager", None)
+               or getattr(mrandom, "MHCCheckpointManager", None))
     if manager is None:
         return (lambda: 0), (lambda: None)
     calls = [0]
@@ -161,20 +163,37 @@ def _recompute_counts(decoder) -> Counter:
 
 
 @contextlib.contextmanager
-def measuring(decoder: torch.nn.Module, into: dict) -> Iterator[None]:
-    """Measure the step run inside (see the module docstring); the figures go into ``into``."""
-    probe, before, runs = StepProbe(decoder), graph_replays(decoder), _recompute_counts(decoder)
+def measuring(decoders: list[torch.nn.Module], into: dict) -> Iterator[None]:
+    """Measure the step run inside over a rank's model chunks' ``decoders`` (see the module
+    docstring); the figures go into ``into``."""
+    probes = [StepProbe(decoder) for decoder in decoders]
+    before = [graph_replays(decoder) for decoder in decoders]
+    runs = [_recompute_counts(decoder) for decoder in decoders]
+    per_graph = [layer_graph_replays(decoder) for decoder in decoders]
     checkpoints, undo = _count_checkpoints()
     try:
         yield
     finally:
         undo()
-    after = graph_replays(decoder)
+    after = [graph_replays(decoder) for decoder in decoders]
+    held = [probe.held_bytes for probe in probes]
+    layers = sum(len(decoder.layers) for decoder in decoders)
+    static = _static(decoders[0])
     into.update(
-        saved_bytes_per_layer=(None if probe.held_bytes is None
-                               else round(probe.held_bytes / len(decoder.layers))),
-        layer_graph_replays_per_step=after[0] - before[0],
-        recompute_graph_replays_per_step=after[1] - before[1],
+        saved_bytes_per_layer=None if None in held else round(sum(held) / layers),
+        layer_graph_replays_per_step=sum(a[0] - b[0] for a, b in zip(after, before)),
+        recompute_graph_replays_per_step=sum(a[1] - b[1] for a, b in zip(after, before)),
+        layer_graphs_not_replayed_in_step=sum(
+            a == b for decoder, counts in zip(decoders, per_graph)
+            for a, b in zip(layer_graph_replays(decoder), counts)),
         mhc_checkpoints_per_step=checkpoints(),
-        recomputed_sublayers_per_step=recomputed_sublayers(decoder, runs),
-        arena_bytes=arena_bytes(decoder))
+        recomputed_sublayers_per_step=sum(recomputed_sublayers(decoder, since)
+                                          for decoder, since in zip(decoders, runs)),
+        arena_bytes=arena_bytes(decoders[0]),  # one arena per rank, shared by its chunks
+        persistent_slot_sets=static.runtime.sets.capacity if static is not None else 0)
+
+
+def layer_graph_replays(decoder: torch.nn.Module) -> list[int]:
+    """Replays so far of each of ``decoder``'s layer graphs (forward and backward graphs)."""
+    return [g.replays for module in decoder.layers for state in _graph_states(module)
+            if state is not None for g in (state.fwd_graph, state.bwd_graph) if g is not None]

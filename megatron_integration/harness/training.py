@@ -1,6 +1,6 @@
 """Training a megatron GPT with megatron-core's own schedule, for comparisons bit for bit.
 
-``train_run`` trains one model chunk (pipeline size 1) with ``forward_backward_func``: megatron's
+``train_run`` trains one rank's model chunks with ``forward_backward_func``: megatron's
 DDP (fp32 grad buffers), the synthetic progression corpus drawn from a seed, and AdamW on fp32
 master weights, so every run of a comparison sees the same data and the same update. With a TE
 graph ``helper``, the first ``warmup_steps`` run eagerly and the helper captures before the next
@@ -40,23 +40,34 @@ class TrainSetup:
     warmup_steps: int = 1
 
 
-def init_single_process(cpu: bool, seed: int) -> None:
-    """One process, tensor and pipeline sizes 1: megatron's parallel state (gloo on the CPU) and
-    its model-parallel RNG tracker (on the CPU an empty state: no draw reads it, attention
-    dropout is 0)."""
+def init_ranks(cpu: bool, seed: int, *, rank: int = 0, world_size: int = 1, port: int | None = None,
+               tp_size: int = 1, pp_size: int = 1, vpp_size: int = 1) -> None:
+    """This process as rank ``rank`` of ``world_size`` (tensor x pipeline, data-parallel size 1):
+    megatron's parallel state (gloo on the CPU, NCCL on a GPU) and its model-parallel RNG tracker
+    (on the CPU an empty state: no draw reads it, attention dropout is 0)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mrandom
 
     from mhc_cg.training.pipeline.driver import free_port
 
-    torch.distributed.init_process_group("gloo" if cpu else "nccl", rank=0, world_size=1,
-                                         init_method=f"tcp://127.0.0.1:{free_port()}")
-    parallel_state.initialize_model_parallel()
+    if not cpu:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    torch.distributed.init_process_group("gloo" if cpu else "nccl", rank=rank,
+                                         world_size=world_size,
+                                         init_method=f"tcp://127.0.0.1:{port or free_port()}")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
+        virtual_pipeline_model_parallel_size=vpp_size if vpp_size > 1 else None)
     if cpu:
         mrandom.get_cuda_rng_tracker().states_[mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME] = \
             torch.empty(0, dtype=torch.uint8)
     else:
         mrandom.model_parallel_cuda_manual_seed(seed)
+
+
+def init_single_process(cpu: bool, seed: int) -> None:
+    """One process, tensor and pipeline sizes 1 (:func:`init_ranks`)."""
+    init_ranks(cpu, seed)
 
 
 def use_microbatches(setup: TrainSetup) -> None:
@@ -99,8 +110,8 @@ class MasterAdamW:
     """AdamW on fp32 master copies of the parameters, their grads megatron's fp32 grad buffers;
     the masters are copied back into the (bf16) parameters after each step."""
 
-    def __init__(self, chunk: torch.nn.Module, lr: float):
-        self.params = [p for p in chunk.parameters() if p.requires_grad]
+    def __init__(self, chunks: list[torch.nn.Module], lr: float):
+        self.params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
         self.masters = [p.detach().float().clone().requires_grad_() for p in self.params]
         self.optimizer = torch.optim.AdamW(self.masters, lr=lr, weight_decay=0.0)
 
@@ -113,43 +124,54 @@ class MasterAdamW:
             p.copy_(master)
 
 
-def grad_digest(chunk: torch.nn.Module) -> str:
-    """A hash of every parameter's gradient buffer, in name order: equal iff every byte is."""
+def grad_digest(chunks: list[torch.nn.Module]) -> str:
+    """A hash of every parameter's gradient buffer, chunk by chunk in name order: equal iff
+    every byte is."""
     digest = hashlib.sha256()
-    for name, p in sorted(chunk.named_parameters()):
-        digest.update(name.encode())
-        digest.update(p.main_grad.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    for index, chunk in enumerate(chunks):
+        for name, p in sorted(chunk.named_parameters()):
+            digest.update(f"{index}.{name}".encode())
+            digest.update(p.main_grad.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
-def train_run(name: str, chunk: torch.nn.Module, setup: TrainSetup, *, helper=None,
-              cpu: bool = True) -> dict:
-    """Train ``chunk`` (DDP-wrapped) ``setup.steps`` steps; losses, per-step gradient hashes and
-    the last step's measurements (see the module docstring)."""
+def train_run(name: str, chunks: list[torch.nn.Module], setup: TrainSetup, *, helper=None,
+              cpu: bool = True, log_steps: bool = True) -> dict:
+    """Train this rank's model ``chunks`` (DDP-wrapped; several under virtual pipeline
+    parallelism) ``setup.steps`` steps with megatron-core's schedule; the losses (on the last
+    pipeline stage, else empty), per-step gradient hashes and the last step's measurements (see
+    the module docstring)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from mhc_cg.training.pipeline.schedules_on_cpu import cpu_shim
 
-    data = iter(token_batches(setup, next(chunk.parameters()).device))
-    decoder = chunk_decoder(chunk)
-    optimizer = MasterAdamW(chunk, setup.lr)
+    batches = token_batches(setup, next(chunks[0].parameters()).device)
+    iterators = [iter(batches) for _ in chunks]  # each chunk reads every microbatch once
+    decoders = [chunk_decoder(chunk) for chunk in chunks]
+    optimizer = MasterAdamW(chunks, setup.lr)
     forward_backward = get_forward_backward_func()
     result = {"losses": [], "grad_digests": []}
     for step in range(setup.steps):
         if helper is not None and step == setup.warmup_steps:
             helper.create_cudagraphs()
         last = step == setup.steps - 1
-        chunk.zero_grad_buffer()
-        with (measuring(decoder, result) if last else contextlib.nullcontext()), \
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        with (measuring(decoders, result) if last else contextlib.nullcontext()), \
                 (cpu_shim() if cpu else contextlib.nullcontext()):
-            reduced = forward_backward(forward_step_func=_forward_step, data_iterator=data,
-                                       model=[chunk], num_microbatches=setup.num_microbatches,
-                                       seq_length=setup.seq_length,
-                                       micro_batch_size=setup.micro_batch_size, forward_only=False)
-        result["losses"].append(sum(float(r["lm loss"]) for r in reduced) / len(reduced))
-        result["grad_digests"].append(grad_digest(chunk))
+            reduced = forward_backward(
+                forward_step_func=_forward_step,
+                data_iterator=iterators if len(chunks) > 1 else iterators[0],
+                model=chunks if len(chunks) > 1 else chunks[0],
+                num_microbatches=setup.num_microbatches, seq_length=setup.seq_length,
+                micro_batch_size=setup.micro_batch_size, forward_only=False)
+        if reduced:  # the last pipeline stage
+            result["losses"].append(sum(float(r["lm loss"]) for r in reduced) / len(reduced))
+        result["grad_digests"].append(grad_digest(chunks))
         optimizer.step()
-        log(TOOL, f"{name}: step {step + 1}/{setup.steps} loss {result['losses'][-1]:.6f}")
+        if log_steps:
+            loss = f" loss {result['losses'][-1]:.6f}" if reduced else ""
+            log(TOOL, f"{name}: step {step + 1}/{setup.steps}{loss}")
     return result
 
 

@@ -19,11 +19,12 @@ Where the layer runs on the runtime (``SublayerSite``) is set by
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 import torch
 
+from mhc_cg.runtime.graphs import graph_capturing
 from mhc_cg.runtime.recompute.static import StaticRecompute
 
 from megatron_integration.layers.steps import LayerSteps
@@ -31,16 +32,55 @@ from megatron_integration.layers.steps import LayerSteps
 
 @dataclass
 class SublayerSite:
-    """Where a layer's attention sublayer runs on the runtime: its steps and block position."""
+    """Where a layer's attention sublayer runs on the runtime: its steps and block position.
+
+    ``graph_sets[k]``: the persistent set microbatch k of this layer's model chunk takes along
+    the rank's order (first-in first-out, as the runtime's forward acquires them). megatron's
+    helper captures one graph per (layer, microbatch), microbatch 0 first; each capture writes
+    its microbatch's set, so a replay writes the set its forward took. With one set (no
+    pipeline) every capture and replay writes it.
+    """
 
     runtime: StaticRecompute
     steps: LayerSteps
     position: int
     seeded: bool  # dropout draws its mask from the persistent set's seed
+    graph_sets: list[int] = field(default_factory=lambda: [0])
+    captures: int = 0  # graphs of this layer captured so far
 
     def attention(self, x: Tensor, attention_mask: Tensor | None, kwargs: dict) -> tuple:
         """The attention sublayer with its mHC ops in slots: ``(output, F output)``, and the
         mapping state after them for a fused sublayer (a graph's outputs are tensors)."""
+        runtime = self.runtime
+        if runtime.active_set is not None or runtime.sets.capacity == 1:
+            return self._attention(x, attention_mask, kwargs)
+        with runtime.capturing_for(runtime.sets.all_sets()[self._capture_set()]):
+            return self._attention(x, attention_mask, kwargs)
+
+    def _capture_set(self) -> int:
+        """The set this call writes outside a forward: a capture's microbatch's, in capture
+        order; a warm-up run (no microbatch in flight) writes set 0."""
+        if not graph_capturing():
+            return 0
+        k, self.captures = self.captures, self.captures + 1
+        if k >= len(self.graph_sets):
+            raise RuntimeError(f"layer {self.steps.layer_number}: graph capture {k + 1} but the "
+                               f"rank's order has {len(self.graph_sets)} microbatches for this "
+                               f"chunk; install the runtime with the helper's order")
+        return self.graph_sets[k]
+
+    def check_replay(self, microbatch: int) -> None:
+        """The graph of ``microbatch`` writes the set the runtime's forward took for it."""
+        if self.runtime.sets.capacity == 1:
+            return
+        expected, taken = self.graph_sets[microbatch], self.runtime.active_set.index
+        if expected != taken:
+            raise RuntimeError(f"layer {self.steps.layer_number}: the graph of microbatch "
+                               f"{microbatch} writes persistent set {expected}, but its forward "
+                               f"took set {taken}; the schedule ran another order than the one "
+                               f"the runtime was installed with")
+
+    def _attention(self, x: Tensor, attention_mask: Tensor | None, kwargs: dict) -> tuple:
         self.steps.bind(attention_mask, **kwargs)
         # the seed of the set this capture writes (its microbatch's, along the order)
         seed = self.runtime.writing_set().seed if self.seeded else None

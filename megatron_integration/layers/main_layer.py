@@ -65,7 +65,7 @@ def main_mhc_layer_spec(normalization: str = "RMSNorm", *, cpu_attention: bool =
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
-    spec.module = graphed_main_layer_class() if graphed else layer
+    spec.module = graphed_layer_class(layer) if graphed else layer
     spec.submodules.self_attention_hyper_connection = hyper_connection
     spec.submodules.mlp_hyper_connection = hyper_connection
     if cpu_attention:
@@ -75,17 +75,15 @@ def main_mhc_layer_spec(normalization: str = "RMSNorm", *, cpu_attention: bool =
     return spec
 
 
-_GRAPHED_LAYER: list[type] = []
+_GRAPHED_LAYERS: dict[type, type] = {}
 
 
-def graphed_main_layer_class() -> type:
-    """``HyperConnectionTransformerLayer`` with ``GraphedSublayerMixin`` (made once, on first use:
-    ``main``'s class exists only where ``main``'s megatron.core is imported)."""
-    if not _GRAPHED_LAYER:
-        _, layer = _main_modules()
-        _GRAPHED_LAYER.append(type("GraphedHyperConnectionTransformerLayer",
-                                   (GraphedSublayerMixin, layer), {}))
-    return _GRAPHED_LAYER[0]
+def graphed_layer_class(layer: type) -> type:
+    """``layer`` (a megatron ``HyperConnectionTransformerLayer``, main's or dev's) with
+    ``GraphedSublayerMixin`` before it, made once per class."""
+    if layer not in _GRAPHED_LAYERS:
+        _GRAPHED_LAYERS[layer] = type(f"Graphed{layer.__name__}", (GraphedSublayerMixin, layer), {})
+    return _GRAPHED_LAYERS[layer]
 
 
 class MainSublayerSteps(HyperConnectionSteps):

@@ -280,6 +280,7 @@ def _pipeline_problems(cfg: "RunConfig") -> list[str]:
                                   par.microbatch_group_size):
         name, sep, rest = line.partition(":")
         problems.append(f"{_SCHEDULE_FIELDS.get(name, name)}{sep}{rest}")
+    problems += _tensor_parallel_problems(cfg)
     if not all(isinstance(v, int) and v >= 1 for v in (par.pp_size, par.vpp_size)):
         return problems  # already reported; the rules below divide by them
     chunks = par.pp_size * par.vpp_size
@@ -298,6 +299,35 @@ def _pipeline_problems(cfg: "RunConfig") -> list[str]:
                         f"num_layers / (pp_size * vpp_size) = {per_chunk} layers); use one of "
                         f"{divisors}, or null for the paper's default per chunk")
     return problems
+
+
+def _tensor_parallel_problems(cfg: "RunConfig") -> list[str]:
+    par, model = cfg.parallel, cfg.model
+    tp = par.tp_size
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        return [f"parallel.tp_size: must be a positive integer, got {tp!r}"]
+    problems = []
+    if par.sequence_parallel and tp == 1:
+        problems.append("parallel.sequence_parallel: needs tensor parallelism; set parallel.tp_size "
+                        "to 2 or more, or sequence_parallel: false")
+    for name, value in (("num_heads", model.num_heads), ("ffn_hidden_size", model.ffn_hidden_size),
+                        ("vocab_size", model.vocab_size)):
+        if isinstance(value, int) and value % tp:
+            problems.append(f"model.{name}: {value} does not split over parallel.tp_size={tp} "
+                            f"ranks; use a multiple of {tp}")
+    if par.sequence_parallel and isinstance(model.seq_length, int) and model.seq_length % tp:
+        problems.append(f"model.seq_length: {model.seq_length} does not split over "
+                        f"parallel.tp_size={tp} ranks under sequence_parallel; use a multiple of {tp}")
+    return problems
+
+
+def tensor_parallel_refusal(cfg: "RunConfig", tool: str) -> str | None:
+    """The one line for a command that runs mhc_cg's own model (no tensor parallelism)."""
+    if cfg.parallel.tp_size == 1:
+        return None
+    return (f"parallel.tp_size: {cfg.parallel.tp_size}: {tool} runs mhc_cg's own model, which has "
+            f"no tensor parallelism; run Megatron's own layers with mhc-cg megatron, or set "
+            f"parallel.tp_size: 1")
 
 
 # No single device holds this much; a config beyond it is a typo (hidden_size: 1e20), refused
@@ -367,17 +397,22 @@ def pipeline_driver_problems(cfg: "RunConfig") -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------
-# Megatron-LM main's own mHC layer under its TE graph helper, on mhc_cg's runtime.
+# Megatron-LM's own mHC layer (main or dev) under its TE graph helper, on mhc_cg's runtime.
 
 # eager training steps before megatron's helper captures (its ``cuda_graph_warmup_steps``)
 MEGATRON_WARMUP_STEPS = 1
 MEGATRON_BACKENDS = ("te", "auto")
+MEGATRON_BRANCHES = ("main", "dev")
+# processes one run starts on one machine (one per rank)
+MEGATRON_MAX_RANKS = 8
 
 
-def megatron_main_problems(cfg: "RunConfig") -> list[str]:
-    """What ``main``'s ``HyperConnectionTransformerLayer`` under ``TECudaGraphHelper`` with
-    mhc_cg's static-buffer recompute needs beyond the general rules."""
+def megatron_problems(cfg: "RunConfig") -> list[str]:
+    """What Megatron-LM's ``HyperConnectionTransformerLayer`` (``megatron.branch``) under
+    ``TECudaGraphHelper`` with mhc_cg's static-buffer recompute needs beyond the general rules."""
     m, t, p, g = cfg.model, cfg.train, cfg.parallel, cfg.graph
+    branch = cfg.megatron.branch
+    name = f"Megatron-LM {branch}"
     problems = []
     if m.num_streams < 2:
         problems.append(f"model.num_streams: {m.num_streams} turns mHC off; set 2 or more (4 in the paper)")
@@ -385,22 +420,30 @@ def megatron_main_problems(cfg: "RunConfig") -> list[str]:
         problems.append("model.recompute: mhc_cg's runtime is the mHC recompute; set model.recompute: "
                         "block (megatron's recompute_modules: [mhc])")
     if m.dropout_impl != "torch":
-        problems.append(f"model.dropout_impl: Megatron-LM main's mHC layer draws its dropout from "
+        problems.append(f"model.dropout_impl: {name}'s mHC layer draws its dropout from "
                         f"torch's generator, not {m.dropout_impl!r}; set model.dropout_impl: torch")
     if (problem := stateful_dropout_problem("torch", m.hidden_dropout, None,
                                             "model.hidden_dropout")) is not None:
         problems.append(problem)
     if m.is_moe:
-        problems.append("model.num_experts: Megatron-LM main refuses MoE MLPs inside "
-                        "HyperConnectionTransformerLayer; set model.num_experts: null")
+        problems.append(f"model.num_experts: MoE MLPs are not run under {name}'s helper here; set "
+                        f"model.num_experts: null")
     if m.recompute_activation:
-        problems.append("model.recompute_activation: not wired for Megatron-LM main's MLP; set false")
+        problems.append(f"model.recompute_activation: not wired for {name}'s MLP; set false")
     if t.dtype != "bf16":
         problems.append(f"train.dtype: {t.dtype!r}: megatron-core's TECudaGraphHelper makes each "
                         f"layer's static inputs bf16; set train.dtype: bf16")
-    if p.pp_size != 1 or p.vpp_size != 1:
+    if branch == "main" and (p.pp_size != 1 or p.vpp_size != 1):
         problems.append(f"parallel.pp_size: {p.pp_size} x vpp_size {p.vpp_size}: Megatron-LM main "
-                        f"refuses mHC with pipeline parallelism; set pp_size: 1 and vpp_size: 1")
+                        f"refuses mHC with pipeline parallelism; set pp_size: 1 and vpp_size: 1, "
+                        f"or megatron.branch: dev")
+    if branch == "main" and p.tp_size != 1:
+        problems.append(f"parallel.tp_size: {p.tp_size}: tensor parallelism runs on Megatron-LM "
+                        f"dev's layers here; set megatron.branch: dev, or tp_size: 1")
+    if isinstance(p.tp_size, int) and isinstance(p.pp_size, int) \
+            and p.tp_size * p.pp_size > MEGATRON_MAX_RANKS:
+        problems.append(f"parallel.tp_size x pp_size: {p.tp_size * p.pp_size} processes; one "
+                        f"machine runs at most {MEGATRON_MAX_RANKS} ranks here")
     if g.backend not in MEGATRON_BACKENDS:
         problems.append(f"graph.backend: {g.backend!r}: megatron's TECudaGraphHelper captures with "
                         f"TransformerEngine's make_graphed_callables; set graph.backend: te (or auto)")

@@ -1,11 +1,12 @@
-"""The run configuration: four sections as dataclasses, what each field holds and its default.
+"""The run configuration: five sections as dataclasses, what each field holds and its default.
 
-A YAML file has up to four sections, each optional::
+A YAML file has up to five sections, each optional::
 
     model:    MHCGPTConfig fields (shape, dropout, recompute)
     train:    TrainConfig fields (steps, batch, optimiser, device)
-    parallel: ParallelConfig fields (pipeline schedule)
+    parallel: ParallelConfig fields (pipeline schedule, tensor parallelism)
     graph:    GraphConfig fields (capture backend and scope)
+    megatron: MegatronConfig fields (which Megatron-LM ``mhc-cg megatron`` runs)
 
 Building a section checks it against its rules (:mod:`mhc_cg.config.rules`), so a config built in
 code obeys the same rules as one read from YAML (:mod:`mhc_cg.config.load`).
@@ -108,6 +109,8 @@ class ParallelConfig:
     pp_size: int = 1
     vpp_size: int = 1
     microbatch_group_size: int | None = None  # None: pp_size (Megatron's default)
+    tp_size: int = 1  # tensor parallelism: under Megatron's own layers only (mhc-cg megatron)
+    sequence_parallel: bool = False  # split the sequence over the tp ranks between the matmuls
 
 
 @dataclass
@@ -139,13 +142,24 @@ class GraphConfig:
 
 
 @dataclass
+class MegatronConfig:
+    """The ``megatron`` section: which Megatron-LM ``mhc-cg megatron`` trains its own mHC GPT of."""
+
+    branch: str = "main"  # "main" | "dev": Megatron-LM's branch (a source snapshot or checkout)
+
+    def __post_init__(self):
+        _raise_problems(rules.choice_problems(("megatron.branch", self.branch, rules.MEGATRON_BRANCHES)))
+
+
+@dataclass
 class RunConfig:
-    """A whole run: the four sections."""
+    """A whole run: the five sections."""
 
     model: MHCGPTConfig = field(default_factory=MHCGPTConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     graph: GraphConfig = field(default_factory=GraphConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
     @classmethod
     def from_dict(cls, data: dict | None) -> "RunConfig":

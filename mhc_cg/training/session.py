@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from mhc_cg.config.rules import tensor_parallel_refusal
 from mhc_cg.config import RunConfig
 from mhc_cg.core.dtypes import TORCH_DTYPES
 from mhc_cg.core.errors import ConfigError
@@ -212,6 +213,8 @@ def train(cfg: RunConfig, *, steps: int | None = None, device: str | None = None
     gradients there). One process: a config with ``parallel.pp_size > 1`` runs on
     :func:`mhc_cg.training.pipeline.driver.train_pipeline` (one process per pipeline rank).
     """
+    if (refusal := tensor_parallel_refusal(cfg, "mhc-cg train")) is not None:
+        raise ConfigError(refusal)
     if cfg.parallel.pp_size > 1:
         raise ConfigError(f"parallel.pp_size: train() runs one process; a pipeline of "
                           f"{cfg.parallel.pp_size} ranks runs on train_pipeline() (mhc-cg train "

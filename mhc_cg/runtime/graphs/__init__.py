@@ -8,11 +8,11 @@ TransformerEngine-compatible ``make_graphed_callables`` on top of it.
 
 from mhc_cg.core.errors import GraphCaptureError, GraphReplayError
 from mhc_cg.runtime.graphs.backends import get_backend, resolve_backend_name
-from mhc_cg.runtime.graphs.capture import Graph, GraphBackend, PoolOrder
+from mhc_cg.runtime.graphs.capture import Graph, GraphBackend, PoolOrder, graph_capturing
 from mhc_cg.runtime.graphs.guard import CaptureSafetyReport
 from mhc_cg.runtime.graphs.graphed_callables import (GraphedCallables, OrderLayout, count_allocated_static_inputs,
                                 make_graphed_callables)
 
 __all__ = ["GraphedCallables", "OrderLayout", "count_allocated_static_inputs",
            "make_graphed_callables", "CaptureSafetyReport", "Graph", "GraphBackend", "GraphCaptureError",
-           "GraphReplayError", "PoolOrder", "get_backend", "resolve_backend_name"]
+           "GraphReplayError", "PoolOrder", "get_backend", "graph_capturing", "resolve_backend_name"]

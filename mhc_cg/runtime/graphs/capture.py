@@ -29,6 +29,19 @@ from mhc_cg.core.errors import GraphCaptureError, GraphReplayError
 from mhc_cg.runtime.graphs.guard import CaptureSafetyReport
 from mhc_cg.core.storage import storage_id
 
+# Graphs of any backend being captured right now (the tape's, mhc_cg's CUDA graphs).
+_CAPTURES_IN_PROGRESS = 0
+
+
+def graph_capturing() -> bool:
+    """Whether a graph capture is running: one of mhc_cg's backends, or a CUDA stream capture
+    (TransformerEngine's ``make_graphed_callables``, ``torch.cuda.graph``). Warm-up runs of the
+    same callables are not captures."""
+    if _CAPTURES_IN_PROGRESS:
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 # --------------------------------------------------------------------------------------------
 # Pools and their replay order.
 
@@ -145,8 +158,10 @@ class Graph(ABC):
         # Python's garbage collector must not run inside a capture: it could destroy an older
         # graph or free a tensor whose memory the capture is using (torch >= 2.9 no longer
         # pauses it around torch.cuda.graph; TE does)
+        global _CAPTURES_IN_PROGRESS
         gc_was_enabled = gc.isenabled()
         gc.disable()
+        _CAPTURES_IN_PROGRESS += 1
         try:
             with self._record():
                 yield
@@ -154,6 +169,7 @@ class Graph(ABC):
             self._state = "failed"
             raise
         finally:
+            _CAPTURES_IN_PROGRESS -= 1
             if gc_was_enabled:
                 gc.enable()
         if self.pool.independent and self.stats.escaped_bytes:

@@ -26,7 +26,7 @@ import os
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -396,8 +396,52 @@ class CaptureGuardMode(TorchDispatchMode):
         return self.report
 
 
+def wait_for_collective(out: Any) -> None:
+    """Wait on the work handle a collective (a ``c10d::`` op) returned: a replay runs the
+    collective and its completion together, as one launch."""
+    for handle in tree_flatten(out)[0]:
+        if hasattr(handle, "wait") and not isinstance(handle, torch.Tensor):
+            handle.wait()
+
+
+@contextlib.contextmanager
+def collective_waits_unseen() -> Iterator[None]:
+    """Inside: a collective's ``Work.wait()`` runs with the capture's dispatch mode off.
+
+    What a backend runs when a collective completes (gloo's reduce-scatter copies its result
+    out of a buffer of its own) belongs to the collective: a replay of the ``c10d::`` op, waited
+    on (:func:`wait_for_collective`), runs it again. Recorded as ops of their own, they would
+    copy the capture's stale buffer over the replayed result.
+    """
+    try:
+        from torch._C._distributed_c10d import Work
+    except ImportError:  # torch built without distributed
+        yield
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    original = Work.wait
+
+    def wait(self, *args, **kwargs):
+        with _disable_current_modes():
+            return original(self, *args, **kwargs)
+
+    Work.wait = wait
+    try:
+        yield
+    finally:
+        Work.wait = original
+
+
 def _written_args(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensor arguments ``func``'s schema marks as written (``Tensor(a!)``)."""
+    """The tensor arguments ``func``'s schema marks as written (``Tensor(a!)``).
+
+    A collective (``c10d::``: all-gather, reduce-scatter, all-reduce, all-to-all, broadcast,
+    receive) writes its first argument, which its schema does not mark; a send reads it, which
+    counts here as a write too (a graph must run it again either way).
+    """
+    if func.namespace == "c10d" and args:
+        return [v for v in tree_flatten(args[0])[0] if isinstance(v, torch.Tensor)]
     written = []
     for i, arg in enumerate(func._schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:

@@ -67,7 +67,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from mhc_cg.core.errors import GraphCaptureError, GraphReplayError
 from mhc_cg.core.storage import own_version_alias, storage_bytes, storage_id
 from mhc_cg.runtime.graphs.capture import Graph, GraphBackend, Pool
-from mhc_cg.runtime.graphs.guard import CaptureGuardMode, user_source_line
+from mhc_cg.runtime.graphs.guard import (CaptureGuardMode, collective_waits_unseen,
+                                         user_source_line, wait_for_collective)
 from mhc_cg.runtime.graphs.static_inputs import static_storages
 
 aten = torch.ops.aten
@@ -98,6 +99,8 @@ class RecordedOp:
             outputs = [relaid.get(id(o), o) for o in outputs]
         args, kwargs = tree_unflatten(flat_args, self.spec)
         result = self.func(*args, **kwargs)
+        if self.func.namespace == "c10d":  # as at capture; a CUDA graph orders it on its stream
+            wait_for_collective(result)
         if self.kind == _KIND_COPY_OUT:
             fresh = [r for r in tree_flatten(result)[0] if isinstance(r, torch.Tensor)]
             for captured, new in zip(outputs, fresh):
@@ -247,7 +250,7 @@ class TapeGraph(Graph):
     @contextlib.contextmanager
     def _record(self) -> Iterator[None]:
         recorder = _TapeRecorder(self.name)
-        with _host_read_traps(self.name), recorder:
+        with _host_read_traps(self.name), collective_waits_unseen(), recorder:
             yield
         self.stats = recorder.finish()
         self.made_storages = recorder.made_storages()

@@ -63,7 +63,8 @@ class PersistentSlotSet:
 
 
 class PersistentSetPool:
-    """Persistent slot sets, handed out first-in first-out along a rank's order.
+    """Persistent slot sets, handed out first-in first-out along a rank's order; whenever none is
+    in use (between steps) the free list is back in index order.
 
     ``capacity`` is how many microbatches may be in flight (the schedule planner's figure); asking
     for more is an error, since a graph captured on a set must never see its set reused early.
@@ -100,6 +101,10 @@ class PersistentSetPool:
             raise StaticRecomputeError(f"persistent set {pset.index} released twice")
         self._in_use.remove(pset)
         self._free.append(pset)
+        if not self._in_use:
+            # every step starts from index order, as assign_persistent_slot_sets assumes: a graph
+            # captured for microbatch k of a step writes the set that k takes in every step
+            self._free = deque(self._sets)
 
     def all_sets(self) -> list[PersistentSlotSet]:
         return list(self._sets)

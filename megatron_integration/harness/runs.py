@@ -1,0 +1,225 @@
+"""Megatron-LM's own mHC GPT (``main`` or ``dev``) under its TE graph helper, on mhc_cg's runtime
+and beside Megatron's own runs; one process per rank.
+
+Every run trains the branch's ``GPTModel`` of ``HyperConnectionTransformerLayer``s from the same
+weights, data and update (:mod:`megatron_integration.harness.training`), ``{branch}`` being
+``main`` or ``dev``:
+
+* ``{branch}_eager_none``: no recompute, no graphs;
+* ``{branch}_eager_mhc``: Megatron's own ``recompute_modules: [mhc]``, eager;
+* ``{branch}_graphed_mhc``: ``[mhc]`` under Megatron's own ``TECudaGraphHelper`` with
+  ``cuda_graph_modules: [attn]`` (``main``: the attention side's mHC ops run inside the layer
+  graph, where no recompute manager reaches them; ``dev``: its attention-only split with
+  ``MHCRecomputeArena``). Where the branch's config refuses it (``dev`` with VPP), the run is
+  recorded as refused, with Megatron's message;
+* ``mhc_cg``: the same layers with ``GraphedSublayerMixin`` on mhc_cg's static runtime (Megatron's
+  own mHC recompute off), the layer graphs captured by Megatron's helper
+  (:func:`megatron_integration.capture.te_graph_helper.make_te_graph_helper`) and the recompute
+  graphs along the same order.
+
+The branch's megatron.core must be first on the path:
+:mod:`megatron_integration.harness.child_process` starts ``tp x pp`` processes of
+``python -m megatron_integration.harness.runs SPEC.json OUT_DIR RANK WORLD PORT``, and each
+writes ``OUT_DIR/rank{RANK}.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from mhc_cg.config import RunConfig
+from mhc_cg.core.dtypes import TORCH_DTYPES
+
+from megatron_integration.config.field_map import WARMUP_STEPS, megatron_config_kwargs
+from megatron_integration.harness.training import TrainSetup, train_run, wrap_for_training
+
+BRANCHES = ("main", "dev")
+OURS = "mhc_cg"
+_RECOMPUTE_FIELDS = ("recompute_granularity", "recompute_modules", "mhc_recompute_layer_num")
+
+
+def runs_of(branch: str) -> tuple[str, ...]:
+    """Every run of a comparison on ``branch``, references first."""
+    return (f"{branch}_eager_none", f"{branch}_eager_mhc", f"{branch}_graphed_mhc", OURS)
+
+
+def references(branch: str) -> tuple[str, ...]:
+    """The runs ``mhc_cg`` must equal bit for bit: ``main``'s two eager runs (its own recompute
+    is exact); ``dev``'s run without recompute."""
+    return (f"{branch}_eager_none", f"{branch}_eager_mhc") if branch == "main" \
+        else (f"{branch}_eager_none",)
+
+
+def run_kwargs(kwargs: dict, run: str, branch: str) -> dict:
+    """The branch's config of one run: the mapped config less what the run leaves out."""
+    kwargs = dict(kwargs)
+    if run.endswith("_eager_none"):
+        for name in _RECOMPUTE_FIELDS:
+            kwargs.pop(name)
+    elif run == OURS and branch == "dev":
+        # dev's own mHC recompute off: the runtime recomputes, in blocks of
+        # mhc_recompute_layer_num layers (and dev refuses [mhc] with layer graphs beyond its
+        # attention split)
+        for name in _RECOMPUTE_FIELDS[:2]:
+            kwargs.pop(name)
+    if "_eager" in run:
+        kwargs.update(cuda_graph_impl="none", cuda_graph_modules=[])
+    return kwargs
+
+
+def transformer_config(kwargs: dict):
+    """The branch's ``TransformerConfig`` from :func:`megatron_config_kwargs`'s plain values."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtypes = {k: TORCH_DTYPES[kwargs[k]] for k in ("params_dtype", "pipeline_dtype")}
+    return TransformerConfig(**{**kwargs, **dtypes})
+
+
+def setup_of(cfg: RunConfig) -> TrainSetup:
+    m, t = cfg.model, cfg.train
+    return TrainSetup(vocab_size=m.vocab_size, seq_length=m.seq_length,
+                      micro_batch_size=t.micro_batch_size, num_microbatches=t.num_microbatches,
+                      steps=t.steps, lr=t.lr, seed=t.seed, warmup_steps=WARMUP_STEPS)
+
+
+def decoder_spec(branch: str, config, vp_stage: int | None, *, cpu: bool, graphed: bool):
+    """The GPT's layer (``main``) or block (``dev``) spec for one model chunk."""
+    if branch == "dev":
+        from megatron_integration.layers.dev_layer import dev_block_spec, dev_mhc_layer_spec
+
+        return dev_block_spec(dev_mhc_layer_spec(cpu=cpu, graphed=graphed), config, vp_stage,
+                              cpu=cpu)
+    from megatron_integration.layers.main_layer import main_mhc_layer_spec
+
+    return main_mhc_layer_spec(cpu_attention=cpu, graphed=graphed)
+
+
+def build_run(run: str, cfg: RunConfig, branch: str, cpu: bool):
+    """``(this rank's DDP-wrapped model chunks, TE graph helper or None)`` of one run;
+    ``ValueError`` where the branch's config refuses the run."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
+
+    from megatron_integration.capture.te_graph_helper import make_te_graph_helper
+
+    config = transformer_config(run_kwargs(megatron_config_kwargs(cfg, branch)[0], run, branch))
+    if torch.distributed.get_world_size() > 1:
+        config.finalize_model_grads_func = finalize_model_grads  # TP and embedding all-reduces
+    setup = setup_of(cfg)
+    vpp = cfg.parallel.vpp_size
+    torch.manual_seed(setup.seed)  # the same weights in every run
+    chunks = []
+    for stage in range(vpp):
+        where = dict(ignore_virtual=False, vp_stage=stage) if vpp > 1 else {}
+        spec = decoder_spec(branch, config, stage if vpp > 1 else None, cpu=cpu,
+                            graphed=run == OURS)
+        model = GPTModel(config, spec, vocab_size=setup.vocab_size,
+                         max_sequence_length=setup.seq_length,
+                         pre_process=parallel_state.is_pipeline_first_stage(**where),
+                         post_process=parallel_state.is_pipeline_last_stage(**where),
+                         **({"vp_stage": stage} if vpp > 1 else {}))
+        chunks.append(wrap_for_training(model if cpu else model.cuda(), config))
+    helper = None
+    if run.endswith("_graphed_mhc"):
+        helper = TECudaGraphHelper(chunks, config, setup.seq_length, setup.micro_batch_size)
+    elif run == OURS:
+        helper = make_te_graph_helper(chunks, config, setup.seq_length, setup.micro_batch_size,
+                                      recompute_graphs=megatron_config_kwargs(cfg, branch)[1])
+    return chunks, helper
+
+
+def rank_runs(cfg: RunConfig, runs: list[str], branch: str, cpu: bool) -> dict:
+    """Train each of ``runs`` on this rank; ``{name: this rank's measurements}``, or
+    ``{name: {"refused": Megatron's message}}`` for a run the branch's config refuses."""
+    from megatron.core import parallel_state
+
+    from megatron_integration.harness.training import use_microbatches
+
+    use_microbatches(setup_of(cfg))
+    where = {"rank": torch.distributed.get_rank(),
+             "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+             "tp_rank": parallel_state.get_tensor_model_parallel_rank()}
+    log_steps = (parallel_state.is_pipeline_last_stage(ignore_virtual=True) and where["tp_rank"] == 0)
+    results = {}
+    for run in runs:
+        try:
+            chunks, helper = build_run(run, cfg, branch, cpu)
+        except ValueError as refused:
+            if not run.endswith("_graphed_mhc"):
+                raise
+            results[run] = {"refused": str(refused).splitlines()[0], **where}
+            continue
+        results[run] = {**where, **train_run(run, chunks, setup_of(cfg), helper=helper, cpu=cpu,
+                                             log_steps=log_steps)}
+    return results
+
+
+def compare_ranks(per_rank: list[dict], branch: str) -> dict:
+    """Every rank's results as ``{"runs": {name: {"losses", "ranks": [...]}}, "bit_identical",
+    "mismatches"}``: ``bit_identical`` holds when ``mhc_cg``'s losses and every gradient byte on
+    every rank equal each reference run's (``None`` when there is nothing to compare)."""
+    names = list(per_rank[0])
+    runs = {}
+    for name in names:
+        ranks = sorted((r[name] for r in per_rank), key=lambda r: r["rank"])
+        if "refused" in ranks[0]:
+            runs[name] = {"refused": ranks[0]["refused"], "losses": [], "ranks": ranks}
+            continue
+        losses = next((r["losses"] for r in ranks if r["losses"]), [])
+        runs[name] = {"losses": losses, "ranks": ranks}
+    mismatches = []
+    present = [ref for ref in references(branch) if ref in runs and "refused" not in runs[ref]]
+    if OURS in runs:
+        for ref in present:
+            if runs[OURS]["losses"] != runs[ref]["losses"]:
+                steps = [i + 1 for i, (a, b) in enumerate(zip(runs[OURS]["losses"],
+                                                              runs[ref]["losses"])) if a != b]
+                mismatches.append(f"mhc_cg losses differ from {ref} at steps {steps}")
+            for ours, theirs in zip(runs[OURS]["ranks"], runs[ref]["ranks"]):
+                steps = [i + 1 for i, (a, b) in enumerate(zip(ours["grad_digests"],
+                                                              theirs["grad_digests"])) if a != b]
+                if steps:
+                    mismatches.append(f"mhc_cg gradients on rank {ours['rank']} differ from {ref} "
+                                      f"at steps {steps}")
+    identical = None if not present or OURS not in runs else not mismatches
+    return {"runs": runs, "bit_identical": identical, "mismatches": mismatches}
+
+
+def child_main(argv: list[str]) -> None:
+    """``SPEC.json OUT_DIR RANK WORLD PORT``; ``SPEC``: ``{"config": RunConfig as a dict, "runs":
+    [...], "device": ..., "branch": "main" | "dev"}``."""
+    spec = json.loads(Path(argv[0]).read_text())
+    rank, world, port = int(argv[2]), int(argv[3]), int(argv[4])
+    cpu = spec["device"] != "cuda"
+    if cpu:
+        from megatron_integration.harness.megatron_on_cpu import install_cpu_shims
+
+        install_cpu_shims()
+    import megatron.core  # noqa: F401  (before TransformerEngine's stand-in, see child_process)
+
+    from megatron_integration.harness.child_process import STANDIN_ENV, load_te_standin
+    from megatron_integration.harness.training import init_ranks
+
+    if os.environ.get(STANDIN_ENV):
+        load_te_standin(os.environ[STANDIN_ENV])
+
+    cfg = RunConfig.from_dict(spec["config"])
+    p = cfg.parallel
+    init_ranks(cpu, cfg.train.seed, rank=rank, world_size=world, port=port, tp_size=p.tp_size,
+               pp_size=p.pp_size, vpp_size=p.vpp_size)
+    result = rank_runs(cfg, spec["runs"], spec["branch"], cpu)
+    out = {"runs": result, "megatron_core": megatron.core.__file__}
+    Path(argv[1], f"rank{rank}.json").write_text(json.dumps(out))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    child_main(sys.argv[1:])

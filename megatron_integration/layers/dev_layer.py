@@ -1,0 +1,150 @@
+"""Megatron-LM ``dev``'s own mHC layer (its ``HyperConnectionTransformerLayer``) on mhc_cg's runtimes.
+
+``dev`` keeps ``main``'s class and module names but not their arithmetic, so the step adapters
+of :mod:`megatron_integration.layers.main_layer` are subclassed here where ``dev`` differs:
+
+* the three readers of a sublayer's input (mappings, aggregate, H_res) take three views of it
+  from ``dev``'s ``BroadcastTensorFused``, whose backward sums their gradients in one fixed
+  order (``_fused_add_3_op``), whatever order autograd delivers them in;
+* H_res is applied transposed (``H_res^T x``, a ``bmm`` of the transposed matrix) and H_post with
+  F's bias as ``dev``'s ``native_h_post_bda`` adds them: ``H_post y + H_post bias + mixed``;
+* the MLP's input is cast back to ``params_dtype`` before its norm (dense layers), as ``dev``'s
+  ``_forward_mlp`` does;
+* the stream boundaries are ``dev``'s own block methods (``preprocess_for_layer_schedule``:
+  the pipeline's received tensor and the n-fold expand; ``postprocess_for_layer_schedule``: its
+  learned output contraction and the final norm).
+
+Every step calls ``dev``'s module functions, so the static runtime's forward, recompute and the
+reference run compute the same bits. ``dev``'s dropout-free path only (``hidden_dropout: 0``):
+its dropout draws from torch's stateful generator, as ``main``'s does. Everything from
+``megatron.core`` is imported lazily: ``dev``'s megatron.core must be first on the path.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from megatron_integration.layers.main_layer import (MainLayerSteps, MainSublayerSteps,
+                                                    graphed_layer_class)
+
+# keywords dev's block takes that its attention does not
+_BLOCK_ONLY_KWARGS = ("input_ids", "extract_layer_indices", "dynamic_inference_decode_only",
+                      "inference_params")
+
+
+def is_dev_config(config) -> bool:
+    """``dev``'s mHC config (``enable_hyper_connections`` + ``num_residual_streams``) on a
+    ``HyperConnectionTransformerLayer``; ``main`` spells it ``mhc_num_residual_streams``."""
+    return hasattr(config, "num_residual_streams") and not hasattr(config, "mhc_num_residual_streams")
+
+
+def dev_mhc_layer_spec(*, cpu: bool = False, graphed: bool = False):
+    """``dev``'s own local GPT layer spec with mHC (``get_gpt_layer_local_spec(
+    enable_hyper_connection=True)``, RMSNorm). ``cpu``: ``SDPACoreAttention`` as the core
+    attention and ``SequenceParallelRMSNorm`` as the norms (megatron's local ones refuse sequence
+    parallelism). ``graphed``: the layer class with ``GraphedSublayerMixin`` (same parameters)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm",
+                                                  enable_hyper_connection=True))
+    if graphed:
+        spec.module = graphed_layer_class(spec.module)
+    if cpu:
+        from megatron_integration.layers.cpu_norm import SequenceParallelRMSNorm
+        from megatron_integration.layers.sdpa_attention import SDPACoreAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+        spec.submodules.input_layernorm = SequenceParallelRMSNorm
+        spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    return spec
+
+
+def dev_block_spec(layer_spec, config, vp_stage: int | None, *, cpu: bool = False):
+    """The decoder spec of one model chunk: ``layer_spec`` for each of its layers and, on the
+    CPU, ``SequenceParallelRMSNorm`` as the final norm (megatron's default there is its local
+    norm, which refuses sequence parallelism)."""
+    from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+                                                             get_num_layers_to_build)
+
+    if not cpu:
+        return layer_spec
+    from megatron_integration.layers.cpu_norm import SequenceParallelRMSNorm
+
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * layers,
+                                      layer_norm=SequenceParallelRMSNorm)
+
+
+class DevSublayerSteps(MainSublayerSteps):
+    """The attention or MLP sublayer of ``dev``'s ``HyperConnectionTransformerLayer``."""
+
+    def __init__(self, layer, which: str):
+        attention = which == "attention"
+        self.layer = layer
+        self.hc = layer.self_attention_hyper_connection if attention else layer.mlp_hyper_connection
+        norm = layer.input_layernorm if attention else layer.pre_mlp_layernorm
+        dtype = layer.config.params_dtype
+        self.norm = norm if attention or layer.is_moe_layer else _in_dtype(norm, dtype)
+        config = layer.config
+        self.cfg = SimpleNamespace(dropout_impl="torch", hidden_dropout=layer.hidden_dropout,
+                                   num_streams=config.num_residual_streams,
+                                   hidden_size=config.hidden_size)
+        self.fn: Callable[[Tensor], Tensor] | None = None
+        self.bias: Tensor | None = None
+        self._views: tuple[Tensor, Tensor, Tensor] | None = None  # (x, aggregate's, H_res's)
+
+    def mappings(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        from megatron.core.transformer.hyper_connection import BroadcastTensorFused
+
+        for_mappings, for_aggregate, for_residual = BroadcastTensorFused.apply(
+            x, self.hc._fused_add_3_op)
+        self._views = (x, for_aggregate, for_residual)
+        return self.hc.compute_mappings(for_mappings)
+
+    def _view(self, x: Tensor, which: int) -> Tensor:
+        if self._views is None or self._views[0] is not x:
+            raise RuntimeError("DevSublayerSteps: aggregate/h_res_step called on another input "
+                               "than the last mappings(); call mappings(x) first")
+        return self._views[which]
+
+    def aggregate(self, x: Tensor, h_pre: Tensor) -> Tensor:
+        return self.hc.aggregate(self._view(x, 1), h_pre)
+
+    def h_res_step(self, h_res: Tensor, x: Tensor) -> Tensor:
+        """``H_res^T x`` as ``dev``'s ``native_h_post_bda`` computes it, ``[s, b, n, C]``."""
+        residual = self._view(x, 2)
+        self._views = None  # the last reader of x
+        s, b, _ = residual.shape
+        n, c = self.cfg.num_streams, self.cfg.hidden_size
+        mixed = torch.bmm(h_res.view(s * b, n, n).transpose(1, 2), residual.view(s * b, n, c))
+        return mixed.view(s, b, n, c)
+
+    def post_bda(self, y: Tensor, h_post: Tensor, mixed: Tensor, seed: Tensor | None) -> Tensor:
+        """``H_post y (+ H_post bias) + mixed``, ``dev``'s dropout-free post, op for op."""
+        s, b, n, c = mixed.shape
+        out = h_post.unsqueeze(-1) * y.unsqueeze(2)
+        if self.bias is not None:
+            out = out + h_post.unsqueeze(-1) * self.bias.view(1, 1, 1, c)
+        return (out + mixed).view(s, b, n * c)
+
+
+def _in_dtype(norm, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
+    def cast_then_norm(h: Tensor) -> Tensor:
+        return norm(h if h.dtype == dtype else h.to(dtype))
+    return cast_then_norm
+
+
+class DevLayerSteps(MainLayerSteps):
+    """Both sublayers of ``dev``'s layer; ``bind`` drops the block-only keywords first."""
+
+    sublayer_type = DevSublayerSteps
+
+    def bind(self, attention_mask: Tensor | None = None, **kwargs) -> "DevLayerSteps":
+        for name in _BLOCK_ONLY_KWARGS:
+            kwargs.pop(name, None)
+        return super().bind(attention_mask, **kwargs)
