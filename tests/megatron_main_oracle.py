@@ -473,15 +473,21 @@ def _shaped(base, shape: dict):
 
 def main_helper_job(shapes: list[dict]) -> dict:
     """Megatron-LM main's GPT under its TE graph helper, for each shape: main's three runs and
-    mhc_cg's (``megatron_integration.harness.main_runs.compare_runs``, what ``mhc-cg megatron --compare``
-    runs), from the shipped config with the shape's layers, block size and microbatches."""
+    mhc_cg's (``megatron_integration.harness.runs.rank_runs``, what ``mhc-cg megatron --compare``
+    runs), from the shipped config with the shape's layers, block size and microbatches: per run,
+    the one rank's measurements."""
     from mhc_cg.config import load_config
-    from megatron_integration.harness.main_runs import RUNS, compare_runs
+    from megatron_integration.harness.runs import compare_ranks, rank_runs, runs_of
 
     _init_model_parallel()
     base = load_config(MAIN_CONFIG).replace(train={"device": "cpu"})
-    return {"cases": [dict(shape=shape, **compare_runs(_shaped(base, shape), list(RUNS), cpu=True))
-                      for shape in shapes]}
+    cases = []
+    for shape in shapes:
+        per_rank = rank_runs(_shaped(base, shape), list(runs_of("main")), "main", cpu=True)
+        verdict = compare_ranks([per_rank], "main")
+        cases.append(dict(shape=shape, runs=per_rank, bit_identical=verdict["bit_identical"],
+                          mismatches=verdict["mismatches"]))
+    return {"cases": cases}
 
 
 CORE_RUNS = ("core_eager_none", "core_eager_block", "mhc_cg")
@@ -537,7 +543,7 @@ def core_helper_job(shapes: list[dict]) -> dict:
         runs = {}
         for run in CORE_RUNS:
             chunk, helper = _core_gpt(run, shape, setup)
-            runs[run] = train_run(run, chunk, setup, helper=helper, cpu=True)
+            runs[run] = train_run(run, [chunk], setup, helper=helper, cpu=True)
             runs[run]["recompute_graphs"] = [list(vars(key).values()) for key in
                                              getattr(helper, "mhc_recompute_graphs", {})]
             runs[run]["order"] = getattr(helper, "mhc_order", None)

@@ -141,12 +141,18 @@ def test_cli_compare_json_on_the_shipped_config(main_snapshot):
     result = json.loads(proc.stdout)
     assert set(result) == {"bit_identical", "runs"} and result["bit_identical"] is True
     assert set(result["runs"]) == {"main_eager_none", "main_eager_mhc", "main_graphed_mhc", "mhc_cg"}
-    assert all(set(run) == {"losses", "saved_bytes_per_layer", "layer_graph_replays_per_step",
-                            "recompute_graph_replays_per_step"} for run in result["runs"].values())
-    ours, runs = result["runs"]["mhc_cg"], result["runs"]
+    assert all(set(run) == {"losses", "ranks"} and len(run["ranks"]) == 1
+               for run in result["runs"].values())
+    rank = {name: run["ranks"][0] for name, run in result["runs"].items()}
+    assert set(rank["mhc_cg"]) == {"rank", "pp_rank", "tp_rank", "saved_bytes_per_layer",
+                                   "persistent_slot_sets", "arena_bytes",
+                                   "layer_graph_replays_per_step",
+                                   "recompute_graph_replays_per_step"}
+    ours = rank["mhc_cg"]
     assert ours["layer_graph_replays_per_step"] > 0 and ours["recompute_graph_replays_per_step"] > 0
-    assert ours["saved_bytes_per_layer"] <= runs["main_eager_mhc"]["saved_bytes_per_layer"]
-    assert ours["saved_bytes_per_layer"] < runs["main_graphed_mhc"]["saved_bytes_per_layer"]
+    assert ours["persistent_slot_sets"] == 1 and ours["arena_bytes"] > 0
+    assert ours["saved_bytes_per_layer"] <= rank["main_eager_mhc"]["saved_bytes_per_layer"]
+    assert ours["saved_bytes_per_layer"] < rank["main_graphed_mhc"]["saved_bytes_per_layer"]
     assert "[mhc-cg megatron] mhc_cg: step 4/4" in proc.stderr  # progress on stderr
 
 

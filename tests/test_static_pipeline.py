@@ -107,3 +107,26 @@ def test_graphed_sublayers_per_microbatch_along_the_order():
             assert torch.equal(p.grad, ref_params[name].grad), name
     assert sets.in_use == 0 and arena.nbytes == runtimes[2].arena.nbytes
     assert all(g.stats.violations == 0 for g in graphed.graphs())
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_every_step_takes_the_sets_the_captures_were_bound_to(rank):
+    """A graph captured for microbatch k writes the set k takes along the order: the pool must
+    hand out the same sets in every step, not only the first (the release order of an
+    interleaved schedule is not the acquire order)."""
+    from types import SimpleNamespace
+
+    from mhc_cg.core.schedule import assign_persistent_slot_sets, decode_order, max_persistent_slot_sets
+
+    order = pipeline_order(2, rank, 4, vpp_size=2)
+    pool = PersistentSetPool(max_persistent_slot_sets(order), lambda i: SimpleNamespace(index=i))
+    for _ in range(3):
+        held, taken = {}, []
+        for step in decode_order(order):
+            key = (step.chunk, step.microbatch)
+            if step.forward:
+                held[key] = pool.acquire()
+                taken.append(held[key].index)
+            else:
+                pool.release(held.pop(key))
+        assert taken == assign_persistent_slot_sets(order)

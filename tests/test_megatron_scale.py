@@ -1,0 +1,155 @@
+"""Megatron-LM dev's own mHC GPT at scale, under dev's own TE graph helper, on mhc_cg's runtime.
+
+One process per rank (gloo on the CPU; TransformerEngine's graph API on the tape), dev's
+``GPTModel`` of ``HyperConnectionTransformerLayer``s trained with megatron-core's
+``forward_backward_func``, ``cuda_graph_modules: [attn, mhc_recompute]``:
+
+* ``mhc-cg megatron --compare --json`` on the shipped tp 2 (sequence parallel) x pp 2 and
+  pp 2 x vpp 2 configs, beside dev's own runs: bit-identical to dev without recompute on every
+  rank, every layer graph and recompute graph replayed, each rank's persistent slot sets the count
+  ``mhc-cg schedule`` prints for its pipeline rank, saved bytes per layer at most dev's;
+* another layer count, microbatch count and block size through the same job.
+
+The snapshot is ``../shared/third_party/megatron-lm-dev-*.tar.gz``.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mhc_cg.config import load_config
+from megatron_main_oracle import skip_reason, snapshot_archive
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = {"tp2_pp2": "configs/megatron_dev_tp2_pp2.yaml",
+           "pp2_vpp2": "configs/megatron_dev_pp2_vpp2.yaml"}
+RUNS = ("dev_eager_none", "dev_eager_mhc", "dev_graphed_mhc", "mhc_cg")
+
+
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "mhc_cg", *args], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, timeout=600)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def shipped(request):
+    if snapshot_archive("dev") is None:
+        pytest.skip(skip_reason("dev"))
+    path = CONFIGS[request.param]
+    proc = _cli("megatron", "--config", path, "--compare", "--json")
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return request.param, load_config(ROOT / path), json.loads(proc.stdout), proc.stderr
+
+
+def _schedule_slot_sets(cfg) -> dict[int, int]:
+    p = cfg.parallel
+    proc = _cli("schedule", "--pp", str(p.pp_size), "--vpp", str(p.vpp_size), "--microbatches",
+                str(cfg.train.num_microbatches), "--json")
+    assert proc.returncode == 0, proc.stderr
+    return {r["rank"]: r["persistent_slot_sets"] for r in json.loads(proc.stdout)["ranks"]}
+
+
+def _layers_per_rank(cfg) -> int:
+    return cfg.model.num_layers // cfg.parallel.pp_size
+
+
+def test_shipped_config_is_bit_identical_to_dev_on_every_rank(shipped):
+    name, cfg, result, stderr = shipped
+    p = cfg.parallel
+    assert result["bit_identical"] is True
+    assert set(result["runs"]) == set(RUNS)
+    ours = result["runs"]["mhc_cg"]
+    reference = result["runs"]["dev_eager_none"]
+    assert ours["losses"] == reference["losses"] and len(ours["losses"]) == cfg.train.steps
+    ranks = [(r["pp_rank"], r["tp_rank"]) for r in ours["ranks"]]
+    assert ranks == [(pp, tp) for pp in range(p.pp_size) for tp in range(p.tp_size)]
+    blocks_per_chunk = cfg.model.num_layers // (p.pp_size * p.vpp_size) // cfg.model.recompute_layers
+    m = cfg.train.num_microbatches
+    for rank in ours["ranks"]:
+        # every layer graph of the rank, forward and backward, once per microbatch
+        assert rank["layer_graph_replays_per_step"] == 2 * _layers_per_rank(cfg) * m
+        # every recompute block of every chunk, by its hook, once per microbatch
+        assert rank["recompute_graph_replays_per_step"] == blocks_per_chunk * p.vpp_size * m > 0
+        assert rank["arena_bytes"] > 0
+    assert f"[mhc-cg megatron] mhc_cg: step {cfg.train.steps}/{cfg.train.steps}" in stderr
+
+
+def test_each_rank_holds_the_slot_sets_its_order_needs(shipped):
+    _, cfg, result, _ = shipped
+    planned = _schedule_slot_sets(cfg)
+    got = {(r["pp_rank"], r["tp_rank"]): r["persistent_slot_sets"]
+           for r in result["runs"]["mhc_cg"]["ranks"]}
+    print(f"\nslot sets per (pp, tp) rank: {got}; mhc-cg schedule: {planned}")
+    assert all(sets == planned[pp] for (pp, _), sets in got.items())
+    if cfg.parallel.pp_size > 1:  # the first stage keeps more microbatches in flight
+        assert planned[0] > planned[cfg.parallel.pp_size - 1]
+
+
+def test_saved_bytes_at_most_dev_on_every_rank(shipped):
+    name, cfg, result, _ = shipped
+    runs = result["runs"]
+    for index, ours in enumerate(runs["mhc_cg"]["ranks"]):
+        saved = {run: runs[run]["ranks"][index]["saved_bytes_per_layer"]
+                 for run in RUNS if runs[run]["ranks"]}
+        print(f"\n{name} rank {ours['rank']} saved bytes per layer: {saved}")
+        assert saved["mhc_cg"] <= saved["dev_eager_mhc"] < saved["dev_eager_none"]
+        if "dev_graphed_mhc" in saved:
+            assert saved["mhc_cg"] < saved["dev_graphed_mhc"]
+
+
+def test_dev_refuses_its_own_graphed_recompute_with_vpp_and_says_why(shipped):
+    name, cfg, result, _ = shipped
+    graphed = result["runs"]["dev_graphed_mhc"]
+    if cfg.parallel.vpp_size == 1:
+        assert "refused" not in graphed and graphed["ranks"]
+        return
+    assert graphed["ranks"] == [] and graphed["losses"] == []
+    assert "overlap_moe_expert_parallel_comm" in graphed["refused"]
+
+
+def test_another_layer_count_microbatch_count_and_block_size():
+    """pp 2, 6 layers in blocks of 3, 3 microbatches (an odd count: the first stage holds 2
+    in flight), through the job ``mhc-cg megatron`` runs."""
+    if snapshot_archive("dev") is None:
+        pytest.skip(skip_reason("dev"))
+    from megatron_integration.harness.child_process import run_megatron_job
+    from megatron_integration.harness.runs import compare_ranks
+
+    cfg = load_config(ROOT / CONFIGS["tp2_pp2"]).replace(
+        model={"num_layers": 6, "recompute_layers": 3},
+        train={"num_microbatches": 3, "device": "cpu"},
+        parallel={"tp_size": 1, "sequence_parallel": False})
+    per_rank = run_megatron_job({"config": cfg.to_dict(), "runs": ["dev_eager_none", "mhc_cg"],
+                                 "device": "cpu", "branch": "dev"}, world_size=2, timeout=300)
+    result = compare_ranks([r["runs"] for r in per_rank], "dev")
+    assert result["bit_identical"] is True, result["mismatches"]
+    planned = _schedule_slot_sets(cfg)
+    for rank in result["runs"]["mhc_cg"]["ranks"]:
+        assert rank["persistent_slot_sets"] == planned[rank["pp_rank"]]
+        assert rank["layer_graph_replays_per_step"] == 2 * 3 * 3
+        assert rank["layer_graphs_not_replayed_in_step"] == 0
+        assert rank["recompute_graph_replays_per_step"] == 1 * 3
+        assert rank["recomputed_sublayers_per_step"] == 2 * 3 * 3
+    assert planned == {0: 2, 1: 1}
+
+
+def test_bad_combinations_are_one_line_each_before_any_process(tmp_path):
+    config = tmp_path / "bad.yaml"
+    text = (ROOT / CONFIGS["tp2_pp2"]).read_text()
+    config.write_text(text.replace("tp_size: 2", "tp_size: 3").replace("num_layers: 4",
+                                                                       "num_layers: 3"))
+    proc = _cli("megatron", "--config", str(config))
+    assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    for field in ("model.num_heads", "model.num_layers"):
+        assert any(line.startswith(f"mhc-cg megatron: error: {field}:") for line in lines), field
+    missing = _cli("megatron", "--config", CONFIGS["pp2_vpp2"],
+                   env={"MHC_CG_THIRD_PARTY": str(tmp_path), "MHC_CG_MEGATRON_LM_DEV": ""})
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert "MHC_CG_MEGATRON_LM_DEV" in missing.stderr.strip()
+    own = _cli("train", "--config", CONFIGS["tp2_pp2"], "--steps", "1")
+    assert own.returncode == 2 and "parallel.tp_size" in own.stderr and "Traceback" not in own.stderr
