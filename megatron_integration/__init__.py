@@ -6,11 +6,12 @@ imports nothing from megatron-core):
 * ``MHCTransformerConfig``, ``to_transformer_config``: megatron-core's config with the mHC fields,
   and mhc_cg's YAML mapped onto it (``config/``);
 * ``get_mhc_layer_spec``, ``MHCTransformerBlock``: mhc_cg's mHC layer as a megatron-core layer
-  spec; ``main_mhc_layer_spec``: Megatron-LM main's own ``HyperConnectionTransformerLayer``
-  (``layers/``);
+  spec; ``main_mhc_layer_spec`` / ``dev_mhc_layer_spec``: Megatron-LM main's / dev's own
+  ``HyperConnectionTransformerLayer`` (``layers/``);
 * ``make_te_graph_helper``: megatron's ``TECudaGraphHelper`` with every decoder on mhc_cg's static
-  runtime and the recompute graphs captured along the helper's order; ``install_static_recompute``
-  and ``StaticMHCBlock`` for the parts (``capture/``).
+  runtime (every chunk of a rank sharing one arena and one pool of persistent slot sets) and the
+  recompute graphs captured along the helper's order; ``install_rank``,
+  ``install_static_recompute`` and ``StaticMHCBlock`` for the parts (``capture/``).
 
 ``harness/`` is not for import by users: it runs Megatron-LM snapshots in child processes for
 ``mhc-cg megatron`` and the tests (training loop, measurements, CPU shims, TransformerEngine's
@@ -28,8 +29,10 @@ _EXPORTS = {
     "MHCTransformerBlock": "megatron_integration.layers.mhc_layer",
     "MegatronMHCTransformerLayer": "megatron_integration.layers.mhc_layer",
     "main_mhc_layer_spec": "megatron_integration.layers.main_layer",
+    "dev_mhc_layer_spec": "megatron_integration.layers.dev_layer",
     "make_te_graph_helper": "megatron_integration.capture.te_graph_helper",
     "install_static_recompute": "megatron_integration.capture.install",
+    "install_rank": "megatron_integration.capture.install",
     "StaticMHCBlock": "megatron_integration.capture.static_block",
 }
 

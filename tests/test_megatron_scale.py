@@ -153,3 +153,68 @@ def test_bad_combinations_are_one_line_each_before_any_process(tmp_path):
     assert "MHC_CG_MEGATRON_LM_DEV" in missing.stderr.strip()
     own = _cli("train", "--config", CONFIGS["tp2_pp2"], "--steps", "1")
     assert own.returncode == 2 and "parallel.tp_size" in own.stderr and "Traceback" not in own.stderr
+
+
+CORE_SHAPES = {"pp2": dict(pp_size=2, vpp_size=1, tp_size=1, m=2, recompute_layers=2),
+               "pp2_vpp2": dict(pp_size=2, vpp_size=2, tp_size=1, m=4, recompute_layers=1),
+               "tp2sp_pp2": dict(pp_size=2, vpp_size=1, tp_size=2, m=2, recompute_layers=2)}
+
+
+@pytest.mark.parametrize("shape", sorted(CORE_SHAPES))
+def test_our_layer_on_megatron_core_0_16_at_scale_is_bit_identical(shape):
+    """megatron-core 0.16.1 (no mHC guard, no mHC in its schedules) with mhc_cg's own layer under
+    its TE graph helper, counter dropout 0.1: bit-identical to the same model without recompute on
+    every rank; under sequence parallelism the mHC parameters' gradients are summed over the
+    tensor-parallel ranks like the norms'."""
+    from megatron_integration.harness.child_process import run_megatron_job
+    from megatron_integration.harness.runs import compare_ranks
+
+    s = CORE_SHAPES[shape]
+    cfg = load_config(ROOT / CONFIGS["pp2_vpp2"]).replace(
+        model={"hidden_dropout": 0.1, "dropout_impl": "counter",
+               "recompute_layers": s["recompute_layers"]},
+        train={"num_microbatches": s["m"], "device": "cpu"},
+        parallel={"pp_size": s["pp_size"], "vpp_size": s["vpp_size"], "tp_size": s["tp_size"],
+                  "sequence_parallel": s["tp_size"] > 1},
+        megatron={"branch": "core"})
+    per_rank = run_megatron_job({"config": cfg.to_dict(), "runs": ["core_eager_none", "mhc_cg"],
+                                 "device": "cpu", "branch": "core"},
+                                world_size=s["tp_size"] * s["pp_size"], timeout=300)
+    result = compare_ranks([r["runs"] for r in per_rank], "core")
+    assert result["bit_identical"] is True, result["mismatches"]
+    planned = _schedule_slot_sets(cfg)
+    layers = cfg.model.num_layers // s["pp_size"]
+    blocks = layers // s["recompute_layers"]
+    for ours, reference in zip(result["runs"]["mhc_cg"]["ranks"],
+                               result["runs"]["core_eager_none"]["ranks"]):
+        assert ours["persistent_slot_sets"] == planned[ours["pp_rank"]]
+        assert ours["layer_graph_replays_per_step"] == 2 * layers * s["m"]
+        assert ours["layer_graphs_not_replayed_in_step"] == 0
+        assert ours["recompute_graph_replays_per_step"] == blocks * s["m"]
+        assert ours["saved_bytes_per_layer"] < reference["saved_bytes_per_layer"]
+    _assert_sequence_parallel_grads_summed(result["runs"]["mhc_cg"]["ranks"], s["tp_size"])
+
+
+def _assert_sequence_parallel_grads_summed(ranks: list[dict], tp_size: int) -> None:
+    """Under sequence parallelism every tensor-parallel rank of a stage holds the same gradients
+    of the parameters it holds whole (norms, mHC mappings, biases): one not marked for megatron's
+    sum keeps its own slice's partial gradient and breaks this."""
+    if tp_size == 1:
+        return
+    by_stage: dict[int, set] = {}
+    for rank in ranks:
+        by_stage.setdefault(rank["pp_rank"], set()).add(tuple(rank["replicated_grad_digests"]))
+    assert all(len(digests) == 1 for digests in by_stage.values()), by_stage
+
+
+def test_tp2_sequence_parallel_sums_every_whole_parameter_gradient(shipped):
+    name, cfg, result, _ = shipped
+    if cfg.parallel.tp_size == 1:
+        pytest.skip("no tensor parallelism in this config")
+    # the JSON carries no digests: the same job through the API, mhc_cg only
+    from megatron_integration.harness.child_process import run_megatron_job
+
+    per_rank = run_megatron_job({"config": cfg.replace(train={"device": "cpu"}).to_dict(),
+                                 "runs": ["mhc_cg"], "device": "cpu", "branch": "dev"},
+                                world_size=4, timeout=300)
+    _assert_sequence_parallel_grads_summed([r["runs"]["mhc_cg"] for r in per_rank], 2)

@@ -25,6 +25,7 @@ model.moe_ffn_hidden_size       moe_ffn_hidden_size
 train.dtype                     params_dtype, pipeline_dtype, bf16 / fp16
 train.device == cpu             use_cpu_initialization
 parallel.pp_size / vpp_size     pipeline_model_parallel_size / virtual_pipeline_model_parallel_size
+parallel.tp_size                tensor_model_parallel_size (sequence_parallel likewise)
 parallel.microbatch_group_size  microbatch_group_size_per_vp_stage
 graph.cuda_graph_scope          cuda_graph_scope (``mhc_recompute`` -> mhc_recompute_graph)
 graph.backend                   cuda_graph_impl: ``te`` -> transformer_engine (megatron-core's
@@ -101,12 +102,15 @@ def transformer_config_kwargs(run_cfg: RunConfig) -> dict[str, Any]:
         pipeline_model_parallel_size=p.pp_size,
         virtual_pipeline_model_parallel_size=p.vpp_size if p.vpp_size > 1 else None,
         microbatch_group_size_per_vp_stage=p.microbatch_group_size,
+        tensor_model_parallel_size=p.tp_size, sequence_parallel=p.sequence_parallel,
         cuda_graph_scope=scopes,
         cuda_graph_impl="transformer_engine" if scopes and run_cfg.graph.backend == "te" else "none",
     )
     if m.is_moe:
         kwargs.update(num_moe_experts=m.num_experts, moe_router_topk=m.moe_top_k,
                       moe_ffn_hidden_size=m.moe_ffn_hidden_size)
+    if p.pp_size > 1 and t.device != "cuda":
+        kwargs["batch_p2p_comm"] = False  # the batched path synchronizes CUDA; gloo sends one by one
     return kwargs
 
 

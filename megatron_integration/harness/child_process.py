@@ -104,7 +104,13 @@ BRANCH_ENV = {"main": MAIN_ENV, "dev": "MHC_CG_MEGATRON_LM_DEV"}
 
 def find_megatron(branch: str = "main") -> MainSource:
     """Where Megatron-LM ``branch``'s megatron.core comes from (see the module docstring; ``dev``
-    has no installed form); ``ConfigError`` (one line: what is missing, the fix) if absent."""
+    has no installed form; ``core`` is the installed release, with mhc_cg's own layer);
+    ``ConfigError`` (one line: what is missing, the fix) if absent."""
+    if branch == "core":
+        if importlib.util.find_spec("megatron") is None:
+            raise ConfigError("megatron.branch: core runs the installed megatron-core, which is "
+                              "not installed; pip install 'megatron-core==0.16.1'")
+        return MainSource()
     env = BRANCH_ENV[branch]
     given = os.environ.get(env)
     if given:

@@ -25,6 +25,7 @@ writes ``OUT_DIR/rank{RANK}.json``.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -38,21 +39,25 @@ from mhc_cg.core.dtypes import TORCH_DTYPES
 from megatron_integration.config.field_map import WARMUP_STEPS, megatron_config_kwargs
 from megatron_integration.harness.training import TrainSetup, train_run, wrap_for_training
 
-BRANCHES = ("main", "dev")
+BRANCHES = ("main", "dev", "core")
 OURS = "mhc_cg"
 _RECOMPUTE_FIELDS = ("recompute_granularity", "recompute_modules", "mhc_recompute_layer_num")
 
 
 def runs_of(branch: str) -> tuple[str, ...]:
     """Every run of a comparison on ``branch``, references first."""
+    if branch == "core":
+        return ("core_eager_none", "core_eager_block", OURS)
     return (f"{branch}_eager_none", f"{branch}_eager_mhc", f"{branch}_graphed_mhc", OURS)
 
 
 def references(branch: str) -> tuple[str, ...]:
-    """The runs ``mhc_cg`` must equal bit for bit: ``main``'s two eager runs (its own recompute
-    is exact); ``dev``'s run without recompute."""
-    return (f"{branch}_eager_none", f"{branch}_eager_mhc") if branch == "main" \
-        else (f"{branch}_eager_none",)
+    """The runs ``mhc_cg`` must equal bit for bit: the eager runs whose recompute is exact
+    (``main``'s ``[mhc]``, mhc_cg's eager block recompute on megatron-core); ``dev``'s run
+    without recompute."""
+    if branch == "dev":
+        return ("dev_eager_none",)
+    return runs_of(branch)[:2]
 
 
 def run_kwargs(kwargs: dict, run: str, branch: str) -> dict:
@@ -90,13 +95,60 @@ def setup_of(cfg: RunConfig) -> TrainSetup:
 def decoder_spec(branch: str, config, vp_stage: int | None, *, cpu: bool, graphed: bool):
     """The GPT's layer (``main``) or block (``dev``) spec for one model chunk."""
     if branch == "dev":
-        from megatron_integration.layers.dev_layer import dev_block_spec, dev_mhc_layer_spec
+        from megatron_integration.layers.cpu_norm import block_spec_on_cpu
+        from megatron_integration.layers.dev_layer import dev_mhc_layer_spec
 
-        return dev_block_spec(dev_mhc_layer_spec(cpu=cpu, graphed=graphed), config, vp_stage,
-                              cpu=cpu)
+        spec = dev_mhc_layer_spec(cpu=cpu, graphed=graphed)
+        return block_spec_on_cpu(spec, config, vp_stage) if cpu else spec
     from megatron_integration.layers.main_layer import main_mhc_layer_spec
 
     return main_mhc_layer_spec(cpu_attention=cpu, graphed=graphed)
+
+
+def core_config(run: str, cfg: RunConfig):
+    """megatron-core's ``MHCTransformerConfig`` of one run with mhc_cg's own layer: no recompute,
+    mhc_cg's eager block recompute, or the static runtime under megatron's helper."""
+    from megatron_integration.config.field_map import to_transformer_config
+
+    overrides = {}
+    if run == "core_eager_none":
+        overrides["mhc_recompute_layer_num"] = None
+    if run != OURS:
+        overrides.update(cuda_graph_impl="none", cuda_graph_scope=[])
+    return to_transformer_config(cfg, **overrides)
+
+
+def core_chunk(config, cfg: RunConfig, stage: int | None, graphed: bool):
+    """megatron-core's ``GPTModel`` with mhc_cg's layer and block (``MHCTransformerBlock``
+    replaces the plain decoder GPTModel builds, for the stream boundaries) for one chunk."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron_integration.layers.cpu_norm import block_spec_on_cpu
+    from megatron_integration.layers.mhc_layer import MHCTransformerBlock, get_mhc_layer_spec
+
+    where = dict(ignore_virtual=False, vp_stage=stage) if stage is not None else {}
+    stage_kwargs = {"vp_stage": stage} if stage is not None else {}
+    pre = parallel_state.is_pipeline_first_stage(**where)
+    post = parallel_state.is_pipeline_last_stage(**where)
+    cpu = cfg.train.device != "cuda"
+    spec = get_mhc_layer_spec(cpu_attention=cpu)
+    block = block_spec_on_cpu(spec, config, stage) if cpu else spec
+    model = GPTModel(config, block, vocab_size=cfg.model.vocab_size,
+                     max_sequence_length=cfg.model.seq_length, pre_process=pre,
+                     post_process=post, **stage_kwargs)
+    model.decoder = MHCTransformerBlock(config, block, pre_process=pre, post_process=post,
+                                        **stage_kwargs)
+    return model
+
+
+def schedule_config(config, num_streams: int):
+    """The config megatron-core 0.16.1's schedules read (the DDP wrapper's): its receive and
+    send buffers are ``hidden_size`` wide, and between stages the residual stream is n-fold (that
+    release knows no mHC; dev sizes them itself)."""
+    view = copy.copy(config)
+    view.hidden_size = config.hidden_size * num_streams
+    return view
 
 
 def build_run(run: str, cfg: RunConfig, branch: str, cpu: bool):
@@ -109,7 +161,10 @@ def build_run(run: str, cfg: RunConfig, branch: str, cpu: bool):
 
     from megatron_integration.capture.te_graph_helper import make_te_graph_helper
 
-    config = transformer_config(run_kwargs(megatron_config_kwargs(cfg, branch)[0], run, branch))
+    if branch == "core":
+        config = core_config(run, cfg)
+    else:
+        config = transformer_config(run_kwargs(megatron_config_kwargs(cfg, branch)[0], run, branch))
     if torch.distributed.get_world_size() > 1:
         config.finalize_model_grads_func = finalize_model_grads  # TP and embedding all-reduces
     setup = setup_of(cfg)
@@ -117,21 +172,29 @@ def build_run(run: str, cfg: RunConfig, branch: str, cpu: bool):
     torch.manual_seed(setup.seed)  # the same weights in every run
     chunks = []
     for stage in range(vpp):
-        where = dict(ignore_virtual=False, vp_stage=stage) if vpp > 1 else {}
-        spec = decoder_spec(branch, config, stage if vpp > 1 else None, cpu=cpu,
-                            graphed=run == OURS)
-        model = GPTModel(config, spec, vocab_size=setup.vocab_size,
-                         max_sequence_length=setup.seq_length,
-                         pre_process=parallel_state.is_pipeline_first_stage(**where),
-                         post_process=parallel_state.is_pipeline_last_stage(**where),
-                         **({"vp_stage": stage} if vpp > 1 else {}))
-        chunks.append(wrap_for_training(model if cpu else model.cuda(), config))
+        if branch == "core":
+            model = core_chunk(config, cfg, stage if vpp > 1 else None, graphed=run == OURS)
+        else:
+            where = dict(ignore_virtual=False, vp_stage=stage) if vpp > 1 else {}
+            spec = decoder_spec(branch, config, stage if vpp > 1 else None, cpu=cpu,
+                                graphed=run == OURS)
+            model = GPTModel(config, spec, vocab_size=setup.vocab_size,
+                             max_sequence_length=setup.seq_length,
+                             pre_process=parallel_state.is_pipeline_first_stage(**where),
+                             post_process=parallel_state.is_pipeline_last_stage(**where),
+                             **({"vp_stage": stage} if vpp > 1 else {}))
+        chunk = wrap_for_training(model if cpu else model.cuda(), config)
+        if branch == "core" and cfg.parallel.pp_size > 1:
+            chunk.config = schedule_config(config, cfg.model.num_streams)
+        chunks.append(chunk)
     helper = None
     if run.endswith("_graphed_mhc"):
         helper = TECudaGraphHelper(chunks, config, setup.seq_length, setup.micro_batch_size)
     elif run == OURS:
+        recompute_graphs = (None if branch == "core"  # MHCTransformerConfig's own scope says
+                            else megatron_config_kwargs(cfg, branch)[1])
         helper = make_te_graph_helper(chunks, config, setup.seq_length, setup.micro_batch_size,
-                                      recompute_graphs=megatron_config_kwargs(cfg, branch)[1])
+                                      recompute_graphs=recompute_graphs)
     return chunks, helper
 
 

@@ -124,12 +124,16 @@ class MasterAdamW:
             p.copy_(master)
 
 
-def grad_digest(chunks: list[torch.nn.Module]) -> str:
+def grad_digest(chunks: list[torch.nn.Module], replicated_only: bool = False) -> str:
     """A hash of every parameter's gradient buffer, chunk by chunk in name order: equal iff
-    every byte is."""
+    every byte is. ``replicated_only``: the parameters every tensor-parallel rank holds whole (not
+    marked ``tensor_model_parallel``), whose gradients every tensor-parallel rank of a stage
+    must hold alike once megatron has summed the sequence-parallel ones."""
     digest = hashlib.sha256()
     for index, chunk in enumerate(chunks):
         for name, p in sorted(chunk.named_parameters()):
+            if replicated_only and getattr(p, "tensor_model_parallel", False):
+                continue
             digest.update(f"{index}.{name}".encode())
             digest.update(p.main_grad.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
@@ -150,7 +154,7 @@ def train_run(name: str, chunks: list[torch.nn.Module], setup: TrainSetup, *, he
     decoders = [chunk_decoder(chunk) for chunk in chunks]
     optimizer = MasterAdamW(chunks, setup.lr)
     forward_backward = get_forward_backward_func()
-    result = {"losses": [], "grad_digests": []}
+    result = {"losses": [], "grad_digests": [], "replicated_grad_digests": []}
     for step in range(setup.steps):
         if helper is not None and step == setup.warmup_steps:
             helper.create_cudagraphs()
@@ -168,6 +172,7 @@ def train_run(name: str, chunks: list[torch.nn.Module], setup: TrainSetup, *, he
         if reduced:  # the last pipeline stage
             result["losses"].append(sum(float(r["lm loss"]) for r in reduced) / len(reduced))
         result["grad_digests"].append(grad_digest(chunks))
+        result["replicated_grad_digests"].append(grad_digest(chunks, replicated_only=True))
         optimizer.step()
         if log_steps:
             loss = f" loss {result['losses'][-1]:.6f}" if reduced else ""

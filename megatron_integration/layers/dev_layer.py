@@ -64,22 +64,6 @@ def dev_mhc_layer_spec(*, cpu: bool = False, graphed: bool = False):
     return spec
 
 
-def dev_block_spec(layer_spec, config, vp_stage: int | None, *, cpu: bool = False):
-    """The decoder spec of one model chunk: ``layer_spec`` for each of its layers and, on the
-    CPU, ``SequenceParallelRMSNorm`` as the final norm (megatron's default there is its local
-    norm, which refuses sequence parallelism)."""
-    from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
-                                                             get_num_layers_to_build)
-
-    if not cpu:
-        return layer_spec
-    from megatron_integration.layers.cpu_norm import SequenceParallelRMSNorm
-
-    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * layers,
-                                      layer_norm=SequenceParallelRMSNorm)
-
-
 class DevSublayerSteps(MainSublayerSteps):
     """The attention or MLP sublayer of ``dev``'s ``HyperConnectionTransformerLayer``."""
 

@@ -52,8 +52,13 @@ def get_mhc_layer_spec(*, cpu_attention: bool = False, normalization: str = "RMS
     """megatron-core's local GPT layer spec, its layer replaced by ``MegatronMHCTransformerLayer``."""
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
     spec.module = MegatronMHCTransformerLayer
-    if cpu_attention:
+    if cpu_attention:  # and the norms: megatron's local norm refuses sequence parallelism
+        from megatron_integration.layers.cpu_norm import SequenceParallelRMSNorm
+
         spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+        if normalization == "RMSNorm":
+            spec.submodules.input_layernorm = SequenceParallelRMSNorm
+            spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
     return spec
 
 
@@ -74,6 +79,11 @@ class MegatronMHCTransformerLayer(GraphedSublayerMixin, TransformerLayer):
 
             self.attention_hc = hyper_connection()
             self.mlp_hc = hyper_connection()
+            if config.sequence_parallel:
+                # each tensor-parallel rank sees its own slice of the sequence: megatron sums
+                # these gradients over the ranks (finalize_model_grads), as for dev's mHC module
+                for p in (*self.attention_hc.parameters(), *self.mlp_hc.parameters()):
+                    p.sequence_parallel = True
 
     def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, *args,
                 mhc_dropout_seed: Tensor | None = None, **kwargs):
@@ -112,6 +122,9 @@ class MegatronMHCTransformerLayer(GraphedSublayerMixin, TransformerLayer):
                            2 * self.layer_number + stream, self.config.mhc_dropout_impl)
 
 
+_TP_SEED_STRIDE = 0x9E3779B1  # an odd constant far from small offsets: distinct ranks' seeds
+
+
 class MHCTransformerBlock(TransformerBlock):
     """A ``TransformerBlock`` of ``MegatronMHCTransformerLayer``s; see the module docstring."""
 
@@ -133,13 +146,22 @@ class MHCTransformerBlock(TransformerBlock):
         """A training forward's seed for ``counter`` dropout (``None`` when dropout needs none)."""
         config = self.config
         if config.mhc_dropout_impl == "counter" and self.training and config.hidden_dropout > 0:
-            return torch.randint(0, 2 ** 31 - 1, (), dtype=torch.int64).to(like.device)
+            seed = torch.randint(0, 2 ** 31 - 1, (), dtype=torch.int64)
+            if config.sequence_parallel:
+                # the mask hashes (seed, element index) and each tensor-parallel rank indexes its
+                # own slice of the sequence from 0: a seed per rank, or every slice drops alike
+                from megatron.core import parallel_state
+
+                rank = parallel_state.get_tensor_model_parallel_rank()
+                seed = (seed + rank * _TP_SEED_STRIDE) % (2 ** 31 - 1)
+            return seed.to(like.device)
         return None
 
     def streams_in(self, hidden_states: Tensor) -> Tensor:
-        """``[s, b, C] -> [s, b, n*C]`` on the first pipeline stage (later stages get streams)."""
+        """``[s, b, C] -> [s, b, n*C]`` on the first pipeline stage; later stages get the streams
+        the schedule received (``set_input_tensor``)."""
         if not self.pre_process:
-            return hidden_states
+            return self.input_tensor
         return expand_streams(hidden_states, self.config.num_residual_streams)
 
     def streams_out(self, x: Tensor) -> Tensor:

@@ -402,7 +402,8 @@ def pipeline_driver_problems(cfg: "RunConfig") -> list[str]:
 # eager training steps before megatron's helper captures (its ``cuda_graph_warmup_steps``)
 MEGATRON_WARMUP_STEPS = 1
 MEGATRON_BACKENDS = ("te", "auto")
-MEGATRON_BRANCHES = ("main", "dev")
+# "core": the installed megatron-core release with mhc_cg's own mHC layer
+MEGATRON_BRANCHES = ("main", "dev", "core")
 # processes one run starts on one machine (one per rank)
 MEGATRON_MAX_RANKS = 8
 
@@ -412,18 +413,23 @@ def megatron_problems(cfg: "RunConfig") -> list[str]:
     ``TECudaGraphHelper`` with mhc_cg's static-buffer recompute needs beyond the general rules."""
     m, t, p, g = cfg.model, cfg.train, cfg.parallel, cfg.graph
     branch = cfg.megatron.branch
-    name = f"Megatron-LM {branch}"
+    name = "megatron-core" if branch == "core" else f"Megatron-LM {branch}"
     problems = []
     if m.num_streams < 2:
         problems.append(f"model.num_streams: {m.num_streams} turns mHC off; set 2 or more (4 in the paper)")
     if m.recompute != "block":
         problems.append("model.recompute: mhc_cg's runtime is the mHC recompute; set model.recompute: "
                         "block (megatron's recompute_modules: [mhc])")
-    if m.dropout_impl != "torch":
-        problems.append(f"model.dropout_impl: {name}'s mHC layer draws its dropout from "
-                        f"torch's generator, not {m.dropout_impl!r}; set model.dropout_impl: torch")
-    if (problem := stateful_dropout_problem("torch", m.hidden_dropout, None,
-                                            "model.hidden_dropout")) is not None:
+    if branch == "core":  # mhc_cg's own layer: counter dropout replays, torch's does not
+        problem = stateful_dropout_problem(m.dropout_impl, m.hidden_dropout, "model.dropout_impl",
+                                           "model.hidden_dropout")
+    else:
+        if m.dropout_impl != "torch":
+            problems.append(f"model.dropout_impl: {name}'s mHC layer draws its dropout from "
+                            f"torch's generator, not {m.dropout_impl!r}; set model.dropout_impl: "
+                            f"torch")
+        problem = stateful_dropout_problem("torch", m.hidden_dropout, None, "model.hidden_dropout")
+    if problem is not None:
         problems.append(problem)
     if m.is_moe:
         problems.append(f"model.num_experts: MoE MLPs are not run under {name}'s helper here; set "
@@ -439,7 +445,8 @@ def megatron_problems(cfg: "RunConfig") -> list[str]:
                         f"or megatron.branch: dev")
     if branch == "main" and p.tp_size != 1:
         problems.append(f"parallel.tp_size: {p.tp_size}: tensor parallelism runs on Megatron-LM "
-                        f"dev's layers here; set megatron.branch: dev, or tp_size: 1")
+                        f"dev's layers and on megatron-core with mhc_cg's layer here; set "
+                        f"megatron.branch: dev or core, or tp_size: 1")
     if isinstance(p.tp_size, int) and isinstance(p.pp_size, int) \
             and p.tp_size * p.pp_size > MEGATRON_MAX_RANKS:
         problems.append(f"parallel.tp_size x pp_size: {p.tp_size * p.pp_size} processes; one "

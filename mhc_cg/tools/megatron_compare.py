@@ -105,7 +105,9 @@ def format_table(cfg: RunConfig, result: dict) -> str:
     branch = result["branch"]
     reference = references(branch)[0]
     scopes, recompute_graphs = split_recompute_scope(cfg.graph.scopes)
-    head = (f"Megatron-LM {branch}'s GPT of HyperConnectionTransformerLayer: {m.num_layers} layers, "
+    model = ("megatron-core's GPT of mhc_cg's mHC layer" if branch == "core"
+             else f"Megatron-LM {branch}'s GPT of HyperConnectionTransformerLayer")
+    head = (f"{model}: {m.num_layers} layers, "
             f"hidden {m.hidden_size}, {m.num_streams} streams, L_r={m.resolved_recompute_layers}, "
             f"{t.dtype}; tp {p.tp_size}{' (sequence parallel)' if p.sequence_parallel else ''} x "
             f"pp {p.pp_size} x vpp {p.vpp_size}; {t.steps} steps x {t.num_microbatches} "
