@@ -6,7 +6,10 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/tiny_cpu.yaml
-PYTEST_ARGS ?=
+# two pytest workers (at most four where there are more cores); a file's tests share a worker, so
+# its module fixtures (the Megatron runs, the GPU-check dry run) run once
+WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; [ $$n -lt 2 ] && n=2; echo $$n)
+PYTEST_ARGS ?= -n $(WORKERS) --dist loadfile
 
 STAMP := $(VENV)/.installed
 

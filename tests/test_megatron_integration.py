@@ -223,6 +223,9 @@ def test_mixin_captures_recompute_graphs_in_order_before_megatron_finishes():
             self._finish_capturing(0.0)
 
     class Helper(RecomputeCaptureMixin, HelperWithoutTE):
+        def mhc_decoders(self):
+            return []  # no megatron decoders here: the runtimes stand alone
+
         def mhc_runtimes(self):
             return runtimes
 

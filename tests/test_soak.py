@@ -1,10 +1,10 @@
-"""Nothing grows over a long run: after warm-up, a few hundred training steps in every graphed mode
+"""Nothing grows over a long run: after warm-up, a hundred training steps in every graphed mode
 leave the Python heap exactly as they found it.
 
 Three figures, taken after a full collection: the objects the garbage collector tracks, the tensors
 among them, and the references those objects hold. The last one sees what the first two cannot:
 strings and numbers are not tracked, so a list that gains a line of text per step (a trace) grows
-only there. A leak of even one object per step shows as 200 after 200 steps; the figures must not
+only there. A leak of even one object per step shows as 100 after 100 steps; the figures must not
 grow at all.
 """
 
@@ -24,7 +24,7 @@ from mhc_cg.training.session import TrainSession
 
 GRAPHED_MODES = [name for name, mode in MODES.items() if mode.graphed]
 WARMUP_STEPS = 10
-SOAK_STEPS = 200
+SOAK_STEPS = 100
 
 
 def _soak_config(mode: str):

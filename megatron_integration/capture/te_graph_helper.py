@@ -109,8 +109,8 @@ class RecomputeCaptureMixin:
     def _get_cuda_graph_input_data(self):
         sample_args, kwargs = super()._get_cuda_graph_input_data()
         self.mhc_order = list(kwargs["_order"])
-        decoders = [chunk_decoder(chunk) for chunk in self.model]
-        planned = decoders[0].mhc_static.order
+        decoders = self.mhc_decoders()
+        planned = decoders[0].mhc_static.order if decoders else None
         if planned is not None and planned != self.mhc_order:
             raise RuntimeError(f"megatron's TE graph helper captures along {self.mhc_order}, but "
                                f"the static runtime was installed for {planned}; install it with "
@@ -126,9 +126,13 @@ class RecomputeCaptureMixin:
             self.mhc_recompute_graphs = capture_recompute_graphs(self.mhc_order, self.mhc_runtimes())
         return super()._finish_capturing(start_time)
 
+    def mhc_decoders(self) -> list:
+        """Each model chunk's decoder on the static runtime, chunk 1 first."""
+        return [chunk_decoder(chunk) for chunk in self.model]
+
     def mhc_runtimes(self) -> list[StaticRecompute]:
         """Each model chunk's static runtime, chunk 1 first."""
-        return [chunk_decoder(chunk).mhc_static.runtime for chunk in self.model]
+        return [decoder.mhc_static.runtime for decoder in self.mhc_decoders()]
 
 
 def chunk_decoder(model_chunk):
