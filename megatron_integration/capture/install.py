@@ -26,7 +26,8 @@ from mhc_cg.core.schedule import assign_persistent_slot_sets, max_persistent_slo
 from mhc_cg.runtime.recompute.static import StaticRecompute
 
 from megatron_integration.capture.static_block import StaticMHCBlock
-from megatron_integration.layers.graphed_sublayer import GraphedSublayerMixin, SublayerSite
+from megatron_integration.layers.graphed_sublayer import (GraphedSublayerMixin, SublayerSite,
+                                                         graphs_mlp)
 
 
 class StaticDecoderMixin:
@@ -48,16 +49,29 @@ class StaticDecoderMixin:
 def graphed_sublayer_fns(layers, attention_mask: Tensor | None,
                          kwargs: dict) -> dict[tuple[int, int], Callable]:
     """``{(layer number, 0): fn}`` for the layers that hold TE graphs: ``fn(x, seed)`` calls the
-    layer through megatron's ``__call__`` (which replays this microbatch's graph)."""
+    layer through megatron's ``__call__`` (which replays this microbatch's graph). With the MLP in
+    the layer graph also ``(layer number, 1)``: one replay returns both sublayers' results, the
+    attention's through the first fn (its output already the MLP's: the runtime passes it on to
+    the second, which returns the MLP's part of the same replay)."""
     fns = {}
     for layer in layers:
-        if getattr(layer, "cuda_graphs", None):
-            def replay(x: Tensor, seed: Tensor | None, layer=layer) -> tuple:
-                layer.mhc_site.check_replay(getattr(layer, "current_microbatch", 0)
-                                            % len(layer.cuda_graphs))
-                out, y, *state = layer(hidden_states=x, attention_mask=attention_mask, **kwargs)
-                return out, y, (state[0] if state else None)
-            fns[(layer.layer_number, 0)] = replay
+        if not getattr(layer, "cuda_graphs", None):
+            continue
+        site = layer.mhc_site
+        after_mlp: list[tuple] = []
+
+        def replay(x: Tensor, seed: Tensor | None, layer=layer, site=site, after_mlp=after_mlp):
+            site.check_replay(getattr(layer, "current_microbatch", 0) % len(layer.cuda_graphs))
+            out, *rest = layer(hidden_states=x, attention_mask=attention_mask, **kwargs)
+            if not site.with_mlp:
+                return out, rest[0], (rest[1] if len(rest) > 1 else None)
+            fused = len(rest) == 4  # F outputs, then the states of a fused sublayer
+            after_mlp.append((out, rest[1], rest[3] if fused else None))
+            return out, rest[0], (rest[2] if fused else None)
+
+        fns[(layer.layer_number, 0)] = replay
+        if site.with_mlp:
+            fns[(layer.layer_number, 1)] = lambda x, seed, after_mlp=after_mlp: after_mlp.pop()
     return fns
 
 
@@ -100,9 +114,10 @@ def install_static_recompute(decoder, static_type: type[StaticMHCBlock], *, seq_
     decoder.mhc_static = static
     decoder.__class__ = _static_decoder_class(type(decoder))
     runtime = static.runtime
+    with_mlp = graphs_mlp(decoder.config)
     for index, (layer, steps) in enumerate(zip(decoder.layers, static.steps)):
         layer.mhc_site = SublayerSite(runtime, steps, index % runtime.block_size,
-                                      static.seeded, list(graph_sets or [0]))
+                                      static.seeded, list(graph_sets or [0]), with_mlp=with_mlp)
     return static
 
 

@@ -9,6 +9,9 @@
   runtime's arena is apart (:func:`arena_bytes`): see :func:`held_bytes`;
 * **graph replays per step**: forward and backward replays of the layer graphs, and replays of
   mhc_cg's recompute graphs;
+* **eager sublayer calls per step**: per sublayer (attention, MLP), how often its F, norm or mHC
+  mappings ran as Python in the step, outside any graph replay (``0`` for a sublayer inside the
+  layer graphs whose recompute replays as a graph too);
 * **mHC checkpoints per step**: the ``CheckpointWithoutOutput`` objects megatron's mHC recompute
   managers register (counted by wrapping ``CheckpointWithoutOutputManager.add_checkpoint`` for
   the step), and the sublayers mhc_cg's runtime recomputes.
@@ -171,10 +174,12 @@ def measuring(decoders: list[torch.nn.Module], into: dict) -> Iterator[None]:
     runs = [_recompute_counts(decoder) for decoder in decoders]
     per_graph = [layer_graph_replays(decoder) for decoder in decoders]
     checkpoints, undo = _count_checkpoints()
+    eager_calls, undo_calls = _count_eager_sublayer_calls(decoders)
     try:
         yield
     finally:
         undo()
+        undo_calls()
     after = [graph_replays(decoder) for decoder in decoders]
     held = [probe.held_bytes for probe in probes]
     layers = sum(len(decoder.layers) for decoder in decoders)
@@ -186,11 +191,52 @@ def measuring(decoders: list[torch.nn.Module], into: dict) -> Iterator[None]:
         layer_graphs_not_replayed_in_step=sum(
             a == b for decoder, counts in zip(decoders, per_graph)
             for a, b in zip(layer_graph_replays(decoder), counts)),
+        eager_sublayer_calls_per_step=dict(eager_calls),
         mhc_checkpoints_per_step=checkpoints(),
         recomputed_sublayers_per_step=sum(recomputed_sublayers(decoder, since)
                                           for decoder, since in zip(decoders, runs)),
         arena_bytes=arena_bytes(decoders[0]),  # one arena per rank, shared by its chunks
         persistent_slot_sets=static.runtime.sets.capacity if static is not None else 0)
+
+
+# per sublayer: its F and norm (modules), its hyper-connection (attribute names of main's and dev's
+# layers, then mhc_cg's) and the mapping methods every one of them runs first
+_SUBLAYER_PARTS = {"attention": (("self_attention", "input_layernorm"),
+                                 ("self_attention_hyper_connection", "attention_hc")),
+                   "mlp": (("mlp", "pre_mlp_layernorm"), ("mlp_hyper_connection", "mlp_hc"))}
+_MAPPING_METHODS = ("compute_mappings", "pre")
+
+
+def _count_eager_sublayer_calls(decoders) -> tuple[Counter, Callable[[], None]]:
+    """Count, per sublayer, calls of its modules' forwards and its hyper-connection's mapping
+    method while the step runs as Python (a graph replay calls none); returns ``(counts, undo)``."""
+    counts: Counter = Counter()
+    undo: list[Callable[[], None]] = []
+    for decoder in decoders:
+        for layer in decoder.layers:
+            for which, (modules, hcs) in _SUBLAYER_PARTS.items():
+                for name in modules:
+                    module = getattr(layer, name, None)
+                    if isinstance(module, torch.nn.Module):
+                        handle = module.register_forward_pre_hook(
+                            lambda *_, which=which: counts.update([which]))
+                        undo.append(handle.remove)
+                hc = next((getattr(layer, n) for n in hcs if hasattr(layer, n)), None)
+                method = next((m for m in _MAPPING_METHODS if hasattr(hc, m)), None)
+                if method is not None:
+                    undo.append(_count_method(hc, method, counts, which))
+    return counts, lambda: [u() for u in undo]
+
+
+def _count_method(obj, name: str, counts: Counter, key: str) -> Callable[[], None]:
+    original = getattr(obj, name)
+
+    def counted(*args, **kwargs):
+        counts.update([key])
+        return original(*args, **kwargs)
+
+    setattr(obj, name, counted)
+    return lambda: delattr(obj, name)
 
 
 def layer_graph_replays(decoder: torch.nn.Module) -> list[int]:

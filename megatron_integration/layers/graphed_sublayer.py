@@ -9,9 +9,11 @@ runtime, mHC ops included:
 
 * capture: ``StaticRecompute.sublayer`` of the attention steps, so its mHC ops save into arena
   slots and F's output and the block input go to the persistent slot set; the graph returns
-  ``(output, F output)`` (and a fused sublayer's mapping state);
+  ``(output, F output)`` (and a fused sublayer's mapping state). With ``mlp`` in the graph scope
+  (``SublayerSite.with_mlp``) the MLP sublayer follows inside the same graph, the same way, and
+  the graph returns ``(output, attention's F output, MLP's F output)`` (and both states);
 * replay: megatron's own replay (its manual parameter hooks, the graph of this microbatch);
-  the MLP sublayer stays with the runtime, eager.
+  without ``mlp`` in scope the MLP sublayer stays with the runtime, eager.
 
 Where the layer runs on the runtime (``SublayerSite``) is set by
 :func:`megatron_integration.capture.install.install_static_recompute`.
@@ -47,6 +49,7 @@ class SublayerSite:
     seeded: bool  # dropout draws its mask from the persistent set's seed
     graph_sets: list[int] = field(default_factory=lambda: [0])
     captures: int = 0  # graphs of this layer captured so far
+    with_mlp: bool = False  # the layer graph holds the MLP sublayer too (``mlp`` in scope)
 
     def attention(self, x: Tensor, attention_mask: Tensor | None, kwargs: dict) -> tuple:
         """The attention sublayer with its mHC ops in slots: ``(output, F output)``, and the
@@ -84,9 +87,15 @@ class SublayerSite:
         self.steps.bind(attention_mask, **kwargs)
         # the seed of the set this capture writes (its microbatch's, along the order)
         seed = self.runtime.writing_set().seed if self.seeded else None
-        out, y, state = self.runtime.sublayer(self.steps.attention, self.position, 0, x, seed)
-        # F's output and the state only feed the persistent set
-        return (out, y.detach()) if state is None else (out, y.detach(), state.detach())
+        sublayers = (self.steps.attention, self.steps.mlp) if self.with_mlp else (self.steps.attention,)
+        fn_outputs, states = [], []
+        for k, sub in enumerate(sublayers):
+            x, y, state = self.runtime.sublayer(sub, self.position, k, x, seed)
+            # F's output and the state only feed the persistent set
+            fn_outputs.append(y.detach())
+            if state is not None:
+                states.append(state.detach())
+        return (x, *fn_outputs, *states)
 
 
 class GraphedSublayerMixin:
@@ -106,6 +115,7 @@ class GraphedSublayerMixin:
 
     def _te_cuda_graph_capture(self, hidden_states: Tensor, attention_mask: Tensor | None = None,
                                **kwargs) -> tuple:
+        """The graph's body: the attention sublayer (and the MLP's, with ``mlp`` in scope)."""
         return self._site().attention(hidden_states, attention_mask, _attention_kwargs(kwargs))
 
     def _te_cuda_graph_replay(self, *args, **kwargs):
@@ -125,3 +135,10 @@ class GraphedSublayerMixin:
 def _attention_kwargs(kwargs: dict) -> dict:
     """The layer keywords the attention takes (TE adds ``is_first_microbatch`` for its modules)."""
     return {k: v for k, v in kwargs.items() if k != "is_first_microbatch"}
+
+
+def graphs_mlp(config) -> bool:
+    """``mlp`` is in the config's graph scope (``cuda_graph_modules``, or megatron-core 0.16's
+    ``cuda_graph_scope``; enum members or strings)."""
+    scopes = getattr(config, "cuda_graph_modules", None) or getattr(config, "cuda_graph_scope", None)
+    return any(getattr(scope, "name", scope) == "mlp" for scope in scopes or ())

@@ -463,13 +463,13 @@ def megatron_problems(cfg: "RunConfig") -> list[str]:
 
 def _megatron_scope_problems(scopes: list[str], field: str) -> list[str]:
     layer_scopes, _ = split_recompute_scope(scopes)
-    fix = f"set {field}: [attn, {RECOMPUTE_SCOPE}]"
+    fix = f"set {field}: [attn, {RECOMPUTE_SCOPE}] (or [attn, mlp, {RECOMPUTE_SCOPE}])"
     problems = []
     if "attn" not in layer_scopes:
         problems.append(f"{field}: {scopes} graphs no layer, but megatron's helper graphs the "
                         f"attention sublayer with its mHC ops; {fix}")
-    others = [s for s in layer_scopes if s != "attn"]
+    others = [s for s in layer_scopes if s not in ("attn", "mlp")]
     if others:
         problems.append(f"{field}: {others} not supported with mhc_cg under megatron's helper yet "
-                        f"(the MLP sublayer runs eagerly on the static runtime); {fix}")
+                        f"(MoE layers run eagerly on the static runtime); {fix}")
     return problems

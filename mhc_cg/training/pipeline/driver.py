@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import socket
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,9 +103,11 @@ def train_pipeline(cfg: RunConfig, *, steps: int | None = None, device: str | No
     pp = cfg.parallel.pp_size
     dev = resolve_pipeline_device(device or cfg.train.device, pp)
     threads = max(1, torch.get_num_threads() // pp)
-    if dev == "cpu":
-        # forked ranks inherit this process's imports (megatron-core's take seconds per process);
-        # CUDA cannot be forked, so GPU ranks are spawned
+    # forked ranks inherit this process's imports (megatron-core's take seconds per process); CUDA
+    # cannot be forked, and neither can a process running other threads (a server, a test
+    # runner's worker: a lock one of them holds stays locked in the child), so those spawn
+    fork = dev == "cpu" and threading.active_count() == 1
+    if fork:
         import warnings
 
         with warnings.catch_warnings():  # megatron-core's import-time notes about TE/Apex
@@ -114,7 +117,7 @@ def train_pipeline(cfg: RunConfig, *, steps: int | None = None, device: str | No
     with tempfile.TemporaryDirectory(prefix="mhc_cg_pp_") as out_dir:
         mp.start_processes(rank_main, args=(cfg, mode, steps, dev, free_port(), out_dir,
                                              collect_grads, progress, threads),
-                           nprocs=pp, join=True, start_method="fork" if dev == "cpu" else "spawn")
+                           nprocs=pp, join=True, start_method="fork" if fork else "spawn")
         reports = [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
                    for r in range(pp)]
     last = reports[-1]
