@@ -111,15 +111,18 @@ def test_dev_refuses_its_own_graphed_recompute_with_vpp_and_says_why(shipped):
     assert "overlap_moe_expert_parallel_comm" in graphed["refused"]
 
 
-def test_another_layer_count_microbatch_count_and_block_size():
+def test_another_layer_count_microbatch_count_and_block_size_with_the_mlp_graphed():
     """pp 2, 6 layers in blocks of 3, 3 microbatches (an odd count: the first stage holds 2
-    in flight), through the job ``mhc-cg megatron`` runs."""
+    in flight), through the job ``mhc-cg megatron`` runs, ``[attn, mlp, mhc_recompute]``
+    (``configs/megatron_dev_dense_mlp.yaml``'s scope): both sublayers of every layer, mHC ops
+    included, run inside the layer graphs, so a replayed step calls none of their modules or
+    mappings as Python."""
     if snapshot_archive("dev") is None:
         pytest.skip(skip_reason("dev"))
     from megatron_integration.harness.child_process import run_megatron_job
     from megatron_integration.harness.runs import compare_ranks
 
-    cfg = load_config(ROOT / CONFIGS["tp2_pp2"]).replace(
+    cfg = load_config(ROOT / "configs/megatron_dev_dense_mlp.yaml").replace(
         model={"num_layers": 6, "recompute_layers": 3},
         train={"num_microbatches": 3, "device": "cpu"},
         parallel={"tp_size": 1, "sequence_parallel": False})
@@ -134,6 +137,7 @@ def test_another_layer_count_microbatch_count_and_block_size():
         assert rank["layer_graphs_not_replayed_in_step"] == 0
         assert rank["recompute_graph_replays_per_step"] == 1 * 3
         assert rank["recomputed_sublayers_per_step"] == 2 * 3 * 3
+        assert rank["eager_sublayer_calls_per_step"] == {}
     assert planned == {0: 2, 1: 1}
 
 
@@ -158,9 +162,11 @@ def test_bad_combinations_are_one_line_each_before_any_process(tmp_path):
         train(load_config(ROOT / CONFIGS["tp2_pp2"]), steps=1, progress=False)
 
 
-# pp 2 runs inside tp2sp_pp2 (and in the dev shapes above)
-CORE_SHAPES = {"pp2_vpp2": dict(pp_size=2, vpp_size=2, tp_size=1, m=4, recompute_layers=1),
-               "tp2sp_pp2": dict(pp_size=2, vpp_size=1, tp_size=2, m=2, recompute_layers=2)}
+# pp 2 runs inside tp2sp_pp2 (and in the dev shapes above); the MLP in the layer graphs or not
+CORE_SHAPES = {"pp2_vpp2": dict(pp_size=2, vpp_size=2, tp_size=1, m=4, recompute_layers=1,
+                                scopes=["attn", "mlp", "mhc_recompute"]),
+               "tp2sp_pp2": dict(pp_size=2, vpp_size=1, tp_size=2, m=2, recompute_layers=2,
+                                 scopes=["attn", "mhc_recompute"])}
 
 
 @pytest.mark.parametrize("shape", sorted(CORE_SHAPES))
@@ -179,7 +185,7 @@ def test_our_layer_on_megatron_core_0_16_at_scale_is_bit_identical(shape):
         train={"num_microbatches": s["m"], "device": "cpu"},
         parallel={"pp_size": s["pp_size"], "vpp_size": s["vpp_size"], "tp_size": s["tp_size"],
                   "sequence_parallel": s["tp_size"] > 1},
-        megatron={"branch": "core"})
+        megatron={"branch": "core"}, graph={"cuda_graph_modules": s["scopes"]})
     per_rank = run_megatron_job({"config": cfg.to_dict(), "runs": ["core_eager_none", "mhc_cg"],
                                  "device": "cpu", "branch": "core"},
                                 world_size=s["tp_size"] * s["pp_size"], timeout=300)
@@ -195,6 +201,13 @@ def test_our_layer_on_megatron_core_0_16_at_scale_is_bit_identical(shape):
         assert ours["layer_graphs_not_replayed_in_step"] == 0
         assert ours["recompute_graph_replays_per_step"] == blocks * s["m"]
         assert ours["saved_bytes_per_layer"] < reference["saved_bytes_per_layer"]
+        # attention always in the graphs; the MLP sublayer (F, norm, mHC) in them with 'mlp'
+        eager = ours["eager_sublayer_calls_per_step"]
+        assert eager.get("attention", 0) == 0
+        if "mlp" in s["scopes"]:
+            assert eager == {}
+        else:  # F, norm and mappings of each layer's MLP sublayer, each microbatch
+            assert eager["mlp"] == 3 * layers * s["m"]
     _assert_sequence_parallel_grads_summed(result["runs"]["mhc_cg"]["ranks"], s["tp_size"])
 
 
