@@ -111,25 +111,33 @@ def test_dev_refuses_its_own_graphed_recompute_with_vpp_and_says_why(shipped):
     assert "overlap_moe_expert_parallel_comm" in graphed["refused"]
 
 
-def test_another_layer_count_microbatch_count_and_block_size_with_the_mlp_graphed():
+def test_another_shape_with_the_mlp_graphed_and_counter_dropout():
     """pp 2, 6 layers in blocks of 3, 3 microbatches (an odd count: the first stage holds 2
     in flight), through the job ``mhc-cg megatron`` runs, ``[attn, mlp, mhc_recompute]``
     (``configs/megatron_dev_dense_mlp.yaml``'s scope): both sublayers of every layer, mHC ops
     included, run inside the layer graphs, so a replayed step calls none of their modules or
-    mappings as Python."""
+    mappings as Python. ``hidden_dropout: 0.1`` with dev's layers opted into counter dropout:
+    the graphed forward, the recompute graphs, dev's eager run and dev's own ``[mhc]``
+    recompute draw the same masks."""
     if snapshot_archive("dev") is None:
         pytest.skip(skip_reason("dev"))
     from megatron_integration.harness.child_process import run_megatron_job
     from megatron_integration.harness.runs import compare_ranks
 
     cfg = load_config(ROOT / "configs/megatron_dev_dense_mlp.yaml").replace(
-        model={"num_layers": 6, "recompute_layers": 3},
+        model={"num_layers": 6, "recompute_layers": 3, "hidden_dropout": 0.1,
+               "dropout_impl": "counter"},
         train={"num_microbatches": 3, "device": "cpu"},
         parallel={"tp_size": 1, "sequence_parallel": False})
-    per_rank = run_megatron_job({"config": cfg.to_dict(), "runs": ["dev_eager_none", "mhc_cg"],
-                                 "device": "cpu", "branch": "dev"}, world_size=2, timeout=300)
+    runs = ["dev_eager_none", "dev_eager_mhc", "mhc_cg"]
+    per_rank = run_megatron_job({"config": cfg.to_dict(), "runs": runs, "device": "cpu",
+                                 "branch": "dev"}, world_size=2, timeout=300)
     result = compare_ranks([r["runs"] for r in per_rank], "dev")
     assert result["bit_identical"] is True, result["mismatches"]
+    assert result["runs"]["dev_eager_mhc"]["losses"] == result["runs"]["dev_eager_none"]["losses"]
+    reference = compare_ranks([{"dev_eager_none": r["runs"]["dev_eager_none"],
+                                "mhc_cg": r["runs"]["dev_eager_mhc"]} for r in per_rank], "dev")
+    assert reference["bit_identical"] is True  # dev's own recompute draws the same masks too
     planned = _schedule_slot_sets(cfg)
     for rank in result["runs"]["mhc_cg"]["ranks"]:
         assert rank["persistent_slot_sets"] == planned[rank["pp_rank"]]
@@ -145,12 +153,15 @@ def test_bad_combinations_are_one_line_each_before_any_process(tmp_path):
     config = tmp_path / "bad.yaml"
     text = (ROOT / CONFIGS["tp2_pp2"]).read_text()
     config.write_text(text.replace("tp_size: 2", "tp_size: 3").replace("num_layers: 4",
-                                                                       "num_layers: 3"))
+                                                                       "num_layers: 3")
+                      .replace("hidden_dropout: 0.0", "hidden_dropout: 0.1"))
     proc = _cli("megatron", "--config", str(config))
     assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
-    for field in ("model.num_heads", "model.num_layers"):
+    for field in ("model.num_heads", "model.num_layers", "model.dropout_impl"):
         assert any(line.startswith(f"mhc-cg megatron: error: {field}:") for line in lines), field
+    # torch's stateful dropout: the line names the setting that fixes it
+    assert any("set model.dropout_impl: counter" in line for line in lines)
     missing = _cli("megatron", "--config", CONFIGS["pp2_vpp2"],
                    env={"MHC_CG_THIRD_PARTY": str(tmp_path), "MHC_CG_MEGATRON_LM_DEV": ""})
     assert missing.returncode == 2 and "Traceback" not in missing.stderr

@@ -120,23 +120,30 @@ class StaticDevBlock(StaticMHCBlock):
     """Megatron-LM ``dev``'s mHC block on static buffers; its stream boundaries are ``dev``'s own
     block methods (the pipeline's received tensor, expand, learned contraction, final norm).
 
-    ``hidden_dropout`` must be 0, as for ``main`` (torch's stateful generator).
+    ``hidden_dropout`` must be 0 (torch's stateful generator), unless the decoder was opted into
+    counter dropout (:func:`megatron_integration.layers.counter_dropout.use_counter_dropout`).
     """
 
     steps_type = DevLayerSteps
 
     def __init__(self, block, *, seq_length: int, micro_batch_size: int, capacity: int = 1,
                  shared: StaticRecompute | None = None):
-        problem = stateful_dropout_problem("torch", block.config.hidden_dropout, None,
+        impl = "counter" if getattr(block, "mhc_counter_dropout", False) else "torch"
+        problem = stateful_dropout_problem(impl, block.config.hidden_dropout, None,
                                            "hidden_dropout")
         if problem is not None:
-            raise StaticRecomputeError(f"StaticDevBlock: {problem}")
+            raise StaticRecomputeError(f"StaticDevBlock: {problem}; or call "
+                                       f"megatron_integration.use_counter_dropout on the decoder")
         if getattr(block.config, "use_fused_mhc", False):
             raise StaticRecomputeError("StaticDevBlock: use_fused_mhc runs dev's cuTile/Triton "
                                        "kernels, which the step adapters do not call; set "
                                        "use_fused_mhc=False")
         super().__init__(block, seq_length=seq_length, micro_batch_size=micro_batch_size,
                          capacity=capacity, shared=shared)
+
+    @property
+    def seeded(self) -> bool:
+        return getattr(self.block, "mhc_counter_dropout", False) and self.block.config.hidden_dropout > 0
 
     def streams_in(self, hidden_states: Tensor) -> Tensor:
         return self.block.preprocess_for_layer_schedule(hidden_states)

@@ -187,6 +187,12 @@ def build_run(run: str, cfg: RunConfig, branch: str, cpu: bool):
         if branch == "core" and cfg.parallel.pp_size > 1:
             chunk.config = schedule_config(config, cfg.model.num_streams)
         chunks.append(chunk)
+    if branch == "dev" and cfg.model.dropout_impl == "counter":  # every run draws the same masks
+        from megatron_integration.capture.te_graph_helper import chunk_decoder
+        from megatron_integration.layers.counter_dropout import use_counter_dropout
+
+        for chunk in chunks:
+            use_counter_dropout(chunk_decoder(chunk))
     helper = None
     if run.endswith("_graphed_mhc"):
         helper = TECudaGraphHelper(chunks, config, setup.seq_length, setup.micro_batch_size)

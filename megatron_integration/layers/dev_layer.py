@@ -15,8 +15,9 @@ of :mod:`megatron_integration.layers.main_layer` are subclassed here where ``dev
   learned output contraction and the final norm).
 
 Every step calls ``dev``'s module functions, so the static runtime's forward, recompute and the
-reference run compute the same bits. ``dev``'s dropout-free path only (``hidden_dropout: 0``):
-its dropout draws from torch's stateful generator, as ``main``'s does. Everything from
+reference run compute the same bits. Dropout: ``dev``'s draws from torch's stateful generator,
+which no recompute can rewind, so ``hidden_dropout > 0`` needs the opt-in of
+:mod:`megatron_integration.layers.counter_dropout` (the same counter mask in every run). Everything from
 ``megatron.core`` is imported lazily: ``dev``'s megatron.core must be first on the path.
 """
 
@@ -29,6 +30,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from mhc_cg.ops.dropout import dropout
+
+from megatron_integration.layers.counter_dropout import sublayer_stream
 from megatron_integration.layers.main_layer import (MainLayerSteps, MainSublayerSteps,
                                                     graphed_layer_class)
 
@@ -75,9 +79,13 @@ class DevSublayerSteps(MainSublayerSteps):
         dtype = layer.config.params_dtype
         self.norm = norm if attention or layer.is_moe_layer else _in_dtype(norm, dtype)
         config = layer.config
-        self.cfg = SimpleNamespace(dropout_impl="torch", hidden_dropout=layer.hidden_dropout,
+        # torch's stateful dropout, unless use_counter_dropout opted the layer in
+        counter = getattr(layer, "mhc_counter_dropout", False)
+        self.cfg = SimpleNamespace(dropout_impl="counter" if counter else "torch",
+                                   hidden_dropout=layer.hidden_dropout,
                                    num_streams=config.num_residual_streams,
                                    hidden_size=config.hidden_size)
+        self.stream = sublayer_stream(layer.layer_number, 0 if attention else 1)
         self.fn: Callable[[Tensor], Tensor] | None = None
         self.bias: Tensor | None = None
         self._views: tuple[Tensor, Tensor, Tensor] | None = None  # (x, aggregate's, H_res's)
@@ -109,12 +117,26 @@ class DevSublayerSteps(MainSublayerSteps):
         return mixed.view(s, b, n, c)
 
     def post_bda(self, y: Tensor, h_post: Tensor, mixed: Tensor, seed: Tensor | None) -> Tensor:
-        """``H_post y (+ H_post bias) + mixed``, ``dev``'s dropout-free post, op for op."""
+        """``H_post y (+ H_post bias) + mixed``, ``dev``'s dropout-free post, op for op; with
+        counter dropout (``use_counter_dropout``) ``mixed + dropout(H_post y + H_post bias)``,
+        dev's dropout path with the counter mask."""
         s, b, n, c = mixed.shape
-        out = h_post.unsqueeze(-1) * y.unsqueeze(2)
+        p = self.layer.hidden_dropout if self.layer.training else 0.0
+        if p == 0.0:  # native_h_post_bda's terms
+            out = h_post.unsqueeze(-1) * y.unsqueeze(2)
+            if self.bias is not None:
+                out = out + h_post.unsqueeze(-1) * self.bias.view(1, 1, 1, c)
+            return (out + mixed).view(s, b, n * c)
+        if self.cfg.dropout_impl != "counter":
+            raise RuntimeError("DevSublayerSteps: hidden_dropout > 0 with torch's stateful dropout "
+                               "cannot be recomputed; call use_counter_dropout on the decoder")
+        # the dropout path's terms: the bias expanded before the product, as dev does (its
+        # gradient then sums over the streams first, then the tokens)
+        out = self.hc._apply_h_post(y, h_post)
         if self.bias is not None:
-            out = out + h_post.unsqueeze(-1) * self.bias.view(1, 1, 1, c)
-        return (out + mixed).view(s, b, n * c)
+            out = out + self.hc._apply_h_post(self.bias, h_post)
+        dropped = dropout(out, p, True, impl="counter", seed=seed, stream=self.stream)
+        return mixed.view(s, b, n * c) + dropped
 
 
 def _in_dtype(norm, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:

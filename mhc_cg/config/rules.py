@@ -420,7 +420,7 @@ def megatron_problems(cfg: "RunConfig") -> list[str]:
     if m.recompute != "block":
         problems.append("model.recompute: mhc_cg's runtime is the mHC recompute; set model.recompute: "
                         "block (megatron's recompute_modules: [mhc])")
-    if branch == "core":  # mhc_cg's own layer: counter dropout replays, torch's does not
+    if branch in ("core", "dev"):  # counter dropout replays (dev's by opt-in), torch's does not
         problem = stateful_dropout_problem(m.dropout_impl, m.hidden_dropout, "model.dropout_impl",
                                            "model.hidden_dropout")
     else:

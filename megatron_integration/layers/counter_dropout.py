@@ -1,0 +1,83 @@
+"""Counter dropout in Megatron-LM dev's own mHC layers: the opt-in that makes dropout replayable.
+
+Dev's mHC bias-dropout-add (``HyperConnectionModule.fused_h_res_h_post_bda``) draws its mask from
+torch's stateful generator, which neither a recompute into static slots nor a replayed graph can
+rewind, so with ``hidden_dropout > 0`` mhc_cg refuses it. ``use_counter_dropout(decoder)`` makes
+that dropout mhc_cg's counter dropout (:mod:`mhc_cg.ops.dropout`): the mask of each sublayer is a
+function of (the forward's seed, the sublayer's stream id ``2 * layer_number + k``, the element
+index). The eager layer, dev's own ``[mhc]`` recompute, mhc_cg's graphed forward and its recompute
+graph then draw the same mask.
+
+What it does: the decoder draws one seed per forward (a forward pre-hook, from torch's CPU
+generator, the draw mhc_cg's own block makes) and hands it out through ``draw_dropout_seed``, which
+the static runtime reads; each layer's two hyper-connection modules get a counter version of
+``fused_h_res_h_post_bda`` (dev's own dropout path, op for op, with the counter mask in place of
+torch's), and the layer is marked ``mhc_counter_dropout`` for the step adapters
+(:class:`megatron_integration.layers.dev_layer.DevSublayerSteps`). Call it before the TE graph
+helper is made, on every run that must draw the same masks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mhc_cg.ops.dropout import dropout
+
+
+def sublayer_stream(layer_number: int, k: int) -> int:
+    """The counter-dropout stream of sublayer ``k`` (0 attention, 1 MLP) of a layer: unique in
+    the model (megatron's layer numbers are global across pipeline stages)."""
+    return 2 * layer_number + k
+
+
+def use_counter_dropout(decoder) -> None:
+    """Counter dropout for every mHC sublayer of ``decoder`` (a ``TransformerBlock`` of dev's
+    ``HyperConnectionTransformerLayer``); see the module docstring."""
+    if getattr(decoder, "mhc_counter_dropout", False):
+        return
+    decoder.mhc_counter_dropout = True
+    decoder.mhc_dropout_seed = None
+
+    def draw(module, args, kwargs=None):
+        module.mhc_dropout_seed = torch.randint(0, 2 ** 31 - 1, (), dtype=torch.int64)
+
+    decoder.register_forward_pre_hook(draw)
+    decoder.draw_dropout_seed = lambda like: decoder.mhc_dropout_seed.to(like.device)
+    for layer in decoder.layers:
+        layer.mhc_counter_dropout = True
+        for k, hc in enumerate((layer.self_attention_hyper_connection,
+                                layer.mlp_hyper_connection)):
+            hc.fused_h_res_h_post_bda = _counter_bda(hc, decoder,
+                                                     sublayer_stream(layer.layer_number, k))
+
+
+def _counter_bda(hc, decoder, stream: int):
+    dropout_free = hc.fused_h_res_h_post_bda  # dev's own, for p = 0 and evaluation
+
+    def fused_h_res_h_post_bda(h_res: Tensor, original_residual: Tensor, h_post: Tensor,
+                               layer_output_with_bias, dropout_prob: float, training: bool,
+                               fused: bool, manager=None) -> Tensor:
+        if dropout_prob == 0.0 or not training:
+            return dropout_free(h_res, original_residual, h_post, layer_output_with_bias,
+                                dropout_prob, training, fused, manager)
+        x, bias = layer_output_with_bias
+        seed = decoder.mhc_dropout_seed.to(x.device)
+
+        def post(h_res, residual, h_post, x, *bias):
+            # dev's dropout path: H_res^T x, H_post y (+ H_post bias), residual + dropout(...)
+            mixed = hc.apply_h_res(h_res, residual)
+            out = hc._apply_h_post(x, h_post)
+            if bias:
+                out = out + hc._apply_h_post(bias[0], h_post)
+            return mixed + dropout(out, dropout_prob, True, impl="counter", seed=seed,
+                                   stream=stream)
+
+        args = (h_res, original_residual, h_post, x, *(() if bias is None else (bias,)))
+        if manager is None:
+            return post(*args)
+        from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
+
+        return CheckpointWithoutOutput(ckpt_manager=manager).checkpoint(post, *args)
+
+    return fused_h_res_h_post_bda
