@@ -34,7 +34,7 @@ from megatron_integration.layers.steps import LayerSteps
 
 @dataclass
 class SublayerSite:
-    """Where a layer's attention sublayer runs on the runtime: its steps and block position.
+    """Where a layer's graphed sublayers run on the runtime: its steps and block position.
 
     ``graph_sets[k]``: the persistent set microbatch k of this layer's model chunk takes along
     the rank's order (first-in first-out, as the runtime's forward acquires them). megatron's
@@ -51,14 +51,15 @@ class SublayerSite:
     captures: int = 0  # graphs of this layer captured so far
     with_mlp: bool = False  # the layer graph holds the MLP sublayer too (``mlp`` in scope)
 
-    def attention(self, x: Tensor, attention_mask: Tensor | None, kwargs: dict) -> tuple:
-        """The attention sublayer with its mHC ops in slots: ``(output, F output)``, and the
-        mapping state after them for a fused sublayer (a graph's outputs are tensors)."""
+    def graph_body(self, x: Tensor, attention_mask: Tensor | None, kwargs: dict) -> tuple:
+        """What the layer graph holds: the attention sublayer (and the MLP's, ``with_mlp``) with
+        its mHC ops in slots: ``(output, each F output, each fused sublayer's mapping state)``
+        (a graph's outputs are tensors)."""
         runtime = self.runtime
         if runtime.active_set is not None or runtime.sets.capacity == 1:
-            return self._attention(x, attention_mask, kwargs)
+            return self._sublayers(x, attention_mask, kwargs)
         with runtime.capturing_for(runtime.sets.all_sets()[self._capture_set()]):
-            return self._attention(x, attention_mask, kwargs)
+            return self._sublayers(x, attention_mask, kwargs)
 
     def _capture_set(self) -> int:
         """The set this call writes outside a forward: a capture's microbatch's, in capture
@@ -83,7 +84,7 @@ class SublayerSite:
                                f"took set {taken}; the schedule ran another order than the one "
                                f"the runtime was installed with")
 
-    def _attention(self, x: Tensor, attention_mask: Tensor | None, kwargs: dict) -> tuple:
+    def _sublayers(self, x: Tensor, attention_mask: Tensor | None, kwargs: dict) -> tuple:
         self.steps.bind(attention_mask, **kwargs)
         # the seed of the set this capture writes (its microbatch's, along the order)
         seed = self.runtime.writing_set().seed if self.seeded else None
@@ -116,7 +117,7 @@ class GraphedSublayerMixin:
     def _te_cuda_graph_capture(self, hidden_states: Tensor, attention_mask: Tensor | None = None,
                                **kwargs) -> tuple:
         """The graph's body: the attention sublayer (and the MLP's, with ``mlp`` in scope)."""
-        return self._site().attention(hidden_states, attention_mask, _attention_kwargs(kwargs))
+        return self._site().graph_body(hidden_states, attention_mask, _attention_kwargs(kwargs))
 
     def _te_cuda_graph_replay(self, *args, **kwargs):
         from megatron.core.transformer.module import GraphableMegatronModule

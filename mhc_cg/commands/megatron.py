@@ -1,4 +1,5 @@
-"""``mhc-cg megatron``: Megatron-LM main's mHC GPT trained under megatron's TE graph helper."""
+"""``mhc-cg megatron``: Megatron's own mHC GPT trained under megatron's TE graph helper, one
+process per rank."""
 
 from __future__ import annotations
 
@@ -9,20 +10,25 @@ import sys
 from mhc_cg.config import load_config
 from mhc_cg.tools import megatron_compare
 
-HELP = ("train Megatron-LM main's mHC GPT under megatron-core's TECudaGraphHelper with mhc_cg's "
-        "recompute; --compare also runs main eagerly and under its own helper")
+HELP = ("train Megatron's own mHC GPT (megatron.branch: main, dev, or core with mhc_cg's layer) "
+        "under its TECudaGraphHelper with mhc_cg's recompute, one process per rank; --compare "
+        "also runs it eagerly and under Megatron's own recompute")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True,
-                        help="YAML run config (e.g. configs/megatron_main_mhc.yaml)")
+                        help="YAML run config (e.g. configs/megatron_main_mhc.yaml, "
+                             "configs/megatron_dev_tp2_pp2.yaml)")
     parser.add_argument("--compare", action="store_true",
-                        help="also run main_eager_none, main_eager_mhc and main_graphed_mhc; exit 1 "
-                             "unless mhc_cg equals the first two bit for bit")
+                        help="also run the branch's own runs (BRANCH_eager_none, BRANCH_eager_mhc, "
+                             "BRANCH_graphed_mhc; core: core_eager_none, core_eager_block); exit 1 "
+                             "unless mhc_cg equals the references bit for bit on every rank")
     parser.add_argument("--json", action="store_true",
                         help='print {"bit_identical": ..., "runs": {name: {"losses": [...], '
-                             '"saved_bytes_per_layer": ..., "layer_graph_replays_per_step": ..., '
-                             '"recompute_graph_replays_per_step": ...}}}')
+                             '"ranks": [{"rank", "pp_rank", "tp_rank", "saved_bytes_per_layer", '
+                             '"persistent_slot_sets", "arena_bytes", '
+                             '"layer_graph_replays_per_step", '
+                             '"recompute_graph_replays_per_step"}, ...]}}}')
     parser.add_argument("--no-progress", action="store_true", help="no per-step lines on stderr")
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import socket
 import tempfile
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +33,10 @@ from mhc_cg.core.errors import ConfigError
 from mhc_cg.runtime.modes.registry import MODES, configured_mode, get_mode
 from mhc_cg.training.device import resolve_pipeline_device
 from mhc_cg.training.pipeline.rank import rank_main
+
+
+# what every CPU rank imports, once, in the fork server
+_RANK_IMPORTS = ("mhc_cg.training.pipeline.rank_imports",)
 
 
 @dataclass
@@ -103,21 +106,18 @@ def train_pipeline(cfg: RunConfig, *, steps: int | None = None, device: str | No
     pp = cfg.parallel.pp_size
     dev = resolve_pipeline_device(device or cfg.train.device, pp)
     threads = max(1, torch.get_num_threads() // pp)
-    # forked ranks inherit this process's imports (megatron-core's take seconds per process); CUDA
-    # cannot be forked, and neither can a process running other threads (a server, a test
-    # runner's worker: a lock one of them holds stays locked in the child), so those spawn
-    fork = dev == "cpu" and threading.active_count() == 1
-    if fork:
-        import warnings
-
-        with warnings.catch_warnings():  # megatron-core's import-time notes about TE/Apex
-            warnings.simplefilter("ignore")
-            import megatron.core.parallel_state  # noqa: F401
-            import megatron.core.pipeline_parallel.schedules  # noqa: F401
+    # CPU ranks are forked from a fork server: a fresh single-threaded process that imports
+    # megatron-core once (seconds per process otherwise) and forks each rank from there. Forking
+    # this process itself is unsafe once it runs other threads (a test runner's worker, a
+    # server): a lock one of them holds stays locked in the child. CUDA cannot be forked, so GPU
+    # ranks are spawned.
+    start_method = "forkserver" if dev == "cpu" else "spawn"
+    if dev == "cpu":
+        mp.get_context("forkserver").set_forkserver_preload(list(_RANK_IMPORTS))
     with tempfile.TemporaryDirectory(prefix="mhc_cg_pp_") as out_dir:
         mp.start_processes(rank_main, args=(cfg, mode, steps, dev, free_port(), out_dir,
                                              collect_grads, progress, threads),
-                           nprocs=pp, join=True, start_method="fork" if fork else "spawn")
+                           nprocs=pp, join=True, start_method=start_method)
         reports = [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
                    for r in range(pp)]
     last = reports[-1]
