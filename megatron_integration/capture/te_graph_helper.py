@@ -1,12 +1,15 @@
 """megatron-core's TE graph helper, with mhc_cg's recompute graphs captured along its order.
 
 What is hooked: megatron-core's ``megatron.core.transformer.cuda_graphs.TECudaGraphHelper``
-(``cuda_graph_impl: transformer_engine``), in megatron-core 0.16.1 and in Megatron-LM main alike.
+(``cuda_graph_impl: transformer_engine``), in megatron-core 0.16.1 and in Megatron-LM main and dev
+alike.
 Its ``create_cudagraphs()`` builds the rank's schedule order in ``_get_cuda_graph_input_data()``
 (``kwargs["_order"]`` for TE's ``make_graphed_callables``), captures every layer graph along it,
 then calls ``_finish_capturing()``. ``RecomputeCaptureMixin`` overrides exactly those two:
 
-* ``_get_cuda_graph_input_data``: remembers the order megatron computed;
+* ``_get_cuda_graph_input_data``: remembers the order megatron computed, checks it is the order
+  the runtime's slot sets were planned for, and rewinds each layer's capture count (each graph
+  of a layer is one microbatch's, and writes that microbatch's slot set);
 * ``_finish_capturing``: before megatron ends its capture phase (zeroes gradients, frees the
   warm-up state), captures one recompute graph per (chunk, recompute block, persistent slot set)
   in the order the schedule first needs them: walking the order, at each backward ``-c`` of
@@ -17,9 +20,10 @@ The recompute graphs of a rank share one pool of independent graphs (docs/design
 each leaves nothing allocated, so capturing them after the layer graphs does not disturb the
 layer graphs' pool order, and they replay wherever a block's backward needs them.
 
-``make_te_graph_helper`` puts every model chunk's decoder on the static runtime
-(:func:`megatron_integration.capture.install.install_static_recompute`: the layers' TE graphs are
-their attention sublayers with mHC state in arena slots) and returns the helper; call its
+``make_te_graph_helper`` puts every model chunk's decoder of the rank on the static runtime
+(:func:`megatron_integration.capture.install.install_rank`: one arena and one pool of slot sets
+for the rank, sized by its order; the layers' TE graphs are their attention sublayers, and the
+MLP's with ``mlp`` in scope, with mHC state in arena slots) and returns the helper; call its
 ``create_cudagraphs()`` where megatron's training loop does.
 """
 
