@@ -41,6 +41,30 @@ def skip_reason(branch: str = "main") -> str:
             f"{' or '.join(str(d) for d in third_party_dirs())}")
 
 
+def require_snapshot(branch: str = "main") -> Path:
+    """The branch's snapshot archive; the calling test is skipped without one."""
+    import pytest
+
+    archive = snapshot_archive(branch)
+    if archive is None:
+        pytest.skip(skip_reason(branch))
+    return archive
+
+
+def extracted_snapshot(branch: str, tmp_path_factory) -> Path:
+    """The branch's snapshot extracted into a scratch folder (skipped without one; a failure
+    when triton, which the branch's megatron.core imports, is missing)."""
+    import importlib.util
+
+    import pytest
+
+    archive = require_snapshot(branch)
+    if importlib.util.find_spec("triton") is None:
+        pytest.fail(f"Megatron-LM {branch}'s megatron.core imports triton: pip install triton "
+                    f"(it is in the test extras)")
+    return extract_snapshot(archive, tmp_path_factory.mktemp(f"megatron_{branch}"))
+
+
 def run_job(snapshot_root: Path | None, job: str, **kwargs) -> dict:
     """Run ``job(**kwargs)`` in a fresh process that imports the snapshot's megatron.core (the
     pinned megatron-core when ``snapshot_root`` is ``None``); its result."""
@@ -62,6 +86,32 @@ def max_abs_diff(a, b) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
+def _their_modules(dtypes: list[str], streams: list[int], hidden: int, seed: int,
+                   **mhc_fields):
+    """``(dtype name, dtype, n, the branch's HyperConnectionModule)`` for each case, built from
+    the branch's own config (``mhc_fields``: its names for mHC on, ``"{n}"`` standing for the
+    case's stream count), seeded per n, its parameters moved off the init so every mapping
+    matters."""
+    import torch
+
+    from megatron.core.transformer.hyper_connection import HyperConnectionModule
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        for n in streams:
+            torch.manual_seed(seed + n)
+            fields = {k: (n if v == "{n}" else v) for k, v in mhc_fields.items()}
+            config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=4,
+                                       mhc_sinkhorn_iterations=20, mhc_init_gating_factor=0.01,
+                                       params_dtype=dtype, use_cpu_initialization=True, **fields)
+            theirs = HyperConnectionModule(config, layer_number=1).to(dtype)
+            with torch.no_grad():
+                for p in theirs.parameters():
+                    p.add_(0.3 * torch.randn_like(p))
+            yield dtype_name, dtype, n, theirs
+
+
 def hyper_connection_job(streams: list[int], dtypes: list[str], seq: int = 5, batch: int = 3,
                          hidden: int = 16) -> dict:
     """``mhc_cg.ops.hyper_connection.HyperConnection`` beside ``main``'s ``HyperConnectionModule``.
@@ -74,82 +124,71 @@ def hyper_connection_job(streams: list[int], dtypes: list[str], seq: int = 5, ba
     """
     import torch
 
-    from megatron.core.transformer.hyper_connection import HyperConnectionModule
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     from mhc_cg.ops.hyper_connection import HyperConnection
 
     cases = []
-    for dtype_name in dtypes:
-        dtype = getattr(torch, dtype_name)
-        for n in streams:
-            torch.manual_seed(1000 + n)
-            config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=4,
-                                       enable_mhc_connections=True, mhc_num_residual_streams=n,
-                                       mhc_sinkhorn_iterations=20, mhc_init_gating_factor=0.01,
-                                       params_dtype=dtype, use_cpu_initialization=True)
-            theirs = HyperConnectionModule(config, layer_number=1).to(dtype)
-            with torch.no_grad():  # move off the init so every mapping matters
-                for p in theirs.parameters():
-                    p.add_(0.3 * torch.randn_like(p))
-            ours = HyperConnection(hidden, n, config.mhc_sinkhorn_iterations,
-                                   config.mhc_init_gating_factor).to(dtype)
-            missing = ours.load_state_dict(theirs.state_dict(), strict=True)
-            f_weight = torch.randn(hidden, hidden, dtype=dtype) / hidden ** 0.5
-            f_bias = torch.randn(hidden, dtype=dtype).requires_grad_()
-            x0 = torch.randn(seq, batch, n * hidden, dtype=dtype)
-            probes = {k: torch.randn(shape, dtype=dtype) for k, shape in
-                      (("out", (seq, batch, n * hidden)), ("h_pre", (seq, batch, n)),
-                       ("h_post", (seq, batch, n)), ("h_res", (seq, batch, n, n)),
-                       ("agg", (seq, batch, hidden)))}
+    modules = _their_modules(dtypes, streams, hidden, 1000, enable_mhc_connections=True,
+                             mhc_num_residual_streams="{n}")
+    for dtype_name, dtype, n, theirs in modules:
+        config = theirs.config
+        ours = HyperConnection(hidden, n, config.mhc_sinkhorn_iterations,
+                               config.mhc_init_gating_factor).to(dtype)
+        missing = ours.load_state_dict(theirs.state_dict(), strict=True)
+        f_weight = torch.randn(hidden, hidden, dtype=dtype) / hidden ** 0.5
+        f_bias = torch.randn(hidden, dtype=dtype).requires_grad_()
+        x0 = torch.randn(seq, batch, n * hidden, dtype=dtype)
+        probes = {k: torch.randn(shape, dtype=dtype) for k, shape in
+                  (("out", (seq, batch, n * hidden)), ("h_pre", (seq, batch, n)),
+                   ("h_post", (seq, batch, n)), ("h_res", (seq, batch, n, n)),
+                   ("agg", (seq, batch, hidden)))}
 
-            def sublayer_f(agg):
-                return torch.tanh(agg @ f_weight)
+        def sublayer_f(agg):
+            return torch.tanh(agg @ f_weight)
 
-            def loss_of(values):
-                return sum((values[k] * probes[k]).sum() for k in probes)
+        def loss_of(values):
+            return sum((values[k] * probes[k]).sum() for k in probes)
 
-            def run(module, main: bool):
-                x = x0.clone().requires_grad_()
-                bias = f_bias.detach().clone().requires_grad_()
-                if main:
-                    agg, h_res, h_post = module(x)
-                    h_pre, _, _ = module.compute_mappings(x)
-                    y = sublayer_f(agg)
-                    out = module.fused_h_res_h_post_bda(h_res, x, h_post, (y, bias), 0.0,
-                                                        True, False)
-                    parts = {"apply_h_res": module.apply_h_res(h_res, x),
-                             "apply_h_post": module._apply_h_post(y, h_post)}
-                else:
-                    h_pre, h_post, h_res = module.compute_mappings(x)
-                    agg = module.aggregate(x, h_pre)
-                    y = sublayer_f(agg)
-                    post = (module.apply_h_post(y, h_post)
-                            + module.apply_h_post(bias.expand(seq, batch, hidden), h_post))
-                    out = module.apply_h_res(h_res, x) + post
-                    parts = {"apply_h_res": module.apply_h_res(h_res, x),
-                             "apply_h_post": module.apply_h_post(y, h_post)}
-                values = {"out": out, "h_pre": h_pre, "h_post": h_post, "h_res": h_res, "agg": agg}
-                loss_of(values).backward()
-                grads = {"x": x.grad, "f_bias": bias.grad,
-                         **{name: p.grad for name, p in module.named_parameters()}}
-                return {**values, **parts}, grads
+        def run(module, main: bool):
+            x = x0.clone().requires_grad_()
+            bias = f_bias.detach().clone().requires_grad_()
+            if main:
+                agg, h_res, h_post = module(x)
+                h_pre, _, _ = module.compute_mappings(x)
+                y = sublayer_f(agg)
+                out = module.fused_h_res_h_post_bda(h_res, x, h_post, (y, bias), 0.0,
+                                                    True, False)
+                parts = {"apply_h_res": module.apply_h_res(h_res, x),
+                         "apply_h_post": module._apply_h_post(y, h_post)}
+            else:
+                h_pre, h_post, h_res = module.compute_mappings(x)
+                agg = module.aggregate(x, h_pre)
+                y = sublayer_f(agg)
+                post = (module.apply_h_post(y, h_post)
+                        + module.apply_h_post(bias.expand(seq, batch, hidden), h_post))
+                out = module.apply_h_res(h_res, x) + post
+                parts = {"apply_h_res": module.apply_h_res(h_res, x),
+                         "apply_h_post": module.apply_h_post(y, h_post)}
+            values = {"out": out, "h_pre": h_pre, "h_post": h_post, "h_res": h_res, "agg": agg}
+            loss_of(values).backward()
+            grads = {"x": x.grad, "f_bias": bias.grad,
+                     **{name: p.grad for name, p in module.named_parameters()}}
+            return {**values, **parts}, grads
 
-            values_m, grads_m = run(theirs, main=True)
-            values_o, grads_o = run(ours, main=False)
-            cases.append({
-                "n": n, "dtype": dtype_name,
-                "state_dict_keys": sorted(theirs.state_dict()),
-                "load_missing": list(missing.missing_keys),
-                "load_unexpected": list(missing.unexpected_keys),
-                "forward": {k: max_abs_diff(values_m[k], values_o[k]) for k in values_m},
-                "grad": {k: max_abs_diff(grads_m[k], grads_o[k]) for k in grads_m},
-                "grad_keys_main": sorted(grads_m), "grad_keys_ours": sorted(grads_o),
-                "value_scale": max(v.abs().max().item() for v in values_m.values()),
-                "grad_scale": max(g.abs().max().item() for g in grads_m.values()),
-                "doubly_stochastic_err": max_abs_diff(values_o["h_res"].sum(-1),
-                                                      torch.ones(seq, batch, n)),
-            })
+        values_m, grads_m = run(theirs, main=True)
+        values_o, grads_o = run(ours, main=False)
+        cases.append({
+            "n": n, "dtype": dtype_name,
+            "state_dict_keys": sorted(theirs.state_dict()),
+            "load_missing": list(missing.missing_keys),
+            "load_unexpected": list(missing.unexpected_keys),
+            "forward": {k: max_abs_diff(values_m[k], values_o[k]) for k in values_m},
+            "grad": {k: max_abs_diff(grads_m[k], grads_o[k]) for k in grads_m},
+            "grad_keys_main": sorted(grads_m), "grad_keys_ours": sorted(grads_o),
+            "value_scale": max(v.abs().max().item() for v in values_m.values()),
+            "grad_scale": max(g.abs().max().item() for g in grads_m.values()),
+            "doubly_stochastic_err": max_abs_diff(values_o["h_res"].sum(-1),
+                                                  torch.ones(seq, batch, n)),
+        })
     return {"cases": cases}
 
 
@@ -174,122 +213,112 @@ def dev_hyper_connection_job(streams: list[int], dtypes: list[str], seq: int = 5
 
     import torch
 
-    from megatron.core.transformer.hyper_connection import HyperConnectionModule
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     from mhc_cg.ops.hyper_connection import HyperConnection
 
     cases = []
-    for dtype_name in dtypes:
-        dtype = getattr(torch, dtype_name)
-        for n in streams:
-            torch.manual_seed(2000 + n)
-            config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=4,
-                                       enable_hyper_connections=True, num_residual_streams=n,
-                                       mhc_sinkhorn_iterations=20, mhc_init_gating_factor=0.01,
-                                       params_dtype=dtype, use_cpu_initialization=True)
-            theirs = HyperConnectionModule(config, layer_number=1).to(dtype)
-            theirs.sinkhorn_eps = 0.0
-            theirs.compute_h_eps = 0.0
-            with torch.no_grad():  # off the init; res logits spread: H_res far from symmetric
-                for p in theirs.parameters():
-                    p.add_(0.3 * torch.randn_like(p))
-                theirs.bias[2 * n:].add_(1.5 * torch.randn(n * n, dtype=dtype))
-            ours = {}
-            for name, transposed in (("dev_layout", True), ("main_layout", False)):
-                ours[name] = HyperConnection(hidden, n, config.mhc_sinkhorn_iterations,
-                                             config.mhc_init_gating_factor, kernels="torch",
-                                             h_res_transposed=transposed).to(dtype)
-                ours[name].load_state_dict(theirs.state_dict(), strict=True)
-            f_weight = torch.randn(hidden, hidden, dtype=dtype) / hidden ** 0.5
-            f_bias = torch.randn(hidden, dtype=dtype)
-            x0 = torch.randn(seq, batch, n * hidden, dtype=dtype)
-            probe = torch.randn(seq, batch, n * hidden, dtype=dtype)
+    modules = _their_modules(dtypes, streams, hidden, 2000, enable_hyper_connections=True,
+                             num_residual_streams="{n}")
+    for dtype_name, dtype, n, theirs in modules:
+        config = theirs.config
+        theirs.sinkhorn_eps = 0.0
+        theirs.compute_h_eps = 0.0
+        with torch.no_grad():  # res logits spread: H_res far from symmetric
+            theirs.bias[2 * n:].add_(1.5 * torch.randn(n * n, dtype=dtype))
+        ours = {}
+        for name, transposed in (("dev_layout", True), ("main_layout", False)):
+            ours[name] = HyperConnection(hidden, n, config.mhc_sinkhorn_iterations,
+                                         config.mhc_init_gating_factor, kernels="torch",
+                                         h_res_transposed=transposed).to(dtype)
+            ours[name].load_state_dict(theirs.state_dict(), strict=True)
+        f_weight = torch.randn(hidden, hidden, dtype=dtype) / hidden ** 0.5
+        f_bias = torch.randn(hidden, dtype=dtype)
+        x0 = torch.randn(seq, batch, n * hidden, dtype=dtype)
+        probe = torch.randn(seq, batch, n * hidden, dtype=dtype)
 
-            def sublayer_f(agg):
-                return torch.tanh(agg @ f_weight)
+        def sublayer_f(agg):
+            return torch.tanh(agg @ f_weight)
 
-            def run(module, how: str):
-                module.zero_grad(set_to_none=True)  # ours["dev_layout"] runs twice
-                x = x0.clone().requires_grad_()
-                bias = f_bias.clone().requires_grad_()
-                if how == "dev":
-                    agg, h_res, h_post, residual = module(x)
-                    out = module.fused_h_res_h_post_bda(h_res, residual, h_post,
-                                                        (sublayer_f(agg), bias), 0.0, True, False)
-                elif how == "fused":
-                    fn_input, state, x_on = module.pre(x, None, 0.0)
-                    out = module.post(x_on, state, sublayer_f(fn_input) + bias, None, 0.0, 0)
-                else:
-                    h_pre, h_post, h_res = module.compute_mappings(x)
-                    y = sublayer_f(module.aggregate(x, h_pre))
-                    out = module.apply_h_res(h_res, x) + module.apply_h_post(
-                        y + bias.expand_as(y), h_post)
-                (out * probe).sum().backward()
-                grads = {"x": x.grad, "f_bias": bias.grad,
-                         **{name: p.grad for name, p in module.named_parameters()}}
-                return out.detach(), grads
+        def run(module, how: str):
+            module.zero_grad(set_to_none=True)  # ours["dev_layout"] runs twice
+            x = x0.clone().requires_grad_()
+            bias = f_bias.clone().requires_grad_()
+            if how == "dev":
+                agg, h_res, h_post, residual = module(x)
+                out = module.fused_h_res_h_post_bda(h_res, residual, h_post,
+                                                    (sublayer_f(agg), bias), 0.0, True, False)
+            elif how == "fused":
+                fn_input, state, x_on = module.pre(x, None, 0.0)
+                out = module.post(x_on, state, sublayer_f(fn_input) + bias, None, 0.0, 0)
+            else:
+                h_pre, h_post, h_res = module.compute_mappings(x)
+                y = sublayer_f(module.aggregate(x, h_pre))
+                out = module.apply_h_res(h_res, x) + module.apply_h_post(
+                    y + bias.expand_as(y), h_post)
+            (out * probe).sum().backward()
+            grads = {"x": x.grad, "f_bias": bias.grad,
+                     **{name: p.grad for name, p in module.named_parameters()}}
+            return out.detach(), grads
 
-            def projection_in_dtype(x):
-                r = 1.0 / (x.norm(dim=-1, keepdim=True) / math.sqrt(x.shape[-1])
-                           + theirs.norm_eps)
-                return theirs.mapping_proj(x), r
+        def projection_in_dtype(x):
+            r = 1.0 / (x.norm(dim=-1, keepdim=True) / math.sqrt(x.shape[-1])
+                       + theirs.norm_eps)
+            return theirs.mapping_proj(x), r
 
-            ran = {name: run(module, how) for name, module, how in (
-                ("ours_dev_layout", ours["dev_layout"], "composed"),
-                ("ours_dev_layout_fused", ours["dev_layout"], "fused"),
-                ("ours_main_layout", ours["main_layout"], "composed"))}
-            compared, scales = {}, {}
-            for variant in ("as_is", "projection_in_dtype"):
-                if variant == "projection_in_dtype":
-                    theirs._projection_and_get_norm = projection_in_dtype
-                out_d, grads_d = run(theirs, "dev")
-                scales[variant] = {"value": out_d.abs().max().item(),
-                                   "grad": max(g.abs().max().item() for g in grads_d.values())}
-                compared[variant] = {
-                    name: {"out": max_abs_diff(out_d, out_o),
-                           "grad": {k: max_abs_diff(grads_d[k], grads_o[k]) for k in grads_d},
-                           "grad_keys_equal": sorted(grads_d) == sorted(grads_o)}
-                    for name, (out_o, grads_o) in ran.items()}
+        ran = {name: run(module, how) for name, module, how in (
+            ("ours_dev_layout", ours["dev_layout"], "composed"),
+            ("ours_dev_layout_fused", ours["dev_layout"], "fused"),
+            ("ours_main_layout", ours["main_layout"], "composed"))}
+        compared, scales = {}, {}
+        for variant in ("as_is", "projection_in_dtype"):
+            if variant == "projection_in_dtype":
+                theirs._projection_and_get_norm = projection_in_dtype
+            out_d, grads_d = run(theirs, "dev")
+            scales[variant] = {"value": out_d.abs().max().item(),
+                               "grad": max(g.abs().max().item() for g in grads_d.values())}
+            compared[variant] = {
+                name: {"out": max_abs_diff(out_d, out_o),
+                       "grad": {k: max_abs_diff(grads_d[k], grads_o[k]) for k in grads_d},
+                       "grad_keys_equal": sorted(grads_d) == sorted(grads_o)}
+                for name, (out_o, grads_o) in ran.items()}
 
-            # the layout's step alone, from dev's own mappings
-            with torch.no_grad():
-                _, h_res0, h_post0, _ = theirs(x0)
-            y0 = sublayer_f(torch.randn(seq, batch, hidden, dtype=dtype))
+        # the layout's step alone, from dev's own mappings
+        with torch.no_grad():
+            _, h_res0, h_post0, _ = theirs(x0)
+        y0 = sublayer_f(torch.randn(seq, batch, hidden, dtype=dtype))
 
-            def step(module, dev: bool):
-                leaves = {"h_res": h_res0.clone(), "x": x0.clone(), "h_post": h_post0.clone(),
-                          "y": y0.clone(), "f_bias": f_bias.clone()}
-                for t in leaves.values():
-                    t.requires_grad_()
-                h_res, x, h_post, y, bias = leaves.values()
-                if dev:
-                    mixed = module.apply_h_res(h_res, x)
-                    out = module.fused_h_res_h_post_bda(h_res, x, h_post, (y, bias), 0.0, True,
-                                                        False)
-                else:
-                    mixed = module.apply_h_res(h_res, x)
-                    out = mixed + module.apply_h_post(y + bias.expand_as(y), h_post)
-                (out * probe + mixed * probe.flip(-1)).sum().backward()
-                return {"out": out.detach(), "mixed": mixed.detach()}, \
-                    {k: t.grad for k, t in leaves.items()}
+        def step(module, dev: bool):
+            leaves = {"h_res": h_res0.clone(), "x": x0.clone(), "h_post": h_post0.clone(),
+                      "y": y0.clone(), "f_bias": f_bias.clone()}
+            for t in leaves.values():
+                t.requires_grad_()
+            h_res, x, h_post, y, bias = leaves.values()
+            if dev:
+                mixed = module.apply_h_res(h_res, x)
+                out = module.fused_h_res_h_post_bda(h_res, x, h_post, (y, bias), 0.0, True,
+                                                    False)
+            else:
+                mixed = module.apply_h_res(h_res, x)
+                out = mixed + module.apply_h_post(y + bias.expand_as(y), h_post)
+            (out * probe + mixed * probe.flip(-1)).sum().backward()
+            return {"out": out.detach(), "mixed": mixed.detach()}, \
+                {k: t.grad for k, t in leaves.items()}
 
-            values_d, step_grads_d = step(theirs, True)
-            step_diffs = {}
-            for name in ("dev_layout", "main_layout"):
-                values_o, step_grads_o = step(ours[name], False)
-                step_diffs[name] = {
-                    "values": {k: max_abs_diff(values_d[k], values_o[k]) for k in values_d},
-                    "grad": {k: max_abs_diff(step_grads_d[k], step_grads_o[k])
-                             for k in step_grads_d}}
-            cases.append({
-                "n": n, "dtype": dtype_name,
-                "h_res_asymmetry": (h_res0 - h_res0.transpose(-1, -2)).abs().max().item(),
-                "scale": scales,
-                "step_value_scale": max(v.abs().max().item() for v in values_d.values()),
-                "step_grad_scale": max(g.abs().max().item() for g in step_grads_d.values()),
-                "sublayer": compared, "step": step_diffs,
-            })
+        values_d, step_grads_d = step(theirs, True)
+        step_diffs = {}
+        for name in ("dev_layout", "main_layout"):
+            values_o, step_grads_o = step(ours[name], False)
+            step_diffs[name] = {
+                "values": {k: max_abs_diff(values_d[k], values_o[k]) for k in values_d},
+                "grad": {k: max_abs_diff(step_grads_d[k], step_grads_o[k])
+                         for k in step_grads_d}}
+        cases.append({
+            "n": n, "dtype": dtype_name,
+            "h_res_asymmetry": (h_res0 - h_res0.transpose(-1, -2)).abs().max().item(),
+            "scale": scales,
+            "step_value_scale": max(v.abs().max().item() for v in values_d.values()),
+            "step_grad_scale": max(g.abs().max().item() for g in step_grads_d.values()),
+            "sublayer": compared, "step": step_diffs,
+        })
     return {"cases": cases}
 
 
@@ -302,9 +331,9 @@ LAYER_SHAPE = dict(num_layers=4, num_attention_heads=4, use_cpu_initialization=T
 
 def _init_model_parallel() -> None:
     """One gloo process, tensor/pipeline sizes 1: megatron's parallel state on CPU."""
-    from megatron_integration.harness.training import init_single_process
+    from megatron_integration.harness.training import init_ranks
 
-    init_single_process(cpu=True, seed=0)
+    init_ranks(cpu=True, seed=0)
 
 
 def _main_blocks(hidden: int, hidden_dropout: float, block_size: int):

@@ -253,6 +253,24 @@ def block_chain(impl, x0, ws, params, norms, seed, p, n, iterations, h_res_trans
     return xs, fn_inputs, ys, states
 
 
+# (streams, hidden, tokens, sublayers, dropout) of the block-recompute cases
+BLOCK_SHAPE = (3, 20, 7, 4, 0.25)
+
+
+def _block_case(seed: int, dtype: torch.dtype = torch.float32, norm: bool = True,
+                logit_scale: float = 1.0):
+    """A block's inputs: ``(x0, each sublayer's projection, mapping parameters, norms)``."""
+    n, c, t, sublayers, _ = BLOCK_SHAPE
+    g = torch.Generator().manual_seed(seed)
+    m = n * n + 2 * n
+    x0 = torch.randn(t, n * c, generator=g).to(dtype)
+    ws = [(torch.randn(m, n * c, generator=g) * 0.3).to(dtype) for _ in range(sublayers)]
+    params = torch.cat([torch.randn(sublayers, m, generator=g) * logit_scale,
+                        torch.tensor([[0.7, -0.4, 1.3]]).expand(sublayers, 3)], 1).to(dtype)
+    norms = (torch.rand(sublayers, c, generator=g) + 0.5).to(dtype) if norm else None
+    return x0, ws, params, norms
+
+
 @pytest.mark.parametrize("use_triton", [False, pytest.param(True, marks=needs_triton)])
 @pytest.mark.parametrize("dtype,norm", [(torch.float32, True), (torch.bfloat16, False)])
 def test_block_recompute_reproduces_the_forward_bit_for_bit(request, use_triton, dtype, norm):
@@ -261,14 +279,8 @@ def test_block_recompute_reproduces_the_forward_bit_for_bit(request, use_triton,
     if use_triton:
         request.getfixturevalue("interpret")
     impl = fused.dispatch.triton_kernels() if use_triton else reference
-    n, c, t, sublayers, p = 3, 20, 7, 4, 0.25
-    g = torch.Generator().manual_seed(2)
-    m = n * n + 2 * n
-    x0 = torch.randn(t, n * c, generator=g).to(dtype)
-    ws = [(torch.randn(m, n * c, generator=g) * 0.3).to(dtype) for _ in range(sublayers)]
-    params = torch.cat([torch.randn(sublayers, m, generator=g),
-                        torch.tensor([[0.7, -0.4, 1.3]]).expand(sublayers, 3)], 1).to(dtype)
-    norms = (torch.rand(sublayers, c, generator=g) + 0.5).to(dtype) if norm else None
+    n, c, t, sublayers, p = BLOCK_SHAPE
+    x0, ws, params, norms = _block_case(2, dtype, norm)
     seed = torch.tensor(99)
     xs, fn_inputs, ys, states = block_chain(impl, x0, ws, params, norms, seed, p, n, 5)
     x_out = torch.full((sublayers - 1, t, n * c), float("nan"), dtype=dtype)
@@ -492,14 +504,8 @@ def test_transposed_h_res_block_recompute_reproduces_the_forward_bit_for_bit(req
     if use_triton:
         request.getfixturevalue("interpret")
     impl = fused.dispatch.triton_kernels() if use_triton else reference
-    n, c, t, sublayers, p = 3, 20, 7, 4, 0.25
-    g = torch.Generator().manual_seed(3)
-    m = n * n + 2 * n
-    x0 = torch.randn(t, n * c, generator=g)
-    ws = [torch.randn(m, n * c, generator=g) * 0.3 for _ in range(sublayers)]
-    params = torch.cat([torch.randn(sublayers, m, generator=g) * 2.0,
-                        torch.tensor([[0.7, -0.4, 1.3]]).expand(sublayers, 3)], 1)
-    norms = torch.rand(sublayers, c, generator=g) + 0.5
+    n, c, t, sublayers, p = BLOCK_SHAPE
+    x0, ws, params, norms = _block_case(3, logit_scale=2.0)
     seed, streams = torch.tensor(99), [10 + 2 * k for k in range(sublayers)]
     xs, fn_inputs, ys, states = block_chain(impl, x0, ws, params, norms, seed, p, n, 5,
                                             h_res_transposed=True)

@@ -11,11 +11,9 @@ snapshot is ``../shared/third_party/megatron-lm-dev-*.tar.gz``; the job is
 ``dev_hyper_connection_job`` of ``tests/megatron_main_oracle.py``.
 """
 
-import importlib.util
-
 import pytest
 
-from megatron_main_oracle import extract_snapshot, run_job, skip_reason, snapshot_archive
+from megatron_main_oracle import extracted_snapshot, run_job
 
 STREAMS = (3, 4)
 DTYPES = ("float64", "float32")
@@ -36,13 +34,7 @@ LAYOUT_GAP = 1000
 
 @pytest.fixture(scope="module")
 def dev_snapshot(tmp_path_factory):
-    archive = snapshot_archive("dev")
-    if archive is None:
-        pytest.skip(skip_reason("dev"))
-    if importlib.util.find_spec("triton") is None:
-        pytest.fail("Megatron-LM dev's megatron.core imports triton: pip install triton "
-                    "(it is in the test extras)")
-    return extract_snapshot(archive, tmp_path_factory.mktemp("megatron_dev"))
+    return extracted_snapshot("dev", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_main_oracle import extract_snapshot, run_job, skip_reason, snapshot_archive
+from megatron_main_oracle import extracted_snapshot, run_job
 from megatron_integration.capture.te_graph_helper import RecomputeGraphKey, recompute_capture_order
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,10 +35,7 @@ IDS = [f"L{s['num_layers']}-Lr{s['recompute_layers']}-M{s['num_microbatches']}" 
 
 @pytest.fixture(scope="module")
 def main_snapshot(tmp_path_factory):
-    archive = snapshot_archive()
-    if archive is None:
-        pytest.skip(skip_reason())
-    return extract_snapshot(archive, tmp_path_factory.mktemp("megatron_main"))
+    return extracted_snapshot("main", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,9 @@ The snapshot is ``../shared/third_party/megatron-lm-main-*.tar.gz``; see
 ``tests/megatron_main_oracle.py`` for how it is imported and the CPU shims it needs.
 """
 
-import importlib.util
-
 import pytest
 
-from megatron_main_oracle import extract_snapshot, run_job, skip_reason, snapshot_archive
+from megatron_main_oracle import extracted_snapshot, run_job
 
 STREAMS = (2, 3, 4)
 DTYPES = ("float64", "float32")
@@ -26,13 +24,7 @@ TOLERANCE = {"float64": 1e-13, "float32": 1e-6}
 
 @pytest.fixture(scope="module")
 def main_snapshot(tmp_path_factory):
-    archive = snapshot_archive()
-    if archive is None:
-        pytest.skip(skip_reason())
-    if importlib.util.find_spec("triton") is None:
-        pytest.fail("Megatron-LM main's megatron.core imports triton: pip install triton "
-                    "(it is in the test extras)")
-    return extract_snapshot(archive, tmp_path_factory.mktemp("megatron_main"))
+    return extracted_snapshot("main", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

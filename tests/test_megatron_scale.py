@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from mhc_cg.config import load_config
-from megatron_main_oracle import skip_reason, snapshot_archive
+from megatron_main_oracle import require_snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {"tp2_pp2": "configs/megatron_dev_tp2_pp2.yaml",
@@ -37,8 +37,7 @@ def _cli(*args, env=None):
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def shipped(request):
-    if snapshot_archive("dev") is None:
-        pytest.skip(skip_reason("dev"))
+    require_snapshot("dev")
     path = CONFIGS[request.param]
     proc = _cli("megatron", "--config", path, "--compare", "--json")
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -119,8 +118,7 @@ def test_another_shape_with_the_mlp_graphed_and_counter_dropout():
     mappings as Python. ``hidden_dropout: 0.1`` with dev's layers opted into counter dropout:
     the graphed forward, the recompute graphs, dev's eager run and dev's own ``[mhc]``
     recompute draw the same masks."""
-    if snapshot_archive("dev") is None:
-        pytest.skip(skip_reason("dev"))
+    require_snapshot("dev")
     from megatron_integration.harness.child_process import run_megatron_job
     from megatron_integration.harness.runs import compare_ranks
 

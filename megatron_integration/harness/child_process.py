@@ -134,11 +134,6 @@ def find_megatron(branch: str = "main") -> MainSource:
         f"checkout (or its snapshot .tar.gz)")
 
 
-def find_main() -> MainSource:
-    """:func:`find_megatron` of ``main``."""
-    return find_megatron("main")
-
-
 def te_standin_for(device: str) -> Path | None:
     """The stand-in folder the child loads in place of TransformerEngine, or ``None`` for real TE."""
     if device == "cuda":

@@ -41,7 +41,9 @@ from megatron_integration.harness.training import TrainSetup, train_run, wrap_fo
 
 BRANCHES = ("main", "dev", "core")
 OURS = "mhc_cg"
-_RECOMPUTE_FIELDS = ("recompute_granularity", "recompute_modules", "mhc_recompute_layer_num")
+# Megatron's own mHC recompute; the block size is also the static runtime's
+_MEGATRON_RECOMPUTE = ("recompute_granularity", "recompute_modules")
+_RECOMPUTE_FIELDS = (*_MEGATRON_RECOMPUTE, "mhc_recompute_layer_num")
 
 
 def runs_of(branch: str) -> tuple[str, ...]:
@@ -70,7 +72,7 @@ def run_kwargs(kwargs: dict, run: str, branch: str) -> dict:
         # dev's own mHC recompute off: the runtime recomputes, in blocks of
         # mhc_recompute_layer_num layers (and dev refuses [mhc] with layer graphs beyond its
         # attention split)
-        for name in _RECOMPUTE_FIELDS[:2]:
+        for name in _MEGATRON_RECOMPUTE:
             kwargs.pop(name)
     if "_eager" in run:
         kwargs.update(cuda_graph_impl="none", cuda_graph_modules=[])
@@ -118,9 +120,10 @@ def core_config(run: str, cfg: RunConfig):
     return to_transformer_config(cfg, **overrides)
 
 
-def core_chunk(config, cfg: RunConfig, stage: int | None, graphed: bool):
+def core_chunk(config, cfg: RunConfig, stage: int | None):
     """megatron-core's ``GPTModel`` with mhc_cg's layer and block (``MHCTransformerBlock``
-    replaces the plain decoder GPTModel builds, for the stream boundaries) for one chunk."""
+    replaces the plain decoder GPTModel builds, for the stream boundaries) for one chunk; the
+    layer is graphable as it is (``GraphedSublayerMixin`` is in its bases)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -173,7 +176,7 @@ def build_run(run: str, cfg: RunConfig, branch: str, cpu: bool):
     chunks = []
     for stage in range(vpp):
         if branch == "core":
-            model = core_chunk(config, cfg, stage if vpp > 1 else None, graphed=run == OURS)
+            model = core_chunk(config, cfg, stage if vpp > 1 else None)
         else:
             where = dict(ignore_virtual=False, vp_stage=stage) if vpp > 1 else {}
             spec = decoder_spec(branch, config, stage if vpp > 1 else None, cpu=cpu,

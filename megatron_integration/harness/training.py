@@ -65,11 +65,6 @@ def init_ranks(cpu: bool, seed: int, *, rank: int = 0, world_size: int = 1, port
         mrandom.model_parallel_cuda_manual_seed(seed)
 
 
-def init_single_process(cpu: bool, seed: int) -> None:
-    """One process, tensor and pipeline sizes 1 (:func:`init_ranks`)."""
-    init_ranks(cpu, seed)
-
-
 def use_microbatches(setup: TrainSetup) -> None:
     """megatron's global microbatch calculator for ``setup`` (data-parallel size 1)."""
     from megatron.core import num_microbatches_calculator as calculator

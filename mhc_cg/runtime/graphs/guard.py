@@ -26,7 +26,7 @@ import os
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -394,43 +394,6 @@ class CaptureGuardMode(TorchDispatchMode):
             self.report.escaped_storages = len(escaped)
             self.report.escaped_bytes = sum(s.nbytes for s in escaped)
         return self.report
-
-
-def wait_for_collective(out: Any) -> None:
-    """Wait on the work handle a collective (a ``c10d::`` op) returned: a replay runs the
-    collective and its completion together, as one launch."""
-    for handle in tree_flatten(out)[0]:
-        if hasattr(handle, "wait") and not isinstance(handle, torch.Tensor):
-            handle.wait()
-
-
-@contextlib.contextmanager
-def collective_waits_unseen() -> Iterator[None]:
-    """Inside: a collective's ``Work.wait()`` runs with the capture's dispatch mode off.
-
-    What a backend runs when a collective completes (gloo's reduce-scatter copies its result
-    out of a buffer of its own) belongs to the collective: a replay of the ``c10d::`` op, waited
-    on (:func:`wait_for_collective`), runs it again. Recorded as ops of their own, they would
-    copy the capture's stale buffer over the replayed result.
-    """
-    try:
-        from torch._C._distributed_c10d import Work
-    except ImportError:  # torch built without distributed
-        yield
-        return
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    original = Work.wait
-
-    def wait(self, *args, **kwargs):
-        with _disable_current_modes():
-            return original(self, *args, **kwargs)
-
-    Work.wait = wait
-    try:
-        yield
-    finally:
-        Work.wait = original
 
 
 def _written_args(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:

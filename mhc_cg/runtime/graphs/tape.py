@@ -67,8 +67,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from mhc_cg.core.errors import GraphCaptureError, GraphReplayError
 from mhc_cg.core.storage import own_version_alias, storage_bytes, storage_id
 from mhc_cg.runtime.graphs.capture import Graph, GraphBackend, Pool
-from mhc_cg.runtime.graphs.guard import (CaptureGuardMode, collective_waits_unseen,
-                                         user_source_line, wait_for_collective)
+from mhc_cg.runtime.graphs.guard import CaptureGuardMode, user_source_line
 from mhc_cg.runtime.graphs.static_inputs import static_storages
 
 aten = torch.ops.aten
@@ -197,6 +196,43 @@ def _host_read_traps(graph_name: str) -> Iterator[None]:
     finally:
         for name, method in originals.items():
             setattr(torch.Tensor, name, method)
+
+
+def wait_for_collective(out: Any) -> None:
+    """Wait on the work handle a collective (a ``c10d::`` op) returned: a replay runs the
+    collective and its completion together, as one launch."""
+    for handle in tree_flatten(out)[0]:
+        if hasattr(handle, "wait") and not isinstance(handle, torch.Tensor):
+            handle.wait()
+
+
+@contextlib.contextmanager
+def collective_waits_unseen() -> Iterator[None]:
+    """Inside: a collective's ``Work.wait()`` runs with the capture's dispatch mode off.
+
+    What a backend runs when a collective completes (gloo's reduce-scatter copies its result
+    out of a buffer of its own) belongs to the collective: a replay of the ``c10d::`` op, waited
+    on (:func:`wait_for_collective`), runs it again. Recorded as ops of their own, they would
+    copy the capture's stale buffer over the replayed result.
+    """
+    try:
+        from torch._C._distributed_c10d import Work
+    except ImportError:  # torch built without distributed
+        yield
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    original = Work.wait
+
+    def wait(self, *args, **kwargs):
+        with _disable_current_modes():
+            return original(self, *args, **kwargs)
+
+    Work.wait = wait
+    try:
+        yield
+    finally:
+        Work.wait = original
 
 
 class TapePool(Pool):
