@@ -28,6 +28,7 @@ from mhc_cg.runtime.recompute.static import StaticRecompute
 from megatron_integration.capture.static_block import StaticMHCBlock
 from megatron_integration.layers.graphed_sublayer import (GraphedSublayerMixin, SublayerSite,
                                                          graphs_mlp)
+from megatron_integration.layers.moe_partial import moe_capture_step, moe_tail
 
 
 class StaticDecoderMixin:
@@ -49,29 +50,39 @@ class StaticDecoderMixin:
 def graphed_sublayer_fns(layers, attention_mask: Tensor | None,
                          kwargs: dict) -> dict[tuple[int, int], Callable]:
     """``{(layer number, 0): fn}`` for the layers that hold TE graphs: ``fn(x, seed)`` calls the
-    layer through megatron's ``__call__`` (which replays this microbatch's graph). With the MLP in
-    the layer graph also ``(layer number, 1)``: one replay returns both sublayers' results, the
-    attention's through the first fn (its output already the MLP's: the runtime passes it on to
-    the second, which returns the MLP's part of the same replay)."""
+    layer through megatron's ``__call__`` (which replays this microbatch's graph). Where the
+    graph holds more of the layer, ``(layer number, 1)`` too: with the MLP in the layer graph one
+    replay returns both sublayers' results, the attention's through the first fn (its output
+    already the MLP's: the runtime passes it on to the second, which returns the MLP's part of
+    the same replay); with a MoE MLP's head in it, the second runs the MoE's eager rest from the
+    replay's outputs (:func:`megatron_integration.layers.moe_partial.moe_tail`)."""
     fns = {}
     for layer in layers:
         if not getattr(layer, "cuda_graphs", None):
             continue
         site = layer.mhc_site
-        after_mlp: list[tuple] = []
+        replayed: list[tuple] = []  # what the second fn takes from the first's replay
 
-        def replay(x: Tensor, seed: Tensor | None, layer=layer, site=site, after_mlp=after_mlp):
+        def replay(x: Tensor, seed: Tensor | None, layer=layer, site=site, replayed=replayed):
             site.check_replay(getattr(layer, "current_microbatch", 0) % len(layer.cuda_graphs))
-            out, *rest = layer(hidden_states=x, attention_mask=attention_mask, **kwargs)
-            if not site.with_mlp:
-                return out, rest[0], (rest[1] if len(rest) > 1 else None)
-            fused = len(rest) == 4  # F outputs, then the states of a fused sublayer
-            after_mlp.append((out, rest[1], rest[3] if fused else None))
-            return out, rest[0], (rest[2] if fused else None)
+            outputs = layer(hidden_states=x, attention_mask=attention_mask, **kwargs)
+            out, ys, states, head = site.split_outputs(outputs)
+            states = states + [None] * (len(ys) - len(states))  # hooked sublayers keep none
+            if site.with_mlp:
+                replayed.append((out, ys[1], states[1]))
+            elif site.moe_step:
+                replayed.append(head)
+            return out, ys[0], states[0]
 
         fns[(layer.layer_number, 0)] = replay
         if site.with_mlp:
-            fns[(layer.layer_number, 1)] = lambda x, seed, after_mlp=after_mlp: after_mlp.pop()
+            fns[(layer.layer_number, 1)] = lambda x, seed, replayed=replayed: replayed.pop()
+        elif site.moe_step:
+            def tail(x: Tensor, seed: Tensor | None, site=site, replayed=replayed):
+                return moe_tail(site.runtime, site.steps, site.position, site.moe_step,
+                                replayed.pop(), seed)
+
+            fns[(layer.layer_number, 1)] = tail
     return fns
 
 
@@ -116,8 +127,11 @@ def install_static_recompute(decoder, static_type: type[StaticMHCBlock], *, seq_
     runtime = static.runtime
     with_mlp = graphs_mlp(decoder.config)
     for index, (layer, steps) in enumerate(zip(decoder.layers, static.steps)):
+        moe_step = moe_capture_step(layer)
         layer.mhc_site = SublayerSite(runtime, steps, index % runtime.block_size,
-                                      static.seeded, list(graph_sets or [0]), with_mlp=with_mlp)
+                                      static.seeded, list(graph_sets or [0]),
+                                      with_mlp=with_mlp and not getattr(layer, "is_moe_layer", False),
+                                      moe_step=moe_step)
     return static
 
 

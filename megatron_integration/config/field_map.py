@@ -46,6 +46,10 @@ model.num_streams               main: enable_mhc_connections, mhc_num_residual_s
                                 (use_fused_mhc off)
 parallel.tp_size                tensor_model_parallel_size
 parallel.sequence_parallel      sequence_parallel
+parallel.ep_size                expert_model_parallel_size (dev; MoE)
+model.num_experts, moe_top_k    num_moe_experts, moe_router_topk, moe_ffn_hidden_size,
+  moe_ffn_hidden_size,          moe_layer_freq; the all-to-all dispatcher, experts one by one
+  moe_layer_freq                (dev; main raises for a MoE MLP in its mHC layer)
 model.recompute: block          recompute_granularity: selective, recompute_modules: [mhc]
 train.dtype                     params_dtype / pipeline_dtype as a string ("bf16")
 graph.cuda_graph_scope          cuda_graph_modules without ``mhc_recompute`` (returned apart:
@@ -69,6 +73,15 @@ from mhc_cg.config.rules import MEGATRON_WARMUP_STEPS as WARMUP_STEPS
 # fused kernels that need CUDA extensions; mhc_cg's bias-dropout-add is its own
 _NO_CUDA_FUSIONS = dict(bias_dropout_fusion=False, gradient_accumulation_fusion=False,
                         masked_softmax_fusion=False, apply_rope_fusion=False)
+
+
+# Megatron's MoE as its partial capture runs it: the all-to-all dispatcher (expert parallelism
+# over gloo or NCCL), experts one by one (grouped GEMM needs CUDA), no token dropping; linear
+# layers without biases, as MoE models train (megatron's local experts add theirs in place, on
+# a view autograd refuses)
+_MOE_SETTINGS = dict(add_bias_linear=False, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+                     moe_permute_fusion=False, moe_router_load_balancing_type="aux_loss",
+                     moe_aux_loss_coeff=1e-2)
 
 
 def _shared_kwargs(run_cfg: RunConfig) -> dict[str, Any]:
@@ -147,6 +160,10 @@ def megatron_config_kwargs(run_cfg: RunConfig, branch: str = "main") -> tuple[di
         pipeline_model_parallel_size=p.pp_size,
         virtual_pipeline_model_parallel_size=p.vpp_size if p.vpp_size > 1 else None,
         microbatch_group_size_per_vp_stage=p.microbatch_group_size)
+    if m.is_moe:  # dev only (the rules refuse MoE on main)
+        kwargs.update(num_moe_experts=m.num_experts, moe_router_topk=m.moe_top_k,
+                      moe_ffn_hidden_size=m.moe_ffn_hidden_size, moe_layer_freq=m.moe_layer_freq,
+                      expert_model_parallel_size=p.ep_size, **_MOE_SETTINGS)
     if p.pp_size > 1 and t.device != "cuda":
         kwargs["batch_p2p_comm"] = False  # the batched path synchronizes CUDA; gloo sends one by one
     return kwargs, recompute_graph

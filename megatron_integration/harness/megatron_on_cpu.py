@@ -9,8 +9,10 @@ calls megatron's modules make that a CPU build of torch refuses, each named here
 * ``torch.cuda.current_device`` -> ``"cpu"``: buffers megatron allocates on "the current device"
   (``DotProductAttention``'s score buffer, DDP's grad buffers, the graph helper's static inputs)
   land on the CPU;
-* ``torch.cuda.current_stream`` -> a stream with nothing to wait on: megatron's DDP asks for it
-  before each gradient reduction, to wait on events only a CUDA graph replay records;
+* ``torch.cuda.current_stream``, ``torch.cuda.Stream`` -> a stream with nothing to wait on, and
+  ``torch.cuda.stream`` -> a null context: megatron's DDP asks for the current stream before
+  each gradient reduction, to wait on events only a CUDA graph replay records; its all-to-all
+  MoE dispatcher copies the routing counts to the host on a side stream of its own;
 * ``fused_softmax.get_default_causal_mask`` (the causal mask when none is passed) -> the same
   mask on the CPU (megatron builds it on ``"cuda"``);
 * megatron's CUDA RNG state getters/setters -> empty state / no-op: its
@@ -20,6 +22,10 @@ calls megatron's modules make that a CPU build of torch refuses, each named here
   graph helper hands each layer its graphs' static hidden inputs) refuses tensors that are not
   CUDA tensors: the same bookkeeping without that check; likewise its ``MHCRecomputeArenaSlot``
   (the attention-only split's fixed-address slots) for a CPU tensor;
+* the all-to-all MoE dispatcher's ``maybe_move_tensor_to_cpu`` (its routing counts to the host,
+  as numpy for the all-to-all's splits) copies only CUDA tensors: on the CPU it copies every
+  tensor, so that, as on a GPU, the host copy does not alias a graph's static output that the
+  next replay overwrites before the all-to-all's backward reads the splits;
 * without TransformerEngine: ``CheckpointWithoutOutput`` always enters its TE path
   (``activation_recompute_forward``, ``FP8GlobalStateManager``, ``fp8_autocast``), whose names
   are then undefined; with FP8 off each is a no-op, so the shims are null contexts and "FP8 off".
@@ -45,6 +51,8 @@ def install_cpu_shims() -> None:
         torch.cuda.nvtx.range = lambda *args, **kwargs: contextlib.nullcontext()
         torch.cuda.current_device = lambda: "cpu"
         torch.cuda.current_stream = lambda device=None: _HOST_STREAM
+        torch.cuda.Stream = lambda *args, **kwargs: _HOST_STREAM
+        torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
         from megatron.core.tensor_parallel import random as mrandom
 
         mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
@@ -63,6 +71,12 @@ def install_cpu_shims() -> None:
             mhc_recompute = None
         if mhc_recompute is not None:
             mhc_recompute.MHCRecomputeArenaSlot.__init__ = _arena_slot_on_cpu
+        try:
+            from megatron.core.transformer.moe import token_dispatcher
+        except ImportError:  # no MoE in this megatron-core
+            token_dispatcher = None
+        if token_dispatcher is not None and hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
+            token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
     from megatron.core.tensor_parallel import random as mrandom
 
     if not mrandom.HAVE_TE:
@@ -74,8 +88,10 @@ def install_cpu_shims() -> None:
 
 
 # the CPU runs every op in order: nothing to wait for
+_HOST_EVENT = types.SimpleNamespace(synchronize=lambda: None, wait=lambda stream=None: None)
 _HOST_STREAM = types.SimpleNamespace(wait_event=lambda event: None, wait_stream=lambda stream: None,
-                                     synchronize=lambda: None)
+                                     synchronize=lambda: None,
+                                     record_event=lambda event=None: _HOST_EVENT)
 
 
 def _causal_mask_on_cpu(sq: int):
@@ -101,6 +117,15 @@ def _arena_slot_on_cpu(self, key, tensor) -> None:
     self.metadata = MHCRecomputeSlotMetadata(shape=tensor.shape, dtype=tensor.dtype,
                                              device=tensor.device, layout=tensor.layout,
                                              data_ptr=tensor.data_ptr())
+
+
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    import torch
+
+    if not torch.is_tensor(tensor):
+        return tensor
+    copy = tensor.detach().clone()
+    return copy.numpy() if as_numpy else copy
 
 
 def _no_fp8(enabled: bool):

@@ -96,12 +96,10 @@ def setup_of(cfg: RunConfig) -> TrainSetup:
 
 def decoder_spec(branch: str, config, vp_stage: int | None, *, cpu: bool, graphed: bool):
     """The GPT's layer (``main``) or block (``dev``) spec for one model chunk."""
-    if branch == "dev":
-        from megatron_integration.layers.cpu_norm import block_spec_on_cpu
-        from megatron_integration.layers.dev_layer import dev_mhc_layer_spec
+    if branch == "dev":  # dense and MoE layers as dev's moe_layer_freq places them
+        from megatron_integration.layers.dev_layer import dev_mhc_block_spec
 
-        spec = dev_mhc_layer_spec(cpu=cpu, graphed=graphed)
-        return block_spec_on_cpu(spec, config, vp_stage) if cpu else spec
+        return dev_mhc_block_spec(config, vp_stage, cpu=cpu, graphed=graphed)
     from megatron_integration.layers.main_layer import main_mhc_layer_spec
 
     return main_mhc_layer_spec(cpu_attention=cpu, graphed=graphed)
@@ -217,8 +215,10 @@ def rank_runs(cfg: RunConfig, runs: list[str], branch: str, cpu: bool) -> dict:
     use_microbatches(setup_of(cfg))
     where = {"rank": torch.distributed.get_rank(),
              "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
-             "tp_rank": parallel_state.get_tensor_model_parallel_rank()}
-    log_steps = (parallel_state.is_pipeline_last_stage(ignore_virtual=True) and where["tp_rank"] == 0)
+             "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+             "ep_rank": parallel_state.get_expert_model_parallel_rank()}
+    log_steps = (parallel_state.is_pipeline_last_stage(ignore_virtual=True) and where["tp_rank"] == 0
+                 and parallel_state.get_data_parallel_rank() == 0)
     results = {}
     for run in runs:
         try:
@@ -285,7 +285,7 @@ def child_main(argv: list[str]) -> None:
     cfg = RunConfig.from_dict(spec["config"])
     p = cfg.parallel
     init_ranks(cpu, cfg.train.seed, rank=rank, world_size=world, port=port, tp_size=p.tp_size,
-               pp_size=p.pp_size, vpp_size=p.vpp_size)
+               pp_size=p.pp_size, vpp_size=p.vpp_size, ep_size=p.ep_size)
     result = rank_runs(cfg, spec["runs"], spec["branch"], cpu)
     out = {"runs": result, "megatron_core": megatron.core.__file__}
     Path(argv[1], f"rank{rank}.json").write_text(json.dumps(out))

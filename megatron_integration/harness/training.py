@@ -41,10 +41,11 @@ class TrainSetup:
 
 
 def init_ranks(cpu: bool, seed: int, *, rank: int = 0, world_size: int = 1, port: int | None = None,
-               tp_size: int = 1, pp_size: int = 1, vpp_size: int = 1) -> None:
-    """This process as rank ``rank`` of ``world_size`` (tensor x pipeline, data-parallel size 1):
-    megatron's parallel state (gloo on the CPU, NCCL on a GPU) and its model-parallel RNG tracker
-    (on the CPU an empty state: no draw reads it, attention dropout is 0)."""
+               tp_size: int = 1, pp_size: int = 1, vpp_size: int = 1, ep_size: int = 1) -> None:
+    """This process as rank ``rank`` of ``world_size`` (tensor x pipeline x data parallel, the
+    data-parallel ranks those the experts split over): megatron's parallel state (gloo on the
+    CPU, NCCL on a GPU) and its model-parallel RNG tracker (on the CPU an empty state: no draw
+    reads it, attention dropout is 0)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -57,7 +58,8 @@ def init_ranks(cpu: bool, seed: int, *, rank: int = 0, world_size: int = 1, port
                                          init_method=f"tcp://127.0.0.1:{port or free_port()}")
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
-        virtual_pipeline_model_parallel_size=vpp_size if vpp_size > 1 else None)
+        virtual_pipeline_model_parallel_size=vpp_size if vpp_size > 1 else None,
+        expert_model_parallel_size=ep_size)
     if cpu:
         mrandom.get_cuda_rng_tracker().states_[mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME] = \
             torch.empty(0, dtype=torch.uint8)
@@ -66,12 +68,15 @@ def init_ranks(cpu: bool, seed: int, *, rank: int = 0, world_size: int = 1, port
 
 
 def use_microbatches(setup: TrainSetup) -> None:
-    """megatron's global microbatch calculator for ``setup`` (data-parallel size 1)."""
+    """megatron's global microbatch calculator for ``setup``: ``num_microbatches`` per
+    data-parallel rank."""
     from megatron.core import num_microbatches_calculator as calculator
+    from megatron.core import parallel_state
 
+    dp = parallel_state.get_data_parallel_world_size()
     calculator.destroy_num_microbatches_calculator()
     calculator.init_num_microbatches_calculator(
-        0, None, setup.micro_batch_size * setup.num_microbatches, setup.micro_batch_size, 1)
+        0, None, setup.micro_batch_size * setup.num_microbatches * dp, setup.micro_batch_size, dp)
 
 
 def wrap_for_training(model: torch.nn.Module, config) -> torch.nn.Module:
@@ -85,11 +90,12 @@ def wrap_for_training(model: torch.nn.Module, config) -> torch.nn.Module:
                                    model)
 
 
-def token_batches(setup: TrainSetup, device) -> list[dict]:
-    """Every microbatch of the run, from ``setup.seed``: the synthetic progression corpus
-    (learnable in a few steps), positions and a causal mask ``[mbs, 1, s, s]`` (megatron's
-    boolean "masked out"), the shape megatron's graph helper gives the layers' static mask."""
-    corpus = ProgressionCorpus(setup.vocab_size, setup.seq_length, seed=setup.seed)
+def token_batches(setup: TrainSetup, device, data_rank: int = 0) -> list[dict]:
+    """Every microbatch of the run on data-parallel rank ``data_rank``, from ``setup.seed``: the
+    synthetic progression corpus (learnable in a few steps), positions and a causal mask
+    ``[mbs, 1, s, s]`` (megatron's boolean "masked out"), the shape megatron's graph helper
+    gives the layers' static mask."""
+    corpus = ProgressionCorpus(setup.vocab_size, setup.seq_length, seed=setup.seed + data_rank)
     s, b = setup.seq_length, setup.micro_batch_size
     mask = torch.ones(b, 1, s, s, dtype=torch.bool).triu(diagonal=1).to(device)
     positions = torch.arange(s).expand(b, s).to(device)
@@ -144,7 +150,10 @@ def train_run(name: str, chunks: list[torch.nn.Module], setup: TrainSetup, *, he
 
     from mhc_cg.training.pipeline.schedules_on_cpu import cpu_shim
 
-    batches = token_batches(setup, next(chunks[0].parameters()).device)
+    from megatron.core import parallel_state
+
+    batches = token_batches(setup, next(chunks[0].parameters()).device,
+                            parallel_state.get_data_parallel_rank())
     iterators = [iter(batches) for _ in chunks]  # each chunk reads every microbatch once
     decoders = [chunk_decoder(chunk) for chunk in chunks]
     optimizer = MasterAdamW(chunks, setup.lr)
@@ -164,8 +173,9 @@ def train_run(name: str, chunks: list[torch.nn.Module], setup: TrainSetup, *, he
                 model=chunks if len(chunks) > 1 else chunks[0],
                 num_microbatches=setup.num_microbatches, seq_length=setup.seq_length,
                 micro_batch_size=setup.micro_batch_size, forward_only=False)
-        if reduced:  # the last pipeline stage
-            result["losses"].append(sum(float(r["lm loss"]) for r in reduced) / len(reduced))
+        if reduced:  # the last pipeline stage: the loss over its data-parallel ranks
+            result["losses"].append(_data_parallel_mean(
+                sum(float(r["lm loss"]) for r in reduced) / len(reduced)))
         result["grad_digests"].append(grad_digest(chunks))
         result["replicated_grad_digests"].append(grad_digest(chunks, replicated_only=True))
         optimizer.step()
@@ -173,6 +183,18 @@ def train_run(name: str, chunks: list[torch.nn.Module], setup: TrainSetup, *, he
             loss = f" loss {result['losses'][-1]:.6f}" if reduced else ""
             log(TOOL, f"{name}: step {step + 1}/{setup.steps}{loss}")
     return result
+
+
+def _data_parallel_mean(loss: float) -> float:
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
+    ranks = torch.distributed.get_world_size(group)
+    if ranks == 1:
+        return loss
+    total = torch.tensor(loss, dtype=torch.float64)
+    torch.distributed.all_reduce(total, group=group)
+    return float(total) / ranks
 
 
 def _forward_step(data_iterator, model):

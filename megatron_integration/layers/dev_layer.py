@@ -49,13 +49,35 @@ def is_dev_config(config) -> bool:
 
 def dev_mhc_layer_spec(*, cpu: bool = False, graphed: bool = False):
     """``dev``'s own local GPT layer spec with mHC (``get_gpt_layer_local_spec(
-    enable_hyper_connection=True)``, RMSNorm). ``cpu``: ``SDPACoreAttention`` as the core
-    attention and ``SequenceParallelRMSNorm`` as the norms (megatron's local ones refuse sequence
-    parallelism). ``graphed``: the layer class with ``GraphedSublayerMixin`` (same parameters)."""
+    enable_hyper_connection=True)``, RMSNorm), dense; see :func:`_on_runtime` for ``cpu`` and
+    ``graphed``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm",
-                                                  enable_hyper_connection=True))
+    return _on_runtime(get_gpt_layer_local_spec(normalization="RMSNorm",
+                                                enable_hyper_connection=True), cpu, graphed)
+
+
+def dev_mhc_block_spec(config, vp_stage: int | None, *, cpu: bool = False, graphed: bool = False):
+    """``dev``'s own decoder spec of one model chunk (``get_gpt_decoder_block_spec``): dense and
+    MoE layers as ``config.moe_layer_freq`` places them, each adapted by :func:`_on_runtime`;
+    on the CPU the final norm is ``SequenceParallelRMSNorm``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                       normalization="RMSNorm", vp_stage=vp_stage)
+    block.layer_specs = [_on_runtime(spec, cpu, graphed) for spec in block.layer_specs]
+    if cpu:
+        from megatron_integration.layers.cpu_norm import SequenceParallelRMSNorm
+
+        block.layer_norm = SequenceParallelRMSNorm
+    return block
+
+
+def _on_runtime(spec, cpu: bool, graphed: bool):
+    """A copy of a ``dev`` mHC layer spec. ``cpu``: ``SDPACoreAttention`` as the core attention
+    and ``SequenceParallelRMSNorm`` as the norms (megatron's local ones refuse sequence
+    parallelism). ``graphed``: the layer class with ``GraphedSublayerMixin`` (same parameters)."""
+    spec = copy.deepcopy(spec)
     if graphed:
         spec.module = graphed_layer_class(spec.module)
     if cpu:

@@ -11,9 +11,13 @@ runtime, mHC ops included:
   slots and F's output and the block input go to the persistent slot set; the graph returns
   ``(output, F output)`` (and a fused sublayer's mapping state). With ``mlp`` in the graph scope
   (``SublayerSite.with_mlp``) the MLP sublayer follows inside the same graph, the same way, and
-  the graph returns ``(output, attention's F output, MLP's F output)`` (and both states);
+  the graph returns ``(output, attention's F output, MLP's F output)`` (and both states). In a
+  MoE layer with ``moe_router`` [+ ``moe_preprocess``] in scope (``SublayerSite.moe_step``) the
+  graph goes on into the MLP sublayer up to megatron's partial-capture signal and returns what
+  the eager rest needs after those (:mod:`megatron_integration.layers.moe_partial`);
 * replay: megatron's own replay (its manual parameter hooks, the graph of this microbatch);
-  without ``mlp`` in scope the MLP sublayer stays with the runtime, eager.
+  without ``mlp`` in scope a dense MLP sublayer stays with the runtime, eager, and a MoE one
+  runs its eager rest there.
 
 Where the layer runs on the runtime (``SublayerSite``) is set by
 :func:`megatron_integration.capture.install.install_static_recompute`.
@@ -29,6 +33,7 @@ import torch
 from mhc_cg.runtime.graphs import graph_capturing
 from mhc_cg.runtime.recompute.static import StaticRecompute
 
+from megatron_integration.layers.moe_partial import moe_head
 from megatron_integration.layers.steps import LayerSteps
 
 
@@ -50,16 +55,27 @@ class SublayerSite:
     graph_sets: list[int] = field(default_factory=lambda: [0])
     captures: int = 0  # graphs of this layer captured so far
     with_mlp: bool = False  # the layer graph holds the MLP sublayer too (``mlp`` in scope)
+    moe_step: str | None = None  # the graph ends in the MoE MLP: after "route" or "preprocess"
+    layout: tuple[int, int] | None = None  # F outputs and states a graph returns, from its capture
 
     def graph_body(self, x: Tensor, attention_mask: Tensor | None, kwargs: dict) -> tuple:
         """What the layer graph holds: the attention sublayer (and the MLP's, ``with_mlp``) with
-        its mHC ops in slots: ``(output, each F output, each fused sublayer's mapping state)``
-        (a graph's outputs are tensors)."""
+        its mHC ops in slots, then a MoE MLP's head (``moe_step``):
+        ``(output, each F output, each fused sublayer's mapping state, *MoE head)`` (a graph's
+        outputs are tensors); :meth:`split_outputs` reads it back."""
         runtime = self.runtime
         if runtime.active_set is not None or runtime.sets.capacity == 1:
             return self._sublayers(x, attention_mask, kwargs)
         with runtime.capturing_for(runtime.sets.all_sets()[self._capture_set()]):
             return self._sublayers(x, attention_mask, kwargs)
+
+    def split_outputs(self, outputs) -> tuple[Tensor, list[Tensor], list[Tensor], tuple]:
+        """A replay's outputs as ``(output, F outputs, mapping states, MoE head)``."""
+        if self.layout is None:
+            raise RuntimeError(f"layer {self.steps.layer_number}: replayed before any capture")
+        fns, states = self.layout
+        out, *rest = outputs
+        return out, rest[:fns], rest[fns:fns + states], tuple(rest[fns + states:])
 
     def _capture_set(self) -> int:
         """The set this call writes outside a forward: a capture's microbatch's, in capture
@@ -96,7 +112,9 @@ class SublayerSite:
             fn_outputs.append(y.detach())
             if state is not None:
                 states.append(state.detach())
-        return (x, *fn_outputs, *states)
+        head = moe_head(self.runtime, self.steps, self.position, x) if self.moe_step else ()
+        self.layout = (len(fn_outputs), len(states))
+        return (x, *fn_outputs, *states, *head)
 
 
 class GraphedSublayerMixin:

@@ -145,6 +145,7 @@ class MainLayerSteps(LayerSteps):
             out, mlp.bias = layer.mlp(normed, padding_mask=padding_mask)
             return out
 
+        self.mlp_kwargs = {"padding_mask": padding_mask}  # the MLP's keywords beside its input
         attention.fn, mlp.fn = attention_fn, mlp_fn
         return self
 

@@ -77,12 +77,30 @@ def model_problems(model: "MHCGPTConfig") -> list[str]:
             and 1 <= model.moe_top_k <= model.num_experts):
         problems.append(f"model.moe_top_k: must be in [1, num_experts={model.num_experts}], "
                         f"got {model.moe_top_k!r}")
+    problems += _moe_layer_freq_problems(model)
     if not is_positive_int(model.moe_ffn_hidden_size):
         problems.append(f"model.moe_ffn_hidden_size: must be a positive integer or null "
                         f"(null: ffn_hidden_size), got {model.moe_ffn_hidden_size!r}")
     if not problems:
         problems.extend(activation_recompute_problems(model))
     return problems
+
+
+def _moe_layer_freq_problems(model: "MHCGPTConfig") -> list[str]:
+    freq = model.moe_layer_freq
+    if freq == 1:
+        return []
+    if model.num_experts is None:
+        return [f"model.moe_layer_freq: {freq!r} places MoE layers, but the model is dense; set "
+                f"model.num_experts, or moe_layer_freq: 1"]
+    if is_positive_int(freq):
+        return []
+    layers = model.num_layers
+    if isinstance(freq, list) and isinstance(layers, int) and len(freq) == layers \
+            and all(v in (0, 1) and not isinstance(v, bool) for v in freq) and any(freq):
+        return []
+    return [f"model.moe_layer_freq: must be a positive integer (every N-th layer MoE) or a list "
+            f"of {layers} entries of 0 (dense) and 1 (MoE) with at least one 1, got {freq!r}"]
 
 
 def train_problems(train: "TrainConfig") -> list[str]:
@@ -219,7 +237,7 @@ def _scope_problems(cfg: "RunConfig") -> list[str]:
     if moe_scopes and not model.is_moe:
         problems.append(f"{name}: {moe_scopes} capture MoE layers, but the model is dense "
                         f"(model.num_experts is null); set model.num_experts or use 'mlp'")
-    if "mlp" in scopes and model.is_moe:
+    if "mlp" in scopes and model.is_moe and 0 not in model.moe_layer_pattern:
         problems.append(f"{name}: 'mlp' captures a dense MLP, but every layer's MLP is MoE "
                         f"(model.num_experts={model.num_experts}); use 'moe_router' "
                         f"[+ 'moe_preprocess'] instead")
@@ -280,7 +298,7 @@ def _pipeline_problems(cfg: "RunConfig") -> list[str]:
                                   par.microbatch_group_size):
         name, sep, rest = line.partition(":")
         problems.append(f"{_SCHEDULE_FIELDS.get(name, name)}{sep}{rest}")
-    problems += _tensor_parallel_problems(cfg)
+    problems += _tensor_parallel_problems(cfg) + _expert_parallel_problems(cfg)
     if not all(isinstance(v, int) and v >= 1 for v in (par.pp_size, par.vpp_size)):
         return problems  # already reported; the rules below divide by them
     chunks = par.pp_size * par.vpp_size
@@ -321,13 +339,34 @@ def _tensor_parallel_problems(cfg: "RunConfig") -> list[str]:
     return problems
 
 
-def tensor_parallel_refusal(cfg: "RunConfig", tool: str) -> str | None:
-    """The one line for a command that runs mhc_cg's own model (no tensor parallelism)."""
-    if cfg.parallel.tp_size == 1:
-        return None
-    return (f"parallel.tp_size: {cfg.parallel.tp_size}: {tool} runs mhc_cg's own model, which has "
-            f"no tensor parallelism; run Megatron's own layers with mhc-cg megatron, or set "
-            f"parallel.tp_size: 1")
+def _expert_parallel_problems(cfg: "RunConfig") -> list[str]:
+    par, model = cfg.parallel, cfg.model
+    ep = par.ep_size
+    if not is_positive_int(ep):
+        return [f"parallel.ep_size: must be a positive integer, got {ep!r}"]
+    if ep == 1:
+        return []
+    if not model.is_moe:
+        return [f"parallel.ep_size: {ep} splits MoE experts, but the model is dense; set "
+                f"model.num_experts, or parallel.ep_size: 1"]
+    if is_positive_int(model.num_experts) and model.num_experts % ep:
+        return [f"parallel.ep_size: {ep} does not divide model.num_experts={model.num_experts}; "
+                f"use a divisor of {model.num_experts}"]
+    return []
+
+
+def megatron_only_refusal(cfg: "RunConfig", tool: str) -> str | None:
+    """The one line for a command that runs mhc_cg's own model: no tensor or expert parallelism,
+    every MLP MoE or none (Megatron's own layers have them: mhc-cg megatron)."""
+    par, model = cfg.parallel, cfg.model
+    for field, value, lacks in (("parallel.tp_size", par.tp_size, "no tensor parallelism"),
+                                ("parallel.ep_size", par.ep_size, "no expert parallelism"),
+                                ("model.moe_layer_freq", model.moe_layer_freq,
+                                 "MoE in every layer or none")):
+        if value != 1:
+            return (f"{field}: {value}: {tool} runs mhc_cg's own model, which has {lacks}; run "
+                    f"Megatron's own layers with mhc-cg megatron, or set {field}: 1")
+    return None
 
 
 # No single device holds this much; a config beyond it is a typo (hidden_size: 1e20), refused
@@ -431,9 +470,13 @@ def megatron_problems(cfg: "RunConfig") -> list[str]:
         problem = stateful_dropout_problem("torch", m.hidden_dropout, None, "model.hidden_dropout")
     if problem is not None:
         problems.append(problem)
-    if m.is_moe:
-        problems.append(f"model.num_experts: MoE MLPs are not run under {name}'s helper here; set "
-                        f"model.num_experts: null")
+    if m.is_moe and branch != "dev":
+        problems.append(f"model.num_experts: MoE layers run on Megatron-LM dev's own mHC layers "
+                        f"here ({name}'s {'raises for a MoE MLP' if branch == 'main' else 'run dense MLPs'}); "
+                        f"set megatron.branch: dev, or model.num_experts: null")
+    if m.is_moe and p.tp_size != 1 and not p.sequence_parallel:
+        problems.append(f"parallel.sequence_parallel: Megatron's MoE layer refuses tensor "
+                        f"parallelism without it in training; set parallel.sequence_parallel: true")
     if m.recompute_activation:
         problems.append(f"model.recompute_activation: not wired for {name}'s MLP; set false")
     if t.dtype != "bf16":
@@ -447,29 +490,33 @@ def megatron_problems(cfg: "RunConfig") -> list[str]:
         problems.append(f"parallel.tp_size: {p.tp_size}: tensor parallelism runs on Megatron-LM "
                         f"dev's layers and on megatron-core with mhc_cg's layer here; set "
                         f"megatron.branch: dev or core, or tp_size: 1")
-    if isinstance(p.tp_size, int) and isinstance(p.pp_size, int) \
-            and p.tp_size * p.pp_size > MEGATRON_MAX_RANKS:
-        problems.append(f"parallel.tp_size x pp_size: {p.tp_size * p.pp_size} processes; one "
+    sizes = (p.tp_size, p.pp_size, p.ep_size)
+    if all(isinstance(v, int) for v in sizes) and math.prod(sizes) > MEGATRON_MAX_RANKS:
+        problems.append(f"parallel.tp_size x pp_size x ep_size: {math.prod(sizes)} processes; one "
                         f"machine runs at most {MEGATRON_MAX_RANKS} ranks here")
     if g.backend not in MEGATRON_BACKENDS:
         problems.append(f"graph.backend: {g.backend!r}: megatron's TECudaGraphHelper captures with "
                         f"TransformerEngine's make_graphed_callables; set graph.backend: te (or auto)")
-    problems += _megatron_scope_problems(g.scopes, g.scope_field)
+    problems += _megatron_scope_problems(g.scopes, g.scope_field, m.is_moe)
     if t.steps <= MEGATRON_WARMUP_STEPS:
         problems.append(f"train.steps: {t.steps}: the first {MEGATRON_WARMUP_STEPS} step runs eagerly before "
                         f"megatron's helper captures; set train.steps to {MEGATRON_WARMUP_STEPS + 1} or more")
     return problems
 
 
-def _megatron_scope_problems(scopes: list[str], field: str) -> list[str]:
+def _megatron_scope_problems(scopes: list[str], field: str, moe: bool) -> list[str]:
     layer_scopes, _ = split_recompute_scope(scopes)
-    fix = f"set {field}: [attn, {RECOMPUTE_SCOPE}] (or [attn, mlp, {RECOMPUTE_SCOPE}])"
+    fix = (f"set {field}: [attn, moe_router, moe_preprocess, {RECOMPUTE_SCOPE}]" if moe else
+           f"set {field}: [attn, {RECOMPUTE_SCOPE}] (or [attn, mlp, {RECOMPUTE_SCOPE}])")
     problems = []
     if "attn" not in layer_scopes:
         problems.append(f"{field}: {scopes} graphs no layer, but megatron's helper graphs the "
                         f"attention sublayer with its mHC ops; {fix}")
-    others = [s for s in layer_scopes if s not in ("attn", "mlp")]
+    if "moe" in layer_scopes:
+        problems.append(f"{field}: 'moe' would graph the token dispatch, whose shapes follow the "
+                        f"routing (megatron graphs it only with drop-and-pad); {fix}")
+    others = [s for s in layer_scopes if s not in ("attn", "mlp", *MOE_SCOPES)]
     if others:
-        problems.append(f"{field}: {others} not supported with mhc_cg under megatron's helper yet "
-                        f"(MoE layers run eagerly on the static runtime); {fix}")
+        problems.append(f"{field}: {others} not supported with mhc_cg under megatron's helper; "
+                        f"{fix}")
     return problems

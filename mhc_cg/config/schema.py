@@ -54,6 +54,9 @@ class MHCGPTConfig:
     num_experts: int | None = None  # None: dense MLP; else a top-k routed MoE MLP
     moe_top_k: int = 2
     moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
+    # which layers are MoE (Megatron's moe_layer_freq): every N-th from the first, or one 0/1
+    # per layer; anything but 1 runs under mhc-cg megatron only
+    moe_layer_freq: int | list[int] = 1
     recompute_activation: bool = False  # drop the MLP's gelu output, recompute it
     recompute_activation_layers: int | None = None  # the first N layers do it; None: all
     kernels: str = "auto"  # fused mHC ops: "auto" (triton on CUDA, torch on CPU) | "torch" | "triton"
@@ -68,6 +71,16 @@ class MHCGPTConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
+
+    @property
+    def moe_layer_pattern(self) -> list[int]:
+        """One entry per layer, 1 where its MLP is MoE (all 0 for a dense model), as Megatron
+        reads ``moe_layer_freq``."""
+        if not self.is_moe:
+            return [0] * self.num_layers
+        if isinstance(self.moe_layer_freq, list):
+            return list(self.moe_layer_freq)
+        return [int(i % self.moe_layer_freq == 0) for i in range(self.num_layers)]
 
     @property
     def resolved_recompute_layers(self) -> int:
@@ -111,6 +124,9 @@ class ParallelConfig:
     microbatch_group_size: int | None = None  # None: pp_size (Megatron's default)
     tp_size: int = 1  # tensor parallelism: under Megatron's own layers only (mhc-cg megatron)
     sequence_parallel: bool = False  # split the sequence over the tp ranks between the matmuls
+    # expert parallelism: the MoE experts split over ep_size ranks, which hold the dense part
+    # as data-parallel replicas (Megatron's own layers only: mhc-cg megatron)
+    ep_size: int = 1
 
 
 @dataclass

@@ -19,7 +19,7 @@ from mhc_cg.runtime.graphs.backends import te_available
 from megatron_integration.harness.child_process import find_megatron, run_megatron_job
 from megatron_integration.harness.runs import OURS, compare_ranks, references, runs_of
 
-RANK_FIELDS = ("rank", "pp_rank", "tp_rank", "saved_bytes_per_layer", "persistent_slot_sets",
+RANK_FIELDS = ("rank", "pp_rank", "tp_rank", "ep_rank", "saved_bytes_per_layer", "persistent_slot_sets",
                "arena_bytes", "layer_graph_replays_per_step", "recompute_graph_replays_per_step")
 PROGRESS = "[mhc-cg megatron]"
 
@@ -33,7 +33,8 @@ def resolve_device(cfg: RunConfig) -> str:
 
 
 def world_size(cfg: RunConfig) -> int:
-    return cfg.parallel.tp_size * cfg.parallel.pp_size
+    """``tp x pp x ep`` processes: the expert-parallel ranks are the data-parallel ones."""
+    return cfg.parallel.tp_size * cfg.parallel.pp_size * cfg.parallel.ep_size
 
 
 def run(cfg: RunConfig, compare: bool, progress: bool = True, timeout: float | None = None) -> dict:
@@ -47,12 +48,13 @@ def run(cfg: RunConfig, compare: bool, progress: bool = True, timeout: float | N
     source = find_megatron(branch).describe()
     device = resolve_device(cfg)
     if device == "cuda" and world_size(cfg) > torch.cuda.device_count():
-        raise ConfigError(f"parallel.tp_size x pp_size: {world_size(cfg)} ranks, one GPU each, "
+        raise ConfigError(f"parallel.tp_size x pp_size x ep_size: {world_size(cfg)} ranks, one GPU each, "
                           f"but this machine has {torch.cuda.device_count()}; use fewer ranks or "
                           f"train.device: cpu")
     cfg = cfg.replace(train={"device": device})
     runs = list(runs_of(branch)) if compare else [OURS]
-    last_stage = (cfg.parallel.pp_size - 1) * cfg.parallel.tp_size  # tp rank 0 of the last stage
+    p = cfg.parallel  # megatron's rank order is tp, then dp (= ep here), then pp
+    last_stage = (p.pp_size - 1) * p.tp_size * p.ep_size  # tp and dp rank 0 of the last stage
     per_rank = run_megatron_job({"config": cfg.to_dict(), "runs": runs, "device": device,
                                  "branch": branch}, world_size=world_size(cfg),
                                 forward_rank=last_stage,
@@ -99,6 +101,13 @@ def _loss(run: dict) -> str:
     return f"{run['losses'][0]:.6f} -> {run['losses'][-1]:.6f}" if run["losses"] else "-"
 
 
+def _moe(m) -> str:
+    if not m.is_moe:
+        return ""
+    moe = sum(m.moe_layer_pattern)
+    return f"; MoE {m.num_experts} experts top-{m.moe_top_k} in {moe} of {m.num_layers} layers"
+
+
 def format_table(cfg: RunConfig, result: dict) -> str:
     """One row per run and rank, then the verdict; a refused run is one row with the reason."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
@@ -110,7 +119,8 @@ def format_table(cfg: RunConfig, result: dict) -> str:
     head = (f"{model}: {m.num_layers} layers, "
             f"hidden {m.hidden_size}, {m.num_streams} streams, L_r={m.resolved_recompute_layers}, "
             f"{t.dtype}; tp {p.tp_size}{' (sequence parallel)' if p.sequence_parallel else ''} x "
-            f"pp {p.pp_size} x vpp {p.vpp_size}; {t.steps} steps x {t.num_microbatches} "
+            f"pp {p.pp_size} x vpp {p.vpp_size}{f' x ep {p.ep_size}' if p.ep_size > 1 else ''}"
+            f"{_moe(m)}; {t.steps} steps x {t.num_microbatches} "
             f"microbatches on {result['device']}; megatron's TECudaGraphHelper graphs "
             f"[{', '.join(scopes)}]{', mhc_cg the recompute' if recompute_graphs else ''} "
             f"({branch}: {result['source']})")

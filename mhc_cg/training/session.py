@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from mhc_cg.config.rules import tensor_parallel_refusal
+from mhc_cg.config.rules import megatron_only_refusal
 from mhc_cg.config import RunConfig
 from mhc_cg.core.dtypes import TORCH_DTYPES
 from mhc_cg.core.errors import ConfigError
@@ -213,7 +213,7 @@ def train(cfg: RunConfig, *, steps: int | None = None, device: str | None = None
     gradients there). One process: a config with ``parallel.pp_size > 1`` runs on
     :func:`mhc_cg.training.pipeline.driver.train_pipeline` (one process per pipeline rank).
     """
-    if (refusal := tensor_parallel_refusal(cfg, "mhc-cg train")) is not None:
+    if (refusal := megatron_only_refusal(cfg, "mhc-cg train")) is not None:
         raise ConfigError(refusal)
     if cfg.parallel.pp_size > 1:
         raise ConfigError(f"parallel.pp_size: train() runs one process; a pipeline of "

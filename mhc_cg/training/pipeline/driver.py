@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from mhc_cg.config import RunConfig
-from mhc_cg.config.rules import pipeline_driver_problems, tensor_parallel_refusal
+from mhc_cg.config.rules import pipeline_driver_problems, megatron_only_refusal
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.runtime.modes.registry import MODES, configured_mode, get_mode
 from mhc_cg.training.device import resolve_pipeline_device
@@ -96,7 +96,7 @@ def train_pipeline(cfg: RunConfig, *, steps: int | None = None, device: str | No
                           f"static-buffer runtime on every rank, mode {' or '.join(runs)}, got "
                           f"{mode!r}; add mhc_recompute to graph.cuda_graph_scope or drop --mode")
     problems = pipeline_driver_problems(cfg)
-    if (refusal := tensor_parallel_refusal(cfg, "mhc-cg train")) is not None:
+    if (refusal := megatron_only_refusal(cfg, "mhc-cg train")) is not None:
         problems.append(refusal)
     if problems:
         raise ConfigError(problems)
