@@ -7,8 +7,9 @@ imports nothing from megatron-core):
   and mhc_cg's YAML mapped onto it (``config/``);
 * ``get_mhc_layer_spec``, ``MHCTransformerBlock``: mhc_cg's mHC layer as a megatron-core layer
   spec; ``main_mhc_layer_spec`` / ``dev_mhc_layer_spec``: Megatron-LM main's / dev's own
-  ``HyperConnectionTransformerLayer`` (``layers/``); ``use_counter_dropout``: dev's mHC dropout
-  drawn from a seed, replayable;
+  ``HyperConnectionTransformerLayer`` (``layers/``), ``dev_mhc_block_spec`` dev's decoder of
+  dense and MoE layers; ``use_counter_dropout``: dev's mHC dropout drawn from a seed,
+  replayable;
 * ``make_te_graph_helper``: megatron's ``TECudaGraphHelper`` with every decoder on mhc_cg's static
   runtime (every chunk of a rank sharing one arena and one pool of persistent slot sets) and the
   recompute graphs captured along the helper's order; ``install_rank``,
@@ -31,6 +32,7 @@ _EXPORTS = {
     "MegatronMHCTransformerLayer": "megatron_integration.layers.mhc_layer",
     "main_mhc_layer_spec": "megatron_integration.layers.main_layer",
     "dev_mhc_layer_spec": "megatron_integration.layers.dev_layer",
+    "dev_mhc_block_spec": "megatron_integration.layers.dev_layer",
     "use_counter_dropout": "megatron_integration.layers.counter_dropout",
     "make_te_graph_helper": "megatron_integration.capture.te_graph_helper",
     "install_static_recompute": "megatron_integration.capture.install",

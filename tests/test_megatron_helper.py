@@ -140,7 +140,7 @@ def test_cli_compare_json_on_the_shipped_config(main_snapshot):
     assert all(set(run) == {"losses", "ranks"} and len(run["ranks"]) == 1
                for run in result["runs"].values())
     rank = {name: run["ranks"][0] for name, run in result["runs"].items()}
-    assert set(rank["mhc_cg"]) == {"rank", "pp_rank", "tp_rank", "saved_bytes_per_layer",
+    assert set(rank["mhc_cg"]) == {"rank", "pp_rank", "tp_rank", "ep_rank", "saved_bytes_per_layer",
                                    "persistent_slot_sets", "arena_bytes",
                                    "layer_graph_replays_per_step",
                                    "recompute_graph_replays_per_step"}

@@ -4,11 +4,13 @@ One process per rank (gloo on the CPU; TransformerEngine's graph API on the tape
 ``GPTModel`` of ``HyperConnectionTransformerLayer``s trained with megatron-core's
 ``forward_backward_func``, ``cuda_graph_modules: [attn, mhc_recompute]``:
 
-* ``mhc-cg megatron --compare --json`` on the shipped tp 2 (sequence parallel) x pp 2 and
-  pp 2 x vpp 2 configs, beside dev's own runs: bit-identical to dev without recompute on every
-  rank, every layer graph and recompute graph replayed, each rank's persistent slot sets the count
-  ``mhc-cg schedule`` prints for its pipeline rank, saved bytes per layer at most dev's;
-* another layer count, microbatch count and block size through the same job.
+* ``mhc-cg megatron --compare --json`` on the shipped tp 2 (sequence parallel) x pp 2,
+  pp 2 x vpp 2 and MoE partial-capture (pp 2 x ep 2, a dense layer among MoE ones) configs,
+  beside dev's own runs: bit-identical to dev without recompute on every rank, every layer graph
+  and recompute graph replayed, each rank's persistent slot sets the count ``mhc-cg schedule``
+  prints for its pipeline rank, saved bytes per layer at most dev's;
+* another layer count, microbatch count and block size through the same job; MoE at EP 1 with
+  the graph ending after the router, counter dropout.
 
 The snapshot is ``../shared/third_party/megatron-lm-dev-*.tar.gz``.
 """
@@ -26,7 +28,8 @@ from megatron_main_oracle import require_snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {"tp2_pp2": "configs/megatron_dev_tp2_pp2.yaml",
-           "pp2_vpp2": "configs/megatron_dev_pp2_vpp2.yaml"}
+           "pp2_vpp2": "configs/megatron_dev_pp2_vpp2.yaml",
+           "moe_partial": "configs/megatron_dev_moe_partial.yaml"}
 RUNS = ("dev_eager_none", "dev_eager_mhc", "dev_graphed_mhc", "mhc_cg")
 
 
@@ -64,8 +67,10 @@ def test_shipped_config_is_bit_identical_to_dev_on_every_rank(shipped):
     ours = result["runs"]["mhc_cg"]
     reference = result["runs"]["dev_eager_none"]
     assert ours["losses"] == reference["losses"] and len(ours["losses"]) == cfg.train.steps
-    ranks = [(r["pp_rank"], r["tp_rank"]) for r in ours["ranks"]]
-    assert ranks == [(pp, tp) for pp in range(p.pp_size) for tp in range(p.tp_size)]
+    # megatron's rank order: tensor-parallel ranks first, then data-parallel (= expert-parallel)
+    ranks = [(r["pp_rank"], r["ep_rank"], r["tp_rank"]) for r in ours["ranks"]]
+    assert ranks == [(pp, ep, tp) for pp in range(p.pp_size) for ep in range(p.ep_size)
+                     for tp in range(p.tp_size)]
     blocks_per_chunk = cfg.model.num_layers // (p.pp_size * p.vpp_size) // cfg.model.recompute_layers
     m = cfg.train.num_microbatches
     for rank in ours["ranks"]:
@@ -100,14 +105,18 @@ def test_saved_bytes_at_most_dev_on_every_rank(shipped):
             assert saved["mhc_cg"] < saved["dev_graphed_mhc"]
 
 
-def test_dev_refuses_its_own_graphed_recompute_with_vpp_and_says_why(shipped):
+def test_dev_refuses_its_own_graphed_recompute_beyond_its_split_and_says_why(shipped):
+    """Dev graphs its own mHC recompute with ``[attn]`` only, and not under VPP."""
     name, cfg, result, _ = shipped
     graphed = result["runs"]["dev_graphed_mhc"]
-    if cfg.parallel.vpp_size == 1:
+    attention_only = cfg.graph.scopes == ["attn", "mhc_recompute"]
+    if cfg.parallel.vpp_size == 1 and attention_only:
         assert "refused" not in graphed and graphed["ranks"]
         return
     assert graphed["ranks"] == [] and graphed["losses"] == []
-    assert "overlap_moe_expert_parallel_comm" in graphed["refused"]
+    reason = ("overlap_moe_expert_parallel_comm" if cfg.parallel.vpp_size > 1
+              else "only the initial attention-only split")
+    assert reason in graphed["refused"]
 
 
 def test_another_shape_with_the_mlp_graphed_and_counter_dropout():
@@ -147,6 +156,38 @@ def test_another_shape_with_the_mlp_graphed_and_counter_dropout():
     assert planned == {0: 2, 1: 1}
 
 
+def test_moe_layers_end_their_graphs_at_megatron_signal_at_ep1_with_counter_dropout():
+    """One rank (EP 1), every layer MoE, ``[attn, moe_router, mhc_recompute]``: each layer graph
+    ends after the router (megatron's signal); the dispatcher's preprocess, dispatch, experts and
+    combine run eagerly from the graph's outputs and the MLP sublayer's mHC post writes the same
+    slots. ``hidden_dropout: 0.1`` with counter dropout: bit-identical to dev's eager run without
+    recompute; in a replayed step nothing of either sublayer runs as Python but the MoE layer's
+    eager rest, and the recompute graphs replay once per block and microbatch."""
+    require_snapshot("dev")
+    from megatron_integration.harness.child_process import run_megatron_job
+    from megatron_integration.harness.runs import compare_ranks
+
+    m, layers = 2, 4
+    cfg = load_config(ROOT / CONFIGS["moe_partial"]).replace(
+        model={"moe_layer_freq": 1, "hidden_dropout": 0.1, "dropout_impl": "counter"},
+        train={"num_microbatches": m, "device": "cpu"}, parallel={"pp_size": 1, "ep_size": 1},
+        graph={"cuda_graph_modules": ["attn", "moe_router", "mhc_recompute"]})
+    per_rank = run_megatron_job({"config": cfg.to_dict(), "runs": ["dev_eager_none", "mhc_cg"],
+                                 "device": "cpu", "branch": "dev"}, world_size=1, timeout=300)
+    result = compare_ranks([r["runs"] for r in per_rank], "dev")
+    assert result["bit_identical"] is True, result["mismatches"]
+    (ours,), (reference,) = (result["runs"][run]["ranks"] for run in ("mhc_cg", "dev_eager_none"))
+    assert ours["layer_graph_replays_per_step"] == 2 * layers * m
+    assert ours["layer_graphs_not_replayed_in_step"] == 0
+    assert ours["recompute_graph_replays_per_step"] == layers // cfg.model.recompute_layers * m
+    assert ours["recomputed_sublayers_per_step"] == 2 * layers * m
+    # the MoE layer's forward (its eager rest) once per layer and microbatch, and the preprocess
+    # the route-only graph leaves out; no norm, mHC mapping, attention or router outside a graph
+    assert ours["eager_sublayer_calls_per_step"] == {"mlp": layers * m,
+                                                     "moe_preprocess": layers * m}
+    assert ours["saved_bytes_per_layer"] < reference["saved_bytes_per_layer"]
+
+
 def test_bad_combinations_are_one_line_each_before_any_process(tmp_path):
     config = tmp_path / "bad.yaml"
     text = (ROOT / CONFIGS["tp2_pp2"]).read_text()
@@ -169,6 +210,31 @@ def test_bad_combinations_are_one_line_each_before_any_process(tmp_path):
 
     with pytest.raises(ConfigError, match=r"parallel\.tp_size: 2: mhc-cg train runs mhc_cg's own"):
         train(load_config(ROOT / CONFIGS["tp2_pp2"]), steps=1, progress=False)
+    moe = load_config(ROOT / CONFIGS["moe_partial"])
+    with pytest.raises(ConfigError, match=r"parallel\.ep_size: 2: mhc-cg train runs mhc_cg's own"):
+        train(moe.replace(parallel={"pp_size": 1}), steps=1, progress=False)
+
+
+@pytest.mark.parametrize("change, field, fix", [
+    (dict(graph={"cuda_graph_modules": ["attn", "moe", "mhc_recompute"]}),
+     "graph.cuda_graph_modules", "use 'moe_router' [+ 'moe_preprocess']"),
+    (dict(megatron={"branch": "main"}, parallel={"pp_size": 1, "ep_size": 1}),
+     "model.num_experts", "megatron.branch: dev"),
+    (dict(parallel={"ep_size": 3}), "parallel.ep_size", "divisor of 4"),
+    (dict(model={"moe_layer_freq": [0, 1]}), "model.moe_layer_freq", "list of 4 entries"),
+])
+def test_bad_moe_settings_are_one_line_naming_the_fix(tmp_path, change, field, fix):
+    import yaml
+
+    config = yaml.safe_load((ROOT / CONFIGS["moe_partial"]).read_text())
+    for section, values in change.items():
+        config[section].update(values)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = _cli("megatron", "--config", str(path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(f"mhc-cg megatron: error: {field}:")]
+    assert len(lines) == 1 and fix in lines[0], proc.stderr
 
 
 # pp 2 runs inside tp2sp_pp2 (and in the dev shapes above); the MLP in the layer graphs or not

@@ -22,6 +22,8 @@ model.init_gating_factor        mhc_init_gating_factor
 model.recompute (block)         mhc_recompute_layer_num = L_r (None when recompute is none)
 model.num_experts/moe_top_k     num_moe_experts / moe_router_topk
 model.moe_ffn_hidden_size       moe_ffn_hidden_size
+model.moe_layer_freq            moe_layer_freq
+parallel.ep_size                expert_model_parallel_size
 train.dtype                     params_dtype, pipeline_dtype, bf16 / fp16
 train.device == cpu             use_cpu_initialization
 parallel.pp_size / vpp_size     pipeline_model_parallel_size / virtual_pipeline_model_parallel_size
@@ -121,7 +123,8 @@ def transformer_config_kwargs(run_cfg: RunConfig) -> dict[str, Any]:
     )
     if m.is_moe:
         kwargs.update(num_moe_experts=m.num_experts, moe_router_topk=m.moe_top_k,
-                      moe_ffn_hidden_size=m.moe_ffn_hidden_size)
+                      moe_ffn_hidden_size=m.moe_ffn_hidden_size, moe_layer_freq=m.moe_layer_freq,
+                      expert_model_parallel_size=p.ep_size)
     if p.pp_size > 1 and t.device != "cuda":
         kwargs["batch_p2p_comm"] = False  # the batched path synchronizes CUDA; gloo sends one by one
     return kwargs

@@ -11,7 +11,9 @@
   mhc_cg's recompute graphs;
 * **eager sublayer calls per step**: per sublayer (attention, MLP), how often its F, norm or mHC
   mappings ran as Python in the step, outside any graph replay (``0`` for a sublayer inside the
-  layer graphs whose recompute replays as a graph too);
+  layer graphs whose recompute replays as a graph too); in a MoE layer also its router
+  (``moe_router``) and its dispatcher's preprocess (``moe_preprocess``), which partial capture
+  puts in the layer graph;
 * **mHC checkpoints per step**: the ``CheckpointWithoutOutput`` objects megatron's mHC recompute
   managers register (counted by wrapping ``CheckpointWithoutOutputManager.add_checkpoint`` for
   the step), and the sublayers mhc_cg's runtime recomputes.
@@ -225,6 +227,12 @@ def _count_eager_sublayer_calls(decoders) -> tuple[Counter, Callable[[], None]]:
                 method = next((m for m in _MAPPING_METHODS if hasattr(hc, m)), None)
                 if method is not None:
                     undo.append(_count_method(hc, method, counts, which))
+            if getattr(layer, "is_moe_layer", False):  # the MoE steps partial capture may hold
+                handle = layer.mlp.router.register_forward_pre_hook(
+                    lambda *_: counts.update(["moe_router"]))
+                undo.append(handle.remove)
+                undo.append(_count_method(layer.mlp.token_dispatcher, "dispatch_preprocess",
+                                          counts, "moe_preprocess"))
     return counts, lambda: [u() for u in undo]
 
 

@@ -18,14 +18,14 @@ HELP = ("train Megatron's own mHC GPT (megatron.branch: main, dev, or core with 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True,
                         help="YAML run config (e.g. configs/megatron_main_mhc.yaml, "
-                             "configs/megatron_dev_tp2_pp2.yaml)")
+                             "configs/megatron_dev_tp2_pp2.yaml, configs/megatron_dev_moe_partial.yaml)")
     parser.add_argument("--compare", action="store_true",
                         help="also run the branch's own runs (BRANCH_eager_none, BRANCH_eager_mhc, "
                              "BRANCH_graphed_mhc; core: core_eager_none, core_eager_block); exit 1 "
                              "unless mhc_cg equals the references bit for bit on every rank")
     parser.add_argument("--json", action="store_true",
                         help='print {"bit_identical": ..., "runs": {name: {"losses": [...], '
-                             '"ranks": [{"rank", "pp_rank", "tp_rank", "saved_bytes_per_layer", '
+                             '"ranks": [{"rank", "pp_rank", "tp_rank", "ep_rank", "saved_bytes_per_layer", '
                              '"persistent_slot_sets", "arena_bytes", '
                              '"layer_graph_replays_per_step", '
                              '"recompute_graph_replays_per_step"}, ...]}}}')

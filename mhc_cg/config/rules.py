@@ -248,7 +248,7 @@ def _scope_problems(cfg: "RunConfig") -> list[str]:
         problems.append(f"{name}: 'moe' captures the whole MoE layer, router included, so it "
                         f"cannot be combined with 'moe_router'; keep one of them")
     if "moe" in scopes and model.is_moe and "moe_router" not in scopes:
-        problems.append(f"{name}: 'moe' captures the whole MoE layer, but mhc_cg's MoE dispatch "
+        problems.append(f"{name}: 'moe' captures the whole MoE layer, but its token dispatch "
                         f"has data-dependent shapes (no drop-and-pad); use 'moe_router' "
                         f"[+ 'moe_preprocess'] (partial capture)")
     return problems
@@ -512,9 +512,6 @@ def _megatron_scope_problems(scopes: list[str], field: str, moe: bool) -> list[s
     if "attn" not in layer_scopes:
         problems.append(f"{field}: {scopes} graphs no layer, but megatron's helper graphs the "
                         f"attention sublayer with its mHC ops; {fix}")
-    if "moe" in layer_scopes:
-        problems.append(f"{field}: 'moe' would graph the token dispatch, whose shapes follow the "
-                        f"routing (megatron graphs it only with drop-and-pad); {fix}")
     others = [s for s in layer_scopes if s not in ("attn", "mlp", *MOE_SCOPES)]
     if others:
         problems.append(f"{field}: {others} not supported with mhc_cg under megatron's helper; "

@@ -66,7 +66,7 @@ def run(cfg: RunConfig, compare: bool, progress: bool = True, timeout: float | N
 
 def to_json(result: dict) -> dict:
     """``{"bit_identical": bool or None, "runs": {name: {"losses": [...], "ranks": [{rank,
-    pp_rank, tp_rank, saved_bytes_per_layer, persistent_slot_sets, arena_bytes,
+    pp_rank, tp_rank, ep_rank, saved_bytes_per_layer, persistent_slot_sets, arena_bytes,
     layer_graph_replays_per_step, recompute_graph_replays_per_step}, ...]}}}``; a run the
     branch's config refuses has ``"refused"`` (Megatron's message) and no ranks."""
     runs = {}
@@ -124,7 +124,7 @@ def format_table(cfg: RunConfig, result: dict) -> str:
             f"microbatches on {result['device']}; megatron's TECudaGraphHelper graphs "
             f"[{', '.join(scopes)}]{', mhc_cg the recompute' if recompute_graphs else ''} "
             f"({branch}: {result['source']})")
-    header = ("run", "rank (pp, tp)", "loss first -> last", f"vs {reference}", "saved / layer",
+    header = ("run", "rank (pp, tp, ep)", "loss first -> last", f"vs {reference}", "saved / layer",
               "slot sets", "arena", "layer graphs / step", "recompute graphs / step",
               "mHC recomputed / step")
     rows = []
@@ -135,7 +135,8 @@ def format_table(cfg: RunConfig, result: dict) -> str:
             continue
         for index, rank in enumerate(run["ranks"]):
             saved = rank["saved_bytes_per_layer"]
-            rows.append((name, f"{rank['rank']} ({rank['pp_rank']}, {rank['tp_rank']})", _loss(run),
+            where = f"{rank['pp_rank']}, {rank['tp_rank']}, {rank['ep_rank']}"
+            rows.append((name, f"{rank['rank']} ({where})", _loss(run),
                          _equal_to_reference(result, name, reference, index),
                          "-" if saved is None else f"{saved} B",
                          str(rank["persistent_slot_sets"] or "-"),
