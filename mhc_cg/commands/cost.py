@@ -6,6 +6,7 @@ import argparse
 import json
 
 from mhc_cg.config import load_config
+from mhc_cg.core.progress import log
 from mhc_cg.tools.cost.report import DEVICES, cost_report, format_report
 
 HELP = "GPU cost without a GPU: kernels, bytes and capture-pool memory of every mode's step"
@@ -17,11 +18,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="meta: nothing allocated, any size (attention as the GPU's fused "
                              "kernel); cpu: the ops really run")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--summary", action="store_true", help="only the per-mode table")
+    parser.add_argument("--summary", action="store_true", help="only the per-mode tables")
+    parser.add_argument("--plot", metavar="PNG", default=None,
+                        help="also draw each mode's peak memory against its modelled step time")
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     report = cost_report(cfg, args.device, args.config)
     print(json.dumps(report, indent=2) if args.json else format_report(report, not args.summary))
+    if args.plot:
+        from mhc_cg.tools.cost.frontier_plot import plot_frontier
+
+        log("cost", f"frontier written to {plot_frontier(report, args.plot)}")
     return 0

@@ -194,10 +194,48 @@ class CaptureRecorder(CaptureGuardMode):
         return self.pool.settle(list(self.blocks.values()), self.index)
 
 
+class LiveBytes:
+    """What the eager ops of a step allocate, as the caching allocator sees it: a storage counts
+    (in 512-byte blocks) from the op that makes it until Python drops it or shrinks it (a
+    discarded checkpoint output is resized to nothing, and grows back when recomputed); ``peak``
+    is the most alive after any op. A storage an op writes that was one of its inputs (in place,
+    ``out=``, a view) is not new; storages allocated before the step (parameters, optimizer
+    state, static buffers, graph pools) and what graph replays touch are not counted here."""
+
+    def __init__(self) -> None:
+        self._live: dict[int, list] = {}  # storage id -> [weak ref, bytes counted]
+        self.bytes = 0
+        self.peak = 0
+
+    def after_op(self, args: tuple, kwargs: dict, out: Any) -> None:
+        for key, entry in list(self._live.items()):
+            ref, counted = entry
+            now = 0 if ref.expired() else rounded(
+                torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes())
+            self.bytes += now - counted
+            if ref.expired():
+                del self._live[key]
+            else:
+                entry[1] = now
+        inputs = {storage_id(t) for t in _tensors((args, kwargs))}
+        for t in _tensors(out):
+            key = storage_id(t)
+            if key in inputs or key in self._live:
+                continue
+            storage = t.untyped_storage()
+            if storage.nbytes() == 0:
+                continue
+            nbytes = rounded(storage.nbytes())
+            self._live[key] = [StorageWeakRef(storage), nbytes]
+            self.bytes += nbytes
+        self.peak = max(self.peak, self.bytes)
+
+
 class StepRecorder(TorchDispatchMode):
     """Counts a training step: eager ops through dispatch, graph replays through :meth:`replayed`.
 
-    ``eager`` and ``graphs`` split the total; ``replays`` counts graph launches.
+    ``eager`` and ``graphs`` split the total; ``replays`` counts graph launches; ``live`` tracks
+    what the eager ops allocate (:class:`LiveBytes`).
     """
 
     active: list["StepRecorder"] = []
@@ -208,11 +246,13 @@ class StepRecorder(TorchDispatchMode):
         self.graphs = OpCounter()
         self.replays = 0
         self.streams = streams
+        self.live = LiveBytes()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.eager.add(func, args, kwargs, out, self.streams)
+        self.live.after_op(args, kwargs, out)
         return out
 
     def __enter__(self):

@@ -29,6 +29,8 @@ from mhc_cg.runtime.modes.registry import MODES, build, capture_plan, mode_confi
 from mhc_cg.tools.cost.attention import fused_attention_on_meta
 from mhc_cg.tools.cost.attribution import (MODEL_NOTE, REFERENCE_C, by_phase_and_part, copies,
                                            mhc_traffic_c, predicted_seconds, recompute_bound_bytes)
+from mhc_cg.core.storage import storage_id
+from mhc_cg.tools.cost.allocator import rounded
 from mhc_cg.tools.cost.op_counters import StepRecorder, StreamTracker
 from mhc_cg.tools.cost.cost_backend import CostBackend
 from mhc_cg.training.data import ProgressionCorpus
@@ -109,6 +111,8 @@ def cost_mode(cfg: RunConfig, mode: str, device: str) -> dict:
     graphs = _graph_entries(mode_model, backend, cfg)
     info = mode_model.describe()
     by_part = recorder.by_part
+    memory = peak_memory(model, optimizer, info, mode_model.static_buffer_bytes(),
+                         sum(p.state.high_water for p in backend.pools), recorder.live.peak)
     return {
         "kernels_per_step": recorder.kernels,
         "bytes_per_step": recorder.bytes,
@@ -129,7 +133,28 @@ def cost_mode(cfg: RunConfig, mode: str, device: str) -> dict:
         "bytes_by_phase_and_part": by_phase_and_part(by_part),
         "mhc_traffic_C": mhc_traffic_c(by_part, cfg),
         "copy_bytes_per_step": copies(by_part),
+        "peak_bytes": sum(memory.values()),
+        "peak_memory": memory,
     }
+
+
+def peak_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: dict,
+                static_buffers: int | None, pools: int, step_peak: int) -> dict[str, int]:
+    """The device's peak over a step, by what holds it (the allocator emulation's view):
+    ``model_state`` (parameters, buffers, optimizer state: distinct storages, in 512-byte
+    blocks), ``static`` (the runtime's arena, its persistent sets and the graphs' static buffers,
+    allocated once), ``graph_pools`` (what the pools reserve: their high-water marks, never given
+    back) and ``step`` (the most that the step's eager ops hold at once: activations autograd
+    saved, gradients, temporaries; :class:`~mhc_cg.tools.cost.op_counters.LiveBytes`)."""
+    tensors = [*model.parameters(), *model.buffers(),
+               *(t for state in optimizer.state.values() for t in state.values()
+                 if isinstance(t, torch.Tensor))]
+    storages = {storage_id(t): rounded(t.untyped_storage().nbytes()) for t in tensors}
+    static = ((info.get("arena_bytes") or 0)
+              + (info.get("persistent_bytes_per_microbatch") or 0) * info.get("persistent_sets", 0)
+              + (static_buffers or 0))
+    return {"model_state": sum(storages.values()), "static": static, "graph_pools": pools,
+            "step": step_peak}
 
 
 def _graph_entries(mode_model, backend: CostBackend, cfg: RunConfig) -> list[dict]:
@@ -222,7 +247,7 @@ def format_report(report: dict, per_graph: bool = True) -> str:
                      f"{len(m['graphs']):>6} {m['pools']:>5} {_size(m['pool_reserved_bytes']):>13} "
                      f"{_size(m['arena_bytes']):>10} {_size(m['persistent_bytes_per_microbatch']):>13} "
                      f"{_size(m['static_buffer_bytes']):>11}")
-    lines += ["", *format_traffic(report)]
+    lines += ["", *format_frontier(report), "", *format_traffic(report)]
     for name, reason in report.get("skipped", {}).items():
         lines.append(f"{name}: not costed on {report['device']}: {reason}")
     for c in report["checks"]:
@@ -242,6 +267,26 @@ def format_report(report: dict, per_graph: bool = True) -> str:
                          f"{g['pool']:>4} {_size(g['pool_peak_bytes']):>10} "
                          f"{_size(g['pool_held_peak_bytes']):>10} {_size(g['escaped_bytes']):>10}")
     return "\n".join(lines)
+
+
+def format_frontier(report: dict) -> list[str]:
+    """Memory against time, one row per mode: the device's peak over a step by what holds it,
+    the bytes the step moves and its modelled time."""
+    modes = report["modes"]
+    reference = modes.get("eager_none")
+    lines = ["memory and time per step: peak on the device (allocator emulation) = model state + "
+             "static buffers + graph pools + the step's eager allocations at their most",
+             f"{'mode':15} {'peak':>10} {'model state':>11} {'static':>10} {'graph pools':>11} "
+             f"{'step':>10} {'bytes':>10} {'H100 step (model)':>17} {'/eager_none':>11}",
+             "-" * 112]
+    for name, m in modes.items():
+        mem, step = m["peak_memory"], m["predicted_h100_step_s"]
+        ratio = "-" if reference is None else f"{step / reference['predicted_h100_step_s']:.3f}"
+        lines.append(f"{name:15} {_size(m['peak_bytes']):>10} {_size(mem['model_state']):>11} "
+                     f"{_size(mem['static']):>10} {_size(mem['graph_pools']):>11} "
+                     f"{_size(mem['step']):>10} {_size(m['bytes_per_step']):>10} "
+                     f"{step * 1e3:>14.2f} ms {ratio:>11}")
+    return lines
 
 
 def format_traffic(report: dict) -> list[str]:
