@@ -182,3 +182,23 @@ def test_tiny_loads_per_thread_are_flagged():
     assert sip["in_flight"] == 2048 and sip["bandwidth_share"] < 0.2
     assert gulp["load_bytes"] == 64 and gulp["bandwidth_share"] > 1
     assert len(toy["below_bandwidth"]) == 1 and "sip (_copy)" in toy["below_bandwidth"][0]
+
+
+def test_the_step_model_charges_the_kernels_that_cannot_keep_hbm_busy():
+    """``mhc-cg cost`` times each fused op's bytes at the share of the bandwidth its kernels can
+    draw (Little's law on the sm_90a cubins): every fused op gets a share, the lowest of its
+    launcher's kernels; at the benchmark hidden size the pre's backward is below 1, so a step
+    that runs it takes longer in the model, on the same bytes."""
+    from mhc_cg.config import load_config
+    from mhc_cg.tools.cost.bandwidth import OP_CASES, kernel_shares
+    from mhc_cg.tools.cost.report import cost_report
+
+    shares = kernel_shares(BENCH_HIDDEN, 4096)
+    assert set(shares) == set(OP_CASES)
+    assert all(0 < share <= 1 for share in shares.values())
+    assert shares["mhc_cg::pre_backward"] < 1
+    cfg = load_config(None)
+    full = cost_report(cfg, "meta")["modes"]["eager_none"]
+    charged = cost_report(cfg, "meta", kernel_shares=shares)["modes"]["eager_none"]
+    assert charged["bytes_per_step"] == full["bytes_per_step"]
+    assert charged["predicted_h100_step_s"] > full["predicted_h100_step_s"]

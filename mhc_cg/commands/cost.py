@@ -6,6 +6,7 @@ import argparse
 import json
 
 from mhc_cg.config import load_config
+from mhc_cg.core.errors import ConfigError
 from mhc_cg.core.progress import log
 from mhc_cg.tools.cost.report import DEVICES, cost_report, format_report
 
@@ -19,16 +20,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "kernel); cpu: the ops really run")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--summary", action="store_true", help="only the per-mode tables")
+    parser.add_argument("--full-bandwidth", action="store_true",
+                        help="time every kernel at the full HBM bandwidth (default: the fused "
+                             "kernels at the share mhc-cg kernels finds they can draw on sm_90a)")
     parser.add_argument("--plot", metavar="PNG", default=None,
                         help="also draw each mode's peak memory against its modelled step time")
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
-    report = cost_report(cfg, args.device, args.config)
+    report = cost_report(cfg, args.device, args.config,
+                         None if args.full_bandwidth else _shares(cfg))
     print(json.dumps(report, indent=2) if args.json else format_report(report, not args.summary))
     if args.plot:
         from mhc_cg.tools.cost.frontier_plot import plot_frontier
 
         log("cost", f"frontier written to {plot_frontier(report, args.plot)}")
     return 0
+
+
+def _shares(cfg) -> dict[str, float] | None:
+    """The fused kernels' shares of the bandwidth at the config's shape, or ``None`` (said on
+    stderr) where they cannot be compiled here."""
+    from mhc_cg.tools.cost.bandwidth import kernel_shares
+
+    tokens = cfg.model.seq_length * cfg.train.micro_batch_size
+    log("cost", f"compiling the fused kernels for sm_90a at hidden {cfg.model.hidden_size}, "
+                f"{tokens} tokens (their share of the bandwidth)")
+    try:
+        return kernel_shares(cfg.model.hidden_size, tokens)
+    except (ImportError, RuntimeError, ConfigError) as exc:
+        log("cost", f"kernel shares unavailable ({str(exc).splitlines()[0]}); every kernel timed "
+                    f"at the full bandwidth")
+        return None

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from mhc_cg.tools.cost.allocator import Block, PoolState, rounded
+from mhc_cg.tools.cost.bandwidth import share_of
 from mhc_cg.core import traffic
 from mhc_cg.tools.cost.ops import (is_gemm, kernel_launches, launches_kernel, op_bytes,
                                    op_flops)
@@ -65,7 +66,8 @@ class OpCounter:
         self.bytes_read += read
         self.bytes_written += written
         self.flops += flops
-        self.model_seconds += max((read + written) / H100_BYTES_PER_S, flops / H100_FLOPS)
+        bandwidth = H100_BYTES_PER_S * share_of(func)  # a kernel that cannot keep HBM busy
+        self.model_seconds += max((read + written) / bandwidth, flops / H100_FLOPS)
         self.by_op[str(func.overloadpacket)] += launches
         key = (traffic.current_phase() or "other", part_of(func, args, kwargs, out, streams))
         self.by_part[key] += read + written

@@ -31,6 +31,7 @@ from mhc_cg.tools.cost.attribution import (MODEL_NOTE, REFERENCE_C, by_phase_and
                                            mhc_traffic_c, predicted_seconds, recompute_bound_bytes)
 from mhc_cg.core.storage import storage_id
 from mhc_cg.tools.cost.allocator import rounded
+from mhc_cg.tools.cost.bandwidth import charging
 from mhc_cg.tools.cost.op_counters import StepRecorder, StreamTracker
 from mhc_cg.tools.cost.cost_backend import CostBackend
 from mhc_cg.training.data import ProgressionCorpus
@@ -208,8 +209,11 @@ def checks(modes: dict) -> list[dict]:
     ]
 
 
-def cost_report(cfg: RunConfig, device: str, config_name: str | None = None) -> dict:
-    """Every mode's cost (:func:`cost_mode`) and the budget checks."""
+def cost_report(cfg: RunConfig, device: str, config_name: str | None = None,
+                kernel_shares: dict[str, float] | None = None) -> dict:
+    """Every mode's cost (:func:`cost_mode`) and the budget checks. ``kernel_shares``: each
+    fused op's share of the bandwidth (:func:`mhc_cg.tools.cost.bandwidth.kernel_shares`), which
+    the step model then charges; ``None``: every kernel at the full bandwidth."""
     if device not in DEVICES:
         raise ConfigError(f"--device: must be one of {list(DEVICES)}, got {device!r}")
     if device == "meta" and cfg.model.is_moe:
@@ -217,11 +221,12 @@ def cost_report(cfg: RunConfig, device: str, config_name: str | None = None) -> 
                           "host, which meta tensors do not have; cost MoE configs with --device cpu")
     costed, skipped = mode_configs(cfg, device)
     modes = {}
-    for index, (name, mode_cfg) in enumerate(costed, 1):
-        log("cost", f"{name}: building and recording one step ({index}/{len(costed)})")
-        modes[name] = cost_mode(mode_cfg, name, device)
+    with charging(kernel_shares):
+        for index, (name, mode_cfg) in enumerate(costed, 1):
+            log("cost", f"{name}: building and recording one step ({index}/{len(costed)})")
+            modes[name] = cost_mode(mode_cfg, name, device)
     return {"config": config_name, "device": device, "modes": modes, "skipped": skipped,
-            "checks": checks(modes)}
+            "checks": checks(modes), "kernel_bandwidth_shares": kernel_shares}
 
 
 def _size(nbytes: int | None) -> str:
@@ -306,7 +311,12 @@ def format_traffic(report: dict) -> list[str]:
         lines.append(f"{name:15} {c['forward']:>8.1f} {c['recompute']:>9.1f} {c['backward']:>8.1f} "
                      f"{c['total']:>7.1f} {step * 1e3:>14.2f} ms {ratio(reference):>11} "
                      f"{ratio(block):>12}")
-    lines += [f"step times: {MODEL_NOTE}", "", "bytes per step by part (all phases)"]
+    shares = report.get("kernel_bandwidth_shares")
+    charged = ("; kernels that cannot keep HBM busy (mhc-cg kernels, sm_90a) at their share of "
+               "it: " + ", ".join(f"{op.split('::')[1]} {share:.2f}" for op, share in shares.items()
+                                  if share < 1) if shares else
+               "; every kernel at the full bandwidth (no kernel shares: see mhc-cg kernels)")
+    lines += [f"step times: {MODEL_NOTE}{charged}", "", "bytes per step by part (all phases)"]
     parts = sorted({part for m in modes.values() for phase in m["bytes_by_phase_and_part"].values()
                     for part in phase})
     lines.append(f"{'part':34}" + "".join(f"{name:>15}" for name in modes))

@@ -1,0 +1,59 @@
+"""How much of the HBM bandwidth each fused mHC kernel can draw, for the step model.
+
+``mhc-cg kernels`` compiles every fused Triton kernel for sm_90a and applies Little's law: the
+bytes an SM keeps in flight (resident warps x the loads each keeps outstanding) against the
+bandwidth-latency product per SM. A kernel below it cannot reach the bandwidth; its ``share`` is
+the fraction it can. :func:`kernel_shares` reads those shares for one shape, per fused op (the
+lowest share among the kernels its launcher makes, capped at 1), and :func:`charging` makes the
+cost model time each fused op's bytes at ``share x`` the bandwidth.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+# the fused op -> the ``mhc-cg kernels`` case that launches what it launches
+OP_CASES = {
+    "mhc_cg::pre": "pre", "mhc_cg::pre_into": "pre",
+    "mhc_cg::pre_backward": "pre_backward", "mhc_cg::pre_backward_into": "pre_backward[in place]",
+    "mhc_cg::post": "post", "mhc_cg::post_into": "post", "mhc_cg::post_backward": "post_backward",
+    "mhc_cg::recompute": "recompute", "mhc_cg::rms_norm": "rms_norm",
+    "mhc_cg::rms_norm_backward": "rms_norm_backward",
+}
+
+_CHARGED: dict[str, float] = {}
+
+
+def kernel_shares(hidden: int, tokens: int, target: str = "sm_90a") -> dict[str, float]:
+    """``{fused op: share of the bandwidth}`` at ``hidden`` and ``tokens`` for ``target``
+    (compiles the kernels ahead of time: needs Triton, not a GPU)."""
+    from mhc_cg.tools.kernel_compile import kernel_report
+
+    report = kernel_report(hidden=(hidden,), tokens=tokens, target=target)
+    lowest: dict[str, float] = {}
+    for kernel in report["shapes"][0]["kernels"]:
+        share = kernel["bandwidth_share"]
+        if share is not None:
+            lowest[kernel["case"]] = min(lowest.get(kernel["case"], share), share)
+    return {op: min(1.0, lowest[case]) for op, case in OP_CASES.items() if case in lowest}
+
+
+@contextlib.contextmanager
+def charging(shares: dict[str, float] | None) -> Iterator[None]:
+    """Inside, the cost model times each fused op's bytes at its share of the bandwidth."""
+    previous = dict(_CHARGED)
+    _CHARGED.clear()
+    _CHARGED.update(shares or {})
+    try:
+        yield
+    finally:
+        _CHARGED.clear()
+        _CHARGED.update(previous)
+
+
+def share_of(func: torch._ops.OpOverload) -> float:
+    """The share of the bandwidth ``func``'s kernels can draw (1 unless charged)."""
+    return _CHARGED.get(func._schema.name, 1.0)
