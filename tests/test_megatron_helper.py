@@ -163,12 +163,44 @@ def test_cli_says_what_is_missing_when_main_is_not_found(tmp_path):
 
 def test_cli_refuses_what_the_megatron_path_cannot_run(tmp_path):
     config = tmp_path / "bad.yaml"
+    config.write_text("model: {recompute: block, hidden_dropout: 0.1, dropout_impl: torch}\n"
+                      "graph: {backend: te, cuda_graph_modules: [attn, mhc_recompute]}\n")
+    proc = _cli("--config", str(config))
+    # torch's stateful dropout: one line naming the setting that fixes it
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mhc-cg megatron: error: model.dropout_impl:")
+    assert "set model.dropout_impl: counter" in lines[0]
     config.write_text("model: {recompute: block, hidden_dropout: 0.1}\ntrain: {dtype: fp32}\n"
                       "parallel: {pp_size: 2}\n"
                       "graph: {backend: te, cuda_graph_modules: [mlp, mhc_recompute]}\n")
     proc = _cli("--config", str(config))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    for field in ("model.dropout_impl", "model.hidden_dropout", "train.dtype", "parallel.pp_size",
-                  "graph.cuda_graph_modules"):
+    for field in ("train.dtype", "parallel.pp_size", "graph.cuda_graph_modules"):
         assert any(line.startswith(f"mhc-cg megatron: error: {field}:") and " set " in line
                    for line in proc.stderr.splitlines()), field
+
+
+def test_main_layer_with_counter_dropout_is_bit_identical_to_main(main_snapshot):
+    """``hidden_dropout: 0.1`` in main's own layers, opted into counter dropout
+    (``use_counter_dropout``, ``model.dropout_impl: counter``): main's eager run, main's own
+    ``[mhc]`` recompute and mhc_cg's layer and recompute graphs draw the same masks, bit for
+    bit."""
+    from megatron_integration.harness.child_process import run_megatron_job
+    from megatron_integration.harness.runs import compare_ranks
+    from mhc_cg.config import load_config
+
+    cfg = load_config(ROOT / "configs/megatron_main_mhc.yaml").replace(
+        model={"hidden_dropout": 0.1, "dropout_impl": "counter"}, train={"device": "cpu"})
+    per_rank = run_megatron_job({"config": cfg.to_dict(),
+                                 "runs": ["main_eager_none", "main_eager_mhc", "mhc_cg"],
+                                 "device": "cpu", "branch": "main"}, timeout=300)
+    result = compare_ranks([r["runs"] for r in per_rank], "main")
+    assert result["bit_identical"] is True, result["mismatches"]
+    runs = result["runs"]
+    assert runs["mhc_cg"]["ranks"][0]["recompute_graph_replays_per_step"] > 0
+    # dropout is on: the losses are not the dropout-free run's
+    free = compare_ranks([r["runs"] for r in run_megatron_job(
+        {"config": cfg.replace(model={"hidden_dropout": 0.0}).to_dict(), "runs": ["mhc_cg"],
+         "device": "cpu", "branch": "main"}, timeout=300)], "main")
+    assert free["runs"]["mhc_cg"]["losses"] != runs["mhc_cg"]["losses"]

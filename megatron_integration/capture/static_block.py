@@ -90,24 +90,32 @@ class StaticMHCBlock:
 class StaticMainBlock(StaticMHCBlock):
     """``main``'s mHC block on static buffers (arena slots, persistent sets, recompute graphs).
 
-    ``hidden_dropout`` must be 0: ``main``'s dropout draws from torch's stateful generator, which
-    a recompute into fixed slots (and a replayed graph) cannot rewind.
+    ``hidden_dropout`` must be 0 (``main``'s dropout draws from torch's stateful generator, which
+    a recompute into fixed slots and a replayed graph cannot rewind), unless the decoder was
+    opted into counter dropout
+    (:func:`megatron_integration.layers.counter_dropout.use_counter_dropout`).
     """
 
     steps_type = MainLayerSteps
 
     def __init__(self, block, *, seq_length: int, micro_batch_size: int, capacity: int = 1,
                  shared: StaticRecompute | None = None):
-        problem = stateful_dropout_problem("torch", block.config.hidden_dropout, None,
+        impl = "counter" if getattr(block, "mhc_counter_dropout", False) else "torch"
+        problem = stateful_dropout_problem(impl, block.config.hidden_dropout, None,
                                            "hidden_dropout")
         if problem is not None:
-            raise StaticRecomputeError(f"StaticMainBlock: {problem}")
+            raise StaticRecomputeError(f"StaticMainBlock: {problem}; or call "
+                                       f"megatron_integration.use_counter_dropout on the decoder")
         self.main = MainBlock(block)
         super().__init__(block, seq_length=seq_length, micro_batch_size=micro_batch_size,
                          capacity=capacity, shared=shared)
 
     def mhc_enabled(self, config) -> bool:
         return bool(getattr(config, "enable_mhc_connections", False))
+
+    @property
+    def seeded(self) -> bool:
+        return getattr(self.block, "mhc_counter_dropout", False) and self.block.config.hidden_dropout > 0
 
     def streams_in(self, hidden_states: Tensor) -> Tensor:
         return self.main.streams_in(hidden_states)

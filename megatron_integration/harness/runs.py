@@ -188,7 +188,7 @@ def build_run(run: str, cfg: RunConfig, branch: str, cpu: bool):
         if branch == "core" and cfg.parallel.pp_size > 1:
             chunk.config = schedule_config(config, cfg.model.num_streams)
         chunks.append(chunk)
-    if branch == "dev" and cfg.model.dropout_impl == "counter":  # every run draws the same masks
+    if branch != "core" and cfg.model.dropout_impl == "counter":  # every run draws the same masks
         from megatron_integration.capture.te_graph_helper import chunk_decoder
         from megatron_integration.layers.counter_dropout import use_counter_dropout
 

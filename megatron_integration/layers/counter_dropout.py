@@ -1,19 +1,22 @@
-"""Counter dropout in Megatron-LM dev's own mHC layers: the opt-in that makes dropout replayable.
+"""Counter dropout in Megatron-LM's own mHC layers (main's and dev's): the opt-in that makes
+dropout replayable.
 
-Dev's mHC bias-dropout-add (``HyperConnectionModule.fused_h_res_h_post_bda``) draws its mask from
+Their mHC bias-dropout-add (``HyperConnectionModule.fused_h_res_h_post_bda``) draws its mask from
 torch's stateful generator, which neither a recompute into static slots nor a replayed graph can
 rewind, so with ``hidden_dropout > 0`` mhc_cg refuses it. ``use_counter_dropout(decoder)`` makes
 that dropout mhc_cg's counter dropout (:mod:`mhc_cg.ops.dropout`): the mask of each sublayer is a
 function of (the forward's seed, the sublayer's stream id ``2 * layer_number + k``, the element
-index). The eager layer, dev's own ``[mhc]`` recompute, mhc_cg's graphed forward and its recompute
-graph then draw the same mask.
+index). The eager layer, Megatron's own ``[mhc]`` recompute, mhc_cg's graphed forward and its
+recompute graph then draw the same mask.
 
 What it does: the decoder draws one seed per forward (a forward pre-hook, from torch's CPU
 generator, the draw mhc_cg's own block makes) and hands it out through ``draw_dropout_seed``, which
 the static runtime reads; each layer's two hyper-connection modules get a counter version of
-``fused_h_res_h_post_bda`` (dev's own dropout path, op for op, with the counter mask in place of
-torch's), and the layer is marked ``mhc_counter_dropout`` for the step adapters
-(:class:`megatron_integration.layers.dev_layer.DevSublayerSteps`). Call it before the TE graph
+``fused_h_res_h_post_bda`` (their own dropout path, op for op: ``H_res`` applied, ``H_post`` to F's
+output and bias, ``mixed + dropout(...)``, with the counter mask in place of torch's), and the
+layer is marked ``mhc_counter_dropout`` for the step adapters
+(:class:`megatron_integration.layers.main_layer.MainSublayerSteps`,
+:class:`megatron_integration.layers.dev_layer.DevSublayerSteps`). Call it before the TE graph
 helper is made, on every run that must draw the same masks.
 """
 
@@ -32,18 +35,22 @@ def sublayer_stream(layer_number: int, k: int) -> int:
 
 
 def use_counter_dropout(decoder) -> None:
-    """Counter dropout for every mHC sublayer of ``decoder`` (a ``TransformerBlock`` of dev's
-    ``HyperConnectionTransformerLayer``); see the module docstring."""
+    """Counter dropout for every mHC sublayer of ``decoder`` (a ``TransformerBlock`` of main's or
+    dev's ``HyperConnectionTransformerLayer``); see the module docstring."""
     if getattr(decoder, "mhc_counter_dropout", False):
         return
     decoder.mhc_counter_dropout = True
     decoder.mhc_dropout_seed = None
 
     def draw(module, args, kwargs=None):
-        module.mhc_dropout_seed = torch.randint(0, 2 ** 31 - 1, (), dtype=torch.int64)
+        seed = torch.randint(0, 2 ** 31 - 1, (), dtype=torch.int64)
+        if module.mhc_dropout_seed is None:
+            module.mhc_dropout_seed = seed
+        else:  # in place: a layer graph captured by Megatron's helper reads it where it lies
+            module.mhc_dropout_seed.copy_(seed)
 
     decoder.register_forward_pre_hook(draw)
-    decoder.draw_dropout_seed = lambda like: decoder.mhc_dropout_seed.to(like.device)
+    decoder.draw_dropout_seed = lambda like: decoder.mhc_dropout_seed.to(like.device, copy=True)
     for layer in decoder.layers:
         layer.mhc_counter_dropout = True
         for k, hc in enumerate((layer.self_attention_hyper_connection,
@@ -53,7 +60,7 @@ def use_counter_dropout(decoder) -> None:
 
 
 def _counter_bda(hc, decoder, stream: int):
-    dropout_free = hc.fused_h_res_h_post_bda  # dev's own, for p = 0 and evaluation
+    dropout_free = hc.fused_h_res_h_post_bda  # Megatron's own, for p = 0 and evaluation
 
     def fused_h_res_h_post_bda(h_res: Tensor, original_residual: Tensor, h_post: Tensor,
                                layer_output_with_bias, dropout_prob: float, training: bool,
@@ -62,10 +69,12 @@ def _counter_bda(hc, decoder, stream: int):
             return dropout_free(h_res, original_residual, h_post, layer_output_with_bias,
                                 dropout_prob, training, fused, manager)
         x, bias = layer_output_with_bias
-        seed = decoder.mhc_dropout_seed.to(x.device)
+        # a copy: a recompute later in the step (pipelining) redraws this forward's mask
+        seed = decoder.mhc_dropout_seed.to(x.device, copy=True)
 
         def post(h_res, residual, h_post, x, *bias):
-            # dev's dropout path: H_res^T x, H_post y (+ H_post bias), residual + dropout(...)
+            # Megatron's dropout path: H_res applied (dev: transposed), H_post y (+ H_post bias),
+            # residual + dropout(...)
             mixed = hc.apply_h_res(h_res, residual)
             out = hc._apply_h_post(x, h_post)
             if bias:

@@ -33,8 +33,10 @@ from typing import Callable
 from torch import Tensor
 
 from mhc_cg.model import HyperConnectionSteps
+from mhc_cg.ops.dropout import dropout
 from mhc_cg.runtime.recompute.eager import BlockRecomputeManager, run_recompute_blocks
 
+from megatron_integration.layers.counter_dropout import sublayer_stream
 from megatron_integration.layers.graphed_sublayer import GraphedSublayerMixin
 from megatron_integration.layers.steps import LayerSteps
 
@@ -95,10 +97,14 @@ class MainSublayerSteps(HyperConnectionSteps):
         self.hc = layer.self_attention_hyper_connection if attention else layer.mlp_hyper_connection
         self.norm = layer.input_layernorm if attention else layer.pre_mlp_layernorm
         config = layer.config
-        # main's hyper-connection dropout is torch's (stateful) dropout
-        self.cfg = SimpleNamespace(dropout_impl="torch", hidden_dropout=layer.hidden_dropout,
+        # main's hyper-connection dropout is torch's (stateful) dropout, unless
+        # use_counter_dropout opted the layer in
+        counter = getattr(layer, "mhc_counter_dropout", False)
+        self.cfg = SimpleNamespace(dropout_impl="counter" if counter else "torch",
+                                   hidden_dropout=layer.hidden_dropout,
                                    num_streams=config.mhc_num_residual_streams,
                                    hidden_size=config.hidden_size)
+        self.stream = sublayer_stream(layer.layer_number, 0 if attention else 1)
         self.fn: Callable[[Tensor], Tensor] | None = None  # bound per forward (MainLayerSteps.bind)
         self.bias: Tensor | None = None  # F's skipped bias, set by fn
 
@@ -110,10 +116,16 @@ class MainSublayerSteps(HyperConnectionSteps):
         return out + self.hc._apply_h_post(self.bias, h_post)
 
     def post_bda(self, y: Tensor, h_post: Tensor, mixed: Tensor, seed: Tensor | None) -> Tensor:
-        """``main``'s own bias-dropout-add of ``H_post^T (y + bias)`` onto ``mixed`` (``seed`` is
-        unused: main's dropout draws from torch's generator)."""
+        """``main``'s own bias-dropout-add of ``H_post^T (y + bias)`` onto ``mixed`` (``seed``
+        unused: main's dropout draws from torch's generator); with counter dropout
+        (``use_counter_dropout``) the same terms, ``mixed + dropout(...)``, the mask drawn from
+        ``seed``."""
         from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
+        p = self.layer.hidden_dropout if self.layer.training else 0.0
+        if p > 0.0 and self.cfg.dropout_impl == "counter":
+            return mixed + dropout(self.h_post_step(y, h_post), p, True, impl="counter",
+                                   seed=seed, stream=self.stream)
         bda = get_bias_dropout_add(self.layer.training, self.layer.config.bias_dropout_fusion)
         return bda((self.h_post_step(y, h_post), None), mixed, self.layer.hidden_dropout)
 

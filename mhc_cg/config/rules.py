@@ -459,15 +459,9 @@ def megatron_problems(cfg: "RunConfig") -> list[str]:
     if m.recompute != "block":
         problems.append("model.recompute: mhc_cg's runtime is the mHC recompute; set model.recompute: "
                         "block (megatron's recompute_modules: [mhc])")
-    if branch in ("core", "dev"):  # counter dropout replays (dev's by opt-in), torch's does not
-        problem = stateful_dropout_problem(m.dropout_impl, m.hidden_dropout, "model.dropout_impl",
-                                           "model.hidden_dropout")
-    else:
-        if m.dropout_impl != "torch":
-            problems.append(f"model.dropout_impl: {name}'s mHC layer draws its dropout from "
-                            f"torch's generator, not {m.dropout_impl!r}; set model.dropout_impl: "
-                            f"torch")
-        problem = stateful_dropout_problem("torch", m.hidden_dropout, None, "model.hidden_dropout")
+    # counter dropout replays (main's and dev's layers by opt-in), torch's does not
+    problem = stateful_dropout_problem(m.dropout_impl, m.hidden_dropout, "model.dropout_impl",
+                                       "model.hidden_dropout")
     if problem is not None:
         problems.append(problem)
     if m.is_moe and branch != "dev":
