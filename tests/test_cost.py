@@ -471,3 +471,8 @@ def test_cost_draws_the_frontier(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "memory and time per step" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    bad = subprocess.run([sys.executable, "-m", "mhc_cg", "cost", "--plot", str(tmp_path / "f.jpg")],
+                         cwd=root, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and bad.stdout == "" and "Traceback" not in bad.stderr
+    assert bad.stderr.strip() == (f"mhc-cg cost: error: --plot: {tmp_path / 'f.jpg'} is not a .png; "
+                                  f"give a path ending in .png")

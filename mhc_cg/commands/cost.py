@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+from pathlib import Path
 
 from mhc_cg.config import load_config
 from mhc_cg.core.errors import ConfigError
@@ -29,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
+    if args.plot:
+        _check_writable(Path(args.plot))
     report = cost_report(cfg, args.device, args.config,
                          None if args.full_bandwidth else _shares(cfg))
     print(json.dumps(report, indent=2) if args.json else format_report(report, not args.summary))
@@ -53,3 +57,16 @@ def _shares(cfg) -> dict[str, float] | None:
         log("cost", f"kernel shares unavailable ({str(exc).splitlines()[0]}); every kernel timed "
                     f"at the full bandwidth")
         return None
+
+
+def _check_writable(path: Path) -> None:
+    """Refuse a ``--plot`` path that cannot be written, before the costing starts."""
+    if path.suffix.lower() != ".png":
+        raise ConfigError(f"--plot: {path} is not a .png; give a path ending in .png")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--plot: cannot create {path.parent} ({exc.strerror}); give a "
+                          f"writable path") from None
+    if not os.access(path.parent, os.W_OK):
+        raise ConfigError(f"--plot: {path.parent} is not writable; give a writable path")
