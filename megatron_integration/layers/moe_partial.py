@@ -80,4 +80,4 @@ def moe_tail(runtime, steps, position: int, step: str, head: tuple[Tensor, ...],
     finally:
         moe.cudagraph_tensor_store.clear()
     out = runtime.sublayer_post(sub, position, 1, y, carry, seed)
-    return out, runtime.kept_fn_output(sub, 1, y), runtime.sublayers.state(carry)
+    return out, runtime.kept_fn_output(sub, 1, y), runtime.carried_state(carry)

@@ -152,6 +152,11 @@ class StaticRecompute:
         """F's output ``y`` as the persistent set keeps it, where the sublayer put it there."""
         return self.sublayers.kept_fn_output(sub, k, y)
 
+    def carried_state(self, carry: tuple) -> Tensor | None:
+        """The mapping state in ``carry`` (what :meth:`sublayer_pre` returned) that the
+        persistent set keeps; ``None`` for hooked sublayers, whose mHC ops save into slots."""
+        return self.sublayers.state(carry)
+
     def sublayer(self, sub: MHCSublayer, position: int, k: int, x: Tensor,
                  seed: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
         """``MHCSublayer.forward`` on the static buffers; returns (output, F output, mapping
@@ -170,7 +175,7 @@ class StaticRecompute:
                 with self.fn_region():
                     y = sub.fn(fn_input)
         out = self.sublayers.post(sub, position, k, y, carry, seed)
-        return out, self.sublayers.kept_fn_output(sub, k, y), self.sublayers.state(carry)
+        return out, self.kept_fn_output(sub, k, y), self.carried_state(carry)
 
     def _keep(self, pset: PersistentSlotSet, key: tuple[int, int], y: Tensor,
               state: Tensor | None) -> None:
