@@ -87,16 +87,12 @@ class StaticMHCBlock:
     __call__ = forward
 
 
-class StaticMainBlock(StaticMHCBlock):
-    """``main``'s mHC block on static buffers (arena slots, persistent sets, recompute graphs).
-
-    ``hidden_dropout`` must be 0 (``main``'s dropout draws from torch's stateful generator, which
-    a recompute into fixed slots and a replayed graph cannot rewind), unless the decoder was
-    opted into counter dropout
-    (:func:`megatron_integration.layers.counter_dropout.use_counter_dropout`).
-    """
-
-    steps_type = MainLayerSteps
+class StaticMegatronBlock(StaticMHCBlock):
+    """A block of Megatron-LM's own ``HyperConnectionTransformerLayer`` (main's or dev's) on
+    static buffers. ``hidden_dropout`` must be 0 (their dropout draws from torch's stateful
+    generator, which a recompute into fixed slots and a replayed graph cannot rewind), unless the
+    decoder was opted into counter dropout
+    (:func:`megatron_integration.layers.counter_dropout.use_counter_dropout`)."""
 
     def __init__(self, block, *, seq_length: int, micro_batch_size: int, capacity: int = 1,
                  shared: StaticRecompute | None = None):
@@ -104,18 +100,29 @@ class StaticMainBlock(StaticMHCBlock):
         problem = stateful_dropout_problem(impl, block.config.hidden_dropout, None,
                                            "hidden_dropout")
         if problem is not None:
-            raise StaticRecomputeError(f"StaticMainBlock: {problem}; or call "
+            raise StaticRecomputeError(f"{type(self).__name__}: {problem}; or call "
                                        f"megatron_integration.use_counter_dropout on the decoder")
+        super().__init__(block, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                         capacity=capacity, shared=shared)
+
+    @property
+    def seeded(self) -> bool:
+        return getattr(self.block, "mhc_counter_dropout", False) and self.block.config.hidden_dropout > 0
+
+
+class StaticMainBlock(StaticMegatronBlock):
+    """``main``'s mHC block on static buffers (arena slots, persistent sets, recompute graphs)."""
+
+    steps_type = MainLayerSteps
+
+    def __init__(self, block, *, seq_length: int, micro_batch_size: int, capacity: int = 1,
+                 shared: StaticRecompute | None = None):
         self.main = MainBlock(block)
         super().__init__(block, seq_length=seq_length, micro_batch_size=micro_batch_size,
                          capacity=capacity, shared=shared)
 
     def mhc_enabled(self, config) -> bool:
         return bool(getattr(config, "enable_mhc_connections", False))
-
-    @property
-    def seeded(self) -> bool:
-        return getattr(self.block, "mhc_counter_dropout", False) and self.block.config.hidden_dropout > 0
 
     def streams_in(self, hidden_states: Tensor) -> Tensor:
         return self.main.streams_in(hidden_states)
@@ -124,34 +131,20 @@ class StaticMainBlock(StaticMHCBlock):
         return self.main.streams_out(x)
 
 
-class StaticDevBlock(StaticMHCBlock):
+class StaticDevBlock(StaticMegatronBlock):
     """Megatron-LM ``dev``'s mHC block on static buffers; its stream boundaries are ``dev``'s own
-    block methods (the pipeline's received tensor, expand, learned contraction, final norm).
-
-    ``hidden_dropout`` must be 0 (torch's stateful generator), unless the decoder was opted into
-    counter dropout (:func:`megatron_integration.layers.counter_dropout.use_counter_dropout`).
-    """
+    block methods (the pipeline's received tensor, expand, learned contraction, final norm)."""
 
     steps_type = DevLayerSteps
 
     def __init__(self, block, *, seq_length: int, micro_batch_size: int, capacity: int = 1,
                  shared: StaticRecompute | None = None):
-        impl = "counter" if getattr(block, "mhc_counter_dropout", False) else "torch"
-        problem = stateful_dropout_problem(impl, block.config.hidden_dropout, None,
-                                           "hidden_dropout")
-        if problem is not None:
-            raise StaticRecomputeError(f"StaticDevBlock: {problem}; or call "
-                                       f"megatron_integration.use_counter_dropout on the decoder")
         if getattr(block.config, "use_fused_mhc", False):
             raise StaticRecomputeError("StaticDevBlock: use_fused_mhc runs dev's cuTile/Triton "
                                        "kernels, which the step adapters do not call; set "
                                        "use_fused_mhc=False")
         super().__init__(block, seq_length=seq_length, micro_batch_size=micro_batch_size,
                          capacity=capacity, shared=shared)
-
-    @property
-    def seeded(self) -> bool:
-        return getattr(self.block, "mhc_counter_dropout", False) and self.block.config.hidden_dropout > 0
 
     def streams_in(self, hidden_states: Tensor) -> Tensor:
         return self.block.preprocess_for_layer_schedule(hidden_states)

@@ -24,15 +24,11 @@ which no recompute can rewind, so ``hidden_dropout > 0`` needs the opt-in of
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-from mhc_cg.ops.dropout import dropout
-
-from megatron_integration.layers.counter_dropout import sublayer_stream
 from megatron_integration.layers.main_layer import (MainLayerSteps, MainSublayerSteps,
                                                     graphed_layer_class)
 
@@ -93,23 +89,12 @@ def _on_runtime(spec, cpu: bool, graphed: bool):
 class DevSublayerSteps(MainSublayerSteps):
     """The attention or MLP sublayer of ``dev``'s ``HyperConnectionTransformerLayer``."""
 
+    streams_field = "num_residual_streams"
+
     def __init__(self, layer, which: str):
-        attention = which == "attention"
-        self.layer = layer
-        self.hc = layer.self_attention_hyper_connection if attention else layer.mlp_hyper_connection
-        norm = layer.input_layernorm if attention else layer.pre_mlp_layernorm
-        dtype = layer.config.params_dtype
-        self.norm = norm if attention or layer.is_moe_layer else _in_dtype(norm, dtype)
-        config = layer.config
-        # torch's stateful dropout, unless use_counter_dropout opted the layer in
-        counter = getattr(layer, "mhc_counter_dropout", False)
-        self.cfg = SimpleNamespace(dropout_impl="counter" if counter else "torch",
-                                   hidden_dropout=layer.hidden_dropout,
-                                   num_streams=config.num_residual_streams,
-                                   hidden_size=config.hidden_size)
-        self.stream = sublayer_stream(layer.layer_number, 0 if attention else 1)
-        self.fn: Callable[[Tensor], Tensor] | None = None
-        self.bias: Tensor | None = None
+        super().__init__(layer, which)
+        if which != "attention" and not layer.is_moe_layer:  # a dense MLP's input, as dev casts it
+            self.norm = _in_dtype(self.norm, layer.config.params_dtype)
         self._views: tuple[Tensor, Tensor, Tensor] | None = None  # (x, aggregate's, H_res's)
 
     def mappings(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -152,13 +137,8 @@ class DevSublayerSteps(MainSublayerSteps):
         if self.cfg.dropout_impl != "counter":
             raise RuntimeError("DevSublayerSteps: hidden_dropout > 0 with torch's stateful dropout "
                                "cannot be recomputed; call use_counter_dropout on the decoder")
-        # the dropout path's terms: the bias expanded before the product, as dev does (its
-        # gradient then sums over the streams first, then the tokens)
-        out = self.hc._apply_h_post(y, h_post)
-        if self.bias is not None:
-            out = out + self.hc._apply_h_post(self.bias, h_post)
-        dropped = dropout(out, p, True, impl="counter", seed=seed, stream=self.stream)
-        return mixed.view(s, b, n * c) + dropped
+        # main's counter path: the same terms as dev's dropout path
+        return super().post_bda(y, h_post, mixed.view(s, b, n * c), seed)
 
 
 def _in_dtype(norm, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:

@@ -91,18 +91,20 @@ def graphed_layer_class(layer: type) -> type:
 class MainSublayerSteps(HyperConnectionSteps):
     """The attention or MLP sublayer of a ``HyperConnectionTransformerLayer`` as named steps."""
 
+    streams_field = "mhc_num_residual_streams"  # the config's n (dev: num_residual_streams)
+
     def __init__(self, layer, which: str):
         attention = which == "attention"
         self.layer = layer
         self.hc = layer.self_attention_hyper_connection if attention else layer.mlp_hyper_connection
         self.norm = layer.input_layernorm if attention else layer.pre_mlp_layernorm
         config = layer.config
-        # main's hyper-connection dropout is torch's (stateful) dropout, unless
+        # Megatron's hyper-connection dropout is torch's (stateful) dropout, unless
         # use_counter_dropout opted the layer in
         counter = getattr(layer, "mhc_counter_dropout", False)
         self.cfg = SimpleNamespace(dropout_impl="counter" if counter else "torch",
                                    hidden_dropout=layer.hidden_dropout,
-                                   num_streams=config.mhc_num_residual_streams,
+                                   num_streams=getattr(config, self.streams_field),
                                    hidden_size=config.hidden_size)
         self.stream = sublayer_stream(layer.layer_number, 0 if attention else 1)
         self.fn: Callable[[Tensor], Tensor] | None = None  # bound per forward (MainLayerSteps.bind)
