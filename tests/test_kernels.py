@@ -125,6 +125,31 @@ def test_reference_ops_pass_gradcheck():
     assert torch.autograd.gradcheck(lambda a, b: fused.rms_norm(a, b, EPS), (y, w))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_loss_is_cross_entropy_in_fp32_chunk_by_chunk(monkeypatch, dtype):
+    """``lm_loss`` against ``F.cross_entropy`` on the upcast logits, value and gradient, with
+    chunks of 3 rows (a last one short): what the model trained with before, without its fp32
+    copy of the logits."""
+    from mhc_cg.model import lm_loss
+
+    monkeypatch.setattr(reference, "CE_CHUNK_BYTES", 3 * 4 * 50)
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(2, 5, 50, generator=g, dtype=torch.float64) * 5).to(dtype)
+    targets = torch.randint(0, 50, (2, 5), generator=g)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    ours, theirs = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    loss = lm_loss(ours, targets, "torch")
+    want = torch.nn.functional.cross_entropy(theirs.flatten(0, 1).to(acc), targets.flatten())
+    loss.backward()
+    want.backward()
+    assert loss.dtype == acc and ours.grad.dtype == dtype
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(loss, want, rtol=tol, atol=tol)
+    # bf16: both round the same fp32 gradient once; the exp's last bit may differ
+    torch.testing.assert_close(ours.grad.to(acc), theirs.grad.to(acc), rtol=tol,
+                               atol=4e-3 if dtype == torch.bfloat16 else tol)
+
+
 def test_post_given_x_instead_of_x_on_is_refused():
     hc = make_hc(2, 4)
     x = torch.randn(S, B, 8, requires_grad=True)
@@ -188,6 +213,10 @@ def op_cases(device, dtype, n: int, c: int, t: int, norm: bool = True, p: float 
     state = reference.pre(x, w, *alphas, bias, nw, n, 20, EPS)[1]  # one state for the downstream ops
     g_state = torch.randn(t, m + 2, generator=g).to(device)
     g_out, g_x, g_post = rand(t, c), rand(t, n * c), rand(t, n * c)
+    logits = rand(t, n * c + 7) * 4  # a vocabulary that no block size divides
+    targets = torch.randint(0, n * c + 7, (t,), generator=g).to(device)
+    lse = reference.cross_entropy(logits, targets)[1]
+    g_loss = torch.rand(t, generator=g).to(device=device, dtype=lse.dtype)
     ht = (True,) if h_res_transposed else ()  # the default layout: calls without the argument
     return {
         "pre": lambda tri: ops.pre(x, w, *alphas, bias, nw, n, 20, EPS, tri),
@@ -202,6 +231,9 @@ def op_cases(device, dtype, n: int, c: int, t: int, norm: bool = True, p: float 
         "rms_norm": lambda tri: ops.rms_norm(y, w[0, :c].abs() + 0.5, EPS, tri),
         "rms_norm_backward": lambda tri: ops.rms_norm_backward(g_out, y, w[0, :c].abs() + 0.5, EPS,
                                                                tri),
+        "cross_entropy": lambda tri: ops.cross_entropy(logits, targets, tri),
+        "cross_entropy_backward": lambda tri: ops.cross_entropy_backward(g_loss, logits, targets,
+                                                                         lse, tri),
     }
 
 

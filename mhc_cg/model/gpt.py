@@ -2,7 +2,7 @@
 
 ``MHCGPT(input_ids [b, s]) -> logits [b, s, vocab]``: embed, expand to n streams, then per layer an
 attention and an MLP sublayer (:mod:`mhc_cg.model.sublayer`: mHC around F), contract the streams,
-final norm, head. The model runs its layers plainly; recompute (eager block recompute, static
+final norm, head; :func:`lm_loss` is the training loss. The model runs its layers plainly; recompute (eager block recompute, static
 buffers, graphs) is the runtime's (:mod:`mhc_cg.runtime`), chosen by the training mode, which
 calls ``embed``, ``run_layers`` or the layers themselves, and ``logits``.
 """
@@ -16,7 +16,14 @@ from mhc_cg.config import MHCGPTConfig
 from mhc_cg.model.layers import MLP, CausalSelfAttention, RMSNorm
 from mhc_cg.model.moe import MoEMLP
 from mhc_cg.model.sublayer import MHCSublayer
+from mhc_cg.ops import kernels as fused
 from mhc_cg.ops.hyper_connection import contract_streams, expand_streams
+
+
+def lm_loss(logits: Tensor, targets: Tensor, kernels: str = "auto") -> Tensor:
+    """The mean token cross entropy of ``logits [b, s, vocab]`` against ``targets [b, s]``, in
+    fp32 without an fp32 copy of the logits (:func:`mhc_cg.ops.kernels.cross_entropy`)."""
+    return fused.cross_entropy(logits, targets, kernels)
 
 
 class MHCTransformerLayer(nn.Module):

@@ -47,6 +47,7 @@ from mhc_cg.ops.kernels.dispatch import interpret_requested, triton_kernels
 DEFAULT_TARGET = "sm_90a"
 DEFAULT_HIDDEN = (2048, 7168)
 DEFAULT_TOKENS = 4096  # configs/bench_h100.yaml: seq 2048 x micro-batch 2
+DEFAULT_VOCAB = 32000  # configs/bench_h100.yaml's, for the loss
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class Shape:
     dtype: str = "bf16"
     iterations: int = 20
     dropout: float = 0.1
+    vocab: int = DEFAULT_VOCAB
 
     @property
     def C(self) -> int:
@@ -159,6 +161,11 @@ CASES = (
     Case("rms_norm", lambda k, s: k.rms_norm(s.t(s.T, s.C), s.t(s.C), 1e-5)),
     Case("rms_norm_backward", lambda k, s: k.rms_norm_backward(s.t(s.T, s.C), s.t(s.T, s.C),
                                                                 s.t(s.C), 1e-5)),
+    Case("cross_entropy", lambda k, s: k.cross_entropy(s.t(s.T, s.vocab),
+                                                        s.t(s.T, dtype=torch.int64))),
+    Case("cross_entropy_backward", lambda k, s: k.cross_entropy_backward(
+        s.t(s.T, dtype=torch.float32), s.t(s.T, s.vocab), s.t(s.T, dtype=torch.int64),
+        s.t(s.T, dtype=torch.float32))),
 )
 
 
@@ -320,6 +327,8 @@ STREAM_LOADS: dict[str, Callable[[dict], list[tuple[str, int, int, bool]]]] = {
     "_rms_fwd": lambda b: [(*tile("x", b, "x_ptr", "BC"), False)],
     "_rms_bwd": lambda b: [(*tile("g", b, "g_ptr", "R", "BC"), False),
                            (*tile("x", b, "x_ptr", "R", "BC"), False)],
+    "_ce_fwd": lambda b: [(*tile("logits", b, "logits_ptr", "BV"), False)],
+    "_ce_bwd": lambda b: [(*tile("logits", b, "logits_ptr", "BV"), False)],
 }
 
 _DTYPE_NAMES = {1: "8-bit", 2: "16-bit", 4: "fp32", 8: "64-bit"}

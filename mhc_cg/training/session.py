@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from mhc_cg.config.rules import megatron_only_refusal
 from mhc_cg.config import RunConfig
@@ -24,7 +23,7 @@ from mhc_cg.core.dtypes import TORCH_DTYPES
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.core.nvtx import nvtx_range, profiler_recording
 from mhc_cg.core.progress import ProgressBar
-from mhc_cg.model import MHCGPT
+from mhc_cg.model import MHCGPT, lm_loss
 from mhc_cg.runtime.modes.lifecycle import ModeModel
 from mhc_cg.runtime.modes.plan import CapturePlan
 from mhc_cg.runtime.modes.registry import (REFERENCE, build, capture_plan, configured_mode,
@@ -145,8 +144,8 @@ class TrainSession:
         self.model.eval()
         try:
             with torch.no_grad(), nvtx_range("eval"):
-                total = sum(F.cross_entropy(self.forward(x.to(dev), seed).flatten(0, 1).float(),
-                                            y.to(dev).flatten()).item()
+                total = sum(lm_loss(self.forward(x.to(dev), seed), y.to(dev),
+                                    self.cfg.model.kernels).item()
                             for x, y in self._eval_data)
         finally:
             self.model.train(was_training)
@@ -170,8 +169,7 @@ class TrainSession:
 
             def forward_loss() -> torch.Tensor:
                 logits = self.forward(inputs, seed)
-                return F.cross_entropy(logits.flatten(0, 1).float(),
-                                       targets.flatten()) / train.num_microbatches
+                return lm_loss(logits, targets, self.cfg.model.kernels) / train.num_microbatches
 
             with nvtx_range("forward"):
                 if probe_memory and index == 0:

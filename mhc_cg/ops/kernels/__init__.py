@@ -11,7 +11,9 @@ that recomputes a whole block; Triton on CUDA, the torch reference on CPU.
   ``counter_hash(seed, stream, index)``, drawn again in the backward) and the add in one pass;
 * ``recompute_block``: a block's chain of residual updates from its input and F's outputs, writing
   each sublayer's input and F's input into the buffers given (the static runtime's slots);
-* ``rms_norm``: an RMSNorm (the model's final norm).
+* ``rms_norm``: an RMSNorm (the model's final norm);
+* ``cross_entropy``: the language-model loss, in fp32 one row at a time: the logits are read
+  once forward and once backward, and no fp32 ``[tokens, vocab]`` tensor is made.
 
 These wrappers take the model's ``[s, b, ...]`` tensors and a ``kernels`` choice
 (``auto | torch | triton``, see ``mhc_cg.ops.kernels.dispatch``), and H_res's layout
@@ -28,7 +30,7 @@ from mhc_cg.ops.kernels.autograd import (Post, PostConfig, Pre, PreConfig, Targe
 from mhc_cg.ops.kernels.dispatch import KERNELS, kernels_problem, use_triton
 
 __all__ = ["KERNELS", "Target", "kernels_problem", "use_triton", "overwritable", "pre", "post",
-           "recompute_block", "rms_norm"]
+           "recompute_block", "rms_norm", "cross_entropy"]
 
 
 def pre(x: Tensor, weight: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
@@ -80,3 +82,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, kernels: str = "auto") -> Te
     """``x * rsqrt(mean(x**2, -1) + eps) * weight``: ``[*, C], [C] -> [*, C]``."""
     out = ops.rms_norm(x.reshape(-1, x.shape[-1]), weight, float(eps), use_triton(kernels, x.device))
     return out.view(x.shape)
+
+
+def cross_entropy(logits: Tensor, targets: Tensor, kernels: str = "auto") -> Tensor:
+    """The mean over tokens of ``logsumexp(logits) - logits[target]``, in fp32 (fp64 for fp64
+    logits): ``[*, V], [*] -> []``, as ``F.cross_entropy(logits.float(), targets)`` computes it
+    (targets in ``[0, V)``; no ignored index, no smoothing)."""
+    v = logits.shape[-1]
+    loss, _ = ops.cross_entropy(logits.reshape(-1, v), targets.reshape(-1),
+                                use_triton(kernels, logits.device))
+    return loss.mean()

@@ -229,3 +229,43 @@ def _rms_grad(ctx, g):
 
 
 rms_norm.register_autograd(_rms_grad, setup_context=_rms_setup)
+
+
+# ---- the loss ------------------------------------------------------------------------------------
+
+@torch.library.custom_op("mhc_cg::cross_entropy", mutates_args=())
+def cross_entropy(logits: Tensor, targets: Tensor, use_triton: bool) -> tuple[Tensor, Tensor]:
+    """``(loss [T], lse [T])`` of ``logits [T, V]`` and ``targets [T]``, in the compute dtype."""
+    return _impl(use_triton).cross_entropy(logits, targets)
+
+
+@cross_entropy.register_fake
+def _(logits, targets, use_triton):
+    acc = state_dtype(logits.dtype)
+    return logits.new_empty(logits.shape[0], dtype=acc), logits.new_empty(logits.shape[0], dtype=acc)
+
+
+@torch.library.custom_op("mhc_cg::cross_entropy_backward", mutates_args=())
+def cross_entropy_backward(g: Tensor, logits: Tensor, targets: Tensor, lse: Tensor,
+                           use_triton: bool) -> Tensor:
+    return _impl(use_triton).cross_entropy_backward(g, logits, targets, lse)
+
+
+@cross_entropy_backward.register_fake
+def _(g, logits, targets, lse, use_triton):
+    return logits.new_empty(logits.shape)
+
+
+def _ce_setup(ctx, inputs, output):
+    logits, targets, use_triton = inputs
+    ctx.save_for_backward(logits, targets, output[1])
+    ctx.use_triton = use_triton
+    ctx.mark_non_differentiable(output[1])
+
+
+def _ce_grad(ctx, g_loss, g_lse):
+    logits, targets, lse = ctx.saved_tensors
+    return cross_entropy_backward(g_loss, logits, targets, lse, ctx.use_triton), None, None
+
+
+cross_entropy.register_autograd(_ce_grad, setup_context=_ce_setup)

@@ -334,3 +334,45 @@ def rms_norm_backward(g: Tensor, x: Tensor, weight: Tensor, eps: float) -> tuple
     g_xhat = ga * w
     g_x = rstd * (g_xhat - xhat * (g_xhat * xhat).mean(-1, keepdim=True))
     return g_x.to(x.dtype), (ga * xhat).sum(0).to(weight.dtype)
+
+
+# ---- the loss: cross entropy over the vocabulary ---------------------------------------------------
+#
+# F.cross_entropy on a model's low-precision logits upcasts all of them to fp32, keeps the fp32
+# log-probabilities for its backward and makes two more fp32 [T, V] tensors there: at seq 2048 x
+# micro-batch 2 and a 32000 vocabulary that is 1.5 GiB at once, the step's peak. Here the fp32
+# values exist one chunk of rows at a time; the forward keeps the logits it was given (the model
+# already made them) and each row's log-sum-exp, the backward writes the logits' gradient in their
+# dtype.
+
+CE_CHUNK_BYTES = 64 * 2 ** 20  # the fp32 rows one chunk upcasts at once
+
+
+def _ce_rows(t: int, v: int) -> int:
+    return max(1, min(t, CE_CHUNK_BYTES // (4 * max(v, 1))))
+
+
+def cross_entropy(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """``(loss [T], lse [T])`` in the compute dtype: ``lse - logits[t, target]`` per row."""
+    acc = compute_dtype(logits.dtype)
+    t, v = logits.shape
+    lse = logits.new_empty(t, dtype=acc)
+    rows = _ce_rows(t, v)
+    for r0 in range(0, t, rows):
+        lse[r0:r0 + rows] = torch.logsumexp(logits[r0:r0 + rows].to(acc), dim=-1)
+    picked = logits.gather(1, targets[:, None]).squeeze(1).to(acc)
+    return lse - picked, lse
+
+
+def cross_entropy_backward(g: Tensor, logits: Tensor, targets: Tensor, lse: Tensor) -> Tensor:
+    """The logits' gradient ``g[t] * (softmax(logits[t]) - onehot(target[t]))``, in their dtype."""
+    acc = compute_dtype(logits.dtype)
+    t, v = logits.shape
+    grad = torch.empty_like(logits)
+    rows = _ce_rows(t, v)
+    for r0 in range(0, t, rows):
+        sl = slice(r0, r0 + rows)
+        p = torch.exp(logits[sl].to(acc) - lse[sl, None])
+        p.scatter_add_(1, targets[sl, None], torch.full_like(p[:, :1], -1.0))
+        grad[sl] = p * g[sl, None].to(acc)
+    return grad

@@ -501,7 +501,7 @@ def pre_backward(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, 
         g_out, g_state, g_post if g_post is not None else x, x, weight, bias, a_pre, a_post, a_res,
         norm_weight if norm_weight is not None else x, state, g_x, g_proj, shares, g_w, t, c,
         float(width) ** 0.5, iterations, N=n, NP=nb, MP=_mp(n), PP=triton.next_power_of_2(m + 3),
-        BT=DOT_ROWS, BC=_block_c(c, 64 // nb), NORM=norm_weight is not None,
+        BT=DOT_ROWS, BC=_block_c(c, 128 // nb), NORM=norm_weight is not None,
         GPOST=g_post is not None, IN_PLACE=in_place, EPS=SINKHORN_EPS, RMS=RMS_EPS,
         HT=h_res_transposed,
         num_warps=8)  # at 4 warps the Sinkhorn backward's live state spills past 255 registers
@@ -660,3 +660,71 @@ def rms_norm_backward(g, x, weight, eps):
     _rms_bwd[(programs,)](g, x, weight, g_x, part, t, c, float(eps), R=_RMS_ROWS,
                           BC=_block_c(c, 256))
     return g_x, part.sum(0).to(weight.dtype)  # a fixed-order sum: deterministic
+
+
+# ---- the loss: cross entropy over the vocabulary ----------------------------------------------------
+
+_CE_LOW = -1.0e30  # below any logit, and exp(_CE_LOW - m) is 0 without an inf - inf
+
+
+@triton.jit
+def _ce_fwd(logits_ptr, targets_ptr, loss_ptr, lse_ptr, V, BV: tl.constexpr, LOW: tl.constexpr):
+    """One row: its log-sum-exp in one pass (a running max and sum per lane), and its loss."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * V
+    m = tl.full([BV], LOW, tl.float32)
+    s = tl.zeros([BV], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        v = v0 + tl.arange(0, BV)
+        x = tl.load(base + v, mask=v < V, other=LOW).to(tl.float32)
+        m_new = tl.maximum(m, x)
+        s = s * tl.exp(m - m_new) + tl.where(v < V, tl.exp(x - m_new), 0.0)
+        m = m_new
+    top = tl.max(m, axis=0)
+    lse = top + tl.log(tl.sum(s * tl.exp(m - top), axis=0))
+    target = tl.load(targets_ptr + row)
+    picked = tl.load(base + target).to(tl.float32)
+    tl.store(lse_ptr + row, lse)
+    tl.store(loss_ptr + row, lse - picked)
+
+
+@triton.jit
+def _ce_bwd(g_ptr, logits_ptr, targets_ptr, lse_ptr, grad_ptr, V, BV: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.load(g_ptr + row).to(tl.float32)
+    lse = tl.load(lse_ptr + row)
+    target = tl.load(targets_ptr + row)
+    for v0 in range(0, V, BV):
+        v = v0 + tl.arange(0, BV)
+        x = tl.load(logits_ptr + row * V + v, mask=v < V, other=0.0).to(tl.float32)
+        p = tl.exp(x - lse) - tl.where(v == target, 1.0, 0.0)
+        tl.store(grad_ptr + row * V + v, p * g, mask=v < V)
+
+
+_CE_BLOCK = 2048  # vocabulary entries per step: 8 per thread at 8 warps
+
+
+def _rows_prepared(*tensors):
+    """As :func:`_prepared`, with no int32 limit: the loss kernels address rows in int64."""
+    if any(t.dtype == torch.float64 for t in tensors):
+        raise ValueError("mhc_cg triton kernels compute in fp32: fp64 models run model.kernels: torch")
+    return [t.contiguous() for t in tensors]
+
+
+def cross_entropy(logits, targets):
+    logits, targets = _rows_prepared(logits, targets)
+    t, v = logits.shape
+    loss = logits.new_empty(t, dtype=torch.float32)
+    lse = logits.new_empty(t, dtype=torch.float32)
+    _ce_fwd[(t,)](logits, targets, loss, lse, v, BV=min(_CE_BLOCK, triton.next_power_of_2(v)),
+                  LOW=_CE_LOW, num_warps=8)
+    return loss, lse
+
+
+def cross_entropy_backward(g, logits, targets, lse):
+    g, logits, targets, lse = _rows_prepared(g, logits, targets, lse)
+    t, v = logits.shape
+    grad = torch.empty_like(logits)
+    _ce_bwd[(t,)](g, logits, targets, lse, grad, v, BV=min(_CE_BLOCK, triton.next_power_of_2(v)),
+                  num_warps=8)
+    return grad

@@ -21,7 +21,8 @@ OP_CASES = {
     "mhc_cg::pre_backward": "pre_backward", "mhc_cg::pre_backward_into": "pre_backward[in place]",
     "mhc_cg::post": "post", "mhc_cg::post_into": "post", "mhc_cg::post_backward": "post_backward",
     "mhc_cg::recompute": "recompute", "mhc_cg::rms_norm": "rms_norm",
-    "mhc_cg::rms_norm_backward": "rms_norm_backward",
+    "mhc_cg::rms_norm_backward": "rms_norm_backward", "mhc_cg::cross_entropy": "cross_entropy",
+    "mhc_cg::cross_entropy_backward": "cross_entropy_backward",
 }
 
 _CHARGED: dict[str, float] = {}

@@ -86,6 +86,9 @@ class OpCounter:
 # What a kernel's bytes are for. mHC traffic is the fused mHC ops plus every other op that touches
 # a stream tensor (F never sees one); copies the runtime adds are named by the runtime.
 MHC_PARTS = ("mHC ops", "n-stream GEMMs", "n-stream adds", "n-stream other")
+# fused ops of ours that are no mHC work: the model's final norm and its loss
+NOT_MHC_OPS = frozenset({"rms_norm", "rms_norm_backward", "cross_entropy",
+                         "cross_entropy_backward"})
 
 
 class StreamTracker:
@@ -111,7 +114,8 @@ class StreamTracker:
     def classify(self, func, args: tuple, kwargs: dict, out: Any) -> str | None:
         """The op's mHC part, or ``None`` when it touches no stream."""
         wide = self._wide(_tensors((args, kwargs, out)))
-        custom = getattr(func, "namespace", "") == "mhc_cg"
+        custom = getattr(func, "namespace", "") == "mhc_cg" \
+            and func._schema.name.split("::")[-1] not in NOT_MHC_OPS
         if not (custom or traffic.in_mhc() or any(self._member(t) for t in wide)):
             return None
         for t in wide:

@@ -18,13 +18,12 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 
 from mhc_cg.config import RunConfig, check
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.core import traffic
 from mhc_cg.core.progress import log
-from mhc_cg.model import recomputes_activation
+from mhc_cg.model import lm_loss, recomputes_activation
 from mhc_cg.runtime.modes.registry import MODES, build, capture_plan, mode_config
 from mhc_cg.tools.cost.attention import fused_attention_on_meta
 from mhc_cg.tools.cost.attribution import (MODEL_NOTE, REFERENCE_C, by_phase_and_part, copies,
@@ -97,8 +96,7 @@ def cost_mode(cfg: RunConfig, mode: str, device: str) -> dict:
                     inputs, targets = (t.to(dev) for t in corpus.batch(train.micro_batch_size))
                     seed = torch.zeros((), dtype=torch.int64, device=dev)
                     logits = forward(inputs, seed)
-                    loss = F.cross_entropy(logits.flatten(0, 1).float(),
-                                           targets.flatten()) / train.num_microbatches
+                    loss = lm_loss(logits, targets, cfg.model.kernels) / train.num_microbatches
                 with traffic.phase("backward"):
                     loss.backward()
             with traffic.phase("optimizer"):

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mhc_cg.config import RunConfig
@@ -33,7 +32,7 @@ from mhc_cg.core.dtypes import TORCH_DTYPES
 from mhc_cg.core.progress import ProgressBar
 from mhc_cg.core.schedule import (assign_persistent_slot_sets, max_persistent_slot_sets,
                                   pipeline_order)
-from mhc_cg.model import MHCGPT
+from mhc_cg.model import MHCGPT, lm_loss
 from mhc_cg.runtime.graphs import get_backend, make_graphed_callables
 from mhc_cg.runtime.modes.graphed_none import sublayer_sample_args
 from mhc_cg.runtime.modes.graphed_static import slot_sublayers
@@ -260,7 +259,7 @@ class PipelineRank:
         batches = [self.data.next(dev) for _ in range(m)]  # TrainSession.step's draws, in order
 
         def loss_func(targets: Tensor, logits: Tensor):
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            loss = lm_loss(logits, targets, self.cfg.model.kernels)
             # the value TrainSession reports: loss / num_microbatches, before megatron scales it
             return loss, {"loss": (loss.detach() / m).item()}
 
