@@ -26,6 +26,10 @@ LAUNCHES = {"mhc_cg::pre": 2, "mhc_cg::pre_into": 2}
 READ_TWICE = {"mhc_cg::pre": ("x",), "mhc_cg::pre_into": ("x",),
               "mhc_cg::pre_backward": ("x", "g_out"),
               "mhc_cg::pre_backward_into": ("x", "g_out")}
+# The fused ops that are no mHC work, which the cost model's mHC traffic leaves out: the model's
+# final norm and its loss.
+NOT_MHC = frozenset({"mhc_cg::rms_norm", "mhc_cg::rms_norm_backward", "mhc_cg::cross_entropy",
+                     "mhc_cg::cross_entropy_backward"})
 
 
 def _impl(use_triton: bool):

@@ -71,9 +71,11 @@ def _indexable(*tensors: torch.Tensor) -> None:
             raise ValueError(f"mhc_cg triton kernels index with int32: at most {MAX_ELEMENTS} elements")
 
 
-def _prepared(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors, contiguous (a no-op for the model's tensors), checked for int32 indexing."""
-    _indexable(*tensors)
+def _prepared(*tensors: torch.Tensor, int32_indexed: bool = True) -> list[torch.Tensor]:
+    """The tensors, contiguous (a no-op for the model's tensors), checked for int32 indexing
+    unless the kernel addresses them in int64 (``int32_indexed=False``)."""
+    if int32_indexed:
+        _indexable(*tensors)
     for t in tensors:
         if t.dtype == torch.float64:
             raise ValueError("mhc_cg triton kernels compute in fp32: fp64 models run model.kernels: torch")
@@ -704,15 +706,8 @@ def _ce_bwd(g_ptr, logits_ptr, targets_ptr, lse_ptr, grad_ptr, V, BV: tl.constex
 _CE_BLOCK = 2048  # vocabulary entries per step: 8 per thread at 8 warps
 
 
-def _rows_prepared(*tensors):
-    """As :func:`_prepared`, with no int32 limit: the loss kernels address rows in int64."""
-    if any(t.dtype == torch.float64 for t in tensors):
-        raise ValueError("mhc_cg triton kernels compute in fp32: fp64 models run model.kernels: torch")
-    return [t.contiguous() for t in tensors]
-
-
 def cross_entropy(logits, targets):
-    logits, targets = _rows_prepared(logits, targets)
+    logits, targets = _prepared(logits, targets, int32_indexed=False)  # rows in int64
     t, v = logits.shape
     loss = logits.new_empty(t, dtype=torch.float32)
     lse = logits.new_empty(t, dtype=torch.float32)
@@ -722,7 +717,7 @@ def cross_entropy(logits, targets):
 
 
 def cross_entropy_backward(g, logits, targets, lse):
-    g, logits, targets, lse = _rows_prepared(g, logits, targets, lse)
+    g, logits, targets, lse = _prepared(g, logits, targets, lse, int32_indexed=False)
     t, v = logits.shape
     grad = torch.empty_like(logits)
     _ce_bwd[(t,)](g, logits, targets, lse, grad, v, BV=min(_CE_BLOCK, triton.next_power_of_2(v)),

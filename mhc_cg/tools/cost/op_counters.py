@@ -19,6 +19,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from mhc_cg.ops.kernels.ops import NOT_MHC
 from mhc_cg.tools.cost.allocator import Block, PoolState, rounded
 from mhc_cg.tools.cost.bandwidth import share_of
 from mhc_cg.core import traffic
@@ -86,9 +87,6 @@ class OpCounter:
 # What a kernel's bytes are for. mHC traffic is the fused mHC ops plus every other op that touches
 # a stream tensor (F never sees one); copies the runtime adds are named by the runtime.
 MHC_PARTS = ("mHC ops", "n-stream GEMMs", "n-stream adds", "n-stream other")
-# fused ops of ours that are no mHC work: the model's final norm and its loss
-NOT_MHC_OPS = frozenset({"rms_norm", "rms_norm_backward", "cross_entropy",
-                         "cross_entropy_backward"})
 
 
 class StreamTracker:
@@ -114,8 +112,7 @@ class StreamTracker:
     def classify(self, func, args: tuple, kwargs: dict, out: Any) -> str | None:
         """The op's mHC part, or ``None`` when it touches no stream."""
         wide = self._wide(_tensors((args, kwargs, out)))
-        custom = getattr(func, "namespace", "") == "mhc_cg" \
-            and func._schema.name.split("::")[-1] not in NOT_MHC_OPS
+        custom = getattr(func, "namespace", "") == "mhc_cg" and func._schema.name not in NOT_MHC
         if not (custom or traffic.in_mhc() or any(self._member(t) for t in wide)):
             return None
         for t in wide:
