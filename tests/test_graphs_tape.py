@@ -214,6 +214,52 @@ def test_gradients_accumulate_over_microbatches_replaying_one_graph():
     assert torch.equal(module.weight.grad, reference.grad)
 
 
+def _kept_grad_buffer(graphed) -> torch.Tensor:
+    state = graphed.forward.state
+    (index,) = state.kept_grads
+    return state.static_grad_inputs[index]
+
+
+def test_a_kept_param_grad_becomes_grad_uncopied_and_accumulates_as_autograd_does():
+    """``keep_param_grads``: the first microbatch's ``.grad`` is the very buffer the backward graph
+    wrote; later microbatches add into it as AccumulateGrad does (bit for bit), and the buffer's
+    next replay leaves the accumulated ``.grad`` alone."""
+    module = CountingScale(5)
+    graphed = make_graphed_callables(module, (torch.randn(3, 5, requires_grad=True),),
+                                     num_warmup_iters=1, backend="tape", keep_param_grads=True)
+    buffer = _kept_grad_buffer(graphed)
+    reference = module.weight.detach().clone().requires_grad_()
+    for step in range(2):
+        for microbatch in range(3):
+            x = torch.randn(3, 5)
+            graphed(x).sum().backward()
+            torch.tanh(x * reference).sum().backward()
+            if microbatch == 0 and step == 0:
+                assert module.weight.grad.untyped_storage().data_ptr() == \
+                    buffer.untyped_storage().data_ptr()
+            assert torch.equal(module.weight.grad, reference.grad)
+        # the next step's first replay must not overwrite a zeroed .grad that still is the buffer
+        module.weight.grad.zero_()
+        reference.grad.zero_()
+
+
+def test_a_param_shared_by_two_graphed_callables_gets_clones():
+    """A parameter that two backward graphs compute grads for has no one buffer to keep: both
+    graphs' grads reach ``.grad`` through AccumulateGrad, summed as eagerly."""
+    first, second = CountingScale(5), CountingScale(5)
+    second.weight = first.weight
+    samples = [(torch.randn(3, 5, requires_grad=True),) for _ in range(2)]
+    graphed = make_graphed_callables((first, second), samples, num_warmup_iters=1, backend="tape",
+                                     keep_param_grads=True)
+    assert all(not state.kept_grads for state in graphed.states)
+    reference = first.weight.detach().clone().requires_grad_()
+    for _ in range(2):
+        x = torch.randn(3, 5)
+        graphed[1](graphed[0](x)).sum().backward()
+        torch.tanh(torch.tanh(x * reference) * reference).sum().backward()
+    assert torch.equal(first.weight.grad, reference.grad)
+
+
 def test_a_released_output_is_poisoned_when_another_graph_of_the_pool_replays(backend):
     """After ``release_outputs`` a later capture may own the memory: the tape poisons released
     outputs at every replay of another graph of the pool, so a late reader sees NaN."""

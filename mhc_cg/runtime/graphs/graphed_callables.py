@@ -44,6 +44,12 @@ and every backward graph shares those buffers), the buffer goes to autograd uncl
 producer reads it where it lies. A backward graph that would overwrite a lent buffer before its
 reader replays raises (:class:`_LentGrads`). As with TE's static grads, a tensor hook that keeps
 the grad of such an input sees it change when the producer's backward replays: clone it there.
+
+With ``keep_param_grads`` a parameter's grad is not cloned either: it stays in the pool where its
+one backward graph writes it and is handed to ``.grad`` directly (Megatron writes weight grads
+straight into ``main_grad`` for the same reason). The price is TE's: a ``.grad`` that is such a
+buffer is moved to a copy before that graph replays again, so a reference to ``.grad`` taken
+before it was set to ``None`` sees the next replay's values.
 """
 
 from __future__ import annotations
@@ -198,6 +204,8 @@ class GraphedState:
     static_grad_outputs: list[torch.Tensor | None] = field(default_factory=list)
     static_grad_inputs: list[torch.Tensor | None] = field(default_factory=list)
     saved_outputs: list[int] = field(default_factory=list)  # outputs the backward graph reads
+    # surface index -> the parameter whose gradient stays where the backward graph writes it
+    kept_grads: dict[int, torch.nn.Parameter] = field(default_factory=dict)
 
     @property
     def surface(self) -> list[torch.Tensor]:
@@ -267,6 +275,7 @@ class GraphedState:
         if self.bwd_graph is None:
             return tuple(None for _ in self.surface)
         _LENT.check_writer(self)
+        self._reclaim_kept_grads()
         with traffic.runtime_copy("grad outputs"):
             for static, grad in zip(self.static_grad_outputs, grads):
                 if static is None:
@@ -278,17 +287,44 @@ class GraphedState:
         self.bwd_graph.replay()
         # Clones, not the static buffers: AccumulateGrad adopts a lone incoming gradient as
         # ``.grad`` (and the engine may add into it in place), so handing out a static buffer would
-        # let the next replay overwrite an accumulated gradient. The exception is a grad lent to
-        # the graphed producer whose backward reads it where it lies (``lendable_inputs``).
+        # let the next replay overwrite an accumulated gradient. The exceptions: a grad lent to
+        # the graphed producer whose backward reads it where it lies (``lendable_inputs``), and a
+        # kept parameter grad, handed to ``.grad`` here (``_hand_over``).
         out = []
-        with traffic.runtime_copy("grad clones"):
-            for i, g in enumerate(self.static_grad_inputs):
-                if lend and i in lend:
-                    _LENT.lend(g, lend[i], self)
-                    out.append(g)
-                else:
-                    out.append(g.clone() if g is not None else None)
+        for i, g in enumerate(self.static_grad_inputs):
+            if lend and i in lend:
+                _LENT.lend(g, lend[i], self)
+                out.append(g)
+            elif i in self.kept_grads and g is not None:
+                _hand_over(self.kept_grads[i], g)
+                out.append(None)
+            elif g is None:
+                out.append(None)
+            else:
+                with traffic.runtime_copy("grad clones"):
+                    out.append(g.clone())
         return tuple(out)
+
+    def _reclaim_kept_grads(self) -> None:
+        """Before the replay overwrites the kept grads: a ``.grad`` that still is one of them (a
+        later microbatch, or ``zero_grad(set_to_none=False)``) moves to a copy of itself."""
+        for i, param in self.kept_grads.items():
+            buffer = self.static_grad_inputs[i]
+            if param.grad is not None and buffer is not None \
+                    and storage_id(param.grad) == storage_id(buffer):
+                with traffic.runtime_copy("grad clones"), torch.no_grad():
+                    param.grad = param.grad.clone()
+
+
+def _hand_over(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    """What AccumulateGrad does with a first-order gradient, without its clone of a tensor that
+    something else holds: adopt it as ``.grad``, or add it into ``.grad`` in place. The parameter's
+    AccumulateGrad node still runs (with no gradient), so its post-accumulate hooks fire after."""
+    with torch.no_grad():
+        if param.grad is None:
+            param.grad = grad
+        else:
+            param.grad.add_(grad)
 
 
 class _LentGrads:
@@ -475,6 +511,7 @@ def make_graphed_callables(
     allow_unused_input: bool = False,
     backend: str | GraphBackend = "auto",
     capture_before_backward: Mapping[int, Callable[[Any], None]] | None = None,
+    keep_param_grads: bool = False,
 ) -> Any:
     """Graph ``callables`` (forward and backward) with TransformerEngine's semantics.
 
@@ -489,6 +526,12 @@ def make_graphed_callables(
     before the backward graph of that sample is captured, to capture graphs of the caller's into
     the same pool at that point of the sequence. Each such graph must then replay there in every
     iteration (the pool's order), and must leave nothing of the pool allocated.
+
+    ``keep_param_grads`` (not in TE): a parameter that one backward graph alone computes a grad
+    for keeps that grad where the graph writes it, in the pool, and gets it as ``.grad`` with no
+    copy (added in place into a ``.grad`` that already exists, as AccumulateGrad does); before
+    the graph replays again, a ``.grad`` that still is that buffer moves to a copy. Parameters
+    shared by several backward graphs (one per microbatch under ``order``) get clones.
 
     Phases: normalise the samples, lay out the order, (TE: hand over), share static inputs,
     warm up, capture along the order, wrap.
@@ -526,6 +569,8 @@ def make_graphed_callables(
     forwards, passes = _capture_sequence(callables, layout)
     func_of = dict(forwards)
     states = _runners(func_of, layout, sample_args, sample_kwargs)
+    if keep_param_grads and training:
+        _mark_kept_grads(states)
     # warmup and capture draw nothing the caller should see: the generators are put back after
     with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
         _warm_up(backend_obj, forwards, states, sample_args, sample_kwargs, num_warmup_iters,
@@ -563,6 +608,15 @@ def _runners(func_of: dict, layout: OrderLayout | None, sample_args: list,
             static_buffer(t)
         states.append(GraphedState(label, list(sample_kwargs[index]), inputs, params))
     return states
+
+
+def _mark_kept_grads(states: list[GraphedState]) -> None:
+    """The parameters each state may keep the grad of: trainable ones no other state holds."""
+    holders = Counter(id(p) for state in states for p in state.params)
+    for state in states:
+        first = len(state.static_inputs)
+        state.kept_grads = {first + j: p for j, p in enumerate(state.params)
+                            if p.requires_grad and holders[id(p)] == 1}
 
 
 def _wrap(func_of: dict, states: list[GraphedState], layout: OrderLayout | None) -> list:
@@ -675,8 +729,15 @@ def _capture(backend: GraphBackend, pool, passes, func_of, states, sample_args, 
         with state.bwd_graph.capture(), traffic.phase("backward"):
             grads = _grads_of(diff_outputs, state.surface,
                               [g for g in state.static_grad_outputs if g is not None], allow_unused)
-        # replay_backward clones them before any other graph runs: the pool may have them back
-        state.static_grad_inputs = state.bwd_graph.release_outputs(grads)
+        # replay_backward clones them before any other graph runs: the pool may have them back;
+        # kept parameter grads stay this graph's own (they become ``.grad``)
+        made = state.bwd_graph.made_storages
+        state.kept_grads = {i: p for i, p in state.kept_grads.items()
+                            if grads[i] is not None and storage_id(grads[i]) in made}
+        released = state.bwd_graph.release_outputs(
+            [None if i in state.kept_grads else g for i, g in enumerate(grads)])
+        state.static_grad_inputs = [grads[i] if i in state.kept_grads else r
+                                    for i, r in enumerate(released)]
         del grads
     backend.synchronize()
 

@@ -134,7 +134,8 @@ class AttnSplitModel(ModeModel):
         samples = tuple((torch.zeros(cfg.seq_length, self.micro_batch_size, cfg.hidden_size,
                                      device=device, dtype=dtype, requires_grad=True),)
                         for _ in modules)
-        graphed = make_graphed_callables(modules, samples, backend=self.capture_backend())
+        graphed = make_graphed_callables(modules, samples, backend=self.capture_backend(),
+                                         keep_param_grads=True)
         self.graphed_callables = graphed
         self.graph_labels = [f"L{layer.layer_number}.attn.core" for layer in self.model.layers]
         self.consumers = list(graphed)

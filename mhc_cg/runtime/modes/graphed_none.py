@@ -55,7 +55,8 @@ class GraphedSublayersModel(ModeModel):
                     labels.append(f"L{layer.layer_number}.{name}")
         sample_args = sublayer_sample_args(self.model, self.micro_batch_size, len(captured), device)
         self.graphed_callables = make_graphed_callables(tuple(captured), sample_args,
-                                                        backend=self.capture_backend())
+                                                        backend=self.capture_backend(),
+                                                        keep_param_grads=True)
         self.graph_labels = labels
         graphed = dict(zip(map(id, captured), self.graphed_callables))
         self.sublayer_fns = [graphed.get(id(sub), sub) for sub in subs]  # MoE: the eager module

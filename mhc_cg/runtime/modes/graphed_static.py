@@ -177,7 +177,8 @@ class GraphedStaticModel(ModeModel):
             # a partially captured MoE sublayer leaves its experts' parameters to the eager tail
             graphed = make_graphed_callables(tuple(modules), sample_args, backend=backend,
                                              allow_unused_input=self.plan.moe_step is not None,
-                                             capture_before_backward=before_backward)
+                                             capture_before_backward=before_backward,
+                                             keep_param_grads=True)
             self.graphed_callables = graphed
             self.graph_labels = [sublayer_label(key, module) for key, module in zip(keys, modules)]
             for key, module, fn in zip(keys, modules, graphed):

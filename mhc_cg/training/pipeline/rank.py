@@ -208,7 +208,8 @@ class PipelineRank:
         samples = sublayer_sample_args(self.model, self.cfg.train.micro_batch_size,
                                        self.vpp * self.m * per_chunk, self.dev)
         self.graphed = make_graphed_callables(tuple(modules), samples, order=self.order,
-                                              num_layers_per_chunk=per_chunk, backend=backend)
+                                              num_layers_per_chunk=per_chunk, backend=backend,
+                                              keep_param_grads=True)
 
         def for_chunk(c):
             def fns(microbatch):
