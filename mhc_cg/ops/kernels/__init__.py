@@ -89,6 +89,19 @@ def cross_entropy(logits: Tensor, targets: Tensor, kernels: str = "auto") -> Ten
     logits): ``[*, V], [*] -> []``, as ``F.cross_entropy(logits.float(), targets)`` computes it
     (targets in ``[0, V)``; no ignored index, no smoothing)."""
     v = logits.shape[-1]
+    logits, targets = _in_memory_order(logits, targets)
     loss, _ = ops.cross_entropy(logits.reshape(-1, v), targets.reshape(-1),
                                 use_triton(kernels, logits.device))
     return loss.mean()
+
+
+def _in_memory_order(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """``logits`` and ``targets`` with their token dims permuted alike into the logits' memory
+    order, when that makes the logits contiguous: ``[b, s, V]`` logits that are a transposed view
+    of ``[s, b, V]`` then flatten to rows as a view, not a copy of every logit (the mean over
+    tokens does not depend on their order; the targets are the ones copied)."""
+    lead = list(range(logits.dim() - 1))
+    order = sorted(lead, key=lambda d: -logits.stride(d))
+    if order != lead and logits.permute(*order, len(lead)).is_contiguous():
+        return logits.permute(*order, len(lead)), targets.permute(*order)
+    return logits, targets
