@@ -372,6 +372,22 @@ def test_every_byte_of_a_step_is_attributed_to_a_phase_and_a_part():
     assert report["modes"]["eager_block"]["mhc_traffic_C"]["recompute"] > 0
 
 
+def test_graphs_add_no_backward_work_but_their_named_copies():
+    """A graphed mode's backward does F's work and no more (no zeros made for the outputs no
+    grad reaches), and clones no weight gradient: the one grad it clones is the chunk input's,
+    which an eager op consumes (read and written once: two streams' bytes)."""
+    cfg = tiny_config()
+    report = cost_report(cfg, "meta", "tiny")
+    modes = report["modes"]
+    f_work = {mode: m["bytes_by_phase_and_part"]["backward"]["F and the rest"]
+              for mode, m in modes.items()}
+    assert len(set(f_work.values())) == 1, f_work
+    m, t = cfg.model, cfg.train
+    stream = m.seq_length * t.micro_batch_size * m.num_streams * m.hidden_size * 4  # fp32
+    for mode in ("graphed_none", "graphed_static"):
+        assert modes[mode]["copy_bytes_per_step"]["grad clones"] == 2 * stream, mode
+
+
 def test_an_mlp_as_wide_as_the_streams_is_not_mhc_traffic():
     """mHC traffic is found by identity: with ffn = n * C the MLP's tensors are as wide as the
     streams, and its bytes must still count as F's."""
@@ -501,3 +517,29 @@ def test_the_loss_holds_no_fp32_copy_of_the_logits():
     logits_bytes = t * v * 2
     assert ours.live.peak < logits_bytes * 1.1 < 4 * logits_bytes < theirs.live.peak
     assert ours.bytes < 3.2 * logits_bytes < 10 * logits_bytes < theirs.bytes
+
+
+def test_the_loss_reads_the_models_transposed_logits_without_a_copy():
+    """The model's logits ``[b, s, V]`` are a transposed view of ``[s, b, V]``: the loss takes
+    the rows in memory order (targets permuted alike), so it moves the same bytes as on
+    contiguous logits, and its value and gradient are still the cross entropy's."""
+    from mhc_cg.model import lm_loss
+
+    s, b, v = 16, 4, 1000
+    targets = torch.randint(0, v, (b, s))
+
+    def record(logits):
+        recorder = StepRecorder()
+        with recorder:
+            loss = lm_loss(logits, targets, "torch")
+            loss.backward()
+        return recorder, loss
+
+    base = torch.randn(s, b, v, dtype=torch.float32)
+    leaf_t = base.clone().requires_grad_()
+    leaf_c = base.transpose(0, 1).contiguous().requires_grad_()
+    (transposed, loss_t), (contiguous, loss_c) = record(leaf_t.transpose(0, 1)), record(leaf_c)
+    assert transposed.bytes <= contiguous.bytes + 4 * b * s * 8  # only the targets move
+    want = torch.nn.functional.cross_entropy(leaf_c.detach().flatten(0, 1), targets.flatten())
+    torch.testing.assert_close(loss_t, want)
+    torch.testing.assert_close(leaf_t.grad.transpose(0, 1), leaf_c.grad)

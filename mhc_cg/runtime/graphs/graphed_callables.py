@@ -399,6 +399,9 @@ class _ReplayGraphs(torch.autograd.Function):
         outputs = state.replay_forward()
         ctx.state = state
         ctx.saved_versions = state.saved_versions()
+        # an output no grad reaches comes to backward as None, not as zeros made to be copied:
+        # replay_backward zeroes its static grad buffer, if it has one, in place
+        ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*[o for o, d in zip(outputs, state.differentiable) if not d])
         return tuple(outputs)
 
