@@ -530,11 +530,8 @@ def make_graphed_callables(
     the same pool at that point of the sequence. Each such graph must then replay there in every
     iteration (the pool's order), and must leave nothing of the pool allocated.
 
-    ``keep_param_grads`` (not in TE): a parameter that one backward graph alone computes a grad
-    for keeps that grad where the graph writes it, in the pool, and gets it as ``.grad`` with no
-    copy (added in place into a ``.grad`` that already exists, as AccumulateGrad does); before
-    the graph replays again, a ``.grad`` that still is that buffer moves to a copy. Parameters
-    shared by several backward graphs (one per microbatch under ``order``) get clones.
+    ``keep_param_grads`` (not in TE): a parameter grad that one backward graph alone computes
+    becomes ``.grad`` where the graph wrote it (module docstring); shared parameters get clones.
 
     Phases: normalise the samples, lay out the order, (TE: hand over), share static inputs,
     warm up, capture along the order, wrap.
@@ -571,9 +568,7 @@ def make_graphed_callables(
         pool = backend_obj.new_pool()
     forwards, passes = _capture_sequence(callables, layout)
     func_of = dict(forwards)
-    states = _runners(func_of, layout, sample_args, sample_kwargs)
-    if keep_param_grads and training:
-        _mark_kept_grads(states)
+    states = _runners(func_of, layout, sample_args, sample_kwargs, keep_param_grads and training)
     # warmup and capture draw nothing the caller should see: the generators are put back after
     with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
         _warm_up(backend_obj, forwards, states, sample_args, sample_kwargs, num_warmup_iters,
@@ -597,9 +592,10 @@ def _backend_name(backend: str | GraphBackend, sample_args: list, sample_kwargs:
     return resolve_backend_name(backend, first.device if first is not None else None)
 
 
-def _runners(func_of: dict, layout: OrderLayout | None, sample_args: list,
-             sample_kwargs: list) -> list[GraphedState]:
-    """One :class:`GraphedState` per sample: its static inputs are the sample's tensors."""
+def _runners(func_of: dict, layout: OrderLayout | None, sample_args: list, sample_kwargs: list,
+             keep_param_grads: bool) -> list[GraphedState]:
+    """One :class:`GraphedState` per sample: its static inputs are the sample's tensors; with
+    ``keep_param_grads``, the parameters whose grads it keeps (those no other state holds)."""
     states = []
     for index in range(len(sample_args)):
         func = func_of[index]
@@ -610,16 +606,13 @@ def _runners(func_of: dict, layout: OrderLayout | None, sample_args: list,
         for t in (*inputs, *params, *(func.buffers() if module else ())):
             static_buffer(t)
         states.append(GraphedState(label, list(sample_kwargs[index]), inputs, params))
+    if keep_param_grads:
+        holders = Counter(id(p) for state in states for p in state.params)
+        for state in states:
+            first = len(state.static_inputs)
+            state.kept_grads = {first + j: p for j, p in enumerate(state.params)
+                                if p.requires_grad and holders[id(p)] == 1}
     return states
-
-
-def _mark_kept_grads(states: list[GraphedState]) -> None:
-    """The parameters each state may keep the grad of: trainable ones no other state holds."""
-    holders = Counter(id(p) for state in states for p in state.params)
-    for state in states:
-        first = len(state.static_inputs)
-        state.kept_grads = {first + j: p for j, p in enumerate(state.params)
-                            if p.requires_grad and holders[id(p)] == 1}
 
 
 def _wrap(func_of: dict, states: list[GraphedState], layout: OrderLayout | None) -> list:
