@@ -111,8 +111,9 @@ def cost_mode(cfg: RunConfig, mode: str, device: str) -> dict:
     graphs = _graph_entries(mode_model, backend, cfg)
     info = mode_model.describe()
     by_part = recorder.by_part
-    memory = peak_memory(model, optimizer, info, mode_model.static_buffer_bytes(),
-                         sum(p.state.high_water for p in backend.pools), recorder.live.peak)
+    pool_reserved = sum(p.state.high_water for p in backend.pools)
+    memory = peak_memory(model, optimizer, info, mode_model.static_buffer_bytes(), pool_reserved,
+                         recorder.live.peak)
     return {
         "kernels_per_step": recorder.kernels,
         "bytes_per_step": recorder.bytes,
@@ -121,7 +122,7 @@ def cost_mode(cfg: RunConfig, mode: str, device: str) -> dict:
         "graph_replays_per_step": recorder.replays,
         "graphs": graphs,
         "pools": len(backend.pools),
-        "pool_reserved_bytes": sum(p.state.high_water for p in backend.pools),
+        "pool_reserved_bytes": pool_reserved,
         "arena_bytes": info.get("arena_bytes"),
         "persistent_bytes_per_microbatch": info.get("persistent_bytes_per_microbatch"),
         "static_buffer_bytes": mode_model.static_buffer_bytes(),
