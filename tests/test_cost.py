@@ -519,6 +519,34 @@ def test_the_loss_holds_no_fp32_copy_of_the_logits():
     assert ours.bytes < 3.2 * logits_bytes < 10 * logits_bytes < theirs.bytes
 
 
+def test_the_loss_gradient_written_over_the_logits_holds_one_logits_tensor():
+    """``grad_over_logits``: the backward writes the gradient where the (transposed) logits
+    lie, so the loss's backward holds one ``[T, V]`` tensor instead of two, and the head gets
+    the same gradient bit for bit; a leaf's logits are refused (its ``.grad`` would be itself)."""
+    from mhc_cg.model import lm_loss
+
+    s, b, v, c = 16, 4, 1000, 32
+    targets = torch.randint(0, v, (b, s))
+    hidden = torch.randn(s, b, c, dtype=torch.bfloat16)
+    head = torch.randn(v, c, dtype=torch.bfloat16)
+
+    def run(over):
+        w = head.clone().requires_grad_()
+        recorder = StepRecorder()
+        with recorder:
+            logits = torch.nn.functional.linear(hidden, w).transpose(0, 1)
+            lm_loss(logits, targets, "torch", grad_over_logits=over).backward()
+        return recorder, w.grad
+
+    (plain, g_plain), (over, g_over) = run(False), run(True)
+    logits_bytes = s * b * v * 2
+    assert plain.live.peak - over.live.peak == logits_bytes
+    assert torch.equal(g_plain, g_over)
+    leaf = torch.randn(b, s, v).requires_grad_()
+    with pytest.raises(ValueError, match="grad_over_logits"):
+        lm_loss(leaf, targets, "torch", grad_over_logits=True)
+
+
 def test_the_loss_reads_the_models_transposed_logits_without_a_copy():
     """The model's logits ``[b, s, V]`` are a transposed view of ``[s, b, V]``: the loss takes
     the rows in memory order (targets permuted alike), so it moves the same bytes as on

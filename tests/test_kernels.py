@@ -234,6 +234,8 @@ def op_cases(device, dtype, n: int, c: int, t: int, norm: bool = True, p: float 
         "cross_entropy": lambda tri: ops.cross_entropy(logits, targets, tri),
         "cross_entropy_backward": lambda tri: ops.cross_entropy_backward(g_loss, logits, targets,
                                                                          lse, tri),
+        "cross_entropy_backward_": lambda tri: (ops.cross_entropy_backward_(
+            g_loss, over := logits.clone(), targets, lse, tri), over)[1],
     }
 
 

@@ -20,10 +20,12 @@ from mhc_cg.ops import kernels as fused
 from mhc_cg.ops.hyper_connection import contract_streams, expand_streams
 
 
-def lm_loss(logits: Tensor, targets: Tensor, kernels: str = "auto") -> Tensor:
+def lm_loss(logits: Tensor, targets: Tensor, kernels: str = "auto", *,
+            grad_over_logits: bool = False) -> Tensor:
     """The mean token cross entropy of ``logits [b, s, vocab]`` against ``targets [b, s]``, in
-    fp32 without an fp32 copy of the logits (:func:`mhc_cg.ops.kernels.cross_entropy`)."""
-    return fused.cross_entropy(logits, targets, kernels)
+    fp32 without an fp32 copy of the logits; ``grad_over_logits``: their gradient is written
+    over them, for logits the loss alone reads (:func:`mhc_cg.ops.kernels.cross_entropy`)."""
+    return fused.cross_entropy(logits, targets, kernels, grad_over_logits=grad_over_logits)
 
 
 class MHCTransformerLayer(nn.Module):

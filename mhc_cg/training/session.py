@@ -168,8 +168,9 @@ class TrainSession:
             inputs, targets, seed = self.data.next(dev)
 
             def forward_loss() -> torch.Tensor:
-                logits = self.forward(inputs, seed)
-                return lm_loss(logits, targets, self.cfg.model.kernels) / train.num_microbatches
+                # the loss is the logits' one reader: their gradient goes where they lie
+                return lm_loss(self.forward(inputs, seed), targets, self.cfg.model.kernels,
+                               grad_over_logits=True) / train.num_microbatches
 
             with nvtx_range("forward"):
                 if probe_memory and index == 0:

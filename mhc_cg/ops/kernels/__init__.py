@@ -84,14 +84,23 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, kernels: str = "auto") -> Te
     return out.view(x.shape)
 
 
-def cross_entropy(logits: Tensor, targets: Tensor, kernels: str = "auto") -> Tensor:
+def cross_entropy(logits: Tensor, targets: Tensor, kernels: str = "auto", *,
+                  grad_over_logits: bool = False) -> Tensor:
     """The mean over tokens of ``logsumexp(logits) - logits[target]``, in fp32 (fp64 for fp64
     logits): ``[*, V], [*] -> []``, as ``F.cross_entropy(logits.float(), targets)`` computes it
-    (targets in ``[0, V)``; no ignored index, no smoothing)."""
+    (targets in ``[0, V)``; no ignored index, no smoothing).
+
+    ``grad_over_logits``: the backward writes the logits' gradient into the logits' memory
+    (Megatron's fused cross entropy does the same): one ``[T, V]`` tensor at the loss's backward,
+    not two. Only for logits nothing else reads after the loss; a leaf is refused (its ``.grad``
+    would be itself)."""
+    if grad_over_logits and logits.requires_grad and logits.grad_fn is None:
+        raise ValueError("mhc_cg cross_entropy: grad_over_logits needs logits made by the model, "
+                         "not a leaf tensor (its .grad would overwrite it)")
     v = logits.shape[-1]
     logits, targets = _in_memory_order(logits, targets)
     loss, _ = ops.cross_entropy(logits.reshape(-1, v), targets.reshape(-1),
-                                use_triton(kernels, logits.device))
+                                use_triton(kernels, logits.device), grad_over_logits)
     return loss.mean()
 
 

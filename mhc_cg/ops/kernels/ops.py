@@ -238,13 +238,16 @@ rms_norm.register_autograd(_rms_grad, setup_context=_rms_setup)
 # ---- the loss ------------------------------------------------------------------------------------
 
 @torch.library.custom_op("mhc_cg::cross_entropy", mutates_args=())
-def cross_entropy(logits: Tensor, targets: Tensor, use_triton: bool) -> tuple[Tensor, Tensor]:
-    """``(loss [T], lse [T])`` of ``logits [T, V]`` and ``targets [T]``, in the compute dtype."""
+def cross_entropy(logits: Tensor, targets: Tensor, use_triton: bool,
+                  grad_over_logits: bool = False) -> tuple[Tensor, Tensor]:
+    """``(loss [T], lse [T])`` of ``logits [T, V]`` and ``targets [T]``, in the compute dtype.
+    ``grad_over_logits``: the backward writes the logits' gradient over the logits
+    (:func:`cross_entropy_backward_`)."""
     return _impl(use_triton).cross_entropy(logits, targets)
 
 
 @cross_entropy.register_fake
-def _(logits, targets, use_triton):
+def _(logits, targets, use_triton, grad_over_logits=False):
     acc = state_dtype(logits.dtype)
     return logits.new_empty(logits.shape[0], dtype=acc), logits.new_empty(logits.shape[0], dtype=acc)
 
@@ -260,16 +263,32 @@ def _(g, logits, targets, lse, use_triton):
     return logits.new_empty(logits.shape)
 
 
+@torch.library.custom_op("mhc_cg::cross_entropy_backward_", mutates_args=("logits",))
+def cross_entropy_backward_(g: Tensor, logits: Tensor, targets: Tensor, lse: Tensor,
+                            use_triton: bool) -> None:
+    """:func:`cross_entropy_backward` writing the gradient over the logits, row by row (each row
+    is read before it is written): no second ``[T, V]`` tensor at the step's peak."""
+    _impl(use_triton).cross_entropy_backward(g, logits, targets, lse, logits)
+
+
+@cross_entropy_backward_.register_fake
+def _(g, logits, targets, lse, use_triton):
+    return None
+
+
 def _ce_setup(ctx, inputs, output):
-    logits, targets, use_triton = inputs
+    logits, targets, use_triton, *over = inputs
     ctx.save_for_backward(logits, targets, output[1])
-    ctx.use_triton = use_triton
+    ctx.use_triton, ctx.over = use_triton, bool(over and over[0])
     ctx.mark_non_differentiable(output[1])
 
 
 def _ce_grad(ctx, g_loss, g_lse):
     logits, targets, lse = ctx.saved_tensors
-    return cross_entropy_backward(g_loss, logits, targets, lse, ctx.use_triton), None, None
+    if not ctx.over:
+        return cross_entropy_backward(g_loss, logits, targets, lse, ctx.use_triton), None, None, None
+    cross_entropy_backward_(g_loss, logits, targets, lse, ctx.use_triton)
+    return logits, None, None, None
 
 
 cross_entropy.register_autograd(_ce_grad, setup_context=_ce_setup)

@@ -364,11 +364,13 @@ def cross_entropy(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     return lse - picked, lse
 
 
-def cross_entropy_backward(g: Tensor, logits: Tensor, targets: Tensor, lse: Tensor) -> Tensor:
-    """The logits' gradient ``g[t] * (softmax(logits[t]) - onehot(target[t]))``, in their dtype."""
+def cross_entropy_backward(g: Tensor, logits: Tensor, targets: Tensor, lse: Tensor,
+                           out: Tensor | None = None) -> Tensor:
+    """The logits' gradient ``g[t] * (softmax(logits[t]) - onehot(target[t]))``, in their dtype,
+    into ``out`` if given (the logits themselves may be: a chunk's rows are read first)."""
     acc = compute_dtype(logits.dtype)
     t, v = logits.shape
-    grad = torch.empty_like(logits)
+    grad = torch.empty_like(logits) if out is None else out
     rows = _ce_rows(t, v)
     for r0 in range(0, t, rows):
         sl = slice(r0, r0 + rows)

@@ -716,10 +716,11 @@ def cross_entropy(logits, targets):
     return loss, lse
 
 
-def cross_entropy_backward(g, logits, targets, lse):
+def cross_entropy_backward(g, logits, targets, lse, out=None):
+    # ``out`` may be the logits: each program reads a chunk of its row before it writes it
     g, logits, targets, lse = _prepared(g, logits, targets, lse, int32_indexed=False)
     t, v = logits.shape
-    grad = torch.empty_like(logits)
+    grad = _written(out, lambda: torch.empty_like(logits))
     _ce_bwd[(t,)](g, logits, targets, lse, grad, v, BV=min(_CE_BLOCK, triton.next_power_of_2(v)),
                   num_warps=8)
-    return grad
+    return _deliver(grad, out)

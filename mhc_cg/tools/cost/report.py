@@ -95,9 +95,9 @@ def cost_mode(cfg: RunConfig, mode: str, device: str) -> dict:
                 with traffic.phase("forward"):  # the batch's loading counts with the forward
                     inputs, targets = (t.to(dev) for t in corpus.batch(train.micro_batch_size))
                     seed = torch.zeros((), dtype=torch.int64, device=dev)
-                    # no name holds the logits: the loss's backward frees them, as in training
-                    loss = lm_loss(forward(inputs, seed), targets,
-                                   cfg.model.kernels) / train.num_microbatches
+                    # as in training: no name holds the logits, their gradient goes over them
+                    loss = lm_loss(forward(inputs, seed), targets, cfg.model.kernels,
+                                   grad_over_logits=True) / train.num_microbatches
                 with traffic.phase("backward"):
                     loss.backward()
             with traffic.phase("optimizer"):

@@ -260,7 +260,7 @@ class PipelineRank:
         batches = [self.data.next(dev) for _ in range(m)]  # TrainSession.step's draws, in order
 
         def loss_func(targets: Tensor, logits: Tensor):
-            loss = lm_loss(logits, targets, self.cfg.model.kernels)
+            loss = lm_loss(logits, targets, self.cfg.model.kernels, grad_over_logits=True)
             # the value TrainSession reports: loss / num_microbatches, before megatron scales it
             return loss, {"loss": (loss.detach() / m).item()}
 
