@@ -93,8 +93,9 @@ def test_a_copy_reads_its_source_and_writes_its_destination_and_an_add_reads_bot
 
 
 def test_fused_ops_are_charged_their_second_passes_and_the_buffers_they_write():
-    """The pre launches two kernels, each reading x; its backward reads x and g_out in both of its
-    passes and writes x's grad over g_post (read first)."""
+    """The pre launches two kernels, each reading x; its backward two, reading x and g_out in
+    both, handing each other the per-token coefficients and summing the weight's per-group
+    partials (its scratch), and writes x's grad over g_post (read first)."""
     t, n, c = 64, 4, 32
     m = n * n + 2 * n
     x, weight, bias = torch.randn(t, n * c), torch.randn(m, n * c), torch.randn(m)
@@ -111,10 +112,13 @@ def test_fused_ops_are_charged_their_second_passes_and_the_buffers_they_write():
     with StepRecorder() as step:
         grads = torch.ops.mhc_cg.pre_backward_into(g_out, g_state, g_post, x, weight, *alphas,
                                                    bias, norm, state, n, 20, 1e-5, False)
-    assert step.eager.kernels == 1
+    assert step.eager.kernels == 2
+    groups = 64 // 16  # one group per 16 tokens at this width
+    per_token = m + (m + 3) + (3 + n + n * n)  # fp32: g_proj, the shares, the coefficients
+    scratch = 4 * (t * per_token + groups * m * n * c)
     assert step.eager.bytes_read == size(g_out, g_out, g_state, g_post, x, x, weight, *alphas,
-                                         bias, norm, state)
-    assert step.eager.bytes_written == size(g_post, *grads)
+                                         bias, norm, state) + scratch
+    assert step.eager.bytes_written == size(g_post, *grads) + scratch
 
 
 # -- the guard pins nothing ----------------------------------------------------------------------
@@ -517,6 +521,16 @@ def test_the_loss_holds_no_fp32_copy_of_the_logits():
     logits_bytes = t * v * 2
     assert ours.live.peak < logits_bytes * 1.1 < 4 * logits_bytes < theirs.live.peak
     assert ours.bytes < 3.2 * logits_bytes < 10 * logits_bytes < theirs.bytes
+
+
+def test_the_losss_and_the_final_norms_ops_are_no_mhc_traffic():
+    """Every registered op of the loss and of the model's final norm (their in-place variants
+    too) is left out of the mHC traffic."""
+    from mhc_cg.ops.kernels import ops as fused_ops
+
+    names = [n for n in dir(torch.ops.mhc_cg) if n.startswith(("cross_entropy", "rms_norm"))]
+    assert len(names) >= 5
+    assert {f"mhc_cg::{n}" for n in names} <= fused_ops.NOT_MHC
 
 
 def test_the_loss_gradient_written_over_the_logits_holds_one_logits_tensor():

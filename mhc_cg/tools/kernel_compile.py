@@ -318,8 +318,10 @@ STREAM_LOADS: dict[str, Callable[[dict], list[tuple[str, int, int, bool]]]] = {
     "_state_fwd": lambda b: [(*tile("x", b, "x_ptr", "BT", "N", "BC"), True)],
     "_chain": lambda b: [(*tile("x", b, "x_ptr", "BT", "N", "BC"), False)]
     + ([(*tile("y", b, "y_ptr", "BT", "BC"), False)] if b["posts"] > 0 else []),
-    "_pre_bwd": lambda b: [(*tile("x", b, "x_ptr", "BT", "N", "BC"), False),
-                           (*tile("g", b, "gout_ptr", "BT", "BC"), False)]
+    "_pre_bwd_coef": lambda b: [(*tile("x", b, "x_ptr", "BT", "N", "BC"), False),
+                                (*tile("g", b, "gout_ptr", "BT", "BC"), False)],
+    "_pre_bwd_x": lambda b: [(*tile("x", b, "x_ptr", "BT", "N", "BC"), False),
+                             (*tile("g", b, "gout_ptr", "BT", "BC"), False)]
     + ([(*tile("g_post", b, "gpost_ptr", "BT", "N", "BC"), False)] if b["GPOST"] else []),
     "_post_bwd": lambda b: [(*tile("g", b, "g_ptr", "BT", "N", "BC"), False),
                             (*tile("x", b, "x_ptr", "BT", "N", "BC"), False),

@@ -129,15 +129,14 @@ class Pre(torch.autograd.Function):
         args = (weight, a_pre, a_post, a_res, bias, norm_weight, state, cfg.n, cfg.iterations,
                 cfg.eps, cfg.use_triton, cfg.h_res_transposed)
         if is_overwritable(g_post, x):
-            g_proj, g_params, g_w = ops.pre_backward_into(g_fn, g_st, g_post.view(-1, width), xf,
-                                                          *args)
+            g_weight, g_params, g_w = ops.pre_backward_into(g_fn, g_st, g_post.view(-1, width),
+                                                            xf, *args)
             g_x = g_post
         else:
-            g_x, g_proj, g_params, g_w = ops.pre_backward(g_fn, g_st, _flat(g_post, width), xf,
-                                                          *args)
+            g_x, g_weight, g_params, g_w = ops.pre_backward(g_fn, g_st, _flat(g_post, width), xf,
+                                                            *args)
             g_x = g_x.view(x.shape)
-        g_weight = g_proj.to(x.dtype).t() @ xf  # the projection's weight: a GEMM, deterministic
-        return (overwritable(g_x), g_weight.to(weight.dtype), *_alphas_and_bias(g_params, bias),
+        return (overwritable(g_x), g_weight, *_alphas_and_bias(g_params, bias),
                 g_w if norm_weight is not None else None, None, None, None)
 
 

@@ -20,16 +20,45 @@ from mhc_cg.ops.kernels.reference import state_dtype, state_width
 
 
 # What a fused op's Triton kernels do beyond one pass over each tensor, for the cost model: the
-# launches it makes (the pre: its state pass, then its F-input pass) and the arguments a second
-# pass reads again (the pre reads x twice; its backward reads x and g_out in both of its passes).
-LAUNCHES = {"mhc_cg::pre": 2, "mhc_cg::pre_into": 2}
+# launches it makes (the pre: its state pass, then its F-input pass; its backward: a pass per
+# token, then one per feature chunk and group of tokens), the arguments a second pass reads again
+# (the pre reads x twice; its backward reads x and g_out in both of its passes) and the bytes its
+# kernels hand each other through memory (``scratch_bytes``).
+LAUNCHES = {"mhc_cg::pre": 2, "mhc_cg::pre_into": 2, "mhc_cg::pre_backward": 2,
+            "mhc_cg::pre_backward_into": 2}
 READ_TWICE = {"mhc_cg::pre": ("x",), "mhc_cg::pre_into": ("x",),
               "mhc_cg::pre_backward": ("x", "g_out"),
               "mhc_cg::pre_backward_into": ("x", "g_out")}
+
+DOT_ROWS = 16  # tokens per Triton program where a kernel multiplies by the mapping weight (tl.dot)
+WEIGHT_GRAD_COLUMNS = 8192  # pre_backward's second pass: about 256 programs of 32 features at C 2048
+
+
+def weight_grad_groups(tokens: int, c: int) -> int:
+    """How many groups of tokens the pre's backward sums the mapping weight's gradient over
+    (each writes an fp32 ``[m, nC]`` partial, then summed in group order): enough programs to
+    fill the GPU at a small C, few partials at a large one."""
+    return max(1, min(-(-tokens // DOT_ROWS), WEIGHT_GRAD_COLUMNS // max(c, 1)))
+
+
+def scratch_bytes(name: str, args: dict) -> int:
+    """Bytes the Triton kernels of op ``name`` write and read back internally, beyond its
+    arguments and results: per-token partials of the parameters' gradients (summed after the
+    kernel), and the pre's backward's per-token coefficients and weight-gradient partials."""
+    if name in ("mhc_cg::post_backward",):
+        t, m = args["x"].shape[0], args["bias"].shape[0]
+        return 2 * 4 * t * (m + 3)
+    if name not in ("mhc_cg::pre_backward", "mhc_cg::pre_backward_into"):
+        return 0
+    x, m, n = args["x"], args["weight"].shape[0], args["n"]
+    t, width = x.shape
+    groups = weight_grad_groups(t, width // n)
+    per_token = m + (m + 3) + (3 + n + n * n)  # g_proj, the shares, the coefficients (fp32)
+    return 2 * 4 * (t * per_token + groups * m * width)
 # The fused ops that are no mHC work, which the cost model's mHC traffic leaves out: the model's
 # final norm and its loss.
 NOT_MHC = frozenset({"mhc_cg::rms_norm", "mhc_cg::rms_norm_backward", "mhc_cg::cross_entropy",
-                     "mhc_cg::cross_entropy_backward"})
+                     "mhc_cg::cross_entropy_backward", "mhc_cg::cross_entropy_backward_"})
 
 
 def _impl(use_triton: bool):
@@ -78,13 +107,13 @@ def pre_backward(g_out: Tensor, g_state: Tensor, g_post: Tensor | None, x: Tenso
                  norm_weight: Tensor | None, state: Tensor, n: int, iterations: int, eps: float,
                  use_triton: bool,
                  h_res_transposed: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(g_x, g_proj, g_params [m+3], g_norm_weight)``, ``g_x`` with the post's residual path
-    ``H_res^T g_post`` (``H_res g_post`` transposed); the parameters' gradients summed over the
-    tokens in a fixed order."""
-    g_x, g_proj, shares, g_w = _impl(use_triton).pre_backward(
+    """``(g_x, g_weight, g_params [m+3], g_norm_weight)``, ``g_x`` with the post's residual path
+    ``H_res^T g_post`` (``H_res g_post`` transposed); the mapping weight's gradient from the
+    same reads of x; the parameters' gradients summed over the tokens in a fixed order."""
+    g_x, g_weight, shares, g_w = _impl(use_triton).pre_backward(
         g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight, state, n,
         iterations, eps, h_res_transposed=h_res_transposed)
-    return g_x, g_proj, *_summed(shares, g_w, bias, x, norm_weight)
+    return g_x, g_weight, *_summed(shares, g_w, bias, x, norm_weight)
 
 
 @pre_backward.register_fake
@@ -101,10 +130,10 @@ def pre_backward_into(g_out: Tensor, g_state: Tensor, g_post: Tensor, x: Tensor,
                       h_res_transposed: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`pre_backward` writing x's gradient over ``g_post``, which it reads first: the
     stream's gradient keeps one buffer down a chain of sublayers."""
-    _, g_proj, shares, g_w = _impl(use_triton).pre_backward(
+    _, g_weight, shares, g_w = _impl(use_triton).pre_backward(
         g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight, state, n,
         iterations, eps, g_post, h_res_transposed=h_res_transposed)
-    return g_proj, *_summed(shares, g_w, bias, x, norm_weight)
+    return g_weight, *_summed(shares, g_w, bias, x, norm_weight)
 
 
 @pre_backward_into.register_fake
@@ -121,8 +150,7 @@ def _summed(shares: Tensor, g_w: Tensor, bias: Tensor, x: Tensor,
 
 def _pre_backward_fakes(x, weight, bias, norm_weight):
     c = norm_weight.shape[0] if norm_weight is not None else 0
-    return (x.new_empty(x.shape[0], weight.shape[0], dtype=state_dtype(x.dtype)),
-            bias.new_empty(bias.shape[0] + 3), x.new_empty(c))
+    return (weight.new_empty(weight.shape), bias.new_empty(bias.shape[0] + 3), x.new_empty(c))
 
 
 # ---- post: H_res x + dropout(H_post y), one pass --------------------------------------------------

@@ -199,15 +199,16 @@ def pre_backward(g_out: Tensor, g_state: Tensor, g_post: Tensor | None, x: Tenso
                  weight: Tensor, a_pre, a_post, a_res, bias, norm_weight: Tensor | None,
                  state: Tensor, n: int, iterations: int, eps: float, g_x_out: Tensor | None = None,
                  *, h_res_transposed: bool = False):
-    """``(g_x, g_proj, param shares [T, m+3], norm weight shares [T, C])`` of :func:`pre`, and of
+    """``(g_x, g_weight, param shares [T, m+3], norm weight shares [T, C])`` of :func:`pre`, and of
     the post's residual path: ``g_x`` includes ``H_res^T g_post`` (``H_res g_post`` for the
     transposed layout).
 
     ``g_state`` is the gradient the state's consumers sent back (its rstd column included),
     ``g_post`` the gradient of the sublayer's output (the post's backward leaves the residual
-    path to this op, so the stream's gradient is summed here, in one pass); ``g_proj`` (the
-    projection's total gradient) is what the weight's gradient ``g_proj^T x`` needs. ``g_x_out``
-    given: x's gradient is written there (it may be ``g_post`` itself)."""
+    path to this op, so the stream's gradient is summed here, in one pass); ``g_weight`` is the
+    mapping weight's, ``g_proj^T x`` in the compute dtype (``g_proj`` the projection's total
+    gradient), so x is read here and not again by a GEMM of its own. ``g_x_out`` given: x's gradient is
+    written there (it may be ``g_post`` itself)."""
     acc = compute_dtype(x.dtype)
     sqrt_d = math.sqrt(x.shape[1])
     xa = x.to(acc)
@@ -240,7 +241,8 @@ def pre_backward(g_out: Tensor, g_state: Tensor, g_post: Tensor | None, x: Tenso
         h_res = sinkhorn(h[:, 2 * n:].unflatten(-1, (n, n)), iterations)
         g_xa = g_xa + torch.matmul(h_res if h_res_transposed else h_res.transpose(1, 2),
                                    g_post.to(acc).unflatten(1, (n, -1))).flatten(1)
-    return _into(g_xa.to(x.dtype), g_x_out), g_proj, shares, g_w
+    g_weight = (g_proj.t() @ xa).to(weight.dtype)
+    return _into(g_xa.to(x.dtype), g_x_out), g_weight, shares, g_w
 
 
 def _post_mappings(state, a_pre, a_post, a_res, bias, n: int, iterations: int, sqrt_d: float):

@@ -16,9 +16,14 @@ per-program shares that torch sums in a fixed order, so every result is determin
   (one step, the stream only) and a block's recompute (every step) are this one kernel, so the
   recompute reproduces the forward's bits. Each program derives the mappings (Sinkhorn included)
   of its tokens from the state: a few hundred FLOPs per token, no bytes.
-* ``_pre_bwd``: ``BT`` tokens per program, two passes over ``x`` and F's input's gradient: the
-  first reduces what the mappings' gradient needs, the second writes x's gradient (the
-  projection's share by ``tl.dot``, the post's share added in place) and the norm weight's shares.
+* ``_pre_bwd_coef`` then ``_pre_bwd_x``: two passes over ``x`` and F's input's gradient. The
+  first (``BT`` tokens per program) reduces what the mappings' gradient needs and stores it per
+  token (the projection's gradient, ``kappa, coef, rstd, s`` and H_res). The second runs over
+  (``BC`` features, a group of tokens): it writes x's gradient (the projection's share by
+  ``tl.dot``, the post's share added in place) and, from the same tiles of x, sums the mapping
+  weight's gradient ``g_proj^T x`` and the norm weight's over its group: one fp32 partial per
+  group, summed by torch in group order (``weight_grad_groups`` keeps them few), so no GEMM reads
+  x a third time.
 * ``_post_bwd``: ``BT`` tokens per program, one pass: x's and y's gradients, and the per-token
   reductions the mappings need; then Sinkhorn's backward, which rebuilds iteration k's input with
   k forward iterations (T iterations cost T*(T+1)/2 in registers, nothing stored).
@@ -39,6 +44,7 @@ import triton.language as tl
 from triton import knobs
 
 from mhc_cg.ops.kernels.hash import MAX_ELEMENTS, counter_hash, keep_scale, keep_threshold
+from mhc_cg.ops.kernels.ops import DOT_ROWS, weight_grad_groups
 from mhc_cg.ops.kernels.reference import RMS_EPS, SINKHORN_EPS, state_width
 
 INTERPRETED = bool(knobs.runtime.interpret)
@@ -48,7 +54,6 @@ INTERPRETED = bool(knobs.runtime.interpret)
 _hash = triton.jit(types.FunctionType(counter_hash.__code__, {**counter_hash.__globals__, "tl": tl},
                                       counter_hash.__name__))
 
-DOT_ROWS = 16  # tokens per program where a kernel multiplies by the mapping weight (tl.dot)
 CHAIN_ROWS = 4  # tokens per program elsewhere: [BT, n, n, BC] tiles stay in registers
 
 
@@ -405,27 +410,25 @@ def _pre_state_grads(gstate_ptr, gproj_ptr, share_ptr, apre_ptr, gh, r, p_pre, x
 
 
 @triton.jit
-def _pre_bwd(gout_ptr, gstate_ptr, gpost_ptr, x_ptr, w_ptr, bias_ptr, apre_ptr, apost_ptr,
-             ares_ptr, norm_ptr, state_ptr, gx_ptr, gproj_ptr, share_ptr, gw_ptr, T, C, sqrt_d,
-             iterations, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, PP: tl.constexpr,
-             BT: tl.constexpr, BC: tl.constexpr, NORM: tl.constexpr, GPOST: tl.constexpr,
-             IN_PLACE: tl.constexpr, EPS: tl.constexpr, RMS: tl.constexpr, HT: tl.constexpr):
+def _pre_bwd_coef(gout_ptr, gstate_ptr, x_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, norm_ptr,
+                  state_ptr, gproj_ptr, share_ptr, aux_ptr, T, C, sqrt_d, iterations,
+                  N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, PP: tl.constexpr,
+                  BT: tl.constexpr, BC: tl.constexpr, NORM: tl.constexpr, GPOST: tl.constexpr,
+                  EPS: tl.constexpr, RMS: tl.constexpr):
+    """The first pass: what x's gradient needs per token, from one read of x and g_out: the
+    projection's gradient, the parameters' shares and ``aux = [kappa, coef, rstd, s | H_res]``."""
     M: tl.constexpr = N * N + 2 * N
     SW: tl.constexpr = M + 2
-    pid = tl.program_id(0)
-    t = pid * BT + tl.arange(0, BT)
+    AW: tl.constexpr = 3 + N + N * N
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     i = tl.arange(0, NP)
-    mcol = tl.arange(0, MP)
     r, p_pre, l_pre, p_post, l_post, p_res, l_res, vmask, rmask = _mapping_logits(
         state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, t, tmask, sqrt_d, N, NP, RMS)
     s = tl.where(vmask, _sigmoid(l_pre), 0.0)
     xnorm = tl.load(state_ptr + t * SW + M, mask=tmask, other=0.0)
     rstd = tl.load(state_ptr + t * SW + M + 1, mask=tmask, other=0.0)
-    if GPOST:
-        h_res = _sinkhorn(l_res, rmask, iterations, EPS)
-
-    # pass 1: u[i] = x[i] . (g w) and v[i] = x[i] . agg, what the mappings' gradient needs
+    # u[i] = x[i] . (g w) and v[i] = x[i] . agg, what the mappings' gradient needs
     u = tl.zeros([BT, NP], dtype=tl.float32)
     v = tl.zeros([BT, NP], dtype=tl.float32)
     for c0 in range(0, C, BC):
@@ -450,10 +453,47 @@ def _pre_bwd(gout_ptr, gstate_ptr, gpost_ptr, x_ptr, w_ptr, bias_ptr, apre_ptr, 
     gh = g_s * s * (1.0 - s)
     g_proj, coef = _pre_state_grads(gstate_ptr, gproj_ptr, share_ptr, apre_ptr, gh, r, p_pre, xnorm,
                                     t, tmask, vmask, sqrt_d, N, NP, MP, PP)
+    tl.store(aux_ptr + t * AW, kappa, mask=tmask)
+    tl.store(aux_ptr + t * AW + 1, coef, mask=tmask)
+    tl.store(aux_ptr + t * AW + 2, rstd, mask=tmask)
+    tl.store(aux_ptr + t[:, None] * AW + 3 + i[None, :], s, mask=vmask)
+    if GPOST:
+        h_res = _sinkhorn(l_res, rmask, iterations, EPS)
+        tl.store(aux_ptr + t[:, None, None] * AW + 3 + N + i[None, :, None] * N + i[None, None, :],
+                 h_res, mask=rmask)
 
-    # pass 2: x's gradient, and the norm weight's shares
-    for c0 in range(0, C, BC):
-        c = c0 + tl.arange(0, BC)
+
+@triton.jit
+def _pre_bwd_x(gout_ptr, gpost_ptr, x_ptr, w_ptr, norm_ptr, gproj_ptr, aux_ptr, gx_ptr, gwt_ptr,
+               gw_ptr, T, C, per_group, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr,
+               BT: tl.constexpr, BC: tl.constexpr, NORM: tl.constexpr, GPOST: tl.constexpr,
+               IN_PLACE: tl.constexpr, HT: tl.constexpr):
+    """The second pass, over (a feature chunk, a group of tokens): x's gradient, and the mapping
+    weight's and the norm weight's gradients summed over the group (fixed order) from the same
+    reads of x: no GEMM reads x again for the weight."""
+    M: tl.constexpr = N * N + 2 * N
+    AW: tl.constexpr = 3 + N + N * N
+    c = tl.program_id(0) * BC + tl.arange(0, BC)
+    group = tl.program_id(1)
+    i = tl.arange(0, NP)
+    mcol = tl.arange(0, MP)
+    wmask = (mcol < M)[:, None, None] & (i < N)[None, :, None] & (c < C)[None, None, :]
+    woff = mcol[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :]
+    w_blk = tl.reshape(tl.load(w_ptr + woff, mask=wmask, other=0.0).to(tl.float32), [MP, NP * BC])
+    wn = tl.load(norm_ptr + c, mask=c < C, other=0.0).to(tl.float32)
+    g_weight = tl.zeros([MP, NP * BC], dtype=tl.float32)
+    g_norm = tl.zeros([BC], dtype=tl.float32)
+    for t0 in range(group * per_group, (group + 1) * per_group, BT):
+        t = t0 + tl.arange(0, BT)
+        tmask = t < T
+        vmask = tmask[:, None] & (i < N)[None, :]
+        rmask = vmask[:, :, None] & (i < N)[None, None, :]
+        kappa = tl.load(aux_ptr + t * AW, mask=tmask, other=0.0)
+        coef = tl.load(aux_ptr + t * AW + 1, mask=tmask, other=0.0)
+        rstd = tl.load(aux_ptr + t * AW + 2, mask=tmask, other=0.0)
+        s = tl.load(aux_ptr + t[:, None] * AW + 3 + i[None, :], mask=vmask, other=0.0)
+        g_proj = tl.load(gproj_ptr + t[:, None] * M + mcol[None, :],
+                         mask=tmask[:, None] & (mcol < M)[None, :], other=0.0)
         xmask = tmask[:, None, None] & (i < N)[None, :, None] & (c < C)[None, None, :]
         xoff = t[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :]
         x = tl.load(x_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
@@ -461,18 +501,16 @@ def _pre_bwd(gout_ptr, gstate_ptr, gpost_ptr, x_ptr, w_ptr, bias_ptr, apre_ptr, 
         g = tl.load(gout_ptr + t[:, None] * C + c[None, :], mask=fmask, other=0.0).to(tl.float32)
         if NORM:
             agg = tl.sum(s[:, :, None] * x, axis=1)
-            w = tl.load(norm_ptr + c, mask=c < C, other=0.0).to(tl.float32)
-            g_agg = rstd[:, None] * (g * w[None, :]) - kappa[:, None] * agg
-            tl.store(gw_ptr + pid * C + c, tl.sum(g * agg * rstd[:, None], axis=0), mask=c < C)
+            g_agg = rstd[:, None] * (g * wn[None, :]) - kappa[:, None] * agg
+            g_norm += tl.sum(g * agg * rstd[:, None], axis=0)
         else:
             g_agg = g
-        wmask = (mcol < M)[:, None, None] & (i < N)[None, :, None] & (c < C)[None, None, :]
-        w_blk = tl.load(w_ptr + mcol[:, None, None] * (N * C) + i[None, :, None] * C
-                        + c[None, None, :], mask=wmask, other=0.0).to(tl.float32)
-        through_proj = tl.dot(g_proj, tl.reshape(w_blk, [MP, NP * BC]), input_precision="ieee")
+        through_proj = tl.dot(g_proj, w_blk, input_precision="ieee")
         gx = s[:, :, None] * g_agg[:, None, :] + tl.reshape(through_proj, [BT, NP, BC]) \
             + coef[:, None, None] * x
         if GPOST:  # the post's residual path: H_res^T g (H_res g for the transposed layout)
+            h_res = tl.load(aux_ptr + t[:, None, None] * AW + 3 + N + i[None, :, None] * N
+                            + i[None, None, :], mask=rmask, other=0.0)
             g_post = tl.load(gpost_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
             if HT:
                 gx += tl.sum(h_res[:, :, :, None] * g_post[:, None, :, :], axis=2)
@@ -481,6 +519,12 @@ def _pre_bwd(gout_ptr, gstate_ptr, gpost_ptr, x_ptr, w_ptr, bias_ptr, apre_ptr, 
         if IN_PLACE:  # every thread has read its part of g_post before any overwrites it
             tl.debug_barrier()
         tl.store(gx_ptr + xoff, gx, mask=xmask)
+        # the weight's gradient g_proj^T x, in fp32 like the rest of the backward
+        g_weight = tl.dot(tl.trans(g_proj), tl.reshape(x, [BT, NP * BC]), g_weight,
+                          input_precision="ieee")
+    tl.store(gwt_ptr + group * (M * N * C) + woff, tl.reshape(g_weight, [MP, NP, BC]), mask=wmask)
+    if NORM:
+        tl.store(gw_ptr + group * C + c, g_norm, mask=c < C)
 
 
 def pre_backward(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight,
@@ -491,23 +535,32 @@ def pre_backward(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, 
     c = width // n
     m = weight.shape[0]
     nb = _np(n)
-    programs = triton.cdiv(t, DOT_ROWS)
     in_place = g_x_out is not None and g_x_out is g_post and g_post.is_contiguous()
     if g_post is not None and not in_place:
         g_post = _prepared(g_post)[0]
     g_x = g_post if in_place else _written(g_x_out, lambda: torch.empty_like(x))
     g_proj = x.new_empty(t, m, dtype=torch.float32)
     shares = x.new_empty(t, m + 3, dtype=torch.float32)
-    g_w = x.new_empty(programs if norm_weight is not None else 0, c, dtype=torch.float32)
-    _pre_bwd[(programs,)](
-        g_out, g_state, g_post if g_post is not None else x, x, weight, bias, a_pre, a_post, a_res,
-        norm_weight if norm_weight is not None else x, state, g_x, g_proj, shares, g_w, t, c,
+    aux = x.new_empty(t, 3 + n + n * n, dtype=torch.float32)
+    norm = norm_weight if norm_weight is not None else x
+    bc = _block_c(c, 128 // nb)
+    _pre_bwd_coef[(triton.cdiv(t, DOT_ROWS),)](
+        g_out, g_state, x, bias, a_pre, a_post, a_res, norm, state, g_proj, shares, aux, t, c,
         float(width) ** 0.5, iterations, N=n, NP=nb, MP=_mp(n), PP=triton.next_power_of_2(m + 3),
-        BT=DOT_ROWS, BC=_block_c(c, 128 // nb), NORM=norm_weight is not None,
-        GPOST=g_post is not None, IN_PLACE=in_place, EPS=SINKHORN_EPS, RMS=RMS_EPS,
-        HT=h_res_transposed,
+        BT=DOT_ROWS, BC=bc, NORM=norm_weight is not None, GPOST=g_post is not None,
+        EPS=SINKHORN_EPS, RMS=RMS_EPS,
         num_warps=8)  # at 4 warps the Sinkhorn backward's live state spills past 255 registers
-    return _deliver(g_x, g_x_out), g_proj, shares, g_w
+    groups = weight_grad_groups(t, c)
+    per_group = triton.cdiv(triton.cdiv(t, DOT_ROWS), groups) * DOT_ROWS
+    groups = triton.cdiv(t, per_group)
+    g_weight = x.new_empty(groups, m, width, dtype=torch.float32)
+    g_w = x.new_empty(groups if norm_weight is not None else 0, c, dtype=torch.float32)
+    _pre_bwd_x[(triton.cdiv(c, bc), groups)](
+        g_out, g_post if g_post is not None else x, x, weight, norm, g_proj, aux, g_x, g_weight,
+        g_w, t, c, per_group, N=n, NP=nb, MP=_mp(n), BT=DOT_ROWS, BC=bc,
+        NORM=norm_weight is not None, GPOST=g_post is not None, IN_PLACE=in_place,
+        HT=h_res_transposed, num_warps=8)
+    return _deliver(g_x, g_x_out), g_weight.sum(0).to(weight.dtype), shares, g_w
 
 
 # ---- post backward -----------------------------------------------------------------------------

@@ -10,8 +10,9 @@ The one definition the cost model (and any kernel count elsewhere) uses:
   tensor inputs (read) plus its tensor outputs (written); an ``out=`` tensor is written, not read,
   and an in-place op's ``self`` is both.
 
-A fused mHC op (``mhc_cg::*``) says itself how many kernels it launches and which arguments its
-kernels read twice (``LAUNCHES`` and ``READ_TWICE`` in :mod:`mhc_cg.ops.kernels.ops`).
+A fused mHC op (``mhc_cg::*``) says itself how many kernels it launches, which arguments its
+kernels read twice and what they pass each other through memory (``LAUNCHES``, ``READ_TWICE`` and
+``scratch_bytes`` in :mod:`mhc_cg.ops.kernels.ops`).
 
 What this cannot see: a library call that launches several kernels (cuBLAS split-K, attention's
 forward and its reduction) counts once; ops the GPU would fuse count separately.
@@ -25,7 +26,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from mhc_cg.core.storage import storage_id
-from mhc_cg.ops.kernels.ops import LAUNCHES, READ_TWICE
+from mhc_cg.ops.kernels.ops import LAUNCHES, READ_TWICE, scratch_bytes
 
 aten = torch.ops.aten
 
@@ -126,7 +127,9 @@ def op_bytes(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -
                 if arg.name in twice for t in _tensors(value))
     written = {id(t): t for t in _tensors(out)}
     written.update((id(t), t) for t in written_args(func, args, kwargs))
-    return read, sum(tensor_bytes(t) for t in written.values())
+    scratch = scratch_bytes(func._schema.name, {arg.name: value for arg, value
+                                                in _arguments(func, args, kwargs)}) // 2
+    return read + scratch, sum(tensor_bytes(t) for t in written.values()) + scratch
 
 
 # Matrix products and attention, the ops whose FLOPs can outweigh their bytes.
