@@ -256,7 +256,7 @@ def assert_ops_match(dtype, n, c, t, norm, rtol, atol, h_res_transposed=False, o
 
 @needs_triton
 @pytest.mark.parametrize("n,c,t,norm", [(1, 6, 3, True), (2, 40, 17, True), (3, 10, 5, False),
-                                        (4, 24, 6, True), (8, 5, 4, False), (2, 24, 45, True)])
+                                        (4, 24, 6, True), (8, 5, 4, False), (2, 16, 300, True)])
 def test_triton_matches_reference_fp32(interpret, n, c, t, norm):
     """Odd token counts and widths: tiles cross tokens, features and padded streams."""
     assert_ops_match(torch.float32, n, c, t, norm, rtol=1e-5, atol=1e-5)

@@ -34,11 +34,13 @@ DOT_ROWS = 16  # tokens per Triton program where a kernel multiplies by the mapp
 WEIGHT_GRAD_COLUMNS = 8192  # pre_backward's second pass: about 256 programs of 32 features at C 2048
 
 
-def weight_grad_groups(tokens: int, c: int) -> int:
+def weight_grad_groups(tokens: int, c: int, m: int) -> int:
     """How many groups of tokens the pre's backward sums the mapping weight's gradient over
     (each writes an fp32 ``[m, nC]`` partial, then summed in group order): enough programs to
-    fill the GPU at a small C, few partials at a large one."""
-    return max(1, min(-(-tokens // DOT_ROWS), WEIGHT_GRAD_COLUMNS // max(c, 1)))
+    fill the GPU at a small C, few partials at a large one, and never more partial bytes than
+    an eighth of x's (``groups * m * 4 <= tokens * 2 / 8``)."""
+    return max(1, min(-(-tokens // DOT_ROWS), WEIGHT_GRAD_COLUMNS // max(c, 1),
+                      tokens // (16 * max(m, 1))))
 
 
 def scratch_bytes(name: str, args: dict) -> int:
@@ -52,7 +54,7 @@ def scratch_bytes(name: str, args: dict) -> int:
         return 0
     x, m, n = args["x"], args["weight"].shape[0], args["n"]
     t, width = x.shape
-    groups = weight_grad_groups(t, width // n)
+    groups = weight_grad_groups(t, width // n, m)
     per_token = m + (m + 3) + (3 + n + n * n)  # g_proj, the shares, the coefficients (fp32)
     return 2 * 4 * (t * per_token + groups * m * width)
 # The fused ops that are no mHC work, which the cost model's mHC traffic leaves out: the model's

@@ -550,7 +550,7 @@ def pre_backward(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, 
         BT=DOT_ROWS, BC=bc, NORM=norm_weight is not None, GPOST=g_post is not None,
         EPS=SINKHORN_EPS, RMS=RMS_EPS,
         num_warps=8)  # at 4 warps the Sinkhorn backward's live state spills past 255 registers
-    groups = weight_grad_groups(t, c)
+    groups = weight_grad_groups(t, c, m)
     per_group = triton.cdiv(triton.cdiv(t, DOT_ROWS), groups) * DOT_ROWS
     groups = triton.cdiv(t, per_group)
     g_weight = x.new_empty(groups, m, width, dtype=torch.float32)
