@@ -12,6 +12,8 @@ take ``h_res_transposed`` last (default False: ``H_res x``; True: ``H_res^T x``,
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -34,29 +36,39 @@ DOT_ROWS = 16  # tokens per Triton program where a kernel multiplies by the mapp
 WEIGHT_GRAD_COLUMNS = 8192  # pre_backward's second pass: about 256 programs of 32 features at C 2048
 
 
-def weight_grad_groups(tokens: int, c: int, m: int) -> int:
-    """How many groups of tokens the pre's backward sums the mapping weight's gradient over
-    (each writes an fp32 ``[m, nC]`` partial, then summed in group order): enough programs to
-    fill the GPU at a small C, few partials at a large one, and never more partial bytes than
-    an eighth of x's (``groups * m * 4 <= tokens * 2 / 8``)."""
-    return max(1, min(-(-tokens // DOT_ROWS), WEIGHT_GRAD_COLUMNS // max(c, 1),
-                      tokens // (16 * max(m, 1))))
+def weight_grad_groups(tokens: int, c: int, m: int) -> tuple[int, int]:
+    """``(groups, tokens per group)`` the pre's backward sums the mapping weight's gradient over
+    (each group writes an fp32 ``[m, nC]`` partial, then summed in group order): enough programs
+    to fill the GPU at a small C, few partials at a large one, and never more partial bytes than
+    an eighth of x's (``groups * m * 4 <= tokens * 2 / 8``); whole ``DOT_ROWS`` blocks per group."""
+    blocks = max(1, math.ceil(tokens / DOT_ROWS))
+    want = max(1, min(blocks, WEIGHT_GRAD_COLUMNS // max(c, 1), tokens // (16 * max(m, 1))))
+    per_group = math.ceil(blocks / want) * DOT_ROWS
+    return math.ceil(blocks * DOT_ROWS / per_group), per_group
+
+
+def pre_backward_scratch(tokens: int, c: int, n: int, m: int) -> dict[str, tuple[int, ...]]:
+    """The fp32 buffers the pre's backward kernels hand each other: per token the projection's
+    gradient, the parameters' shares and the coefficients ``[kappa, coef, rstd, s | H_res]``;
+    per group of tokens the mapping weight's gradient."""
+    groups, _ = weight_grad_groups(tokens, c, m)
+    return {"g_proj": (tokens, m), "shares": (tokens, m + 3), "aux": (tokens, 3 + n + n * n),
+            "g_weight": (groups, m, n * c)}
 
 
 def scratch_bytes(name: str, args: dict) -> int:
     """Bytes the Triton kernels of op ``name`` write and read back internally, beyond its
     arguments and results: per-token partials of the parameters' gradients (summed after the
-    kernel), and the pre's backward's per-token coefficients and weight-gradient partials."""
-    if name in ("mhc_cg::post_backward",):
-        t, m = args["x"].shape[0], args["bias"].shape[0]
-        return 2 * 4 * t * (m + 3)
+    kernel), and the pre's backward's :func:`pre_backward_scratch`."""
+    if name == "mhc_cg::post_backward":
+        return 2 * 4 * args["x"].shape[0] * (args["bias"].shape[0] + 3)
     if name not in ("mhc_cg::pre_backward", "mhc_cg::pre_backward_into"):
         return 0
-    x, m, n = args["x"], args["weight"].shape[0], args["n"]
-    t, width = x.shape
-    groups = weight_grad_groups(t, width // n, m)
-    per_token = m + (m + 3) + (3 + n + n * n)  # g_proj, the shares, the coefficients (fp32)
-    return 2 * 4 * (t * per_token + groups * m * width)
+    t, width = args["x"].shape
+    shapes = pre_backward_scratch(t, width // args["n"], args["n"], args["weight"].shape[0])
+    return 2 * 4 * sum(math.prod(shape) for shape in shapes.values())
+
+
 # The fused ops that are no mHC work, which the cost model's mHC traffic leaves out: the model's
 # final norm and its loss.
 NOT_MHC = frozenset({"mhc_cg::rms_norm", "mhc_cg::rms_norm_backward", "mhc_cg::cross_entropy",

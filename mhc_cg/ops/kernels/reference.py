@@ -207,8 +207,8 @@ def pre_backward(g_out: Tensor, g_state: Tensor, g_post: Tensor | None, x: Tenso
     ``g_post`` the gradient of the sublayer's output (the post's backward leaves the residual
     path to this op, so the stream's gradient is summed here, in one pass); ``g_weight`` is the
     mapping weight's, ``g_proj^T x`` in the compute dtype (``g_proj`` the projection's total
-    gradient), so x is read here and not again by a GEMM of its own. ``g_x_out`` given: x's gradient is
-    written there (it may be ``g_post`` itself)."""
+    gradient), so x is read here and not again by a GEMM of its own. ``g_x_out`` given: x's
+    gradient is written there (it may be ``g_post`` itself)."""
     acc = compute_dtype(x.dtype)
     sqrt_d = math.sqrt(x.shape[1])
     xa = x.to(acc)

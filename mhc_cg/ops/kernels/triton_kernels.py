@@ -44,7 +44,7 @@ import triton.language as tl
 from triton import knobs
 
 from mhc_cg.ops.kernels.hash import MAX_ELEMENTS, counter_hash, keep_scale, keep_threshold
-from mhc_cg.ops.kernels.ops import DOT_ROWS, weight_grad_groups
+from mhc_cg.ops.kernels.ops import DOT_ROWS, pre_backward_scratch, weight_grad_groups
 from mhc_cg.ops.kernels.reference import RMS_EPS, SINKHORN_EPS, state_width
 
 INTERPRETED = bool(knobs.runtime.interpret)
@@ -539,9 +539,9 @@ def pre_backward(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, 
     if g_post is not None and not in_place:
         g_post = _prepared(g_post)[0]
     g_x = g_post if in_place else _written(g_x_out, lambda: torch.empty_like(x))
-    g_proj = x.new_empty(t, m, dtype=torch.float32)
-    shares = x.new_empty(t, m + 3, dtype=torch.float32)
-    aux = x.new_empty(t, 3 + n + n * n, dtype=torch.float32)
+    scratch = {name: x.new_empty(shape, dtype=torch.float32)
+               for name, shape in pre_backward_scratch(t, c, n, m).items()}
+    g_proj, shares, aux, g_weight = (scratch[k] for k in ("g_proj", "shares", "aux", "g_weight"))
     norm = norm_weight if norm_weight is not None else x
     bc = _block_c(c, 128 // nb)
     _pre_bwd_coef[(triton.cdiv(t, DOT_ROWS),)](
@@ -550,10 +550,7 @@ def pre_backward(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, 
         BT=DOT_ROWS, BC=bc, NORM=norm_weight is not None, GPOST=g_post is not None,
         EPS=SINKHORN_EPS, RMS=RMS_EPS,
         num_warps=8)  # at 4 warps the Sinkhorn backward's live state spills past 255 registers
-    groups = weight_grad_groups(t, c, m)
-    per_group = triton.cdiv(triton.cdiv(t, DOT_ROWS), groups) * DOT_ROWS
-    groups = triton.cdiv(t, per_group)
-    g_weight = x.new_empty(groups, m, width, dtype=torch.float32)
+    groups, per_group = weight_grad_groups(t, c, m)
     g_w = x.new_empty(groups if norm_weight is not None else 0, c, dtype=torch.float32)
     _pre_bwd_x[(triton.cdiv(c, bc), groups)](
         g_out, g_post if g_post is not None else x, x, weight, norm, g_proj, aux, g_x, g_weight,
