@@ -340,6 +340,63 @@ def test_a_chain_of_graphed_sublayers_lends_the_stream_grad_and_matches_eager():
                 assert torch.equal(pe.grad, ps.grad), name
 
 
+def _lending_chain(subs, lend: bool):
+    from mhc_cg.runtime.graphs import make_graphed_callables
+
+    samples = tuple((torch.randn(4, 2, 32, requires_grad=True),) for _ in subs)
+    return make_graphed_callables(tuple(subs), samples, num_warmup_iters=1, backend="tape",
+                                  lend_grads_to_eager=lend)
+
+
+def test_a_chain_between_the_streams_expand_and_contraction_copies_no_stream_grad():
+    """At a chunk's ends the eager expand reads the first graph's input grad where the backward
+    wrote it, and the contraction writes the last graph's grad where its backward reads it: the
+    stream's grad is neither copied in nor cloned, and every gradient equals eager's."""
+    from mhc_cg.ops.hyper_connection import contract_streams, expand_streams
+    from mhc_cg.runtime.graphs.graphed_callables import grad_output_buffer
+
+    eager, subs = _fused_sublayers(3), _fused_sublayers(3)
+    graphed = _lending_chain(subs, lend=True)
+    for _ in range(2):
+        h, g = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
+        he, hg = h.clone().requires_grad_(), h.clone().requires_grad_()
+        out_e, out_g = expand_streams(he, 4), expand_streams(hg, 4)
+        for e, s in zip(eager, graphed):
+            out_e, out_g = e(out_e), s(out_g)
+        contract_streams(out_e, 4).backward(g)
+        y = contract_streams(out_g, 4, grad_into=grad_output_buffer(out_g))
+        with StreamCopies() as seen:
+            y.backward(g)
+        assert seen.counts == {}, seen.counts
+        assert torch.equal(he.grad, hg.grad)
+        for e, s in zip(eager, subs):
+            for (name, pe), ps in zip(e.named_parameters(), s.parameters()):
+                assert torch.equal(pe.grad, ps.grad), name
+
+
+def test_a_grad_lent_to_the_eager_expand_is_never_overwritten_before_it_is_read():
+    """Two chains in one backward: the second chain's backward runs before the first chain's
+    expand reads the grad lent to it. Lending raises rather than feed it the other chain's grad;
+    without lending the grads are cloned and equal eager's."""
+    from mhc_cg.ops.hyper_connection import expand_streams
+
+    a, b = torch.randn(4, 2, 8, requires_grad=True), torch.randn(4, 2, 8, requires_grad=True)
+    left, right = _lending_chain(_fused_sublayers(2), lend=True)
+
+    def two_chains(first, second, a, b):
+        xa, xb = expand_streams(a, 4), expand_streams(b, 4)  # both expands before both chains
+        (first(xa).sum() + second(xb).sum()).backward()
+
+    with pytest.raises(RuntimeError, match="lend_grads_to_eager=False"):
+        two_chains(left, right, a, b)
+    eager = _fused_sublayers(2)
+    ae, be = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    two_chains(eager[0], eager[1], ae, be)
+    a.grad = b.grad = None
+    two_chains(*_lending_chain(_fused_sublayers(2), lend=False), a, b)
+    assert torch.equal(a.grad, ae.grad) and torch.equal(b.grad, be.grad)
+
+
 def test_a_graphed_output_feeding_two_graphed_consumers_is_refused_not_mixed_up():
     """A lent grad lives in the buffer every backward graph writes: if a second graphed consumer
     of the same output replays its backward before the producer's reads the grad, the replay

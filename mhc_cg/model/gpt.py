@@ -64,8 +64,8 @@ class MHCGPT(nn.Module):
         """One int64 seed per microbatch, drawn from torch's generator (the only stateful draw)."""
         return torch.randint(0, 2 ** 31 - 1, (), dtype=torch.int64).to(device or "cpu")
 
-    def embed(self, input_ids: Tensor) -> Tensor:
-        """``[b, s] -> [s, b, n*C]``."""
+    def embed(self, input_ids: Tensor, out: Tensor | None = None) -> Tensor:
+        """``[b, s] -> [s, b, n*C]``, written into ``out`` when given."""
         if input_ids.dim() != 2:
             raise ValueError(f"MHCGPT: expected input_ids of shape [b, s], got {tuple(input_ids.shape)}")
         b, s = input_ids.shape
@@ -73,16 +73,17 @@ class MHCGPT(nn.Module):
             raise ValueError(f"MHCGPT: sequence length {s} exceeds seq_length={self.cfg.seq_length}")
         pos = torch.arange(s, device=input_ids.device)
         h = (self.embedding(input_ids) + self.position(pos)).transpose(0, 1)
-        return expand_streams(h, self.cfg.num_streams)
+        return expand_streams(h, self.cfg.num_streams, out)
 
     def run_layers(self, x: Tensor, seed: Tensor | None) -> Tensor:
         for layer in self.layers:
             x = layer(x, seed)
         return x
 
-    def logits(self, x: Tensor) -> Tensor:
-        """``[s, b, n*C] -> [b, s, vocab]``."""
-        h = self.final_norm(contract_streams(x, self.cfg.num_streams))
+    def logits(self, x: Tensor, grad_into: Tensor | None = None) -> Tensor:
+        """``[s, b, n*C] -> [b, s, vocab]``; the backward writes x's gradient into ``grad_into``
+        when given."""
+        h = self.final_norm(contract_streams(x, self.cfg.num_streams, grad_into))
         return self.head(h).transpose(0, 1)
 
     def dropout_seed_for(self, input_ids: Tensor, dropout_seed: Tensor | None) -> Tensor | None:

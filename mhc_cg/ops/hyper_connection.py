@@ -82,21 +82,77 @@ def sinkhorn_knopp(logits: Tensor, iterations: int = 20) -> Tensor:
     return _SinkhornKnopp.apply(logits, iterations)
 
 
-def expand_streams(x: Tensor, num_streams: int) -> Tensor:
-    """``[s, b, C] -> [s, b, n*C]``: every stream starts as a copy of ``x``."""
+class _ExpandStreams(torch.autograd.Function):
+    """``x [s, b, C]`` written n times into ``out [s, b, n*C]``; returns ``out`` (an alias).
+
+    Its backward reads the incoming gradient once and keeps nothing of it (``reads_grad_once``):
+    a graphed consumer may hand it a static grad buffer uncloned
+    (:mod:`mhc_cg.runtime.graphs.graphed_callables`).
+    """
+
+    reads_grad_once = True
+
+    @staticmethod
+    def forward(ctx, x: Tensor, num_streams: int, into: tuple[Tensor]) -> Tensor:
+        (out,) = into
+        s, b, c = x.shape
+        ctx.shape = (s, b, num_streams, c)
+        out.view(s, b, num_streams, c).copy_(x.unsqueeze(-2))
+        return out.as_strided(out.size(), out.stride(), out.storage_offset())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad.reshape(ctx.shape).sum(-2), None, None  # the expand's own backward
+
+
+class _ContractStreams(torch.autograd.Function):
+    """The mean over the n streams, whose backward writes the stream's gradient into ``into``
+    (the buffer its consumer reads it from: a graph's static grad output)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, num_streams: int, into: tuple[Tensor]) -> Tensor:
+        s, b, width = x.shape
+        ctx.shape, ctx.into = (s, b, num_streams, width // num_streams), into[0]
+        return x.view(ctx.shape).mean(dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        out = ctx.into
+        # the mean's own backward (expand, then divide by n), written where it is read
+        torch.div(grad.unsqueeze(-2).expand(ctx.shape), ctx.shape[2], out=out.view(ctx.shape))
+        return out.as_strided(out.size(), out.stride(), out.storage_offset()), None, None
+
+
+def expand_streams(x: Tensor, num_streams: int, out: Tensor | None = None) -> Tensor:
+    """``[s, b, C] -> [s, b, n*C]``: every stream starts as a copy of ``x``; written into ``out``
+    when given (where the consumer keeps its input: no copy after)."""
     if x.dim() != 3:
         raise ValueError(f"expand_streams: expected shape [s, b, C], got {tuple(x.shape)}")
     s, b, c = x.shape
+    if out is None:
+        out = x.new_empty(s, b, num_streams * c)
+    elif tuple(out.shape) != (s, b, num_streams * c) or out.dtype != x.dtype \
+            or not out.is_contiguous():
+        raise ValueError(f"expand_streams: out must be a contiguous {x.dtype} tensor of shape "
+                         f"{(s, b, num_streams * c)}, got {out.dtype} {tuple(out.shape)}")
     with traffic.mhc():
-        return x.unsqueeze(-2).expand(s, b, num_streams, c).reshape(s, b, num_streams * c)
+        return _ExpandStreams.apply(x, num_streams, (out,))
 
 
-def contract_streams(x: Tensor, num_streams: int) -> Tensor:
-    """``[s, b, n*C] -> [s, b, C]``: the mean over the n streams."""
+def contract_streams(x: Tensor, num_streams: int, grad_into: Tensor | None = None) -> Tensor:
+    """``[s, b, n*C] -> [s, b, C]``: the mean over the n streams. ``grad_into``: a contiguous
+    buffer shaped like ``x`` that the backward writes x's gradient into."""
     c = _check_streams("contract_streams", x, num_streams)
     s, b, _ = x.shape
     with traffic.mhc():
-        return x.view(s, b, num_streams, c).mean(dim=-2)
+        if grad_into is None:
+            return x.view(s, b, num_streams, c).mean(dim=-2)
+        if grad_into.shape != x.shape or grad_into.dtype != x.dtype \
+                or not grad_into.is_contiguous():
+            raise ValueError(f"contract_streams: grad_into must be a contiguous {x.dtype} tensor "
+                             f"of shape {tuple(x.shape)}, got {grad_into.dtype} "
+                             f"{tuple(grad_into.shape)}")
+        return _ContractStreams.apply(x, num_streams, (grad_into,))
 
 
 class HyperConnection(nn.Module):

@@ -44,6 +44,10 @@ and every backward graph shares those buffers), the buffer goes to autograd uncl
 producer reads it where it lies. A backward graph that would overwrite a lent buffer before its
 reader replays raises (:class:`_LentGrads`). As with TE's static grads, a tensor hook that keeps
 the grad of such an input sees it change when the producer's backward replays: clone it there.
+With ``lend_grads_to_eager`` the same holds for an input made by an eager op that reads its grad
+once (the streams' expand at a chunk's start). The other way round, an eager consumer of a graphed
+output may write its grad straight into the buffer the backward graph reads it from
+(:func:`grad_output_buffer`; the streams' contraction at a chunk's end): no copy in either.
 
 With ``keep_param_grads`` a parameter's grad is not cloned either: it stays in the pool where its
 one backward graph writes it and is handed to ``.grad`` directly (Megatron writes weight grads
@@ -206,6 +210,7 @@ class GraphedState:
     saved_outputs: list[int] = field(default_factory=list)  # outputs the backward graph reads
     # surface index -> the parameter whose gradient stays where the backward graph writes it
     kept_grads: dict[int, torch.nn.Parameter] = field(default_factory=dict)
+    lend_to_eager: bool = False  # make_graphed_callables(lend_grads_to_eager=...)
 
     @property
     def surface(self) -> list[torch.Tensor]:
@@ -249,25 +254,32 @@ class GraphedState:
         _LENT.forget(self)  # a new forward: no backward of the last one will read a lent grad
         return [o.detach() for o in self.static_outputs]
 
-    def lendable_inputs(self, inputs: Sequence[torch.Tensor]) -> dict[int, "GraphedState"]:
-        """Inputs whose grad this backward may return uncloned: {input index: producer}.
+    def lendable_inputs(self, inputs: Sequence[torch.Tensor]) -> dict[int, Any]:
+        """Inputs whose grad this backward may return uncloned: {input index: reader}.
 
         An input qualifies when it is an output of another graphed callable P whose static
         grad-output buffer for it is the very buffer this backward writes the input's grad into
         (a fused backward writes the stream's grad over its grad output, and every backward graph
         shares the grad-output buffers): P's backward then reads it in place, copying nothing.
+        With ``lend_to_eager`` it also qualifies when its producer is an eager op that reads its
+        incoming grad once and keeps nothing of it (its Function says ``reads_grad_once``, as the
+        streams' expand does) and the grad lies in one of the shared grad-output buffers: the op
+        must read it before any other backward graph writes there (:class:`_LentGrads` raises
+        otherwise), which holds when one chain of graphs runs per backward.
         """
         lend = {}
         for i, (given, grad) in enumerate(zip(inputs, self.static_grad_inputs)):
             if grad is None or not isinstance(given, torch.Tensor) or not given.requires_grad:
                 continue
             producer = getattr(given.grad_fn, "state", None)
-            if not isinstance(producer, GraphedState):
-                continue
-            target = producer.static_grad_outputs[given.output_nr] \
-                if given.output_nr < len(producer.static_grad_outputs) else None
-            if target is not None and is_buffer(target, grad):
-                lend[i] = producer
+            if isinstance(producer, GraphedState):
+                target = producer.static_grad_outputs[given.output_nr] \
+                    if given.output_nr < len(producer.static_grad_outputs) else None
+                if target is not None and is_buffer(target, grad):
+                    lend[i] = producer
+            elif self.lend_to_eager and _reads_grad_once(given.grad_fn) \
+                    and any(b is not None and is_buffer(b, grad) for b in self.static_grad_outputs):
+                lend[i] = _EagerReader.of(given.grad_fn)
         return lend
 
     def replay_backward(self, grads: Sequence[torch.Tensor | None],
@@ -336,9 +348,11 @@ class _LentGrads:
     """
 
     def __init__(self):
-        self._by_storage: dict[int, tuple[GraphedState, GraphedState]] = {}
+        self._by_storage: dict[int, tuple[Any, Any]] = {}
 
-    def lend(self, buffer: torch.Tensor, reader: GraphedState, lender: GraphedState) -> None:
+    def lend(self, buffer: torch.Tensor, reader: Any, lender: Any) -> None:
+        """``lender`` handed ``buffer`` uncloned to ``reader`` (a graphed callable or an
+        :class:`_EagerReader`; each has a ``label``)."""
         self._by_storage[storage_id(buffer)] = (reader, lender)
 
     def forget(self, reader: GraphedState) -> None:
@@ -352,16 +366,58 @@ class _LentGrads:
                 continue
             reader, lender = self._by_storage[storage_id(buffer)]
             if reader is not state:
+                fix = ("run one chain of graphs per backward, or make the graphs with "
+                       "lend_grads_to_eager=False" if isinstance(reader, _EagerReader) else
+                       "an output of a graphed callable that feeds another graphed callable must "
+                       "feed only that one (clone it for any other use: out.clone())")
                 raise RuntimeError(
-                    f"graphed callable {state.label}'s backward would overwrite the input grad "
-                    f"that {lender.label}'s backward returned for {reader.label}'s output before "
-                    f"{reader.label}'s backward read it; an output of a graphed callable that "
-                    f"feeds another graphed callable must feed only that one (clone it for any "
-                    f"other use: out.clone())")
+                    f"graphed callable {state.label}'s backward would overwrite the grad that "
+                    f"{lender.label} handed uncloned to {reader.label} before {reader.label} "
+                    f"read it; {fix}")
             del self._by_storage[storage_id(buffer)]
 
 
 _LENT = _LentGrads()
+
+
+def _reads_grad_once(node) -> bool:
+    return bool(getattr(getattr(node, "_forward_cls", None), "reads_grad_once", False))
+
+
+class _EagerReader:
+    """An eager autograd node that a lent grad goes to; the lending ends when the node runs."""
+
+    def __init__(self, label: str):
+        self.label = label
+
+    @classmethod
+    def of(cls, node) -> "_EagerReader":
+        reader = cls(f"the eager {node.name()}")
+        node.register_prehook(lambda grad_outputs: _LENT.forget(reader))
+        return reader
+
+
+def grad_output_buffer(t: torch.Tensor) -> torch.Tensor | None:
+    """The static grad-output buffer from which the backward graph that produced ``t`` reads
+    ``t``'s grad, for the eager consumer of ``t`` to write that grad into (``contract_streams(...,
+    grad_into=)``): the replay then copies nothing in. ``None`` when ``t`` is no graphed
+    callable's output. Until that backward replays, any other backward graph that would write
+    the buffer raises (:class:`_LentGrads`)."""
+    state = getattr(t.grad_fn, "state", None)
+    if not isinstance(state, GraphedState) or t.output_nr >= len(state.static_grad_outputs):
+        return None
+    buffer = state.static_grad_outputs[t.output_nr]
+    if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype \
+            or not buffer.is_contiguous():
+        return None
+    writer = _EagerReader(f"the eager consumer of {state.label}'s output")
+
+    def lend(grad: torch.Tensor) -> None:
+        if is_buffer(buffer, grad):
+            _LENT.lend(buffer, state, writer)
+
+    t.register_hook(lend)
+    return buffer
 
 
 def saved_storages(outputs: Sequence[torch.Tensor]) -> set[int]:
@@ -515,6 +571,7 @@ def make_graphed_callables(
     backend: str | GraphBackend = "auto",
     capture_before_backward: Mapping[int, Callable[[Any], None]] | None = None,
     keep_param_grads: bool = False,
+    lend_grads_to_eager: bool = False,
 ) -> Any:
     """Graph ``callables`` (forward and backward) with TransformerEngine's semantics.
 
@@ -525,13 +582,13 @@ def make_graphed_callables(
     ``warmup_iters`` (3 on CUDA). Returns one graphed callable for a single callable, else a
     :class:`GraphedCallables` tuple.
 
-    ``capture_before_backward`` (not in TE): ``{sample index: capture(pool)}``, called just
-    before the backward graph of that sample is captured, to capture graphs of the caller's into
-    the same pool at that point of the sequence. Each such graph must then replay there in every
-    iteration (the pool's order), and must leave nothing of the pool allocated.
-
-    ``keep_param_grads`` (not in TE): a parameter grad that one backward graph alone computes
-    becomes ``.grad`` where the graph wrote it (module docstring); shared parameters get clones.
+    Not in TE: ``capture_before_backward``, ``{sample index: capture(pool)}``, called just before
+    the backward graph of that sample is captured, to capture graphs of the caller's into the
+    same pool there (each must then replay there in every iteration and leave nothing of the pool
+    allocated); ``keep_param_grads``, a parameter grad that one backward graph alone computes
+    becomes ``.grad`` where the graph wrote it (shared parameters get clones);
+    ``lend_grads_to_eager``, for callers that run one chain of graphs per backward, an input made
+    by an eager op that reads its grad once gets that grad uncloned (module docstring).
 
     Phases: normalise the samples, lay out the order, (TE: hand over), share static inputs,
     warm up, capture along the order, wrap.
@@ -560,15 +617,15 @@ def make_graphed_callables(
                            num_warmup_iters=3 if num_warmup_iters is None else num_warmup_iters,
                            allow_unused_input=allow_unused_input)
     backend_obj = backend if isinstance(backend, GraphBackend) else get_backend(backend_name)
-    if num_warmup_iters is None:
-        num_warmup_iters = backend_obj.warmup_iters
+    num_warmup_iters = backend_obj.warmup_iters if num_warmup_iters is None else num_warmup_iters
     if reuse:
         share_static_inputs(layout, sample_args, sample_kwargs)
     if pool is None:
         pool = backend_obj.new_pool()
     forwards, passes = _capture_sequence(callables, layout)
     func_of = dict(forwards)
-    states = _runners(func_of, layout, sample_args, sample_kwargs, keep_param_grads and training)
+    states = _runners(func_of, layout, sample_args, sample_kwargs, keep_param_grads and training,
+                      lend_grads_to_eager)
     # warmup and capture draw nothing the caller should see: the generators are put back after
     with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
         _warm_up(backend_obj, forwards, states, sample_args, sample_kwargs, num_warmup_iters,
@@ -593,7 +650,7 @@ def _backend_name(backend: str | GraphBackend, sample_args: list, sample_kwargs:
 
 
 def _runners(func_of: dict, layout: OrderLayout | None, sample_args: list, sample_kwargs: list,
-             keep_param_grads: bool) -> list[GraphedState]:
+             keep_param_grads: bool, lend_to_eager: bool = False) -> list[GraphedState]:
     """One :class:`GraphedState` per sample: its static inputs are the sample's tensors; with
     ``keep_param_grads``, the parameters whose grads it keeps (those no other state holds)."""
     states = []
@@ -605,7 +662,8 @@ def _runners(func_of: dict, layout: OrderLayout | None, sample_args: list, sampl
         inputs = _flat_tensors(sample_args[index], sample_kwargs[index])
         for t in (*inputs, *params, *(func.buffers() if module else ())):
             static_buffer(t)
-        states.append(GraphedState(label, list(sample_kwargs[index]), inputs, params))
+        states.append(GraphedState(label, list(sample_kwargs[index]), inputs, params,
+                                   lend_to_eager=lend_to_eager))
     if keep_param_grads:
         holders = Counter(id(p) for state in states for p in state.params)
         for state in states:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from mhc_cg.model import MHCGPT, MoEMLP
-from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
+from mhc_cg.runtime.graphs.graphed_callables import grad_output_buffer, make_graphed_callables
 from mhc_cg.runtime.modes.lifecycle import CapturedState, ModeModel, runs_graphs
 from mhc_cg.runtime.modes.plan import CapturePlan
 
@@ -56,7 +56,8 @@ class GraphedSublayersModel(ModeModel):
         sample_args = sublayer_sample_args(self.model, self.micro_batch_size, len(captured), device)
         self.graphed_callables = make_graphed_callables(tuple(captured), sample_args,
                                                         backend=self.capture_backend(),
-                                                        keep_param_grads=True)
+                                                        keep_param_grads=True,
+                                                        lend_grads_to_eager=True)
         self.graph_labels = labels
         graphed = dict(zip(map(id, captured), self.graphed_callables))
         self.sublayer_fns = [graphed.get(id(sub), sub) for sub in subs]  # MoE: the eager module
@@ -75,7 +76,7 @@ class GraphedSublayersModel(ModeModel):
         x = self.model.embed(input_ids)
         for fn in self.sublayer_fns:
             x = fn(x, dropout_seed)
-        return self.model.logits(x)
+        return self.model.logits(x, grad_into=grad_output_buffer(x))
 
     def describe(self) -> dict:
         return {**super().describe(), "recompute_graphs": 0}

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from mhc_cg.model.moe import MoECudaGraphPartialCaptureSignal, MoECudaGraphTensorStore
 from mhc_cg.model import MHCGPT, MoEMLP
 from mhc_cg.config.choices import RECOMPUTE_SCOPE
-from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
+from mhc_cg.runtime.graphs.graphed_callables import grad_output_buffer, make_graphed_callables
 from mhc_cg.runtime.modes.lifecycle import CapturedState, ModeModel, runs_graphs
 from mhc_cg.runtime.modes.plan import CapturePlan
 from mhc_cg.core.nvtx import nvtx_range
@@ -178,7 +178,7 @@ class GraphedStaticModel(ModeModel):
             graphed = make_graphed_callables(tuple(modules), sample_args, backend=backend,
                                              allow_unused_input=self.plan.moe_step is not None,
                                              capture_before_backward=before_backward,
-                                             keep_param_grads=True)
+                                             keep_param_grads=True, lend_grads_to_eager=True)
             self.graphed_callables = graphed
             self.graph_labels = [sublayer_label(key, module) for key, module in zip(keys, modules)]
             for key, module, fn in zip(keys, modules, graphed):
@@ -252,6 +252,8 @@ class GraphedStaticModel(ModeModel):
             return self.model(input_ids, dropout_seed)
         self.captured.check(self.model)
         dropout_seed = self.graph_seed(input_ids, dropout_seed)
-        x = self.model.embed(input_ids)
+        width = self.model.cfg.num_streams * self.model.cfg.hidden_size
+        x = self.model.embed(input_ids,
+                             out=self.runtime.next_input_buffer((*input_ids.shape[::-1], width)))
         x = self.runtime.forward(x, dropout_seed, self.sublayer_fns)
-        return self.model.logits(x)
+        return self.model.logits(x, grad_into=grad_output_buffer(x))

@@ -89,6 +89,10 @@ class PersistentSetPool:
         self._in_use.append(pset)
         return pset
 
+    def next_set(self) -> PersistentSlotSet | None:
+        """The set the next :meth:`acquire` returns, or ``None`` if every set is in use."""
+        return self._free[0] if self._free else None
+
     def fixed_set(self) -> PersistentSlotSet | None:
         """The set every forward takes, when the pool holds just one; else ``None``. Work outside
         a forward (a graph captured once and replayed for every microbatch, layout discovery)

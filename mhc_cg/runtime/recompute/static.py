@@ -339,6 +339,16 @@ class StaticRecompute:
             self.sets.release(pset)
         return x
 
+    def next_input_buffer(self, shape: tuple[int, ...]) -> Tensor | None:
+        """Where the next training forward keeps its chunk input of ``shape`` (block 0's input
+        in the set it will take), for the chunk's producer to write it there: the forward then
+        copies nothing into the set. ``None`` without grad mode (that forward keeps nothing), a
+        free set, or the shape the buffers were laid out for (the forward refuses it)."""
+        pset = self.sets.next_set() if torch.is_grad_enabled() else None
+        if pset is None or tuple(pset.block_inputs[0].shape) != tuple(shape):
+            return None
+        return pset.block_inputs[0]
+
     def forward_only(self, x: Tensor, seed: Tensor | None) -> Tensor:
         """The chunk without a backward to come (evaluation, ``no_grad``): the plain layers,
         eagerly. Nothing is saved, so no slot, persistent set or graph is touched."""
