@@ -397,6 +397,32 @@ def test_a_grad_lent_to_the_eager_expand_is_never_overwritten_before_it_is_read(
     assert torch.equal(a.grad, ae.grad) and torch.equal(b.grad, be.grad)
 
 
+def test_a_backward_that_stops_before_the_expand_reads_its_lent_grad_leaves_no_lending_behind():
+    """A backward that raises between the first graph's backward and the expand's leaves a grad
+    lent to a reader that never runs: the lender's next forward ends that lending, so the next
+    step trains."""
+    from mhc_cg.ops.hyper_connection import expand_streams
+
+    graphed = _lending_chain(_fused_sublayers(2), lend=True)
+
+    def stop(grad):
+        raise RuntimeError("stopped by a hook")
+
+    def step(hook=None):
+        h = torch.randn(4, 2, 8, requires_grad=True)
+        out = expand_streams(h, 4)
+        if hook is not None:
+            out.register_hook(hook)
+        for sub in graphed:
+            out = sub(out)
+        out.sum().backward()
+        return h.grad
+
+    with pytest.raises(RuntimeError, match="stopped by a hook"):
+        step(stop)
+    assert step() is not None
+
+
 def test_a_graphed_output_feeding_two_graphed_consumers_is_refused_not_mixed_up():
     """A lent grad lives in the buffer every backward graph writes: if a second graphed consumer
     of the same output replays its backward before the producer's reads the grad, the replay

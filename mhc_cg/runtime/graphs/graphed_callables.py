@@ -251,7 +251,7 @@ class GraphedState:
 
     def replay_forward(self) -> list[torch.Tensor]:
         self.fwd_graph.replay()
-        _LENT.forget(self)  # a new forward: no backward of the last one will read a lent grad
+        _LENT.forget(self)  # a new forward: no backward of the last one reads or lends a grad
         return [o.detach() for o in self.static_outputs]
 
     def lendable_inputs(self, inputs: Sequence[torch.Tensor]) -> dict[int, Any]:
@@ -279,7 +279,7 @@ class GraphedState:
                     lend[i] = producer
             elif self.lend_to_eager and _reads_grad_once(given.grad_fn) \
                     and any(b is not None and is_buffer(b, grad) for b in self.static_grad_outputs):
-                lend[i] = _EagerReader.of(given.grad_fn)
+                lend[i] = _EagerOp.reading(given.grad_fn)
         return lend
 
     def replay_backward(self, grads: Sequence[torch.Tensor | None],
@@ -352,11 +352,12 @@ class _LentGrads:
 
     def lend(self, buffer: torch.Tensor, reader: Any, lender: Any) -> None:
         """``lender`` handed ``buffer`` uncloned to ``reader`` (a graphed callable or an
-        :class:`_EagerReader`; each has a ``label``)."""
+        :class:`_EagerOp`; each has a ``label``)."""
         self._by_storage[storage_id(buffer)] = (reader, lender)
 
-    def forget(self, reader: GraphedState) -> None:
-        for key in [k for k, (r, _) in self._by_storage.items() if r is reader]:
+    def forget(self, party: Any) -> None:
+        """End every lending ``party`` is the reader or the lender of."""
+        for key in [k for k, (r, l) in self._by_storage.items() if party is r or party is l]:
             del self._by_storage[key]
 
     def check_writer(self, state: GraphedState) -> None:
@@ -366,8 +367,9 @@ class _LentGrads:
                 continue
             reader, lender = self._by_storage[storage_id(buffer)]
             if reader is not state:
-                fix = ("run one chain of graphs per backward, or make the graphs with "
-                       "lend_grads_to_eager=False" if isinstance(reader, _EagerReader) else
+                fix = ("an eager op shares grad buffers with the graphs only when one chain of "
+                       "graphs runs per backward: make them with lend_grads_to_eager=False and "
+                       "pass no grad_into" if _EagerOp in (type(reader), type(lender)) else
                        "an output of a graphed callable that feeds another graphed callable must "
                        "feed only that one (clone it for any other use: out.clone())")
                 raise RuntimeError(
@@ -384,14 +386,15 @@ def _reads_grad_once(node) -> bool:
     return bool(getattr(getattr(node, "_forward_cls", None), "reads_grad_once", False))
 
 
-class _EagerReader:
-    """An eager autograd node that a lent grad goes to; the lending ends when the node runs."""
+class _EagerOp:
+    """An eager op at one end of a lent grad buffer: the reader of a grad a backward graph hands
+    it uncloned (the lending ends when its node runs), or the writer of a graph's grad output."""
 
     def __init__(self, label: str):
         self.label = label
 
     @classmethod
-    def of(cls, node) -> "_EagerReader":
+    def reading(cls, node) -> "_EagerOp":
         reader = cls(f"the eager {node.name()}")
         node.register_prehook(lambda grad_outputs: _LENT.forget(reader))
         return reader
@@ -410,7 +413,7 @@ def grad_output_buffer(t: torch.Tensor) -> torch.Tensor | None:
     if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype \
             or not buffer.is_contiguous():
         return None
-    writer = _EagerReader(f"the eager consumer of {state.label}'s output")
+    writer = _EagerOp(f"the eager consumer of {state.label}'s output")
 
     def lend(grad: torch.Tensor) -> None:
         if is_buffer(buffer, grad):
