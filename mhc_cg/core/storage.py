@@ -30,6 +30,13 @@ def own_version_alias(t: Tensor, offset: int | None = None, shape=None, stride=N
                       t.shape if shape is None else shape, t.stride() if stride is None else stride)
 
 
+def alias(t: Tensor) -> Tensor:
+    """A new tensor over ``t``'s memory with ``t``'s geometry (a view: it shares ``t``'s version
+    counter). An autograd Function that writes into a buffer returns this, so that its output is
+    the Function's own and not the buffer handed back."""
+    return t.as_strided(t.size(), t.stride(), t.storage_offset())
+
+
 def distinct_storage_bytes(tensors, exclude=frozenset()) -> int:
     """Bytes of the distinct storages behind ``tensors``, each counted once, those whose
     :func:`storage_id` is in ``exclude`` (parameters, say) left out. A storage freed by a recompute

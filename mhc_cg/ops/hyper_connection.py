@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from mhc_cg.core import traffic
+from mhc_cg.core.storage import alias
 from mhc_cg.ops import kernels as fused
 from mhc_cg.ops.dropout import dropout
 from mhc_cg.ops.kernels import reference
@@ -93,12 +94,11 @@ class _ExpandStreams(torch.autograd.Function):
     reads_grad_once = True
 
     @staticmethod
-    def forward(ctx, x: Tensor, num_streams: int, into: tuple[Tensor]) -> Tensor:
-        (out,) = into
+    def forward(ctx, x: Tensor, num_streams: int, out: Tensor) -> Tensor:
         s, b, c = x.shape
         ctx.shape = (s, b, num_streams, c)
-        out.view(s, b, num_streams, c).copy_(x.unsqueeze(-2))
-        return out.as_strided(out.size(), out.stride(), out.storage_offset())
+        out.view(ctx.shape).copy_(x.unsqueeze(-2))
+        return alias(out)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -110,17 +110,17 @@ class _ContractStreams(torch.autograd.Function):
     (the buffer its consumer reads it from: a graph's static grad output)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, num_streams: int, into: tuple[Tensor]) -> Tensor:
+    def forward(ctx, x: Tensor, num_streams: int, into: Tensor) -> Tensor:
         s, b, width = x.shape
-        ctx.shape, ctx.into = (s, b, num_streams, width // num_streams), into[0]
+        ctx.shape, ctx.into = (s, b, num_streams, width // num_streams), into
         return x.view(ctx.shape).mean(dim=-2)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        out = ctx.into
         # the mean's own backward (expand, then divide by n), written where it is read
-        torch.div(grad.unsqueeze(-2).expand(ctx.shape), ctx.shape[2], out=out.view(ctx.shape))
-        return out.as_strided(out.size(), out.stride(), out.storage_offset()), None, None
+        torch.div(grad.unsqueeze(-2).expand(ctx.shape), ctx.shape[2],
+                  out=ctx.into.view(ctx.shape))
+        return alias(ctx.into), None, None
 
 
 def expand_streams(x: Tensor, num_streams: int, out: Tensor | None = None) -> Tensor:
@@ -136,7 +136,7 @@ def expand_streams(x: Tensor, num_streams: int, out: Tensor | None = None) -> Te
         raise ValueError(f"expand_streams: out must be a contiguous {x.dtype} tensor of shape "
                          f"{(s, b, num_streams * c)}, got {out.dtype} {tuple(out.shape)}")
     with traffic.mhc():
-        return _ExpandStreams.apply(x, num_streams, (out,))
+        return _ExpandStreams.apply(x, num_streams, out)
 
 
 def contract_streams(x: Tensor, num_streams: int, grad_into: Tensor | None = None) -> Tensor:
@@ -152,7 +152,7 @@ def contract_streams(x: Tensor, num_streams: int, grad_into: Tensor | None = Non
             raise ValueError(f"contract_streams: grad_into must be a contiguous {x.dtype} tensor "
                              f"of shape {tuple(x.shape)}, got {grad_into.dtype} "
                              f"{tuple(grad_into.shape)}")
-        return _ContractStreams.apply(x, num_streams, (grad_into,))
+        return _ContractStreams.apply(x, num_streams, grad_into)
 
 
 class HyperConnection(nn.Module):

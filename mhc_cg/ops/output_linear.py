@@ -22,6 +22,8 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 
+from mhc_cg.core.storage import alias
+
 _NAMED: contextvars.ContextVar[Tensor | None] = contextvars.ContextVar("mhc_cg_output_into",
                                                                         default=None)
 
@@ -52,7 +54,7 @@ class _LinearInto(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.x_shape = x.shape
         # an alias, so that the output is this node's and not a view of the argument
-        return out.as_strided(out.size(), out.stride(), out.storage_offset())
+        return alias(out)
 
     @staticmethod
     def backward(ctx, g: Tensor):

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mhc_cg.core.storage import alias
 from mhc_cg.ops.kernels import ops
 from mhc_cg.ops.kernels.reference import state_dtype, state_width
 
@@ -54,8 +55,7 @@ class Target:
         return cls(t, t)
 
     def view(self) -> Tensor:
-        r = self.reader
-        return r.as_strided(r.size(), r.stride(), r.storage_offset())
+        return alias(self.reader)
 
 
 OVERWRITABLE = "_mhc_overwritable"

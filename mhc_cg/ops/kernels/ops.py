@@ -47,26 +47,35 @@ def weight_grad_groups(tokens: int, c: int, m: int) -> tuple[int, int]:
     return math.ceil(blocks * DOT_ROWS / per_group), per_group
 
 
+def post_backward_scratch(tokens: int, c: int, n: int, m: int) -> dict[str, tuple[int, ...]]:
+    """The fp32 buffer the post's backward kernel writes and torch sums after it: per token the
+    parameters' shares ``[bias (m) | alpha_pre, alpha_post, alpha_res]``."""
+    return {"shares": (tokens, m + 3)}
+
+
 def pre_backward_scratch(tokens: int, c: int, n: int, m: int) -> dict[str, tuple[int, ...]]:
     """The fp32 buffers the pre's backward kernels hand each other: per token the projection's
-    gradient, the parameters' shares and the coefficients ``[kappa, coef, rstd, s | H_res]``;
-    per group of tokens the mapping weight's gradient."""
+    gradient, the parameters' shares (as the post's) and the coefficients ``[kappa, coef, rstd,
+    s | H_res]``; per group of tokens the mapping weight's gradient."""
     groups, _ = weight_grad_groups(tokens, c, m)
-    return {"g_proj": (tokens, m), "shares": (tokens, m + 3), "aux": (tokens, 3 + n + n * n),
-            "g_weight": (groups, m, n * c)}
+    return {"g_proj": (tokens, m), **post_backward_scratch(tokens, c, n, m),
+            "aux": (tokens, 3 + n + n * n), "g_weight": (groups, m, n * c)}
+
+
+_SCRATCH = {"mhc_cg::post_backward": post_backward_scratch,
+            "mhc_cg::pre_backward": pre_backward_scratch,
+            "mhc_cg::pre_backward_into": pre_backward_scratch}
 
 
 def scratch_bytes(name: str, args: dict) -> int:
     """Bytes the Triton kernels of op ``name`` write and read back internally, beyond its
-    arguments and results: per-token partials of the parameters' gradients (summed after the
-    kernel), and the pre's backward's :func:`pre_backward_scratch`."""
-    if name == "mhc_cg::post_backward":
-        return 2 * 4 * args["x"].shape[0] * (args["bias"].shape[0] + 3)
-    if name not in ("mhc_cg::pre_backward", "mhc_cg::pre_backward_into"):
+    arguments and results (its ``*_scratch`` buffers, fp32)."""
+    shapes_of = _SCRATCH.get(name)
+    if shapes_of is None:
         return 0
     t, width = args["x"].shape
-    shapes = pre_backward_scratch(t, width // args["n"], args["n"], args["weight"].shape[0])
-    return 2 * 4 * sum(math.prod(shape) for shape in shapes.values())
+    n, m = args["n"], args["bias"].shape[0]
+    return 2 * 4 * sum(math.prod(shape) for shape in shapes_of(t, width // n, n, m).values())
 
 
 # The fused ops that are no mHC work, which the cost model's mHC traffic leaves out: the model's

@@ -44,7 +44,8 @@ import triton.language as tl
 from triton import knobs
 
 from mhc_cg.ops.kernels.hash import MAX_ELEMENTS, counter_hash, keep_scale, keep_threshold
-from mhc_cg.ops.kernels.ops import DOT_ROWS, pre_backward_scratch, weight_grad_groups
+from mhc_cg.ops.kernels.ops import (DOT_ROWS, post_backward_scratch, pre_backward_scratch,
+                                    weight_grad_groups)
 from mhc_cg.ops.kernels.reference import RMS_EPS, SINKHORN_EPS, state_width
 
 INTERPRETED = bool(knobs.runtime.interpret)
@@ -630,7 +631,7 @@ def post_backward(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n
     nb = _np(n)
     g_y = torch.empty_like(y)
     g_state = x.new_empty(t, m + 2, dtype=torch.float32)
-    shares = x.new_empty(t, m + 3, dtype=torch.float32)
+    shares = x.new_empty(post_backward_scratch(t, c, n, m)["shares"], dtype=torch.float32)
     seed_arg = seed if seed is not None else x
     _post_bwd[(triton.cdiv(t, CHAIN_ROWS),)](
         g, x, state, bias, a_pre, a_post, a_res, y, seed_arg, g_state, shares, g_y, stream,

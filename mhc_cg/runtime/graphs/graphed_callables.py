@@ -271,10 +271,8 @@ class GraphedState:
         for i, (given, grad) in enumerate(zip(inputs, self.static_grad_inputs)):
             if grad is None or not isinstance(given, torch.Tensor) or not given.requires_grad:
                 continue
-            producer = getattr(given.grad_fn, "state", None)
-            if isinstance(producer, GraphedState):
-                target = producer.static_grad_outputs[given.output_nr] \
-                    if given.output_nr < len(producer.static_grad_outputs) else None
+            producer, target = _grad_output_of(given)
+            if producer is not None:
                 if target is not None and is_buffer(target, grad):
                     lend[i] = producer
             elif self.lend_to_eager and _reads_grad_once(given.grad_fn) \
@@ -382,6 +380,16 @@ class _LentGrads:
 _LENT = _LentGrads()
 
 
+def _grad_output_of(t: torch.Tensor) -> tuple[GraphedState | None, torch.Tensor | None]:
+    """The graphed callable that produced ``t`` (``None`` if none did) and the static
+    grad-output buffer its backward reads ``t``'s grad from (``None`` if it has none)."""
+    state = getattr(t.grad_fn, "state", None)
+    if not isinstance(state, GraphedState):
+        return None, None
+    outputs = state.static_grad_outputs
+    return state, outputs[t.output_nr] if t.output_nr < len(outputs) else None
+
+
 def _reads_grad_once(node) -> bool:
     return bool(getattr(getattr(node, "_forward_cls", None), "reads_grad_once", False))
 
@@ -406,10 +414,7 @@ def grad_output_buffer(t: torch.Tensor) -> torch.Tensor | None:
     grad_into=)``): the replay then copies nothing in. ``None`` when ``t`` is no graphed
     callable's output. Until that backward replays, any other backward graph that would write
     the buffer raises (:class:`_LentGrads`)."""
-    state = getattr(t.grad_fn, "state", None)
-    if not isinstance(state, GraphedState) or t.output_nr >= len(state.static_grad_outputs):
-        return None
-    buffer = state.static_grad_outputs[t.output_nr]
+    state, buffer = _grad_output_of(t)
     if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype \
             or not buffer.is_contiguous():
         return None

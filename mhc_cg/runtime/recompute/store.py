@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from mhc_cg.core import traffic
-from mhc_cg.core.storage import storage_id
+from mhc_cg.core.storage import alias, storage_id
 from mhc_cg.runtime.recompute.arena import Arena, Region
 
 
@@ -80,6 +80,6 @@ def store_in(t: Tensor, dst: Tensor) -> Tensor:
     def write(t: Tensor) -> Tensor:
         with traffic.runtime_copy("persistent set"):
             dst.copy_(t)  # nothing saved a view of dst since its set was acquired: no version clash
-        return dst.as_strided(dst.size(), dst.stride(), dst.storage_offset())
+        return alias(dst)
 
     return _StoreTo.apply(t, write)
