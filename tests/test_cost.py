@@ -464,6 +464,13 @@ def test_peak_memory_adds_up_and_block_recompute_lowers_the_step_peak():
         parts = m["peak_memory"]
         assert set(parts) == {"model_state", "static", "graph_pools", "step"}, name
         assert m["peak_bytes"] == sum(parts.values()) and parts["model_state"] > 0, name
+        # the peak is reached in one phase, over what every phase holds for the whole step
+        phases = m["peak_bytes_by_phase"]
+        held = m["peak_bytes"] - parts["step"]
+        assert {"forward", "backward", "optimizer"} <= set(phases), name
+        assert m["peak_bytes"] == phases[m["peak_phase"]] == max(phases.values()), name
+        assert all(held < b <= m["peak_bytes"] for b in phases.values()), name
+    assert "recompute" in modes["eager_block"]["peak_bytes_by_phase"]
     none, block = modes["eager_none"]["peak_memory"], modes["eager_block"]["peak_memory"]
     assert none["model_state"] == block["model_state"] and none["graph_pools"] == 0
     assert block["step"] < none["step"]

@@ -114,6 +114,9 @@ def cost_mode(cfg: RunConfig, mode: str, device: str) -> dict:
     pool_reserved = sum(p.state.high_water for p in backend.pools)
     memory = peak_memory(model, optimizer, info, mode_model.static_buffer_bytes(), pool_reserved,
                          recorder.live.peak)
+    held = sum(memory.values()) - memory["step"]  # model state, static buffers, pools: all step
+    by_phase = {phase: held + recorder.live.peak_by_phase[phase] for phase in traffic.PHASES
+                if phase in recorder.live.peak_by_phase}
     return {
         "kernels_per_step": recorder.kernels,
         "bytes_per_step": recorder.bytes,
@@ -136,6 +139,8 @@ def cost_mode(cfg: RunConfig, mode: str, device: str) -> dict:
         "copy_bytes_per_step": copies(by_part),
         "peak_bytes": sum(memory.values()),
         "peak_memory": memory,
+        "peak_bytes_by_phase": by_phase,
+        "peak_phase": max(by_phase, key=by_phase.get),
     }
 
 
@@ -280,18 +285,27 @@ def format_frontier(report: dict) -> list[str]:
     modes = report["modes"]
     reference = modes.get("eager_none")
     lines = ["memory and time per step: peak on the device (allocator emulation) = model state + "
-             "static buffers + graph pools + the step's eager allocations at their most",
-             f"{'mode':15} {'peak':>10} {'model state':>11} {'static':>10} {'graph pools':>11} "
-             f"{'step':>10} {'bytes':>10} {'H100 step (model)':>17} {'/eager_none':>11}",
-             "-" * 112]
+             "static buffers + graph pools + the step's eager allocations at their most; at: the "
+             "phase it is reached in; fwd+bwd: the peak before the optimizer runs",
+             f"{'mode':15} {'peak':>10} {'at':>9} {'fwd+bwd':>10} {'model state':>11} "
+             f"{'static':>10} {'graph pools':>11} {'step':>10} {'bytes':>10} "
+             f"{'H100 step (model)':>17} {'/eager_none':>11}",
+             "-" * 133]
     for name, m in modes.items():
         mem, step = m["peak_memory"], m["predicted_h100_step_s"]
         ratio = "-" if reference is None else f"{step / reference['predicted_h100_step_s']:.3f}"
-        lines.append(f"{name:15} {_size(m['peak_bytes']):>10} {_size(mem['model_state']):>11} "
+        lines.append(f"{name:15} {_size(m['peak_bytes']):>10} {m['peak_phase']:>9} "
+                     f"{_size(peak_before_optimizer(m)):>10} {_size(mem['model_state']):>11} "
                      f"{_size(mem['static']):>10} {_size(mem['graph_pools']):>11} "
                      f"{_size(mem['step']):>10} {_size(m['bytes_per_step']):>10} "
                      f"{step * 1e3:>14.2f} ms {ratio:>11}")
     return lines
+
+
+def peak_before_optimizer(mode: dict) -> int:
+    """A mode's device peak over its forward, recompute and backward: its peak with an optimizer
+    that allocates nothing (a fused one, on gradients already in place)."""
+    return max(b for phase, b in mode["peak_bytes_by_phase"].items() if phase != "optimizer")
 
 
 def format_traffic(report: dict) -> list[str]:
