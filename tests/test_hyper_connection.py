@@ -190,3 +190,20 @@ def test_bad_shapes_name_the_expected_shape():
         hc.apply_h_post(torch.randn(S, B, C + 1), torch.rand(S, B, N))
     with pytest.raises(ValueError, match=r"\[\.\.\., n, n\]"):
         sinkhorn_knopp(torch.randn(3, 4), 5)
+
+
+def test_buffers_the_stream_ops_write_are_checked():
+    """The expand's ``out`` and the contraction's ``grad_into`` are written whole: one that is
+    not contiguous, of the stream's shape and dtype, is refused in one line naming it."""
+    x = torch.randn(S, B, C)
+    with pytest.raises(ValueError, match=r"expand_streams: out must be a contiguous .* shape "
+                                         rf"\({S}, {B}, {N * C}\)"):
+        expand_streams(x, N, torch.empty(S, B, N * C + 1))
+    stream = torch.randn(S, B, N * C, requires_grad=True)
+    with pytest.raises(ValueError, match=r"contract_streams: grad_into must be a contiguous"):
+        contract_streams(stream, N, torch.empty(B, S, N * C).transpose(0, 1))
+    with pytest.raises(ValueError, match=r"contract_streams: grad_into"):
+        contract_streams(stream, N, torch.empty(S, B, N * C, dtype=torch.float64))
+    into = torch.empty(S, B, N * C)
+    contract_streams(stream, N, into).sum().backward()
+    torch.testing.assert_close(into, torch.full_like(into, 1 / N))  # the mean's gradient, there

@@ -123,6 +123,13 @@ class _ContractStreams(torch.autograd.Function):
         return alias(ctx.into), None, None
 
 
+def _check_buffer(name: str, field: str, buffer: Tensor, shape: tuple, dtype: torch.dtype) -> None:
+    """A buffer an op writes whole must be contiguous, of ``shape`` and ``dtype``."""
+    if tuple(buffer.shape) != tuple(shape) or buffer.dtype != dtype or not buffer.is_contiguous():
+        raise ValueError(f"{name}: {field} must be a contiguous {dtype} tensor of shape "
+                         f"{tuple(shape)}, got {buffer.dtype} {tuple(buffer.shape)}")
+
+
 def expand_streams(x: Tensor, num_streams: int, out: Tensor | None = None) -> Tensor:
     """``[s, b, C] -> [s, b, n*C]``: every stream starts as a copy of ``x``; written into ``out``
     when given (where the consumer keeps its input: no copy after)."""
@@ -131,10 +138,7 @@ def expand_streams(x: Tensor, num_streams: int, out: Tensor | None = None) -> Te
     s, b, c = x.shape
     if out is None:
         out = x.new_empty(s, b, num_streams * c)
-    elif tuple(out.shape) != (s, b, num_streams * c) or out.dtype != x.dtype \
-            or not out.is_contiguous():
-        raise ValueError(f"expand_streams: out must be a contiguous {x.dtype} tensor of shape "
-                         f"{(s, b, num_streams * c)}, got {out.dtype} {tuple(out.shape)}")
+    _check_buffer("expand_streams", "out", out, (s, b, num_streams * c), x.dtype)
     with traffic.mhc():
         return _ExpandStreams.apply(x, num_streams, out)
 
@@ -147,11 +151,7 @@ def contract_streams(x: Tensor, num_streams: int, grad_into: Tensor | None = Non
     with traffic.mhc():
         if grad_into is None:
             return x.view(s, b, num_streams, c).mean(dim=-2)
-        if grad_into.shape != x.shape or grad_into.dtype != x.dtype \
-                or not grad_into.is_contiguous():
-            raise ValueError(f"contract_streams: grad_into must be a contiguous {x.dtype} tensor "
-                             f"of shape {tuple(x.shape)}, got {grad_into.dtype} "
-                             f"{tuple(grad_into.shape)}")
+        _check_buffer("contract_streams", "grad_into", grad_into, tuple(x.shape), x.dtype)
         return _ContractStreams.apply(x, num_streams, grad_into)
 
 

@@ -204,14 +204,17 @@ class LiveBytes:
     is the most alive after any op. A storage an op writes that was one of its inputs (in place,
     ``out=``, a view) is not new; storages allocated before the step (parameters, optimizer
     state, static buffers, graph pools) and what graph replays touch are not counted here.
-    ``peak_by_phase`` is the same most per phase of the step (:data:`mhc_cg.core.traffic.PHASES`,
+    ``peak_by_phase`` is that most per phase of the step (:data:`mhc_cg.core.traffic.PHASES`,
     ``None`` outside any): what is alive after an op of that phase, whoever allocated it."""
 
     def __init__(self) -> None:
         self._live: dict[int, list] = {}  # storage id -> [weak ref, bytes counted]
         self.bytes = 0
-        self.peak = 0
         self.peak_by_phase: dict[str | None, int] = {}
+
+    @property
+    def peak(self) -> int:
+        return max(self.peak_by_phase.values(), default=0)
 
     def after_op(self, args: tuple, kwargs: dict, out: Any) -> None:
         for key, entry in list(self._live.items()):
@@ -234,7 +237,6 @@ class LiveBytes:
             nbytes = rounded(storage.nbytes())
             self._live[key] = [StorageWeakRef(storage), nbytes]
             self.bytes += nbytes
-        self.peak = max(self.peak, self.bytes)
         phase = traffic.current_phase()
         self.peak_by_phase[phase] = max(self.peak_by_phase.get(phase, 0), self.bytes)
 
