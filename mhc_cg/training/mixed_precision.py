@@ -11,7 +11,8 @@ fp16 also scales the loss (:class:`DynamicLossScaler`, Megatron's ``DynamicGradS
 backward runs on ``loss * scale`` so small gradients do not flush to zero; the fp32 gradients are
 unscaled before the step. A step whose gradients hold an inf or NaN is skipped (the parameters
 stay, the scale shrinks); it is counted in ``skipped_steps``. With fp32 the optimizer is plain
-AdamW on the model's parameters.
+AdamW on the model's parameters. AdamW is :class:`~mhc_cg.training.adamw.SlicedAdamW`: torch's,
+with a slice of a parameter as its only temporary.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from mhc_cg.training.adamw import SlicedAdamW
 
 
 @dataclass
@@ -67,7 +70,7 @@ class MixedPrecisionOptimizer:
                                 for p in self.model_params]
         else:
             self.main_params = self.model_params
-        self.optimizer = torch.optim.AdamW(self.main_params, lr=lr, weight_decay=weight_decay)
+        self.optimizer = SlicedAdamW(self.main_params, lr=lr, weight_decay=weight_decay)
         self.scaler = DynamicLossScaler() if model_dtype == torch.float16 else None
         self.skipped_steps = 0
 

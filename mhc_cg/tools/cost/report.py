@@ -33,6 +33,7 @@ from mhc_cg.tools.cost.allocator import rounded
 from mhc_cg.tools.cost.bandwidth import charging
 from mhc_cg.tools.cost.op_counters import StepRecorder, StreamTracker
 from mhc_cg.tools.cost.cost_backend import CostBackend
+from mhc_cg.training.adamw import SlicedAdamW
 from mhc_cg.training.data import ProgressionCorpus
 
 DEVICES = ("meta", "cpu")
@@ -82,10 +83,10 @@ def cost_mode(cfg: RunConfig, mode: str, device: str) -> dict:
         with torch.device(dev) if meta else contextlib.nullcontext():
             mode_model = build(cfg, plan, dev, backend=backend)
         model, forward = mode_model.model, mode_model
-        # per-parameter optimizer and clipping on every device (meta has no multi-tensor ops;
-        # a GPU would launch fewer, larger kernels there)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr,
-                                      weight_decay=cfg.train.weight_decay, foreach=False)
+        # the training's AdamW (per parameter, a slice as its temporary) and per-parameter
+        # clipping (meta has no multi-tensor ops; a GPU would launch fewer kernels there)
+        optimizer = SlicedAdamW(model.parameters(), lr=cfg.train.lr,
+                                weight_decay=cfg.train.weight_decay)
         corpus = ProgressionCorpus(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.train.seed)
         train = cfg.train
 

@@ -40,6 +40,7 @@ from mhc_cg.runtime.modes.registry import build_model, capture_plan, get_mode
 from mhc_cg.runtime.recompute.arena import Arena
 from mhc_cg.runtime.recompute.persistent import PersistentSetPool, new_persistent_set
 from mhc_cg.runtime.recompute.static import build_static_recompute
+from mhc_cg.training.adamw import SlicedAdamW
 from mhc_cg.training.pipeline.schedules_on_cpu import cpu_shim
 from mhc_cg.training.session import Microbatches
 
@@ -248,8 +249,8 @@ class PipelineRank:
             owned |= {id(p) for p in (*model.final_norm.parameters(), *model.head.parameters())}
         self.named = [(n, p) for n, p in model.named_parameters() if id(p) in owned]
         self.all_names = [n for n, _ in model.named_parameters()]
-        self.optimizer = torch.optim.AdamW([p for _, p in self.named], lr=train.lr,
-                                           weight_decay=train.weight_decay)
+        self.optimizer = SlicedAdamW([p for _, p in self.named], lr=train.lr,
+                                     weight_decay=train.weight_decay)
 
     def step(self) -> tuple[float | None, float, dict[str, Tensor]]:
         """One optimizer step: ``(loss on the last rank else None, global grad norm, grads)``."""

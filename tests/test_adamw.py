@@ -1,0 +1,86 @@
+"""The training's AdamW: torch's AdamW to the bit, with the step's temporary one slice."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from mhc_cg.training.adamw import SlicedAdamW
+
+
+def _params(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(37, 11), (5,), (64, 3), (1,)]  # sizes that slices of 7 bf16 (3 fp32) elements cut unevenly
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+
+
+def _run(opt_cls, params, steps, **kwargs):
+    opt = opt_cls(params, lr=3e-3, weight_decay=0.1, **kwargs)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slice_bytes", [14, 256, 64 << 20])
+def test_sliced_adamw_is_torch_adamw_bit_for_bit(dtype, slice_bytes):
+    ours, theirs = _params(dtype), _params(dtype)
+    opt = _run(SlicedAdamW, ours, 3, slice_bytes=slice_bytes)
+    ref = _run(torch.optim.AdamW, theirs, 3, foreach=False)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[a][key], ref.state[b][key]), key
+    # the state is torch's: a checkpoint of one loads into the other and goes on identically
+    again = _params(dtype, seed=5)
+    moved = [p.detach().clone().requires_grad_() for p in again]
+    torch_opt = torch.optim.AdamW(moved, lr=3e-3, weight_decay=0.1, foreach=False)
+    torch_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    ours_opt = SlicedAdamW(again, lr=3e-3, weight_decay=0.1, slice_bytes=slice_bytes)
+    ours_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # no shared tensors
+    for p, q in zip(again, moved):
+        p.grad = q.grad = torch.ones_like(p)
+    ours_opt.step(), torch_opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(again, moved))
+
+
+def test_the_step_allocates_one_slice_not_the_parameter():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor)}
+            for t in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
+                    self.largest = max(self.largest, t.untyped_storage().nbytes())
+            return out
+
+    p = torch.nn.Parameter(torch.randn(1000, 10))
+    p.grad = torch.randn_like(p)
+    opt = SlicedAdamW([p], slice_bytes=1024)
+    opt.step()  # the first step makes the moments (parameter-sized, kept)
+    with Allocations() as seen:
+        opt.step()
+    assert 0 < seen.largest <= 256 * 4
+    with Allocations() as seen_torch:
+        torch.optim.AdamW([p], foreach=False).step()
+    assert seen_torch.largest >= p.numel() * 4  # torch's denominator is the whole parameter
+
+
+def test_refuses_what_it_does_not_implement():
+    with pytest.raises(ValueError, match="slice_bytes"):
+        SlicedAdamW([torch.nn.Parameter(torch.ones(2))], slice_bytes=0)
+    p = torch.nn.Parameter(torch.ones(4, 4))
+    p.grad = torch.ones(4, 4).t()  # a transposed gradient cannot be sliced in place of p's
+    with pytest.raises(RuntimeError, match="contiguous"):
+        SlicedAdamW([p]).step()
