@@ -73,6 +73,29 @@ def test_kernel_count_of_a_small_module_equals_the_tape_and_a_hand_count():
     assert step.kernels == len(forward) + len(backward)
 
 
+def test_host_work_of_a_device_step_launches_no_kernel():
+    """AdamW keeps its step count on the CPU: bumping it and reading it back is host work, not a
+    kernel of a step whose tensors live on the device; on a CPU run everything is the device's."""
+    from mhc_cg.training.adamw import SlicedAdamW
+
+    p = torch.nn.Parameter(torch.ones(4, 8, device="meta"))
+    p.grad = torch.ones_like(p)
+    opt = SlicedAdamW([p])
+    opt.step()  # makes the state (its step count on the CPU, the moments on meta)
+    with StepRecorder(device="meta") as step:
+        opt.step()
+    # decay, lerp, mul + addcmul, sqrt, div + add, addcdiv; the denominator's empty launches none
+    assert step.eager.kernels == 8 and step.host_ops >= 2
+    assert "aten._local_scalar_dense" not in step.eager.by_op
+    q = torch.nn.Parameter(torch.ones(4, 8))
+    q.grad = torch.ones_like(q)
+    cpu_opt = SlicedAdamW([q])
+    cpu_opt.step()
+    with StepRecorder(device="cpu") as on_cpu:
+        cpu_opt.step()
+    assert on_cpu.host_ops == 0 and on_cpu.eager.kernels > step.eager.kernels
+
+
 def test_bytes_count_inputs_and_outputs_and_expanded_inputs_once():
     a = torch.randn(64, 32)
     b = torch.randn(32).expand(64, 32)

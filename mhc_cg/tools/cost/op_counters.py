@@ -245,22 +245,30 @@ class StepRecorder(TorchDispatchMode):
     """Counts a training step: eager ops through dispatch, graph replays through :meth:`replayed`.
 
     ``eager`` and ``graphs`` split the total; ``replays`` counts graph launches; ``live`` tracks
-    what the eager ops allocate (:class:`LiveBytes`).
+    what the eager ops allocate (:class:`LiveBytes`). With ``device`` other than the CPU, an op
+    that touches no tensor off the CPU is host work (AdamW's step counter and its ``item()``):
+    no kernel, no device memory.
     """
 
     active: list["StepRecorder"] = []
 
-    def __init__(self, streams: StreamTracker | None = None) -> None:
+    def __init__(self, streams: StreamTracker | None = None,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         self.eager = OpCounter()
         self.graphs = OpCounter()
         self.replays = 0
         self.streams = streams
         self.live = LiveBytes()
+        self.host_ops = 0
+        self._host_only = device is not None and torch.device(device).type != "cpu"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self._host_only and all(t.device.type == "cpu" for t in _tensors((args, kwargs, out))):
+            self.host_ops += 1
+            return out
         self.eager.add(func, args, kwargs, out, self.streams)
         self.live.after_op(args, kwargs, out)
         return out

@@ -106,7 +106,7 @@ def cost_mode(cfg: RunConfig, mode: str, device: str) -> dict:
                 optimizer.step()
 
         _init_optimizer_state(model, optimizer)
-        recorder = StepRecorder(streams)
+        recorder = StepRecorder(streams, dev)
         with recorder:
             step()
     graphs = _graph_entries(mode_model, backend, cfg)
