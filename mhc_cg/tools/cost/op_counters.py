@@ -247,7 +247,7 @@ class StepRecorder(TorchDispatchMode):
     ``eager`` and ``graphs`` split the total; ``replays`` counts graph launches; ``live`` tracks
     what the eager ops allocate (:class:`LiveBytes`). With ``device`` other than the CPU, an op
     that touches no tensor off the CPU is host work (AdamW's step counter and its ``item()``):
-    no kernel, no device memory.
+    no kernel, no device memory (``host_ops`` counts those a CPU run would charge as kernels).
     """
 
     active: list["StepRecorder"] = []
@@ -267,7 +267,7 @@ class StepRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self._host_only and all(t.device.type == "cpu" for t in _tensors((args, kwargs, out))):
-            self.host_ops += 1
+            self.host_ops += launches_kernel(func, args, kwargs, out)
             return out
         self.eager.add(func, args, kwargs, out, self.streams)
         self.live.after_op(args, kwargs, out)

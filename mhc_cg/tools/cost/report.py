@@ -123,6 +123,7 @@ def cost_mode(cfg: RunConfig, mode: str, device: str) -> dict:
         "bytes_per_step": recorder.bytes,
         "eager_kernels_per_step": recorder.eager.kernels,
         "eager_bytes_per_step": recorder.eager.bytes,
+        "host_ops_per_step": recorder.host_ops,
         "graph_replays_per_step": recorder.replays,
         "graphs": graphs,
         "pools": len(backend.pools),
