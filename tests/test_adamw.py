@@ -67,6 +67,35 @@ def test_the_step_allocates_one_slice_not_the_parameter():
     assert torch_step.live.peak >= 2 * p.numel() * 4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lent_workspace_takes_the_scratch_and_changes_no_bit(dtype):
+    """With a workspace lent (a graphed mode's idle arena) the step allocates nothing, its slices
+    span the workspace, and the update is still torch's to the bit; a workspace smaller than one
+    slice is left alone and the step allocates its slice."""
+    lent = torch.full((301,), 255, dtype=torch.uint8)  # odd bytes: fp32 slices of 75 elements
+    ours, theirs = _params(dtype), _params(dtype)
+    opt = SlicedAdamW(ours, lr=3e-3, weight_decay=0.1, slice_bytes=14, workspace=lambda: lent)
+    ref = torch.optim.AdamW(theirs, lr=3e-3, weight_decay=0.1, foreach=False)
+    g = torch.Generator().manual_seed(1)
+    for step in range(2):
+        for p, q in zip(ours, theirs):
+            p.grad = q.grad = torch.randn(p.shape, generator=g).to(dtype)
+        with StepRecorder() as recorded:
+            opt.step()
+        ref.step()
+    assert recorded.live.peak == 0  # the second step: the moments exist, the scratch is lent
+    assert (lent != 255).any()  # the denominators went there
+    assert all(torch.equal(p, q) for p, q in zip(ours, theirs))
+    too_small = torch.empty(1000, dtype=torch.uint8)
+    small = SlicedAdamW([torch.nn.Parameter(torch.randn(1000))], slice_bytes=1024,
+                        workspace=lambda: too_small)
+    small.param_groups[0]["params"][0].grad = torch.randn(1000)
+    small.step()
+    with StepRecorder() as recorded:
+        small.step()
+    assert recorded.live.peak == 1024
+
+
 def test_refuses_what_it_does_not_implement():
     with pytest.raises(ValueError, match="slice_bytes"):
         SlicedAdamW([torch.nn.Parameter(torch.ones(2))], slice_bytes=0)

@@ -146,3 +146,37 @@ def test_persistent_bytes_with_activation_recompute_match_the_planner():
                        dtype="fp32", recompute_layers=m.recompute_layers,
                        activation_recompute_layers=3, ffn_hidden_size=m.ffn_hidden_size)
     assert graphed.runtime.sets.nbytes_per_set == shape.persistent_set_bytes(m.num_layers)
+
+
+@pytest.mark.parametrize("case", ["attn_mlp", "moe_partial"])
+def test_the_arena_is_idle_wherever_it_is_lent(case):
+    """The arena is lent outside the blocks' windows (the embeddings' gradient after block 0's
+    backward, the optimizer's scratch): filled with NaN before every microbatch's forward and
+    before every optimizer step, training is still bit-identical to eager without recompute, so
+    nothing reads a slot there before writing it. The lending is live: the optimizer's
+    denominators are found in the arena after a step."""
+    from mhc_cg.runtime.modes.registry import capture_plan
+    from mhc_cg.training.session import TrainSession
+
+    cfg = small_config(*SCOPE_CASES[case])
+    cpu = torch.device("cpu")
+    sessions = {mode: TrainSession.build(cfg, capture_plan(cfg, mode, "cpu"), cpu)
+                for mode in ("eager_none", "graphed_static")}
+    graphed = sessions["graphed_static"].mode_model
+    arena = graphed.runtime.arena
+    forward = graphed.forward
+
+    def poisoned_forward(input_ids, seed):
+        arena.lend().fill_(255)  # 0xff..: NaN in every float dtype
+        return forward(input_ids, seed)
+
+    graphed.forward = poisoned_forward
+    for step in range(3):
+        losses = {mode: s.step(digest=True, after_backward=lambda model: arena.lend().fill_(255))[0]
+                  for mode, s in sessions.items()}
+        assert losses["graphed_static"] == losses["eager_none"], step
+        assert (sessions["graphed_static"].last_grad_digest
+                == sessions["eager_none"].last_grad_digest), step
+        assert (arena.lend() != 255).any()  # the step's denominators
+    assert all(torch.equal(p, q) for p, q in zip(sessions["eager_none"].model.parameters(),
+                                                 sessions["graphed_static"].model.parameters()))

@@ -207,3 +207,20 @@ def test_buffers_the_stream_ops_write_are_checked():
     into = torch.empty(S, B, N * C)
     contract_streams(stream, N, into).sum().backward()
     torch.testing.assert_close(into, torch.full_like(into, 1 / N))  # the mean's gradient, there
+
+
+def test_the_expand_writes_its_gradient_into_the_buffer_lent_for_it():
+    """The expand's backward sums the streams' gradient into ``grad_into`` (the static runtime's
+    idle arena): the same bits as the sum it would allocate, refused for a leaf (whose ``.grad``
+    would keep the buffer) and for a buffer of another shape."""
+    leaf = torch.randn(S, B, C, requires_grad=True)
+    g = torch.randn(S, B, N * C)
+    expand_streams(leaf * 1, N).backward(g)
+    into = torch.full((S, B, C), float("nan"))
+    expand_streams(leaf * 1, N, grad_into=into).backward(g)
+    assert torch.equal(into, g.view(S, B, N, C).sum(-2))
+    assert torch.equal(into, leaf.grad / 2)  # the leaf got both gradients through the product
+    with pytest.raises(ValueError, match="expand_streams: grad_into needs an x made by an op"):
+        expand_streams(leaf, N, grad_into=into)
+    with pytest.raises(ValueError, match=r"expand_streams: grad_into must be a contiguous"):
+        expand_streams(leaf * 1, N, grad_into=torch.empty(S, B, C + 1))

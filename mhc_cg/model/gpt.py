@@ -64,8 +64,11 @@ class MHCGPT(nn.Module):
         """One int64 seed per microbatch, drawn from torch's generator (the only stateful draw)."""
         return torch.randint(0, 2 ** 31 - 1, (), dtype=torch.int64).to(device or "cpu")
 
-    def embed(self, input_ids: Tensor, out: Tensor | None = None) -> Tensor:
-        """``[b, s] -> [s, b, n*C]``, written into ``out`` when given."""
+    def embed(self, input_ids: Tensor, out: Tensor | None = None,
+              grad_into: Tensor | None = None) -> Tensor:
+        """``[b, s] -> [s, b, n*C]``, written into ``out`` when given; the backward writes the
+        embeddings' ``[s, b, C]`` gradient into ``grad_into`` when given (see
+        :func:`expand_streams`)."""
         if input_ids.dim() != 2:
             raise ValueError(f"MHCGPT: expected input_ids of shape [b, s], got {tuple(input_ids.shape)}")
         b, s = input_ids.shape
@@ -73,7 +76,7 @@ class MHCGPT(nn.Module):
             raise ValueError(f"MHCGPT: sequence length {s} exceeds seq_length={self.cfg.seq_length}")
         pos = torch.arange(s, device=input_ids.device)
         h = (self.embedding(input_ids) + self.position(pos)).transpose(0, 1)
-        return expand_streams(h, self.cfg.num_streams, out)
+        return expand_streams(h, self.cfg.num_streams, out, grad_into)
 
     def run_layers(self, x: Tensor, seed: Tensor | None) -> Tensor:
         for layer in self.layers:

@@ -94,15 +94,19 @@ class _ExpandStreams(torch.autograd.Function):
     reads_grad_once = True
 
     @staticmethod
-    def forward(ctx, x: Tensor, num_streams: int, out: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, num_streams: int, out: Tensor, grad_into: Tensor | None) -> Tensor:
         s, b, c = x.shape
-        ctx.shape = (s, b, num_streams, c)
+        ctx.shape, ctx.grad_into = (s, b, num_streams, c), grad_into
         out.view(ctx.shape).copy_(x.unsqueeze(-2))
         return alias(out)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return grad.reshape(ctx.shape).sum(-2), None, None  # the expand's own backward
+        # the expand's own backward (the sum over the streams), into the buffer lent for it
+        if ctx.grad_into is None:
+            return grad.reshape(ctx.shape).sum(-2), None, None, None
+        torch.sum(grad.reshape(ctx.shape), dim=-2, out=ctx.grad_into)
+        return alias(ctx.grad_into), None, None, None
 
 
 class _ContractStreams(torch.autograd.Function):
@@ -130,17 +134,25 @@ def _check_buffer(name: str, field: str, buffer: Tensor, shape: tuple, dtype: to
                          f"{tuple(shape)}, got {buffer.dtype} {tuple(buffer.shape)}")
 
 
-def expand_streams(x: Tensor, num_streams: int, out: Tensor | None = None) -> Tensor:
+def expand_streams(x: Tensor, num_streams: int, out: Tensor | None = None,
+                   grad_into: Tensor | None = None) -> Tensor:
     """``[s, b, C] -> [s, b, n*C]``: every stream starts as a copy of ``x``; written into ``out``
-    when given (where the consumer keeps its input: no copy after)."""
+    when given (where the consumer keeps its input: no copy after). ``grad_into``: a buffer
+    shaped like ``x`` that the backward writes x's gradient into, for a gradient that dies before
+    the buffer is written again (not a leaf's: its ``.grad`` would keep the buffer)."""
     if x.dim() != 3:
         raise ValueError(f"expand_streams: expected shape [s, b, C], got {tuple(x.shape)}")
     s, b, c = x.shape
     if out is None:
         out = x.new_empty(s, b, num_streams * c)
     _check_buffer("expand_streams", "out", out, (s, b, num_streams * c), x.dtype)
+    if grad_into is not None:
+        if x.requires_grad and x.grad_fn is None:
+            raise ValueError("expand_streams: grad_into needs an x made by an op, not a leaf "
+                             "tensor (its .grad would keep the lent buffer)")
+        _check_buffer("expand_streams", "grad_into", grad_into, (s, b, c), x.dtype)
     with traffic.mhc():
-        return _ExpandStreams.apply(x, num_streams, out)
+        return _ExpandStreams.apply(x, num_streams, out, grad_into)
 
 
 def contract_streams(x: Tensor, num_streams: int, grad_into: Tensor | None = None) -> Tensor:

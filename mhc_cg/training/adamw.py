@@ -9,11 +9,18 @@ same element-wise operations, in the same order and with the same scalars, over 
 result is bit-identical (every operation is element-wise; a slice changes none of its inputs), the
 bytes moved are the same, and the step's temporary is one slice, not two parameters.
 
+A ``workspace`` (a callable giving a byte buffer, or None) lends memory the step may write its
+scratch into instead of allocating: a graphed mode's static arena, idle between steps
+(:meth:`~mhc_cg.runtime.modes.lifecycle.ModeModel.idle_workspace`). The slices are then as long
+as the workspace holds, at least ``slice_bytes``: no temporary, and fewer launches.
+
 Only what the training here uses: no amsgrad, no maximize, real parameters, the step count in a
 CPU scalar as torch keeps it (so ``state_dict`` round-trips with ``torch.optim.AdamW``).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -29,12 +36,14 @@ class SlicedAdamW(torch.optim.AdamW):
 
     def __init__(self, params, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2,
-                 slice_bytes: int = SLICE_BYTES):
+                 slice_bytes: int = SLICE_BYTES,
+                 workspace: Callable[[], Tensor | None] | None = None):
         if slice_bytes < 1:
             raise ValueError(f"slice_bytes must be >= 1, got {slice_bytes}")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          foreach=False)
         self.slice_bytes = slice_bytes
+        self.workspace = workspace
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -70,8 +79,8 @@ class SlicedAdamW(torch.optim.AdamW):
         bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
         params, grads = _flat(p), _flat(p.grad)
         exp_avgs, exp_avg_sqs = _flat(state["exp_avg"]), _flat(state["exp_avg_sq"])
-        width = min(max(self.slice_bytes // p.element_size(), 1), params.numel())
-        denom = torch.empty(width, dtype=p.dtype, device=p.device)
+        denom = self._scratch(p, params.numel())
+        width = denom.numel()
         for start in range(0, params.numel(), width):
             s = slice(start, start + width)
             param, grad, exp_avg, exp_avg_sq = params[s], grads[s], exp_avgs[s], exp_avg_sqs[s]
@@ -83,6 +92,16 @@ class SlicedAdamW(torch.optim.AdamW):
             torch.sqrt(exp_avg_sq, out=d)
             d.div_(bias_correction2_sqrt).add_(eps)
             param.addcdiv_(exp_avg, d, value=-step_size)
+
+    def _scratch(self, p: Tensor, numel: int) -> Tensor:
+        """The denominator's slice: the workspace's bytes when it holds a whole slice, else a
+        new tensor of one slice."""
+        item = p.element_size()
+        width = min(max(self.slice_bytes // item, 1), numel)
+        lent = self.workspace() if self.workspace is not None else None
+        if lent is not None and lent.device == p.device and lent.numel() >= width * item:
+            return lent[:min(lent.numel() // item, numel) * item].view(p.dtype)
+        return torch.empty(width, dtype=p.dtype, device=p.device)
 
 
 def _flat(t: Tensor) -> Tensor:

@@ -18,6 +18,7 @@ with a slice of a parameter as its only temporary.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -58,11 +59,13 @@ class DynamicLossScaler:
 class MixedPrecisionOptimizer:
     """AdamW over fp32 main parameters for a model in ``model_dtype`` (see the module docstring).
 
+    ``workspace``: memory the step may borrow for its scratch (see :class:`SlicedAdamW`).
     Use: ``zero_grad()``; ``backward(loss)`` per microbatch; ``step()`` returns
     ``(grad_norm, skipped)``; the norm is that of the unscaled fp32 gradients.
     """
 
-    def __init__(self, params, *, lr: float, weight_decay: float, model_dtype: torch.dtype):
+    def __init__(self, params, *, lr: float, weight_decay: float, model_dtype: torch.dtype,
+                 workspace: Callable[[], Tensor | None] | None = None):
         self.model_params = [p for p in params if p.requires_grad]
         self.low_precision = model_dtype != torch.float32
         if self.low_precision:
@@ -70,7 +73,8 @@ class MixedPrecisionOptimizer:
                                 for p in self.model_params]
         else:
             self.main_params = self.model_params
-        self.optimizer = SlicedAdamW(self.main_params, lr=lr, weight_decay=weight_decay)
+        self.optimizer = SlicedAdamW(self.main_params, lr=lr, weight_decay=weight_decay,
+                                     workspace=workspace)
         self.scaler = DynamicLossScaler() if model_dtype == torch.float16 else None
         self.skipped_steps = 0
 

@@ -116,7 +116,8 @@ class TrainSession:
         mode_model = build(cfg, plan, device, backend)
         optimizer = MixedPrecisionOptimizer(mode_model.model.parameters(), lr=cfg.train.lr,
                                             weight_decay=cfg.train.weight_decay,
-                                            model_dtype=TORCH_DTYPES[cfg.train.dtype])
+                                            model_dtype=TORCH_DTYPES[cfg.train.dtype],
+                                            workspace=mode_model.idle_workspace)
         return cls(cfg, plan, device, mode_model, optimizer, Microbatches(cfg))
 
     @property

@@ -129,6 +129,16 @@ def sublayer_label(key: tuple[int, int], module: nn.Module) -> str:
     return f"L{layer}.{SUBLAYER_NAMES[k]}" + (".head" if isinstance(module, PartialMoESublayer) else "")
 
 
+def embed_buffers(model: MHCGPT, runtime: StaticRecompute,
+                  input_ids: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """Where the embedding's stream expand writes the chunk input (the persistent set the first
+    graph reads), and its backward the embeddings' gradient: the arena, idle once block 0's
+    backward is done (:meth:`Arena.lend`)."""
+    lead, c = tuple(input_ids.shape[::-1]), model.cfg.hidden_size
+    return (runtime.next_input_buffer((*lead, model.cfg.num_streams * c)),
+            runtime.arena.lend((*lead, c), model.embedding.weight.dtype))
+
+
 class GraphedStaticModel(ModeModel):
     """``model`` with static-buffer recompute; what ``plan`` names runs as graphs.
 
@@ -252,8 +262,6 @@ class GraphedStaticModel(ModeModel):
             return self.model(input_ids, dropout_seed)
         self.captured.check(self.model)
         dropout_seed = self.graph_seed(input_ids, dropout_seed)
-        width = self.model.cfg.num_streams * self.model.cfg.hidden_size
-        x = self.model.embed(input_ids,
-                             out=self.runtime.next_input_buffer((*input_ids.shape[::-1], width)))
+        x = self.model.embed(input_ids, *embed_buffers(self.model, self.runtime, input_ids))
         x = self.runtime.forward(x, dropout_seed, self.sublayer_fns)
         return self.model.logits(x, grad_into=grad_output_buffer(x))

@@ -94,6 +94,12 @@ class ModeModel:
             self.backend = get_backend(self.plan.backend)
         return self.backend
 
+    def idle_workspace(self) -> Tensor | None:
+        """Bytes the mode holds that nothing reads between training steps, for the optimizer's
+        temporaries: the static runtime's arena (:meth:`Arena.lend`); None without one. Valid
+        until the next forward."""
+        return self.runtime.arena.lend() if self.runtime is not None else None
+
     # -- what tools read ------------------------------------------------------------------------
     def named_graphs(self) -> list[tuple[str, str, Graph]]:
         """``(name, kind, graph)`` for every captured graph: each graphed callable's forward and

@@ -19,6 +19,7 @@ region was first filled. A different shape is an error, never a silent re-alloca
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -110,6 +111,25 @@ class Arena:
         self.buffer = static_buffer(torch.zeros(max(offset, ALIGN_BYTES), dtype=torch.uint8,
                                                 device=self.device))
         self._writer = own_version_alias(self.buffer)
+
+    def lend(self, shape: tuple[int, ...] | None = None,
+             dtype: torch.dtype = torch.uint8) -> Tensor | None:
+        """The arena's first bytes as a ``shape`` tensor of ``dtype`` (through the writer alias;
+        no shape: all its bytes), for a temporary that dies before the next forward or recompute;
+        None before :meth:`allocate` or if it does not fit.
+
+        Between a block's recompute and the end of its backward the slots hold what that
+        backward reads, and inside a forward they pass streams between sublayers; outside those,
+        nothing in the arena is read before it is written again (every slot is rewritten before
+        it is read). So the end of the backward (the chunk input's gradient) and the optimizer
+        step can borrow it instead of allocating."""
+        if self._writer is None:
+            return None
+        shape = (self._writer.numel(),) if shape is None else shape
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if nbytes > self._writer.numel():
+            return None
+        return self._writer[:nbytes].view(dtype).view(shape)
 
     # -- addresses ---------------------------------------------------------------------------
     def contains(self, t: Tensor) -> bool:

@@ -83,10 +83,12 @@ def cost_mode(cfg: RunConfig, mode: str, device: str) -> dict:
         with torch.device(dev) if meta else contextlib.nullcontext():
             mode_model = build(cfg, plan, dev, backend=backend)
         model, forward = mode_model.model, mode_model
-        # the training's AdamW (per parameter, a slice as its temporary) and per-parameter
-        # clipping (meta has no multi-tensor ops; a GPU would launch fewer kernels there)
+        # the training's AdamW (per parameter, a slice or the mode's idle arena as its scratch)
+        # and per-parameter clipping (meta has no multi-tensor ops; a GPU would launch fewer
+        # kernels there)
         optimizer = SlicedAdamW(model.parameters(), lr=cfg.train.lr,
-                                weight_decay=cfg.train.weight_decay)
+                                weight_decay=cfg.train.weight_decay,
+                                workspace=mode_model.idle_workspace)
         corpus = ProgressionCorpus(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.train.seed)
         train = cfg.train
 

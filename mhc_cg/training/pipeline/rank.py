@@ -250,7 +250,7 @@ class PipelineRank:
         self.named = [(n, p) for n, p in model.named_parameters() if id(p) in owned]
         self.all_names = [n for n, _ in model.named_parameters()]
         self.optimizer = SlicedAdamW([p for _, p in self.named], lr=train.lr,
-                                     weight_decay=train.weight_decay)
+                                     weight_decay=train.weight_decay, workspace=self.arena.lend)
 
     def step(self) -> tuple[float | None, float, dict[str, Tensor]]:
         """One optimizer step: ``(loss on the last rank else None, global grad norm, grads)``."""
