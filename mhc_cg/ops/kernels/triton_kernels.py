@@ -56,6 +56,9 @@ _hash = triton.jit(types.FunctionType(counter_hash.__code__, {**counter_hash.__g
                                       counter_hash.__name__))
 
 CHAIN_ROWS = 4  # tokens per program elsewhere: [BT, n, n, BC] tiles stay in registers
+# the pre backward's first pass: elements per feature step over the streams ([16, n, BC] tiles);
+# a program per 16 tokens binds it to the grid, so a wider step keeps more bytes in flight per SM
+COEF_BUDGET = 256
 
 
 def _np(n: int) -> int:
@@ -265,7 +268,7 @@ def _state_fwd(x_ptr, w_ptr, bias_ptr, apre_ptr, state_ptr, T, C, sqrt_d, eps,
 def _chain(x_ptr, y_ptr, state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, norm_ptr, seed_ptr,
            xo_ptr, fo_ptr, T, C, steps, posts, stream0, stream_step, p_stride, n_stride, sqrt_d,
            iterations, N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-           FN: tl.constexpr, NORM: tl.constexpr, DROPOUT: tl.constexpr,
+           FN: tl.constexpr, POSTS: tl.constexpr, NORM: tl.constexpr, DROPOUT: tl.constexpr,
            THRESHOLD: tl.constexpr, SCALE: tl.constexpr, EPS: tl.constexpr, RMS: tl.constexpr,
            HT: tl.constexpr):
     M: tl.constexpr = N * N + 2 * N
@@ -293,7 +296,7 @@ def _chain(x_ptr, y_ptr, state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, nor
                 w = tl.load(norm_ptr + k * n_stride + c, mask=c < C, other=0.0).to(tl.float32)
                 fn = fn * rstd[:, None] * w[None, :]
             tl.store(fo_ptr + k * T * C + foff, fn, mask=fmask)
-        if k < posts:
+        if POSTS and k < posts:  # POSTS False (the pre): no post code compiled in
             h_res = _sinkhorn(l_res, rmask, iterations, EPS)
             s_post = tl.where(vmask, _sigmoid(l_post), 0.0)
             y = tl.load(y_ptr + k * T * C + foff, mask=fmask, other=0.0).to(tl.float32)
@@ -327,8 +330,8 @@ def _launch_chain(x, ys, states, bias, a_pre, a_post, a_res, p_stride, norm, n_s
         x, ys, states, bias, a_pre, a_post, a_res, norm if norm is not None else x, seed_arg,
         x_out, fn_out, t, c, steps, posts, stream0, step, p_stride, n_stride,
         float(width) ** 0.5, iterations, N=n, NP=nb, BT=CHAIN_ROWS, BC=bc, FN=fn,
-        NORM=norm is not None, EPS=SINKHORN_EPS, RMS=RMS_EPS, HT=h_res_transposed,
-        **_dropout_args(seed, p))
+        POSTS=posts > 0, NORM=norm is not None, EPS=SINKHORN_EPS, RMS=RMS_EPS,
+        HT=h_res_transposed, **_dropout_args(seed, p))
 
 
 def pre(x, weight, a_pre, a_post, a_res, bias, norm_weight, n, iterations, eps,
@@ -342,7 +345,8 @@ def pre(x, weight, a_pre, a_post, a_res, bias, norm_weight, n, iterations, eps,
     _state_fwd[(triton.cdiv(t, DOT_ROWS),)](
         x, weight, bias, a_pre, state, t, c, float(width) ** 0.5, float(eps), N=n, NP=nb,
         MP=_mp(n), BT=DOT_ROWS, BC=_block_c(c, 512 // (nb * nb)), NORM=norm_weight is not None,
-        DOT_F32=_dot_in_fp32(x, weight), RMS=RMS_EPS)
+        DOT_F32=_dot_in_fp32(x, weight), RMS=RMS_EPS,
+        num_stages=4)  # x's tl.dot tiles run 3 steps ahead: a grid of 256 leaves 2 blocks per SM
     fn_input = _written(fn_input_out, lambda: x.new_empty(t, c))
     _launch_chain(x, x, state, bias, a_pre, a_post, a_res, 0, norm_weight, 0, None, 0.0, [0], n,
                   iterations, x, fn_input, fn=True, steps=1, posts=0)
@@ -488,7 +492,6 @@ def _pre_bwd_x(gout_ptr, gpost_ptr, x_ptr, w_ptr, norm_ptr, gproj_ptr, aux_ptr, 
         t = t0 + tl.arange(0, BT)
         tmask = t < T
         vmask = tmask[:, None] & (i < N)[None, :]
-        rmask = vmask[:, :, None] & (i < N)[None, None, :]
         kappa = tl.load(aux_ptr + t * AW, mask=tmask, other=0.0)
         coef = tl.load(aux_ptr + t * AW + 1, mask=tmask, other=0.0)
         rstd = tl.load(aux_ptr + t * AW + 2, mask=tmask, other=0.0)
@@ -510,13 +513,17 @@ def _pre_bwd_x(gout_ptr, gpost_ptr, x_ptr, w_ptr, norm_ptr, gproj_ptr, aux_ptr, 
         gx = s[:, :, None] * g_agg[:, None, :] + tl.reshape(through_proj, [BT, NP, BC]) \
             + coef[:, None, None] * x
         if GPOST:  # the post's residual path: H_res^T g (H_res g for the transposed layout)
-            h_res = tl.load(aux_ptr + t[:, None, None] * AW + 3 + N + i[None, :, None] * N
-                            + i[None, None, :], mask=rmask, other=0.0)
-            g_post = tl.load(gpost_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
-            if HT:
-                gx += tl.sum(h_res[:, :, :, None] * g_post[:, None, :, :], axis=2)
-            else:
-                gx += tl.sum(h_res[:, :, :, None] * g_post[:, :, None, :], axis=1)
+            # one stream of g_post at a time: no [BT, n, n, BC] product held in registers
+            for j in tl.static_range(N):
+                if HT:  # gx[i] += h_res[i, j] g_post[j]
+                    h_col = tl.load(aux_ptr + t[:, None] * AW + 3 + N + i[None, :] * N + j,
+                                    mask=vmask, other=0.0)
+                else:  # gx[i] += h_res[j, i] g_post[j]
+                    h_col = tl.load(aux_ptr + t[:, None] * AW + 3 + N + j * N + i[None, :],
+                                    mask=vmask, other=0.0)
+                g_post = tl.load(gpost_ptr + t[:, None] * (N * C) + j * C + c[None, :],
+                                 mask=fmask, other=0.0).to(tl.float32)
+                gx += h_col[:, :, None] * g_post[:, None, :]
         if IN_PLACE:  # every thread has read its part of g_post before any overwrites it
             tl.debug_barrier()
         tl.store(gx_ptr + xoff, gx, mask=xmask)
@@ -548,8 +555,8 @@ def pre_backward(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, 
     _pre_bwd_coef[(triton.cdiv(t, DOT_ROWS),)](
         g_out, g_state, x, bias, a_pre, a_post, a_res, norm, state, g_proj, shares, aux, t, c,
         float(width) ** 0.5, iterations, N=n, NP=nb, MP=_mp(n), PP=triton.next_power_of_2(m + 3),
-        BT=DOT_ROWS, BC=bc, NORM=norm_weight is not None, GPOST=g_post is not None,
-        EPS=SINKHORN_EPS, RMS=RMS_EPS,
+        BT=DOT_ROWS, BC=_block_c(c, COEF_BUDGET // nb), NORM=norm_weight is not None,
+        GPOST=g_post is not None, EPS=SINKHORN_EPS, RMS=RMS_EPS,
         num_warps=8)  # at 4 warps the Sinkhorn backward's live state spills past 255 registers
     groups, per_group = weight_grad_groups(t, c, m)
     g_w = x.new_empty(groups if norm_weight is not None else 0, c, dtype=torch.float32)
@@ -557,7 +564,8 @@ def pre_backward(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, 
         g_out, g_post if g_post is not None else x, x, weight, norm, g_proj, aux, g_x, g_weight,
         g_w, t, c, per_group, N=n, NP=nb, MP=_mp(n), BT=DOT_ROWS, BC=bc,
         NORM=norm_weight is not None, GPOST=g_post is not None, IN_PLACE=in_place,
-        HT=h_res_transposed, num_warps=8)
+        HT=h_res_transposed, num_warps=8,
+        num_stages=1)  # pipelined, its loads took up to 255 registers: one block per SM
     return _deliver(g_x, g_x_out), g_weight.sum(0).to(weight.dtype), shares, g_w
 
 
