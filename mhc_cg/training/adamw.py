@@ -51,13 +51,14 @@ class SlicedAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        lent = self.workspace() if self.workspace is not None else None  # once: valid all step
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse or torch.is_complex(p):
                     raise RuntimeError("SlicedAdamW takes dense real parameters only")
-                self._update(p, group)
+                self._update(p, group, lent)
         return loss
 
     def _state(self, p: Tensor) -> dict:
@@ -68,7 +69,7 @@ class SlicedAdamW(torch.optim.AdamW):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
-    def _update(self, p: Tensor, group: dict) -> None:
+    def _update(self, p: Tensor, group: dict, lent: Tensor | None) -> None:
         state = self._state(p)
         state["step"] += 1
         step = state["step"].item()
@@ -79,7 +80,7 @@ class SlicedAdamW(torch.optim.AdamW):
         bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
         params, grads = _flat(p), _flat(p.grad)
         exp_avgs, exp_avg_sqs = _flat(state["exp_avg"]), _flat(state["exp_avg_sq"])
-        denom = self._scratch(p, params.numel())
+        denom = self._scratch(p, params.numel(), lent)
         width = denom.numel()
         for start in range(0, params.numel(), width):
             s = slice(start, start + width)
@@ -93,12 +94,11 @@ class SlicedAdamW(torch.optim.AdamW):
             d.div_(bias_correction2_sqrt).add_(eps)
             param.addcdiv_(exp_avg, d, value=-step_size)
 
-    def _scratch(self, p: Tensor, numel: int) -> Tensor:
-        """The denominator's slice: the workspace's bytes when it holds a whole slice, else a
-        new tensor of one slice."""
+    def _scratch(self, p: Tensor, numel: int, lent: Tensor | None) -> Tensor:
+        """The denominator's slice: the lent workspace's bytes when they hold a whole slice, else
+        a new tensor of one slice."""
         item = p.element_size()
         width = min(max(self.slice_bytes // item, 1), numel)
-        lent = self.workspace() if self.workspace is not None else None
         if lent is not None and lent.device == p.device and lent.numel() >= width * item:
             return lent[:min(lent.numel() // item, numel) * item].view(p.dtype)
         return torch.empty(width, dtype=p.dtype, device=p.device)

@@ -126,7 +126,7 @@ class Arena:
         if self._writer is None:
             return None
         shape = (self._writer.numel(),) if shape is None else shape
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > self._writer.numel():
             return None
         return self._writer[:nbytes].view(dtype).view(shape)
