@@ -153,7 +153,7 @@ def test_every_kernel_reports_its_warps_and_bytes_in_flight(report):
         for row in shape["kernels"]:
             assert 0 < row["resident_warps"] <= 64 and row["warp_limit"] in \
                 {"registers", "shared", "warps", "blocks", "grid"}, row
-            assert row["loads"].startswith(("x[", "g[", "logits[")) and row["load_bytes"] > 0, row
+            assert row["loads"].startswith(("x[", "g[", "logits[", "state[")) and row["load_bytes"] > 0, row
             assert row["in_flight"] == row["resident_warps"] * 32 * row["load_bytes"]
             assert row["bandwidth_share"] == pytest.approx(row["in_flight"] / H100.bytes_in_flight())
             if row["bandwidth_share"] < 1:

@@ -225,7 +225,11 @@ def op_cases(device, dtype, n: int, c: int, t: int, norm: bool = True, p: float 
         "pre_backward_into": lambda tri: (*ops.pre_backward_into(
             g_out, g_state, g_post := g_x.clone(), x, w, *alphas, bias, nw, state, n, 20, EPS, tri,
             *ht), g_post),
-        "post": lambda tri: ops.post(x, state, *alphas, bias, y, seed, p, 3, n, 20, tri, *ht),
+        "post_maps": lambda tri: ops.post_maps(state[None], bias[None], alphas[1], alphas[2],
+                                               n * c, n, 20, tri),
+        "post": lambda tri: ops.post(x, state, ops.post_maps(state[None], bias[None], alphas[1],
+                                                             alphas[2], n * c, n, 20, tri)[0],
+                                     *alphas, bias, y, seed, p, 3, n, 20, tri, *ht),
         "post_backward": lambda tri: ops.post_backward(g_post, x, state, *alphas, bias, y, seed, p,
                                                        3, n, 20, tri, *ht),
         "rms_norm": lambda tri: ops.rms_norm(y, w[0, :c].abs() + 0.5, EPS, tri),
@@ -598,7 +602,8 @@ def test_kernel_launching_ops_per_layer_per_step_at_most_120():
 
 def test_kernel_counter_sees_the_composed_sublayer():
     """The counter counts every aten op: the composed sublayer alone launches hundreds, the fused
-    one a pre and its backward (two kernels each) and a post each way."""
+    one a pre and its backward (two kernels each), the post's mappings, the post and its
+    backward (one each)."""
     hc = make_hc(4, 8)
     x = torch.randn(S, B, 32, requires_grad=True)
     w = torch.rand(8) + 0.5
@@ -608,7 +613,7 @@ def test_kernel_counter_sees_the_composed_sublayer():
         composed_sublayer(hc, x, w, None, 0.0, 0).sum().backward()
     assert composed_count.counts["aten.div"] >= 2 * 20 * 2  # 2 divisions per iteration, fwd + bwd
     assert composed_count.total > 10 * fused_count.total
-    launches = {"pre": 2, "pre_backward": 2, "post": 1, "post_backward": 1}
+    launches = {"pre": 2, "pre_backward": 2, "post_maps": 1, "post": 1, "post_backward": 1}
     assert {op: fused_count.counts[f"mhc_cg.{op}"] for op in launches} == launches
 
 

@@ -117,10 +117,20 @@ def _pre_backward(k, s: Shape, in_place: bool = False, norm: bool = True):
                           s.iterations, 1e-5, g_post if in_place else None)
 
 
+def _maps(s: Shape, posts: int = 1) -> torch.Tensor:
+    return s.t(posts, s.T, s.n + s.n * s.n, dtype=torch.float32)
+
+
+def _post_maps(k, s: Shape, posts: int = 1):
+    params = s.t(posts, s.M + 3)  # the recompute's layout: strided views of one block
+    return k.post_maps(s.t(posts, s.T, s.M + 2, dtype=torch.float32), params[:, :s.M],
+                       params[:, s.M + 1], params[:, s.M + 2], s.n * s.C, s.n, s.iterations)
+
+
 def _post(k, s: Shape, stream: int, dropout: bool = True):
     return k.post(s.t(s.T, s.n * s.C), s.t(s.T, s.M + 2, dtype=torch.float32), *_alphas(s),
                   s.t(s.M), s.t(s.T, s.C), s.seed if dropout else None,
-                  s.dropout if dropout else 0.0, stream, s.n, s.iterations)
+                  s.dropout if dropout else 0.0, stream, s.n, s.iterations, maps=_maps(s)[0])
 
 
 def _post_backward(k, s: Shape, stream: int, dropout: bool = True):
@@ -136,7 +146,8 @@ def _recompute(k, s: Shape, steps: int = 4, dropout: bool = True):
                        s.t(steps, s.T, s.M + 2, dtype=torch.float32), s.t(steps, s.M + 3),
                        s.t(steps, s.C), s.seed if dropout else None, s.dropout if dropout else 0.0,
                        list(range(2, 2 + steps)), s.n, s.iterations, 1e-5,
-                       s.t(steps - 1, s.T, s.n * s.C), s.t(steps, s.T, s.C))
+                       s.t(steps - 1, s.T, s.n * s.C), s.t(steps, s.T, s.C),
+                       maps=_maps(s, steps - 1))
 
 
 # The arguments are those the model passes: parameters in the shape's dtype, dropout on in
@@ -148,6 +159,8 @@ CASES = (
     Case("pre_backward", lambda k, s: _pre_backward(k, s)),
     Case("pre_backward[in place]", lambda k, s: _pre_backward(k, s, in_place=True)),
     Case("pre_backward[no norm]", lambda k, s: _pre_backward(k, s, norm=False)),
+    Case("post_maps", lambda k, s: _post_maps(k, s)),
+    Case("post_maps[block]", lambda k, s: _post_maps(k, s, posts=3)),
     Case("post", lambda k, s: _post(k, s, 2)),
     Case("post[stream 0]", lambda k, s: _post(k, s, 0)),
     Case("post[stream 1]", lambda k, s: _post(k, s, 1)),
@@ -316,6 +329,9 @@ def tile(name: str, bound: dict, pointer: str, *dims: str | int) -> tuple[str, i
 # cp.async copies, num_stages deep) counts num_stages - 1 steps.
 STREAM_LOADS: dict[str, Callable[[dict], list[tuple[str, int, int, bool]]]] = {
     "_state_fwd": lambda b: [(*tile("x", b, "x_ptr", "BT", "N", "BC"), True)],
+    # the post's mappings stream per-token states alone: their tile is all a step loads
+    "_post_maps": lambda b: [(f"state[{b['BT']}x{b['N'] * b['N'] + 2 * b['N'] + 2}]",
+                              int(b["BT"]) * (b["N"] * b["N"] + 2 * b["N"] + 2), 4, False)],
     "_chain": lambda b: [(*tile("x", b, "x_ptr", "BT", "N", "BC"), False)]
     + ([(*tile("y", b, "y_ptr", "BT", "BC"), False)] if b["posts"] > 0 else []),
     "_pre_bwd_coef": lambda b: [(*tile("x", b, "x_ptr", "BT", "N", "BC"), False),

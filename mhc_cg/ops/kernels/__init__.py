@@ -71,10 +71,13 @@ def recompute_block(x0: Tensor, ys: Tensor, states: Tensor, params: Tensor,
     ``x0 [*, nC]`` its input, ``ys [S, *, C]`` F's outputs, ``states [S, *, m+2]``,
     ``params [S, m+3]`` (``bias | a_pre, a_post, a_res`` per sublayer), ``norm_weights [S, C]``."""
     s, width = ys.shape[0], x0.shape[-1]
-    ops.recompute(x0.reshape(-1, width), ys.reshape(s, -1, ys.shape[-1]),
-                  states.reshape(s, -1, states.shape[-1]), params, norm_weights,
-                  seed if p > 0 else None, float(p), list(streams), n, iterations, float(eps),
-                  use_triton(kernels, x0.device), x_out.view(max(s - 1, 0), -1, width),
+    states = states.reshape(s, -1, states.shape[-1])
+    m, use = n * n + 2 * n, use_triton(kernels, x0.device)
+    maps = ops.post_maps(states[:-1], params[:-1, :m], params[:-1, m + 1], params[:-1, m + 2],
+                         width, n, iterations, use)
+    ops.recompute(x0.reshape(-1, width), ys.reshape(s, -1, ys.shape[-1]), states, maps, params,
+                  norm_weights, seed if p > 0 else None, float(p), list(streams), n, iterations,
+                  float(eps), use, x_out.view(max(s - 1, 0), -1, width),
                   fn_input_out.view(s, -1, ys.shape[-1]), bool(h_res_transposed))
 
 

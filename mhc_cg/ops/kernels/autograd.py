@@ -166,7 +166,9 @@ class Post(torch.autograd.Function):
                              "applies H_res to the post's gradient")
         width = x.shape[-1]
         xf, sf, yf = x.reshape(-1, width), state.reshape(-1, state.shape[-1]), y.reshape(-1, y.shape[-1])
-        args = (xf, sf, a_pre, a_post, a_res, bias, yf, seed, cfg.p, cfg.stream, cfg.n,
+        maps = ops.post_maps(sf[None], bias[None], a_post, a_res, width, cfg.n, cfg.iterations,
+                             cfg.use_triton)[0]
+        args = (xf, sf, maps, a_pre, a_post, a_res, bias, yf, seed, cfg.p, cfg.stream, cfg.n,
                 cfg.iterations, cfg.use_triton)
         if out is None:
             result = ops.post(*args, cfg.h_res_transposed)

@@ -23,9 +23,9 @@ from mhc_cg.ops.kernels.reference import state_dtype, state_width
 
 # What a fused op's Triton kernels do beyond one pass over each tensor, for the cost model: the
 # launches it makes (the pre: its state pass, then its F-input pass; its backward: a pass per
-# token, then one per feature chunk and group of tokens), the arguments a second pass reads again
-# (the pre reads x twice; its backward reads x and g_out in both of its passes) and the bytes its
-# kernels hand each other through memory (``scratch_bytes``).
+# token, then one per feature chunk and group of tokens), the arguments a second pass reads again (the pre reads x
+# twice; its backward reads x and g_out in both of its passes) and the bytes its kernels hand each
+# other through memory (``scratch_bytes``).
 LAUNCHES = {"mhc_cg::pre": 2, "mhc_cg::pre_into": 2, "mhc_cg::pre_backward": 2,
             "mhc_cg::pre_backward_into": 2}
 READ_TWICE = {"mhc_cg::pre": ("x",), "mhc_cg::pre_into": ("x",),
@@ -62,20 +62,29 @@ def pre_backward_scratch(tokens: int, c: int, n: int, m: int) -> dict[str, tuple
             "aux": (tokens, 3 + n + n * n), "g_weight": (groups, m, n * c)}
 
 
-_SCRATCH = {"mhc_cg::post_backward": post_backward_scratch,
-            "mhc_cg::pre_backward": pre_backward_scratch,
-            "mhc_cg::pre_backward_into": pre_backward_scratch}
+def post_maps_shape(tokens: int, n: int, posts: int) -> tuple[int, int, int]:
+    """:func:`post_maps`'s result: per post and token ``[H_post / 2 (n) | H_res (n*n)]``."""
+    return posts, tokens, n + n * n
+
+
+def _scratch(shapes_of):
+    def scratch(args: dict) -> int:
+        t, width = args["x"].shape
+        n, m = args["n"], args["bias"].shape[0]
+        return 2 * 4 * sum(math.prod(shape) for shape in shapes_of(t, width // n, n, m).values())
+    return scratch
+
+
+_SCRATCH = {"mhc_cg::post_backward": _scratch(post_backward_scratch),
+            "mhc_cg::pre_backward": _scratch(pre_backward_scratch),
+            "mhc_cg::pre_backward_into": _scratch(pre_backward_scratch)}
 
 
 def scratch_bytes(name: str, args: dict) -> int:
     """Bytes the Triton kernels of op ``name`` write and read back internally, beyond its
     arguments and results (its ``*_scratch`` buffers, fp32)."""
-    shapes_of = _SCRATCH.get(name)
-    if shapes_of is None:
-        return 0
-    t, width = args["x"].shape
-    n, m = args["n"], args["bias"].shape[0]
-    return 2 * 4 * sum(math.prod(shape) for shape in shapes_of(t, width // n, n, m).values())
+    scratch = _SCRATCH.get(name)
+    return 0 if scratch is None else scratch(args)
 
 
 # The fused ops that are no mHC work, which the cost model's mHC traffic leaves out: the model's
@@ -176,36 +185,51 @@ def _pre_backward_fakes(x, weight, bias, norm_weight):
     return (weight.new_empty(weight.shape), bias.new_empty(bias.shape[0] + 3), x.new_empty(c))
 
 
-# ---- post: H_res x + dropout(H_post y), one pass --------------------------------------------------
+# ---- post: its mappings once per token, then H_res x + dropout(H_post y) in one pass ------------
+
+@torch.library.custom_op("mhc_cg::post_maps", mutates_args=())
+def post_maps(states: Tensor, bias: Tensor, a_post: Tensor, a_res: Tensor, width: int, n: int,
+              iterations: int, use_triton: bool) -> Tensor:
+    """``[H_post / 2 | H_res]`` per post and token (:func:`post_maps_shape`) from ``states
+    [P, T, m+2]``, ``bias [P, m]``, ``a_post``/``a_res [P]`` (``width`` = nC): Sinkhorn once
+    per token, for the post's and the recompute's feature blocks to read the same bits."""
+    return _impl(use_triton).post_maps(states, bias, a_post, a_res, width, n, iterations)
+
+
+@post_maps.register_fake
+def _(states, bias, a_post, a_res, width, n, iterations, use_triton):
+    return states.new_empty(post_maps_shape(states.shape[1], n, states.shape[0]))
+
 
 @torch.library.custom_op("mhc_cg::post", mutates_args=())
-def post(x: Tensor, state: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
-         y: Tensor, seed: Tensor | None, p: float, stream: int, n: int, iterations: int,
-         use_triton: bool, h_res_transposed: bool = False) -> Tensor:
-    """``H_res x + dropout(H_post y)`` [T, nC]; the mask is ``counter_hash(seed, stream, index)``."""
+def post(x: Tensor, state: Tensor, maps: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor,
+         bias: Tensor, y: Tensor, seed: Tensor | None, p: float, stream: int, n: int,
+         iterations: int, use_triton: bool, h_res_transposed: bool = False) -> Tensor:
+    """``H_res x + dropout(H_post y)`` [T, nC], the mappings from ``maps [T, n + n*n]``
+    (:func:`post_maps`); the mask is ``counter_hash(seed, stream, index)``."""
     return _impl(use_triton).post(x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n,
-                                  iterations, h_res_transposed=h_res_transposed)
+                                  iterations, h_res_transposed=h_res_transposed, maps=maps)
 
 
 @post.register_fake
-def _(x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, use_triton,
+def _(x, state, maps, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, use_triton,
       h_res_transposed=False):
     return x.new_empty(x.shape)
 
 
 @torch.library.custom_op("mhc_cg::post_into", mutates_args=("out",))
-def post_into(x: Tensor, state: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor,
-              bias: Tensor, y: Tensor, seed: Tensor | None, p: float, stream: int, n: int,
-              iterations: int, use_triton: bool, out: Tensor,
+def post_into(x: Tensor, state: Tensor, maps: Tensor, a_pre: Tensor, a_post: Tensor,
+              a_res: Tensor, bias: Tensor, y: Tensor, seed: Tensor | None, p: float, stream: int,
+              n: int, iterations: int, use_triton: bool, out: Tensor,
               h_res_transposed: bool = False) -> None:
     """:func:`post` writing into the buffer it is given (the next sublayer's input slot)."""
     _impl(use_triton).post(x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations,
-                           out, h_res_transposed=h_res_transposed)
+                           out, h_res_transposed=h_res_transposed, maps=maps)
 
 
 @post_into.register_fake
-def _(x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, use_triton, out,
-      h_res_transposed=False):
+def _(x, state, maps, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, use_triton,
+      out, h_res_transposed=False):
     return None
 
 
@@ -231,19 +255,20 @@ def _(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations
 # ---- a block's recompute, in one pass ----------------------------------------------------------
 
 @torch.library.custom_op("mhc_cg::recompute", mutates_args=("x_out", "fn_input_out"))
-def recompute(x0: Tensor, ys: Tensor, states: Tensor, params: Tensor,
+def recompute(x0: Tensor, ys: Tensor, states: Tensor, maps: Tensor, params: Tensor,
               norm_weights: Tensor | None, seed: Tensor | None, p: float, streams: list[int],
               n: int, iterations: int, eps: float, use_triton: bool, x_out: Tensor,
               fn_input_out: Tensor, h_res_transposed: bool = False) -> None:
     """A block's sublayer inputs (``x_out [S-1, T, nC]``) and F inputs (``fn_input_out [S, T, C]``)
-    from its input, F's outputs and the states; see ``reference.recompute``."""
+    from its input, F's outputs, the states and the posts' ``maps [S-1, T, n + n*n]``
+    (:func:`post_maps`); see ``reference.recompute``."""
     _impl(use_triton).recompute(x0, ys, states, params, norm_weights, seed, p, streams, n,
                                 iterations, eps, x_out, fn_input_out,
-                                h_res_transposed=h_res_transposed)
+                                h_res_transposed=h_res_transposed, maps=maps)
 
 
 @recompute.register_fake
-def _(x0, ys, states, params, norm_weights, seed, p, streams, n, iterations, eps, use_triton,
+def _(x0, ys, states, maps, params, norm_weights, seed, p, streams, n, iterations, eps, use_triton,
       x_out, fn_input_out, h_res_transposed=False):
     return None
 

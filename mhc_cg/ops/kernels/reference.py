@@ -252,15 +252,30 @@ def _post_mappings(state, a_pre, a_post, a_res, bias, n: int, iterations: int, s
     return h, r, proj, scale, s_post, h_res
 
 
+def post_maps(states: Tensor, bias: Tensor, a_post: Tensor, a_res: Tensor, width: int, n: int,
+              iterations: int) -> Tensor:
+    """``[s_post | H_res]`` (``[P, T, n + n*n]``, ``s_post = H_post / 2``) of every post ``k``
+    from ``states[k]``, ``bias[k]``, ``a_post[k]``, ``a_res[k]``."""
+    maps = []
+    for k in range(states.shape[0]):
+        a = a_post[k:k + 1], a_res[k:k + 1]
+        *_, s_post, h_res = _post_mappings(states[k], a[0], *a, bias[k], n, iterations,
+                                           math.sqrt(width))
+        maps.append(torch.cat([s_post, h_res.flatten(1)], 1))
+    acc = compute_dtype(states.dtype)
+    return torch.stack(maps) if maps else states.new_empty(0, states.shape[1], n + n * n, dtype=acc)
+
+
 def post(x: Tensor, state: Tensor, a_pre, a_post, a_res, bias, y: Tensor, seed: Tensor | None,
          p: float, stream: int, n: int, iterations: int, out: Tensor | None = None, *,
-         h_res_transposed: bool = False) -> Tensor:
+         h_res_transposed: bool = False, maps: Tensor | None = None) -> Tensor:
     """``out[i] = sum_j h_res[i, j] x[j] + dropout(h_post[i] y)`` (``h_res[j, i]`` transposed),
-    the mappings from the state."""
+    the mappings from ``maps`` (:func:`post_maps`), or from the state."""
     acc = compute_dtype(x.dtype)
     t = x.shape[0]
-    *_, s_post, h_res = _post_mappings(state, a_pre, a_post, a_res, bias, n, iterations,
-                                       math.sqrt(x.shape[1]))
+    if maps is None:
+        maps = post_maps(state[None], bias[None], a_post, a_res, x.shape[1], n, iterations)[0]
+    s_post, h_res = maps[:, :n].to(acc), maps[:, n:].unflatten(-1, (n, n)).to(acc)
     mixed = torch.matmul(h_res.transpose(1, 2) if h_res_transposed else h_res,
                          x.to(acc).unflatten(1, (n, -1))).flatten(1)
     branch = (2.0 * s_post[:, :, None] * y.to(acc)[:, None, :]).flatten(1)
@@ -301,11 +316,12 @@ def post_backward(g: Tensor, x: Tensor, state: Tensor, a_pre, a_post, a_res, bia
 def recompute(x0: Tensor, ys: Tensor, states: Tensor, params: Tensor, norm_weights: Tensor | None,
               seed: Tensor | None, p: float, streams: list[int], n: int, iterations: int,
               eps: float, x_out: Tensor, fn_input_out: Tensor, *,
-              h_res_transposed: bool = False) -> None:
+              h_res_transposed: bool = False, maps: Tensor | None = None) -> None:
     """A block's mHC chain from its input: per sublayer k, F's input into ``fn_input_out[k]``
     and, but for the last, its output (the next sublayer's input) into ``x_out[k]``.
     ``ys [S, T, C]`` are F's outputs, ``states [S, T, m+2]``, ``params [S, m+3]``
-    (``bias | a_pre, a_post, a_res``), ``norm_weights [S, C]`` (None: no norm)."""
+    (``bias | a_pre, a_post, a_res``), ``norm_weights [S, C]`` (None: no norm); ``maps [S-1, T,
+    n + n*n]`` the posts' mappings (:func:`post_maps`; None: from the states)."""
     x = x0
     m = states.shape[2] - 2
     for k in range(ys.shape[0]):
@@ -314,7 +330,8 @@ def recompute(x0: Tensor, ys: Tensor, states: Tensor, params: Tensor, norm_weigh
                                        None if norm_weights is None else norm_weights[k], n))
         if k + 1 < ys.shape[0]:
             x = post(x, states[k], a[0:1], a[1:2], a[2:3], bias, ys[k], seed, p, streams[k], n,
-                     iterations, x_out[k], h_res_transposed=h_res_transposed)
+                     iterations, x_out[k], h_res_transposed=h_res_transposed,
+                     maps=None if maps is None else maps[k])
 
 
 # ---- RMSNorm (the sublayer's norm) ----------------------------------------------------------------

@@ -44,8 +44,8 @@ import triton.language as tl
 from triton import knobs
 
 from mhc_cg.ops.kernels.hash import MAX_ELEMENTS, counter_hash, keep_scale, keep_threshold
-from mhc_cg.ops.kernels.ops import (DOT_ROWS, post_backward_scratch, pre_backward_scratch,
-                                    weight_grad_groups)
+from mhc_cg.ops.kernels.ops import (DOT_ROWS, post_backward_scratch, post_maps_shape,
+                                    pre_backward_scratch, weight_grad_groups)
 from mhc_cg.ops.kernels.reference import RMS_EPS, SINKHORN_EPS, state_width
 
 INTERPRETED = bool(knobs.runtime.interpret)
@@ -56,6 +56,7 @@ _hash = triton.jit(types.FunctionType(counter_hash.__code__, {**counter_hash.__g
                                       counter_hash.__name__))
 
 CHAIN_ROWS = 4  # tokens per program elsewhere: [BT, n, n, BC] tiles stay in registers
+MAPS_ROWS = 16  # tokens per program of the post's mappings (Sinkhorn on [16, n, n] tiles)
 # the pre backward's first pass: elements per feature step over the streams ([16, n, BC] tiles);
 # a program per 16 tokens binds it to the grid, so a wider step keeps more bytes in flight per SM
 COEF_BUDGET = 256
@@ -262,33 +263,60 @@ def _state_fwd(x_ptr, w_ptr, bias_ptr, apre_ptr, state_ptr, T, C, sqrt_d, eps,
     tl.store(state_ptr + t * SW + M + 1, rstd, mask=tmask)
 
 
+# ---- the post's mappings, once per token ---------------------------------------------------------
+
+@triton.jit
+def _post_maps(state_ptr, bias_ptr, apost_ptr, ares_ptr, maps_ptr, T, p_stride, sqrt_d, iterations,
+               N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, EPS: tl.constexpr,
+               RMS: tl.constexpr):
+    """``maps [steps, T, n + n*n] = [H_post / 2 | H_res]`` of BT tokens for step
+    ``program_id(1)``: Sinkhorn once per token, for every feature block of the chain to read."""
+    M: tl.constexpr = N * N + 2 * N
+    SW: tl.constexpr = M + 2
+    MW: tl.constexpr = N + N * N
+    k = tl.program_id(1)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    tmask = t < T
+    i = tl.arange(0, NP)
+    po = k * p_stride
+    r, p_pre, l_pre, p_post, l_post, p_res, l_res, vmask, rmask = _mapping_logits(
+        state_ptr + k * T * SW, bias_ptr + po, apost_ptr + po, apost_ptr + po, ares_ptr + po, t,
+        tmask, sqrt_d, N, NP, RMS)  # the pre's logits go unused: a_post stands in for a_pre
+    mp = maps_ptr + k * T * MW
+    tl.store(mp + t[:, None] * MW + i[None, :], _sigmoid(l_post), mask=vmask)
+    tl.store(mp + t[:, None, None] * MW + N + i[None, :, None] * N + i[None, None, :],
+             _sinkhorn(l_res, rmask, iterations, EPS), mask=rmask)
+
+
 # ---- the chain: F's input and the post, for one sublayer or a whole block ------------------------
 
 @triton.jit
-def _chain(x_ptr, y_ptr, state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, norm_ptr, seed_ptr,
-           xo_ptr, fo_ptr, T, C, steps, posts, stream0, stream_step, p_stride, n_stride, sqrt_d,
-           iterations, N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+def _chain(x_ptr, y_ptr, state_ptr, maps_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, norm_ptr,
+           seed_ptr, xo_ptr, fo_ptr, T, C, steps, posts, stream0, stream_step, p_stride, n_stride,
+           sqrt_d, N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
            FN: tl.constexpr, POSTS: tl.constexpr, NORM: tl.constexpr, DROPOUT: tl.constexpr,
-           THRESHOLD: tl.constexpr, SCALE: tl.constexpr, EPS: tl.constexpr, RMS: tl.constexpr,
-           HT: tl.constexpr):
+           THRESHOLD: tl.constexpr, SCALE: tl.constexpr, RMS: tl.constexpr, HT: tl.constexpr):
     M: tl.constexpr = N * N + 2 * N
     SW: tl.constexpr = M + 2
+    MW: tl.constexpr = N + N * N
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     i = tl.arange(0, NP)
     tmask = t < T
+    vmask = tmask[:, None] & (i[None, :] < N)
+    rmask = vmask[:, :, None] & (i < N)[None, None, :]
     xmask = tmask[:, None, None] & (i < N)[None, :, None] & (c < C)[None, None, :]
     xoff = t[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :]
     fmask = tmask[:, None] & (c < C)[None, :]
     foff = t[:, None] * C + c[None, :]
     x = tl.load(x_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
     for k in range(steps):
-        st = state_ptr + k * T * SW
-        po = k * p_stride
-        r, p_pre, l_pre, p_post, l_post, p_res, l_res, vmask, rmask = _mapping_logits(
-            st, bias_ptr + po, apre_ptr + po, apost_ptr + po, ares_ptr + po, t, tmask, sqrt_d,
-            N, NP, RMS)
         if FN:
+            st = state_ptr + k * T * SW
+            po = k * p_stride
+            r, p_pre, l_pre, p_post, l_post, p_res, l_res, _, _ = _mapping_logits(
+                st, bias_ptr + po, apre_ptr + po, apost_ptr + po, ares_ptr + po, t, tmask, sqrt_d,
+                N, NP, RMS)
             s_pre = tl.where(vmask, _sigmoid(l_pre), 0.0)
             fn = tl.sum(s_pre[:, :, None] * x, axis=1)
             if NORM:
@@ -297,8 +325,10 @@ def _chain(x_ptr, y_ptr, state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, nor
                 fn = fn * rstd[:, None] * w[None, :]
             tl.store(fo_ptr + k * T * C + foff, fn, mask=fmask)
         if POSTS and k < posts:  # POSTS False (the pre): no post code compiled in
-            h_res = _sinkhorn(l_res, rmask, iterations, EPS)
-            s_post = tl.where(vmask, _sigmoid(l_post), 0.0)
+            mp = maps_ptr + k * T * MW  # _post_maps's, the same bits wherever they are read
+            s_post = tl.load(mp + t[:, None] * MW + i[None, :], mask=vmask, other=0.0)
+            h_res = tl.load(mp + t[:, None, None] * MW + N + i[None, :, None] * N
+                            + i[None, None, :], mask=rmask, other=0.0)
             y = tl.load(y_ptr + k * T * C + foff, mask=fmask, other=0.0).to(tl.float32)
             branch = 2.0 * s_post[:, :, None] * y[:, None, :]
             if DROPOUT:
@@ -313,8 +343,24 @@ def _chain(x_ptr, y_ptr, state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, nor
             x = x.to(tl.float32)  # the next sublayer reads what the forward stored
 
 
-def _launch_chain(x, ys, states, bias, a_pre, a_post, a_res, p_stride, norm, n_stride, seed, p,
-                  streams, n, iterations, x_out, fn_out, fn: bool, steps: int, posts: int,
+def post_maps(states, bias, a_post, a_res, width, n, iterations):
+    """``[s_post | H_res]`` per post and token; the parameters may be strided views of one
+    ``[P, m+3]`` block (the recompute's), so they are read in place, not made contiguous."""
+    states = _prepared(states)[0]
+    posts, t = states.shape[0], states.shape[1]
+    maps = states.new_empty(post_maps_shape(t, n, posts), dtype=torch.float32)
+    p_stride = bias.stride(0) if posts > 1 else 0
+    if posts > 1 and not a_post.stride(0) == a_res.stride(0) == p_stride:
+        raise ValueError("mhc_cg triton post_maps: bias, a_post and a_res must share one stride")
+    if posts and t:
+        _post_maps[(triton.cdiv(t, MAPS_ROWS), posts)](
+            states, bias, a_post, a_res, maps, t, p_stride, float(width) ** 0.5, iterations, N=n,
+            NP=_np(n), BT=MAPS_ROWS, EPS=SINKHORN_EPS, RMS=RMS_EPS)
+    return maps
+
+
+def _launch_chain(x, ys, states, maps, bias, a_pre, a_post, a_res, p_stride, norm, n_stride, seed,
+                  p, streams, n, x_out, fn_out, fn: bool, steps: int, posts: int,
                   h_res_transposed: bool = False):
     t, width = x.shape
     c = width // n
@@ -327,11 +373,11 @@ def _launch_chain(x, ys, states, bias, a_pre, a_post, a_res, p_stride, norm, n_s
                          f"spaced, got {streams}")
     seed_arg = seed if seed is not None else x  # never read without dropout
     _chain[(triton.cdiv(t, CHAIN_ROWS), triton.cdiv(c, bc))](
-        x, ys, states, bias, a_pre, a_post, a_res, norm if norm is not None else x, seed_arg,
-        x_out, fn_out, t, c, steps, posts, stream0, step, p_stride, n_stride,
-        float(width) ** 0.5, iterations, N=n, NP=nb, BT=CHAIN_ROWS, BC=bc, FN=fn,
-        POSTS=posts > 0, NORM=norm is not None, EPS=SINKHORN_EPS, RMS=RMS_EPS,
-        HT=h_res_transposed, **_dropout_args(seed, p))
+        x, ys, states, maps if posts else x, bias, a_pre, a_post, a_res,
+        norm if norm is not None else x, seed_arg, x_out, fn_out, t, c, steps, posts, stream0,
+        step, p_stride, n_stride, float(width) ** 0.5, N=n, NP=nb, BT=CHAIN_ROWS, BC=bc, FN=fn,
+        POSTS=posts > 0, NORM=norm is not None, RMS=RMS_EPS, HT=h_res_transposed,
+        **_dropout_args(seed, p))
 
 
 def pre(x, weight, a_pre, a_post, a_res, bias, norm_weight, n, iterations, eps,
@@ -348,33 +394,39 @@ def pre(x, weight, a_pre, a_post, a_res, bias, norm_weight, n, iterations, eps,
         DOT_F32=_dot_in_fp32(x, weight), RMS=RMS_EPS,
         num_stages=4)  # x's tl.dot tiles run 3 steps ahead: a grid of 256 leaves 2 blocks per SM
     fn_input = _written(fn_input_out, lambda: x.new_empty(t, c))
-    _launch_chain(x, x, state, bias, a_pre, a_post, a_res, 0, norm_weight, 0, None, 0.0, [0], n,
-                  iterations, x, fn_input, fn=True, steps=1, posts=0)
+    _launch_chain(x, x, state, None, bias, a_pre, a_post, a_res, 0, norm_weight, 0, None, 0.0, [0],
+                  n, x, fn_input, fn=True, steps=1, posts=0)
     return _deliver(fn_input, fn_input_out), _deliver(state, state_out)
 
 
 def post(x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, out=None, *,
-         h_res_transposed=False):
+         h_res_transposed=False, maps=None):
     x, state, y = _prepared(x, state, y)
+    if maps is None:
+        maps = post_maps(state[None], bias[None], a_post, a_res, x.shape[1], n, iterations)
+    maps = _prepared(maps)[0]
     result = _written(out, lambda: torch.empty_like(x))
-    _launch_chain(x, y, state, bias, a_pre, a_post, a_res, 0, None, 0, seed, p, [stream], n,
-                  iterations, result, x, fn=False, steps=1, posts=1,
-                  h_res_transposed=h_res_transposed)
+    _launch_chain(x, y, state, maps, bias, a_pre, a_post, a_res, 0, None, 0, seed, p, [stream], n,
+                  result, x, fn=False, steps=1, posts=1, h_res_transposed=h_res_transposed)
     return _deliver(result, out)
 
 
 def recompute(x0, ys, states, params, norm_weights, seed, p, streams, n, iterations, eps, x_out,
-              fn_input_out, *, h_res_transposed=False):
+              fn_input_out, *, h_res_transposed=False, maps=None):
     x0, ys, states, params = _prepared(x0, ys, states, params)
+    m = n * n + 2 * n
+    if maps is None:
+        maps = post_maps(states[:-1], params[:-1, :m], params[:-1, m + 1], params[:-1, m + 2],
+                         x0.shape[1], n, iterations)
+    maps = _prepared(maps)[0]
     norm = None if norm_weights is None else _prepared(norm_weights)[0]
     _indexable(x_out, fn_input_out)  # (S-1) x T x nC outgrows the inputs, and wraps in int32
     steps = ys.shape[0]
-    m = n * n + 2 * n
     xo = _written(x_out, lambda: torch.empty_like(x_out))
     fo = _written(fn_input_out, lambda: torch.empty_like(fn_input_out))
-    _launch_chain(x0, ys, states, params, params[:, m], params[:, m + 1], params[:, m + 2],
+    _launch_chain(x0, ys, states, maps, params, params[:, m], params[:, m + 1], params[:, m + 2],
                   params.stride(0), norm, 0 if norm is None else norm.stride(0), seed, p,
-                  list(streams), n, iterations, xo if steps > 1 else x0, fo, fn=True,
+                  list(streams), n, xo if steps > 1 else x0, fo, fn=True,
                   steps=steps, posts=steps - 1, h_res_transposed=h_res_transposed)
     _deliver(xo, x_out)
     _deliver(fo, fn_input_out)

@@ -19,7 +19,8 @@ import torch
 OP_CASES = {
     "mhc_cg::pre": "pre", "mhc_cg::pre_into": "pre",
     "mhc_cg::pre_backward": "pre_backward", "mhc_cg::pre_backward_into": "pre_backward[in place]",
-    "mhc_cg::post": "post", "mhc_cg::post_into": "post", "mhc_cg::post_backward": "post_backward",
+    "mhc_cg::post_maps": "post_maps", "mhc_cg::post": "post", "mhc_cg::post_into": "post",
+    "mhc_cg::post_backward": "post_backward",
     "mhc_cg::recompute": "recompute", "mhc_cg::rms_norm": "rms_norm",
     "mhc_cg::rms_norm_backward": "rms_norm_backward", "mhc_cg::cross_entropy": "cross_entropy",
     "mhc_cg::cross_entropy_backward": "cross_entropy_backward",
