@@ -9,13 +9,16 @@ per-program shares that torch sums in a fixed order, so every result is determin
 * ``_state_fwd`` (the pre's first pass): ``BT`` tokens per program, one pass over their ``x``:
   the projection ``x W^T`` (``tl.dot``) and the streams' Gram matrix, from which the norm of x
   and F's input's RMSNorm scale follow; writes the state ``[proj | xnorm | rstd]``.
+* ``_post_maps``: ``BT`` tokens per program and one post per ``program_id(1)``: the post's
+  mappings ``[H_post / 2 | H_res]`` from the state, Sinkhorn once per token (not once per feature
+  block of every chain program), written for ``_chain`` to read.
 * ``_chain``: one program per ``BT`` tokens and ``BC`` features; for sublayer ``k = 0, 1, ...``
   F's input ``rstd * w * sum_i h_pre[i] x_k[i]`` (``FN``), then
-  ``x_{k+1} = H_res x_k + dropout(H_post y_k)``, kept in registers (rounded to the stream's dtype,
-  as the forward stores it) and written. The pre's second pass (one step, F's input only), the post
-  (one step, the stream only) and a block's recompute (every step) are this one kernel, so the
-  recompute reproduces the forward's bits. Each program derives the mappings (Sinkhorn included)
-  of its tokens from the state: a few hundred FLOPs per token, no bytes.
+  ``x_{k+1} = H_res x_k + dropout(H_post y_k)`` with the mappings ``_post_maps`` wrote, kept in
+  registers (rounded to the stream's dtype, as the forward stores it) and written. The pre's
+  second pass (one step, F's input only), the post (one step, the stream only) and a block's
+  recompute (every step) are this one kernel reading the mappings of one kernel, so the recompute
+  reproduces the forward's bits.
 * ``_pre_bwd_coef`` then ``_pre_bwd_x``: two passes over ``x`` and F's input's gradient. The
   first (``BT`` tokens per program) reduces what the mappings' gradient needs and stores it per
   token (the projection's gradient, ``kappa, coef, rstd, s`` and H_res). The second runs over
