@@ -23,9 +23,9 @@ from mhc_cg.ops.kernels.reference import state_dtype, state_width
 
 # What a fused op's Triton kernels do beyond one pass over each tensor, for the cost model: the
 # launches it makes (the pre: its state pass, then its F-input pass; its backward: a pass per
-# token, then one per feature chunk and group of tokens), the arguments a second pass reads again (the pre reads x
-# twice; its backward reads x and g_out in both of its passes) and the bytes its kernels hand each
-# other through memory (``scratch_bytes``).
+# token, then one per feature chunk and group of tokens), the arguments a second pass reads again
+# (the pre reads x twice; its backward reads x and g_out in both of its passes) and the bytes its
+# kernels hand each other through memory (``scratch_bytes``).
 LAUNCHES = {"mhc_cg::pre": 2, "mhc_cg::pre_into": 2, "mhc_cg::pre_backward": 2,
             "mhc_cg::pre_backward_into": 2}
 READ_TWICE = {"mhc_cg::pre": ("x",), "mhc_cg::pre_into": ("x",),
@@ -67,24 +67,20 @@ def post_maps_shape(tokens: int, n: int, posts: int) -> tuple[int, int, int]:
     return posts, tokens, n + n * n
 
 
-def _scratch(shapes_of):
-    def scratch(args: dict) -> int:
-        t, width = args["x"].shape
-        n, m = args["n"], args["bias"].shape[0]
-        return 2 * 4 * sum(math.prod(shape) for shape in shapes_of(t, width // n, n, m).values())
-    return scratch
-
-
-_SCRATCH = {"mhc_cg::post_backward": _scratch(post_backward_scratch),
-            "mhc_cg::pre_backward": _scratch(pre_backward_scratch),
-            "mhc_cg::pre_backward_into": _scratch(pre_backward_scratch)}
+_SCRATCH = {"mhc_cg::post_backward": post_backward_scratch,
+            "mhc_cg::pre_backward": pre_backward_scratch,
+            "mhc_cg::pre_backward_into": pre_backward_scratch}
 
 
 def scratch_bytes(name: str, args: dict) -> int:
     """Bytes the Triton kernels of op ``name`` write and read back internally, beyond its
     arguments and results (its ``*_scratch`` buffers, fp32)."""
-    scratch = _SCRATCH.get(name)
-    return 0 if scratch is None else scratch(args)
+    shapes_of = _SCRATCH.get(name)
+    if shapes_of is None:
+        return 0
+    t, width = args["x"].shape
+    n, m = args["n"], args["bias"].shape[0]
+    return 2 * 4 * sum(math.prod(shape) for shape in shapes_of(t, width // n, n, m).values())
 
 
 # The fused ops that are no mHC work, which the cost model's mHC traffic leaves out: the model's

@@ -256,14 +256,13 @@ def post_maps(states: Tensor, bias: Tensor, a_post: Tensor, a_res: Tensor, width
               iterations: int) -> Tensor:
     """``[s_post | H_res]`` (``[P, T, n + n*n]``, ``s_post = H_post / 2``) of every post ``k``
     from ``states[k]``, ``bias[k]``, ``a_post[k]``, ``a_res[k]``."""
-    maps = []
+    maps = states.new_empty(states.shape[0], states.shape[1], n + n * n)
     for k in range(states.shape[0]):
-        a = a_post[k:k + 1], a_res[k:k + 1]
-        *_, s_post, h_res = _post_mappings(states[k], a[0], *a, bias[k], n, iterations,
-                                           math.sqrt(width))
-        maps.append(torch.cat([s_post, h_res.flatten(1)], 1))
-    acc = compute_dtype(states.dtype)
-    return torch.stack(maps) if maps else states.new_empty(0, states.shape[1], n + n * n, dtype=acc)
+        a_post_k = a_post[k:k + 1]  # the pre's logits go unused: a_post stands in for a_pre
+        *_, s_post, h_res = _post_mappings(states[k], a_post_k, a_post_k, a_res[k:k + 1], bias[k],
+                                           n, iterations, math.sqrt(width))
+        maps[k] = torch.cat([s_post, h_res.flatten(1)], 1)
+    return maps
 
 
 def post(x: Tensor, state: Tensor, a_pre, a_post, a_res, bias, y: Tensor, seed: Tensor | None,
