@@ -50,9 +50,26 @@ class MHCGPT(nn.Module):
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.position = nn.Embedding(cfg.seq_length, cfg.hidden_size)
         self.layers = nn.ModuleList(MHCTransformerLayer(cfg, i) for i in range(cfg.num_layers))
+        sublayers = self.sublayers()
+        for sub, nxt in zip(sublayers, sublayers[1:]):
+            sub.feeds(nxt)
         self.final_norm = RMSNorm(cfg.hidden_size, kernels=cfg.kernels)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.apply(self._init_weights)
+
+    def sublayers(self) -> list[MHCSublayer]:
+        """Every sublayer, in the order the stream runs through them."""
+        return [sub for layer in self.layers for sub in (layer.attention, layer.mlp)]
+
+    def no_state_across(self, graphed) -> None:
+        """A post whose output crosses a graph's edge (its sublayer, or the next, is captured on
+        its own) hands the next pre no state: the edge copies the stream into a static input
+        and leaves what is attached to it behind, so the state would be computed for nothing."""
+        captured = {id(sub) for sub in graphed}
+        sublayers = self.sublayers()
+        for sub, nxt in zip(sublayers, sublayers[1:]):
+            if id(sub) in captured or id(nxt) in captured:
+                sub.feeds(None)
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):

@@ -6,7 +6,9 @@
     y   = fn(fn_input)                           # F: attention or MLP (never recomputed)
     out = post(x_on, state, y, seed)             # H_res x + dropout(H_post y), one pass
 
-``state`` (``[proj | xnorm | rstd]`` per token) is all the mappings are derived from; ``pre`` and
+``state`` (``[proj | xnorm | rstd]`` per token) is all the mappings are derived from. A sublayer
+that :meth:`MHCSublayer.feeds` the next computes that one's state in its post, from the tiles it
+writes, so every pre but the first reads its input once. ``pre`` and
 ``post`` can write into buffers they are given (:class:`mhc_cg.ops.kernels.Target`), and a block's
 chain of residual updates can be recomputed in one op (:func:`mhc_cg.ops.kernels.recompute_block`).
 
@@ -59,6 +61,17 @@ class MHCSublayer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, kernels=cfg.kernels)
         self.fn = fn
         self.dropout_stream = dropout_stream  # unique per (layer, sublayer) within a microbatch
+        self._next: MHCSublayer | None = None  # the sublayer whose pre reads this post's output
+
+    def feeds(self, nxt: "MHCSublayer | None") -> None:
+        """``nxt``'s pre reads this sublayer's output: the post computes that pre's state from
+        the tiles it writes, and the pre reads its input once (same bits as computing it).
+        None: the post computes no state (its output crosses a graph's edge, say)."""
+        same = nxt is not None and (nxt.hc.kernels == self.hc.kernels
+                                    and nxt.hc.num_streams == self.hc.num_streams
+                                    and nxt.hc.hidden_size == self.hc.hidden_size)
+        # a plain attribute, not a submodule: deepcopy maps it to the copy's sublayer
+        object.__setattr__(self, "_next", nxt if same else None)
 
     @property
     def dropout_p(self) -> float:
@@ -66,15 +79,22 @@ class MHCSublayer(nn.Module):
         return self.cfg.hidden_dropout if self.training else 0.0
 
     def pre(self, x: Tensor, fn_input_out: Target | None = None,
-            state_out: Target | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """``(F's input, state, x_on)``; see the module docstring."""
-        return self.hc.pre(x, self.norm.weight, self.norm.eps, fn_input_out, state_out)
+            state_out: Target | None = None,
+            state: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """``(F's input, state, x_on)``; see the module docstring. ``state``: x's state as the
+        post before computed it (:meth:`post`'s ``state_out``)."""
+        return self.hc.pre(x, self.norm.weight, self.norm.eps, fn_input_out, state_out, state)
 
     def post(self, x_on: Tensor, state: Tensor, y: Tensor, seed: Tensor | None,
-             out: Target | None = None) -> Tensor:
-        """``H_res x + dropout(H_post y)`` (F's bias is inside ``y``)."""
+             out: Target | None = None, *, nxt: "MHCSublayer | None" = None,
+             state_out: Target | None = None) -> Tensor:
+        """``H_res x + dropout(H_post y)`` (F's bias is inside ``y``); with a next sublayer (the
+        one this sublayer :meth:`feeds`, or ``nxt``) also its pre's state, into ``state_out``
+        when given."""
+        nxt = nxt or self._next
+        next_pre = None if nxt is None else nxt.hc.next_pre(nxt.norm.weight, nxt.norm.eps)
         return self.hc.post(x_on, state, y, seed, self.dropout_p, self.dropout_stream,
-                            self.cfg.dropout_impl, out)
+                            self.cfg.dropout_impl, out, next_pre, state_out)
 
     def forward(self, x: Tensor, seed: Tensor | None = None) -> Tensor:
         return sublayer_forward(self, x, seed)

@@ -238,21 +238,29 @@ class HyperConnection(nn.Module):
 
     # -- fused: what the model runs ---------------------------------------------------------------
     def pre(self, x: Tensor, norm_weight: Tensor | None, eps: float,
-            fn_input_out: fused.Target | None = None,
-            state_out: fused.Target | None = None) -> tuple[Tensor, Tensor, Tensor]:
+            fn_input_out: fused.Target | None = None, state_out: fused.Target | None = None,
+            state: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """``(F's input, state, x_on)``: the mappings' state, ``norm(aggregate(x, h_pre))`` from
         one read of ``x``, and ``x`` handed on to :meth:`post` (:mod:`mhc_cg.ops.kernels`)."""
         _check_streams("pre", x, self.num_streams, self.hidden_size)
         return fused.pre(x, self.mapping_proj.weight, self.alpha_pre, self.alpha_post,
                          self.alpha_res, self.bias, norm_weight, self.num_streams,
                          self.sinkhorn_iterations, eps, self.kernels, fn_input_out, state_out,
-                         h_res_transposed=self.h_res_transposed)
+                         h_res_transposed=self.h_res_transposed, state=state)
+
+    def next_pre(self, norm_weight: Tensor | None, eps: float) -> fused.NextPre:
+        """This pre, as the post before it sees it (:meth:`post`'s ``next_pre``)."""
+        return fused.NextPre(self.mapping_proj.weight, self.alpha_pre, self.bias,
+                             norm_weight is not None, float(eps))
 
     def post(self, x_on: Tensor, state: Tensor, y: Tensor, seed: Tensor | None, p: float,
-             stream: int, dropout_impl: str = "counter", out: fused.Target | None = None) -> Tensor:
+             stream: int, dropout_impl: str = "counter", out: fused.Target | None = None,
+             next_pre: fused.NextPre | None = None,
+             state_out: fused.Target | None = None) -> Tensor:
         """``H_res x + dropout(H_post y)`` (``H_res^T x`` with ``h_res_transposed``), the mappings
-        from :meth:`pre`'s state. torch's stateful dropout (eager only) runs unfused from the
-        same state."""
+        from :meth:`pre`'s state; with ``next_pre`` (:meth:`next_pre` of the hyper-connection
+        whose pre reads the result) also that pre's state (into ``state_out`` when given).
+        torch's stateful dropout (eager only) runs unfused from the same state."""
         if p > 0 and dropout_impl == "torch":
             h, _, _, _ = reference.logits_of(state.flatten(0, -2), self.alpha_pre, self.alpha_post,
                                              self.alpha_res, self.bias, self.num_streams,
@@ -268,7 +276,8 @@ class HyperConnection(nn.Module):
             raise ValueError("counter dropout needs a seed tensor (one int64 scalar per microbatch)")
         return fused.post(x_on, state, self.alpha_pre, self.alpha_post, self.alpha_res, self.bias,
                           y, seed, p, stream, self.num_streams, self.sinkhorn_iterations,
-                          self.kernels, out, h_res_transposed=self.h_res_transposed)
+                          self.kernels, out, h_res_transposed=self.h_res_transposed,
+                          next_pre=next_pre, state_out=state_out)
 
 
 def _check_mapping(name: str, h: Tensor, lead: torch.Size, tail: tuple[int, ...]) -> None:

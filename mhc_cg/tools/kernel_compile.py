@@ -133,6 +133,12 @@ def _post(k, s: Shape, stream: int, dropout: bool = True):
                   s.dropout if dropout else 0.0, stream, s.n, s.iterations, maps=_maps(s)[0])
 
 
+def _post_state(k, s: Shape, stream: int, dropout: bool = True):
+    return k.post_state(s.t(s.T, s.n * s.C), _maps(s)[0], s.t(s.T, s.C),
+                        s.seed if dropout else None, s.dropout if dropout else 0.0, stream, s.n,
+                        s.t(s.M, s.n * s.C), s.t(1), s.t(s.M), True, 1e-5)
+
+
 def _post_backward(k, s: Shape, stream: int, dropout: bool = True):
     return k.post_backward(s.t(s.T, s.n * s.C), s.t(s.T, s.n * s.C),
                            s.t(s.T, s.M + 2, dtype=torch.float32), *_alphas(s), s.t(s.M),
@@ -165,6 +171,12 @@ CASES = (
     Case("post[stream 0]", lambda k, s: _post(k, s, 0)),
     Case("post[stream 1]", lambda k, s: _post(k, s, 1)),
     Case("post[no dropout]", lambda k, s: _post(k, s, 2, dropout=False)),
+    Case("post_state", lambda k, s: _post_state(k, s, 2)),
+    Case("post_state[stream 1]", lambda k, s: _post_state(k, s, 1)),
+    Case("post_state[no dropout]", lambda k, s: _post_state(k, s, 2, dropout=False)),
+    Case("fn_input", lambda k, s: k.fn_input(s.t(s.T, s.n * s.C),
+                                             s.t(s.T, s.M + 2, dtype=torch.float32), *_alphas(s),
+                                             s.t(s.M), s.t(s.C), s.n)),
     Case("post_backward", lambda k, s: _post_backward(k, s, 2)),
     Case("post_backward[stream 0]", lambda k, s: _post_backward(k, s, 0)),
     Case("post_backward[stream 1]", lambda k, s: _post_backward(k, s, 1)),
@@ -328,7 +340,11 @@ def tile(name: str, bound: dict, pointer: str, *dims: str | int) -> tuple[str, i
 # step could have in flight), and a ``pipelined`` load (a tl.dot operand that ptxas receives as
 # cp.async copies, num_stages deep) counts num_stages - 1 steps.
 STREAM_LOADS: dict[str, Callable[[dict], list[tuple[str, int, int, bool]]]] = {
-    "_state_fwd": lambda b: [(*tile("x", b, "x_ptr", "BT", "N", "BC"), True)],
+    # with POST (a post writing the next pre's state) x and y feed the post, not the tl.dot, yet
+    # they are still staged through shared memory num_stages deep: the launch's dynamic shared
+    # memory grows by y's tile and the mappings' per stage (37888 -> 47896 B at C 2048)
+    "_state_fwd": lambda b: [(*tile("x", b, "x_ptr", "BT", "N", "BC"), True)]
+    + ([(*tile("y", b, "y_ptr", "BT", "BC"), True)] if b["POST"] else []),
     # the post's mappings stream per-token states alone: their tile is all a step loads
     "_post_maps": lambda b: [(f"state[{b['BT']}x{b['N'] * b['N'] + 2 * b['N'] + 2}]",
                               int(b["BT"]) * (b["N"] * b["N"] + 2 * b["N"] + 2), 4, False)],

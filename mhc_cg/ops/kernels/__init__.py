@@ -9,6 +9,8 @@ that recomputes a whole block; Triton on CUDA, the torch reference on CPU.
   the post sent in place (:mod:`mhc_cg.ops.kernels.autograd`);
 * ``post``: ``H_res x + dropout(H_post y)``, the residual mix, H_post, the counter dropout (mask
   ``counter_hash(seed, stream, index)``, drawn again in the backward) and the add in one pass;
+  told the next sublayer's pre (``next_pre``), the same pass also computes that pre's state
+  from the tiles it writes, and the pre then reads its input once (same bits);
 * ``recompute_block``: a block's chain of residual updates from its input and F's outputs, writing
   each sublayer's input and F's input into the buffers given (the static runtime's slots);
 * ``rms_norm``: an RMSNorm (the model's final norm);
@@ -25,41 +27,52 @@ from __future__ import annotations
 from torch import Tensor
 
 from mhc_cg.ops.kernels import ops
-from mhc_cg.ops.kernels.autograd import (Post, PostConfig, Pre, PreConfig, Target,
-                                         overwritable)
+from mhc_cg.ops.kernels.autograd import (NextPre, Post, PostConfig, Pre, PreConfig, Target,
+                                         hand_state, handed_state, overwritable)
 from mhc_cg.ops.kernels.dispatch import KERNELS, kernels_problem, use_triton
 
-__all__ = ["KERNELS", "Target", "kernels_problem", "use_triton", "overwritable", "pre", "post",
-           "recompute_block", "rms_norm", "cross_entropy"]
+__all__ = ["KERNELS", "NextPre", "Target", "kernels_problem", "use_triton", "overwritable",
+           "handed_state", "pre", "post", "recompute_block", "rms_norm", "cross_entropy"]
 
 
 def pre(x: Tensor, weight: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
         norm_weight: Tensor | None, n: int, iterations: int, eps: float, kernels: str = "auto",
         fn_input_out: Target | None = None, state_out: Target | None = None, *,
-        h_res_transposed: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        h_res_transposed: bool = False,
+        state: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``x [*, nC] -> (F's input [*, C], state [*, m+2], x_on [*, nC])``. ``x_on`` (a view of
     ``x``) is for the sublayer's :func:`post` and nothing else (see
     :mod:`mhc_cg.ops.kernels.autograd`). ``norm_weight`` None: no RMSNorm. ``h_res_transposed``
-    must be the post's: the pre's backward adds the post's residual path to x's gradient."""
+    must be the post's: the pre's backward adds the post's residual path to x's gradient.
+    ``state``: x's state as the post before computed it (``post(..., next_pre=...)``; it may
+    lie in ``state_out`` already); else the one that post attached to ``x``, if any; else the pre
+    computes it. Either way the same bits; a given state saves a read of x."""
     cfg = PreConfig(n, iterations, float(eps), use_triton(kernels, x.device),
                     bool(h_res_transposed))
+    handed = state if state is not None else handed_state(x, weight, a_pre, bias,
+                                                          norm_weight is not None, eps)
     return Pre.apply(x, weight, a_pre, a_post, a_res, bias, norm_weight, cfg, fn_input_out,
-                     state_out)
+                     state_out, handed)
 
 
 def post(x_on: Tensor, state: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
          y: Tensor, seed: Tensor | None, p: float, stream: int, n: int, iterations: int,
          kernels: str = "auto", out: Target | None = None, *,
-         h_res_transposed: bool = False) -> Tensor:
+         h_res_transposed: bool = False, next_pre: NextPre | None = None,
+         state_out: Target | None = None) -> Tensor:
     """``H_res x + dropout(H_post y)``: ``[*, nC], [*, m+2], [*, C] -> [*, nC]``. ``seed`` None
     or ``p == 0``: no dropout; the mask is the one ``mhc_cg.ops.dropout`` draws for a ``[*, nC]``
-    tensor with the same seed and stream."""
+    tensor with the same seed and stream. ``next_pre``: the pre that reads the result next; its
+    state is computed from the tiles written and attached to the result, for :func:`pre` to
+    take instead of reading the stream a second time (same bits either way); written into
+    ``state_out`` when given."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     cfg = PostConfig(float(p), int(stream), n, iterations, use_triton(kernels, x_on.device),
                      bool(h_res_transposed))
-    return Post.apply(x_on, state, a_pre, a_post, a_res, bias, y, seed if p > 0 else None, cfg,
-                      out)
+    result, state = Post.apply(x_on, state, a_pre, a_post, a_res, bias, y,
+                               seed if p > 0 else None, cfg, out, next_pre, state_out)
+    return result if state is None else hand_state(result, state, next_pre)
 
 
 def recompute_block(x0: Tensor, ys: Tensor, states: Tensor, params: Tensor,

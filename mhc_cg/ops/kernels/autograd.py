@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mhc_cg.core.storage import alias
+from mhc_cg.core.storage import alias, storage_id
 from mhc_cg.ops.kernels import ops
 from mhc_cg.ops.kernels.reference import state_dtype, state_width
 
@@ -73,6 +73,42 @@ def is_overwritable(t: Tensor | None, like: Tensor) -> bool:
             and t.dtype == like.dtype and t.is_contiguous() and not t.requires_grad)
 
 
+@dataclass(frozen=True, eq=False)
+class NextPre:
+    """The pre of the sublayer after a post: what the post needs to compute that pre's state
+    from the stream it writes (:func:`ops.post_state`)."""
+
+    weight: Tensor
+    a_pre: Tensor
+    bias: Tensor
+    norm: bool
+    eps: float
+
+    def is_for(self, weight: Tensor, a_pre: Tensor, bias: Tensor, norm: bool, eps: float) -> bool:
+        return (self.weight is weight and self.a_pre is a_pre and self.bias is bias
+                and self.norm == norm and self.eps == float(eps))
+
+
+HANDED = "_mhc_handed_state"
+
+
+def hand_state(out: Tensor, state: Tensor, nxt: NextPre) -> Tensor:
+    """Attach to the post's output ``out`` the state ``nxt`` will need; returns ``out``."""
+    setattr(out, HANDED, (state, nxt, out._version))
+    return out
+
+
+def handed_state(x: Tensor, weight: Tensor, a_pre: Tensor, bias: Tensor, norm: bool,
+                 eps: float) -> Tensor | None:
+    """The state a post attached to ``x`` for this pre, if ``x`` is that post's output, unwritten
+    since, and the pre the one it was computed for; else None (the pre computes its own)."""
+    handed = getattr(x, HANDED, None)
+    if handed is None:
+        return None
+    state, nxt, version = handed
+    return state if x._version == version and nxt.is_for(weight, a_pre, bias, norm, eps) else None
+
+
 @dataclass(frozen=True)
 class PreConfig:
     n: int
@@ -98,13 +134,15 @@ class Pre(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, a_pre, a_post, a_res, bias, norm_weight, cfg: PreConfig,
-                fn_input_out: Target | None, state_out: Target | None):
+                fn_input_out: Target | None, state_out: Target | None, handed: Tensor | None):
         lead, width = x.shape[:-1], x.shape[-1]
         c, sw = width // cfg.n, state_width(weight.shape[0])
         xf = x.reshape(-1, width)
         args = (xf, weight, a_pre, a_post, a_res, bias, norm_weight, cfg.n, cfg.iterations,
                 cfg.eps, cfg.use_triton)
-        if fn_input_out is None:
+        if handed is not None:
+            fn_input, state = _from_state(xf, handed, args, fn_input_out, state_out, c)
+        elif fn_input_out is None:
             fn_input, state = ops.pre(*args)
         else:
             if state_out is None:  # a state of its own: where it lives is no buffer's concern
@@ -137,7 +175,33 @@ class Pre(torch.autograd.Function):
                                                             *args)
             g_x = g_x.view(x.shape)
         return (overwritable(g_x), g_weight, *_alphas_and_bias(g_params, bias),
-                g_w if norm_weight is not None else None, None, None, None)
+                g_w if norm_weight is not None else None, None, None, None, None)
+
+
+def _from_state(xf: Tensor, handed: Tensor, args: tuple, fn_input_out: Target | None,
+                state_out: Target | None, c: int) -> tuple[Tensor, Tensor]:
+    """The pre given the state the previous post computed: F's input from one read of x; the
+    state is the one handed over (copied where the pre was asked to keep it)."""
+    xf, weight, a_pre, a_post, a_res, bias, norm_weight, n, _, _, use_triton = args
+    handed = handed.reshape(-1, handed.shape[-1])
+    fn_args = (xf, handed, a_pre, a_post, a_res, bias, norm_weight, n, use_triton)
+    if fn_input_out is None:
+        fn_input = ops.pre_from_state(*fn_args)
+    else:
+        fn_out = _flat_target(fn_input_out, c)
+        ops.pre_from_state_into(*fn_args, fn_out.writer)
+        fn_input = fn_out.view()
+    if state_out is None:
+        return fn_input, alias(handed)
+    st_out = _flat_target(state_out, handed.shape[-1])
+    if not _same_memory(st_out.writer, handed):  # the post wrote it there already: no copy
+        st_out.writer.copy_(handed)
+    return fn_input, st_out.view()
+
+
+def _same_memory(a: Tensor, b: Tensor) -> bool:
+    return (storage_id(a) == storage_id(b) and a.storage_offset() == b.storage_offset()
+            and a.shape == b.shape and a.stride() == b.stride())
 
 
 @dataclass(frozen=True)
@@ -155,7 +219,7 @@ class Post(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, state, a_pre, a_post, a_res, bias, y, seed, cfg: PostConfig,
-                out: Target | None):
+                out: Target | None, nxt: NextPre | None, state_out: Target | None):
         pre_node = state.grad_fn
         if isinstance(pre_node, Pre._backward_cls) and x.grad_fn is not pre_node:
             raise ValueError("mhc_cg post: x must be the x_on that pre returned with this state, "
@@ -168,30 +232,55 @@ class Post(torch.autograd.Function):
         xf, sf, yf = x.reshape(-1, width), state.reshape(-1, state.shape[-1]), y.reshape(-1, y.shape[-1])
         maps = ops.post_maps(sf[None], bias[None], a_post, a_res, width, cfg.n, cfg.iterations,
                              cfg.use_triton)[0]
-        args = (xf, sf, maps, a_pre, a_post, a_res, bias, yf, seed, cfg.p, cfg.stream, cfg.n,
-                cfg.iterations, cfg.use_triton)
-        if out is None:
-            result = ops.post(*args, cfg.h_res_transposed)
+        next_state = None
+        if nxt is not None:
+            result, next_state = _post_state(xf, maps, yf, seed, cfg, out, nxt, state_out)
+            ctx.mark_non_differentiable(next_state)  # the next pre's backward owns its gradient
+        elif out is None:
+            result = ops.post(xf, sf, maps, a_pre, a_post, a_res, bias, yf, seed, cfg.p,
+                              cfg.stream, cfg.n, cfg.iterations, cfg.use_triton,
+                              cfg.h_res_transposed)
         else:
             target = _flat_target(out, width)
-            ops.post_into(*args, target.writer, cfg.h_res_transposed)
+            ops.post_into(xf, sf, maps, a_pre, a_post, a_res, bias, yf, seed, cfg.p, cfg.stream,
+                          cfg.n, cfg.iterations, cfg.use_triton, target.writer,
+                          cfg.h_res_transposed)
             result = target.view()
         ctx.save_for_backward(x, state, a_pre, a_post, a_res, bias, y, seed)
         ctx.cfg = cfg
-        return result.view(x.shape)
+        ctx.set_materialize_grads(False)  # no zeros for the next state's gradient, never used
+        return result.view(x.shape), next_state
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, g, _g_next_state):
         x, state, a_pre, a_post, a_res, bias, y, seed = ctx.saved_tensors
         cfg = ctx.cfg
         width = x.shape[-1]
+        g = torch.zeros_like(x) if g is None else g
         g_state, g_params, g_y = ops.post_backward(
             g.reshape(-1, width), x.reshape(-1, width), state.reshape(-1, state.shape[-1]),
             a_pre, a_post, a_res, bias, y.reshape(-1, y.shape[-1]), seed, cfg.p, cfg.stream,
             cfg.n, cfg.iterations, cfg.use_triton, cfg.h_res_transposed)
         # g goes on as x_on's: the pre's backward adds H_res^T g (see the module docstring)
         return (g, g_state.view(state.shape), *_alphas_and_bias(g_params, bias), g_y.view(y.shape),
-                None, None, None)
+                None, None, None, None, None)
+
+
+def _post_state(xf: Tensor, maps: Tensor, yf: Tensor, seed: Tensor | None, cfg: PostConfig,
+                out: Target | None, nxt: NextPre,
+                state_out: Target | None) -> tuple[Tensor, Tensor]:
+    """The post with the next pre's state (:func:`ops.post_state`), into ``out`` and
+    ``state_out`` when given."""
+    args = (xf, maps, yf, seed, cfg.p, cfg.stream, cfg.n, nxt.weight, nxt.a_pre, nxt.bias,
+            nxt.norm, nxt.eps, cfg.use_triton)
+    if out is None and state_out is None:
+        return ops.post_state(*args, cfg.h_res_transposed)
+    width, sw = xf.shape[-1], state_width(nxt.weight.shape[0])
+    out = _flat_target(out or Target.of(torch.empty_like(xf)), width)
+    state_out = _flat_target(state_out or Target.of(
+        xf.new_empty(xf.shape[0], sw, dtype=state_dtype(xf.dtype))), sw)
+    ops.post_state_into(*args, out.writer, state_out.writer, cfg.h_res_transposed)
+    return out.view(), state_out.view()
 
 
 def _alphas_and_bias(g_params: Tensor, bias: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:

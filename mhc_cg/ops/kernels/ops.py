@@ -170,6 +170,32 @@ def _(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight
     return _pre_backward_fakes(x, weight, bias, norm_weight)
 
 
+@torch.library.custom_op("mhc_cg::pre_from_state", mutates_args=())
+def pre_from_state(x: Tensor, state: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor,
+                   bias: Tensor, norm_weight: Tensor | None, n: int, use_triton: bool) -> Tensor:
+    """F's input [T, C] from ``x`` and the state the previous post computed
+    (:func:`post_state`): the pre's second pass alone, one read of x."""
+    return _impl(use_triton).fn_input(x, state, a_pre, a_post, a_res, bias, norm_weight, n)
+
+
+@pre_from_state.register_fake
+def _(x, state, a_pre, a_post, a_res, bias, norm_weight, n, use_triton):
+    return x.new_empty(x.shape[0], x.shape[1] // n)
+
+
+@torch.library.custom_op("mhc_cg::pre_from_state_into", mutates_args=("fn_input_out",))
+def pre_from_state_into(x: Tensor, state: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor,
+                        bias: Tensor, norm_weight: Tensor | None, n: int, use_triton: bool,
+                        fn_input_out: Tensor) -> None:
+    """:func:`pre_from_state` writing into the buffer it is given."""
+    _impl(use_triton).fn_input(x, state, a_pre, a_post, a_res, bias, norm_weight, n, fn_input_out)
+
+
+@pre_from_state_into.register_fake
+def _(x, state, a_pre, a_post, a_res, bias, norm_weight, n, use_triton, fn_input_out):
+    return None
+
+
 def _summed(shares: Tensor, g_w: Tensor, bias: Tensor, x: Tensor,
             norm_weight: Tensor | None) -> tuple[Tensor, Tensor]:
     g_norm = g_w.sum(0).to(x.dtype) if norm_weight is not None else x.new_empty(0)
@@ -226,6 +252,41 @@ def post_into(x: Tensor, state: Tensor, maps: Tensor, a_pre: Tensor, a_post: Ten
 @post_into.register_fake
 def _(x, state, maps, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, use_triton,
       out, h_res_transposed=False):
+    return None
+
+
+@torch.library.custom_op("mhc_cg::post_state", mutates_args=())
+def post_state(x: Tensor, maps: Tensor, y: Tensor, seed: Tensor | None, p: float, stream: int,
+               n: int, weight: Tensor, a_pre: Tensor, bias: Tensor, norm: bool, eps: float,
+               use_triton: bool, h_res_transposed: bool = False) -> tuple[Tensor, Tensor]:
+    """``(H_res x + dropout(H_post y) [T, nC], its state [T, m+2])``: the post and, from the
+    tiles it writes, the state the next pre (``weight``, ``a_pre``, ``bias``, ``norm``, ``eps``)
+    needs, so that pre reads its input once (:func:`pre_from_state`)."""
+    return _impl(use_triton).post_state(x, maps, y, seed, p, stream, n, weight, a_pre, bias, norm,
+                                        eps, h_res_transposed=h_res_transposed)
+
+
+@post_state.register_fake
+def _(x, maps, y, seed, p, stream, n, weight, a_pre, bias, norm, eps, use_triton,
+      h_res_transposed=False):
+    return (x.new_empty(x.shape), x.new_empty(x.shape[0], state_width(weight.shape[0]),
+                                              dtype=state_dtype(x.dtype)))
+
+
+@torch.library.custom_op("mhc_cg::post_state_into", mutates_args=("out", "state_out"))
+def post_state_into(x: Tensor, maps: Tensor, y: Tensor, seed: Tensor | None, p: float,
+                    stream: int, n: int, weight: Tensor, a_pre: Tensor, bias: Tensor, norm: bool,
+                    eps: float, use_triton: bool, out: Tensor, state_out: Tensor,
+                    h_res_transposed: bool = False) -> None:
+    """:func:`post_state` writing into the buffers it is given (the next sublayer's input slot
+    and its state in the persistent set)."""
+    _impl(use_triton).post_state(x, maps, y, seed, p, stream, n, weight, a_pre, bias, norm, eps,
+                                 out, state_out, h_res_transposed=h_res_transposed)
+
+
+@post_state_into.register_fake
+def _(x, maps, y, seed, p, stream, n, weight, a_pre, bias, norm, eps, use_triton, out, state_out,
+      h_res_transposed=False):
     return None
 
 

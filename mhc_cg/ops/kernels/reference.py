@@ -156,23 +156,23 @@ def _aggregate(xv: Tensor, h_pre: Tensor) -> Tensor:
     return (h_pre[:, :, None] * xv).sum(1)
 
 
-def fn_input(x: Tensor, state: Tensor, a_pre, a_post, a_res, bias, norm_weight: Tensor | None,
-             n: int) -> Tensor:
-    """F's input ``rstd * norm_weight * sum_i h_pre[i] x[i]`` (no norm when ``norm_weight`` is
-    None), h_pre and rstd from the state: the forward and the recompute compute it the same way."""
-    acc = compute_dtype(x.dtype)
-    h, _, _, _ = logits_of(state, a_pre, a_post, a_res, bias, n, math.sqrt(x.shape[1]))
-    agg = _aggregate(x.to(acc).unflatten(1, (n, -1)), torch.sigmoid(h[:, :n]))
-    if norm_weight is None:
-        return agg.to(x.dtype)
-    return (agg * state[:, -1:].to(acc) * norm_weight.to(acc)).to(x.dtype)
-
-
 def _into(value: Tensor, out: Tensor | None) -> Tensor:
     if out is None:
         return value
     out.copy_(value)
     return out
+
+
+def fn_input(x: Tensor, state: Tensor, a_pre, a_post, a_res, bias, norm_weight: Tensor | None,
+             n: int, fn_input_out: Tensor | None = None) -> Tensor:
+    """F's input ``rstd * norm_weight * sum_i h_pre[i] x[i]`` (no norm when ``norm_weight`` is
+    None), h_pre and rstd from the state: the forward and the recompute compute it the same way."""
+    acc = compute_dtype(x.dtype)
+    h, _, _, _ = logits_of(state, a_pre, a_post, a_res, bias, n, math.sqrt(x.shape[1]))
+    agg = _aggregate(x.to(acc).unflatten(1, (n, -1)), torch.sigmoid(h[:, :n]))
+    if norm_weight is not None:
+        agg = agg * state[:, -1:].to(acc) * norm_weight.to(acc)
+    return _into(agg.to(x.dtype), fn_input_out)
 
 
 def pre(x: Tensor, weight: Tensor, a_pre, a_post, a_res, bias, norm_weight: Tensor | None, n: int,
@@ -282,6 +282,19 @@ def post(x: Tensor, state: Tensor, a_pre, a_post, a_res, bias, y: Tensor, seed: 
     if mask is not None:
         branch = branch * mask.to(acc)
     return _into((mixed + branch).to(x.dtype), out)
+
+
+def post_state(x: Tensor, maps: Tensor, y: Tensor, seed: Tensor | None, p: float, stream: int,
+               n: int, weight: Tensor, a_pre, bias, norm: bool, eps: float,
+               out: Tensor | None = None, state_out: Tensor | None = None, *,
+               h_res_transposed: bool = False) -> tuple[Tensor, Tensor]:
+    """``(post's output, the next pre's state)``: :func:`post` with ``maps``, then the state of
+    what it wrote as the next pre (``weight``, ``a_pre``, ``bias``) would compute it."""
+    result = post(x, None, None, None, None, None, y, seed, p, stream, n, 0, out,
+                  h_res_transposed=h_res_transposed, maps=maps)
+    # only the pre's columns of the logits feed the state (rstd): a_pre stands in for the rest
+    state = mapping_state(result, weight, a_pre, a_pre, a_pre, bias, n, eps, norm)
+    return result, _into(state, state_out)
 
 
 def post_backward(g: Tensor, x: Tensor, state: Tensor, a_pre, a_post, a_res, bias, y: Tensor,

@@ -8,7 +8,11 @@ per-program shares that torch sums in a fixed order, so every result is determin
 
 * ``_state_fwd`` (the pre's first pass): ``BT`` tokens per program, one pass over their ``x``:
   the projection ``x W^T`` (``tl.dot``) and the streams' Gram matrix, from which the norm of x
-  and F's input's RMSNorm scale follow; writes the state ``[proj | xnorm | rstd]``.
+  and F's input's RMSNorm scale follow; writes the state ``[proj | xnorm | rstd]``. With
+  ``POST`` it is a post and the next pre's first pass in one (``post_state``): each tile of the
+  post's output is made from the post's input and F's output, stored, and projected as stored,
+  so the next pre reads its input once; one kernel and one tiling, so the state is the same bits
+  either way.
 * ``_post_maps``: ``BT`` tokens per program and one post per ``program_id(1)``: the post's
   mappings ``[H_post / 2 | H_res]`` from the state, Sinkhorn once per token (not once per feature
   block of every chain program), written for ``_chain`` to read.
@@ -18,7 +22,8 @@ per-program shares that torch sums in a fixed order, so every result is determin
   registers (rounded to the stream's dtype, as the forward stores it) and written. The pre's
   second pass (one step, F's input only), the post (one step, the stream only) and a block's
   recompute (every step) are this one kernel reading the mappings of one kernel, so the recompute
-  reproduces the forward's bits.
+  reproduces the forward's bits; ``_post_step`` (the post on a tile, element-wise, streams
+  summed in a fixed order) is shared with ``_state_fwd``'s ``POST``, whatever the tile.
 * ``_pre_bwd_coef`` then ``_pre_bwd_x``: two passes over ``x`` and F's input's gradient. The
   first (``BT`` tokens per program) reduces what the mappings' gradient needs and stores it per
   token (the projection's gradient, ``kappa, coef, rstd, s`` and H_res). The second runs over
@@ -219,12 +224,42 @@ def _keep_scaled(seed_ptr, stream, index, THRESHOLD: tl.constexpr, SCALE: tl.con
     return tl.where(bits >= THRESHOLD, SCALE, 0.0)
 
 
+@triton.jit
+def _post_step(x, y, mp, t, i, vmask, xoff, seed_ptr, stream, N: tl.constexpr,
+               DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr, SCALE: tl.constexpr,
+               HT: tl.constexpr):
+    """One post on a ``[BT, NP, BC]`` fp32 tile ``x`` (``y [BT, BC]``, the mappings at ``mp``):
+    ``sum_j H_res[i, j] x[j]`` (``H_res[j, i]`` with ``HT``) accumulated stream by stream in a
+    fixed order, then ``+ dropout(H_post y)``. Every kernel that writes the stream runs this on
+    tiles of its own shape: element-wise steps in one order, no reduction whose order a layout
+    would pick, so the forward's post and the recompute round alike."""
+    MW: tl.constexpr = N + N * N
+    mix = tl.zeros_like(x)
+    for j in tl.static_range(N):
+        x_j = tl.sum(tl.where(i[None, :, None] == j, x, 0.0), axis=1)  # one non-zero: exact
+        if HT:  # out[i] += h_res[j, i] x[j]
+            col = N + j * N + i
+        else:  # out[i] += h_res[i, j] x[j]
+            col = N + i * N + j
+        h_j = tl.load(mp + t[:, None] * MW + col[None, :], mask=vmask, other=0.0)
+        mix += h_j[:, :, None] * x_j[:, None, :]
+    s_post = tl.load(mp + t[:, None] * MW + i[None, :], mask=vmask, other=0.0)
+    branch = 2.0 * s_post[:, :, None] * y[:, None, :]
+    if DROPOUT:
+        branch = branch * _keep_scaled(seed_ptr, stream, xoff, THRESHOLD, SCALE)
+    return mix + branch
+
+
 # ---- pre, first pass: the state ---------------------------------------------------------------
 
 @triton.jit
-def _state_fwd(x_ptr, w_ptr, bias_ptr, apre_ptr, state_ptr, T, C, sqrt_d, eps,
-               N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr,
-               BC: tl.constexpr, NORM: tl.constexpr, DOT_F32: tl.constexpr, RMS: tl.constexpr):
+def _state_fwd(x_ptr, w_ptr, bias_ptr, apre_ptr, state_ptr, y_ptr, maps_ptr, seed_ptr, xo_ptr,
+               stream, T, C, sqrt_d, eps, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr,
+               BT: tl.constexpr, BC: tl.constexpr, NORM: tl.constexpr, DOT_F32: tl.constexpr,
+               RMS: tl.constexpr, POST: tl.constexpr, DROPOUT: tl.constexpr,
+               THRESHOLD: tl.constexpr, SCALE: tl.constexpr, HT: tl.constexpr):
+    """The state of ``x``; with ``POST``, of the stream a post writes from ``x`` (its input):
+    each tile of it is made (:func:`_post_step`), stored and, as stored, projected."""
     M: tl.constexpr = N * N + 2 * N
     SW: tl.constexpr = M + 2
     t = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -236,8 +271,15 @@ def _state_fwd(x_ptr, w_ptr, bias_ptr, apre_ptr, state_ptr, T, C, sqrt_d, eps,
     for c0 in range(0, C, BC):
         c = c0 + tl.arange(0, BC)
         xmask = tmask[:, None, None] & (i < N)[None, :, None] & (c < C)[None, None, :]
-        x = tl.load(x_ptr + t[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :],
-                    mask=xmask, other=0.0)
+        xoff = t[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :]
+        x = tl.load(x_ptr + xoff, mask=xmask, other=0.0)
+        if POST:  # the tile projected is the post's output, as stored
+            y = tl.load(y_ptr + t[:, None] * C + c[None, :],
+                        mask=tmask[:, None] & (c < C)[None, :], other=0.0).to(tl.float32)
+            x = _post_step(x.to(tl.float32), y, maps_ptr, t, i, tmask[:, None] & (i < N)[None, :],
+                           xoff, seed_ptr, stream, N, DROPOUT, THRESHOLD, SCALE, HT)
+            x = x.to(xo_ptr.dtype.element_ty)
+            tl.store(xo_ptr + xoff, x, mask=xmask)
         wmask = (i < N)[:, None, None] & (c < C)[None, :, None] & (mcol < M)[None, None, :]
         w = tl.load(w_ptr + mcol[None, None, :] * (N * C) + i[:, None, None] * C + c[None, :, None],
                     mask=wmask, other=0.0)
@@ -307,7 +349,6 @@ def _chain(x_ptr, y_ptr, state_ptr, maps_ptr, bias_ptr, apre_ptr, apost_ptr, are
     i = tl.arange(0, NP)
     tmask = t < T
     vmask = tmask[:, None] & (i[None, :] < N)
-    rmask = vmask[:, :, None] & (i < N)[None, None, :]
     xmask = tmask[:, None, None] & (i < N)[None, :, None] & (c < C)[None, None, :]
     xoff = t[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :]
     fmask = tmask[:, None] & (c < C)[None, :]
@@ -328,19 +369,9 @@ def _chain(x_ptr, y_ptr, state_ptr, maps_ptr, bias_ptr, apre_ptr, apost_ptr, are
                 fn = fn * rstd[:, None] * w[None, :]
             tl.store(fo_ptr + k * T * C + foff, fn, mask=fmask)
         if POSTS and k < posts:  # POSTS False (the pre): no post code compiled in
-            mp = maps_ptr + k * T * MW  # _post_maps's, the same bits wherever they are read
-            s_post = tl.load(mp + t[:, None] * MW + i[None, :], mask=vmask, other=0.0)
-            h_res = tl.load(mp + t[:, None, None] * MW + N + i[None, :, None] * N
-                            + i[None, None, :], mask=rmask, other=0.0)
             y = tl.load(y_ptr + k * T * C + foff, mask=fmask, other=0.0).to(tl.float32)
-            branch = 2.0 * s_post[:, :, None] * y[:, None, :]
-            if DROPOUT:
-                branch = branch * _keep_scaled(seed_ptr, stream0 + k * stream_step, xoff,
-                                               THRESHOLD, SCALE)
-            if HT:  # out[j] = sum_i h_res[i, j] x[i]
-                x = tl.sum(h_res[:, :, :, None] * x[:, :, None, :], axis=1) + branch
-            else:  # out[i] = sum_j h_res[i, j] x[j]
-                x = tl.sum(h_res[:, :, :, None] * x[:, None, :, :], axis=2) + branch
+            x = _post_step(x, y, maps_ptr + k * T * MW, t, i, vmask, xoff, seed_ptr,
+                           stream0 + k * stream_step, N, DROPOUT, THRESHOLD, SCALE, HT)
             x = x.to(xo_ptr.dtype.element_ty)
             tl.store(xo_ptr + k * T * (N * C) + xoff, x, mask=xmask)
             x = x.to(tl.float32)  # the next sublayer reads what the forward stored
@@ -383,23 +414,51 @@ def _launch_chain(x, ys, states, maps, bias, a_pre, a_post, a_res, p_stride, nor
         **_dropout_args(seed, p))
 
 
-def pre(x, weight, a_pre, a_post, a_res, bias, norm_weight, n, iterations, eps,
-        fn_input_out=None, state_out=None):
-    x, weight = _prepared(x, weight)
+def _launch_state(x, weight, bias, a_pre, norm: bool, eps, n, state_out, post=None):
+    """The state of ``x``, or with ``post = (maps, y, seed, p, stream, out, h_res_transposed)``
+    of the post's output, which it writes into ``out``. One kernel and one tiling either way,
+    so a state is the same bits whichever made it."""
     t, width = x.shape
     c = width // n
     nb = _np(n)
     state = _written(state_out, lambda: x.new_empty(t, state_width(weight.shape[0]),
                                                    dtype=torch.float32))
+    maps, y, seed, p, stream, out, transposed = post or (x, x, None, 0.0, 0, x, False)
     _state_fwd[(triton.cdiv(t, DOT_ROWS),)](
-        x, weight, bias, a_pre, state, t, c, float(width) ** 0.5, float(eps), N=n, NP=nb,
-        MP=_mp(n), BT=DOT_ROWS, BC=_block_c(c, 512 // (nb * nb)), NORM=norm_weight is not None,
-        DOT_F32=_dot_in_fp32(x, weight), RMS=RMS_EPS,
+        x, weight, bias, a_pre, state, y, maps, seed if seed is not None else x, out, stream, t,
+        c, float(width) ** 0.5, float(eps), N=n, NP=nb, MP=_mp(n), BT=DOT_ROWS,
+        BC=_block_c(c, 512 // (nb * nb)), NORM=norm, DOT_F32=_dot_in_fp32(x, weight),
+        RMS=RMS_EPS, POST=post is not None, HT=transposed, **_dropout_args(seed, p),
         num_stages=4)  # x's tl.dot tiles run 3 steps ahead: a grid of 256 leaves 2 blocks per SM
-    fn_input = _written(fn_input_out, lambda: x.new_empty(t, c))
+    return _deliver(state, state_out)
+
+
+def fn_input(x, state, a_pre, a_post, a_res, bias, norm_weight, n, fn_input_out=None):
+    """The pre's second pass alone: F's input from ``x`` and its state."""
+    x, state = _prepared(x, state)
+    fn = _written(fn_input_out, lambda: x.new_empty(x.shape[0], x.shape[1] // n))
     _launch_chain(x, x, state, None, bias, a_pre, a_post, a_res, 0, norm_weight, 0, None, 0.0, [0],
-                  n, x, fn_input, fn=True, steps=1, posts=0)
-    return _deliver(fn_input, fn_input_out), _deliver(state, state_out)
+                  n, x, fn, fn=True, steps=1, posts=0)
+    return _deliver(fn, fn_input_out)
+
+
+def pre(x, weight, a_pre, a_post, a_res, bias, norm_weight, n, iterations, eps,
+        fn_input_out=None, state_out=None):
+    x, weight = _prepared(x, weight)
+    state = _launch_state(x, weight, bias, a_pre, norm_weight is not None, eps, n, state_out)
+    return fn_input(x, state, a_pre, a_post, a_res, bias, norm_weight, n, fn_input_out), state
+
+
+def post_state(x, maps, y, seed, p, stream, n, weight, a_pre, bias, norm, eps, out=None,
+               state_out=None, *, h_res_transposed=False):
+    """``(post's output, the next pre's state)``: the post (mappings ``maps``) and the state of
+    what it writes, for the next pre (``weight``, ``a_pre``, ``bias``, ``norm``, ``eps``), in
+    one pass: the next pre reads its input once."""
+    x, maps, y, weight = _prepared(x, maps, y, weight)
+    result = _written(out, lambda: torch.empty_like(x))
+    state = _launch_state(x, weight, bias, a_pre, norm, eps, n, state_out,
+                          (maps, y, seed, p, stream, result, h_res_transposed))
+    return _deliver(result, out), state
 
 
 def post(x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, out=None, *,

@@ -53,6 +53,7 @@ class GraphedSublayersModel(ModeModel):
                 if on and not isinstance(sub.fn, MoEMLP):
                     captured.append(sub)
                     labels.append(f"L{layer.layer_number}.{name}")
+        self.model.no_state_across(captured)
         sample_args = sublayer_sample_args(self.model, self.micro_batch_size, len(captured), device)
         self.graphed_callables = make_graphed_callables(tuple(captured), sample_args,
                                                         backend=self.capture_backend(),

@@ -175,6 +175,7 @@ class GraphedStaticModel(ModeModel):
             dtype=dtype)
         backend = self.capture_backend()
         modules, keys = slot_sublayers(self.plan, self.runtime, layers, self.block_size)
+        self.model.no_state_across(module.sub for module in modules)
         recompute_in_sublayer_pool = False
         if modules:
             sample_args = self._static_inputs(keys)

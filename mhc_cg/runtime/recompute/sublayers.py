@@ -66,18 +66,36 @@ class FusedSublayers:
         rt.arena.allocate()
 
     def pre(self, sub, position: int, k: int, x: Tensor) -> tuple[Tensor, tuple]:
+        """Past the chunk's first sublayer, the post before wrote this pre's state into the set
+        (:meth:`post`): the pre takes it there and reads x once."""
         rt, pset = self.rt, self.rt.writing_set()
-        state_out = None if pset is None else Target.of(pset.states[rt.key(sub, k)])
-        fn_input, state, x_on = sub.pre(x, self.slots.fn_input(2 * position + k), state_out)
+        key = rt.key(sub, k)
+        state_out = None if pset is None else Target.of(pset.states[key])
+        written = pset.states[key] if pset is not None and key != (0, 0) else None
+        fn_input, state, x_on = sub.pre(x, self.slots.fn_input(2 * position + k), state_out,
+                                        written)
         return fn_input, (state, x_on)
 
     def post(self, sub, position: int, k: int, y: Tensor, carry: tuple,
              seed: Tensor | None) -> Tensor:
+        """The post, and the next sublayer's state into the set, where its pre takes it."""
         state, x_on = carry
-        pset = self.rt.writing_set()
-        if pset is not None and not is_buffer(pset.fn_outputs[self.rt.key(sub, k)], y):
-            y = store_in(y, pset.fn_outputs[self.rt.key(sub, k)])
-        return sub.post(x_on, state, y, seed, self._output_target(sub, position, k, pset))
+        rt, pset = self.rt, self.rt.writing_set()
+        if pset is not None and not is_buffer(pset.fn_outputs[rt.key(sub, k)], y):
+            y = store_in(y, pset.fn_outputs[rt.key(sub, k)])
+        nxt, key = self._next_of(sub, k)
+        state_out = None if pset is None or nxt is None else Target.of(pset.states[key])
+        return sub.post(x_on, state, y, seed, self._output_target(sub, position, k, pset),
+                        nxt=nxt if state_out is not None else None, state_out=state_out)
+
+    def _next_of(self, sub, k: int) -> tuple:
+        """``(sublayer, set key)`` after ``sub``'s in the chunk; ``(None, None)`` at its end."""
+        i, _ = self.rt.key(sub, k)
+        if k == 0:
+            return self.rt.layers[i].mlp, (i, 1)
+        if i + 1 < len(self.rt.layers):
+            return self.rt.layers[i + 1].attention, (i + 1, 0)
+        return None, None
 
     def fn_output_buffer(self, sub, k: int) -> Tensor:
         """Where F's last Linear writes its output: the set's buffer (no copy after F)."""

@@ -20,6 +20,8 @@ OP_CASES = {
     "mhc_cg::pre": "pre", "mhc_cg::pre_into": "pre",
     "mhc_cg::pre_backward": "pre_backward", "mhc_cg::pre_backward_into": "pre_backward[in place]",
     "mhc_cg::post_maps": "post_maps", "mhc_cg::post": "post", "mhc_cg::post_into": "post",
+    "mhc_cg::post_state": "post_state", "mhc_cg::post_state_into": "post_state",
+    "mhc_cg::pre_from_state": "fn_input", "mhc_cg::pre_from_state_into": "fn_input",
     "mhc_cg::post_backward": "post_backward",
     "mhc_cg::recompute": "recompute", "mhc_cg::rms_norm": "rms_norm",
     "mhc_cg::rms_norm_backward": "rms_norm_backward", "mhc_cg::cross_entropy": "cross_entropy",
