@@ -24,6 +24,13 @@ engine's sum) is never written.
 ``state`` (``[proj | xnorm | rstd]`` per token) is what both ops derive the mappings from, so
 neither H_pre, H_post nor H_res is ever materialised or kept.
 
+**A post can compute the next pre's state** (``nxt``, a :class:`NextPre`) from the tiles it
+writes, so that pre reads its input once. The state is a non-differentiable output of the post:
+the pre takes it as computed (:func:`handed_state`, or a buffer the runtime names) and its
+backward differentiates the state as if it had computed it, the same bits either way. It is
+attached to the post's output with that tensor's version, so a stream written in place since
+gets a state of its own.
+
 Buffers: given ``fn_input_out`` / ``state_out`` / ``out`` (a :class:`Target`), an op writes its
 result there (``*_into`` ops) instead of allocating it: the static runtime's arena slots and
 persistent set. The function then returns a fresh view of the buffer's *reader* alias, whose
