@@ -30,6 +30,13 @@ def own_version_alias(t: Tensor, offset: int | None = None, shape=None, stride=N
                       t.shape if shape is None else shape, t.stride() if stride is None else stride)
 
 
+def is_buffer(static: Tensor, given: Tensor) -> bool:
+    """``given`` is ``static``: the same storage, offset, shape and strides."""
+    return (storage_id(static) == storage_id(given)
+            and static.storage_offset() == given.storage_offset()
+            and static.shape == given.shape and static.stride() == given.stride())
+
+
 def alias(t: Tensor) -> Tensor:
     """A new tensor over ``t``'s memory with ``t``'s geometry (a view: it shares ``t``'s version
     counter). An autograd Function that writes into a buffer returns this, so that its output is

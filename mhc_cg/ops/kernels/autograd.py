@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mhc_cg.core.storage import alias, storage_id
+from mhc_cg.core.storage import alias, is_buffer
 from mhc_cg.ops.kernels import ops
 from mhc_cg.ops.kernels.reference import state_dtype, state_width
 
@@ -201,14 +201,9 @@ def _from_state(xf: Tensor, handed: Tensor, args: tuple, fn_input_out: Target | 
     if state_out is None:
         return fn_input, alias(handed)
     st_out = _flat_target(state_out, handed.shape[-1])
-    if not _same_memory(st_out.writer, handed):  # the post wrote it there already: no copy
+    if not is_buffer(st_out.writer, handed):  # the post wrote it there already: no copy
         st_out.writer.copy_(handed)
     return fn_input, st_out.view()
-
-
-def _same_memory(a: Tensor, b: Tensor) -> bool:
-    return (storage_id(a) == storage_id(b) and a.storage_offset() == b.storage_offset()
-            and a.shape == b.shape and a.stride() == b.stride())
 
 
 @dataclass(frozen=True)

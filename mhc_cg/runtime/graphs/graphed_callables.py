@@ -70,9 +70,8 @@ from mhc_cg.ops.kernels import overwritable
 from mhc_cg.runtime.graphs.backends import get_backend, resolve_backend_name
 from mhc_cg.runtime.graphs.capture import Graph, GraphBackend
 from mhc_cg.runtime.graphs.static_inputs import (BufferLayout, buffer_layout, check_input, describe,
-                                                  is_buffer, layout_problem, load_input,
-                                                  static_buffer)
-from mhc_cg.core.storage import storage_id
+                                                  layout_problem, load_input, static_buffer)
+from mhc_cg.core.storage import is_buffer, storage_id
 from mhc_cg.core.schedule import decode_order, pass_windows
 
 

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from mhc_cg.core.storage import storage_id
+from mhc_cg.core.storage import is_buffer, storage_id
 
 
 # weak (a buffer is forgotten with its tensor) and by identity (a WeakSet would compare tensors
@@ -70,13 +70,6 @@ def check_input(what: str, given, static: Tensor) -> None:
     problem = input_problem(what, given, static.shape, static.dtype, static.device)
     if problem is not None:
         raise ValueError(problem)
-
-
-def is_buffer(static: Tensor, given: Tensor) -> bool:
-    """``given`` is ``static``: the same storage, offset, shape and strides."""
-    return (storage_id(static) == storage_id(given)
-            and static.storage_offset() == given.storage_offset()
-            and static.shape == given.shape and static.stride() == given.stride())
 
 
 def load_input(static: Tensor, given: Tensor) -> None:

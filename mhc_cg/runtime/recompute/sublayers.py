@@ -25,10 +25,9 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 from torch import Tensor
 
-from mhc_cg.core.storage import storage_id
+from mhc_cg.core.storage import is_buffer, storage_id
 from mhc_cg.model import recomputes_activation
 from mhc_cg.ops.kernels import Target, recompute_block
-from mhc_cg.runtime.graphs.static_inputs import is_buffer
 from mhc_cg.runtime.recompute.fused_slots import FusedSlots
 from mhc_cg.runtime.recompute.store import RegionCursor, store_in, store_in_slot
 
@@ -86,7 +85,7 @@ class FusedSublayers:
         nxt, key = self._next_of(sub, k)
         state_out = None if pset is None or nxt is None else Target.of(pset.states[key])
         return sub.post(x_on, state, y, seed, self._output_target(sub, position, k, pset),
-                        nxt=nxt if state_out is not None else None, state_out=state_out)
+                        nxt=nxt, state_out=state_out)
 
     def _next_of(self, sub, k: int) -> tuple:
         """``(sublayer, set key)`` after ``sub``'s in the chunk; ``(None, None)`` at its end."""
