@@ -20,7 +20,7 @@ from mhc_cg.cli import main
 from mhc_cg.config import RunConfig, load_config
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.training.pipeline.driver import train_pipeline
-from mhc_cg.core.schedule import max_persistent_slot_sets
+from mhc_cg.core.schedule import max_persistent_slot_sets, recomputes_kept
 from mhc_cg.tools.pipeline_compare import single_process_config
 from mhc_cg.core.schedule import pipeline_order
 from mhc_cg.training.session import train
@@ -57,10 +57,14 @@ def check_planned_sets(cfg, result):
         assert rank["order"] == order
         assert rank["persistent_sets"] == rank["peak_sets_in_use"] == max_persistent_slot_sets(order)
         assert rank["assignment_matches_planner"]
-        # every block recompute of every step replayed a captured graph
+        # every block recompute of every step replayed a captured graph, but a chunk's last
+        # block's where its backward directly follows its forward (the arena still holds it)
         blocks = cfg.model.num_layers // (par.pp_size * par.vpp_size) // cfg.model.recompute_layers
+        kept = STEPS * recomputes_kept(order)
         assert rank["recomputes_eager"] == 0
-        assert rank["recomputes_replayed"] == STEPS * par.vpp_size * cfg.train.num_microbatches * blocks
+        assert rank["recomputes_kept"] == kept
+        assert rank["recomputes_replayed"] + kept == \
+            STEPS * par.vpp_size * cfg.train.num_microbatches * blocks
         # graphed sublayers: a forward and a backward graph per (chunk, microbatch, sublayer),
         # each replayed once per step
         graphed = sum(scope in cfg.graph.cuda_graph_scope for scope in ("attn", "mlp"))

@@ -42,7 +42,10 @@ def test_five_steps_bit_identical_to_eager_without_recompute(case):
     scopes, experts = SCOPE_CASES[case]
     cfg = small_config(scopes, experts)
     graphed = assert_training_identical(cfg, "graphed_static", 5)
-    assert graphed.info["recompute_graphs"] == 2  # two blocks of two layers, one slot set
+    # two blocks of two layers, one slot set; with every sublayer a graph the recompute graphs
+    # join the sublayer pool at their fixed replay point, and the last block, which each
+    # backward finds still in the arena, gets none
+    assert graphed.info["recompute_graphs"] == (1 if case == "attn_mlp" else 2)
     assert graphed.losses[-1] < graphed.losses[0]
 
 

@@ -65,9 +65,13 @@ def _assert_graphs_replayed(run, shape):
     layers, microbatches = shape["num_layers"], shape["num_microbatches"]
     # every layer's forward and backward graph, once per microbatch
     assert run["layer_graph_replays_per_step"] == 2 * layers * microbatches
-    # every recompute block's graph, by its hook, once per microbatch
-    assert run["recompute_graph_replays_per_step"] == _blocks(shape) * microbatches
-    assert run["recomputed_sublayers_per_step"] == 2 * layers * microbatches
+    # every recompute block's graph, by its hook, once per microbatch, but the last block's: one
+    # rank, so each backward directly follows its forward, which left that block in the arena
+    last = layers - (_blocks(shape) - 1) * shape["recompute_layers"]
+    assert run["recompute_graph_replays_per_step"] == (_blocks(shape) - 1) * microbatches
+    assert run["recompute_blocks_kept_per_step"] == microbatches
+    assert run["recomputed_sublayers_per_step"] == 2 * (layers - last) * microbatches
+    assert run["kept_sublayers_per_step"] == 2 * last * microbatches
 
 
 @pytest.mark.parametrize("index", range(len(SHAPES)), ids=IDS)
@@ -84,7 +88,8 @@ def test_megatron_main_under_its_helper_is_bit_identical_to_main(main_cases, ind
 def test_every_mhc_checkpoint_main_registers_eagerly_is_recomputed_under_graphs(main_cases, index):
     """Main checkpoints 6 ops per layer of a block less the block end's MLP bias-dropout-add;
     under its helper only the MLP side's 3 per layer (the attention side runs in the graph,
-    where no recompute manager reaches it). mhc_cg recomputes every sublayer under graphs."""
+    where no recompute manager reaches it). mhc_cg recomputes every sublayer under graphs, or
+    finds it still in the arena."""
     case = main_cases[index]
     shape, runs = case["shape"], case["runs"]
     layers, microbatches = shape["num_layers"], shape["num_microbatches"]
@@ -93,7 +98,8 @@ def test_every_mhc_checkpoint_main_registers_eagerly_is_recomputed_under_graphs(
     assert runs["main_graphed_mhc"]["mhc_checkpoints_per_step"] == (3 * layers - blocks) * microbatches
     assert runs["main_graphed_mhc"]["recompute_graph_replays_per_step"] == 0
     assert runs["mhc_cg"]["mhc_checkpoints_per_step"] == 0
-    assert runs["mhc_cg"]["recomputed_sublayers_per_step"] == 2 * layers * microbatches
+    assert runs["mhc_cg"]["recomputed_sublayers_per_step"] \
+        + runs["mhc_cg"]["kept_sublayers_per_step"] == 2 * layers * microbatches
 
 
 @pytest.mark.parametrize("index", range(len(SHAPES)), ids=IDS)
@@ -143,7 +149,8 @@ def test_cli_compare_json_on_the_shipped_config(main_snapshot):
     assert set(rank["mhc_cg"]) == {"rank", "pp_rank", "tp_rank", "ep_rank", "saved_bytes_per_layer",
                                    "persistent_slot_sets", "arena_bytes",
                                    "layer_graph_replays_per_step",
-                                   "recompute_graph_replays_per_step"}
+                                   "recompute_graph_replays_per_step",
+                                   "recompute_blocks_kept_per_step"}
     ours = rank["mhc_cg"]
     assert ours["layer_graph_replays_per_step"] > 0 and ours["recompute_graph_replays_per_step"] > 0
     assert ours["persistent_slot_sets"] == 1 and ours["arena_bytes"] > 0

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from mhc_cg.config import load_config
+from mhc_cg.core.schedule import pipeline_order, recomputes_kept
 from megatron_main_oracle import require_snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,6 +60,13 @@ def _layers_per_rank(cfg) -> int:
     return cfg.model.num_layers // cfg.parallel.pp_size
 
 
+def _kept(cfg, pp_rank: int) -> int:
+    """Block recomputes a rank skips per step: its backwards right after their own forward."""
+    p = cfg.parallel
+    return recomputes_kept(pipeline_order(p.pp_size, pp_rank, cfg.train.num_microbatches,
+                                          p.vpp_size, p.microbatch_group_size))
+
+
 def test_shipped_config_is_bit_identical_to_dev_on_every_rank(shipped):
     name, cfg, result, stderr = shipped
     p = cfg.parallel
@@ -76,8 +84,11 @@ def test_shipped_config_is_bit_identical_to_dev_on_every_rank(shipped):
     for rank in ours["ranks"]:
         # every layer graph of the rank, forward and backward, once per microbatch
         assert rank["layer_graph_replays_per_step"] == 2 * _layers_per_rank(cfg) * m
-        # every recompute block of every chunk, by its hook, once per microbatch
-        assert rank["recompute_graph_replays_per_step"] == blocks_per_chunk * p.vpp_size * m > 0
+        # every recompute block of every chunk, by its hook, once per microbatch; but a chunk's
+        # last block where its backward directly follows its forward (the arena still holds it)
+        kept = _kept(cfg, rank["pp_rank"])
+        assert rank["recompute_blocks_kept_per_step"] == kept
+        assert rank["recompute_graph_replays_per_step"] + kept == blocks_per_chunk * p.vpp_size * m
         assert rank["arena_bytes"] > 0
     assert f"[mhc-cg megatron] mhc_cg: step {cfg.train.steps}/{cfg.train.steps}" in stderr
 
@@ -150,8 +161,10 @@ def test_another_shape_with_the_mlp_graphed_and_counter_dropout():
         assert rank["persistent_slot_sets"] == planned[rank["pp_rank"]]
         assert rank["layer_graph_replays_per_step"] == 2 * 3 * 3
         assert rank["layer_graphs_not_replayed_in_step"] == 0
-        assert rank["recompute_graph_replays_per_step"] == 1 * 3
-        assert rank["recomputed_sublayers_per_step"] == 2 * 3 * 3
+        kept = _kept(cfg, rank["pp_rank"])
+        assert rank["recompute_graph_replays_per_step"] == 1 * 3 - kept
+        assert rank["recomputed_sublayers_per_step"] == 2 * 3 * (3 - kept)
+        assert rank["kept_sublayers_per_step"] == 2 * 3 * kept
         assert rank["eager_sublayer_calls_per_step"] == {}
     assert planned == {0: 2, 1: 1}
 
@@ -179,8 +192,11 @@ def test_moe_layers_end_their_graphs_at_megatron_signal_at_ep1_with_counter_drop
     (ours,), (reference,) = (result["runs"][run]["ranks"] for run in ("mhc_cg", "dev_eager_none"))
     assert ours["layer_graph_replays_per_step"] == 2 * layers * m
     assert ours["layer_graphs_not_replayed_in_step"] == 0
-    assert ours["recompute_graph_replays_per_step"] == layers // cfg.model.recompute_layers * m
-    assert ours["recomputed_sublayers_per_step"] == 2 * layers * m
+    # each microbatch's backward directly follows its forward: its last block is kept
+    assert ours["recompute_graph_replays_per_step"] == (layers // cfg.model.recompute_layers - 1) * m
+    assert ours["recompute_blocks_kept_per_step"] == m
+    assert ours["recomputed_sublayers_per_step"] + ours["kept_sublayers_per_step"] == \
+        2 * layers * m
     # the MoE layer's forward (its eager rest) once per layer and microbatch, and the preprocess
     # the route-only graph leaves out; no norm, mHC mapping, attention or router outside a graph
     assert ours["eager_sublayer_calls_per_step"] == {"mlp": layers * m,
@@ -274,7 +290,9 @@ def test_our_layer_on_megatron_core_0_16_at_scale_is_bit_identical(shape):
         assert ours["persistent_slot_sets"] == planned[ours["pp_rank"]]
         assert ours["layer_graph_replays_per_step"] == 2 * layers * s["m"]
         assert ours["layer_graphs_not_replayed_in_step"] == 0
-        assert ours["recompute_graph_replays_per_step"] == blocks * s["m"]
+        kept = _kept(cfg, ours["pp_rank"])
+        assert ours["recompute_blocks_kept_per_step"] == kept
+        assert ours["recompute_graph_replays_per_step"] + kept == blocks * s["m"]
         assert ours["saved_bytes_per_layer"] < reference["saved_bytes_per_layer"]
         # attention always in the graphs; the MLP sublayer (F, norm, mHC) in them with 'mlp'
         eager = ours["eager_sublayer_calls_per_step"]

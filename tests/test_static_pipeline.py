@@ -13,8 +13,7 @@ import torch
 
 from mhc_cg.runtime.recompute.arena import Arena
 from mhc_cg.runtime.graphs import get_backend
-from mhc_cg.core.schedule import peak_in_flight
-from mhc_cg.core.schedule import pipeline_order
+from mhc_cg.core.schedule import peak_in_flight, pipeline_order, recomputes_kept
 from mhc_cg.runtime.recompute.persistent import PersistentSetPool, new_persistent_set
 from mhc_cg.runtime.recompute.static import build_static_recompute
 
@@ -33,7 +32,12 @@ def test_pipeline_order_gradients_bit_identical_with_recompute_graphs(rank):
         if ref_params[name].grad is not None:
             assert torch.equal(p.grad, ref_params[name].grad), name
     traces = [line for rt in runtimes.values() for line in rt.trace]
-    assert traces and all(line.endswith("(graph)") for line in traces)
+    kept = [line for line in traces if line.endswith("(kept from the forward)")]
+    assert traces and all(line.endswith("(graph)") for line in traces if line not in kept)
+    # a chunk's last block is not recomputed where its backward directly follows its forward
+    assert len(kept) == recomputes_kept(order) == (8 if rank == 3 else 0)
+    assert all(line.startswith(f"recompute block {PIPELINE_LAYERS_PER_CHUNK - 1} ")
+               for line in kept)
     assert runtimes[1].sets.in_use == 0
     # FIFO along the order, exactly as the schedule planner assigns them
     try:

@@ -61,9 +61,11 @@ def test_gradients_bit_identical_with_microbatches_in_flight(block_size, num_exp
     got = static_grads(model, runtime, data)
     assert all(torch.equal(got[n], expected[n]) for n in expected), \
         [n for n in expected if not torch.equal(got[n], expected[n])]
-    # every block of every microbatch was recomputed exactly once, last block first
+    # every block of every microbatch was recomputed exactly once, last block first: with three
+    # forwards before the first backward, none found its last block still in the arena
     assert len(runtime.trace) == 3 * len(runtime.blocks)
     assert runtime.trace[0].startswith(f"recompute block {len(runtime.blocks) - 1} set 0")
+    assert not any(how == "kept" for _, how in runtime.recomputes)
     assert runtime.sets.in_use == 0
 
 
@@ -76,6 +78,52 @@ def test_without_the_recompute_the_shared_arena_gives_wrong_gradients():
     runtime.run_recompute = lambda block, pset: None
     got = static_grads(model, runtime, data)
     assert not all(torch.equal(got[n], expected[n]) for n in expected)
+
+
+def interleaved_grads(model, data, forward, between=None):
+    """Each microbatch's forward, then its backward (no pipeline): ``between`` runs in between."""
+    model.zero_grad(set_to_none=True)
+    for ids, tgt, seed in data:
+        loss = loss_of(model, model.logits(forward(model.embed(ids), seed)), tgt)
+        if between is not None:
+            between()
+        loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("block_size", [1, 3])
+def test_a_backward_right_after_its_forward_keeps_the_last_blocks_slots(block_size):
+    """No recompute of the last block where nothing wrote the arena since its forward; the
+    gradients are still eager's, bit for bit."""
+    model, data = tiny_model(), batches(3)
+    expected = interleaved_grads(model, data, lambda x, seed: _layers(model, x, seed))
+    runtime = build_static_recompute(list(model.layers), block_size, seq_length=SEQ,
+                                     micro_batch_size=MBS, capacity=1, device="cpu")
+    got = interleaved_grads(model, data, runtime.forward)
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+    last = len(runtime.blocks) - 1
+    assert runtime.recomputes[(last, "kept")] == 3 and runtime.recomputes[(last, "eager")] == 0
+    assert all(runtime.recomputes[(b, "eager")] == 3 for b in range(last))
+
+
+def test_a_write_into_the_arena_after_the_forward_brings_the_recompute_back():
+    """A borrower of the arena (the optimizer's workspace) writes it between a forward and its
+    backward: the last block is recomputed, and the gradients stay eager's."""
+    model, data = tiny_model(), batches(2)
+    expected = interleaved_grads(model, data, lambda x, seed: _layers(model, x, seed))
+    runtime = build_static_recompute(list(model.layers), 2, seq_length=SEQ,
+                                     micro_batch_size=MBS, capacity=1, device="cpu")
+    got = interleaved_grads(model, data, runtime.forward,
+                            between=lambda: runtime.arena.lend().fill_(7))
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+    assert runtime.recomputes[(len(runtime.blocks) - 1, "eager")] == 2
+    assert not any(how == "kept" for _, how in runtime.recomputes)
+
+
+def _layers(model, x, seed):
+    for layer in model.layers:
+        x = layer(x, seed)
+    return x
 
 
 def test_slot_addresses_and_arena_size_fixed_across_steps():

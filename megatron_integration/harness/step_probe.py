@@ -8,7 +8,8 @@
   forward left in the graphs' pool or static inputs, and the static runtime's persistent set. The
   runtime's arena is apart (:func:`arena_bytes`): see :func:`held_bytes`;
 * **graph replays per step**: forward and backward replays of the layer graphs, and replays of
-  mhc_cg's recompute graphs;
+  mhc_cg's recompute graphs (and the block recomputes it skipped: a chunk's last block whose
+  backward directly follows its forward finds its state still in the arena);
 * **eager sublayer calls per step**: per sublayer (attention, MLP), how often its F, norm or mHC
   mappings ran as Python in the step, outside any graph replay (``0`` for a sublayer inside the
   layer graphs whose recompute replays as a graph too); in a MoE layer also its router
@@ -16,7 +17,7 @@
   puts in the layer graph;
 * **mHC checkpoints per step**: the ``CheckpointWithoutOutput`` objects megatron's mHC recompute
   managers register (counted by wrapping ``CheckpointWithoutOutputManager.add_checkpoint`` for
-  the step), and the sublayers mhc_cg's runtime recomputes.
+  the step), and the sublayers mhc_cg's runtime recomputes (and those it kept from the forward).
 
 Layer graphs expose what their backward reads only on the ``tape`` backend (the CPU emulation);
 elsewhere the saved bytes are ``None``.
@@ -152,14 +153,25 @@ def graph_replays(decoder: torch.nn.Module) -> tuple[int, int]:
     return layer, recompute
 
 
-def recomputed_sublayers(decoder: torch.nn.Module, since: Counter) -> int:
-    """Sublayers the static runtime recomputed since its recompute counts were ``since``."""
+def recomputed_sublayers(decoder: torch.nn.Module, since: Counter, kept: bool = False) -> int:
+    """Sublayers the static runtime recomputed since its recompute counts were ``since``; with
+    ``kept``, those it did not recompute because the arena still held their forward's state."""
     static = _static(decoder)
     if static is None:
         return 0
     runtime = static.runtime
     runs = runtime.recomputes - since  # (block, how) -> recomputes
-    return sum(2 * len(runtime.blocks[block]) * n for (block, _), n in runs.items())
+    return sum(2 * len(runtime.blocks[block]) * n for (block, how), n in runs.items()
+               if (how == "kept") == kept)
+
+
+def kept_recompute_blocks(decoder: torch.nn.Module, since: Counter) -> int:
+    """Block recomputes the static runtime skipped since ``since`` (the arena held them)."""
+    static = _static(decoder)
+    if static is None:
+        return 0
+    runs = static.runtime.recomputes - since
+    return sum(n for (_, how), n in runs.items() if how == "kept")
 
 
 def _recompute_counts(decoder) -> Counter:
@@ -197,6 +209,10 @@ def measuring(decoders: list[torch.nn.Module], into: dict) -> Iterator[None]:
         mhc_checkpoints_per_step=checkpoints(),
         recomputed_sublayers_per_step=sum(recomputed_sublayers(decoder, since)
                                           for decoder, since in zip(decoders, runs)),
+        kept_sublayers_per_step=sum(recomputed_sublayers(decoder, since, kept=True)
+                                    for decoder, since in zip(decoders, runs)),
+        recompute_blocks_kept_per_step=sum(kept_recompute_blocks(decoder, since)
+                                           for decoder, since in zip(decoders, runs)),
         arena_bytes=arena_bytes(decoders[0]),  # one arena per rank, shared by its chunks
         persistent_slot_sets=static.runtime.sets.capacity if static is not None else 0)
 

@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              '"ranks": [{"rank", "pp_rank", "tp_rank", "ep_rank", "saved_bytes_per_layer", '
                              '"persistent_slot_sets", "arena_bytes", '
                              '"layer_graph_replays_per_step", '
-                             '"recompute_graph_replays_per_step"}, ...]}}}')
+                             '"recompute_graph_replays_per_step", '
+                             '"recompute_blocks_kept_per_step"}, ...]}}}')
     parser.add_argument("--no-progress", action="store_true", help="no per-step lines on stderr")
 
 

@@ -210,3 +210,13 @@ def assign_persistent_slot_sets(order: list[int]) -> list[int]:
         else:
             free.append(held.pop(key))
     return assigned
+
+
+def recomputes_kept(order: list[int]) -> int:
+    """Backwards in ``order`` that directly follow their own forward (same chunk and
+    microbatch): nothing writes the rank's arena in between, so the chunk's last recompute block
+    still holds what its forward wrote, and the static runtime skips that block's recompute."""
+    steps = decode_order(order)
+    return sum(1 for before, step in zip(steps, steps[1:])
+               if before.forward and not step.forward
+               and (before.chunk, before.microbatch) == (step.chunk, step.microbatch))

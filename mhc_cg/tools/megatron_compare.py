@@ -20,7 +20,8 @@ from megatron_integration.harness.child_process import find_megatron, run_megatr
 from megatron_integration.harness.runs import OURS, compare_ranks, references, runs_of
 
 RANK_FIELDS = ("rank", "pp_rank", "tp_rank", "ep_rank", "saved_bytes_per_layer", "persistent_slot_sets",
-               "arena_bytes", "layer_graph_replays_per_step", "recompute_graph_replays_per_step")
+               "arena_bytes", "layer_graph_replays_per_step", "recompute_graph_replays_per_step",
+               "recompute_blocks_kept_per_step")
 PROGRESS = "[mhc-cg megatron]"
 
 
@@ -67,7 +68,8 @@ def run(cfg: RunConfig, compare: bool, progress: bool = True, timeout: float | N
 def to_json(result: dict) -> dict:
     """``{"bit_identical": bool or None, "runs": {name: {"losses": [...], "ranks": [{rank,
     pp_rank, tp_rank, ep_rank, saved_bytes_per_layer, persistent_slot_sets, arena_bytes,
-    layer_graph_replays_per_step, recompute_graph_replays_per_step}, ...]}}}``; a run the
+    layer_graph_replays_per_step, recompute_graph_replays_per_step,
+    recompute_blocks_kept_per_step}, ...]}}}``; a run the
     branch's config refuses has ``"refused"`` (Megatron's message) and no ranks."""
     runs = {}
     for name, run in result["runs"].items():
@@ -92,8 +94,10 @@ def _equal_to_reference(result: dict, name: str, reference: str, rank: int) -> s
 
 
 def _recomputed(rank: dict) -> str:
-    if rank["recomputed_sublayers_per_step"]:
-        return f"{rank['recomputed_sublayers_per_step']} sublayers (static)"
+    kept = rank.get("kept_sublayers_per_step", 0)
+    if rank["recomputed_sublayers_per_step"] or kept:
+        return (f"{rank['recomputed_sublayers_per_step']} sublayers (static)"
+                + (f", {kept} kept from the forward" if kept else ""))
     return f"{rank['mhc_checkpoints_per_step']} checkpoints" if rank["mhc_checkpoints_per_step"] else "-"
 
 

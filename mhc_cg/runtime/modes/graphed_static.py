@@ -205,12 +205,16 @@ class GraphedStaticModel(ModeModel):
         the next block's first sublayer (whose input gradient fires the block's hook), before the
         backward of the block's last sublayer. Its temporaries then take memory the forward
         graphs' temporaries had, instead of a pool of their own.
+
+        The last block has none: each forward is followed by its backward (one microbatch in
+        flight), so the arena still holds what its forward wrote and the runtime skips its
+        recompute (``StaticRecompute.run_recompute``).
         """
         runtime = self.runtime
         pset = runtime.sets.all_sets()[0]
         layers = len(self.model.layers)
         captures = {}
-        for block in range(len(runtime.blocks)):
+        for block in range(len(runtime.blocks) - 1):
             last_layer = min((block + 1) * self.block_size, layers) - 1
             captures[2 * last_layer + 1] = (
                 lambda pool, block=block: runtime.capture_recompute_graph(self.backend, pool,

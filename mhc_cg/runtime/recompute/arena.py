@@ -15,6 +15,10 @@ Two aliases of the same storage keep autograd honest:
 
 Every write is checked: the slot must have the size, dtype and address the layout fixed when the
 region was first filled. A different shape is an error, never a silent re-allocation.
+
+A forward leaves its last block's state in the slots, as that block's recompute would write it.
+When that block's backward is the next thing to read the arena (no pipeline, or the last stage of
+one), its recompute is skipped (``Arena.holder``, kept by the static runtime).
 """
 
 from __future__ import annotations
@@ -79,6 +83,9 @@ class Arena:
         self._writer: Tensor | None = None
         self._region_offsets: dict[str, int] = {}
         self._data_ptrs: dict[tuple[str, int], int] = {}
+        # (runtime, block, persistent set) whose forward wrote the slots last, while nothing else
+        # has written them since; None otherwise (see the module docstring)
+        self.holder: tuple | None = None
 
     # -- layout ------------------------------------------------------------------------------
     @property
@@ -125,6 +132,7 @@ class Arena:
         step can borrow it instead of allocating."""
         if self._writer is None:
             return None
+        self.holder = None  # the borrower writes slots
         shape = (self._writer.numel(),) if shape is None else shape
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > self._writer.numel():

@@ -225,6 +225,7 @@ class StaticRecompute:
     # -- the block recompute ---------------------------------------------------------------------
     def recompute_block(self, block: int, pset: PersistentSlotSet) -> None:
         """Re-run block ``block``'s mHC ops from ``pset`` into the arena (no F, nothing returned)."""
+        self.arena.holder = None
         self.sublayers.recompute_block(block, pset)
 
     def warm_up_recompute(self, backend) -> None:
@@ -271,6 +272,15 @@ class StaticRecompute:
                     self.capture_recompute_graph(backend, pool, block, pset)
 
     def run_recompute(self, block: int, pset: PersistentSlotSet) -> None:
+        """Block ``block``'s recompute from ``pset`` (its graph where captured), unless the
+        arena still holds what that block's forward wrote there: then the slots already hold
+        the recompute's bits, and nothing runs."""
+        if self.arena.holder == (self, block, pset.index):
+            self.arena.holder = None
+            self.recomputes[(block, "kept")] += 1
+            self.trace.append(f"recompute block {block} set {pset.index} (kept from the forward)")
+            return
+        self.arena.holder = None
         graph = self.recompute_graphs.get((block, pset.index))
         how = "graph" if graph is not None else "eager"
         self.recomputes[(block, how)] += 1
@@ -304,6 +314,7 @@ class StaticRecompute:
             check_input("dropout seed", seed, self.sets.all_sets()[0].seed)
         pset = self.sets.acquire()
         self.active_set = pset
+        self.arena.holder = None  # this forward writes the slots
         handles = []
         state = {"released": False}
         try:
@@ -335,6 +346,8 @@ class StaticRecompute:
             self.active_set = None
         if handles:
             self._pending[pset.index] = state
+            # its last block's state stays in the slots until something else writes them
+            self.arena.holder = (self, len(self.blocks) - 1, pset.index)
         else:  # no gradient will flow (e.g. a frozen chunk): nothing will run backward
             self.sets.release(pset)
         return x
@@ -390,6 +403,7 @@ class StaticRecompute:
         microbatch may have overwritten.
         """
         released = 0
+        self.arena.holder = None
         for pset in self.sets.all_sets():
             state = self._pending.pop(pset.index, None)
             if state is not None:

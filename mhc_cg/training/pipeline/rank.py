@@ -126,6 +126,7 @@ class RankReport:
     recompute_graphs: int
     recomputes_replayed: int = 0  # block recomputes that ran as a replayed graph
     recomputes_eager: int = 0  # ... and eagerly (none, once the graphs are captured)
+    recomputes_kept: int = 0  # ... and skipped: the arena still held the block's forward
     sublayer_graphs: int = 0  # forward and backward graphs of the graphed sublayers
     sublayer_graph_replays: int = 0
     losses: list[float] = field(default_factory=list)
@@ -142,6 +143,7 @@ class RankReport:
                 "recompute_graphs": self.recompute_graphs,
                 "recomputes_replayed": self.recomputes_replayed,
                 "recomputes_eager": self.recomputes_eager,
+                "recomputes_kept": self.recomputes_kept,
                 "sublayer_graphs": self.sublayer_graphs,
                 "sublayer_graph_replays": self.sublayer_graph_replays, "order": self.order}
 
@@ -319,6 +321,7 @@ class PipelineRank:
         runs = sum((runtime.recomputes for runtime in self.runtimes), Counter())
         report.recomputes_replayed = sum(n for (_, how), n in runs.items() if how == "graph")
         report.recomputes_eager = sum(n for (_, how), n in runs.items() if how == "eager")
+        report.recomputes_kept = sum(n for (_, how), n in runs.items() if how == "kept")
         if self.graphed is not None:
             graphs = list(self.graphed.graphs())
             report.sublayer_graphs = len(graphs)
