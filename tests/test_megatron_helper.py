@@ -168,7 +168,9 @@ def test_cli_says_what_is_missing_when_main_is_not_found(tmp_path):
     assert "Megatron-LM main's megatron.core" in lines[0] and "set MHC_CG_MEGATRON_LM" in lines[0]
 
 
-def test_cli_refuses_what_the_megatron_path_cannot_run(tmp_path):
+def test_cli_refuses_what_the_megatron_path_cannot_run(tmp_path, capsys):
+    from mhc_cg.cli import main
+
     config = tmp_path / "bad.yaml"
     config.write_text("model: {recompute: block, hidden_dropout: 0.1, dropout_impl: torch}\n"
                       "graph: {backend: te, cuda_graph_modules: [attn, mhc_recompute]}\n")
@@ -181,11 +183,12 @@ def test_cli_refuses_what_the_megatron_path_cannot_run(tmp_path):
     config.write_text("model: {recompute: block, hidden_dropout: 0.1}\ntrain: {dtype: fp32}\n"
                       "parallel: {pp_size: 2}\n"
                       "graph: {backend: te, cuda_graph_modules: [mlp, mhc_recompute]}\n")
-    proc = _cli("--config", str(config))
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert main(["megatron", "--config", str(config)]) == 2  # in process: the same main
+    stderr = capsys.readouterr().err
+    assert "Traceback" not in stderr
     for field in ("train.dtype", "parallel.pp_size", "graph.cuda_graph_modules"):
         assert any(line.startswith(f"mhc-cg megatron: error: {field}:") and " set " in line
-                   for line in proc.stderr.splitlines()), field
+                   for line in stderr.splitlines()), field
 
 
 def test_main_layer_with_counter_dropout_is_bit_identical_to_main(main_snapshot):

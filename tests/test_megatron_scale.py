@@ -239,18 +239,23 @@ def test_bad_combinations_are_one_line_each_before_any_process(tmp_path):
     (dict(parallel={"ep_size": 3}), "parallel.ep_size", "divisor of 4"),
     (dict(model={"moe_layer_freq": [0, 1]}), "model.moe_layer_freq", "list of 4 entries"),
 ])
-def test_bad_moe_settings_are_one_line_naming_the_fix(tmp_path, change, field, fix):
+def test_bad_moe_settings_are_one_line_naming_the_fix(tmp_path, capsys, change, field, fix):
+    """In process (the console script's exit code and stderr are the same ``main``'s, and the
+    subprocess path is the bad-combinations test's)."""
     import yaml
+
+    from mhc_cg.cli import main
 
     config = yaml.safe_load((ROOT / CONFIGS["moe_partial"]).read_text())
     for section, values in change.items():
         config[section].update(values)
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = _cli("megatron", "--config", str(path))
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.startswith(f"mhc-cg megatron: error: {field}:")]
-    assert len(lines) == 1 and fix in lines[0], proc.stderr
+    assert main(["megatron", "--config", str(path)]) == 2
+    stderr = capsys.readouterr().err
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith(f"mhc-cg megatron: error: {field}:")]
+    assert len(lines) == 1 and fix in lines[0], stderr
 
 
 # pp 2 runs inside tp2sp_pp2 (and in the dev shapes above); the MLP in the layer graphs or not
