@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from mhc_cg.cli import main
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.tools.planner import plan
-from mhc_cg.core.schedule import decode_order, pass_windows, pipeline_order, schedule_problems
+from mhc_cg.core.schedule import (decode_order, pass_windows, pipeline_order, recomputes_kept,
+                                  schedule_problems)
 from mhc_cg.tools.planner_plot import chrome_trace, simulate_timeline
 
 schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
@@ -194,3 +195,17 @@ def test_timeline_respects_pipeline_dependencies(schedule):
         if kind == "B":
             assert end[("B", stage + 1, mb) if stage < last else ("F", stage, mb)][1] <= start
     assert len(chrome_trace(plans, timeline)["traceEvents"]) > 0
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(1, 1, 4), (2, 1, 4), (4, 1, 8), (2, 2, 4), (4, 2, 8)])
+def test_recomputes_kept_counts_the_backwards_right_after_their_forward(pp, vpp, m):
+    """Without VPP the last rank alternates one forward and its own backward (every microbatch
+    keeps its last block); earlier ranks have a forward of another microbatch in between."""
+    for rank in range(pp):
+        order = pipeline_order(pp, rank, m, vpp)
+        kept = recomputes_kept(order)
+        pairs = sum(1 for a, b in zip(order, order[1:]) if a > 0 and b == -a)
+        if vpp == 1:
+            assert kept == (m if rank == pp - 1 else 0)
+        assert kept <= pairs  # a chunk's +c then -c is the same microbatch only when it is its own
+    assert recomputes_kept(pipeline_order(pp, pp - 1, m, vpp)) > 0

@@ -156,10 +156,11 @@ def format_plans(plans: list[RankPlan], values: dict, dtype: str) -> str:
         f"mbs {values['micro_batch_size']}, streams {values['num_streams']}, {dtype}",
         "",
     ]
-    header = ("rank", "graphs", "recompute graphs", "static inputs", "no reuse", "slot sets",
-              "peak in flight", "static input bytes", "persistent bytes", "arena bytes",
-              "buffer check")
-    rows = [(str(p.rank), str(p.num_graphs), str(p.recompute_graphs), str(p.static_input_buffers),
+    header = ("rank", "graphs", "recompute graphs", "kept / step", "static inputs", "no reuse",
+              "slot sets", "peak in flight", "static input bytes", "persistent bytes",
+              "arena bytes", "buffer check")
+    rows = [(str(p.rank), str(p.num_graphs), str(p.recompute_graphs), str(p.recomputes_kept),
+             str(p.static_input_buffers),
              str(p.static_input_buffers_no_reuse), str(p.persistent_slot_sets),
              str(p.peak_in_flight), _gib(p.static_input_bytes), _gib(p.persistent_bytes),
              _gib(p.arena_bytes), "ok" if p.conflict is None else "CONFLICT") for p in plans]

@@ -37,7 +37,7 @@ from mhc_cg.core.errors import ConfigError, is_positive_int
 from mhc_cg.tools.memory import analytical
 from mhc_cg.core.schedule import (Step, assign_persistent_slot_sets, decode_order,
                                   max_persistent_slot_sets, pass_windows, peak_in_flight,
-                                  pipeline_order)
+                                  pipeline_order, recomputes_kept)
 
 SEED_BYTES = 8  # one int64 dropout seed per persistent slot set
 
@@ -246,6 +246,7 @@ class RankPlan:
     blocks_per_chunk: int
     num_graphs: int  # graphed callables: one per (chunk, microbatch, layer), each fwd + bwd graph
     recompute_graphs: int  # one per (chunk, recompute block, slot set that chunk uses)
+    recomputes_kept: int  # block recomputes per step skipped: backwards right after their forward
     static_input_buffers: int  # with TE's reuse
     static_input_buffers_no_reuse: int
     persistent_slot_sets: int
@@ -264,6 +265,7 @@ class RankPlan:
         return {
             "rank": self.rank, "order": self.order, "num_graphs": self.num_graphs,
             "recompute_graphs": self.recompute_graphs,
+            "recomputes_kept_per_step": self.recomputes_kept,
             "static_input_buffers": self.static_input_buffers,
             "static_input_buffers_no_reuse": self.static_input_buffers_no_reuse,
             "persistent_slot_sets": self.persistent_slot_sets,
@@ -303,6 +305,7 @@ def plan_order(rank: int, order: list[int], layers_per_chunk: int,
         recompute_block_size=block_size, blocks_per_chunk=blocks,
         num_graphs=sum(1 for s in steps if s.forward) * layers_per_chunk,
         recompute_graphs=blocks * len({(u.chunk, u.buffer) for u in sets}),
+        recomputes_kept=recomputes_kept(order),
         static_input_buffers=num_inputs, static_input_buffers_no_reuse=num_inputs_no_reuse,
         persistent_slot_sets=num_sets, persistent_slot_sets_per_chunk_pools=sets_per_chunk,
         peak_in_flight=peak_in_flight(order),
