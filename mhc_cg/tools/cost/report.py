@@ -346,7 +346,8 @@ def format_traffic(report: dict) -> list[str]:
         bounded = [g for g in m["graphs"] if "bound_bytes" in g]
         if bounded:
             worst = max(bounded, key=lambda g: g["over_bound"])
-            lines.append(f"{name}: {len(bounded)} recompute graphs, each {_size(worst['bytes'])} "
+            graphs = "graph" if len(bounded) == 1 else "graphs"
+            lines.append(f"{name}: {len(bounded)} recompute {graphs}, each {_size(worst['bytes'])} "
                          f"against a bound of {_size(worst['bound_bytes'])} (worst "
                          f"{worst['over_bound']:.2f} x bound)")
     return lines
