@@ -11,7 +11,10 @@ How it works, per sublayer of a recompute block (docs/design.md, invariants 1-4)
   F) with the same hooks, writing the same values into the same slots. It has static inputs and
   outputs, so a graph backend can capture it once per (block, persistent set) and replay it.
 * A hook on the gradient of the block output runs (or replays) the recompute; the block's first
-  backward node runs only after that gradient exists.
+  backward node runs only after that gradient exists. The chunk's last block is the exception
+  when its backward directly follows its forward: the arena still holds what that forward wrote,
+  the recompute's very bits, and nothing runs (``Arena.holder``: every forward, recompute and
+  borrower of the arena clears it, so a stale arena is always recomputed).
 * Activation recompute for an MLP that asks for it: fc1's output goes to the persistent
   set (``fc1_outputs``; the gelu saves a view of it), the gelu output to one arena slot per layer
   position (region ``L{pos}.mlp.act``; fc2 saves a view of it), and the block recompute re-derives
