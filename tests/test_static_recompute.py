@@ -96,7 +96,7 @@ def test_a_backward_right_after_its_forward_keeps_the_last_blocks_slots(block_si
     """No recompute of the last block where nothing wrote the arena since its forward; the
     gradients are still eager's, bit for bit."""
     model, data = tiny_model(), batches(3)
-    expected = interleaved_grads(model, data, lambda x, seed: _layers(model, x, seed))
+    expected = interleaved_grads(model, data, model.run_layers)
     runtime = build_static_recompute(list(model.layers), block_size, seq_length=SEQ,
                                      micro_batch_size=MBS, capacity=1, device="cpu")
     got = interleaved_grads(model, data, runtime.forward)
@@ -110,7 +110,7 @@ def test_a_write_into_the_arena_after_the_forward_brings_the_recompute_back():
     """A borrower of the arena (the optimizer's workspace) writes it between a forward and its
     backward: the last block is recomputed, and the gradients stay eager's."""
     model, data = tiny_model(), batches(2)
-    expected = interleaved_grads(model, data, lambda x, seed: _layers(model, x, seed))
+    expected = interleaved_grads(model, data, model.run_layers)
     runtime = build_static_recompute(list(model.layers), 2, seq_length=SEQ,
                                      micro_batch_size=MBS, capacity=1, device="cpu")
     got = interleaved_grads(model, data, runtime.forward,
@@ -118,12 +118,6 @@ def test_a_write_into_the_arena_after_the_forward_brings_the_recompute_back():
     assert all(torch.equal(got[n], expected[n]) for n in expected)
     assert runtime.recomputes[(len(runtime.blocks) - 1, "eager")] == 2
     assert not any(how == "kept" for _, how in runtime.recomputes)
-
-
-def _layers(model, x, seed):
-    for layer in model.layers:
-        x = layer(x, seed)
-    return x
 
 
 def test_slot_addresses_and_arena_size_fixed_across_steps():

@@ -153,25 +153,20 @@ def graph_replays(decoder: torch.nn.Module) -> tuple[int, int]:
     return layer, recompute
 
 
-def recomputed_sublayers(decoder: torch.nn.Module, since: Counter, kept: bool = False) -> int:
-    """Sublayers the static runtime recomputed since its recompute counts were ``since``; with
-    ``kept``, those it did not recompute because the arena still held their forward's state."""
+def recompute_runs(decoder: torch.nn.Module, since: Counter) -> Counter:
+    """What the static runtime did for its block recomputes since its counts were ``since``:
+    ``{(how, "blocks" | "sublayers"): count}``, ``how`` being ``"ran"`` (a graph or eager) or
+    ``"kept"`` (the arena still held the block's forward)."""
     static = _static(decoder)
+    runs: Counter = Counter()
     if static is None:
-        return 0
+        return runs
     runtime = static.runtime
-    runs = runtime.recomputes - since  # (block, how) -> recomputes
-    return sum(2 * len(runtime.blocks[block]) * n for (block, how), n in runs.items()
-               if (how == "kept") == kept)
-
-
-def kept_recompute_blocks(decoder: torch.nn.Module, since: Counter) -> int:
-    """Block recomputes the static runtime skipped since ``since`` (the arena held them)."""
-    static = _static(decoder)
-    if static is None:
-        return 0
-    runs = static.runtime.recomputes - since
-    return sum(n for (_, how), n in runs.items() if how == "kept")
+    for (block, how), n in (runtime.recomputes - since).items():
+        how = "kept" if how == "kept" else "ran"
+        runs[(how, "blocks")] += n
+        runs[(how, "sublayers")] += 2 * len(runtime.blocks[block]) * n
+    return runs
 
 
 def _recompute_counts(decoder) -> Counter:
@@ -198,6 +193,8 @@ def measuring(decoders: list[torch.nn.Module], into: dict) -> Iterator[None]:
     held = [probe.held_bytes for probe in probes]
     layers = sum(len(decoder.layers) for decoder in decoders)
     static = _static(decoders[0])
+    done = sum((recompute_runs(decoder, since) for decoder, since in zip(decoders, runs)),
+               Counter())
     into.update(
         saved_bytes_per_layer=None if None in held else round(sum(held) / layers),
         layer_graph_replays_per_step=sum(a[0] - b[0] for a, b in zip(after, before)),
@@ -207,12 +204,9 @@ def measuring(decoders: list[torch.nn.Module], into: dict) -> Iterator[None]:
             for a, b in zip(layer_graph_replays(decoder), counts)),
         eager_sublayer_calls_per_step=dict(eager_calls),
         mhc_checkpoints_per_step=checkpoints(),
-        recomputed_sublayers_per_step=sum(recomputed_sublayers(decoder, since)
-                                          for decoder, since in zip(decoders, runs)),
-        kept_sublayers_per_step=sum(recomputed_sublayers(decoder, since, kept=True)
-                                    for decoder, since in zip(decoders, runs)),
-        recompute_blocks_kept_per_step=sum(kept_recompute_blocks(decoder, since)
-                                           for decoder, since in zip(decoders, runs)),
+        recomputed_sublayers_per_step=done[("ran", "sublayers")],
+        kept_sublayers_per_step=done[("kept", "sublayers")],
+        recompute_blocks_kept_per_step=done[("kept", "blocks")],
         arena_bytes=arena_bytes(decoders[0]),  # one arena per rank, shared by its chunks
         persistent_slot_sets=static.runtime.sets.capacity if static is not None else 0)
 

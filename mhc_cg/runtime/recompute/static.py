@@ -278,12 +278,11 @@ class StaticRecompute:
         """Block ``block``'s recompute from ``pset`` (its graph where captured), unless the
         arena still holds what that block's forward wrote there: then the slots already hold
         the recompute's bits, and nothing runs."""
-        if self.arena.holder == (self, block, pset.index):
-            self.arena.holder = None
+        kept, self.arena.holder = self.arena.holder == (self, block, pset.index), None
+        if kept:
             self.recomputes[(block, "kept")] += 1
             self.trace.append(f"recompute block {block} set {pset.index} (kept from the forward)")
             return
-        self.arena.holder = None
         graph = self.recompute_graphs.get((block, pset.index))
         how = "graph" if graph is not None else "eager"
         self.recomputes[(block, how)] += 1
