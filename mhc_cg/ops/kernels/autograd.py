@@ -235,18 +235,16 @@ class Post(torch.autograd.Function):
         maps = ops.post_maps(sf[None], bias[None], a_post, a_res, width, cfg.n, cfg.iterations,
                              cfg.use_triton)[0]
         next_state = None
+        args = (xf, sf, maps, a_pre, a_post, a_res, bias, yf, seed, cfg.p, cfg.stream, cfg.n,
+                cfg.iterations, cfg.use_triton)
         if nxt is not None:
             result, next_state = _post_state(xf, maps, yf, seed, cfg, out, nxt, state_out)
             ctx.mark_non_differentiable(next_state)  # the next pre's backward owns its gradient
         elif out is None:
-            result = ops.post(xf, sf, maps, a_pre, a_post, a_res, bias, yf, seed, cfg.p,
-                              cfg.stream, cfg.n, cfg.iterations, cfg.use_triton,
-                              cfg.h_res_transposed)
+            result = ops.post(*args, cfg.h_res_transposed)
         else:
             target = _flat_target(out, width)
-            ops.post_into(xf, sf, maps, a_pre, a_post, a_res, bias, yf, seed, cfg.p, cfg.stream,
-                          cfg.n, cfg.iterations, cfg.use_triton, target.writer,
-                          cfg.h_res_transposed)
+            ops.post_into(*args, target.writer, cfg.h_res_transposed)
             result = target.view()
         ctx.save_for_backward(x, state, a_pre, a_post, a_res, bias, y, seed)
         ctx.cfg = cfg

@@ -79,17 +79,18 @@ class FusedSublayers:
              seed: Tensor | None) -> Tensor:
         """The post, and the next sublayer's state into the set, where its pre takes it."""
         state, x_on = carry
-        rt, pset = self.rt, self.rt.writing_set()
-        if pset is not None and not is_buffer(pset.fn_outputs[rt.key(sub, k)], y):
-            y = store_in(y, pset.fn_outputs[rt.key(sub, k)])
-        nxt, key = self._next_of(sub, k)
-        state_out = None if pset is None or nxt is None else Target.of(pset.states[key])
+        key, pset = self.rt.key(sub, k), self.rt.writing_set()
+        if pset is not None and not is_buffer(pset.fn_outputs[key], y):
+            y = store_in(y, pset.fn_outputs[key])
+        nxt, next_key = self._next_of(key)
+        state_out = None if pset is None or nxt is None else Target.of(pset.states[next_key])
         return sub.post(x_on, state, y, seed, self._output_target(sub, position, k, pset),
                         nxt=nxt, state_out=state_out)
 
-    def _next_of(self, sub, k: int) -> tuple:
-        """``(sublayer, set key)`` after ``sub``'s in the chunk; ``(None, None)`` at its end."""
-        i, _ = self.rt.key(sub, k)
+    def _next_of(self, key: tuple[int, int]) -> tuple:
+        """``(sublayer, set key)`` after the sublayer at set key ``key`` in the chunk;
+        ``(None, None)`` at its end."""
+        i, k = key
         if k == 0:
             return self.rt.layers[i].mlp, (i, 1)
         if i + 1 < len(self.rt.layers):
