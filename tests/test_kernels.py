@@ -211,6 +211,7 @@ def op_cases(device, dtype, n: int, c: int, t: int, norm: bool = True, p: float 
     alphas = [torch.full((1,), v, device=device, dtype=dtype) for v in (0.7, -0.4, 1.3)]
     seed = torch.tensor(3, device=device)
     state = reference.pre(x, w, *alphas, bias, nw, n, 20, EPS)[1]  # one state for the downstream ops
+    prev_state = reference.pre(y.repeat(1, n), w, *alphas, bias, nw, n, 20, EPS)[1]
     g_state = torch.randn(t, m + 2, generator=g).to(device)
     g_out, g_x, g_post = rand(t, c), rand(t, n * c), rand(t, n * c)
     logits = rand(t, n * c + 7) * 4  # a vocabulary that no block size divides
@@ -232,6 +233,13 @@ def op_cases(device, dtype, n: int, c: int, t: int, norm: bool = True, p: float 
                                      *alphas, bias, y, seed, p, 3, n, 20, tri, *ht),
         "post_backward": lambda tri: ops.post_backward(g_post, x, state, *alphas, bias, y, seed, p,
                                                        3, n, 20, tri, *ht),
+        # the pre's backward with its post's reductions and the previous post's g_y
+        "pre_backward_fused": lambda tri: (*ops.pre_backward_into(
+            g_out, g_state, g_post := g_x.clone(), x, w, *alphas, bias, nw, state, n, 20, EPS, tri,
+            h_res_transposed, y, seed, p, 3, prev_state, alphas[1] * 0.5, bias.flip(0), 5,
+            g_y := torch.empty_like(y)), g_post, g_y),
+        "post_grad_y": lambda tri: ops.post_grad_y(g_post, state, alphas[1], bias, seed, p, 3, n,
+                                                   dtype, tri),
         "rms_norm": lambda tri: ops.rms_norm(y, w[0, :c].abs() + 0.5, EPS, tri),
         "rms_norm_backward": lambda tri: ops.rms_norm_backward(g_out, y, w[0, :c].abs() + 0.5, EPS,
                                                                tri),
@@ -615,8 +623,9 @@ def test_kernel_launching_ops_per_layer_per_step_at_most_120():
 
 def test_kernel_counter_sees_the_composed_sublayer():
     """The counter counts every aten op: the composed sublayer alone launches hundreds, the fused
-    one a pre and its backward (two kernels each), the post's mappings, the post and its
-    backward (one each)."""
+    one a pre and its backward (two kernels each), the post's mappings and the post (one each);
+    the post's backward is split between the pre's backward (its reductions) and, at the chain's
+    end, one kernel for F's output gradient."""
     hc = make_hc(4, 8)
     x = torch.randn(S, B, 32, requires_grad=True)
     w = torch.rand(8) + 0.5
@@ -626,7 +635,8 @@ def test_kernel_counter_sees_the_composed_sublayer():
         composed_sublayer(hc, x, w, None, 0.0, 0).sum().backward()
     assert composed_count.counts["aten.div"] >= 2 * 20 * 2  # 2 divisions per iteration, fwd + bwd
     assert composed_count.total > 10 * fused_count.total
-    launches = {"pre": 2, "pre_backward": 2, "post_maps": 1, "post": 1, "post_backward": 1}
+    launches = {"pre": 2, "pre_backward": 2, "post_maps": 1, "post": 1, "post_grad_y": 1,
+                "post_backward": 0}
     assert {op: fused_count.counts[f"mhc_cg.{op}"] for op in launches} == launches
 
 
@@ -685,3 +695,48 @@ def test_cuda_triton_kernels_timed_against_reference():
                                        msg=lambda m: f"{name}: {m}")
         ref_ms, tri_ms = _time_ms(lambda: run(False)), _time_ms(lambda: run(True))
         print(f"{name:22s} torch {ref_ms:8.3f} ms  triton {tri_ms:8.3f} ms  speed-up {ref_ms / tri_ms:6.1f}x")
+
+
+@pytest.mark.parametrize("use_triton", [False, pytest.param(True, marks=needs_triton)])
+@pytest.mark.parametrize("ht", [False, True])
+def test_pre_backward_with_the_posts_halves_is_bit_identical_to_them_apart(request, use_triton,
+                                                                           ht):
+    """The pre's backward doing its post's reductions and the previous post's F output gradient
+    gives the very bits of the ops apart: the post's backward, then the pre's given its state
+    gradient, then the previous post's g_y from the x gradient written (so every mode rounds
+    alike whichever way a sublayer runs)."""
+    from mhc_cg.ops.kernels import ops
+
+    if use_triton:
+        request.getfixturevalue("interpret")
+    n, c, t, p = 4, 24, 6, 0.2
+    g = torch.Generator().manual_seed(1)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(torch.bfloat16)  # noqa: E731
+    m = n * n + 2 * n
+    x, y, w, bias, nw = rand(t, n * c), rand(t, c), rand(m, n * c) * 0.3, rand(m), rand(c) + 1
+    alphas = [torch.full((1,), v, dtype=torch.bfloat16) for v in (0.7, -0.4, 1.3)]
+    seed = torch.tensor(3)
+    state = reference.pre(x, w, *alphas, bias, nw, n, 20, EPS)[1]
+    prev_state = reference.pre(y.repeat(1, n), w, *alphas, bias, nw, n, 20, EPS)[1]
+    g_state, g_out, g_post = torch.randn(t, m + 2, generator=g), rand(t, c), rand(t, n * c)
+    common = (x, w, *alphas, bias, nw, state, n, 20, EPS, use_triton, ht)
+
+    g_st_post, params_post, _ = ops.post_backward(g_post, x, state, *alphas, bias, y, seed, p, 3,
+                                                  n, 20, use_triton, ht)
+    # the state's gradient from its other consumers, or none (the model's case: the post is its
+    # one consumer, and no zeros are made for the others)
+    for g_in, g_st_apart in ((g_state, g_state + g_st_post), (None, g_st_post)):
+        apart = g_post.clone()
+        w_apart, params_apart, nw_apart = ops.pre_backward_into(g_out, g_st_apart, apart,
+                                                                *common)
+        g_y_apart = ops.post_grad_y(apart, prev_state, alphas[1] * 0.5, bias.flip(0), seed, p,
+                                    5, n, torch.bfloat16, use_triton)
+
+        fused, g_y = g_post.clone(), torch.empty_like(y)
+        w_fused, params_fused, nw_fused = ops.pre_backward_into(
+            g_out, g_in, fused, *common, y, seed, p, 3, prev_state, alphas[1] * 0.5,
+            bias.flip(0), 5, g_y)
+        assert torch.equal(fused, apart) and torch.equal(g_y, g_y_apart)
+        assert torch.equal(w_fused, w_apart) and torch.equal(nw_fused, nw_apart)
+        assert torch.equal(params_fused, params_apart + params_post)
+    assert not torch.equal(g_y, torch.zeros_like(g_y))

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from mhc_cg.config import MHCGPTConfig
 from mhc_cg.model.layers import MLP, RMSNorm
 from mhc_cg.ops.hyper_connection import HyperConnection
-from mhc_cg.ops.kernels import Target
+from mhc_cg.ops.kernels import PostLink, Target
 
 
 class HyperConnectionSteps:
@@ -79,11 +79,12 @@ class MHCSublayer(nn.Module):
         return self.cfg.hidden_dropout if self.training else 0.0
 
     def pre(self, x: Tensor, fn_input_out: Target | None = None,
-            state_out: Target | None = None,
-            state: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+            state_out: Target | None = None, state: Tensor | None = None,
+            link: PostLink | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """``(F's input, state, x_on)``; see the module docstring. ``state``: x's state as the
-        post before computed it (:meth:`post`'s ``state_out``)."""
-        return self.hc.pre(x, self.norm.weight, self.norm.eps, fn_input_out, state_out, state)
+        post before computed it (:meth:`post`'s ``state_out``); ``link``: that post's link."""
+        return self.hc.pre(x, self.norm.weight, self.norm.eps, fn_input_out, state_out, state,
+                           link)
 
     def post(self, x_on: Tensor, state: Tensor, y: Tensor, seed: Tensor | None,
              out: Target | None = None, *, nxt: "MHCSublayer | None" = None,

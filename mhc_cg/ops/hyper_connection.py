@@ -239,14 +239,15 @@ class HyperConnection(nn.Module):
     # -- fused: what the model runs ---------------------------------------------------------------
     def pre(self, x: Tensor, norm_weight: Tensor | None, eps: float,
             fn_input_out: fused.Target | None = None, state_out: fused.Target | None = None,
-            state: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+            state: Tensor | None = None,
+            link: fused.PostLink | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """``(F's input, state, x_on)``: the mappings' state, ``norm(aggregate(x, h_pre))`` from
         one read of ``x``, and ``x`` handed on to :meth:`post` (:mod:`mhc_cg.ops.kernels`)."""
         _check_streams("pre", x, self.num_streams, self.hidden_size)
         return fused.pre(x, self.mapping_proj.weight, self.alpha_pre, self.alpha_post,
                          self.alpha_res, self.bias, norm_weight, self.num_streams,
                          self.sinkhorn_iterations, eps, self.kernels, fn_input_out, state_out,
-                         h_res_transposed=self.h_res_transposed, state=state)
+                         h_res_transposed=self.h_res_transposed, state=state, link=link)
 
     def next_pre(self, norm_weight: Tensor | None, eps: float) -> fused.NextPre:
         """This pre, as the post before it sees it (:meth:`post`'s ``next_pre``)."""

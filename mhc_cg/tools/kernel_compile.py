@@ -109,12 +109,19 @@ def _pre(k, s: Shape, norm: bool = True):
                  s.t(s.C) if norm else None, s.n, s.iterations, 1e-5)
 
 
-def _pre_backward(k, s: Shape, in_place: bool = False, norm: bool = True):
+def _pre_backward(k, s: Shape, in_place: bool = False, norm: bool = True, fused: bool = False):
     g_post = s.t(s.T, s.n * s.C)
-    return k.pre_backward(s.t(s.T, s.C), s.t(s.T, s.M + 2, dtype=torch.float32), g_post,
+    # fused: with its post's reductions and the previous post's F output gradient, as the model
+    # runs it inside a chain of sublayers, where the state's one consumer is that post
+    seed = s.seed
+    g_state = None if fused else s.t(s.T, s.M + 2, dtype=torch.float32)
+    around = dict(post=(s.t(s.T, s.C), seed, s.dropout, 3),
+                  prev=(s.t(s.T, s.M + 2, dtype=torch.float32), s.t(1), s.t(s.M), seed,
+                        s.dropout, 2), g_y_out=s.t(s.T, s.C)) if fused else {}
+    return k.pre_backward(s.t(s.T, s.C), g_state, g_post,
                           s.t(s.T, s.n * s.C), s.t(s.M, s.n * s.C), *_alphas(s), s.t(s.M),
                           s.t(s.C) if norm else None, s.t(s.T, s.M + 2, dtype=torch.float32), s.n,
-                          s.iterations, 1e-5, g_post if in_place else None)
+                          s.iterations, 1e-5, g_post if in_place else None, **around)
 
 
 def _maps(s: Shape, posts: int = 1) -> torch.Tensor:
@@ -165,6 +172,7 @@ CASES = (
     Case("pre_backward", lambda k, s: _pre_backward(k, s)),
     Case("pre_backward[in place]", lambda k, s: _pre_backward(k, s, in_place=True)),
     Case("pre_backward[no norm]", lambda k, s: _pre_backward(k, s, norm=False)),
+    Case("pre_backward[fused]", lambda k, s: _pre_backward(k, s, in_place=True, fused=True)),
     Case("post_maps", lambda k, s: _post_maps(k, s)),
     Case("post_maps[block]", lambda k, s: _post_maps(k, s, posts=3)),
     Case("post", lambda k, s: _post(k, s, 2)),
@@ -181,6 +189,10 @@ CASES = (
     Case("post_backward[stream 0]", lambda k, s: _post_backward(k, s, 0)),
     Case("post_backward[stream 1]", lambda k, s: _post_backward(k, s, 1)),
     Case("post_backward[no dropout]", lambda k, s: _post_backward(k, s, 2, dropout=False)),
+    Case("post_grad_y", lambda k, s: k.post_grad_y(s.t(s.T, s.n * s.C),
+                                                   s.t(s.T, s.M + 2, dtype=torch.float32),
+                                                   s.t(1), s.t(s.M), s.seed, s.dropout, 2, s.n,
+                                                   torch.bfloat16)),
     Case("recompute", lambda k, s: _recompute(k, s)),
     Case("recompute[no dropout]", lambda k, s: _recompute(k, s, dropout=False)),
     Case("rms_norm", lambda k, s: k.rms_norm(s.t(s.T, s.C), s.t(s.C), 1e-5)),
@@ -338,7 +350,12 @@ def tile(name: str, bound: dict, pointer: str, *dims: str | int) -> tuple[str, i
 # hidden (read from HBM once). Weights, the per-token state and the mask's seed are left out: they
 # are small and served from L2. Every load of a step counts as outstanding at once (the most the
 # step could have in flight), and a ``pipelined`` load (a tl.dot operand that ptxas receives as
-# cp.async copies, num_stages deep) counts num_stages - 1 steps.
+# cp.async copies, num_stages deep) counts num_stages - 1 steps. A kernel that loads its tiles
+# ``steps`` steps ahead into registers itself (:func:`ahead`) has that many steps outstanding.
+def ahead(steps: int, loads: list[tuple[str, int, int, bool]]) -> list[tuple[str, int, int, bool]]:
+    return [(f"{name} x{steps} ahead", n * steps, size, piped) for name, n, size, piped in loads]
+
+
 STREAM_LOADS: dict[str, Callable[[dict], list[tuple[str, int, int, bool]]]] = {
     # with POST (a post writing the next pre's state) x and y feed the post, not the tl.dot, yet
     # they are still staged through shared memory num_stages deep: the launch's dynamic shared
@@ -351,13 +368,16 @@ STREAM_LOADS: dict[str, Callable[[dict], list[tuple[str, int, int, bool]]]] = {
     "_chain": lambda b: [(*tile("x", b, "x_ptr", "BT", "N", "BC"), False)]
     + ([(*tile("y", b, "y_ptr", "BT", "BC"), False)] if b["posts"] > 0 else []),
     "_pre_bwd_coef": lambda b: [(*tile("x", b, "x_ptr", "BT", "N", "BC"), False),
-                                (*tile("g", b, "gout_ptr", "BT", "BC"), False)],
-    "_pre_bwd_x": lambda b: [(*tile("x", b, "x_ptr", "BT", "N", "BC"), False),
-                             (*tile("g", b, "gout_ptr", "BT", "BC"), False)]
-    + ([(*tile("g_post", b, "gpost_ptr", "BT", "N", "BC"), False)] if b["GPOST"] else []),
-    "_post_bwd": lambda b: [(*tile("g", b, "g_ptr", "BT", "N", "BC"), False),
-                            (*tile("x", b, "x_ptr", "BT", "N", "BC"), False),
-                            (*tile("y", b, "y_ptr", "BT", "BC"), False)],
+                                (*tile("g", b, "gout_ptr", "BT", "BC"), False)]
+    + ([(*tile("g_post", b, "gpost_ptr", "BT", "N", "BC"), False),
+        (*tile("y", b, "y_ptr", "BT", "BC"), False)] if b["POST"] else []),
+    "_pre_bwd_x": lambda b: ahead(2, [(*tile("x", b, "x_ptr", "BT", "N", "BC"), False),
+                                      (*tile("g", b, "gout_ptr", "BT", "BC"), False)]
+                                  + ([(*tile("g_post", b, "gpost_ptr", "BT", "N", "BC"), False)]
+                                     if b["GPOST"] else [])),
+    "_post_bwd": lambda b: [(*tile("g", b, "g_ptr", "BT", "N", "BC"), False)]
+    + ([(*tile("x", b, "x_ptr", "BT", "N", "BC"), False),
+        (*tile("y", b, "y_ptr", "BT", "BC"), False)] if b["REDUCE"] else []),
     "_rms_fwd": lambda b: [(*tile("x", b, "x_ptr", "BC"), False)],
     "_rms_bwd": lambda b: [(*tile("g", b, "g_ptr", "R", "BC"), False),
                            (*tile("x", b, "x_ptr", "R", "BC"), False)],

@@ -31,6 +31,14 @@ backward differentiates the state as if it had computed it, the same bits either
 attached to the post's output with that tensor's version, so a stream written in place since
 gets a state of its own.
 
+**The post's backward is split between the pres around it.** Its reductions (``g . x_j`` through
+H_res, ``g . y`` through H_post, the Sinkhorn's backward) need x, which the pre that made its state
+reads anyway: that pre's first pass takes them (:class:`PostTail`), so the post's backward returns
+no state or parameter gradient of its own. F's output gradient ``sum_i H_post[i] g[i]`` needs
+``g``, which the next pre's backward writes: that pre takes it from the tile it writes
+(:class:`PostLink`), so ``g`` is not read again. Where no next pre links (the chain's end, a
+graph edge that cannot carry it) the post reads ``g`` once for it (``post_grad_y``).
+
 Buffers: given ``fn_input_out`` / ``state_out`` / ``out`` (a :class:`Target`), an op writes its
 result there (``*_into`` ops) instead of allocating it: the static runtime's arena slots and
 persistent set. The function then returns a fresh view of the buffer's *reader* alias, whose
@@ -96,24 +104,77 @@ class NextPre:
                 and self.norm == norm and self.eps == float(eps))
 
 
+@dataclass(eq=False)
+class PostLink:
+    """A post whose F output's gradient the next pre's backward computes: that backward writes
+    x's gradient, which is the post's output's, and takes ``sum_i H_post[i] mask[i] g[i]`` from
+    the tile it writes (the post's formula, the same bits), so the post's backward does not read
+    g again. ``g_y_out``: where to write it, a static buffer where the two backwards run in
+    different graphs (the runtime names it); else the pre allocates it. The post takes it only
+    if the gradient it receives is the very tensor the pre wrote (:meth:`take`)."""
+
+    state: Tensor
+    a_post: Tensor
+    bias: Tensor
+    seed: Tensor | None
+    p: float
+    stream: int
+    y_dtype: torch.dtype
+    g_y_out: Tensor | None = None
+    g_y: Tensor | None = None
+    grad: Tensor | None = None
+    version: int = -1
+
+    def give(self, g_y: Tensor, grad: Tensor) -> None:
+        self.g_y, self.grad, self.version = g_y, grad, grad._version
+
+    def take(self, g: Tensor) -> Tensor | None:
+        """The F output's gradient the pre computed from ``g``, if it did; once."""
+        g_y, ok = self.g_y, self.grad is g and g._version == self.version
+        self.g_y = self.grad = None
+        return g_y if ok else None
+
+
 HANDED = "_mhc_handed_state"
 
 
-def hand_state(out: Tensor, state: Tensor, nxt: NextPre) -> Tensor:
-    """Attach to the post's output ``out`` the state ``nxt`` will need; returns ``out``."""
-    setattr(out, HANDED, (state, nxt, out._version))
+def hand_state(out: Tensor, state: Tensor, nxt: NextPre, link: PostLink | None = None) -> Tensor:
+    """Attach to the post's output ``out`` the state ``nxt`` will need (and the post's link);
+    returns ``out``."""
+    setattr(out, HANDED, (state, nxt, out._version, link))
     return out
 
 
 def handed_state(x: Tensor, weight: Tensor, a_pre: Tensor, bias: Tensor, norm: bool,
-                 eps: float) -> Tensor | None:
-    """The state a post attached to ``x`` for this pre, if ``x`` is that post's output, unwritten
-    since, and the pre the one it was computed for; else None (the pre computes its own)."""
+                 eps: float) -> tuple[Tensor | None, PostLink | None]:
+    """``(state, link)`` a post attached to ``x`` for this pre, if ``x`` is that post's output,
+    unwritten since, and the pre the one it was computed for; else ``(None, None)`` (the pre
+    computes its own state, and the post its F output's gradient)."""
     handed = getattr(x, HANDED, None)
     if handed is None:
-        return None
-    state, nxt, version = handed
-    return state if x._version == version and nxt.is_for(weight, a_pre, bias, norm, eps) else None
+        return None, None
+    state, nxt, version, link = handed
+    if x._version == version and nxt.is_for(weight, a_pre, bias, norm, eps):
+        return state, link
+    return None, None
+
+
+def handed_link(out: Tensor) -> PostLink | None:
+    """The link a post attached to its output ``out``, if any."""
+    handed = getattr(out, HANDED, None)
+    return None if handed is None else handed[3]
+
+
+@dataclass(frozen=True, eq=False)
+class PostTail:
+    """What the post's backward hands the pre's with its output's gradient ``grad``: what the
+    pre's first pass needs for the post's reductions (see the module docstring)."""
+
+    grad: Tensor
+    y: Tensor
+    seed: Tensor | None
+    p: float
+    stream: int
 
 
 @dataclass(frozen=True)
@@ -141,7 +202,8 @@ class Pre(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, a_pre, a_post, a_res, bias, norm_weight, cfg: PreConfig,
-                fn_input_out: Target | None, state_out: Target | None, handed: Tensor | None):
+                fn_input_out: Target | None, state_out: Target | None, handed: Tensor | None,
+                link: PostLink | None):
         lead, width = x.shape[:-1], x.shape[-1]
         c, sw = width // cfg.n, state_width(weight.shape[0])
         xf = x.reshape(-1, width)
@@ -159,6 +221,9 @@ class Pre(torch.autograd.Function):
             fn_input, state = fn_out.view(), st_out.view()
         ctx.save_for_backward(x, weight, a_pre, a_post, a_res, bias, norm_weight, state)
         ctx.cfg = cfg
+        ctx.params = (a_pre, a_post, a_res, bias)  # the post that defers to this pre shares them
+        ctx.link = link if link is not None and link.state.shape[0] == xf.shape[0] else None
+        ctx.expects_post, ctx.post_tail = False, None
         ctx.set_materialize_grads(False)  # an output nobody used: None, not zeros
         return fn_input.view(*lead, c), state.view(*lead, sw), x.view_as(x)
 
@@ -170,19 +235,44 @@ class Pre(torch.autograd.Function):
         xf = x.reshape(-1, width)
         g_fn = (torch.zeros(xf.shape[0], width // cfg.n, dtype=x.dtype, device=x.device)
                 if g_fn_input is None else g_fn_input.reshape(-1, width // cfg.n))
-        g_st = torch.zeros_like(state) if g_state is None else g_state.reshape(state.shape)
+        g_st = None if g_state is None else g_state.reshape(state.shape)  # None: no zeros made
+        around = _around(ctx, g_post, xf)
         args = (weight, a_pre, a_post, a_res, bias, norm_weight, state, cfg.n, cfg.iterations,
                 cfg.eps, cfg.use_triton, cfg.h_res_transposed)
         if is_overwritable(g_post, x):
             g_weight, g_params, g_w = ops.pre_backward_into(g_fn, g_st, g_post.view(-1, width),
-                                                            xf, *args)
+                                                            xf, *args, **around)
             g_x = g_post
         else:
             g_x, g_weight, g_params, g_w = ops.pre_backward(g_fn, g_st, _flat(g_post, width), xf,
-                                                            *args)
+                                                            *args, **around)
             g_x = g_x.view(x.shape)
+        if "g_y_out" in around:
+            ctx.link.give(around["g_y_out"], g_x)
+        ctx.link = None
         return (overwritable(g_x), g_weight, *_alphas_and_bias(g_params, bias),
-                g_w if norm_weight is not None else None, None, None, None, None)
+                g_w if norm_weight is not None else None, None, None, None, None, None)
+
+
+def _around(ctx, g_post: Tensor | None, xf: Tensor) -> dict:
+    """The pre backward's halves of the posts around it (:func:`ops.pre_backward`'s ``y`` ...
+    ``g_y_out``): its own post's reductions where that post deferred them, the previous post's F
+    output gradient where it left a link."""
+    tail, ctx.post_tail = ctx.post_tail, None
+    if ctx.expects_post and g_post is not None and (tail is None or tail.grad is not g_post):
+        raise RuntimeError("mhc_cg pre: x_on's gradient is not the post's alone; nothing but "
+                           "the post may read x_on (see mhc_cg.ops.kernels.autograd)")
+    around = {}
+    if tail is not None:
+        around.update(y=tail.y, seed=tail.seed, p=tail.p, stream=tail.stream)
+    link = ctx.link
+    if link is not None and (tail is None or (tail.seed is link.seed and tail.p == link.p)):
+        c = xf.shape[1] // ctx.cfg.n
+        g_y_out = xf.new_empty(xf.shape[0], c, dtype=link.y_dtype) if link.g_y_out is None \
+            else link.g_y_out.view(-1, c)
+        around.update(seed=link.seed, p=link.p, prev_state=link.state, prev_a_post=link.a_post,
+                      prev_bias=link.bias, prev_stream=link.stream, g_y_out=g_y_out)
+    return around
 
 
 def _from_state(xf: Tensor, handed: Tensor, args: tuple, fn_input_out: Target | None,
@@ -221,7 +311,8 @@ class Post(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, state, a_pre, a_post, a_res, bias, y, seed, cfg: PostConfig,
-                out: Target | None, nxt: NextPre | None, state_out: Target | None):
+                out: Target | None, nxt: NextPre | None, state_out: Target | None,
+                link: list):
         pre_node = state.grad_fn
         if isinstance(pre_node, Pre._backward_cls) and x.grad_fn is not pre_node:
             raise ValueError("mhc_cg post: x must be the x_on that pre returned with this state, "
@@ -248,6 +339,15 @@ class Post(torch.autograd.Function):
             result = target.view()
         ctx.save_for_backward(x, state, a_pre, a_post, a_res, bias, y, seed)
         ctx.cfg = cfg
+        # the pre that made the state takes the post's reductions into its first pass
+        ctx.pre_node = pre_node if _defers_to(pre_node, cfg, (a_pre, a_post, a_res, bias)) \
+            else None
+        if ctx.pre_node is not None:
+            ctx.pre_node.expects_post = True
+        ctx.link = None
+        if ctx.pre_node is not None and nxt is not None:  # the next pre computes g_y: link it
+            ctx.link = PostLink(sf, a_post, bias, seed, cfg.p, cfg.stream, y.dtype)
+        link.append(ctx.link)
         ctx.set_materialize_grads(False)  # no zeros for the next state's gradient, never used
         return result.view(x.shape), next_state
 
@@ -257,13 +357,32 @@ class Post(torch.autograd.Function):
         cfg = ctx.cfg
         width = x.shape[-1]
         g = torch.zeros_like(x) if g is None else g
-        g_state, g_params, g_y = ops.post_backward(
-            g.reshape(-1, width), x.reshape(-1, width), state.reshape(-1, state.shape[-1]),
-            a_pre, a_post, a_res, bias, y.reshape(-1, y.shape[-1]), seed, cfg.p, cfg.stream,
-            cfg.n, cfg.iterations, cfg.use_triton, cfg.h_res_transposed)
+        gf, sf = g.reshape(-1, width), state.reshape(-1, state.shape[-1])
+        yf = y.reshape(-1, y.shape[-1])
         # g goes on as x_on's: the pre's backward adds H_res^T g (see the module docstring)
-        return (g, g_state.view(state.shape), *_alphas_and_bias(g_params, bias), g_y.view(y.shape),
-                None, None, None, None, None)
+        if ctx.pre_node is None:
+            g_state, g_params, g_y = ops.post_backward(
+                gf, x.reshape(-1, width), sf, a_pre, a_post, a_res, bias, yf, seed, cfg.p,
+                cfg.stream, cfg.n, cfg.iterations, cfg.use_triton, cfg.h_res_transposed)
+            return (g, g_state.view(state.shape), *_alphas_and_bias(g_params, bias),
+                    g_y.view(y.shape), None, None, None, None, None, None)
+        # deferred: the pre's backward reduces (its state and parameter gradients include ours)
+        ctx.pre_node.post_tail = PostTail(g, yf, seed, cfg.p, cfg.stream)
+        g_y = ctx.link.take(g) if ctx.link is not None else None
+        ctx.link = None
+        if g_y is None:
+            g_y = ops.post_grad_y(gf, sf, a_post, bias, seed, cfg.p, cfg.stream, cfg.n, y.dtype,
+                                  cfg.use_triton)
+        return (g, None, None, None, None, None, g_y.view(y.shape), None, None, None, None, None,
+                None)
+
+
+def _defers_to(pre_node, cfg: PostConfig, params: tuple) -> bool:
+    """Whether a post with ``params`` hands its reductions to the pre backward node
+    ``pre_node`` (the one that made its state, on the same kernels, with the same parameters)."""
+    return (isinstance(pre_node, Pre._backward_cls) and pre_node.cfg.use_triton == cfg.use_triton
+            and pre_node.cfg.n == cfg.n and pre_node.cfg.iterations == cfg.iterations
+            and all(a is b for a, b in zip(pre_node.params, params)))
 
 
 def _post_state(xf: Tensor, maps: Tensor, yf: Tensor, seed: Tensor | None, cfg: PostConfig,

@@ -32,6 +32,15 @@ READ_TWICE = {"mhc_cg::pre": ("x",), "mhc_cg::pre_into": ("x",),
               "mhc_cg::pre_backward": ("x", "g_out"),
               "mhc_cg::pre_backward_into": ("x", "g_out")}
 
+
+def read_twice(name: str, args: dict) -> tuple[str, ...]:
+    """The arguments op ``name``'s kernels read twice in this call: the pre's backward with its
+    post's reductions (``y`` given) reads g_post in its first pass as well."""
+    twice = READ_TWICE.get(name, ())
+    if name.startswith("mhc_cg::pre_backward") and args.get("y") is not None:
+        twice += ("g_post",)
+    return twice
+
 DOT_ROWS = 16  # tokens per Triton program where a kernel multiplies by the mapping weight (tl.dot)
 WEIGHT_GRAD_COLUMNS = 8192  # pre_backward's second pass: about 256 programs of 32 features at C 2048
 
@@ -53,13 +62,17 @@ def post_backward_scratch(tokens: int, c: int, n: int, m: int) -> dict[str, tupl
     return {"shares": (tokens, m + 3)}
 
 
-def pre_backward_scratch(tokens: int, c: int, n: int, m: int) -> dict[str, tuple[int, ...]]:
+def pre_backward_scratch(tokens: int, c: int, n: int, m: int, post: bool = False,
+                         prev: bool = False) -> dict[str, tuple[int, ...]]:
     """The fp32 buffers the pre's backward kernels hand each other: per token the projection's
     gradient, the parameters' shares (as the post's) and the coefficients ``[kappa, coef, rstd,
-    s | H_res]``; per group of tokens the mapping weight's gradient."""
+    s | H_res]`` (and ``| s_prev`` with the previous post's F output gradient, ``prev``); per
+    group of tokens the mapping weight's gradient; with the post's reductions (``post``), the
+    state's gradient they are summed into."""
     groups, _ = weight_grad_groups(tokens, c, m)
     return {"g_proj": (tokens, m), **post_backward_scratch(tokens, c, n, m),
-            "aux": (tokens, 3 + n + n * n), "g_weight": (groups, m, n * c)}
+            "aux": (tokens, 3 + n + n * n + (n if prev else 0)), "g_weight": (groups, m, n * c),
+            **({"g_state": (tokens, m + 2)} if post else {})}
 
 
 def post_maps_shape(tokens: int, n: int, posts: int) -> tuple[int, int, int]:
@@ -80,7 +93,10 @@ def scratch_bytes(name: str, args: dict) -> int:
         return 0
     t, width = args["x"].shape
     n, m = args["n"], args["bias"].shape[0]
-    return 2 * 4 * sum(math.prod(shape) for shape in shapes_of(t, width // n, n, m).values())
+    extra = {"post": args.get("y") is not None, "prev": args.get("prev_state") is not None} \
+        if shapes_of is pre_backward_scratch else {}
+    return 2 * 4 * sum(math.prod(shape) for shape in shapes_of(t, width // n, n, m,
+                                                               **extra).values())
 
 
 # The fused ops that are no mHC work, which the cost model's mHC traffic leaves out: the model's
@@ -129,44 +145,67 @@ def _(x, weight, a_pre, a_post, a_res, bias, norm_weight, n, iterations, eps, us
     return None
 
 
-@torch.library.custom_op("mhc_cg::pre_backward", mutates_args=())
-def pre_backward(g_out: Tensor, g_state: Tensor, g_post: Tensor | None, x: Tensor, weight: Tensor,
-                 a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
+def _around(y, seed, p, stream, prev_state, prev_a_post, prev_bias, prev_stream):
+    """The pre backward's ``post`` and ``prev`` (:func:`reference.pre_backward`) from its flat
+    arguments."""
+    post = None if y is None else (y, seed, p, stream)
+    prev = None if prev_state is None else (prev_state, prev_a_post, prev_bias, seed, p,
+                                            prev_stream)
+    return dict(post=post, prev=prev)
+
+
+@torch.library.custom_op("mhc_cg::pre_backward", mutates_args=("g_y_out",))
+def pre_backward(g_out: Tensor, g_state: Tensor | None, g_post: Tensor | None, x: Tensor,
+                 weight: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
                  norm_weight: Tensor | None, state: Tensor, n: int, iterations: int, eps: float,
-                 use_triton: bool,
-                 h_res_transposed: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                 use_triton: bool, h_res_transposed: bool = False, y: Tensor | None = None,
+                 seed: Tensor | None = None, p: float = 0.0, stream: int = 0,
+                 prev_state: Tensor | None = None, prev_a_post: Tensor | None = None,
+                 prev_bias: Tensor | None = None, prev_stream: int = 0,
+                 g_y_out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(g_x, g_weight, g_params [m+3], g_norm_weight)``, ``g_x`` with the post's residual path
     ``H_res^T g_post`` (``H_res g_post`` transposed); the mapping weight's gradient from the
-    same reads of x; the parameters' gradients summed over the tokens in a fixed order."""
+    same reads of x; the parameters' gradients summed over the tokens in a fixed order.
+    ``y`` given: the post's reductions too (dropout ``seed``, ``p``, ``stream``), its shares in
+    ``g_params``; ``prev_state`` given: the F output's gradient of the post that wrote x (its
+    ``prev_*``, the same seed and rate) into ``g_y_out``."""
     g_x, g_weight, shares, g_w = _impl(use_triton).pre_backward(
         g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight, state, n,
-        iterations, eps, h_res_transposed=h_res_transposed)
+        iterations, eps, h_res_transposed=h_res_transposed, g_y_out=g_y_out,
+        **_around(y, seed, p, stream, prev_state, prev_a_post, prev_bias, prev_stream))
     return g_x, g_weight, *_summed(shares, g_w, bias, x, norm_weight)
 
 
 @pre_backward.register_fake
 def _(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight, state, n,
-      iterations, eps, use_triton, h_res_transposed=False):
+      iterations, eps, use_triton, h_res_transposed=False, y=None, seed=None, p=0.0, stream=0,
+      prev_state=None, prev_a_post=None, prev_bias=None, prev_stream=0, g_y_out=None):
     return (x.new_empty(x.shape), *_pre_backward_fakes(x, weight, bias, norm_weight))
 
 
-@torch.library.custom_op("mhc_cg::pre_backward_into", mutates_args=("g_post",))
-def pre_backward_into(g_out: Tensor, g_state: Tensor, g_post: Tensor, x: Tensor, weight: Tensor,
-                      a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
+@torch.library.custom_op("mhc_cg::pre_backward_into", mutates_args=("g_post", "g_y_out"))
+def pre_backward_into(g_out: Tensor, g_state: Tensor | None, g_post: Tensor, x: Tensor,
+                      weight: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
                       norm_weight: Tensor | None, state: Tensor, n: int, iterations: int,
-                      eps: float, use_triton: bool,
-                      h_res_transposed: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                      eps: float, use_triton: bool, h_res_transposed: bool = False,
+                      y: Tensor | None = None, seed: Tensor | None = None, p: float = 0.0,
+                      stream: int = 0, prev_state: Tensor | None = None,
+                      prev_a_post: Tensor | None = None, prev_bias: Tensor | None = None,
+                      prev_stream: int = 0,
+                      g_y_out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`pre_backward` writing x's gradient over ``g_post``, which it reads first: the
     stream's gradient keeps one buffer down a chain of sublayers."""
     _, g_weight, shares, g_w = _impl(use_triton).pre_backward(
         g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight, state, n,
-        iterations, eps, g_post, h_res_transposed=h_res_transposed)
+        iterations, eps, g_post, h_res_transposed=h_res_transposed, g_y_out=g_y_out,
+        **_around(y, seed, p, stream, prev_state, prev_a_post, prev_bias, prev_stream))
     return g_weight, *_summed(shares, g_w, bias, x, norm_weight)
 
 
 @pre_backward_into.register_fake
 def _(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight, state, n,
-      iterations, eps, use_triton, h_res_transposed=False):
+      iterations, eps, use_triton, h_res_transposed=False, y=None, seed=None, p=0.0, stream=0,
+      prev_state=None, prev_a_post=None, prev_bias=None, prev_stream=0, g_y_out=None):
     return _pre_backward_fakes(x, weight, bias, norm_weight)
 
 
@@ -307,6 +346,19 @@ def post_backward(g: Tensor, x: Tensor, state: Tensor, a_pre: Tensor, a_post: Te
 def _(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, use_triton,
       h_res_transposed=False):
     return state.new_empty(state.shape), bias.new_empty(bias.shape[0] + 3), y.new_empty(y.shape)
+
+
+@torch.library.custom_op("mhc_cg::post_grad_y", mutates_args=())
+def post_grad_y(g: Tensor, state: Tensor, a_post: Tensor, bias: Tensor, seed: Tensor | None,
+                p: float, stream: int, n: int, y_dtype: torch.dtype, use_triton: bool) -> Tensor:
+    """F's output's gradient through the post, from its output's gradient alone: the post's
+    backward where the pre's backward took its reductions and no next pre computed it."""
+    return _impl(use_triton).post_grad_y(g, state, a_post, bias, seed, p, stream, n, y_dtype)
+
+
+@post_grad_y.register_fake
+def _(g, state, a_post, bias, seed, p, stream, n, y_dtype, use_triton):
+    return g.new_empty(g.shape[0], g.shape[1] // n, dtype=y_dtype)
 
 
 # ---- a block's recompute, in one pass ----------------------------------------------------------

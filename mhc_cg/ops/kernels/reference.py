@@ -195,15 +195,24 @@ def _state_backward(g_h: Tensor, h, r, proj, scale, n: int, sqrt_d: float):
     return torch.cat([g_proj, g_xnorm[:, None], zero[:, None]], 1), torch.cat([g_h, alphas], 1)
 
 
-def pre_backward(g_out: Tensor, g_state: Tensor, g_post: Tensor | None, x: Tensor,
+def pre_backward(g_out: Tensor, g_state: Tensor | None, g_post: Tensor | None, x: Tensor,
                  weight: Tensor, a_pre, a_post, a_res, bias, norm_weight: Tensor | None,
                  state: Tensor, n: int, iterations: int, eps: float, g_x_out: Tensor | None = None,
-                 *, h_res_transposed: bool = False):
+                 *, h_res_transposed: bool = False, post: tuple | None = None,
+                 prev: tuple | None = None, g_y_out: Tensor | None = None):
     """``(g_x, g_weight, param shares [T, m+3], norm weight shares [T, C])`` of :func:`pre`, and of
     the post's residual path: ``g_x`` includes ``H_res^T g_post`` (``H_res g_post`` for the
     transposed layout).
 
-    ``g_state`` is the gradient the state's consumers sent back (its rstd column included),
+    Two halves of the posts around it, where they run here instead (same bits either way):
+    ``post = (y, seed, p, stream)``, the sublayer's own post: its reductions
+    (:func:`post_reductions`), from the x and g_post read here anyway, go into the state's
+    gradient and the shares. ``prev = (state, a_post, bias, seed, p, stream)``, the post that
+    wrote x: its F output's gradient (:func:`post_grad_y`) from the g_x written here, into
+    ``g_y_out``.
+
+    ``g_state`` is the gradient the state's consumers sent back (its rstd column included;
+    ``None``: none did, as where the state's one consumer is the post whose reductions run here),
     ``g_post`` the gradient of the sublayer's output (the post's backward leaves the residual
     path to this op, so the stream's gradient is summed here, in one pass); ``g_weight`` is the
     mapping weight's, ``g_proj^T x`` in the compute dtype (``g_proj`` the projection's total
@@ -218,7 +227,16 @@ def pre_backward(g_out: Tensor, g_state: Tensor, g_post: Tensor | None, x: Tenso
     s_pre = torch.sigmoid(h[:, :n])
     agg = _aggregate(xv, s_pre)
     g = g_out.to(acc)
-    g_state = g_state.to(acc)
+    g_state = None if g_state is None else g_state.to(acc)
+    shares_post = None
+    if post is not None:
+        y, seed, p, stream = post
+        g_state_post, shares_post = post_reductions(
+            g_post, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations,
+            h_res_transposed=h_res_transposed)
+        g_state = g_state_post if g_state is None else g_state + g_state_post
+    elif g_state is None:
+        g_state = torch.zeros_like(state, dtype=acc)
     if norm_weight is None:
         g_agg, g_w = g, torch.zeros(0, dtype=acc, device=x.device)
     else:
@@ -242,7 +260,14 @@ def pre_backward(g_out: Tensor, g_state: Tensor, g_post: Tensor | None, x: Tenso
         g_xa = g_xa + torch.matmul(h_res if h_res_transposed else h_res.transpose(1, 2),
                                    g_post.to(acc).unflatten(1, (n, -1))).flatten(1)
     g_weight = (g_proj.t() @ xa).to(weight.dtype)
-    return _into(g_xa.to(x.dtype), g_x_out), g_weight, shares, g_w
+    if shares_post is not None:  # the post's columns and the pre's are disjoint: no sum rounds
+        shares = shares + shares_post
+    g_x = g_xa.to(x.dtype)
+    if prev is not None:
+        prev_state, prev_a_post, prev_bias, seed, p, stream = prev
+        _into(post_grad_y(g_x, prev_state, prev_a_post, prev_bias, seed, p, stream, n,
+                          g_y_out.dtype), g_y_out)
+    return _into(g_x, g_x_out), g_weight, shares, g_w
 
 
 def _post_mappings(state, a_pre, a_post, a_res, bias, n: int, iterations: int, sqrt_d: float):
@@ -297,12 +322,11 @@ def post_state(x: Tensor, maps: Tensor, y: Tensor, seed: Tensor | None, p: float
     return result, _into(state, state_out)
 
 
-def post_backward(g: Tensor, x: Tensor, state: Tensor, a_pre, a_post, a_res, bias, y: Tensor,
-                  seed: Tensor | None, p: float, stream: int, n: int, iterations: int, *,
-                  h_res_transposed: bool = False):
-    """``(g_state, param shares [T, m+3], g_y)`` of :func:`post` (the state's rstd column, which
-    the post does not read, gets 0). x's gradient ``H_res^T g`` is left to :func:`pre_backward`,
-    which writes the stream's whole gradient at once."""
+def post_reductions(g: Tensor, x: Tensor, state: Tensor, a_pre, a_post, a_res, bias, y: Tensor,
+                    seed: Tensor | None, p: float, stream: int, n: int, iterations: int, *,
+                    h_res_transposed: bool = False) -> tuple[Tensor, Tensor]:
+    """``(g_state, param shares [T, m+3])`` of :func:`post`: its per-token reductions (``g . x``
+    through H_res, ``g . y`` through H_post), the half of its backward that reads x and y."""
     acc = compute_dtype(x.dtype)
     t = x.shape[0]
     sqrt_d = math.sqrt(x.shape[1])
@@ -315,14 +339,37 @@ def post_backward(g: Tensor, x: Tensor, state: Tensor, a_pre, a_post, a_res, bia
         torch.matmul(gv, xv.transpose(1, 2))
     mask = dropout_keep_scaled(seed, stream, p, t, x.shape[1], x.device)
     gm = gv if mask is None else gv * mask.to(acc).unflatten(1, (n, -1))
-    ya = y.to(acc)
-    g_y = (2.0 * s_post[:, :, None] * gm).sum(1)
     g_h = torch.zeros_like(h)
-    g_h[:, n:2 * n] = (gm * ya[:, None, :]).sum(-1) * 2.0 * s_post * (1.0 - s_post)
+    g_h[:, n:2 * n] = (gm * y.to(acc)[:, None, :]).sum(-1) * 2.0 * s_post * (1.0 - s_post)
     g_h[:, 2 * n:] = sinkhorn_backward(h[:, 2 * n:].unflatten(-1, (n, n)), g_h_res,
                                        iterations).flatten(1)
-    g_state, shares = _state_backward(g_h, h, r, proj, scale, n, sqrt_d)
-    return g_state, shares, g_y.to(y.dtype)
+    return _state_backward(g_h, h, r, proj, scale, n, sqrt_d)
+
+
+def post_grad_y(g: Tensor, state: Tensor, a_post, bias, seed: Tensor | None, p: float,
+                stream: int, n: int, y_dtype: torch.dtype) -> Tensor:
+    """F's output's gradient through :func:`post`, ``sum_i H_post[i] mask[i] g[i]``: the half of
+    its backward that F's backward waits for, from g alone (the pre's backward after the post
+    computes it from the gradient it writes, :func:`pre_backward`'s ``prev``)."""
+    acc = compute_dtype(g.dtype)
+    t = g.shape[0]
+    h, *_ = logits_of(state, a_post, a_post, a_post, bias, n, math.sqrt(g.shape[1]))
+    s_post = torch.sigmoid(h[:, n:2 * n])
+    gv = g.to(acc).unflatten(1, (n, -1))
+    mask = dropout_keep_scaled(seed, stream, p, t, g.shape[1], g.device)
+    gm = gv if mask is None else gv * mask.to(acc).unflatten(1, (n, -1))
+    return (2.0 * s_post[:, :, None] * gm).sum(1).to(y_dtype)
+
+
+def post_backward(g: Tensor, x: Tensor, state: Tensor, a_pre, a_post, a_res, bias, y: Tensor,
+                  seed: Tensor | None, p: float, stream: int, n: int, iterations: int, *,
+                  h_res_transposed: bool = False):
+    """``(g_state, param shares [T, m+3], g_y)`` of :func:`post` (the state's rstd column, which
+    the post does not read, gets 0). x's gradient ``H_res^T g`` is left to :func:`pre_backward`,
+    which writes the stream's whole gradient at once."""
+    g_state, shares = post_reductions(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream,
+                                      n, iterations, h_res_transposed=h_res_transposed)
+    return g_state, shares, post_grad_y(g, state, a_post, bias, seed, p, stream, n, y.dtype)
 
 
 def recompute(x0: Tensor, ys: Tensor, states: Tensor, params: Tensor, norm_weights: Tensor | None,

@@ -499,9 +499,10 @@ def recompute(x0, ys, states, params, norm_weights, seed, p, streams, n, iterati
 @triton.jit
 def _pre_state_grads(gstate_ptr, gproj_ptr, share_ptr, apre_ptr, gh, r, p_pre, xnorm, t, tmask,
                      vmask, sqrt_d, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr,
-                     PP: tl.constexpr):
+                     PP: tl.constexpr, ADD_SHARES: tl.constexpr):
     """The state's gradient, the pre's own (from the pre logits' ``gh`` and xnorm) plus what the
-    post sent; stores the projection's gradient and the parameters' shares; returns the
+    post sent; stores the projection's gradient and the parameters' shares (``ADD_SHARES``: onto
+    the post's, stored there by this program; their columns are disjoint); returns the
     projection's gradient ``[BT, MP]`` and x's coefficient from xnorm's gradient."""
     M: tl.constexpr = N * N + 2 * N
     SW: tl.constexpr = M + 2
@@ -523,22 +524,31 @@ def _pre_state_grads(gstate_ptr, gproj_ptr, share_ptr, apre_ptr, gh, r, p_pre, x
     to_col = (pcol[None, None, :] == i[None, :, None]) & (i < N)[None, :, None]
     shares = tl.sum(tl.where(to_col, gh[:, :, None], 0.0), axis=1)
     shares = tl.where(pcol[None, :] == M, a_share[:, None], shares)
-    tl.store(share_ptr + t[:, None] * P + pcol[None, :], shares,
-             mask=tmask[:, None] & (pcol[None, :] < P))
+    pmask = tmask[:, None] & (pcol[None, :] < P)
+    if ADD_SHARES:
+        shares += tl.load(share_ptr + t[:, None] * P + pcol[None, :], mask=pmask, other=0.0)
+    tl.store(share_ptr + t[:, None] * P + pcol[None, :], shares, mask=pmask)
     return g_proj, coef
 
 
 @triton.jit
-def _pre_bwd_coef(gout_ptr, gstate_ptr, x_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, norm_ptr,
-                  state_ptr, gproj_ptr, share_ptr, aux_ptr, T, C, sqrt_d, iterations,
+def _pre_bwd_coef(gout_ptr, gin_ptr, gstate_ptr, x_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr,
+                  norm_ptr, state_ptr, gproj_ptr, share_ptr, aux_ptr, gpost_ptr, y_ptr, seed_ptr,
+                  pstate_ptr, pbias_ptr, papost_ptr, stream, T, C, sqrt_d, iterations,
                   N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, PP: tl.constexpr,
                   BT: tl.constexpr, BC: tl.constexpr, NORM: tl.constexpr, GPOST: tl.constexpr,
-                  EPS: tl.constexpr, RMS: tl.constexpr):
+                  EPS: tl.constexpr, RMS: tl.constexpr, POST: tl.constexpr, PREV: tl.constexpr,
+                  GIN: tl.constexpr, DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr,
+                  SCALE: tl.constexpr, HT: tl.constexpr, AW: tl.constexpr):
     """The first pass: what x's gradient needs per token, from one read of x and g_out: the
-    projection's gradient, the parameters' shares and ``aux = [kappa, coef, rstd, s | H_res]``."""
+    projection's gradient, the parameters' shares and ``aux = [kappa, coef, rstd, s | H_res |
+    s_prev]``. ``POST``: the sublayer's post's reductions too, from the same read of x and one
+    of g_post, added to the state's gradient ``gin`` (``GIN``: given; none reached the state
+    but through the post otherwise) into ``gstate`` before the pre reads it there (without
+    ``POST``, ``gstate`` is ``gin``). ``PREV``: ``s_prev``, the H_post / 2 of the post
+    that wrote x, for the second pass."""
     M: tl.constexpr = N * N + 2 * N
     SW: tl.constexpr = M + 2
-    AW: tl.constexpr = 3 + N + N * N
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     i = tl.arange(0, NP)
@@ -550,18 +560,31 @@ def _pre_bwd_coef(gout_ptr, gstate_ptr, x_ptr, bias_ptr, apre_ptr, apost_ptr, ar
     # u[i] = x[i] . (g w) and v[i] = x[i] . agg, what the mappings' gradient needs
     u = tl.zeros([BT, NP], dtype=tl.float32)
     v = tl.zeros([BT, NP], dtype=tl.float32)
+    g_hres = tl.zeros([BT, NP, NP], dtype=tl.float32)
+    g_spost = tl.zeros([BT, NP], dtype=tl.float32)
     for c0 in range(0, C, BC):
         c = c0 + tl.arange(0, BC)
         xmask = tmask[:, None, None] & (i < N)[None, :, None] & (c < C)[None, None, :]
-        x = tl.load(x_ptr + t[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :],
-                    mask=xmask, other=0.0).to(tl.float32)
-        g = tl.load(gout_ptr + t[:, None] * C + c[None, :], mask=tmask[:, None] & (c < C)[None, :],
-                    other=0.0).to(tl.float32)
+        xoff = t[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :]
+        x = tl.load(x_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
+        fmask = tmask[:, None] & (c < C)[None, :]
+        g = tl.load(gout_ptr + t[:, None] * C + c[None, :], mask=fmask, other=0.0).to(tl.float32)
         if NORM:
             g = g * tl.load(norm_ptr + c, mask=c < C, other=0.0).to(tl.float32)[None, :]
             agg = tl.sum(s[:, :, None] * x, axis=1)
             v += tl.sum(x * agg[:, None, :], axis=2)
         u += tl.sum(x * g[:, None, :], axis=2)
+        if POST:
+            gp = tl.load(gpost_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
+            y = tl.load(y_ptr + t[:, None] * C + c[None, :], mask=fmask, other=0.0).to(tl.float32)
+            gm = _masked(gp, seed_ptr, stream, xoff, DROPOUT, THRESHOLD, SCALE)
+            g_hres, g_spost = _post_sums(gp, gm, x, y, g_hres, g_spost, HT)
+    if POST:  # the post's share first, into the state's gradient the pre's part reads
+        _post_state_grads(gin_ptr, gstate_ptr, share_ptr, g_hres, g_spost,
+                          tl.where(vmask, _sigmoid(l_post), 0.0), r, p_post, l_res, p_res,
+                          apost_ptr, ares_ptr, t, tmask, vmask, rmask, sqrt_d, iterations, N, NP,
+                          BT, EPS, GIN)
+        tl.debug_barrier()
     if NORM:
         g_rstd = tl.load(gstate_ptr + t * SW + M + 1, mask=tmask, other=0.0)
         kappa = rstd * rstd * rstd * (tl.sum(s * u, axis=1) + g_rstd) / C
@@ -571,7 +594,7 @@ def _pre_bwd_coef(gout_ptr, gstate_ptr, x_ptr, bias_ptr, apre_ptr, apost_ptr, ar
         g_s = u
     gh = g_s * s * (1.0 - s)
     g_proj, coef = _pre_state_grads(gstate_ptr, gproj_ptr, share_ptr, apre_ptr, gh, r, p_pre, xnorm,
-                                    t, tmask, vmask, sqrt_d, N, NP, MP, PP)
+                                    t, tmask, vmask, sqrt_d, N, NP, MP, PP, POST)
     tl.store(aux_ptr + t * AW, kappa, mask=tmask)
     tl.store(aux_ptr + t * AW + 1, coef, mask=tmask)
     tl.store(aux_ptr + t * AW + 2, rstd, mask=tmask)
@@ -580,18 +603,62 @@ def _pre_bwd_coef(gout_ptr, gstate_ptr, x_ptr, bias_ptr, apre_ptr, apost_ptr, ar
         h_res = _sinkhorn(l_res, rmask, iterations, EPS)
         tl.store(aux_ptr + t[:, None, None] * AW + 3 + N + i[None, :, None] * N + i[None, None, :],
                  h_res, mask=rmask)
+    if PREV:  # the previous post's H_post / 2, as its own backward computes it
+        _, _, _, _, l_prev, _, _, _, _ = _mapping_logits(
+            pstate_ptr, pbias_ptr, papost_ptr, papost_ptr, papost_ptr, t, tmask, sqrt_d, N, NP, RMS)
+        tl.store(aux_ptr + t[:, None] * AW + 3 + N + N * N + i[None, :],
+                 tl.where(vmask, _sigmoid(l_prev), 0.0), mask=vmask)
+
+
+@triton.jit
+def _x_tiles(x_ptr, gout_ptr, gpost_ptr, t0, end, C, c, i, N: tl.constexpr, BT: tl.constexpr,
+             GPOST: tl.constexpr):
+    """The second pass's streamed tiles of the step at ``t0`` as stored (x, g_out, g_post), none
+    past ``end``: in place, the rows past its group are another program's to overwrite."""
+    t = t0 + tl.arange(0, BT)
+    tmask = t < end
+    xmask = tmask[:, None, None] & (i < N)[None, :, None] & (c < C)[None, None, :]
+    xoff = t[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :]
+    x = tl.load(x_ptr + xoff, mask=xmask, other=0.0)
+    g = tl.load(gout_ptr + t[:, None] * C + c[None, :], mask=tmask[:, None] & (c < C)[None, :],
+                other=0.0)
+    gp = tl.load(gpost_ptr + xoff, mask=xmask, other=0.0) if GPOST else x
+    return x, g, gp
+
+
+@triton.jit
+def _residual_grad(gx, g_post, aux_ptr, t, i, vmask, N: tl.constexpr, HT: tl.constexpr,
+                   AW: tl.constexpr):
+    """``gx`` plus the post's residual path ``H_res^T g_post`` (``H_res g_post`` for the
+    transposed layout), ``H_res`` from the first pass's aux: one stream of ``g_post`` at a time,
+    no ``[BT, n, n, BC]`` product held in registers."""
+    for j in tl.static_range(N):
+        if HT:  # gx[i] += h_res[i, j] g_post[j]
+            h_col = tl.load(aux_ptr + t[:, None] * AW + 3 + N + i[None, :] * N + j, mask=vmask,
+                            other=0.0)
+        else:  # gx[i] += h_res[j, i] g_post[j]
+            h_col = tl.load(aux_ptr + t[:, None] * AW + 3 + N + j * N + i[None, :], mask=vmask,
+                            other=0.0)
+        g_j = tl.sum(tl.where(i[None, :, None] == j, g_post, 0.0), axis=1)  # one non-zero: exact
+        gx += h_col[:, :, None] * g_j[:, None, :]
+    return gx
 
 
 @triton.jit
 def _pre_bwd_x(gout_ptr, gpost_ptr, x_ptr, w_ptr, norm_ptr, gproj_ptr, aux_ptr, gx_ptr, gwt_ptr,
-               gw_ptr, T, C, per_group, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr,
-               BT: tl.constexpr, BC: tl.constexpr, NORM: tl.constexpr, GPOST: tl.constexpr,
-               IN_PLACE: tl.constexpr, HT: tl.constexpr):
+               gw_ptr, gy_ptr, seed_ptr, pstream, T, C, per_group, N: tl.constexpr,
+               NP: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+               NORM: tl.constexpr, GPOST: tl.constexpr, IN_PLACE: tl.constexpr, HT: tl.constexpr,
+               PREV: tl.constexpr, DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr,
+               SCALE: tl.constexpr, AW: tl.constexpr):
     """The second pass, over (a feature chunk, a group of tokens): x's gradient, and the mapping
     weight's and the norm weight's gradients summed over the group (fixed order) from the same
-    reads of x: no GEMM reads x again for the weight."""
+    reads of x: no GEMM reads x again for the weight. ``PREV``: also the gradient of the F output
+    of the post that wrote x, from x's gradient as stored (:func:`_grad_y`, the post's formula).
+    The streamed tiles are loaded two steps ahead into registers: at the registers this pass needs
+    one block fits on an SM, and two steps in flight keep as many bytes outstanding as two blocks
+    would (``mhc-cg kernels``)."""
     M: tl.constexpr = N * N + 2 * N
-    AW: tl.constexpr = 3 + N + N * N
     c = tl.program_id(0) * BC + tl.arange(0, BC)
     group = tl.program_id(1)
     i = tl.arange(0, NP)
@@ -602,7 +669,15 @@ def _pre_bwd_x(gout_ptr, gpost_ptr, x_ptr, w_ptr, norm_ptr, gproj_ptr, aux_ptr, 
     wn = tl.load(norm_ptr + c, mask=c < C, other=0.0).to(tl.float32)
     g_weight = tl.zeros([MP, NP * BC], dtype=tl.float32)
     g_norm = tl.zeros([BC], dtype=tl.float32)
-    for t0 in range(group * per_group, (group + 1) * per_group, BT):
+    start = group * per_group
+    end = tl.minimum(start + per_group, T)
+    # loads of step k + 2 are issued before step k's arithmetic waits on its own
+    ahead1 = _x_tiles(x_ptr, gout_ptr, gpost_ptr, start, end, C, c, i, N, BT, GPOST)
+    ahead2 = _x_tiles(x_ptr, gout_ptr, gpost_ptr, start + BT, end, C, c, i, N, BT, GPOST)
+    for t0 in range(start, start + per_group, BT):
+        x_raw, g_raw, gp_raw = ahead1
+        ahead1 = ahead2
+        ahead2 = _x_tiles(x_ptr, gout_ptr, gpost_ptr, t0 + 2 * BT, end, C, c, i, N, BT, GPOST)
         t = t0 + tl.arange(0, BT)
         tmask = t < T
         vmask = tmask[:, None] & (i < N)[None, :]
@@ -614,9 +689,9 @@ def _pre_bwd_x(gout_ptr, gpost_ptr, x_ptr, w_ptr, norm_ptr, gproj_ptr, aux_ptr, 
                          mask=tmask[:, None] & (mcol < M)[None, :], other=0.0)
         xmask = tmask[:, None, None] & (i < N)[None, :, None] & (c < C)[None, None, :]
         xoff = t[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :]
-        x = tl.load(x_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
+        x = x_raw.to(tl.float32)
         fmask = tmask[:, None] & (c < C)[None, :]
-        g = tl.load(gout_ptr + t[:, None] * C + c[None, :], mask=fmask, other=0.0).to(tl.float32)
+        g = g_raw.to(tl.float32)
         if NORM:
             agg = tl.sum(s[:, :, None] * x, axis=1)
             g_agg = rstd[:, None] * (g * wn[None, :]) - kappa[:, None] * agg
@@ -627,20 +702,16 @@ def _pre_bwd_x(gout_ptr, gpost_ptr, x_ptr, w_ptr, norm_ptr, gproj_ptr, aux_ptr, 
         gx = s[:, :, None] * g_agg[:, None, :] + tl.reshape(through_proj, [BT, NP, BC]) \
             + coef[:, None, None] * x
         if GPOST:  # the post's residual path: H_res^T g (H_res g for the transposed layout)
-            # one stream of g_post at a time: no [BT, n, n, BC] product held in registers
-            for j in tl.static_range(N):
-                if HT:  # gx[i] += h_res[i, j] g_post[j]
-                    h_col = tl.load(aux_ptr + t[:, None] * AW + 3 + N + i[None, :] * N + j,
-                                    mask=vmask, other=0.0)
-                else:  # gx[i] += h_res[j, i] g_post[j]
-                    h_col = tl.load(aux_ptr + t[:, None] * AW + 3 + N + j * N + i[None, :],
-                                    mask=vmask, other=0.0)
-                g_post = tl.load(gpost_ptr + t[:, None] * (N * C) + j * C + c[None, :],
-                                 mask=fmask, other=0.0).to(tl.float32)
-                gx += h_col[:, :, None] * g_post[:, None, :]
+            gx = _residual_grad(gx, gp_raw.to(tl.float32), aux_ptr, t, i, vmask, N, HT, AW)
         if IN_PLACE:  # every thread has read its part of g_post before any overwrites it
             tl.debug_barrier()
         tl.store(gx_ptr + xoff, gx, mask=xmask)
+        if PREV:  # from g_x as the post's backward would read it: rounded to its dtype
+            s_prev = tl.load(aux_ptr + t[:, None] * AW + 3 + N + N * N + i[None, :], mask=vmask,
+                             other=0.0)
+            gq = gx.to(gx_ptr.dtype.element_ty).to(tl.float32)
+            gm = _masked(gq, seed_ptr, pstream, xoff, DROPOUT, THRESHOLD, SCALE)
+            tl.store(gy_ptr + t[:, None] * C + c[None, :], _grad_y(gm, s_prev, i, N), mask=fmask)
         # the weight's gradient g_proj^T x, in fp32 like the rest of the backward
         g_weight = tl.dot(tl.trans(g_proj), tl.reshape(x, [BT, NP * BC]), g_weight,
                           input_precision="ieee")
@@ -650,9 +721,12 @@ def _pre_bwd_x(gout_ptr, gpost_ptr, x_ptr, w_ptr, norm_ptr, gproj_ptr, aux_ptr, 
 
 
 def pre_backward(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight,
-                 state, n, iterations, eps, g_x_out=None, *, h_res_transposed=False):
-    g_out, g_state, x, weight, state = _prepared(g_out, g_state, x, weight, state)
-    g_state = g_state.to(torch.float32)
+                 state, n, iterations, eps, g_x_out=None, *, h_res_transposed=False, post=None,
+                 prev=None, g_y_out=None):
+    if g_state is None and post is None:  # nothing reached the state: its gradient is zero
+        g_state = state.new_zeros(state.shape, dtype=torch.float32)
+    g_out, x, weight, state = _prepared(g_out, x, weight, state)
+    g_in = None if g_state is None else _prepared(g_state)[0].to(torch.float32)
     t, width = x.shape
     c = width // n
     m = weight.shape[0]
@@ -662,38 +736,134 @@ def pre_backward(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, 
         g_post = _prepared(g_post)[0]
     g_x = g_post if in_place else _written(g_x_out, lambda: torch.empty_like(x))
     scratch = {name: x.new_empty(shape, dtype=torch.float32)
-               for name, shape in pre_backward_scratch(t, c, n, m).items()}
+               for name, shape in pre_backward_scratch(t, c, n, m, post is not None,
+                                                       prev is not None).items()}
     g_proj, shares, aux, g_weight = (scratch[k] for k in ("g_proj", "shares", "aux", "g_weight"))
+    g_sum = scratch.get("g_state", g_in)  # with the post's reductions: the state's gradient
     norm = norm_weight if norm_weight is not None else x
-    bc = _block_c(c, 128 // nb)
-    _pre_bwd_coef[(triton.cdiv(t, DOT_ROWS),)](
-        g_out, g_state, x, bias, a_pre, a_post, a_res, norm, state, g_proj, shares, aux, t, c,
-        float(width) ** 0.5, iterations, N=n, NP=nb, MP=_mp(n), PP=triton.next_power_of_2(m + 3),
-        BT=DOT_ROWS, BC=_block_c(c, COEF_BUDGET // nb), NORM=norm_weight is not None,
-        GPOST=g_post is not None, EPS=SINKHORN_EPS, RMS=RMS_EPS,
-        num_warps=8)  # at 4 warps the Sinkhorn backward's live state spills past 255 registers
+    y, seed, p, stream = post if post is not None else (x, None, 0.0, 0)
+    p_state, p_a_post, p_bias, p_seed, p_p, p_stream = prev if prev is not None else \
+        (state, a_post, bias, None, 0.0, 0)
+    if post is not None and prev is not None and (seed is not p_seed or p != p_p):
+        raise ValueError("mhc_cg pre_backward: the posts around a pre share one seed and rate")
+    seed, p = (seed, p) if post is not None else (p_seed, p_p)
+    # with the post's reductions, its tiles and layout: the same sums as its own backward's
+    bt, bc1, warps = (CHAIN_ROWS, _block_c(c, 1024 // (nb * nb)), 4) if post is not None else \
+        (DOT_ROWS, _block_c(c, COEF_BUDGET // nb), 8)
+    _pre_bwd_coef[(triton.cdiv(t, bt),)](
+        g_out, g_in if g_in is not None else g_sum, g_sum, x, bias, a_pre, a_post, a_res, norm,
+        state, g_proj, shares, aux,
+        g_post if g_post is not None else x, y, seed if seed is not None else x, p_state, p_bias,
+        p_a_post, stream, t, c, float(width) ** 0.5, iterations, N=n, NP=nb, MP=_mp(n),
+        PP=triton.next_power_of_2(m + 3), BT=bt, BC=bc1, NORM=norm_weight is not None,
+        GPOST=g_post is not None, EPS=SINKHORN_EPS, RMS=RMS_EPS, POST=post is not None,
+        PREV=prev is not None, GIN=g_in is not None, HT=h_res_transposed,
+        AW=aux.shape[1], **_dropout_args(seed, p), num_warps=warps)  # at 4 warps and 16 tokens the Sinkhorn's live state spills
     groups, per_group = weight_grad_groups(t, c, m)
     g_w = x.new_empty(groups if norm_weight is not None else 0, c, dtype=torch.float32)
-    _pre_bwd_x[(triton.cdiv(c, bc), groups)](
+    g_y = None if prev is None else _written(g_y_out, lambda: x.new_empty(t, c))
+    _pre_bwd_x[(triton.cdiv(c, _block_c(c, 128 // nb)), groups)](
         g_out, g_post if g_post is not None else x, x, weight, norm, g_proj, aux, g_x, g_weight,
-        g_w, t, c, per_group, N=n, NP=nb, MP=_mp(n), BT=DOT_ROWS, BC=bc,
+        g_w, g_y if g_y is not None else x, seed if seed is not None else x, p_stream, t, c,
+        per_group, N=n, NP=nb, MP=_mp(n), BT=DOT_ROWS, BC=_block_c(c, 128 // nb),
         NORM=norm_weight is not None, GPOST=g_post is not None, IN_PLACE=in_place,
-        HT=h_res_transposed, num_warps=8,
-        num_stages=1)  # pipelined, its loads took up to 255 registers: one block per SM
+        HT=h_res_transposed, PREV=prev is not None, AW=aux.shape[1], **_dropout_args(seed, p),
+        num_warps=8,
+        num_stages=1)  # Triton's pipelining took 255 registers; the pass prefetches itself
+    if g_y is not None:
+        _deliver(g_y, g_y_out)
     return _deliver(g_x, g_x_out), g_weight.sum(0).to(weight.dtype), shares, g_w
 
 
 # ---- post backward -----------------------------------------------------------------------------
 
 @triton.jit
+def _masked(g, seed_ptr, stream, xoff, DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr,
+            SCALE: tl.constexpr):
+    """A post output's gradient tile through the post's dropout mask."""
+    if DROPOUT:
+        g = g * _keep_scaled(seed_ptr, stream, xoff, THRESHOLD, SCALE)
+    return g
+
+
+@triton.jit
+def _grad_y(gm, s_post, i, N: tl.constexpr):
+    """F's output's gradient through a post, ``sum_j 2 s_post[j] gm[j]`` from a ``[BT, NP, BC]``
+    tile of its output's masked gradient: stream by stream in a fixed order, so that every kernel
+    that computes it (the post's backward, the next pre's second pass) rounds alike."""
+    acc = tl.zeros([gm.shape[0], gm.shape[2]], dtype=tl.float32)
+    for j in tl.static_range(N):
+        g_j = tl.sum(tl.where(i[None, :, None] == j, gm, 0.0), axis=1)  # one non-zero: exact
+        s_j = tl.sum(tl.where(i[None, :] == j, s_post, 0.0), axis=1)
+        acc += 2.0 * s_j[:, None] * g_j
+    return acc
+
+
+@triton.jit
+def _post_sums(g, gm, x, y, g_hres, g_spost, HT: tl.constexpr):
+    """One feature step of a post's per-token reductions on ``[BT, NP, BC]`` tiles: ``g . x``
+    through H_res and ``gm . y`` (gm: g masked) through H_post."""
+    if HT:  # d out[j] / d h_res[i, j] = x[i]
+        g_hres += tl.sum(x[:, :, None, :] * g[:, None, :, :], axis=3)
+    else:  # d out[i] / d h_res[i, j] = x[j]
+        g_hres += tl.sum(g[:, :, None, :] * x[:, None, :, :], axis=3)
+    g_spost += tl.sum(gm * y[:, None, :], axis=2)
+    return g_hres, g_spost
+
+
+@triton.jit
+def _post_state_grads(gin_ptr, gstate_ptr, share_ptr, g_hres, g_spost, s_post, r, p_post, l_res,
+                      p_res, apost_ptr, ares_ptr, t, tmask, vmask, rmask, sqrt_d, iterations,
+                      N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, EPS: tl.constexpr,
+                      ADD: tl.constexpr):
+    """A post's state gradient ``[0 | post | res | xnorm | 0]`` and parameter shares from its
+    reductions, stored by columns; ``ADD``: added to the state gradient ``gin`` (the pre's
+    backward's input), every column of the sum stored."""
+    M: tl.constexpr = N * N + 2 * N
+    SW: tl.constexpr = M + 2
+    P: tl.constexpr = M + 3
+    i = tl.arange(0, NP)
+    gh_post = g_spost * 2.0 * s_post * (1.0 - s_post)
+    gh_res = _sinkhorn_bwd(l_res, rmask, g_hres, iterations, EPS)
+    a_post = tl.load(apost_ptr).to(tl.float32)
+    a_res = tl.load(ares_ptr).to(tl.float32)
+    col = 2 * N + i[:, None] * N + i[None, :]
+    zero = tl.zeros([BT, NP], dtype=tl.float32)
+    v_post = gh_post * a_post * r[:, None]
+    v_res = gh_res * a_res * r[:, None, None]
+    g_r = tl.sum(gh_post * a_post * p_post, axis=1) \
+        + tl.sum(tl.sum(gh_res * a_res * p_res, axis=2), axis=1)
+    v_xnorm = g_r * (-r * r / sqrt_d)
+    v_pre = zero
+    v_rstd = tl.zeros([BT], dtype=tl.float32)
+    if ADD:
+        v_pre = tl.load(gin_ptr + t[:, None] * SW + i[None, :], mask=vmask, other=0.0)
+        v_post += tl.load(gin_ptr + t[:, None] * SW + N + i[None, :], mask=vmask, other=0.0)
+        v_res += tl.load(gin_ptr + t[:, None, None] * SW + col[None, :, :], mask=rmask, other=0.0)
+        v_xnorm += tl.load(gin_ptr + t * SW + M, mask=tmask, other=0.0)
+        v_rstd = tl.load(gin_ptr + t * SW + M + 1, mask=tmask, other=0.0)
+    tl.store(gstate_ptr + t[:, None] * SW + i[None, :], v_pre, mask=vmask)
+    tl.store(gstate_ptr + t * SW + M + 1, v_rstd, mask=tmask)
+    tl.store(gstate_ptr + t[:, None] * SW + N + i[None, :], v_post, mask=vmask)
+    tl.store(gstate_ptr + t[:, None, None] * SW + col[None, :, :], v_res, mask=rmask)
+    tl.store(gstate_ptr + t * SW + M, v_xnorm, mask=tmask)
+    tl.store(share_ptr + t[:, None] * P + i[None, :], zero, mask=vmask)
+    tl.store(share_ptr + t[:, None] * P + N + i[None, :], gh_post, mask=vmask)
+    tl.store(share_ptr + t[:, None, None] * P + col[None, :, :], gh_res, mask=rmask)
+    tl.store(share_ptr + t * P + M, tl.zeros([BT], dtype=tl.float32), mask=tmask)
+    tl.store(share_ptr + t * P + M + 1, tl.sum(gh_post * r[:, None] * p_post, axis=1), mask=tmask)
+    tl.store(share_ptr + t * P + M + 2,
+             tl.sum(tl.sum(gh_res * r[:, None, None] * p_res, axis=2), axis=1), mask=tmask)
+
+
+@triton.jit
 def _post_bwd(g_ptr, x_ptr, state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, y_ptr, seed_ptr,
               gstate_ptr, share_ptr, gy_ptr, stream, T, C, sqrt_d, iterations,
               N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
               DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr, SCALE: tl.constexpr,
-              EPS: tl.constexpr, RMS: tl.constexpr, HT: tl.constexpr):
-    M: tl.constexpr = N * N + 2 * N
-    SW: tl.constexpr = M + 2
-    P: tl.constexpr = M + 3
+              EPS: tl.constexpr, RMS: tl.constexpr, HT: tl.constexpr, REDUCE: tl.constexpr):
+    """The post's backward from its output's gradient g: F's output's gradient, and with
+    ``REDUCE`` its reductions (the state's gradient and the shares); without, g_y alone."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     i = tl.arange(0, NP)
@@ -708,59 +878,51 @@ def _post_bwd(g_ptr, x_ptr, state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, 
         xoff = t[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :]
         fmask = tmask[:, None] & (c < C)[None, :]
         g = tl.load(g_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
-        y = tl.load(y_ptr + t[:, None] * C + c[None, :], mask=fmask, other=0.0).to(tl.float32)
-        if HT:  # d out[j] / d h_res[i, j] = x[i]
-            g_hres += tl.sum(x[:, :, None, :] * g[:, None, :, :], axis=3)
-        else:  # d out[i] / d h_res[i, j] = x[j]
-            g_hres += tl.sum(g[:, :, None, :] * x[:, None, :, :], axis=3)
-        if DROPOUT:
-            g = g * _keep_scaled(seed_ptr, stream, xoff, THRESHOLD, SCALE)
-        tl.store(gy_ptr + t[:, None] * C + c[None, :], tl.sum(2.0 * s_post[:, :, None] * g, axis=1),
-                 mask=fmask)
-        g_spost += tl.sum(g * y[:, None, :], axis=2)
-    gh_post = g_spost * 2.0 * s_post * (1.0 - s_post)
-    gh_res = _sinkhorn_bwd(l_res, rmask, g_hres, iterations, EPS)
-    a_post = tl.load(apost_ptr).to(tl.float32)
-    a_res = tl.load(ares_ptr).to(tl.float32)
-
-    # the state's gradient [0 | post | res | xnorm | 0] and the parameters' shares, by columns
-    col = 2 * N + i[:, None] * N + i[None, :]
-    zero = tl.zeros([BT, NP], dtype=tl.float32)
-    tl.store(gstate_ptr + t[:, None] * SW + i[None, :], zero, mask=vmask)
-    tl.store(gstate_ptr + t[:, None] * SW + N + i[None, :], gh_post * a_post * r[:, None], mask=vmask)
-    tl.store(gstate_ptr + t[:, None, None] * SW + col[None, :, :], gh_res * a_res * r[:, None, None],
-             mask=rmask)
-    g_r = tl.sum(gh_post * a_post * p_post, axis=1) \
-        + tl.sum(tl.sum(gh_res * a_res * p_res, axis=2), axis=1)
-    tl.store(gstate_ptr + t * SW + M, g_r * (-r * r / sqrt_d), mask=tmask)
-    tl.store(gstate_ptr + t * SW + M + 1, tl.zeros([BT], dtype=tl.float32), mask=tmask)
-    tl.store(share_ptr + t[:, None] * P + i[None, :], zero, mask=vmask)
-    tl.store(share_ptr + t[:, None] * P + N + i[None, :], gh_post, mask=vmask)
-    tl.store(share_ptr + t[:, None, None] * P + col[None, :, :], gh_res, mask=rmask)
-    tl.store(share_ptr + t * P + M, tl.zeros([BT], dtype=tl.float32), mask=tmask)
-    tl.store(share_ptr + t * P + M + 1, tl.sum(gh_post * r[:, None] * p_post, axis=1), mask=tmask)
-    tl.store(share_ptr + t * P + M + 2,
-             tl.sum(tl.sum(gh_res * r[:, None, None] * p_res, axis=2), axis=1), mask=tmask)
+        gm = _masked(g, seed_ptr, stream, xoff, DROPOUT, THRESHOLD, SCALE)
+        tl.store(gy_ptr + t[:, None] * C + c[None, :], _grad_y(gm, s_post, i, N), mask=fmask)
+        if REDUCE:
+            x = tl.load(x_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
+            y = tl.load(y_ptr + t[:, None] * C + c[None, :], mask=fmask, other=0.0).to(tl.float32)
+            g_hres, g_spost = _post_sums(g, gm, x, y, g_hres, g_spost, HT)
+    if REDUCE:
+        _post_state_grads(gstate_ptr, gstate_ptr, share_ptr, g_hres, g_spost, s_post, r, p_post,
+                          l_res, p_res, apost_ptr, ares_ptr, t, tmask, vmask, rmask, sqrt_d,
+                          iterations, N, NP, BT, EPS, False)
 
 
 def post_backward(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, *,
                   h_res_transposed=False):
     g, x, state, y = _prepared(g, x, state, y)
     t, width = x.shape
-    c = width // n
     m = n * n + 2 * n
-    nb = _np(n)
     g_y = torch.empty_like(y)
     g_state = x.new_empty(t, m + 2, dtype=torch.float32)
-    shares = x.new_empty(post_backward_scratch(t, c, n, m)["shares"], dtype=torch.float32)
-    seed_arg = seed if seed is not None else x
-    _post_bwd[(triton.cdiv(t, CHAIN_ROWS),)](
-        g, x, state, bias, a_pre, a_post, a_res, y, seed_arg, g_state, shares, g_y, stream,
-        t, c, float(width) ** 0.5, iterations, N=n, NP=nb, BT=CHAIN_ROWS,
-        BC=_block_c(c, 1024 // (nb * nb)), EPS=SINKHORN_EPS, RMS=RMS_EPS, HT=h_res_transposed,
-        **_dropout_args(seed, p))
+    shares = x.new_empty(post_backward_scratch(t, width // n, n, m)["shares"], dtype=torch.float32)
+    _launch_post_bwd(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations,
+                     g_state, shares, g_y, h_res_transposed, reduce=True)
     return g_state, shares, g_y
+
+
+def post_grad_y(g, state, a_post, bias, seed, p, stream, n, y_dtype):
+    g, state = _prepared(g, state)
+    t, width = g.shape
+    g_y = g.new_empty(t, width // n, dtype=y_dtype)
+    _launch_post_bwd(g, g, state, a_post, a_post, a_post, bias, g_y, seed, p, stream, n, 0,
+                     state, state, g_y, False, reduce=False)
+    return g_y
+
+
+def _launch_post_bwd(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations,
+                     g_state, shares, g_y, h_res_transposed, reduce):
+    t, width = g.shape
+    nb = _np(n)
+    # g_y alone holds no [n, n] tile: a wider step keeps as many bytes in flight as the grid needs
+    bc = _block_c(width // n, 1024 // (nb * nb) if reduce else 512 // nb)
+    _post_bwd[(triton.cdiv(t, CHAIN_ROWS),)](
+        g, x, state, bias, a_pre, a_post, a_res, y, seed if seed is not None else g, g_state,
+        shares, g_y, stream, t, width // n, float(width) ** 0.5, iterations, N=n, NP=nb,
+        BT=CHAIN_ROWS, BC=bc, EPS=SINKHORN_EPS, RMS=RMS_EPS,
+        HT=h_res_transposed, REDUCE=reduce, **_dropout_args(seed, p))
 
 
 # ---- RMSNorm --------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from mhc_cg.core.storage import is_buffer, storage_id
 from mhc_cg.model import recomputes_activation
-from mhc_cg.ops.kernels import Target, recompute_block
+from mhc_cg.ops.kernels import Target, handed_link, recompute_block
 from mhc_cg.runtime.recompute.fused_slots import FusedSlots
 from mhc_cg.runtime.recompute.store import RegionCursor, store_in, store_in_slot
 
@@ -52,6 +52,7 @@ class FusedSublayers:
     def __init__(self, slots: FusedSlots):
         self.slots = slots
         self.rt: StaticRecompute | None = None  # set by the runtime
+        self._links: dict = {}  # set key -> the link of the post whose output that pre reads
 
     def lay_out(self, seq_length: int, micro_batch_size: int, dtype: torch.dtype) -> None:
         """Every slot is named up front: the activation slots, then the arena in one piece."""
@@ -72,7 +73,7 @@ class FusedSublayers:
         state_out = None if pset is None else Target.of(pset.states[key])
         written = pset.states[key] if pset is not None and key != (0, 0) else None
         fn_input, state, x_on = sub.pre(x, self.slots.fn_input(2 * position + k), state_out,
-                                        written)
+                                        written, self._links.pop(key, None))
         return fn_input, (state, x_on)
 
     def post(self, sub, position: int, k: int, y: Tensor, carry: tuple,
@@ -84,8 +85,16 @@ class FusedSublayers:
             y = store_in(y, pset.fn_outputs[key])
         nxt, next_key = self._next_of(key)
         state_out = None if pset is None or nxt is None else Target.of(pset.states[next_key])
-        return sub.post(x_on, state, y, seed, self._output_target(sub, position, k, pset),
-                        nxt=nxt, state_out=state_out)
+        out = sub.post(x_on, state, y, seed, self._output_target(sub, position, k, pset),
+                       nxt=nxt, state_out=state_out)
+        # a post with no next pre hands nothing: what its output carries is a former call's
+        link = handed_link(out) if nxt is not None else None
+        if link is not None and pset is not None:
+            # the next sublayer's F output, dead once its pre's backward has read it, carries
+            # this post's F output gradient from that backward (another graph) to this one's
+            link.g_y_out = pset.fn_outputs[next_key]
+            self._links[next_key] = link
+        return out
 
     def _next_of(self, key: tuple[int, int]) -> tuple:
         """``(sublayer, set key)`` after the sublayer at set key ``key`` in the chunk;

@@ -11,7 +11,7 @@ The one definition the cost model (and any kernel count elsewhere) uses:
   and an in-place op's ``self`` is both.
 
 A fused mHC op (``mhc_cg::*``) says itself how many kernels it launches, which arguments its
-kernels read twice and what they pass each other through memory (``LAUNCHES``, ``READ_TWICE`` and
+kernels read twice and what they pass each other through memory (``LAUNCHES``, ``read_twice`` and
 ``scratch_bytes`` in :mod:`mhc_cg.ops.kernels.ops`).
 
 What this cannot see: a library call that launches several kernels (cuBLAS split-K, attention's
@@ -26,7 +26,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from mhc_cg.core.storage import storage_id
-from mhc_cg.ops.kernels.ops import LAUNCHES, READ_TWICE, scratch_bytes
+from mhc_cg.ops.kernels.ops import LAUNCHES, read_twice, scratch_bytes
 
 aten = torch.ops.aten
 
@@ -122,7 +122,8 @@ def op_bytes(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -
     arguments a fused op reads twice), and the outputs and written arguments (each tensor once)."""
     written_only = {id(t): t for t in _out_args(func, args, kwargs)}
     read = sum(tensor_bytes(t) for t in _tensors((args, kwargs)) if id(t) not in written_only)
-    twice = READ_TWICE.get(func._schema.name, ())
+    twice = read_twice(func._schema.name, {arg.name: value for arg, value
+                                           in _arguments(func, args, kwargs)})
     read += sum(tensor_bytes(t) for arg, value in _arguments(func, args, kwargs)
                 if arg.name in twice for t in _tensors(value))
     written = {id(t): t for t in _tensors(out)}
