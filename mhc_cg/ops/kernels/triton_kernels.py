@@ -747,18 +747,18 @@ def pre_backward(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, 
     if post is not None and prev is not None and (seed is not p_seed or p != p_p):
         raise ValueError("mhc_cg pre_backward: the posts around a pre share one seed and rate")
     seed, p = (seed, p) if post is not None else (p_seed, p_p)
-    # with the post's reductions, its tiles and layout: the same sums as its own backward's
+    # with the post's reductions, its tiles and layout: the same sums as its own backward's;
+    # without, 16 tokens at 8 warps (at 4 the Sinkhorn's live state spills)
     bt, bc1, warps = (CHAIN_ROWS, _block_c(c, 1024 // (nb * nb)), 4) if post is not None else \
         (DOT_ROWS, _block_c(c, COEF_BUDGET // nb), 8)
     _pre_bwd_coef[(triton.cdiv(t, bt),)](
         g_out, g_in if g_in is not None else g_sum, g_sum, x, bias, a_pre, a_post, a_res, norm,
-        state, g_proj, shares, aux,
-        g_post if g_post is not None else x, y, seed if seed is not None else x, p_state, p_bias,
-        p_a_post, stream, t, c, float(width) ** 0.5, iterations, N=n, NP=nb, MP=_mp(n),
-        PP=triton.next_power_of_2(m + 3), BT=bt, BC=bc1, NORM=norm_weight is not None,
-        GPOST=g_post is not None, EPS=SINKHORN_EPS, RMS=RMS_EPS, POST=post is not None,
-        PREV=prev is not None, GIN=g_in is not None, HT=h_res_transposed,
-        AW=aux.shape[1], **_dropout_args(seed, p), num_warps=warps)  # at 4 warps and 16 tokens the Sinkhorn's live state spills
+        state, g_proj, shares, aux, g_post if g_post is not None else x, y,
+        seed if seed is not None else x, p_state, p_bias, p_a_post, stream, t, c,
+        float(width) ** 0.5, iterations, N=n, NP=nb, MP=_mp(n), PP=triton.next_power_of_2(m + 3),
+        BT=bt, BC=bc1, NORM=norm_weight is not None, GPOST=g_post is not None, EPS=SINKHORN_EPS,
+        RMS=RMS_EPS, POST=post is not None, PREV=prev is not None, GIN=g_in is not None,
+        HT=h_res_transposed, AW=aux.shape[1], **_dropout_args(seed, p), num_warps=warps)
     groups, per_group = weight_grad_groups(t, c, m)
     g_w = x.new_empty(groups if norm_weight is not None else 0, c, dtype=torch.float32)
     g_y = None if prev is None else _written(g_y_out, lambda: x.new_empty(t, c))
@@ -768,8 +768,7 @@ def pre_backward(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, 
         per_group, N=n, NP=nb, MP=_mp(n), BT=DOT_ROWS, BC=_block_c(c, 128 // nb),
         NORM=norm_weight is not None, GPOST=g_post is not None, IN_PLACE=in_place,
         HT=h_res_transposed, PREV=prev is not None, AW=aux.shape[1], **_dropout_args(seed, p),
-        num_warps=8,
-        num_stages=1)  # Triton's pipelining took 255 registers; the pass prefetches itself
+        num_warps=8, num_stages=1)  # Triton's pipelining took 255 registers; it prefetches itself
     if g_y is not None:
         _deliver(g_y, g_y_out)
     return _deliver(g_x, g_x_out), g_weight.sum(0).to(weight.dtype), shares, g_w
