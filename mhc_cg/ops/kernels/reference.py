@@ -328,7 +328,6 @@ def post_reductions(g: Tensor, x: Tensor, state: Tensor, a_pre, a_post, a_res, b
     """``(g_state, param shares [T, m+3])`` of :func:`post`: its per-token reductions (``g . x``
     through H_res, ``g . y`` through H_post), the half of its backward that reads x and y."""
     acc = compute_dtype(x.dtype)
-    t = x.shape[0]
     sqrt_d = math.sqrt(x.shape[1])
     h, r, proj, scale, s_post, h_res = _post_mappings(state, a_pre, a_post, a_res, bias, n,
                                                       iterations, sqrt_d)
@@ -337,8 +336,7 @@ def post_reductions(g: Tensor, x: Tensor, state: Tensor, a_pre, a_post, a_res, b
     # d out[i] / d h_res[i, j] = x[j]; transposed, d out[j] / d h_res[i, j] = x[i]
     g_h_res = torch.matmul(xv, gv.transpose(1, 2)) if h_res_transposed else \
         torch.matmul(gv, xv.transpose(1, 2))
-    mask = dropout_keep_scaled(seed, stream, p, t, x.shape[1], x.device)
-    gm = gv if mask is None else gv * mask.to(acc).unflatten(1, (n, -1))
+    gm = _masked(gv, seed, stream, p)
     g_h = torch.zeros_like(h)
     g_h[:, n:2 * n] = (gm * y.to(acc)[:, None, :]).sum(-1) * 2.0 * s_post * (1.0 - s_post)
     g_h[:, 2 * n:] = sinkhorn_backward(h[:, 2 * n:].unflatten(-1, (n, n)), g_h_res,
@@ -351,14 +349,17 @@ def post_grad_y(g: Tensor, state: Tensor, a_post, bias, seed: Tensor | None, p: 
     """F's output's gradient through :func:`post`, ``sum_i H_post[i] mask[i] g[i]``: the half of
     its backward that F's backward waits for, from g alone (the pre's backward after the post
     computes it from the gradient it writes, :func:`pre_backward`'s ``prev``)."""
-    acc = compute_dtype(g.dtype)
-    t = g.shape[0]
     h, *_ = logits_of(state, a_post, a_post, a_post, bias, n, math.sqrt(g.shape[1]))
     s_post = torch.sigmoid(h[:, n:2 * n])
-    gv = g.to(acc).unflatten(1, (n, -1))
-    mask = dropout_keep_scaled(seed, stream, p, t, g.shape[1], g.device)
-    gm = gv if mask is None else gv * mask.to(acc).unflatten(1, (n, -1))
+    gm = _masked(g.to(compute_dtype(g.dtype)).unflatten(1, (n, -1)), seed, stream, p)
     return (2.0 * s_post[:, :, None] * gm).sum(1).to(y_dtype)
+
+
+def _masked(gv: Tensor, seed: Tensor | None, stream: int, p: float) -> Tensor:
+    """A post output's gradient ``[T, n, C]`` through the post's dropout mask."""
+    t, n, c = gv.shape
+    mask = dropout_keep_scaled(seed, stream, p, t, n * c, gv.device)
+    return gv if mask is None else gv * mask.to(gv.dtype).unflatten(1, (n, -1))
 
 
 def post_backward(g: Tensor, x: Tensor, state: Tensor, a_pre, a_post, a_res, bias, y: Tensor,

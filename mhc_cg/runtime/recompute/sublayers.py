@@ -87,11 +87,11 @@ class FusedSublayers:
         state_out = None if pset is None or nxt is None else Target.of(pset.states[next_key])
         out = sub.post(x_on, state, y, seed, self._output_target(sub, position, k, pset),
                        nxt=nxt, state_out=state_out)
-        # a post with no next pre hands nothing: what its output carries is a former call's
-        link = handed_link(out) if nxt is not None else None
-        if link is not None and pset is not None:
-            # the next sublayer's F output, dead once its pre's backward has read it, carries
-            # this post's F output gradient from that backward (another graph) to this one's
+        # the next sublayer's F output, dead once its pre's backward has read it, carries this
+        # post's F output gradient from that backward (another graph) to this one's; at the
+        # chunk's end the post links the pre it feeds in another chunk, which no slot here reaches
+        link = handed_link(out) if pset is not None and nxt is not None else None
+        if link is not None:
             link.g_y_out = pset.fn_outputs[next_key]
             self._links[next_key] = link
         return out

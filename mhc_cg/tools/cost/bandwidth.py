@@ -19,8 +19,8 @@ import torch
 # launches) that launches what it launches
 OP_CASES: dict[str, str | tuple[str, ...]] = {
     "mhc_cg::pre": "pre", "mhc_cg::pre_into": "pre",
-    # in a chain a pre's backward takes its posts' halves; alone or at a graph's edge it does not
-    "mhc_cg::pre_backward": ("pre_backward", "pre_backward[no norm]"),
+    # in a chain a pre's backward takes its posts' halves (in place or not); alone it does not
+    "mhc_cg::pre_backward": ("pre_backward", "pre_backward[no norm]", "pre_backward[fused]"),
     "mhc_cg::pre_backward_into": ("pre_backward[in place]", "pre_backward[fused]"),
     "mhc_cg::post_grad_y": "post_grad_y",
     "mhc_cg::post_maps": "post_maps", "mhc_cg::post": "post", "mhc_cg::post_into": "post",
