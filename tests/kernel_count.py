@@ -33,7 +33,8 @@ class KernelCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if launches_kernel(func, args, kwargs, out):
-            self.counts[str(func.overloadpacket).replace("torch.ops.", "")] += kernel_launches(func)
+            name = str(func.overloadpacket).replace("torch.ops.", "")
+            self.counts[name] += kernel_launches(func, args, kwargs)
         return out
 
     @property

@@ -1,9 +1,10 @@
 """Pipeline parallelism across processes: megatron-core's schedule on pp ranks (gloo on CPU).
 
 Each run spawns ``pp_size`` processes; every rank runs megatron-core's interleaved 1F1B schedule
-with real p2p sends of the residual stream and its chunks on the static runtime. Losses, gradient
-norms and every parameter's gradient must equal the same config on one process (``pp_size: 1``),
-bit for bit; each rank must use exactly the planner's persistent slot sets.
+with real p2p sends of the residual stream and its chunks on the static runtime. Losses and every
+parameter's gradient must equal the same config on one process (``pp_size: 1``) bit for bit, the
+gradient norms up to fp32 rounding (summed over ranks, as Megatron does); each rank must use
+exactly the planner's persistent slot sets.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from mhc_cg.config import RunConfig, load_config
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.training.pipeline.driver import train_pipeline
 from mhc_cg.core.schedule import max_persistent_slot_sets, recomputes_kept
-from mhc_cg.tools.pipeline_compare import single_process_config
+from mhc_cg.tools.pipeline_compare import norms_agree, single_process_config
 from mhc_cg.core.schedule import pipeline_order
 from mhc_cg.training.session import train
 
@@ -41,7 +42,8 @@ def single_process_run(cfg):
 def check_against_single_process(cfg, result):
     reference, ref_grads = single_process_run(cfg)
     assert result.losses == reference.losses
-    assert result.grad_norms == reference.grad_norms
+    assert norms_agree(result.grad_norms, reference.grad_norms)
+    assert result.grad_norms != [0.0] * STEPS
     for step in range(STEPS):
         assert result.grads[step].keys() == ref_grads[step].keys()
         for name, grad in ref_grads[step].items():

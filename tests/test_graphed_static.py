@@ -154,17 +154,27 @@ def test_persistent_bytes_with_activation_recompute_match_the_planner():
 @pytest.mark.parametrize("case", ["attn_mlp", "moe_partial"])
 def test_the_arena_is_idle_wherever_it_is_lent(case):
     """The arena is lent outside the blocks' windows (the embeddings' gradient after block 0's
-    backward, the optimizer's scratch): filled with NaN before every microbatch's forward and
-    before every optimizer step, training is still bit-identical to eager without recompute, so
-    nothing reads a slot there before writing it. The lending is live: the optimizer's
-    denominators are found in the arena after a step."""
+    backward, the optimizer's staging bucket): filled with NaN before every microbatch's forward
+    and before every optimizer step, bf16 training is still bit-identical to eager without
+    recompute, so nothing reads a slot there before writing it. The lending is live: the
+    optimizer allocates no bucket of its own, and its last cast gradients are found in the arena
+    after a step."""
     from mhc_cg.runtime.modes.registry import capture_plan
+    from mhc_cg.training.optimizer import MainParamAdamW
     from mhc_cg.training.session import TrainSession
 
     cfg = small_config(*SCOPE_CASES[case])
+    cfg.train = dataclasses.replace(cfg.train, dtype="bf16")
     cpu = torch.device("cpu")
-    sessions = {mode: TrainSession.build(cfg, capture_plan(cfg, mode, "cpu"), cpu)
+
+    def small_buckets(cfg, params):  # a bucket the small arena holds
+        return MainParamAdamW(params, lr=cfg.train.lr, weight_decay=0.0,
+                              model_dtype=torch.bfloat16, bucket_bytes=4096)
+
+    sessions = {mode: TrainSession.build(cfg, capture_plan(cfg, mode, "cpu"), cpu,
+                                         optimizer=small_buckets)
                 for mode in ("eager_none", "graphed_static")}
+    assert sessions["graphed_static"].optimizer.staging is None
     graphed = sessions["graphed_static"].mode_model
     arena = graphed.runtime.arena
     forward = graphed.forward
@@ -180,6 +190,6 @@ def test_the_arena_is_idle_wherever_it_is_lent(case):
         assert losses["graphed_static"] == losses["eager_none"], step
         assert (sessions["graphed_static"].last_grad_digest
                 == sessions["eager_none"].last_grad_digest), step
-        assert (arena.lend() != 255).any()  # the step's denominators
+        assert (arena.lend() != 255).any()  # the step's cast gradients
     assert all(torch.equal(p, q) for p, q in zip(sessions["eager_none"].model.parameters(),
                                                  sessions["graphed_static"].model.parameters()))

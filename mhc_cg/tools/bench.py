@@ -23,7 +23,7 @@ trail its allocated one by up to a segment. Modes timed in alternation reuse eac
 cache, so the figure is reported (not ``null``) only when modes run one at a time.
 
 **Precision.** Parameters and activations are ``train.dtype`` (fp32, bf16 or fp16) with fp32 main
-parameters and optimizer state (:mod:`mhc_cg.training.mixed_precision`), loss in fp32. The static slots
+parameters and optimizer state (:mod:`mhc_cg.training.optimizer`), loss in fp32. The static slots
 take the dtype of what they hold. On CUDA, bf16/fp16 kernels (flash attention's backward above all)
 are not deterministic, so losses are compared with :data:`LOSS_RTOL` there
 (``losses_match_eager_none``); on the CPU they must be equal.

@@ -2,8 +2,9 @@
 
 Prints the per-step losses the last stage computes and the gradient norms, and per rank the
 static buffers it used beside the planner's figures. ``--compare`` also trains the same config
-with ``pp_size: 1, vpp_size: 1`` in this process and checks both runs agree bit for bit (exit
-status 1 if they do not).
+with ``pp_size: 1, vpp_size: 1`` in this process and checks both runs agree: the losses bit for
+bit, the gradient norms within :data:`NORM_RTOL` (every rank's squared norm summed over the ranks,
+as Megatron does, rounds differently from one sum; exit status 1 if they do not).
 """
 
 from __future__ import annotations
@@ -14,6 +15,13 @@ import json
 from mhc_cg.config import RunConfig
 from mhc_cg.training.pipeline.driver import PipelineResult, train_pipeline
 from mhc_cg.training.session import train
+
+NORM_RTOL = 1e-5  # fp32 sums of the same squares in other orders and groupings
+
+
+def norms_agree(norms: list[float], reference: list[float]) -> bool:
+    return len(norms) == len(reference) and all(
+        abs(a - b) <= NORM_RTOL * abs(b) for a, b in zip(norms, reference))
 
 
 def single_process_config(cfg: RunConfig) -> RunConfig:
@@ -46,8 +54,8 @@ def format_steps(result: PipelineResult, reference=None) -> str:
         row = [str(step + 1), f"{loss:.10f}", f"{norm:.10f}"]
         if reference is not None:
             ref_loss, ref_norm = reference.losses[step], reference.grad_norms[step]
-            same = loss == ref_loss and norm == ref_norm
-            row += [f"{ref_loss:.10f}", f"{ref_norm:.10f}", "bit-identical" if same else
+            same = loss == ref_loss and norms_agree([norm], [ref_norm])
+            row += [f"{ref_loss:.10f}", f"{ref_norm:.10f}", "yes" if same else
                     f"NO (loss {loss - ref_loss:+.3e}, norm {norm - ref_norm:+.3e})"]
         rows.append(row)
     return _table(header, rows)
@@ -70,7 +78,7 @@ def run(cfg: RunConfig, args: argparse.Namespace) -> int:
         reference = train(single_process_config(cfg), steps=args.steps, device=args.device,
                           progress=progress, mode=result.mode)
     equal = reference is None or (result.losses == reference.losses
-                                  and result.grad_norms == reference.grad_norms)
+                                  and norms_agree(result.grad_norms, reference.grad_norms))
     if args.json:
         out = {"mode": result.mode, "losses": result.losses, "grad_norms": result.grad_norms,
                "step_ms_median": result.median_step_ms, **result.info}
@@ -91,6 +99,6 @@ def run(cfg: RunConfig, args: argparse.Namespace) -> int:
     print(f"step time  {result.median_step_ms:.1f} ms (median of {len(result.step_times)} "
           f"steps, last rank)")
     if reference is not None:
-        print("per-step losses and grad norms equal to pp_size 1: "
-              + ("bit for bit" if equal else "NO"))
+        print(f"per-step losses equal to pp_size 1 bit for bit, grad norms within {NORM_RTOL:g}: "
+              + ("yes" if equal else "NO"))
     return 0 if equal else 1

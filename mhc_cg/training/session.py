@@ -1,8 +1,11 @@
-"""The training loop behind ``mhc-cg train``.
+"""The training loop behind ``mhc-cg train``, and the one training step every tool runs.
 
 Each step first releases whatever an aborted previous step left in flight (a forward whose
 backward never came), then runs ``num_microbatches`` forwards and backwards and one optimizer
-step (:mod:`mhc_cg.training.mixed_precision`: fp32 main parameters for bf16/fp16, loss scaling for fp16).
+step (:mod:`mhc_cg.training.optimizer`: fp32 main parameters, fused AdamW, loss scaling for
+fp16). :meth:`TrainSession.run_step` leaves the loss, the norm and the skip flag on the device;
+:meth:`TrainSession.step` reads them back in one synchronisation. The cost model records
+``run_step`` itself, so what it costs is what training runs.
 With ``train.eval_interval`` the model is evaluated every that many steps on
 ``train.eval_batches`` held-out batches (a generator of its own, so training sees the same data
 with and without evaluation), under ``eval()`` and ``no_grad``: a forward-only pass.
@@ -10,15 +13,17 @@ with and without evaluation), under ``eval()`` and ``no_grad``: a forward-only p
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
 from mhc_cg.config.rules import megatron_only_refusal
 from mhc_cg.config import RunConfig
+from mhc_cg.core import traffic
 from mhc_cg.core.dtypes import TORCH_DTYPES
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.core.nvtx import nvtx_range, profiler_recording
@@ -26,11 +31,12 @@ from mhc_cg.core.progress import ProgressBar
 from mhc_cg.model import MHCGPT, lm_loss
 from mhc_cg.runtime.modes.lifecycle import ModeModel
 from mhc_cg.runtime.modes.plan import CapturePlan
-from mhc_cg.runtime.modes.registry import (REFERENCE, build, capture_plan, configured_mode,
-                                           mode_config)
+from mhc_cg.runtime.graphs import GraphBackend
+from mhc_cg.runtime.modes.registry import (REFERENCE, build_model, capture_plan, configured_mode,
+                                           get_mode, mode_config, prepare)
 from mhc_cg.training.data import ProgressionCorpus
 from mhc_cg.training.device import check_fits, resolve_device
-from mhc_cg.training.mixed_precision import MixedPrecisionOptimizer
+from mhc_cg.training.optimizer import MainParamAdamW
 
 
 @dataclass
@@ -104,7 +110,7 @@ class TrainSession:
     plan: CapturePlan
     device: torch.device
     mode_model: ModeModel
-    optimizer: MixedPrecisionOptimizer
+    optimizer: MainParamAdamW
     data: Microbatches
     last_skipped: bool = False  # the last step's gradients overflowed and it was skipped
     last_grad_digest: str | None = None  # set by step(digest=True)
@@ -112,12 +118,15 @@ class TrainSession:
 
     @classmethod
     def build(cls, cfg: RunConfig, plan: CapturePlan, device: torch.device,
-              backend=None) -> "TrainSession":
-        mode_model = build(cfg, plan, device, backend)
-        optimizer = MixedPrecisionOptimizer(mode_model.model.parameters(), lr=cfg.train.lr,
-                                            weight_decay=cfg.train.weight_decay,
-                                            model_dtype=TORCH_DTYPES[cfg.train.dtype],
-                                            workspace=mode_model.idle_workspace)
+              backend: GraphBackend | None = None,
+              optimizer: Callable[[RunConfig, Iterable], MainParamAdamW] | None = None,
+              ) -> "TrainSession":
+        """Model, optimizer (which lays the parameters out), then the mode's captures.
+        ``optimizer``: a factory instead of :func:`optimizer_for` (the cost model's back-test)."""
+        model = build_model(cfg, get_mode(plan.mode), device)
+        optimizer = (optimizer or optimizer_for)(cfg, model.parameters())
+        mode_model = prepare(cfg, plan, model, device, backend)
+        optimizer.reserve_staging(mode_model.idle_workspace())
         return cls(cfg, plan, device, mode_model, optimizer, Microbatches(cfg))
 
     @property
@@ -152,44 +161,77 @@ class TrainSession:
             self.model.train(was_training)
         return total / len(self._eval_data)
 
-    def step(self, *, probe_memory: bool = False, digest: bool = False,
-             after_backward: Callable[[MHCGPT], None] | None = None) -> tuple[float, float, int | None]:
-        """One optimizer step over ``num_microbatches``; returns (loss, grad norm, held bytes).
+    def run_step(self, *, probe_memory: bool = False, digest: bool = False,
+                 after_backward: Callable[[MHCGPT], None] | None = None) -> StepTensors:
+        """One optimizer step over ``num_microbatches``, read back nothing (see
+        :class:`StepTensors`).
 
         ``probe_memory`` measures what the first microbatch's forward holds until its backward
-        (:func:`held_bytes`); otherwise the third value is ``None``. ``digest`` stores a hash
-        of every gradient's bytes in ``last_grad_digest``. ``last_skipped`` tells whether the
-        optimizer skipped the step (fp16 overflow).
+        (:func:`held_bytes`). ``digest`` stores a hash of every gradient's bytes in
+        ``last_grad_digest``; ``after_backward(model)`` runs before the optimizer.
         """
         train, dev = self.cfg.train, self.device
-        self.release_pending()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, held = 0.0, None
+        if self.release_pending():
+            self.optimizer.zero_grad()  # what the aborted step's backwards accumulated
+        loss_sum, held = None, None
         for index in range(train.num_microbatches):
-            inputs, targets, seed = self.data.next(dev)
+            with phase("forward"):  # the batch's loading counts with the forward
+                inputs, targets, seed = self.data.next(dev)
 
-            def forward_loss() -> torch.Tensor:
-                # the loss is the logits' one reader: their gradient goes where they lie
-                return lm_loss(self.forward(inputs, seed), targets, self.cfg.model.kernels,
-                               grad_over_logits=True) / train.num_microbatches
+                def forward_loss() -> torch.Tensor:
+                    # the loss is the logits' one reader: their gradient goes where they lie
+                    return lm_loss(self.forward(inputs, seed), targets, self.cfg.model.kernels,
+                                   grad_over_logits=True) / train.num_microbatches
 
-            with nvtx_range("forward"):
                 if probe_memory and index == 0:
                     loss, held = held_bytes(forward_loss, dev)
                 else:
                     loss = forward_loss()
-            with nvtx_range("backward"):
+                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+            with phase("backward"):
                 self.optimizer.backward(loss)
-            loss_sum += loss.item()
         if after_backward is not None:
             after_backward(self.model)
         if digest:
             self.last_grad_digest = grad_digest(self.model)
-        with nvtx_range("optimizer"):
-            grad_norm, self.last_skipped = self.optimizer.step()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        return loss_sum, grad_norm, held
+        with phase("optimizer"):
+            result = self.optimizer.step(self.mode_model.idle_workspace())
+        return StepTensors(loss_sum, result.grad_norm, result.found_inf, held)
+
+    def step(self, *, probe_memory: bool = False, digest: bool = False,
+             after_backward: Callable[[MHCGPT], None] | None = None) -> tuple[float, float, int | None]:
+        """:meth:`run_step`, then its one read back: ``(loss, grad norm, held bytes)``;
+        ``last_skipped`` tells whether the optimizer skipped the step (a non-finite gradient)."""
+        out = self.run_step(probe_memory=probe_memory, digest=digest,
+                            after_backward=after_backward)
+        loss, norm, found_inf = torch.stack([out.loss, out.grad_norm, out.found_inf]).tolist()
+        self.last_skipped = found_inf != 0
+        self.optimizer.update(self.last_skipped)
+        return loss, norm, out.held_bytes
+
+
+@dataclass
+class StepTensors:
+    """A step's results on the device: the loss summed over microbatches, the gradient norm and
+    the skip flag (fp32 scalars), and what the first forward held (``held_bytes``)."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    found_inf: torch.Tensor
+    held_bytes: int | None = None
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """A phase of the step: a profiler range and the cost model's label, one name."""
+    with nvtx_range(name), traffic.phase(name):
+        yield
+
+
+def optimizer_for(cfg: RunConfig, params) -> MainParamAdamW:
+    """The training's optimizer over ``params`` (build it before anything captures them)."""
+    return MainParamAdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
+                          model_dtype=TORCH_DTYPES[cfg.train.dtype])
 
 
 def grad_digest(model: torch.nn.Module) -> str:

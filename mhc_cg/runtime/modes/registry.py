@@ -142,17 +142,24 @@ def build_model(cfg: RunConfig, mode: Mode, device: torch.device | str) -> MHCGP
     return model
 
 
-def build(cfg: RunConfig, plan: CapturePlan, device: torch.device | str,
-          backend: GraphBackend | None = None) -> ModeModel:
-    """The prepared :class:`ModeModel` of ``plan``'s mode: model built, graphs captured.
-    ``backend``: a capture backend object instead of the plan's (the cost model's)."""
-    mode = get_mode(plan.mode)
-    model = build_model(cfg, mode, device)
-    mode_model = mode.model_type(model, plan, micro_batch_size=cfg.train.micro_batch_size,
-                             backend=backend)
+def prepare(cfg: RunConfig, plan: CapturePlan, model: MHCGPT, device: torch.device | str,
+            backend: GraphBackend | None = None) -> ModeModel:
+    """``model`` (from :func:`build_model`) as ``plan``'s mode runs it, graphs captured: after
+    this, the parameters' addresses are baked into the graphs. ``backend``: a capture backend
+    object instead of the plan's (the cost model's)."""
+    mode_model = get_mode(plan.mode).model_type(model, plan,
+                                                micro_batch_size=cfg.train.micro_batch_size,
+                                                backend=backend)
     with torch.enable_grad():  # capture records the backward too, even if built under no_grad
         mode_model.prepare(device)
     return mode_model
+
+
+def build(cfg: RunConfig, plan: CapturePlan, device: torch.device | str,
+          backend: GraphBackend | None = None) -> ModeModel:
+    """The prepared :class:`ModeModel` of ``plan``'s mode: model built, graphs captured (for a
+    model without an optimizer; training lays its parameters out in between)."""
+    return prepare(cfg, plan, build_model(cfg, get_mode(plan.mode), device), device, backend)
 
 
 # --------------------------------------------------------------------------------------------

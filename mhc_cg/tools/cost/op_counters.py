@@ -38,9 +38,9 @@ H100_FLOPS = 989e12
 class OpCounter:
     """Kernels, bytes and FLOPs of the ops seen; ``by_op`` counts kernels per op name.
 
-    ``by_part`` splits the bytes by ``(phase, part)`` (:func:`part_of`); ``model_seconds`` sums each
-    kernel's time on the modelled GPU: its bytes at the HBM bandwidth or its FLOPs at the dense
-    rate, whichever takes longer.
+    ``by_part`` splits the bytes by ``(phase, part)`` (:func:`part_of`), ``by_phase`` the kernels
+    by phase (``other`` outside any); ``model_seconds`` sums each kernel's time on the modelled
+    GPU: its bytes at the HBM bandwidth or its FLOPs at the dense rate, whichever takes longer.
     """
 
     kernels: int = 0
@@ -51,6 +51,7 @@ class OpCounter:
     model_seconds: float = 0.0
     by_op: Counter = field(default_factory=Counter)
     by_part: Counter = field(default_factory=Counter)
+    by_phase: Counter = field(default_factory=Counter)
 
     @property
     def bytes(self) -> int:
@@ -62,7 +63,7 @@ class OpCounter:
             return
         read, written = op_bytes(func, args, kwargs, out)
         flops = op_flops(func, args, kwargs, out)
-        launches = kernel_launches(func)
+        launches = kernel_launches(func, args, kwargs)
         self.kernels += launches
         self.bytes_read += read
         self.bytes_written += written
@@ -70,8 +71,9 @@ class OpCounter:
         bandwidth = H100_BYTES_PER_S * share_of(func)  # a kernel that cannot keep HBM busy
         self.model_seconds += max((read + written) / bandwidth, flops / H100_FLOPS)
         self.by_op[str(func.overloadpacket)] += launches
-        key = (traffic.current_phase() or "other", part_of(func, args, kwargs, out, streams))
-        self.by_part[key] += read + written
+        phase = traffic.current_phase() or "other"
+        self.by_phase[phase] += launches
+        self.by_part[(phase, part_of(func, args, kwargs, out, streams))] += read + written
 
     def add_counter(self, other: "OpCounter") -> None:
         self.kernels += other.kernels
@@ -82,6 +84,7 @@ class OpCounter:
         self.model_seconds += other.model_seconds
         self.by_op.update(other.by_op)
         self.by_part.update(other.by_part)
+        self.by_phase.update(other.by_phase)
 
 
 # What a kernel's bytes are for. mHC traffic is the fused mHC ops plus every other op that touches
@@ -100,6 +103,12 @@ class StreamTracker:
     def __init__(self, width: int):
         self.width = width
         self._refs: dict[int, StorageWeakRef] = {}
+        self._never: set[int] = set()
+
+    def exclude(self, tensors: list[torch.Tensor]) -> None:
+        """``tensors``' storages never join: the optimizer's flat buffers hold every parameter
+        and gradient, the mapping projection's among them, and all the rest."""
+        self._never |= {storage_id(t) for t in tensors}
 
     def _wide(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         # any dimension: the projection's weight is read transposed in the forward
@@ -116,7 +125,8 @@ class StreamTracker:
         if not (custom or traffic.in_mhc() or any(self._member(t) for t in wide)):
             return None
         for t in wide:
-            self._refs[storage_id(t)] = StorageWeakRef(t.untyped_storage())
+            if storage_id(t) not in self._never:
+                self._refs[storage_id(t)] = StorageWeakRef(t.untyped_storage())
         if custom:
             return "mHC ops"
         if is_gemm(func):
@@ -211,6 +221,7 @@ class LiveBytes:
         self._live: dict[int, list] = {}  # storage id -> [weak ref, bytes counted]
         self.bytes = 0
         self.peak_by_phase: dict[str | None, int] = {}
+        self.largest_by_phase: dict[str | None, int] = {}  # the largest storage made in a phase
 
     @property
     def peak(self) -> int:
@@ -237,6 +248,8 @@ class LiveBytes:
             nbytes = rounded(storage.nbytes())
             self._live[key] = [StorageWeakRef(storage), nbytes]
             self.bytes += nbytes
+            made = traffic.current_phase()
+            self.largest_by_phase[made] = max(self.largest_by_phase.get(made, 0), nbytes)
         phase = traffic.current_phase()
         self.peak_by_phase[phase] = max(self.peak_by_phase.get(phase, 0), self.bytes)
 
@@ -288,6 +301,10 @@ class StepRecorder(TorchDispatchMode):
     @property
     def kernels(self) -> int:
         return self.eager.kernels + self.graphs.kernels
+
+    @property
+    def kernels_by_phase(self) -> Counter:
+        return self.eager.by_phase + self.graphs.by_phase
 
     @property
     def bytes(self) -> int:

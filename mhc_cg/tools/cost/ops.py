@@ -71,9 +71,54 @@ def launches_kernel(func: torch._ops.OpOverload, args: tuple = (), kwargs: dict 
     return True
 
 
-def kernel_launches(func: torch._ops.OpOverload) -> int:
-    """Kernels one call of a kernel-launching ``func`` makes."""
-    return LAUNCHES.get(func._schema.name, 1)
+def kernel_launches(func: torch._ops.OpOverload, args: tuple = (),
+                    kwargs: dict | None = None) -> int:
+    """Kernels one call of a kernel-launching ``func`` makes: a fused mHC op says how many; a
+    multi-tensor op (``_foreach_*``, fused optimizers, the AMP inf check) launches as CUDA's
+    ``multi_tensor_apply`` chunks its lists (:func:`multi_tensor_launches`); else one."""
+    name = func._schema.name
+    if name in LAUNCHES:
+        return LAUNCHES[name]
+    lists = [value for arg, value in _arguments(func, args, kwargs or {})
+             if str(arg.type) == "List[Tensor]" and value and arg.name not in _NOT_CHUNKED]
+    if not lists:
+        return 1
+    # an out-of-place op writes a list of its own (a norm writes one scalar per tensor)
+    writes_list = any(str(r.type) == "List[Tensor]" for r in func._schema.returns)
+    depth = len(lists) + (1 if writes_list and name not in _WITH_CLEANUP else 0)
+    launches = multi_tensor_launches([t.numel() for t in lists[0]], depth)
+    return launches + (1 if name in _WITH_CLEANUP else 0)
+
+
+# multi_tensor_apply (ATen/native/cuda/MultiTensorApply.cuh): a block takes a chunk of 65536
+# elements; a launch takes at most 320 blocks and, by list depth, 110/64/48/36/30 tensors
+CHUNK_ELEMENTS = 65536
+MAX_BLOCKS = 320
+MAX_TENSORS = {1: 110, 2: 64, 3: 48, 4: 36, 5: 30}
+# lists a fused optimizer reads one scalar from per tensor, not chunked (the step counts)
+_NOT_CHUNKED = {"state_steps", "max_exp_avg_sqs"}
+# a norm over lists reduces each tensor's partial sums in a second kernel
+_WITH_CLEANUP = {"aten::_foreach_norm"}
+
+
+def multi_tensor_launches(numels: list[int], depth: int) -> int:
+    """Kernel launches of one ``multi_tensor_apply`` over tensors of ``numels`` elements with
+    ``depth`` lists: a launch when its blocks or its tensors are full, and one for the rest."""
+    max_tensors = MAX_TENSORS[min(max(depth, 1), 5)]
+    launches = tensors = blocks = 0
+    for numel in numels:
+        if numel == 0:
+            continue
+        tensors += 1
+        chunks = -(-numel // CHUNK_ELEMENTS)
+        for chunk in range(chunks):
+            blocks += 1
+            last = chunk == chunks - 1
+            if blocks == MAX_BLOCKS or (tensors == max_tensors and last):
+                launches += 1
+                blocks = 0
+                tensors = 0 if last else 1
+    return launches + (1 if blocks else 0)
 
 
 def _arguments(func: torch._ops.OpOverload, args: tuple, kwargs: dict):

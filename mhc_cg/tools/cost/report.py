@@ -1,13 +1,14 @@
 """The per-mode cost report behind ``mhc-cg cost``: kernels and bytes per training step, and
 every captured graph with its kernels, bytes and pool peak.
 
-Each mode is built with the recording backend (:mod:`mhc_cg.tools.cost.cost_backend`), on ``meta`` (nothing
-allocated: the benchmark shape on a laptop; attention as the GPU's fused kernel,
-:mod:`mhc_cg.tools.cost.attention`) or on ``cpu``. Captures happen while the mode is prepared, as in
-training (without warmup iterations: nothing is set up lazily here); then the optimizer makes its
-state and one step is recorded:
-its eager ops (embedding, loss, MoE tail, optimizer, copies into static inputs) through dispatch,
-each graph replay by the graph's recorded cost.
+Each mode is built as training builds it (:meth:`~mhc_cg.training.session.TrainSession.build`:
+model, optimizer, captures) with the recording backend (:mod:`mhc_cg.tools.cost.cost_backend`),
+on ``meta`` (nothing allocated: the benchmark shape on a laptop; attention as the GPU's fused
+kernel, :mod:`mhc_cg.tools.cost.attention`) or on ``cpu``. Captures happen while the mode is
+prepared, as in training (without warmup iterations: nothing is set up lazily here); then one
+training step is recorded (:meth:`~mhc_cg.training.session.TrainSession.run_step`, the step
+training runs): its eager ops (embedding, loss, MoE tail, optimizer, copies into static inputs)
+through dispatch, each graph replay by the graph's recorded cost.
 
 Meta tensors all have ``data_ptr() == 0``: everything here (and the runtime's arena and slot
 checks) tells storages apart by :func:`mhc_cg.core.storage.storage_id`, never by address.
@@ -16,6 +17,7 @@ checks) tells storages apart by :func:`mhc_cg.core.storage.storage_id`, never by
 from __future__ import annotations
 
 import contextlib
+from typing import Callable, Iterable
 
 import torch
 
@@ -23,8 +25,8 @@ from mhc_cg.config import RunConfig, check
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.core import traffic
 from mhc_cg.core.progress import log
-from mhc_cg.model import lm_loss, recomputes_activation
-from mhc_cg.runtime.modes.registry import MODES, build, capture_plan, mode_config
+from mhc_cg.model import recomputes_activation
+from mhc_cg.runtime.modes.registry import MODES, capture_plan, mode_config
 from mhc_cg.tools.cost.attention import fused_attention_on_meta
 from mhc_cg.tools.cost.attribution import (MODEL_NOTE, REFERENCE_C, by_phase_and_part, copies,
                                            mhc_traffic_c, predicted_seconds, recompute_bound_bytes)
@@ -33,8 +35,7 @@ from mhc_cg.tools.cost.allocator import rounded
 from mhc_cg.tools.cost.bandwidth import charging
 from mhc_cg.tools.cost.op_counters import StepRecorder, StreamTracker
 from mhc_cg.tools.cost.cost_backend import CostBackend
-from mhc_cg.training.adamw import SlicedAdamW
-from mhc_cg.training.data import ProgressionCorpus
+from mhc_cg.training.session import TrainSession, optimizer_for
 
 DEVICES = ("meta", "cpu")
 RECOMPUTE_POOL_LIMIT = 1.25   # a recompute graph's pool peak, in arenas
@@ -56,72 +57,44 @@ def mode_configs(cfg: RunConfig, device: str) -> tuple[list[tuple[str, RunConfig
     return costed, skipped
 
 
-def _init_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Let the optimizer make its state (a first step's extra work) without running the model."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    with torch.no_grad():
-        saved = [p.detach().clone() for p in params]
-        optimizer.step()
-        for p, s in zip(params, saved):
-            p.copy_(s)
-    optimizer.zero_grad(set_to_none=True)
-
-
-def cost_mode(cfg: RunConfig, mode: str, device: str) -> dict:
-    """The cost of ``mode`` on its config ``cfg`` (:func:`mode_configs`) on ``device`` (see the
-    module docstring)."""
+def cost_mode(cfg: RunConfig, mode: str, device: str,
+              optimizer: Callable[[RunConfig, Iterable], object] = optimizer_for) -> dict:
+    """The cost of ``mode`` on its config ``cfg`` (:func:`mode_configs`) on ``device``: one
+    training step as training runs it (:meth:`TrainSession.run_step`), its optimizer included.
+    ``optimizer``: the session's optimizer factory (the back-test's costs another one)."""
     dev = torch.device(device)
     meta = dev.type == "meta"
     streams = StreamTracker(cfg.model.num_streams * cfg.model.hidden_size)
     backend = CostBackend(device, streams)
     plan = capture_plan(cfg, mode, "cpu")  # the backend is ours; the plan's is not used
+
+    def laid_out(cfg: RunConfig, params: Iterable) -> object:
+        # the flat buffers hold every parameter and gradient: no stream storage, before capture
+        made = optimizer(cfg, params)
+        streams.exclude(made.state_tensors())
+        return made
+
     with contextlib.ExitStack() as stack:
         if meta:
             stack.enter_context(fused_attention_on_meta())
         with torch.device(dev) if meta else contextlib.nullcontext():
-            mode_model = build(cfg, plan, dev, backend=backend)
-        model, forward = mode_model.model, mode_model
-        # the training's AdamW (per parameter, a slice or the mode's idle arena as its scratch)
-        # and per-parameter clipping (meta has no multi-tensor ops; a GPU would launch fewer
-        # kernels there)
-        optimizer = SlicedAdamW(model.parameters(), lr=cfg.train.lr,
-                                weight_decay=cfg.train.weight_decay,
-                                workspace=mode_model.idle_workspace)
-        corpus = ProgressionCorpus(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.train.seed)
-        train = cfg.train
-
-        def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            for _ in range(train.num_microbatches):
-                with traffic.phase("forward"):  # the batch's loading counts with the forward
-                    inputs, targets = (t.to(dev) for t in corpus.batch(train.micro_batch_size))
-                    seed = torch.zeros((), dtype=torch.int64, device=dev)
-                    # as in training: no name holds the logits, their gradient goes over them
-                    loss = lm_loss(forward(inputs, seed), targets, cfg.model.kernels,
-                                   grad_over_logits=True) / train.num_microbatches
-                with traffic.phase("backward"):
-                    loss.backward()
-            with traffic.phase("optimizer"):
-                torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"), foreach=False)
-                optimizer.step()
-
-        _init_optimizer_state(model, optimizer)
+            session = TrainSession.build(cfg, plan, dev, backend=backend, optimizer=laid_out)
         recorder = StepRecorder(streams, dev)
         with recorder:
-            step()
+            session.run_step()
+    mode_model = session.mode_model
     graphs = _graph_entries(mode_model, backend, cfg)
     info = mode_model.describe()
     by_part = recorder.by_part
     pool_reserved = sum(p.state.high_water for p in backend.pools)
-    memory = peak_memory(model, optimizer, info, mode_model.static_buffer_bytes(), pool_reserved,
+    memory = peak_memory(session, info, mode_model.static_buffer_bytes(), pool_reserved,
                          recorder.live.peak)
     held = sum(memory.values()) - memory["step"]  # model state, static buffers, pools: all step
     by_phase = {phase: held + recorder.live.peak_by_phase[phase] for phase in traffic.PHASES
                 if phase in recorder.live.peak_by_phase}
     return {
         "kernels_per_step": recorder.kernels,
+        "kernels_by_phase": dict(recorder.kernels_by_phase),
         "bytes_per_step": recorder.bytes,
         "eager_kernels_per_step": recorder.eager.kernels,
         "eager_bytes_per_step": recorder.eager.bytes,
@@ -145,21 +118,27 @@ def cost_mode(cfg: RunConfig, mode: str, device: str) -> dict:
         "peak_memory": memory,
         "peak_bytes_by_phase": by_phase,
         "peak_phase": max(by_phase, key=by_phase.get),
+        "step_temporaries_by_phase": dict(recorder.live.largest_by_phase),
     }
 
 
-def peak_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: dict,
-                static_buffers: int | None, pools: int, step_peak: int) -> dict[str, int]:
+def model_state_tensors(session: TrainSession) -> list[torch.Tensor]:
+    """What training holds from step to step: the model's parameters and buffers, and every
+    tensor its optimizer keeps (main parameters, moments, gradients, staging)."""
+    model = session.model
+    return [*model.parameters(), *model.buffers(), *session.optimizer.state_tensors()]
+
+
+def peak_memory(session: TrainSession, info: dict, static_buffers: int | None, pools: int,
+                step_peak: int) -> dict[str, int]:
     """The device's peak over a step, by what holds it (the allocator emulation's view):
-    ``model_state`` (parameters, buffers, optimizer state: distinct storages, in 512-byte
-    blocks), ``static`` (the runtime's arena, its persistent sets and the graphs' static buffers,
+    ``model_state`` (:func:`model_state_tensors`: distinct storages, in 512-byte blocks),
+    ``static`` (the runtime's arena, its persistent sets and the graphs' static buffers,
     allocated once), ``graph_pools`` (what the pools reserve: their high-water marks, never given
     back) and ``step`` (the most that the step's eager ops hold at once: activations autograd
     saved, gradients, temporaries; :class:`~mhc_cg.tools.cost.op_counters.LiveBytes`)."""
-    tensors = [*model.parameters(), *model.buffers(),
-               *(t for state in optimizer.state.values() for t in state.values()
-                 if isinstance(t, torch.Tensor))]
-    storages = {storage_id(t): rounded(t.untyped_storage().nbytes()) for t in tensors}
+    storages = {storage_id(t): rounded(t.untyped_storage().nbytes())
+                for t in model_state_tensors(session)}
     static = ((info.get("arena_bytes") or 0)
               + (info.get("persistent_bytes_per_microbatch") or 0) * info.get("persistent_sets", 0)
               + (static_buffers or 0))

@@ -9,12 +9,13 @@ residual stream, ``[seq, micro_batch, n * hidden]`` wide. On CPU the schedule ru
 
 One rank is :class:`mhc_cg.training.pipeline.rank.PipelineRank`.
 
-What makes the losses and gradient norms equal, bit for bit, to ``pp_size: 1``: each chunk sees
+What makes the losses and gradients equal, bit for bit, to ``pp_size: 1``: each chunk sees
 its microbatches first-in first-out in both directions, so every parameter sums its microbatch
 gradients in the same order; the loss is megatron's ``(loss * cp_size) / num_microbatches`` with
-``cp_size = 1``, the same value and gradient as ``loss / num_microbatches``; the gradient norm is
-gathered as per-parameter norms and reduced in the single-process parameter order, as
-``clip_grad_norm_`` does; AdamW updates each parameter on its own.
+``cp_size = 1``, the same value and gradient as ``loss / num_microbatches``; AdamW is
+element-wise, so each rank's optimizer over its own parameters updates them as one process does.
+The gradient norm is each rank's squared norm summed over the ranks, as Megatron does: equal to
+one process's up to fp32 rounding (a sum in another order), not bit for bit.
 """
 
 from __future__ import annotations

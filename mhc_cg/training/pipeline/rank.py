@@ -40,9 +40,9 @@ from mhc_cg.runtime.modes.registry import build_model, capture_plan, get_mode
 from mhc_cg.runtime.recompute.arena import Arena
 from mhc_cg.runtime.recompute.persistent import PersistentSetPool, new_persistent_set
 from mhc_cg.runtime.recompute.static import build_static_recompute
-from mhc_cg.training.adamw import SlicedAdamW
+from mhc_cg.training.optimizer import MainParamAdamW
 from mhc_cg.training.pipeline.schedules_on_cpu import cpu_shim
-from mhc_cg.training.session import Microbatches
+from mhc_cg.training.session import Microbatches, optimizer_for
 
 class PipelineChunk(nn.Module):
     """One model chunk of one rank, as megatron-core's schedule drives it.
@@ -103,15 +103,6 @@ def _p2p_config(cfg: RunConfig, dtype: torch.dtype, device: str):
     )
 
 
-def _param_norms(grads: list[Tensor]) -> list[Tensor]:
-    """Per-tensor 2-norms, computed the way ``torch.nn.utils.clip_grad_norm_`` computes them."""
-    from torch.utils._foreach_utils import _has_foreach_support
-
-    if grads and _has_foreach_support(grads, grads[0].device):
-        return list(torch._foreach_norm(grads, 2.0))
-    return [torch.linalg.vector_norm(g, 2.0) for g in grads]
-
-
 @dataclass
 class RankReport:
     rank: int
@@ -168,10 +159,28 @@ class PipelineRank:
                              for s in self.stages]
         self.order = pipeline_order(self.pp, rank, self.m, self.vpp, par.microbatch_group_size)
         self._build_runtimes()
+        self.optimizer = self._build_optimizer()  # lays the parameters out: before any capture
         self._capture()
         self._count_set_acquisitions()
         self._build_chunks()
+        self.optimizer.reserve_staging(self.arena.lend())
         self.data = Microbatches(cfg)
+
+    def _build_optimizer(self) -> MainParamAdamW:
+        """The optimizer over the parameters this rank owns: its chunks' layers, the embeddings
+        on the first stage, the final norm and head on the last; the norm summed over ranks."""
+        pp, vpp, model = self.pp, self.vpp, self.model
+        owned = {id(p) for layers in self.chunk_layers for layer in layers
+                 for p in layer.parameters()}
+        if 0 in self.stages:
+            owned |= {id(p) for p in (*model.embedding.parameters(), *model.position.parameters())}
+        if pp * vpp - 1 in self.stages:
+            owned |= {id(p) for p in (*model.final_norm.parameters(), *model.head.parameters())}
+        self.named = [(n, p) for n, p in model.named_parameters() if id(p) in owned]
+        self.all_names = [n for n, _ in model.named_parameters()]
+        optimizer = optimizer_for(self.cfg, [p for _, p in self.named])
+        optimizer.reduce_norm = dist.all_reduce  # a sum over every rank: the global norm
+        return optimizer
 
     def _build_runtimes(self) -> None:
         """One arena and one pool of slot sets for the rank, a static runtime per chunk."""
@@ -244,28 +253,19 @@ class PipelineRank:
                                      last=self.stages[c] == pp * vpp - 1, config=p2p_config,
                                      layers=self.chunk_layers[c], sublayer_fns=self.sublayer_fns[c],
                                      num_microbatches=self.m) for c in range(vpp)]
-        owned = {id(p) for chunk in self.chunks for p in chunk.layers.parameters()}
-        if 0 in self.stages:
-            owned |= {id(p) for p in (*model.embedding.parameters(), *model.position.parameters())}
-        if pp * vpp - 1 in self.stages:
-            owned |= {id(p) for p in (*model.final_norm.parameters(), *model.head.parameters())}
-        self.named = [(n, p) for n, p in model.named_parameters() if id(p) in owned]
-        self.all_names = [n for n, _ in model.named_parameters()]
-        self.optimizer = SlicedAdamW([p for _, p in self.named], lr=train.lr,
-                                     weight_decay=train.weight_decay, workspace=self.arena.lend)
 
-    def step(self) -> tuple[float | None, float, dict[str, Tensor]]:
-        """One optimizer step: ``(loss on the last rank else None, global grad norm, grads)``."""
+    def step(self, collect_grads: bool = False) -> tuple[float | None, float, dict[str, Tensor]]:
+        """One optimizer step: ``(loss on the last rank else None, global grad norm, grads: a
+        copy of this rank's, with ``collect_grads``)``."""
         from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
         m, dev = self.m, self.dev
-        self.optimizer.zero_grad(set_to_none=True)
         batches = [self.data.next(dev) for _ in range(m)]  # TrainSession.step's draws, in order
 
         def loss_func(targets: Tensor, logits: Tensor):
             loss = lm_loss(logits, targets, self.cfg.model.kernels, grad_over_logits=True)
             # the value TrainSession reports: loss / num_microbatches, before megatron scales it
-            return loss, {"loss": (loss.detach() / m).item()}
+            return loss, {"loss": loss.detach() / m}
 
         def forward_step(data_iterator, chunk: PipelineChunk):
             inputs, targets, seed = next(data_iterator)
@@ -277,23 +277,17 @@ class PipelineRank:
                 forward_step_func=forward_step, data_iterator=[iter(batches) for _ in range(self.vpp)],
                 model=self.chunks, num_microbatches=m, seq_length=self.cfg.model.seq_length,
                 micro_batch_size=self.cfg.train.micro_batch_size, forward_only=False)
-        grads = [(n, p.grad) for n, p in self.named if p.grad is not None]
-        norm = self._global_grad_norm(grads)
-        self.optimizer.step()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        loss = sum(item["loss"] for item in store) if self.rank == self.pp - 1 else None
-        return loss, norm, dict(grads)
-
-    def _global_grad_norm(self, grads: list[tuple[str, Tensor]]) -> float:
-        """Per-parameter norms gathered from every rank, reduced in the single-process parameter
-        order, as ``clip_grad_norm_`` does."""
-        norms = dict(zip((n for n, _ in grads), _param_norms([g for _, g in grads])))
-        gathered: list[dict] = [None] * self.pp
-        dist.all_gather_object(gathered, {n: v.cpu() for n, v in norms.items()})
-        every = {n: v for part in gathered for n, v in part.items()}
-        return float(torch.linalg.vector_norm(
-            torch.stack([every[n].to(self.dev) for n in self.all_names if n in every]), 2.0))
+        grads = {n: p.grad.detach().clone() for n, p in self.named} if collect_grads else {}
+        result = self.optimizer.step(self.arena.lend())  # the gradients are zero afterwards
+        norm, found_inf = torch.stack([result.grad_norm, result.found_inf]).tolist()
+        self.optimizer.update(found_inf != 0)
+        loss = None
+        if self.rank == self.pp - 1:  # summed in fp32 in microbatch order, as TrainSession sums
+            total = store[0]["loss"]
+            for item in store[1:]:
+                total = total + item["loss"]
+            loss = total.item()
+        return loss, norm, grads
 
     def train(self, steps: int, collect_grads: bool, progress: bool) -> RankReport:
         report = RankReport(rank=self.rank, order=self.order, stages=self.stages,
@@ -306,12 +300,12 @@ class PipelineRank:
         bar = ProgressBar(steps, f"train[pp{self.pp} vpp{self.vpp}]", progress and is_last_rank)
         for step in range(steps):
             start = time.perf_counter()
-            loss, norm, grads = self.step()
+            loss, norm, grads = self.step(collect_grads)
             if step == 0:
                 report.assignment_matches_planner = \
                     self.acquired == assign_persistent_slot_sets(self.order)
             if collect_grads:
-                report.grads.append({n: g.detach().cpu().clone() for n, g in grads.items()})
+                report.grads.append({n: g.cpu() for n, g in grads.items()})
             report.step_times.append(time.perf_counter() - start)
             report.grad_norms.append(norm)
             if is_last_rank:
