@@ -23,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--summary", action="store_true", help="only the per-mode tables")
     parser.add_argument("--full-bandwidth", action="store_true",
-                        help="time every kernel at the full HBM bandwidth (default: the fused "
+                        help="time every kernel at the HBM peak (default: at the copy bandwidth "
+                             "a GPU measured, bench/results/kernel_efficiency.json, and the fused "
                              "kernels at the share mhc-cg kernels finds they can draw on sm_90a)")
     parser.add_argument("--plot", metavar="PNG", default=None,
                         help="also draw each mode's peak memory against its modelled step time")
@@ -34,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         _check_writable(Path(args.plot))
     report = cost_report(cfg, args.device, args.config,
-                         None if args.full_bandwidth else _shares(cfg))
+                         None if args.full_bandwidth else _shares(cfg),
+                         measured=not args.full_bandwidth)
     print(json.dumps(report, indent=2) if args.json else format_report(report, not args.summary))
     if args.plot:
         from mhc_cg.tools.cost.frontier_plot import plot_frontier

@@ -33,6 +33,7 @@ OP_CASES: dict[str, str | tuple[str, ...]] = {
 }
 
 _CHARGED: dict[str, float] = {}
+_COPY_SHARE: list[float] = [1.0]
 
 
 def kernel_shares(hidden: int, tokens: int, target: str = "sm_90a") -> dict[str, float]:
@@ -56,18 +57,21 @@ def kernel_shares(hidden: int, tokens: int, target: str = "sm_90a") -> dict[str,
 
 
 @contextlib.contextmanager
-def charging(shares: dict[str, float] | None) -> Iterator[None]:
-    """Inside, the cost model times each fused op's bytes at its share of the bandwidth."""
-    previous = dict(_CHARGED)
+def charging(shares: dict[str, float] | None, copy_share: float | None = None) -> Iterator[None]:
+    """Inside, the cost model times every kernel's bytes at ``copy_share`` of the peak bandwidth
+    (the measured copy bandwidth; ``None``: the peak) and each fused op's at its share of that."""
+    previous, previous_copy = dict(_CHARGED), _COPY_SHARE[0]
     _CHARGED.clear()
     _CHARGED.update(shares or {})
+    _COPY_SHARE[0] = copy_share or 1.0
     try:
         yield
     finally:
         _CHARGED.clear()
         _CHARGED.update(previous)
+        _COPY_SHARE[0] = previous_copy
 
 
 def share_of(func: torch._ops.OpOverload) -> float:
-    """The share of the bandwidth ``func``'s kernels can draw (1 unless charged)."""
-    return _CHARGED.get(func._schema.name, 1.0)
+    """The share of the peak bandwidth ``func``'s kernels draw (1 unless charged)."""
+    return _COPY_SHARE[0] * _CHARGED.get(func._schema.name, 1.0)

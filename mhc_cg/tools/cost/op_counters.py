@@ -52,6 +52,7 @@ class OpCounter:
     by_op: Counter = field(default_factory=Counter)
     by_part: Counter = field(default_factory=Counter)
     by_phase: Counter = field(default_factory=Counter)
+    seconds_by_phase: Counter = field(default_factory=Counter)
 
     @property
     def bytes(self) -> int:
@@ -69,10 +70,12 @@ class OpCounter:
         self.bytes_written += written
         self.flops += flops
         bandwidth = H100_BYTES_PER_S * share_of(func)  # a kernel that cannot keep HBM busy
-        self.model_seconds += max((read + written) / bandwidth, flops / H100_FLOPS)
+        seconds = max((read + written) / bandwidth, flops / H100_FLOPS)
+        self.model_seconds += seconds
         self.by_op[str(func.overloadpacket)] += launches
         phase = traffic.current_phase() or "other"
         self.by_phase[phase] += launches
+        self.seconds_by_phase[phase] += seconds
         self.by_part[(phase, part_of(func, args, kwargs, out, streams))] += read + written
 
     def add_counter(self, other: "OpCounter") -> None:
@@ -85,6 +88,7 @@ class OpCounter:
         self.by_op.update(other.by_op)
         self.by_part.update(other.by_part)
         self.by_phase.update(other.by_phase)
+        self.seconds_by_phase.update(other.seconds_by_phase)
 
 
 # What a kernel's bytes are for. mHC traffic is the fused mHC ops plus every other op that touches
@@ -271,6 +275,7 @@ class StepRecorder(TorchDispatchMode):
         self.eager = OpCounter()
         self.graphs = OpCounter()
         self.replays = 0
+        self.replays_by_phase: Counter = Counter()  # the phase each replay was launched in
         self.streams = streams
         self.live = LiveBytes()
         self.host_ops = 0
@@ -296,6 +301,7 @@ class StepRecorder(TorchDispatchMode):
 
     def replayed(self, cost: OpCounter) -> None:
         self.replays += 1
+        self.replays_by_phase[traffic.current_phase() or "other"] += 1
         self.graphs.add_counter(cost)
 
     @property

@@ -131,10 +131,19 @@ def _is_written(arg) -> bool:
     return arg.alias_info is not None and arg.alias_info.is_write
 
 
+# Arguments the schema marks written that the kernel writes only when another is given: fused
+# Adam stores the unscaled gradients back only with a grad_scale (torch's fused_adam_utils.cuh)
+WRITTEN_ONLY_WITH = {"aten::_fused_adam_": ("grads", "grad_scale"),
+                     "aten::_fused_adamw_": ("grads", "grad_scale")}
+
+
 def written_args(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensor arguments the schema marks as written (``Tensor(a!)``)."""
-    return [t for arg, value in _arguments(func, args, kwargs) if _is_written(arg)
-            for t in _tensors(value)]
+    """The tensor arguments the schema marks as written (``Tensor(a!)``) and the kernel writes."""
+    given = dict((arg.name, value) for arg, value in _arguments(func, args, kwargs))
+    arg, condition = WRITTEN_ONLY_WITH.get(func._schema.name, (None, None))
+    unwritten = arg if arg is not None and given.get(condition) is None else None
+    return [t for arg, value in _arguments(func, args, kwargs)
+            if _is_written(arg) and arg.name != unwritten for t in _tensors(value)]
 
 
 # In-place ops that overwrite ``self`` without reading it (a copy writes its destination only).

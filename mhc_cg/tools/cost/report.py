@@ -17,6 +17,7 @@ checks) tells storages apart by :func:`mhc_cg.core.storage.storage_id`, never by
 from __future__ import annotations
 
 import contextlib
+import textwrap
 from typing import Callable, Iterable
 
 import torch
@@ -33,6 +34,7 @@ from mhc_cg.tools.cost.attribution import (MODEL_NOTE, REFERENCE_C, by_phase_and
 from mhc_cg.core.storage import storage_id
 from mhc_cg.tools.cost.allocator import rounded
 from mhc_cg.tools.cost.bandwidth import charging
+from mhc_cg.tools.cost.measured import copy_share, kernel_classes, last_measured_steps
 from mhc_cg.tools.cost.op_counters import StepRecorder, StreamTracker
 from mhc_cg.tools.cost.cost_backend import CostBackend
 from mhc_cg.training.session import TrainSession, optimizer_for
@@ -111,6 +113,16 @@ def cost_mode(cfg: RunConfig, mode: str, device: str,
         "predicted_h100_step_s": predicted_seconds(
             recorder.eager.model_seconds + recorder.graphs.model_seconds, recorder.eager.kernels,
             recorder.replays),
+        # per phase: its kernels' time (a graph's where it was captured) and its launches
+        "predicted_h100_s_by_phase": {
+            phase: predicted_seconds(
+                recorder.eager.seconds_by_phase[phase] + recorder.graphs.seconds_by_phase[phase],
+                recorder.eager.by_phase[phase], recorder.replays_by_phase[phase])
+            for phase in (*traffic.PHASES, "other") if recorder.kernels_by_phase[phase]},
+        # ... its kernels' time alone (what a profiler's kernel intervals measure)
+        "kernel_s_by_phase": {
+            phase: recorder.eager.seconds_by_phase[phase] + recorder.graphs.seconds_by_phase[phase]
+            for phase in (*traffic.PHASES, "other") if recorder.kernels_by_phase[phase]},
         "bytes_by_phase_and_part": by_phase_and_part(by_part),
         "mhc_traffic_C": mhc_traffic_c(by_part, cfg),
         "copy_bytes_per_step": copies(by_part),
@@ -118,6 +130,11 @@ def cost_mode(cfg: RunConfig, mode: str, device: str,
         "peak_memory": memory,
         "peak_bytes_by_phase": by_phase,
         "peak_phase": max(by_phase, key=by_phase.get),
+        "step_peak_by_phase": {phase: recorder.live.peak_by_phase[phase]
+                               for phase in traffic.PHASES if phase in recorder.live.peak_by_phase},
+        # what the pools hold allocated after the step (max_memory_allocated counts this much
+        # of them; they reserve pool_reserved_bytes)
+        "pool_live_bytes": sum(b.nbytes for p in backend.pools for b in p.state.live_resident()),
         "step_temporaries_by_phase": dict(recorder.live.largest_by_phase),
     }
 
@@ -198,23 +215,29 @@ def checks(modes: dict) -> list[dict]:
 
 
 def cost_report(cfg: RunConfig, device: str, config_name: str | None = None,
-                kernel_shares: dict[str, float] | None = None) -> dict:
+                kernel_shares: dict[str, float] | None = None, measured: bool = True) -> dict:
     """Every mode's cost (:func:`cost_mode`) and the budget checks. ``kernel_shares``: each
     fused op's share of the bandwidth (:func:`mhc_cg.tools.cost.bandwidth.kernel_shares`), which
-    the step model then charges; ``None``: every kernel at the full bandwidth."""
+    the step model then charges; ``None``: none charged. ``measured``: bytes are timed at the
+    committed measured copy bandwidth (:mod:`mhc_cg.tools.cost.measured`), else at the HBM peak;
+    the report carries each kernel class's charge and measurement, and the newest measured step
+    of the config's shape."""
     if device not in DEVICES:
         raise ConfigError(f"--device: must be one of {list(DEVICES)}, got {device!r}")
     if device == "meta" and cfg.model.is_moe:
         raise ConfigError("--device meta: a MoE model's dispatch reads its token counts on the "
                           "host, which meta tensors do not have; cost MoE configs with --device cpu")
     costed, skipped = mode_configs(cfg, device)
+    copy = copy_share() if measured else None
     modes = {}
-    with charging(kernel_shares):
+    with charging(kernel_shares, copy):
         for index, (name, mode_cfg) in enumerate(costed, 1):
             log("cost", f"{name}: building and recording one step ({index}/{len(costed)})")
             modes[name] = cost_mode(mode_cfg, name, device)
     return {"config": config_name, "device": device, "modes": modes, "skipped": skipped,
-            "checks": checks(modes), "kernel_bandwidth_shares": kernel_shares}
+            "checks": checks(modes), "kernel_bandwidth_shares": kernel_shares,
+            "copy_bandwidth_share": copy, "kernel_classes": kernel_classes(kernel_shares, copy),
+            "measured_steps": last_measured_steps(cfg)}
 
 
 def _size(nbytes: int | None) -> str:
@@ -240,7 +263,8 @@ def format_report(report: dict, per_graph: bool = True) -> str:
                      f"{len(m['graphs']):>6} {m['pools']:>5} {_size(m['pool_reserved_bytes']):>13} "
                      f"{_size(m['arena_bytes']):>10} {_size(m['persistent_bytes_per_microbatch']):>13} "
                      f"{_size(m['static_buffer_bytes']):>11}")
-    lines += ["", *format_frontier(report), "", *format_traffic(report)]
+    lines += ["", *format_frontier(report), "", *format_traffic(report), "",
+              *format_measured(report)]
     for name, reason in report.get("skipped", {}).items():
         lines.append(f"{name}: not costed on {report['device']}: {reason}")
     for c in report["checks"]:
@@ -282,6 +306,30 @@ def format_frontier(report: dict) -> list[str]:
                      f"{_size(mem['static']):>10} {_size(mem['graph_pools']):>11} "
                      f"{_size(mem['step']):>10} {_size(m['bytes_per_step']):>10} "
                      f"{step * 1e3:>14.2f} ms {ratio:>11}")
+    return lines
+
+
+def format_measured(report: dict) -> list[str]:
+    """What the step model charges each class of kernel and what a GPU measured of it; the
+    newest measured step of this shape beside the modelled one."""
+    lines = ["step model: what each class of kernel is charged, and what a GPU measured"]
+    for c in report.get("kernel_classes", []):
+        lines.append(f"  {c['class']}: charged {c['charged']}")
+        lines += textwrap.wrap(f"measured: {c['measured']}", 100, initial_indent=" " * 4,
+                               subsequent_indent=" " * 6)
+    steps = report.get("measured_steps") or {}
+    if not steps:
+        return lines + ["no GPU has measured a step at this shape (bench/results/): every step "
+                        "time here is modelled only"]
+    lines += ["", f"last measured step at this shape: {steps['source']} ({steps['device']}, "
+                  f"code {steps['code']}; its optimizer and kernels may predate this code: "
+                  f"docs/cost.md's back-test costs that run's own step)",
+              f"{'mode':15} {'modelled':>10} {'measured':>10} {'measured / modelled':>20}"]
+    for name, m in report["modes"].items():
+        model = 1e3 * m["predicted_h100_step_s"]
+        got = steps["modes"].get(name)
+        lines.append(f"{name:15} {model:>7.2f} ms " + ("         -" if got is None else
+                     f"{got:>7.2f} ms {got / model:>20.2f}"))
     return lines
 
 
