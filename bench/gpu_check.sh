@@ -1,29 +1,27 @@
 #!/usr/bin/env bash
-# The GPU checklist in one command, from the repository root:
+# The GPU checklist in one run of at most 9 minutes, from the repository root:
 #
 #   bench/gpu_check.sh [--dry-run] [OUT_DIR]      (OUT_DIR default: $OUT, else bench/results/gpu_check)
 #
-# Parts, in order, each in its own process under its own time limit, each writing under OUT_DIR as
-# soon as it finishes (a part that runs out of memory or time loses nothing the others wrote):
-#   tests     the cuda-marked tests                       tests/pytest.log, tests/junit.xml
-#   probe     graph pools vs the cost model, fused kernels
-#             vs torch, dropout masks GPU vs CPU           probe/probe.json
-#   bench     mhc-cg bench, every mode (attn_split too)    bench/<device-slug>.{json,md}
-#   profiles  a torch.profiler trace per training mode     profiles/<mode>.json.gz
-#   timeline  mhc-cg timeline compare, graphed_static
-#             against every other mode                     timeline/graphed_static_vs_<mode>.{txt,json}
+# Parts, most valuable first, each in its own process under its own time limit, each writing under
+# OUT_DIR as soon as it ends (a part that runs out of memory or time loses nothing the others wrote):
+#   bench     mhc-cg bench: every mode, each in a process of its     bench/<slug>.<shape>.json,
+#             own, at the bench shape and the memory shape            bench/<slug>.md
+#   kernels   each fused kernel against its torch path (time, bound,  probe/probe.json
+#             exactness) and dropout masks drawn on the GPU vs the CPU
+#   megatron  Megatron-LM main's mHC GPT under main's own             megatron/compare.json
+#             TECudaGraphHelper, TE's graph API served by mhc_cg's
+#             make_graphed_callables, against main eager
+#   tests     the cuda-marked tests                                   tests/pytest.log
 # summary.tsv gets one line per part (status, exit code, seconds, limit) as it ends; env.txt says
-# what ran. The limits add up to GPU_CHECK_BUDGET_S (default 1140 s, under 20 minutes); a part
-# that would start with less than 15 s left is skipped and says so.
+# what ran. The limits add up to GPU_CHECK_BUDGET_S (default 540 s); a part that would start with
+# less than 15 s left is skipped and says so. GPU_CHECK_PARTS (space-separated) runs a subset.
 #
-# GPU_CHECK_PARTS (space-separated, default all: tests probe bench profile timeline) runs a subset,
-# so the checklist can be split over calls of a machine that limits one command's time; the
-# summary is then appended to, not rewritten.
+# What the machine needs beyond torch and Triton: the wheels and the Megatron-LM main snapshot of
+# bench/carry/ (bench/fetch_carry.sh makes it; bench/README.md says how to run this there).
 #
-# --dry-run (or MHC_CG_GPU_CHECK_DRY=1): the same parts on the CPU with a tiny config and the tape
-# backend, a few steps each, three modes (eager_none, graphed_static, attn_split); CI runs it
-# (tests/test_gpu_check.py). GPU_CHECK_MODES, GPU_CHECK_TESTS and GPU_CHECK_CONFIG override the
-# modes, the test paths and the config.
+# --dry-run (or MHC_CG_GPU_CHECK_DRY=1): the same parts on the CPU with tiny configs and the tape
+# backend, a few steps each, three modes; CI runs it (tests/test_gpu_check.py).
 set -u -o pipefail
 
 DRY=${MHC_CG_GPU_CHECK_DRY:-0}
@@ -33,67 +31,70 @@ PY=${PYTHON:-python}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT_DIR"
 SUMMARY="$OUT_DIR/summary.tsv"
-PARTS=${GPU_CHECK_PARTS:-tests probe bench profile timeline}
+PARTS=${GPU_CHECK_PARTS:-bench kernels megatron tests}
 [ -s "$SUMMARY" ] && [ -n "${GPU_CHECK_PARTS:-}" ] || printf 'part\tstatus\texit_code\tseconds\tlimit_s\n' > "$SUMMARY"
 START=$(date +%s)
+# the Megatron-LM snapshot brought along (bench/carry), where the harness looks for it
+if [ -z "${MHC_CG_THIRD_PARTY:-}" ] && ls bench/carry/megatron-lm-main-*.tar.gz >/dev/null 2>&1; then
+    export MHC_CG_THIRD_PARTY="$PWD/bench/carry"
+fi
 
-# BUDGET: seconds for all parts; LIMITS: each part's own limit (a profile's applies per mode)
 if [ "$DRY" = "1" ]; then
-    CFG="$OUT_DIR/dry_config.yaml"
-    cat > "$CFG" <<'EOF'
+    SHAPE="$OUT_DIR/dry_shape.yaml"
+    MEMORY="$OUT_DIR/dry_memory.yaml"
+    cat > "$SHAPE" <<'EOF'
 model: {vocab_size: 32, seq_length: 8, hidden_size: 16, num_heads: 2, num_layers: 2,
         num_streams: 4, hidden_dropout: 0.1, dropout_impl: counter, recompute: block,
         recompute_layers: 2}
 train: {micro_batch_size: 2, seed: 7, device: cpu}
 graph: {backend: tape, cuda_graph_scope: [attn, mlp, mhc_recompute]}
 EOF
+    sed 's/seq_length: 8,/seq_length: 32,/' "$SHAPE" > "$MEMORY"
     DEVICE=(--device cpu)
     TESTS=${GPU_CHECK_TESTS:-tests/test_graphs_cuda.py}
-    BENCH_ARGS=(--backend tape --steps 2 --warmup 1 --chunk 1 --recompute-replays 2 --moe-experts 4)
-    PROBE_ARGS=(--backend tape)
-    PROFILE_STEPS=2
-    # the reference, ours and the peer: every code path of the script, at a third of the cost
+    # the reference, ours and the peer: every code path of the script, at a fraction of the cost
     MODES=${GPU_CHECK_MODES:-eager_none graphed_static attn_split}
-    BENCH_ARGS+=(--modes "${MODES// /,}")
-    # generous: CI machines are small and shared
-    BUDGET=${GPU_CHECK_BUDGET_S:-1800}
-    LIMITS=(tests=180 probe=300 bench=300 profile=240 timeline=240)
+    BENCH_ARGS=(--config "$SHAPE" --config "$MEMORY" --backend tape --steps 2 --warmup 1
+                --profile-steps 1 --recompute-replays 2)
+    PROBE_ARGS=(--config "$SHAPE" --backend tape)
+    BUDGET=${GPU_CHECK_BUDGET_S:-900}  # generous: CI machines are small and shared
+    LIMITS=(bench=400 kernels=120 megatron=300 tests=120)
 else
-    CFG=${GPU_CHECK_CONFIG:-configs/bench_h100.yaml}
     DEVICE=(--device cuda)
     # the modules with cuda-marked tests: collecting the rest would import what the GPU machine lacks
     TESTS=${GPU_CHECK_TESTS:-$(grep -l 'pytest.mark.cuda' tests/test_*.py | tr '\n' ' ')}
-    BENCH_ARGS=()
-    PROBE_ARGS=()
-    PROFILE_STEPS=5
     MODES=${GPU_CHECK_MODES:-eager_none eager_block graphed_none graphed_static attn_split}
-    BUDGET=${GPU_CHECK_BUDGET_S:-1140}
-    LIMITS=(tests=180 probe=150 bench=420 profile=60 timeline=90)
+    BENCH_ARGS=(--config configs/bench_h100.yaml --config configs/bench_h100_memory.yaml
+                --mode-timeout 90)
+    PROBE_ARGS=(--config configs/bench_h100.yaml)
+    BUDGET=${GPU_CHECK_BUDGET_S:-540}
+    LIMITS=(bench=330 kernels=60 megatron=90 tests=60)
 fi
 limit_of() { local kv; for kv in "${LIMITS[@]}"; do [ "${kv%%=*}" = "$1" ] && echo "${kv#*=}"; done; }
 
 {
     echo "# bench/gpu_check.sh $([ "$DRY" = 1 ] && echo --dry-run) $OUT_DIR"
-    echo "started $(date -u +%Y-%m-%dT%H:%M:%SZ); config $CFG; budget ${BUDGET} s; parts $PARTS"
+    echo "started $(date -u +%Y-%m-%dT%H:%M:%SZ); budget ${BUDGET} s; parts $PARTS; modes $MODES"
     echo "git $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git status --porcelain --untracked-files=no 2>/dev/null | grep -q . && echo ' (uncommitted changes)')"
     "$PY" - <<'EOF' 2>&1
 import importlib.util, platform, torch
 print(f"python {platform.python_version()}, torch {torch.__version__}, cuda {torch.version.cuda}")
 print("gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
-for name in ("triton", "yaml", "nvtx", "megatron.core", "transformer_engine"):
+for name in ("triton", "yaml", "nvtx", "megatron.core", "transformer_engine", "pytest"):
     try:
         found = importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:
         found = False
     print(f"{name}: {'yes' if found else 'no'}")
 EOF
+    echo "megatron-lm snapshots: ${MHC_CG_THIRD_PARTY:-../shared/third_party (default)}"
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
 } >> "$OUT_DIR/env.txt" 2>&1
 
 # part NAME LIMIT_S LOG CMD...: run CMD under min(LIMIT_S, what is left), log to LOG, one summary line
 part() {
     local name=$1 limit=$2 log=$3; shift 3
-    case " $PARTS " in *" ${name%%:*} "*) ;; *) return 0 ;; esac
+    case " $PARTS " in *" $name "*) ;; *) return 0 ;; esac
     local left=$(( BUDGET - ($(date +%s) - START) ))
     mkdir -p "$(dirname "$log")"
     if [ "$left" -lt 15 ]; then
@@ -104,7 +105,7 @@ part() {
     [ "$limit" -gt "$left" ] && limit=$left
     echo "[gpu_check] $name: limit ${limit} s -> $log" >&2
     local begin=$(date +%s) rc status
-    timeout --kill-after=15 "$limit" "$@" > "$log" 2>&1
+    timeout --kill-after=10 "$limit" "$@" > "$log" 2>&1
     rc=$?
     case $rc in
         0) status=ok ;;
@@ -115,24 +116,21 @@ part() {
     echo "[gpu_check] $name: $status (exit $rc)" >&2
 }
 
+part bench "$(limit_of bench)" "$OUT_DIR/bench/bench.log" \
+    "$PY" -m mhc_cg.cli bench "${BENCH_ARGS[@]}" --modes "${MODES// /,}" --out-dir "$OUT_DIR/bench" \
+    "${DEVICE[@]}"
+
+part kernels "$(limit_of kernels)" "$OUT_DIR/probe/probe.log" \
+    "$PY" -m mhc_cg.tools.probe --parts kernels,dropout --out "$OUT_DIR/probe" "${DEVICE[@]}" \
+    "${PROBE_ARGS[@]}"
+
+# the harness runs on the device it finds (train.device: auto); --json is the record
+part megatron "$(limit_of megatron)" "$OUT_DIR/megatron/megatron.log" \
+    bash -c '"$0" -m mhc_cg.cli megatron --config configs/megatron_main_mhc.yaml --compare --json \
+             --no-progress > "$1"' "$PY" "$OUT_DIR/megatron/compare.json"
+
 part tests "$(limit_of tests)" "$OUT_DIR/tests/pytest.log" \
     "$PY" -m pytest -m cuda -q -rs -p no:cacheprovider --junitxml="$OUT_DIR/tests/junit.xml" $TESTS
-
-part probe "$(limit_of probe)" "$OUT_DIR/probe/probe.log" \
-    "$PY" -m mhc_cg.tools.probe --config "$CFG" --out "$OUT_DIR/probe" "${DEVICE[@]}" "${PROBE_ARGS[@]}"
-
-part bench "$(limit_of bench)" "$OUT_DIR/bench/bench.log" \
-    "$PY" -m mhc_cg.cli bench --config "$CFG" --out-dir "$OUT_DIR/bench" "${DEVICE[@]}" "${BENCH_ARGS[@]}"
-
-for mode in $MODES; do
-    part "profile:$mode" "$(limit_of profile)" "$OUT_DIR/profiles/$mode.log" \
-        "$PY" profiles/profile_torch.py --out "$OUT_DIR/profiles/$mode.json.gz" -- \
-        --config "$CFG" --mode "$mode" --steps "$PROFILE_STEPS" --no-progress "${DEVICE[@]}"
-done
-
-part timeline "$(limit_of timeline)" "$OUT_DIR/timeline/timeline.log" \
-    "$PY" profiles/compare_modes.py --traces "$OUT_DIR/profiles" --base graphed_static \
-    --out "$OUT_DIR/timeline"
 
 echo "[gpu_check] done in $(( $(date +%s) - START )) s; summary:" >&2
 column -t -s $'\t' "$SUMMARY" >&2 2>/dev/null || cat "$SUMMARY" >&2

@@ -1,15 +1,17 @@
-"""``mhc-cg bench`` on CPU (tape backend, tiny model, few steps): report schema and file names,
-graphed_none == eager_none bit for bit, clear errors, and the recompute lower-bound arithmetic."""
+"""``mhc-cg bench`` on CPU (tape backend, tiny model, few steps): each mode in a process of its
+own, report schema and file names, graphed_none == eager_none bit for bit, clear errors, and the
+recompute lower-bound arithmetic."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
 
-from mhc_cg.tools import bench
+from mhc_cg.tools import bench, bench_run
 from mhc_cg.cli import main
 from mhc_cg.config import load_config
 from mhc_cg.runtime.modes.registry import MODES, mode_config
@@ -33,57 +35,72 @@ def tiny_config(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cpu_report(tiny_config, tmp_path_factory):
+    """Two modes, each in a process of its own; the report handed over after each."""
+    cfg = load_config(tiny_config)
+    opts = bench.BenchOptions(modes=("eager_none", "graphed_static"), steps=2, warmup=1,
+                              profile_steps=1, recompute_replays=2, bandwidth_bytes=2 ** 16)
+    snapshots = []
+    reports = bench.run_bench([("tiny", cfg)], torch.device("cpu"), opts,
+                              on_shape_done=lambda r: snapshots.append(list(r["modes"])))
     out = tmp_path_factory.mktemp("results")
-    argv = ["bench", "--config", str(tiny_config), "--device", "cpu", "--backend", "tape",
-            "--steps", "3", "--warmup", "1", "--chunk", "2", "--recompute-replays", "2",
-            "--moe-experts", "4", "--out-dir", str(out)]
-    assert main(argv) == 0
-    return out
+    bench.write_results(reports, out)
+    return out, snapshots
 
 
-def test_files_are_named_by_device_and_json_has_the_schema(cpu_report, capsys):
-    assert sorted(p.name for p in cpu_report.iterdir()) == ["cpu.json", "cpu.md"]
-    report = json.loads((cpu_report / "cpu.json").read_text())
+def test_each_mode_runs_in_a_process_of_its_own_and_hands_over_its_results(cpu_report):
+    out, snapshots = cpu_report
+    assert snapshots == [["eager_none"], ["eager_none", "graphed_static"]]
+    assert sorted(p.name for p in out.iterdir()) == ["cpu.md", "cpu.tiny.json"]
+    report = json.loads((out / "cpu.tiny.json").read_text())
+    pids = [e["pid"] for e in report["modes"].values()]
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert report["bench"]["schedule"] == "one_process_per_mode"
+    assert report["shape"] == "tiny" and report["config"]["model"]["hidden_size"] == 16
+
+
+def test_a_report_has_the_schema_the_readme_gives(cpu_report):
+    out, _ = cpu_report
+    report = json.loads((out / "cpu.tiny.json").read_text())
     assert report["device_type"] == "cpu" and report["device"].startswith("CPU")
-    assert report["config"]["model"]["hidden_size"] == 16
-    assert report["bench"]["schedule"] == "alternating"
     assert "not the targets' conditions" in report["bench"]["caveat"]
-    assert list(report["modes"]) == list(tuple(MODES))
-    for name, entry in report["modes"].items():
-        assert entry["peak_mem_bytes"] is None  # no allocator counter on CPU; said in memory_note
-        assert len(entry["step_ms"]) == 3 and entry["step_ms_median"] > 0
-        tokens_per_step = 2 * 8
-        assert entry["tokens_per_s"] == pytest.approx(
-            tokens_per_step / (entry["step_ms_median"] / 1000.0))
     assert "CPU torch keeps no allocator peak counter" in report["bench"]["memory_note"]
-    for name in ("graphed_static", "moe_partial"):
-        entry = report["modes"][name]
-        assert entry["recompute_graph_ms"] > 0 and entry["recompute_lower_bound_ms"] > 0
-        # the bound is the block's traffic over the measured copy bandwidth
-        assert entry["recompute_lower_bound_ms"] == pytest.approx(
-            1000.0 * entry["recompute_bytes"]["total"] / report["copy_bandwidth_bytes_per_s"])
-    for name in ("graphed_none", "attn_split"):
-        assert report["modes"][name]["recompute_graph_ms"] is None
-    # same weights, data and dropout seeds: every dense mode reproduces eager_none's losses
-    for name in ("eager_block", "graphed_none", "graphed_static", "attn_split"):
-        assert report["modes"][name]["losses_equal_eager_none"] is True
-    assert report["modes"]["moe_partial"]["losses_equal_eager_none"] is None
-    assert [t["status"] for t in report["targets"]][0] == "SKIP"  # no peak memory on CPU
+    for name, entry in report["modes"].items():
+        assert entry["peak_allocated_bytes"] is None and entry["peak_reserved_bytes"] is None
+        assert len(entry["step_ms"]) == 2 and entry["step_ms_median"] > 0
+        assert entry["tokens_per_s"] == pytest.approx(2 * 8 / (entry["step_ms_median"] / 1e3))
+        profile = entry["profile"]
+        assert profile["device"] == "cpu" and 0 < profile["busy_share"] <= 1
+        assert {"forward", "backward", "optimizer"} <= set(profile["phases"])
+        ops = {row["op"]: row for row in entry["fused_ops"]}
+        assert ops["mhc_cg::rms_norm"]["calls"] == 1 and ops["mhc_cg::rms_norm"]["bytes"] > 0
+    static = report["modes"]["graphed_static"]
+    assert static["recompute_graph_ms"] > 0 and static["recompute_lower_bound_ms"] > 0
+    # the bound is the block's traffic over the copy bandwidth measured in that process
+    assert static["recompute_lower_bound_ms"] == pytest.approx(
+        1000.0 * static["recompute_bytes"]["total"] / static["copy_bandwidth_bytes_per_s"])
+    # same weights, data and dropout seeds in two processes: the same losses
+    assert static["losses_equal_eager_none"] is True
     assert all(t["status"] in ("PASS", "FAIL", "SKIP") for t in report["targets"])
-    md = (cpu_report / "cpu.md").read_text()
+    assert report["targets"][0]["status"] == "SKIP"  # no peak memory on CPU
+    md = (out / "cpu.md").read_text()
     assert "| graphed_static |" in md and "not the targets' conditions" in md
 
 
-@pytest.mark.parametrize("experts", [None, 4])
-def test_graphed_none_losses_equal_eager_none_bit_for_bit(tiny_config, experts):
-    cfg = load_config(tiny_config)
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_experts=experts))
-    ref = train(cfg, steps=3, mode="eager_none", progress=False)
-    got = train(cfg, steps=3, mode="graphed_none", progress=False)
-    assert got.losses == ref.losses and got.grad_norms == ref.grad_norms
-    # fwd + bwd graph per captured sublayer; a MoE MLP cannot be captured whole and runs eagerly
-    captured = cfg.model.num_layers * (1 if experts else 2)
-    assert got.info["graphs"] == 2 * captured
+def test_a_mode_out_of_time_is_reported_and_the_bench_goes_on(tiny_config):
+    opts = bench.BenchOptions(modes=("eager_none", "eager_block"), steps=1, warmup=0,
+                              profile_steps=1, mode_timeout_s=0.2)
+    modes = bench.run_bench([("tiny", load_config(tiny_config))], torch.device("cpu"),
+                            opts)[0]["modes"]
+    assert [e["error"] for e in modes.values()] == ["timed out after 0.2 s"] * 2
+    assert "failed: timed out" in bench.markdown([{**bench._report_head(
+        "tiny", load_config(tiny_config), torch.device("cpu"), opts), "modes": modes}])
+
+
+def test_two_shapes_with_one_name_are_refused(tiny_config, tmp_path, capsys):
+    other = tmp_path / tiny_config.name
+    other.write_text(tiny_config.read_text())
+    assert main(["bench", "--config", str(tiny_config), "--config", str(other)]) == 2
+    assert "--config: two shapes share a file name" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("modes", ["eager_none,bogus", "graphed", ","])
@@ -112,36 +129,36 @@ def test_recompute_traffic_matches_hand_computed_bytes(tiny_config):
     seed = 8  # int64
     # per sublayer: mapping_proj (n*C -> n^2 + 2n), three alphas, bias (n^2 + 2n), RMSNorm weight (C)
     params = 2 * lr * (n * c * (n * n + 2 * n) + 3 + (n * n + 2 * n) + c) * f32
-    traffic = bench.recompute_traffic(graphed, 0)
+    traffic = bench_run.recompute_traffic(graphed, 0)
     assert traffic["read_inputs"] == x_l0 + f_outputs + seed
     assert traffic["read_params"] == params
     assert traffic["write_arena"] == graphed.runtime.arena.nbytes > x_l0  # several n*C slots
     assert traffic["total"] == x_l0 + f_outputs + seed + params + graphed.runtime.arena.nbytes
-    assert bench.lower_bound_seconds(traffic["total"], 2.0e9) == traffic["total"] / 2.0e9
+    assert bench_run.lower_bound_seconds(traffic["total"], 2.0e9) == traffic["total"] / 2.0e9
     with pytest.raises(ValueError):
-        bench.lower_bound_seconds(1, 0.0)
+        bench_run.lower_bound_seconds(1, 0.0)
 
 
 def test_copy_bandwidth_counts_read_and_write(monkeypatch):
-    monkeypatch.setattr(bench, "time_repeated", lambda fn, repeats, device: 0.25)
-    assert bench.copy_bandwidth(torch.device("cpu"), 1000) == 2 * 1000 / 0.25
-    assert bench.copy_bandwidth(torch.device("cpu"), 1 << 20) > 0  # and it runs for real
+    monkeypatch.setattr(bench_run, "time_repeated", lambda fn, repeats, device: 0.25)
+    assert bench_run.copy_bandwidth(torch.device("cpu"), 1000) == 2 * 1000 / 0.25
+    assert bench_run.copy_bandwidth(torch.device("cpu"), 1 << 20) > 0  # and it runs for real
 
 
 def test_targets_check_pass_fail_skip():
-    modes = {"eager_none": {"step_ms_median": 100.0, "peak_mem_bytes": 900},
-             "eager_block": {"step_ms_median": 120.0, "peak_mem_bytes": 500},
-             "graphed_static": {"step_ms_median": 105.0, "peak_mem_bytes": 520,
+    modes = {"eager_none": {"step_ms_median": 100.0, "peak_allocated_bytes": 900},
+             "eager_block": {"step_ms_median": 120.0, "peak_allocated_bytes": 500},
+             "graphed_static": {"step_ms_median": 105.0, "peak_allocated_bytes": 520,
                                 "recompute_graph_ms": 3.0, "recompute_lower_bound_ms": 1.0}}
     got = {t["target"]: t["status"] for t in bench.targets_check(modes)}
-    assert got == {"peak <= 1.05 x eager_block": "PASS", "step <= 0.9 x eager_block": "PASS",
-                   "step <= 1.07 x eager_none": "PASS", "step < attn_split": "SKIP",
-                   "recompute graph <= 2 x its bound": "FAIL"}
+    assert got == {"peak <= eager_none": "PASS", "peak <= 1.05 x eager_block": "PASS",
+                   "step <= 1.07 x eager_none": "PASS", "step < eager_block": "PASS",
+                   "step < attn_split": "SKIP", "recompute graph <= 2 x its bound": "FAIL"}
     modes["attn_split"] = {"step_ms_median": 105.0}  # equal is not below
     assert {t["target"]: t["status"] for t in bench.targets_check(modes)}["step < attn_split"] == "FAIL"
     modes["attn_split"] = {"step_ms_median": 110.0}
     assert {t["target"]: t["status"] for t in bench.targets_check(modes)}["step < attn_split"] == "PASS"
-    modes["graphed_static"]["peak_mem_bytes"] = None
+    modes["graphed_static"]["peak_allocated_bytes"] = None
     assert bench.targets_check(modes)[0]["status"] == "SKIP"
 
 

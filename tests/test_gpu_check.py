@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import gzip
 import json
 import os
 import subprocess
@@ -43,13 +42,37 @@ def dry_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_every_part_ends_ok_and_in_order(dry_run):
+    """The parts in the order a GPU run needs them most: the bench, the kernel table, Megatron
+    under its own helper, the cuda tests."""
     parts = summary(dry_run)
-    assert list(parts) == ["tests", "probe", "bench", *(f"profile:{m}" for m in DRY_MODES),
-                           "timeline"]
+    assert list(parts) == ["bench", "kernels", "megatron", "tests"]
     assert {p: r["status"] for p, r in parts.items()} == {p: "ok" for p in parts}
     assert all(0 <= int(r["seconds"]) <= int(r["limit_s"]) for r in parts.values())
     env = (dry_run / "env.txt").read_text()
     assert f"torch {torch.__version__}" in env and "gpu none" in env
+
+
+def test_the_gpu_run_fits_nine_minutes():
+    """The limits of a real run add up to at most 540 s, the bench first."""
+    text = (REPO / "bench" / "gpu_check.sh").read_text()
+    real = text[text.index("BUDGET=${GPU_CHECK_BUDGET_S:-540}"):]
+    limits = real[real.index("LIMITS=(") + 8:real.index(")")].split()
+    assert [kv.split("=")[0] for kv in limits] == ["bench", "kernels", "megatron", "tests"]
+    assert sum(int(kv.split("=")[1]) for kv in limits) <= 540
+
+
+@pytest.mark.slow
+def test_bench_runs_both_shapes_each_mode_in_its_own_process(dry_run):
+    for shape in ("dry_shape", "dry_memory"):
+        report = json.loads((dry_run / "bench" / f"cpu.{shape}.json").read_text())
+        assert list(report["modes"]) == DRY_MODES
+        pids = {e["pid"] for e in report["modes"].values()}
+        assert len(pids) == len(DRY_MODES)
+        assert report["modes"]["attn_split"]["losses_equal_eager_none"] is True
+        assert report["modes"]["graphed_static"]["losses_equal_eager_none"] is True
+        assert all(e["profile"]["phases"] for e in report["modes"].values())
+    memory = json.loads((dry_run / "bench" / "cpu.dry_memory.json").read_text())
+    assert memory["config"]["model"]["seq_length"] == 32
 
 
 @pytest.mark.slow
@@ -60,52 +83,22 @@ def test_cuda_tests_ran_and_skipped_cleanly(dry_run):
 
 
 @pytest.mark.slow
-def test_probe_measures_pools_and_says_what_is_not_available(dry_run):
+def test_the_kernel_part_says_what_is_not_available(dry_run):
     report = json.loads((dry_run / "probe" / "probe.json").read_text())
     parts = report["parts"]
-    assert list(parts) == list(probe.PARTS)
-    pools = parts["pools"]
-    assert pools["status"] == "ok" and list(pools["modes"]) == list(probe.POOL_MODES)
-    for mode, entry in pools["modes"].items():
-        assert entry["backend"] == "tape"
-        assert entry["total_bytes"] == sum(r["bytes"] for r in entry["pools"]) > 0
-    # graphed_static: every sublayer graphed, so the recompute graphs join the sublayers' pool
-    (static_pool,) = pools["modes"]["graphed_static"]["pools"]
-    # fwd + bwd per sublayer; its one recompute block is the last, which each backward finds
-    # still in the arena, so it has no graph
-    assert static_pool["graphs"] == 2 * 2 * 2
-    assert len(pools["modes"]["attn_split"]["pools"]) == 1
-    assert pools["modes"]["attn_split"]["pools"][0]["graphs"] == 2 * 2  # fwd + bwd per layer
+    assert list(parts) == ["kernels", "dropout"]
     assert parts["dropout"]["status"] == "not available" and "no CUDA" in parts["dropout"]["reason"]
     kernels = parts["kernels"]
     # Triton kernels need CUDA; without the kernels package the reason names it
     assert kernels["status"] == "not available"
     assert "mhc_cg.ops.kernels" in kernels["reason"] or "no CUDA device" in kernels["reason"]
-    cost = pools["cost_model"]
-    assert cost == "available" or "mhc_cg.tools.cost" in cost
 
 
 @pytest.mark.slow
-def test_bench_runs_the_peer_mode_bit_identically(dry_run):
-    report = json.loads((dry_run / "bench" / "cpu.json").read_text())
-    assert list(report["modes"]) == DRY_MODES
-    assert report["modes"]["attn_split"]["losses_equal_eager_none"] is True
-    assert report["modes"]["graphed_static"]["losses_equal_eager_none"] is True
-    assert any(t["target"] == "step < attn_split" for t in report["targets"])
-
-
-@pytest.mark.slow
-def test_a_trace_per_mode_and_the_comparisons_against_graphed_static(dry_run):
-    for mode in DRY_MODES:
-        trace = json.loads(gzip.decompress((dry_run / "profiles" / f"{mode}.json.gz").read_bytes()))
-        names = {e.get("name") for e in trace["traceEvents"]}
-        assert "step" in names and "forward" in names
-        assert f"--mode {mode}" in (dry_run / "profiles" / f"{mode}.command.txt").read_text()
-    for mode in ("eager_none", "attn_split"):
-        text = (dry_run / "timeline" / f"graphed_static_vs_{mode}.txt").read_text()
-        assert "A = graphed_static" in text and f"B = {mode}" in text
-        data = json.loads((dry_run / "timeline" / f"graphed_static_vs_{mode}.json").read_text())
-        assert data  # parsed, not empty
+def test_megatron_main_under_its_own_helper_is_bit_identical_to_main_eager(dry_run):
+    result = json.loads((dry_run / "megatron" / "compare.json").read_text())
+    assert result["bit_identical"] is True
+    assert {"mhc_cg", "main_eager_none"} <= set(result["runs"])
 
 
 def test_a_spent_budget_skips_parts_and_says_so(tmp_path):
@@ -113,7 +106,7 @@ def test_a_spent_budget_skips_parts_and_says_so(tmp_path):
     assert done.returncode == 1
     parts = summary(tmp_path)
     assert set(r["status"] for r in parts.values()) == {"skipped (budget spent)"}
-    assert "timeline" in parts and not (tmp_path / "probe" / "probe.json").exists()
+    assert "tests" in parts and not (tmp_path / "probe" / "probe.json").exists()
 
 
 # ------------------------------------------------------------------------------------------

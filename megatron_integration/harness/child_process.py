@@ -13,9 +13,10 @@ this process, so work on ``main``'s layer runs in a child process whose ``PYTHON
 
 A snapshot is extracted into a scratch folder. The tests also find Megatron-LM ``dev``'s snapshot
 (``megatron-lm-dev-*.tar.gz``, :func:`snapshot_archive` of ``"dev"``) the same way. Megatron's TE graph helper needs
-TransformerEngine, which installs only with CUDA: on a machine without a GPU the child loads
-:mod:`megatron_integration.harness.te_on_tape` after megatron (TE's graph API on mhc_cg's tape,
-FP8 refused); ``MHC_CG_TE_STANDIN`` names its folder for the child.
+TransformerEngine, which installs only with CUDA (its wheel is 276 MB): where it is missing the
+child loads :mod:`megatron_integration.harness.te_on_tape` after megatron (TE's graph API on
+mhc_cg's graphs: the tape on a CPU, ``torch.cuda.CUDAGraph`` on a GPU; FP8 refused);
+``MHC_CG_TE_STANDIN`` names its folder for the child.
 """
 
 from __future__ import annotations
@@ -135,12 +136,10 @@ def find_megatron(branch: str = "main") -> MainSource:
 
 
 def te_standin_for(device: str) -> Path | None:
-    """The stand-in folder the child loads in place of TransformerEngine, or ``None`` for real TE."""
-    if device == "cuda":
-        if not te_available():
-            raise ConfigError("train.device: cuda runs megatron's TECudaGraphHelper with "
-                              "TransformerEngine, which is not installed; pip install "
-                              "'transformer-engine[pytorch]', or set train.device: cpu")
+    """The stand-in folder the child loads in place of TransformerEngine, or ``None`` for real TE
+    (installed, on a GPU). Without TE the stand-in serves TE's graph API with mhc_cg's
+    ``make_graphed_callables``: on ``torch.cuda.CUDAGraph`` on a GPU, on the tape on a CPU."""
+    if device == "cuda" and te_available():
         return None
     return STANDIN_DIR
 

@@ -15,7 +15,6 @@ from mhc_cg.config import RunConfig
 from mhc_cg.config.choices import split_recompute_scope
 from mhc_cg.config.rules import megatron_problems
 from mhc_cg.core.errors import ConfigError
-from mhc_cg.runtime.graphs.backends import te_available
 from megatron_integration.harness.child_process import find_megatron, run_megatron_job
 from megatron_integration.harness.runs import OURS, compare_ranks, references, runs_of
 
@@ -26,11 +25,12 @@ PROGRESS = "[mhc-cg megatron]"
 
 
 def resolve_device(cfg: RunConfig) -> str:
-    """``cuda`` where asked, or for ``auto`` where a GPU and TransformerEngine are both there;
-    else ``cpu`` (megatron's helper then runs with the test stand-in for TE)."""
+    """``cuda`` where asked, or for ``auto`` where there is a GPU (megatron's helper then runs with
+    TransformerEngine, or without it with the stand-in over ``torch.cuda.CUDAGraph``); else
+    ``cpu`` (the stand-in over the tape)."""
     if cfg.train.device != "auto":
         return cfg.train.device
-    return "cuda" if torch.cuda.is_available() and te_available() else "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def world_size(cfg: RunConfig) -> int:

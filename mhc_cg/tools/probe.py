@@ -37,7 +37,8 @@ from mhc_cg.core.errors import ConfigError
 from mhc_cg.ops import kernels
 from mhc_cg.ops.dropout import counter_dropout_mask
 from mhc_cg.runtime.modes.registry import MODES, build, capture_plan, mode_config
-from mhc_cg.tools.bench import copy_bandwidth, device_name, synchronize, time_repeated
+from mhc_cg.tools.bench import device_name
+from mhc_cg.tools.bench_run import copy_bandwidth, synchronize, time_repeated
 from mhc_cg.tools.cost.report import cost_mode
 from mhc_cg.training.device import resolve_device
 

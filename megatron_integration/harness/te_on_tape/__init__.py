@@ -1,10 +1,11 @@
-"""TransformerEngine's graph API on mhc_cg's tape, for megatron's TE graph helper on a CPU.
+"""TransformerEngine's graph API on mhc_cg's graphs, for megatron's TE graph helper without TE.
 
 ``transformer_engine/`` beside this file is a stand-in for TE's package: its
-``make_graphed_callables`` is mhc_cg's (``mhc_cg.runtime.graphs``) on the ``tape`` backend, with
-TE's argument names and ``_order`` semantics; FP8 is refused. It exists so that megatron's own
-``TECudaGraphHelper`` can run where TE cannot be installed (no GPU): ``mhc-cg megatron`` on a CPU
-and the tests. On a GPU, real TransformerEngine is used and this is never loaded.
+``make_graphed_callables`` is mhc_cg's (``mhc_cg.runtime.graphs``) on the ``auto`` backend (the
+tape on a CPU, ``torch.cuda.CUDAGraph`` on a GPU), with TE's argument names and ``_order``
+semantics; FP8 is refused. It exists so that megatron's own ``TECudaGraphHelper`` can run where
+TE is not installed: ``mhc-cg megatron`` on a CPU and the tests, and on a GPU machine without
+TE (the lent ones; its wheel is 276 MB). Where TE is installed on a GPU, TE is used.
 
 ``load()`` puts it into a process that has imported megatron already.
 

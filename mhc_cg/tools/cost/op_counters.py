@@ -53,6 +53,7 @@ class OpCounter:
     by_part: Counter = field(default_factory=Counter)
     by_phase: Counter = field(default_factory=Counter)
     seconds_by_phase: Counter = field(default_factory=Counter)
+    bytes_by_op: Counter = field(default_factory=Counter)
 
     @property
     def bytes(self) -> int:
@@ -73,6 +74,7 @@ class OpCounter:
         seconds = max((read + written) / bandwidth, flops / H100_FLOPS)
         self.model_seconds += seconds
         self.by_op[str(func.overloadpacket)] += launches
+        self.bytes_by_op[str(func.overloadpacket)] += read + written
         phase = traffic.current_phase() or "other"
         self.by_phase[phase] += launches
         self.seconds_by_phase[phase] += seconds
@@ -89,6 +91,7 @@ class OpCounter:
         self.by_part.update(other.by_part)
         self.by_phase.update(other.by_phase)
         self.seconds_by_phase.update(other.seconds_by_phase)
+        self.bytes_by_op.update(other.bytes_by_op)
 
 
 # What a kernel's bytes are for. mHC traffic is the fused mHC ops plus every other op that touches

@@ -87,7 +87,6 @@ def cost_mode(cfg: RunConfig, mode: str, device: str,
     mode_model = session.mode_model
     graphs = _graph_entries(mode_model, backend, cfg)
     info = mode_model.describe()
-    by_part = recorder.by_part
     pool_reserved = sum(p.state.high_water for p in backend.pools)
     memory = peak_memory(session, info, mode_model.static_buffer_bytes(), pool_reserved,
                          recorder.live.peak)
@@ -95,47 +94,57 @@ def cost_mode(cfg: RunConfig, mode: str, device: str,
     by_phase = {phase: held + recorder.live.peak_by_phase[phase] for phase in traffic.PHASES
                 if phase in recorder.live.peak_by_phase}
     return {
-        "kernels_per_step": recorder.kernels,
-        "kernels_by_phase": dict(recorder.kernels_by_phase),
-        "bytes_per_step": recorder.bytes,
-        "eager_kernels_per_step": recorder.eager.kernels,
-        "eager_bytes_per_step": recorder.eager.bytes,
-        "host_ops_per_step": recorder.host_ops,
-        "graph_replays_per_step": recorder.replays,
+        **_step_figures(recorder, cfg),
         "graphs": graphs,
         "pools": len(backend.pools),
         "pool_reserved_bytes": pool_reserved,
+        # what the pools hold allocated after the step (max_memory_allocated counts this much
+        # of them; they reserve pool_reserved_bytes)
+        "pool_live_bytes": sum(b.nbytes for p in backend.pools for b in p.state.live_resident()),
         "arena_bytes": info.get("arena_bytes"),
         "persistent_bytes_per_microbatch": info.get("persistent_bytes_per_microbatch"),
         "static_buffer_bytes": mode_model.static_buffer_bytes(),
-        "top_eager_kernels": dict(recorder.eager.by_op.most_common(8)),
-        "flops_per_step": recorder.eager.flops + recorder.graphs.flops,
-        "predicted_h100_step_s": predicted_seconds(
-            recorder.eager.model_seconds + recorder.graphs.model_seconds, recorder.eager.kernels,
-            recorder.replays),
-        # per phase: its kernels' time (a graph's where it was captured) and its launches
-        "predicted_h100_s_by_phase": {
-            phase: predicted_seconds(
-                recorder.eager.seconds_by_phase[phase] + recorder.graphs.seconds_by_phase[phase],
-                recorder.eager.by_phase[phase], recorder.replays_by_phase[phase])
-            for phase in (*traffic.PHASES, "other") if recorder.kernels_by_phase[phase]},
-        # ... its kernels' time alone (what a profiler's kernel intervals measure)
-        "kernel_s_by_phase": {
-            phase: recorder.eager.seconds_by_phase[phase] + recorder.graphs.seconds_by_phase[phase]
-            for phase in (*traffic.PHASES, "other") if recorder.kernels_by_phase[phase]},
-        "bytes_by_phase_and_part": by_phase_and_part(by_part),
-        "mhc_traffic_C": mhc_traffic_c(by_part, cfg),
-        "copy_bytes_per_step": copies(by_part),
         "peak_bytes": sum(memory.values()),
         "peak_memory": memory,
         "peak_bytes_by_phase": by_phase,
         "peak_phase": max(by_phase, key=by_phase.get),
         "step_peak_by_phase": {phase: recorder.live.peak_by_phase[phase]
                                for phase in traffic.PHASES if phase in recorder.live.peak_by_phase},
-        # what the pools hold allocated after the step (max_memory_allocated counts this much
-        # of them; they reserve pool_reserved_bytes)
-        "pool_live_bytes": sum(b.nbytes for p in backend.pools for b in p.state.live_resident()),
         "step_temporaries_by_phase": dict(recorder.live.largest_by_phase),
+    }
+
+
+def _step_figures(recorder: StepRecorder, cfg: RunConfig) -> dict:
+    """Kernels, bytes and modelled time of a recorded step, in all and per phase and part."""
+    eager, graphed = recorder.eager, recorder.graphs
+    phases = [p for p in (*traffic.PHASES, "other") if recorder.kernels_by_phase[p]]
+    return {
+        "kernels_per_step": recorder.kernels,
+        "kernels_by_phase": dict(recorder.kernels_by_phase),
+        "bytes_per_step": recorder.bytes,
+        "eager_kernels_per_step": eager.kernels,
+        "eager_bytes_per_step": eager.bytes,
+        "host_ops_per_step": recorder.host_ops,
+        "graph_replays_per_step": recorder.replays,
+        "top_eager_kernels": dict(eager.by_op.most_common(8)),
+        # the fused mHC ops, eager and inside graphs: kernels and bytes per step
+        "fused_ops": {op.replace(".", "::", 1): {
+            "kernels": eager.by_op[op] + graphed.by_op[op],
+            "bytes": eager.bytes_by_op[op] + graphed.bytes_by_op[op]}
+            for op in sorted(set(eager.by_op) | set(graphed.by_op)) if op.startswith("mhc_cg.")},
+        "flops_per_step": eager.flops + graphed.flops,
+        "predicted_h100_step_s": predicted_seconds(
+            eager.model_seconds + graphed.model_seconds, eager.kernels, recorder.replays),
+        # per phase: its kernels' time (a graph's where it was captured) and its launches
+        "predicted_h100_s_by_phase": {
+            p: predicted_seconds(eager.seconds_by_phase[p] + graphed.seconds_by_phase[p],
+                                 eager.by_phase[p], recorder.replays_by_phase[p]) for p in phases},
+        # ... its kernels' time alone (what a profiler's kernel intervals measure)
+        "kernel_s_by_phase": {p: eager.seconds_by_phase[p] + graphed.seconds_by_phase[p]
+                              for p in phases},
+        "bytes_by_phase_and_part": by_phase_and_part(recorder.by_part),
+        "mhc_traffic_C": mhc_traffic_c(recorder.by_part, cfg),
+        "copy_bytes_per_step": copies(recorder.by_part),
     }
 
 

@@ -1,4 +1,5 @@
-"""TE's ``make_graphed_callables`` on mhc_cg's tape backend, and the names megatron imports beside it."""
+"""TE's ``make_graphed_callables`` on mhc_cg's graphs (the tape on a CPU, ``torch.cuda.CUDAGraph``
+on a GPU: the inputs' device decides), and the names megatron imports beside it."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unuse
                            retain_graph_in_backward=False,
                            _reuse_graph_input_output_buffers=False, **others):
     """TE's signature; the work is ``mhc_cg.runtime.graphs.make_graphed_callables(...,
-    backend="tape")``. What the tape cannot stand in for is refused, naming the argument."""
+    backend="auto")``. What the stand-in cannot stand in for is refused, naming the argument."""
     if _fp8_requested(fp8_enabled) or fp8_calibrating or fp8_weight_caching:
         raise NotImplementedError(
             "the TransformerEngine stand-in has no FP8: fp8_enabled/fp8_calibrating/"
@@ -41,7 +42,7 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unuse
         modules, sample_args, sample_kwargs=sample_kwargs, order=_order,
         num_layers_per_chunk=_num_layers_per_chunk,
         reuse_input_buffers=_reuse_graph_input_output_buffers,
-        num_warmup_iters=num_warmup_iters, allow_unused_input=allow_unused_input, backend="tape")
+        num_warmup_iters=num_warmup_iters, allow_unused_input=allow_unused_input, backend="auto")
 
 
 def _no_fp8(name: str):
