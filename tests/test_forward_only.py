@@ -150,6 +150,19 @@ def test_changing_what_the_graphs_baked_in_is_refused_naming_the_field(mode):
         forward(inputs, seed)
 
 
+@pytest.mark.parametrize("mode", ["graphed_static", "graphed_none"])
+def test_a_gradient_the_graphs_add_into_cannot_be_set_to_none(mode):
+    """The backward graphs add parameter grads into the optimizer's gradient buffer: a ``.grad``
+    set to None (zero_grad(set_to_none=True) of another optimizer) is refused by name."""
+    cfg = tiny_run_config()
+    session = session_for(cfg, mode)
+    inputs, _, seed = side_batch(cfg)
+    layer = session.model.layers[0].attention.hc.mapping_proj.weight
+    layer.grad = None
+    with pytest.raises(StaleCaptureError, match="parameter gradients: set to None or replaced"):
+        session.forward(inputs, seed)
+
+
 def test_changing_the_dtype_after_capture_names_train_dtype():
     cfg = tiny_run_config()
     session = session_for(cfg, "graphed_static")

@@ -49,11 +49,14 @@ once (the streams' expand at a chunk's start). The other way round, an eager con
 output may write its grad straight into the buffer the backward graph reads it from
 (:func:`grad_output_buffer`; the streams' contraction at a chunk's end): no copy in either.
 
-With ``keep_param_grads`` a parameter's grad is not cloned either: it stays in the pool where its
-one backward graph writes it and is handed to ``.grad`` directly (Megatron writes weight grads
-straight into ``main_grad`` for the same reason). The price is TE's: a ``.grad`` that is such a
-buffer is moved to a copy before that graph replays again, so a reference to ``.grad`` taken
-before it was set to ``None`` sees the next replay's values.
+With ``keep_param_grads`` a parameter's grad is not cloned either. Where the parameter has a
+``.grad`` buffer when the graphs are captured (the training's optimizer keeps every gradient in
+one), the backward graph adds the grad into it (Note [grads accumulated inside the graph]).
+Otherwise it stays in the pool where its one backward graph writes it and is handed to ``.grad``
+directly (Megatron writes weight grads straight into ``main_grad`` for the same reason); the
+price is TE's: a ``.grad`` that is such a buffer is moved to a copy before that graph replays
+again, so a reference to ``.grad`` taken before it was set to ``None`` sees the next replay's
+values.
 """
 
 from __future__ import annotations
@@ -209,6 +212,8 @@ class GraphedState:
     saved_outputs: list[int] = field(default_factory=list)  # outputs the backward graph reads
     # surface index -> the parameter whose gradient stays where the backward graph writes it
     kept_grads: dict[int, torch.nn.Parameter] = field(default_factory=dict)
+    # surface index -> the parameter whose gradient the backward graph adds into its ``.grad``
+    grads_into: dict[int, torch.nn.Parameter] = field(default_factory=dict)
     lend_to_eager: bool = False  # make_graphed_callables(lend_grads_to_eager=...)
 
     @property
@@ -592,8 +597,7 @@ def make_graphed_callables(
     Not in TE: ``capture_before_backward``, ``{sample index: capture(pool)}``, called just before
     the backward graph of that sample is captured, to capture graphs of the caller's into the
     same pool there (each must then replay there in every iteration and leave nothing of the pool
-    allocated); ``keep_param_grads``, a parameter grad that one backward graph alone computes
-    becomes ``.grad`` where the graph wrote it (shared parameters get clones);
+    allocated); ``keep_param_grads``, parameter grads are not cloned (module docstring);
     ``lend_grads_to_eager``, for callers that run one chain of graphs per backward, an input made
     by an eager op that reads its grad once gets that grad uncloned (module docstring).
 
@@ -675,8 +679,10 @@ def _runners(func_of: dict, layout: OrderLayout | None, sample_args: list, sampl
         holders = Counter(id(p) for state in states for p in state.params)
         for state in states:
             first = len(state.static_inputs)
-            state.kept_grads = {first + j: p for j, p in enumerate(state.params)
-                                if p.requires_grad and holders[id(p)] == 1}
+            trained = [(first + j, p) for j, p in enumerate(state.params) if p.requires_grad]
+            state.grads_into = {i: p for i, p in trained if p.grad is not None}
+            state.kept_grads = {i: p for i, p in trained
+                                if p.grad is None and holders[id(p)] == 1}
     return states
 
 
@@ -790,6 +796,7 @@ def _capture(backend: GraphBackend, pool, passes, func_of, states, sample_args, 
         with state.bwd_graph.capture(), traffic.phase("backward"):
             grads = _grads_of(diff_outputs, state.surface,
                               [g for g in state.static_grad_outputs if g is not None], allow_unused)
+            _accumulate_into_grads(state, grads)
         # replay_backward clones them before any other graph runs: the pool may have them back;
         # kept parameter grads stay this graph's own (they become ``.grad``)
         made = state.bwd_graph.made_storages
@@ -801,6 +808,27 @@ def _capture(backend: GraphBackend, pool, passes, func_of, states, sample_args, 
                                     for i, r in enumerate(released)]
         del grads
     backend.synchronize()
+    with torch.no_grad():  # what a capture that runs its ops (the tape) added there
+        for param in {id(p): p for state in states for p in state.grads_into.values()}.values():
+            param.grad.zero_()
+
+
+def _accumulate_into_grads(state: GraphedState, grads: list) -> None:
+    """Inside a backward capture: add each parameter grad of ``state.grads_into`` into its
+    ``.grad`` and drop it, so that its block goes back to the pool.
+
+    Note [grads accumulated inside the graph]: a parameter whose ``.grad`` is a persistent buffer
+    when the graphs are captured (the optimizer's flat gradient buffer) gets its gradient added
+    there by the backward graph itself, as Megatron's gradient accumulation fusion writes weight
+    grads into ``main_grad``: no grad leaves the pool, no eager add follows. The graph writes
+    that buffer's address, so it must stay ``.grad`` (zeroed in place, never replaced or set to
+    ``None``: :class:`~mhc_cg.runtime.modes.lifecycle.CapturedState` refuses a forward otherwise).
+    """
+    with torch.no_grad():
+        for i, param in state.grads_into.items():
+            if grads[i] is not None:
+                param.grad.add_(grads[i])
+                grads[i] = None
 
 
 def _label(layout: OrderLayout, index: int) -> str:

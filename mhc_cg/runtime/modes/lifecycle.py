@@ -181,12 +181,14 @@ class CapturedState:
     dtype: torch.dtype
     device: torch.device
     param_ptrs: tuple[int, ...]
+    grad_ptrs: tuple[int | None, ...]  # the .grad buffers backward graphs may add into
 
     @classmethod
     def of(cls, model: MHCGPT) -> "CapturedState":
         params = list(model.parameters())
         return cls(model.cfg.hidden_dropout, model.cfg.dropout_impl, params[0].dtype,
-                   params[0].device, tuple(p.data_ptr() for p in params))
+                   params[0].device, tuple(p.data_ptr() for p in params),
+                   tuple(None if p.grad is None else p.grad.data_ptr() for p in params))
 
     def check(self, model: MHCGPT) -> None:
         """Raise :class:`StaleCaptureError` naming the first field that changed since capture."""
@@ -205,3 +207,9 @@ class CapturedState:
                 "model parameters: replaced or moved since the graphs were captured (model.to(), "
                 "a new nn.Parameter, load_state_dict(assign=True)); the graphs read the old "
                 "addresses; copy new values in place (param.data.copy_(...)), " + rebuild)
+        if any(then is not None and then != grad for then, grad in zip(self.grad_ptrs,
+                                                                        now.grad_ptrs)):
+            raise StaleCaptureError(
+                "parameter gradients: set to None or replaced since the graphs were captured; "
+                "the backward graphs add into the old buffers (Note [grads accumulated inside "
+                "the graph]); zero them in place (optimizer.zero_grad()), " + rebuild)
