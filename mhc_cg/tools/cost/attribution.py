@@ -83,6 +83,10 @@ def predicted_seconds(model_seconds: float, eager_kernels: int, replays: int) ->
     return model_seconds + eager_kernels * EAGER_LAUNCH_S + replays * GRAPH_LAUNCH_S
 
 
-MODEL_NOTE = (f"modelled, not measured: each kernel max(bytes / {H100_BYTES_PER_S / 1e12:.2f} TB/s, "
-              f"FLOPs / {H100_FLOPS / 1e12:.0f} TFLOP/s), + {EAGER_LAUNCH_S * 1e6:.0f} us per eager "
-              f"launch, + {GRAPH_LAUNCH_S * 1e6:.0f} us per graph replay")
+def model_note(copy_share: float | None = None) -> str:
+    """How step times are modelled, with the bandwidth bytes are timed at."""
+    bandwidth = H100_BYTES_PER_S * (copy_share or 1.0) / 1e12
+    where = "the measured copy bandwidth" if copy_share else "the HBM peak"
+    return (f"modelled, not measured: each kernel max(bytes / {bandwidth:.2f} TB/s ({where}), "
+            f"FLOPs / {H100_FLOPS / 1e12:.0f} TFLOP/s), + {EAGER_LAUNCH_S * 1e6:.0f} us per eager "
+            f"launch, + {GRAPH_LAUNCH_S * 1e6:.0f} us per graph replay")

@@ -29,7 +29,7 @@ from mhc_cg.core.progress import log
 from mhc_cg.model import recomputes_activation
 from mhc_cg.runtime.modes.registry import MODES, capture_plan, mode_config
 from mhc_cg.tools.cost.attention import fused_attention_on_meta
-from mhc_cg.tools.cost.attribution import (MODEL_NOTE, REFERENCE_C, by_phase_and_part, copies,
+from mhc_cg.tools.cost.attribution import (REFERENCE_C, model_note, by_phase_and_part, copies,
                                            mhc_traffic_c, predicted_seconds, recompute_bound_bytes)
 from mhc_cg.core.storage import storage_id
 from mhc_cg.tools.cost.allocator import rounded
@@ -370,7 +370,8 @@ def format_traffic(report: dict) -> list[str]:
                "it: " + ", ".join(f"{op.split('::')[1]} {share:.2f}" for op, share in shares.items()
                                   if share < 1) if shares else
                "; every kernel at the full bandwidth (no kernel shares: see mhc-cg kernels)")
-    lines += [f"step times: {MODEL_NOTE}{charged}", "", "bytes per step by part (all phases)"]
+    lines += [f"step times: {model_note(report.get('copy_bandwidth_share'))}{charged}", "",
+              "bytes per step by part (all phases)"]
     parts = sorted({part for m in modes.values() for phase in m["bytes_by_phase_and_part"].values()
                     for part in phase})
     lines.append(f"{'part':34}" + "".join(f"{name:>15}" for name in modes))
