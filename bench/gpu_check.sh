@@ -7,8 +7,9 @@
 # OUT_DIR as soon as it ends (a part that runs out of memory or time loses nothing the others wrote):
 #   bench     mhc-cg bench: every mode, each in a process of its     bench/<slug>.<shape>.json,
 #             own, at the bench shape and the memory shape            bench/<slug>.md
-#   kernels   each fused kernel against its torch path (time, bound,  probe/probe.json
-#             exactness) and dropout masks drawn on the GPU vs the CPU
+#   kernels   mhc-cg kernels --bench --sweep: each fused op's device  kernels/kernel_bench.json,
+#             time apart from its launch cost, GB/s against the cost  kernels/launch_configs.json,
+#             model's bytes; the launch-configuration sweep           kernels/kernel_efficiency.json
 #   megatron  Megatron-LM main's mHC GPT under main's own             megatron/compare.json
 #             TECudaGraphHelper, TE's graph API served by mhc_cg's
 #             make_graphed_callables, against main eager
@@ -56,9 +57,9 @@ EOF
     MODES=${GPU_CHECK_MODES:-eager_none graphed_static attn_split}
     BENCH_ARGS=(--config "$SHAPE" --config "$MEMORY" --backend tape --steps 2 --warmup 1
                 --profile-steps 1 --recompute-replays 2)
-    PROBE_ARGS=(--config "$SHAPE" --backend tape)
+    KERNEL_ARGS=(--dry-run)
     BUDGET=${GPU_CHECK_BUDGET_S:-900}  # generous: CI machines are small and shared
-    LIMITS=(bench=400 kernels=120 megatron=300 tests=120)
+    LIMITS=(bench=400 kernels=200 megatron=300 tests=120)
 else
     DEVICE=(--device cuda)
     # the modules with cuda-marked tests: collecting the rest would import what the GPU machine lacks
@@ -66,9 +67,9 @@ else
     MODES=${GPU_CHECK_MODES:-eager_none eager_block graphed_none graphed_static attn_split}
     BENCH_ARGS=(--config configs/bench_h100.yaml --config configs/bench_h100_memory.yaml
                 --mode-timeout 90)
-    PROBE_ARGS=(--config configs/bench_h100.yaml)
+    KERNEL_ARGS=()
     BUDGET=${GPU_CHECK_BUDGET_S:-540}
-    LIMITS=(bench=330 kernels=60 megatron=90 tests=60)
+    LIMITS=(bench=300 kernels=90 megatron=90 tests=60)
 fi
 limit_of() { local kv; for kv in "${LIMITS[@]}"; do [ "${kv%%=*}" = "$1" ] && echo "${kv#*=}"; done; }
 
@@ -120,9 +121,9 @@ part bench "$(limit_of bench)" "$OUT_DIR/bench/bench.log" \
     "$PY" -m mhc_cg.cli bench "${BENCH_ARGS[@]}" --modes "${MODES// /,}" --out-dir "$OUT_DIR/bench" \
     "${DEVICE[@]}"
 
-part kernels "$(limit_of kernels)" "$OUT_DIR/probe/probe.log" \
-    "$PY" -m mhc_cg.tools.probe --parts kernels,dropout --out "$OUT_DIR/probe" "${DEVICE[@]}" \
-    "${PROBE_ARGS[@]}"
+part kernels "$(limit_of kernels)" "$OUT_DIR/kernels/kernels.log" \
+    "$PY" -m mhc_cg.cli kernels --bench --sweep --no-progress --out "$OUT_DIR/kernels" \
+    "${KERNEL_ARGS[@]}"
 
 # the harness runs on the device it finds (train.device: auto); --json is the record
 part megatron "$(limit_of megatron)" "$OUT_DIR/megatron/megatron.log" \

@@ -129,9 +129,13 @@ def test_a_copy_reads_its_source_and_writes_its_destination_and_an_add_reads_bot
 
 
 def test_fused_ops_are_charged_their_second_passes_and_the_buffers_they_write():
-    """The pre launches two kernels, each reading x; its backward two, reading x and g_out in
-    both, handing each other the per-token coefficients and summing the weight's per-group
-    partials (its scratch), and writes x's grad over g_post (read first)."""
+    """The pre launches three kernels: its state's two stages (the first hands the second fp32
+    rows of sums per split of the features: its scratch) and its F-input pass, each stage-one and
+    F-input pass reading x; its backward two, reading x and g_out in both, handing each other
+    the per-token coefficients and summing the weight's per-group partials (its scratch), and
+    writes x's grad over g_post (read first)."""
+    from mhc_cg.ops.kernels.ops import state_scratch
+
     t, n, c = 64, 4, 32
     m = n * n + 2 * n
     x, weight, bias = torch.randn(t, n * c), torch.randn(m, n * c), torch.randn(m)
@@ -140,9 +144,11 @@ def test_fused_ops_are_charged_their_second_passes_and_the_buffers_they_write():
     with StepRecorder() as step:
         fn_input, state = torch.ops.mhc_cg.pre(x, weight, *alphas, bias, norm, n, 20, 1e-5, False)
     size = lambda *ts: sum(u.numel() * u.element_size() for u in ts)  # noqa: E731
-    assert step.eager.kernels == 2
-    assert step.eager.bytes_read == size(x, x, weight, *alphas, bias, norm)
-    assert step.eager.bytes_written == size(fn_input, state)
+    assert step.eager.kernels == 3
+    (splits, tokens, width), = state_scratch(t, c, n, m).values()
+    rows = 4 * splits * tokens * width  # written by the first stage, read by the second
+    assert step.eager.bytes_read == size(x, x, weight, *alphas, bias, norm) + rows
+    assert step.eager.bytes_written == size(fn_input, state) + rows
 
     g_out, g_state, g_post = torch.randn(t, c), torch.randn_like(state), torch.randn(t, n * c)
     with StepRecorder() as step:
@@ -355,8 +361,14 @@ def test_meta_and_cpu_cost_the_same_graphs_and_arena():
 def test_report_lists_every_mode_with_the_documented_fields():
     report = cost_report(tiny_config(), "meta", "tiny")
     assert list(report["modes"]) == ["eager_none", "eager_block", "graphed_none", "graphed_static",
-                                     "attn_split"]
+                                     "attn_split", "plain_residual"]
     assert list(report["skipped"]) == ["moe_partial"]  # MoE dispatch reads token counts on the host
+    # the paper's headline: each mode's step over the same F's on a plain residual
+    plain = report["modes"]["plain_residual"]
+    assert plain["mhc_overhead"] == 0 and plain["mhc_traffic_C"]["total"] == 0
+    assert all(m["mhc_overhead"] == pytest.approx(
+        m["predicted_h100_step_s"] / plain["predicted_h100_step_s"] - 1)
+        for m in report["modes"].values())
     for mode, m in report["modes"].items():
         for key in ("kernels_per_step", "bytes_per_step", "graphs", "pool_reserved_bytes",
                     "arena_bytes", "persistent_bytes_per_microbatch"):
@@ -396,7 +408,7 @@ def test_moe_config_costs_partial_capture_on_cpu_and_is_refused_on_meta():
     costed, skipped = mode_configs(cfg, "cpu")
     modes = dict(costed)
     assert list(modes) == ["eager_none", "eager_block", "graphed_none", "graphed_static",
-                           "attn_split", "moe_partial"] and skipped == {}
+                           "attn_split", "moe_partial", "plain_residual"] and skipped == {}
     partial = cost_mode(modes["moe_partial"], "moe_partial", "cpu")
     heads = [g for g in partial["graphs"] if g["name"].endswith(".head fwd")]
     assert len(heads) == 2  # the MoE sublayer's captured head, one per layer

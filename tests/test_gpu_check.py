@@ -83,15 +83,34 @@ def test_cuda_tests_ran_and_skipped_cleanly(dry_run):
 
 
 @pytest.mark.slow
-def test_the_kernel_part_says_what_is_not_available(dry_run):
-    report = json.loads((dry_run / "probe" / "probe.json").read_text())
-    parts = report["parts"]
-    assert list(parts) == ["kernels", "dropout"]
-    assert parts["dropout"]["status"] == "not available" and "no CUDA" in parts["dropout"]["reason"]
-    kernels = parts["kernels"]
-    # Triton kernels need CUDA; without the kernels package the reason names it
-    assert kernels["status"] == "not available"
-    assert "mhc_cg.ops.kernels" in kernels["reason"] or "no CUDA device" in kernels["reason"]
+def test_the_kernel_part_writes_the_tables_the_launchers_and_the_cost_model_read(dry_run,
+                                                                                monkeypatch):
+    """``mhc-cg kernels --bench --sweep --dry-run``: the fused ops of an eager step timed
+    (through Triton's interpreter here), every tunable kernel's configurations swept; the
+    fastest become rows the launchers read, the op timings rows ``mhc-cg cost`` charges as
+    measured at this kernel source (once they are an H100's)."""
+    from mhc_cg.ops.kernels.launch import DEFAULTS, ENV, TUNABLE, launch_config
+    from mhc_cg.tools.cost.measured import fused_charges, kernel_source_sha256
+
+    report = json.loads((dry_run / "kernels" / "kernel_bench.json").read_text())
+    assert [s["shape"] for s in report["shapes"]] == ["dry_bench", "dry_memory"]
+    ops = {r["op"]: r for r in report["shapes"][0]["ops"]}
+    assert {"mhc_cg::pre", "mhc_cg::post_state", "mhc_cg::pre_backward_into"} <= set(ops)
+    assert all(r["calls"] > 0 and r["device_ms"] > 0 and r["host_us_per_call"] > 0
+               for r in ops.values())
+    table = dry_run / "kernels" / "launch_configs.json"
+    rows = json.loads(table.read_text())["rows"]
+    assert sorted(r["kernel"] for r in rows) == sorted(TUNABLE)
+    monkeypatch.setenv(ENV, str(table))
+    for row in rows:
+        assert launch_config(row["kernel"], row["hidden"], torch.device("cpu")) == \
+            {**DEFAULTS[row["kernel"]], **row["config"]}
+        assert launch_config(row["kernel"], row["hidden"] * 2, torch.device("cpu")) == \
+            DEFAULTS[row["kernel"]]  # no row for that hidden size: the defaults
+    timed = json.loads((dry_run / "kernels" / "kernel_efficiency.json").read_text())["rows"]
+    assert timed and all(r["kernel_source_sha256"] == kernel_source_sha256() for r in timed)
+    as_h100 = [{**r, "device": "NVIDIA H100 80GB HBM3"} for r in timed]
+    assert fused_charges(as_h100)["mhc_cg::pre"]["source"].startswith("measured at this code")
 
 
 @pytest.mark.slow
@@ -106,7 +125,7 @@ def test_a_spent_budget_skips_parts_and_says_so(tmp_path):
     assert done.returncode == 1
     parts = summary(tmp_path)
     assert set(r["status"] for r in parts.values()) == {"skipped (budget spent)"}
-    assert "tests" in parts and not (tmp_path / "probe" / "probe.json").exists()
+    assert "tests" in parts and not (tmp_path / "kernels" / "kernel_bench.json").exists()
 
 
 # ------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from mhc_cg.cli import main
 from mhc_cg.ops.kernels.dispatch import interpret_requested
 from mhc_cg.tools import kernel_compile
 from mhc_cg.tools.kernel_compile import (CASES, H100, in_flight, kernel_report, parse_resource_usage,
-                                         resident_warps)
+                                         is_mhc_case, resident_warps)
 
 KERNELS = Path(kernel_compile.__file__).resolve().parents[1] / "ops" / "kernels"
 BENCH_HIDDEN = 2048  # configs/bench_h100.yaml: seq 2048 x micro-batch 2 = 4096 tokens, n = 4, bf16
@@ -37,10 +37,21 @@ def test_every_kernel_compiles_for_sm90a_without_spilling(report, hidden):
     assert list(dict.fromkeys(row["case"] for row in shape["kernels"])) == \
         [case.name for case in CASES]
     assert {row["kernel"] for row in shape["kernels"]} >= \
-        {"_state_fwd", "_chain", "_pre_bwd_coef", "_pre_bwd_x", "_post_bwd", "_rms_fwd", "_rms_bwd"}
+        {"_state_part", "_state_sum", "_chain", "_pre_bwd_coef", "_pre_bwd_x", "_post_bwd",
+         "_rms_fwd", "_rms_bwd"}
     assert all(0 < row["registers"] <= 255 for row in shape["kernels"]), shape["kernels"]
     spilled = [row for row in shape["kernels"] if row["spilled"]]
     assert not spilled, spilled
+
+
+def test_every_fused_mhc_kernel_fills_the_h100_four_times_over(report):
+    """At the bench shape (hidden 2048, 4096 tokens) every fused mHC kernel's grid has at least
+    4 x 132 programs: several blocks per SM to hide latency with."""
+    shape = next(s for s in report["shapes"] if s["hidden"] == BENCH_HIDDEN)
+    rows = [row for row in shape["kernels"] if is_mhc_case(row["case"])]
+    assert rows and all(row["programs"] >= 4 * 132 for row in rows), \
+        [(row["case"], row["kernel"], row["programs"]) for row in rows if row["programs"] < 528]
+    assert not [line for line in report["few_programs"] if line.startswith(f"hidden {BENCH_HIDDEN}")]
 
 
 def _calls_on_impl(tree: ast.AST) -> set[str]:
@@ -153,7 +164,8 @@ def test_every_kernel_reports_its_warps_and_bytes_in_flight(report):
         for row in shape["kernels"]:
             assert 0 < row["resident_warps"] <= 64 and row["warp_limit"] in \
                 {"registers", "shared", "warps", "blocks", "grid"}, row
-            assert row["loads"].startswith(("x[", "g[", "logits[", "state[")) and row["load_bytes"] > 0, row
+            assert row["loads"].startswith(("x[", "g[", "logits[", "state[", "part[")) \
+                and row["load_bytes"] > 0, row
             assert row["in_flight"] == row["resident_warps"] * 32 * row["load_bytes"]
             assert row["bandwidth_share"] == pytest.approx(row["in_flight"] / H100.bytes_in_flight())
             if row["bandwidth_share"] < 1:
@@ -184,21 +196,37 @@ def test_tiny_loads_per_thread_are_flagged():
     assert len(toy["below_bandwidth"]) == 1 and "sip (_copy)" in toy["below_bandwidth"][0]
 
 
-def test_the_step_model_charges_the_kernels_that_cannot_keep_hbm_busy():
-    """``mhc-cg cost`` times each fused op's bytes at the share of the bandwidth its kernels can
-    draw (Little's law on the sm_90a cubins): every fused op gets a share, the lowest of its
-    launcher's kernels; at the benchmark hidden size the block recompute (with dropout) is below
-    1, so a step that runs it takes longer in the model, on the same bytes."""
+def test_the_in_flight_estimate_is_a_check_and_the_step_model_charges_measurements():
+    """``mhc-cg kernels``' in-flight share (Little's law on the sm_90a cubins) is a compile-time
+    check: every fused op gets one. The step model charges something else: each fused op's
+    measured share of the copy bandwidth at this code, else the H100's for its kind, never 1.0
+    without a measurement; a step then takes longer in the model on the same bytes."""
     from mhc_cg.config import load_config
     from mhc_cg.tools.cost.bandwidth import OP_CASES, kernel_shares
+    from mhc_cg.tools.cost.measured import FUSED_KINDS, fused_charges
     from mhc_cg.tools.cost.report import cost_report
 
     shares = kernel_shares(BENCH_HIDDEN, 4096)
-    assert set(shares) == set(OP_CASES)
-    assert all(0 < share <= 1 for share in shares.values())
-    assert shares["mhc_cg::recompute"] < 1
+    assert set(shares) == set(OP_CASES) and all(0 < s <= 1 for s in shares.values())
+    charges = fused_charges()
+    assert set(charges) == set(FUSED_KINDS)
+    assert all(c["share"] < 1 and c["source"] for c in charges.values())
     cfg = load_config(None)
-    full = cost_report(cfg, "meta")["modes"]["graphed_static"]
-    charged = cost_report(cfg, "meta", kernel_shares=shares)["modes"]["graphed_static"]
-    assert charged["bytes_per_step"] == full["bytes_per_step"]
-    assert charged["predicted_h100_step_s"] > full["predicted_h100_step_s"]
+    peak = cost_report(cfg, "meta", measured=False)
+    charged = cost_report(cfg, "meta")
+    assert charged["kernel_bandwidth_shares"] == {op: c["share"] for op, c in charges.items()}
+    full, slow = (r["modes"]["graphed_static"] for r in (peak, charged))
+    assert slow["bytes_per_step"] == full["bytes_per_step"]
+    assert slow["predicted_h100_step_s"] > full["predicted_h100_step_s"]
+
+
+def test_kernels_bench_without_a_gpu_says_to_rehearse(capsys):
+    import torch
+
+    from mhc_cg.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["kernels", "--bench"]) == 2
+    assert "add --dry-run" in capsys.readouterr().err
+    assert main(["kernels", "--sweep"]) == 2

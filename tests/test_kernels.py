@@ -623,7 +623,8 @@ def test_kernel_launching_ops_per_layer_per_step_at_most_120():
 
 def test_kernel_counter_sees_the_composed_sublayer():
     """The counter counts every aten op: the composed sublayer alone launches hundreds, the fused
-    one a pre and its backward (two kernels each), the post's mappings and the post (one each);
+    one a pre (its state's two stages and its F-input pass) and its backward (two kernels), the
+    post's mappings and the post (one each);
     the post's backward is split between the pre's backward (its reductions) and, at the chain's
     end, one kernel for F's output gradient."""
     hc = make_hc(4, 8)
@@ -635,7 +636,7 @@ def test_kernel_counter_sees_the_composed_sublayer():
         composed_sublayer(hc, x, w, None, 0.0, 0).sum().backward()
     assert composed_count.counts["aten.div"] >= 2 * 20 * 2  # 2 divisions per iteration, fwd + bwd
     assert composed_count.total > 10 * fused_count.total
-    launches = {"pre": 2, "pre_backward": 2, "post_maps": 1, "post": 1, "post_grad_y": 1,
+    launches = {"pre": 3, "pre_backward": 2, "post_maps": 1, "post": 1, "post_grad_y": 1,
                 "post_backward": 0}
     assert {op: fused_count.counts[f"mhc_cg.{op}"] for op in launches} == launches
 

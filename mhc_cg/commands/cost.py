@@ -24,8 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--summary", action="store_true", help="only the per-mode tables")
     parser.add_argument("--full-bandwidth", action="store_true",
                         help="time every kernel at the HBM peak (default: at the copy bandwidth "
-                             "a GPU measured, bench/results/kernel_efficiency.json, and the fused "
-                             "kernels at the share mhc-cg kernels finds they can draw on sm_90a)")
+                             "a GPU measured and each fused op at its measured share of it, or "
+                             "its kind's: bench/results/kernel_efficiency.json)")
     parser.add_argument("--plot", metavar="PNG", default=None,
                         help="also draw each mode's peak memory against its modelled step time")
 
@@ -34,31 +34,13 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     if args.plot:
         _check_writable(Path(args.plot))
-    report = cost_report(cfg, args.device, args.config,
-                         None if args.full_bandwidth else _shares(cfg),
-                         measured=not args.full_bandwidth)
+    report = cost_report(cfg, args.device, args.config, measured=not args.full_bandwidth)
     print(json.dumps(report, indent=2) if args.json else format_report(report, not args.summary))
     if args.plot:
         from mhc_cg.tools.cost.frontier_plot import plot_frontier
 
         log("cost", f"frontier written to {plot_frontier(report, args.plot)}")
     return 0
-
-
-def _shares(cfg) -> dict[str, float] | None:
-    """The fused kernels' shares of the bandwidth at the config's shape, or ``None`` (said on
-    stderr) where they cannot be compiled here."""
-    from mhc_cg.tools.cost.bandwidth import kernel_shares
-
-    tokens = cfg.model.seq_length * cfg.train.micro_batch_size
-    log("cost", f"compiling the fused kernels for sm_90a at hidden {cfg.model.hidden_size}, "
-                f"{tokens} tokens (their share of the bandwidth)")
-    try:
-        return kernel_shares(cfg.model.hidden_size, tokens)
-    except (ImportError, RuntimeError, ConfigError) as exc:
-        log("cost", f"kernel shares unavailable ({str(exc).splitlines()[0]}); every kernel timed "
-                    f"at the full bandwidth")
-        return None
 
 
 def _check_writable(path: Path) -> None:

@@ -27,6 +27,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per microbatch, seq x micro-batch (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    bench = parser.add_argument_group("--bench: time the fused ops on the device (CUDA)")
+    bench.add_argument("--bench", action="store_true",
+                       help="time every fused op of an eager step: device time of its kernels, "
+                            "host time per call, GB/s against the cost model's bytes")
+    bench.add_argument("--sweep", action="store_true",
+                       help="with --bench: time every launch configuration of the tunable "
+                            "kernels; the fastest go into OUT/launch_configs.json")
+    bench.add_argument("--config", action="append", default=None, metavar="YAML",
+                       help="with --bench: a shape (repeat; default: configs/bench_h100.yaml "
+                            "and configs/bench_h100_memory.yaml)")
+    bench.add_argument("--steps", type=int, default=2, help="with --bench: profiled steps (2)")
+    bench.add_argument("--out", default="bench/results/kernels",
+                       help="with --bench: where kernel_bench.json, kernel_efficiency.json and "
+                            "launch_configs.json go (default: %(default)s)")
+    bench.add_argument("--dry-run", action="store_true",
+                       help="with --bench: on the CPU, two tiny shapes, two configurations per "
+                            "kernel, the Triton kernels through Triton's interpreter (CI)")
 
 
 def _integers(option: str, text: str, example: str) -> list[int]:
@@ -43,7 +60,47 @@ def _integers(option: str, text: str, example: str) -> list[int]:
     return values
 
 
+DRY_SHAPES = {"dry_bench": dict(seq_length=4, hidden_size=16), "dry_memory": dict(seq_length=8,
+                                                                                  hidden_size=16)}
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from mhc_cg.config import load_config
+    from mhc_cg.tools import kernel_bench
+    from mhc_cg.training.device import resolve_device
+
+    if args.steps < 1:
+        raise ConfigError(f"--steps: must be a positive integer, got {args.steps}")
+    if args.dry_run:
+        if not interpret_requested():
+            return kernel_bench.run_interpreted(sys.argv[1:])
+        base = load_config(None).replace(
+            model={"vocab_size": 16, "num_heads": 2, "num_layers": 2, "sinkhorn_iterations": 4},
+            train={"micro_batch_size": 1, "device": "cpu"})
+        shapes = [(name, base.replace(model=shape)) for name, shape in DRY_SHAPES.items()]
+        device = resolve_device("cpu")
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--bench: times the kernels on a GPU and this machine has none; "
+                              "add --dry-run to rehearse it on the CPU")
+        paths = args.config or ["configs/bench_h100.yaml", "configs/bench_h100_memory.yaml"]
+        shapes = [(Path(p).stem, load_config(p)) for p in paths]
+        device = resolve_device("cuda")
+    report = kernel_bench.run(shapes, device, args.steps, args.sweep, Path(args.out),
+                              limit=2 if args.dry_run else None)
+    print(json.dumps(report, indent=2) if args.json else kernel_bench.format_report(report))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.bench:
+        return run_bench(args)
+    if args.sweep or args.dry_run:
+        raise ConfigError("--sweep and --dry-run go with --bench; add --bench")
     hidden = _integers("--hidden", args.hidden, "2048,7168")
     tokens = _integers("--tokens", args.tokens, str(DEFAULT_TOKENS))
     if len(tokens) != 1:

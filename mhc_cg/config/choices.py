@@ -1,6 +1,8 @@
 """The values a config field may take, named once: read by the rules, the CLI and the runtime."""
 
 MODEL_RECOMPUTE = ("none", "block")
+# mhc: the n-stream mHC residual; plain: x + dropout(F(norm(x))), the baseline of mHC's overhead
+RESIDUALS = ("mhc", "plain")
 DROPOUT_IMPLS = ("counter", "torch")  # counter: mask = hash(seed, index); torch: stateful generator
 DEVICES = ("cpu", "cuda", "auto")
 GRAPH_BACKENDS = ("auto", "cuda", "te", "tape")

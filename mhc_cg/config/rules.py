@@ -19,8 +19,8 @@ import math
 from typing import TYPE_CHECKING
 
 from mhc_cg.config.choices import (DEVICES, DROPOUT_IMPLS, GRAPH_BACKENDS, MIN_VOCAB_SIZE,
-                                   MODEL_RECOMPUTE, MOE_SCOPES, RECOMPUTE_SCOPE, SCOPES,
-                                   split_recompute_scope)
+                                   MODEL_RECOMPUTE, MOE_SCOPES, RECOMPUTE_SCOPE, RESIDUALS,
+                                   SCOPES, split_recompute_scope)
 from mhc_cg.core.dtypes import DTYPE_BYTES, TRAIN_DTYPES
 from mhc_cg.core.errors import ConfigError, did_you_mean, is_positive_int
 from mhc_cg.core.schedule import schedule_problems
@@ -68,7 +68,12 @@ def model_problems(model: "MHCGPTConfig") -> list[str]:
         problems.append(f"model.hidden_dropout: must be in [0, 1), got {model.hidden_dropout!r}")
     problems += choice_problems(("model.dropout_impl", model.dropout_impl, DROPOUT_IMPLS),
                                 ("model.kernels", model.kernels, KERNELS),
-                                ("model.recompute", model.recompute, MODEL_RECOMPUTE))
+                                ("model.recompute", model.recompute, MODEL_RECOMPUTE),
+                                ("model.residual", model.residual, RESIDUALS))
+    if model.residual == "plain" and (model.num_streams != 1 or model.recompute != "none"):
+        problems.append(f"model.residual: plain has one stream and no mHC to recompute; set "
+                        f"model.num_streams: 1 and model.recompute: none (got "
+                        f"{model.num_streams} and {model.recompute!r})")
     if model.recompute_layers is not None and not is_positive_int(model.recompute_layers):
         problems.append(f"model.recompute_layers: must be a positive integer or null, "
                         f"got {model.recompute_layers!r}")

@@ -60,6 +60,7 @@ class MHCGPTConfig:
     recompute_activation: bool = False  # drop the MLP's gelu output, recompute it
     recompute_activation_layers: int | None = None  # the first N layers do it; None: all
     kernels: str = "auto"  # fused mHC ops: "auto" (triton on CUDA, torch on CPU) | "torch" | "triton"
+    residual: str = "mhc"  # "mhc" | "plain": x + dropout(F(norm(x))), the baseline of mHC's cost
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:

@@ -1,4 +1,5 @@
-"""A tiny GPT whose residual stream is widened n-fold by mHC.
+"""A tiny GPT whose residual stream is widened n-fold by mHC (or, with ``model.residual: plain``,
+the same GPT on a plain residual: the baseline mHC's overhead is measured against).
 
 ``MHCGPT(input_ids [b, s]) -> logits [b, s, vocab]``: embed, expand to n streams, then per layer an
 attention and an MLP sublayer (:mod:`mhc_cg.model.sublayer`: mHC around F), contract the streams,
@@ -15,7 +16,7 @@ from torch import Tensor, nn
 from mhc_cg.config import MHCGPTConfig
 from mhc_cg.model.layers import MLP, CausalSelfAttention, RMSNorm
 from mhc_cg.model.moe import MoEMLP
-from mhc_cg.model.sublayer import MHCSublayer
+from mhc_cg.model.sublayer import MHCSublayer, PlainSublayer
 from mhc_cg.ops import kernels as fused
 from mhc_cg.ops.hyper_connection import contract_streams, expand_streams
 
@@ -32,10 +33,11 @@ class MHCTransformerLayer(nn.Module):
     def __init__(self, cfg: MHCGPTConfig, layer_number: int):
         super().__init__()
         self.layer_number = layer_number
-        self.attention = MHCSublayer(cfg, CausalSelfAttention(cfg), dropout_stream=2 * layer_number)
+        sublayer = PlainSublayer if cfg.residual == "plain" else MHCSublayer
+        self.attention = sublayer(cfg, CausalSelfAttention(cfg), dropout_stream=2 * layer_number)
         mlp = MoEMLP(cfg) if cfg.is_moe else MLP(
             cfg, recompute_activation=cfg.recomputes_activation(layer_number))
-        self.mlp = MHCSublayer(cfg, mlp, dropout_stream=2 * layer_number + 1)
+        self.mlp = sublayer(cfg, mlp, dropout_stream=2 * layer_number + 1)
 
     def forward(self, x: Tensor, seed: Tensor | None = None) -> Tensor:
         return self.mlp(self.attention(x, seed), seed)
@@ -93,6 +95,8 @@ class MHCGPT(nn.Module):
             raise ValueError(f"MHCGPT: sequence length {s} exceeds seq_length={self.cfg.seq_length}")
         pos = torch.arange(s, device=input_ids.device)
         h = (self.embedding(input_ids) + self.position(pos)).transpose(0, 1)
+        if self.cfg.residual == "plain":  # one stream, nothing to expand
+            return h
         return expand_streams(h, self.cfg.num_streams, out, grad_into)
 
     def run_layers(self, x: Tensor, seed: Tensor | None) -> Tensor:
@@ -103,7 +107,9 @@ class MHCGPT(nn.Module):
     def logits(self, x: Tensor, grad_into: Tensor | None = None) -> Tensor:
         """``[s, b, n*C] -> [b, s, vocab]``; the backward writes x's gradient into ``grad_into``
         when given."""
-        h = self.final_norm(contract_streams(x, self.cfg.num_streams, grad_into))
+        if self.cfg.residual != "plain":
+            x = contract_streams(x, self.cfg.num_streams, grad_into)
+        h = self.final_norm(x)
         return self.head(h).transpose(0, 1)
 
     def dropout_seed_for(self, input_ids: Tensor, dropout_seed: Tensor | None) -> Tensor | None:

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from mhc_cg.config import MHCGPTConfig
 from mhc_cg.model.layers import MLP, RMSNorm
+from mhc_cg.ops.dropout import dropout
 from mhc_cg.ops.hyper_connection import HyperConnection
 from mhc_cg.ops.kernels import PostLink, Target
 
@@ -99,6 +100,29 @@ class MHCSublayer(nn.Module):
 
     def forward(self, x: Tensor, seed: Tensor | None = None) -> Tensor:
         return sublayer_forward(self, x, seed)
+
+
+class PlainSublayer(nn.Module):
+    """One residual branch without mHC, ``x + dropout(F(norm(x)))``: the plain residual the mHC
+    paper measures its overhead against (``model.residual: plain``), F and dropout as in
+    :class:`MHCSublayer`."""
+
+    fused = None  # neither shape: no mHC steps for a runtime to drive
+
+    def __init__(self, cfg: MHCGPTConfig, fn: nn.Module, dropout_stream: int):
+        super().__init__()
+        self.cfg = cfg
+        self.norm = RMSNorm(cfg.hidden_size, kernels=cfg.kernels)
+        self.fn = fn
+        self.dropout_stream = dropout_stream
+
+    def feeds(self, nxt) -> None:
+        """Nothing to hand on: there is no mapping state."""
+
+    def forward(self, x: Tensor, seed: Tensor | None = None) -> Tensor:
+        p = self.cfg.hidden_dropout if self.training else 0.0
+        return x + dropout(self.fn(self.norm(x)), p, self.training, impl=self.cfg.dropout_impl,
+                           seed=seed, stream=self.dropout_stream)
 
 
 def sublayer_forward(steps, x: Tensor, seed: Tensor | None) -> Tensor:

@@ -43,6 +43,7 @@ from mhc_cg.core.dtypes import TORCH_DTYPES
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.core.progress import ProgressBar
 from mhc_cg.ops.kernels.dispatch import interpret_requested, triton_kernels
+from mhc_cg.ops.kernels.ops import MIN_PROGRAMS
 
 DEFAULT_TARGET = "sm_90a"
 DEFAULT_HIDDEN = (2048, 7168)
@@ -212,6 +213,7 @@ class KernelUsage:
     case: str
     kernel: str
     grid: list = field(default_factory=list)
+    programs: int | None = None  # the grid's size (None where Triton reports no sizes)
     num_warps: int = 0
     registers: int = 0
     stack: int = 0
@@ -360,8 +362,11 @@ STREAM_LOADS: dict[str, Callable[[dict], list[tuple[str, int, int, bool]]]] = {
     # with POST (a post writing the next pre's state) x and y feed the post, not the tl.dot, yet
     # they are still staged through shared memory num_stages deep: the launch's dynamic shared
     # memory grows by y's tile and the mappings' per stage (37888 -> 47896 B at C 2048)
-    "_state_fwd": lambda b: [(*tile("x", b, "x_ptr", "BT", "N", "BC"), True)]
+    "_state_part": lambda b: [(*tile("x", b, "x_ptr", "BT", "N", "BC"), True)]
     + ([(*tile("y", b, "y_ptr", "BT", "BC"), True)] if b["POST"] else []),
+    # the state's second stage streams each split's fp32 rows of its tokens
+    "_state_sum": lambda b: [(f"part[{b['BT']}x{int(b['MP']) + int(b['NP']) ** 2}]",
+                              int(b["BT"]) * (int(b["MP"]) + int(b["NP"]) ** 2), 4, False)],
     # the post's mappings stream per-token states alone: their tile is all a step loads
     "_post_maps": lambda b: [(f"state[{b['BT']}x{b['N'] * b['N'] + 2 * b['N'] + 2}]",
                               int(b["BT"]) * (b["N"] * b["N"] + 2 * b["N"] + 2), 4, False)],
@@ -391,6 +396,7 @@ _DTYPE_NAMES = {1: "8-bit", 2: "16-bit", 4: "fp32", 8: "64-bit"}
 def _with_in_flight(usage: KernelUsage, kernel, bound: dict, sm: SMLimits = H100) -> KernelUsage:
     """``usage`` with its resident warps, its loads in flight and their share of the bandwidth."""
     programs = math.prod(int(g) for g in usage.grid) if all(str(g).isdigit() for g in usage.grid) else None
+    usage.programs = programs
     usage.resident_warps, usage.warp_limit = resident_warps(
         usage.registers, usage.num_warps, usage.shared + usage.dynamic_shared, programs, sm)
     spec = STREAM_LOADS.get(usage.kernel)
@@ -545,7 +551,8 @@ def _report(request: dict) -> dict:
                                request["progress"])
     report = {"target": request["target"],
               "sm": {**asdict(H100), "bytes_in_flight": H100.bytes_in_flight()},
-              "shapes": [], "spilled": [], "below_bandwidth": []}
+              "shapes": [], "spilled": [], "below_bandwidth": [], "few_programs": [],
+              "min_programs": MIN_PROGRAMS}
     for shape, rows in zip(shapes, per_shape):
         report["shapes"].append({**asdict(shape), "kernels": [asdict(r) for r in rows]})
         report["spilled"] += [f"hidden {shape.hidden}: {r.case} ({r.kernel}): {r.local} B local, "
@@ -554,7 +561,15 @@ def _report(request: dict) -> dict:
             f"hidden {shape.hidden}: {r.case} ({r.kernel}): {r.in_flight:.0f} B in flight per SM, "
             f"{r.bandwidth_share:.2f} of {H100.bytes_in_flight():.0f}" for r in rows
             if r.bandwidth_share is not None and r.bandwidth_share < 1.0]
+        report["few_programs"] += [
+            f"hidden {shape.hidden}: {r.case} ({r.kernel}): {r.programs} programs" for r in rows
+            if is_mhc_case(r.case) and r.programs is not None and r.programs < MIN_PROGRAMS]
     return report
+
+
+def is_mhc_case(case: str) -> bool:
+    """A case of a fused mHC op (not the model's final norm or its loss)."""
+    return not case.startswith(("rms_norm", "cross_entropy"))
 
 
 def _report_in_child(request: dict) -> dict:
@@ -593,6 +608,7 @@ def child_main() -> None:
 # ---- the table ----------------------------------------------------------------------------------
 
 _COLUMNS = (("launcher", "case", "<"), ("kernel", "kernel", "<"), ("grid", "grid", "<"),
+            ("programs", "programs", ">"),
             ("warps", "num_warps", ">"), ("REG", "registers", ">"), ("STACK", "stack", ">"),
             ("LOCAL", "local", ">"), ("SHARED", "shared", ">"), ("DYN SHARED", "dynamic_shared", ">"),
             ("spills", "spilled", "<"), ("WARPS/SM", "resident_warps", ">"),
@@ -640,4 +656,8 @@ def format_sm(sm: dict) -> str:
 
 def format_report(report: dict) -> str:
     tables = [format_shape(report["target"], shape) for shape in report["shapes"]]
-    return "\n\n".join(tables + ([format_sm(report["sm"])] if "sm" in report else []))
+    few = report.get("few_programs", [])
+    grids = (f"grids: every fused mHC kernel has at least {report['min_programs']} programs (4 per "
+             f"SM of an H100)" if not few else
+             f"grids under {report['min_programs']} programs: " + "; ".join(few))
+    return "\n\n".join(tables + ([format_sm(report["sm"])] if "sm" in report else []) + [grids])

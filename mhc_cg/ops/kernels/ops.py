@@ -22,11 +22,13 @@ from mhc_cg.ops.kernels.reference import state_dtype, state_width
 
 
 # What a fused op's Triton kernels do beyond one pass over each tensor, for the cost model: the
-# launches it makes (the pre: its state pass, then its F-input pass; its backward: a pass per
-# token, then one per feature chunk and group of tokens), the arguments a second pass reads again
+# launches it makes (the pre: its state's two stages, then its F-input pass; a post that makes
+# the next state: the post with the state's first stage, then its second; the pre's backward: a
+# pass per token, then one per feature chunk and group of tokens), the arguments a second pass reads again
 # (the pre reads x twice; its backward reads x and g_out in both of its passes) and the bytes its
 # kernels hand each other through memory (``scratch_bytes``).
-LAUNCHES = {"mhc_cg::pre": 2, "mhc_cg::pre_into": 2, "mhc_cg::pre_backward": 2,
+LAUNCHES = {"mhc_cg::pre": 3, "mhc_cg::pre_into": 3, "mhc_cg::post_state": 2,
+            "mhc_cg::post_state_into": 2, "mhc_cg::pre_backward": 2,
             "mhc_cg::pre_backward_into": 2}
 READ_TWICE = {"mhc_cg::pre": ("x",), "mhc_cg::pre_into": ("x",),
               "mhc_cg::pre_backward": ("x", "g_out"),
@@ -42,16 +44,59 @@ def read_twice(name: str, args: dict) -> tuple[str, ...]:
     return twice
 
 DOT_ROWS = 16  # tokens per Triton program where a kernel multiplies by the mapping weight (tl.dot)
-WEIGHT_GRAD_COLUMNS = 8192  # pre_backward's second pass: about 256 programs of 32 features at C 2048
+SUM_ROWS = 4  # tokens per program of the state's second stage
+# Programs a kernel's grid should have at least: 4 per SM of an H100 or H200 (132 SMs), so that
+# every SM holds several blocks to hide latency with
+MIN_PROGRAMS = 4 * 132
 
 
-def weight_grad_groups(tokens: int, c: int, m: int) -> tuple[int, int]:
-    """``(groups, tokens per group)`` the pre's backward sums the mapping weight's gradient over
-    (each group writes an fp32 ``[m, nC]`` partial, then summed in group order): enough programs
-    to fill the GPU at a small C, few partials at a large one, and never more partial bytes than
-    an eighth of x's (``groups * m * 4 <= tokens * 2 / 8``); whole ``DOT_ROWS`` blocks per group."""
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def block_c(c: int, budget: int) -> int:
+    """Features per step: ``budget`` elements over the tile's other axes, 16 to the width of C."""
+    return max(16, min(next_pow2(c), next_pow2(budget)))
+
+
+def state_tiling(c: int, n: int) -> tuple[int, int, int]:
+    """``(NP, MP, BC)`` of the state kernels: streams and mapping columns padded to powers of
+    two (at least 16 columns, as ``tl.dot`` wants), features per step."""
+    np_ = next_pow2(n)
+    return np_, max(16, next_pow2(n * n + 2 * n)), block_c(c, 512 // (np_ * np_))
+
+
+def state_splits(tokens: int, c: int, bc: int, splits: int | None = None) -> tuple[int, int]:
+    """``(splits, features per split)`` of the state's first stage: whole ``bc`` steps per split;
+    ``splits`` None: a power of two, enough that ``tokens / DOT_ROWS x splits`` programs reach
+    :data:`MIN_PROGRAMS`; never more splits than steps, never an empty one."""
+    steps = max(1, math.ceil(c / bc))
     blocks = max(1, math.ceil(tokens / DOT_ROWS))
-    want = max(1, min(blocks, WEIGHT_GRAD_COLUMNS // max(c, 1), tokens // (16 * max(m, 1))))
+    if splits is None:
+        splits = next_pow2(math.ceil(MIN_PROGRAMS / blocks))
+    splits = max(1, min(splits, next_pow2(steps)))
+    while splits > 1 and math.ceil(steps / splits) * (splits - 1) >= steps:
+        splits //= 2  # no empty split
+    span = math.ceil(steps / splits) * bc
+    return math.ceil(c / span), span
+
+
+def state_scratch(tokens: int, c: int, n: int, m: int) -> dict[str, tuple[int, ...]]:
+    """The fp32 rows the state's first stage writes and its second sums: per split and token
+    ``[proj (MP) | Gram matrix (NP * NP)]``."""
+    np_, mp, bc = state_tiling(c, n)
+    return {"part": (state_splits(tokens, c, bc)[0], tokens, mp + np_ * np_)}
+
+
+def weight_grad_groups(tokens: int, c: int, m: int, n: int = 4) -> tuple[int, int]:
+    """``(groups, tokens per group)`` the pre's backward sums the mapping weight's gradient over
+    (each group writes an fp32 ``[m, nC]`` partial, then summed in group order): enough groups
+    that the second pass's grid (feature chunks x groups) reaches :data:`MIN_PROGRAMS`, never
+    more partial bytes than an eighth of x's (``groups * m * 4 <= tokens * 2 / 8``); whole
+    ``DOT_ROWS`` blocks per group."""
+    blocks = max(1, math.ceil(tokens / DOT_ROWS))
+    chunks = math.ceil(c / block_c(c, 128 // next_pow2(n)))
+    want = max(1, min(blocks, math.ceil(MIN_PROGRAMS / chunks), tokens // (16 * max(m, 1))))
     per_group = math.ceil(blocks / want) * DOT_ROWS
     return math.ceil(blocks * DOT_ROWS / per_group), per_group
 
@@ -69,7 +114,7 @@ def pre_backward_scratch(tokens: int, c: int, n: int, m: int, post: bool = False
     s | H_res]`` (and ``| s_prev`` with the previous post's F output gradient, ``prev``); per
     group of tokens the mapping weight's gradient; with the post's reductions (``post``), the
     state's gradient they are summed into."""
-    groups, _ = weight_grad_groups(tokens, c, m)
+    groups, _ = weight_grad_groups(tokens, c, m, n)
     return {"g_proj": (tokens, m), **post_backward_scratch(tokens, c, n, m),
             "aux": (tokens, 3 + n + n * n + (n if prev else 0)), "g_weight": (groups, m, n * c),
             **({"g_state": (tokens, m + 2)} if post else {})}
@@ -82,7 +127,9 @@ def post_maps_shape(tokens: int, n: int, posts: int) -> tuple[int, int, int]:
 
 _SCRATCH = {"mhc_cg::post_backward": post_backward_scratch,
             "mhc_cg::pre_backward": pre_backward_scratch,
-            "mhc_cg::pre_backward_into": pre_backward_scratch}
+            "mhc_cg::pre_backward_into": pre_backward_scratch,
+            **{name: state_scratch for name in ("mhc_cg::pre", "mhc_cg::pre_into",
+                                                "mhc_cg::post_state", "mhc_cg::post_state_into")}}
 
 
 def scratch_bytes(name: str, args: dict) -> int:
@@ -92,7 +139,8 @@ def scratch_bytes(name: str, args: dict) -> int:
     if shapes_of is None:
         return 0
     t, width = args["x"].shape
-    n, m = args["n"], args["bias"].shape[0]
+    n = args["n"]
+    m = args["weight"].shape[0] if "weight" in args else args["bias"].shape[0]
     extra = {"post": args.get("y") is not None, "prev": args.get("prev_state") is not None} \
         if shapes_of is pre_backward_scratch else {}
     return 2 * 4 * sum(math.prod(shape) for shape in shapes_of(t, width // n, n, m,

@@ -6,13 +6,14 @@ stream axis is padded to a power of two ``NP``, the mapping width ``m`` to ``MP`
 ``tl.dot`` wants), both masked. No atomics: a parameter's gradient leaves a kernel as per-token or
 per-program shares that torch sums in a fixed order, so every result is deterministic.
 
-* ``_state_fwd`` (the pre's first pass): ``BT`` tokens per program, one pass over their ``x``:
-  the projection ``x W^T`` (``tl.dot``) and the streams' Gram matrix, from which the norm of x
-  and F's input's RMSNorm scale follow; writes the state ``[proj | xnorm | rstd]``. With
-  ``POST`` it is a post and the next pre's first pass in one (``post_state``): each tile of the
-  post's output is made from the post's input and F's output, stored, and projected as stored,
-  so the next pre reads its input once; one kernel and one tiling, so the state is the same bits
-  either way.
+* ``_state_part`` then ``_state_sum`` (the pre's first pass): the first over (``BT`` tokens, a
+  split of the features) sums the projection ``x W^T`` (``tl.dot``) and the streams' Gram matrix
+  over its features into fp32 rows; the second sums the splits in order and derives the norm of
+  x and F's input's RMSNorm scale: the state ``[proj | xnorm | rstd]``. Enough splits that the
+  grid fills the GPU (``ops.state_splits``). With ``POST`` the first is a post and the next
+  pre's first pass in one (``post_state``): each tile of the post's output is made from the
+  post's input and F's output, stored, and projected as stored, so the next pre reads its input
+  once; one pair of kernels and one tiling, so the state is the same bits either way.
 * ``_post_maps``: ``BT`` tokens per program and one post per ``program_id(1)``: the post's
   mappings ``[H_post / 2 | H_res]`` from the state, Sinkhorn once per token (not once per feature
   block of every chain program), written for ``_chain`` to read.
@@ -23,7 +24,7 @@ per-program shares that torch sums in a fixed order, so every result is determin
   second pass (one step, F's input only), the post (one step, the stream only) and a block's
   recompute (every step) are this one kernel reading the mappings of one kernel, so the recompute
   reproduces the forward's bits; ``_post_step`` (the post on a tile, element-wise, streams
-  summed in a fixed order) is shared with ``_state_fwd``'s ``POST``, whatever the tile.
+  summed in a fixed order) is shared with ``_state_part``'s ``POST``, whatever the tile.
 * ``_pre_bwd_coef`` then ``_pre_bwd_x``: two passes over ``x`` and F's input's gradient. The
   first (``BT`` tokens per program) reduces what the mappings' gradient needs and stores it per
   token (the projection's gradient, ``kappa, coef, rstd, s`` and H_res). The second runs over
@@ -52,8 +53,10 @@ import triton.language as tl
 from triton import knobs
 
 from mhc_cg.ops.kernels.hash import MAX_ELEMENTS, counter_hash, keep_scale, keep_threshold
-from mhc_cg.ops.kernels.ops import (DOT_ROWS, post_backward_scratch, post_maps_shape,
-                                    pre_backward_scratch, weight_grad_groups)
+from mhc_cg.ops.kernels.launch import launch_config
+from mhc_cg.ops.kernels.ops import (DOT_ROWS, SUM_ROWS, block_c, post_backward_scratch,
+                                    post_maps_shape, pre_backward_scratch, state_splits,
+                                    state_tiling, weight_grad_groups)
 from mhc_cg.ops.kernels.reference import RMS_EPS, SINKHORN_EPS, state_width
 
 INTERPRETED = bool(knobs.runtime.interpret)
@@ -64,7 +67,6 @@ _hash = triton.jit(types.FunctionType(counter_hash.__code__, {**counter_hash.__g
                                       counter_hash.__name__))
 
 CHAIN_ROWS = 4  # tokens per program elsewhere: [BT, n, n, BC] tiles stay in registers
-MAPS_ROWS = 16  # tokens per program of the post's mappings (Sinkhorn on [16, n, n] tiles)
 # the pre backward's first pass: elements per feature step over the streams ([16, n, BC] tiles);
 # a program per 16 tokens binds it to the grid, so a wider step keeps more bytes in flight per SM
 COEF_BUDGET = 256
@@ -78,9 +80,7 @@ def _mp(n: int) -> int:
     return max(16, triton.next_power_of_2(n * n + 2 * n))
 
 
-def _block_c(c: int, budget: int) -> int:
-    """Features per step: ``budget`` elements over the tile's other axes, 16 to the width of C."""
-    return max(16, min(triton.next_power_of_2(c), triton.next_power_of_2(budget)))
+_block_c = block_c
 
 
 def _indexable(*tensors: torch.Tensor) -> None:
@@ -253,22 +253,26 @@ def _post_step(x, y, mp, t, i, vmask, xoff, seed_ptr, stream, N: tl.constexpr,
 # ---- pre, first pass: the state ---------------------------------------------------------------
 
 @triton.jit
-def _state_fwd(x_ptr, w_ptr, bias_ptr, apre_ptr, state_ptr, y_ptr, maps_ptr, seed_ptr, xo_ptr,
-               stream, T, C, sqrt_d, eps, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr,
-               BT: tl.constexpr, BC: tl.constexpr, NORM: tl.constexpr, DOT_F32: tl.constexpr,
-               RMS: tl.constexpr, POST: tl.constexpr, DROPOUT: tl.constexpr,
-               THRESHOLD: tl.constexpr, SCALE: tl.constexpr, HT: tl.constexpr):
-    """The state of ``x``; with ``POST``, of the stream a post writes from ``x`` (its input):
-    each tile of it is made (:func:`_post_step`), stored and, as stored, projected."""
+def _state_part(x_ptr, w_ptr, part_ptr, y_ptr, maps_ptr, seed_ptr, xo_ptr, stream, T, C, span,
+                N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr,
+                BC: tl.constexpr, DOT_F32: tl.constexpr, POST: tl.constexpr,
+                DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr, SCALE: tl.constexpr,
+                HT: tl.constexpr):
+    """The state's sums over features ``[split * span, (split + 1) * span)`` for ``BT`` tokens
+    (``program_id(1)`` is the split): the projection ``x W^T`` and the streams' Gram matrix,
+    stored as one fp32 row ``[proj (MP) | gram (NP * NP)]`` per split and token for
+    :func:`_state_sum`. With ``POST``, of the stream a post writes from ``x`` (its input): each
+    tile of it is made (:func:`_post_step`), stored and, as stored, projected."""
     M: tl.constexpr = N * N + 2 * N
-    SW: tl.constexpr = M + 2
+    PW: tl.constexpr = MP + NP * NP
     t = tl.program_id(0) * BT + tl.arange(0, BT)
+    first = tl.program_id(1) * span
     tmask = t < T
     i = tl.arange(0, NP)
     mcol = tl.arange(0, MP)
     proj = tl.zeros([BT, MP], dtype=tl.float32)
     gram = tl.zeros([BT, NP, NP], dtype=tl.float32)
-    for c0 in range(0, C, BC):
+    for c0 in range(first, first + span, BC):
         c = c0 + tl.arange(0, BC)
         xmask = tmask[:, None, None] & (i < N)[None, :, None] & (c < C)[None, None, :]
         xoff = t[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :]
@@ -291,6 +295,34 @@ def _state_fwd(x_ptr, w_ptr, bias_ptr, apre_ptr, state_ptr, y_ptr, maps_ptr, see
             proj = tl.dot(x2, w2, proj)
         xf = x.to(tl.float32)
         gram += tl.sum(xf[:, :, None, :] * xf[:, None, :, :], axis=3)
+    row = part_ptr + (tl.program_id(1) * T + t) * PW
+    tl.store(row[:, None] + mcol[None, :], proj, mask=tmask[:, None])
+    gcol = i[:, None] * NP + i[None, :]
+    tl.store(row[:, None, None] + MP + gcol[None, :, :], gram, mask=tmask[:, None, None])
+
+
+@triton.jit
+def _state_sum(part_ptr, bias_ptr, apre_ptr, state_ptr, T, C, splits, sqrt_d, eps,
+               N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr,
+               NORM: tl.constexpr, RMS: tl.constexpr):
+    """The state ``[proj | xnorm | rstd]`` of ``BT`` tokens from :func:`_state_part`'s rows,
+    summed over the splits in order (deterministic): the norm of x from the Gram matrix's
+    trace, F's input's RMSNorm scale from the pre gates and the whole matrix."""
+    M: tl.constexpr = N * N + 2 * N
+    SW: tl.constexpr = M + 2
+    PW: tl.constexpr = MP + NP * NP
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    tmask = t < T
+    i = tl.arange(0, NP)
+    mcol = tl.arange(0, MP)
+    gcol = i[:, None] * NP + i[None, :]
+    proj = tl.zeros([BT, MP], dtype=tl.float32)
+    gram = tl.zeros([BT, NP, NP], dtype=tl.float32)
+    for k in range(splits):
+        row = part_ptr + (k * T + t) * PW
+        proj += tl.load(row[:, None] + mcol[None, :], mask=tmask[:, None], other=0.0)
+        gram += tl.load(row[:, None, None] + MP + gcol[None, :, :], mask=tmask[:, None, None],
+                        other=0.0)
     diag = (i[:, None] == i[None, :])[None, :, :]
     xnorm = tl.sqrt(tl.sum(tl.sum(tl.where(diag, gram, 0.0), axis=2), axis=1))
     smask = tmask[:, None] & (mcol[None, :] < M)
@@ -387,9 +419,10 @@ def post_maps(states, bias, a_post, a_res, width, n, iterations):
     if posts > 1 and not a_post.stride(0) == a_res.stride(0) == p_stride:
         raise ValueError("mhc_cg triton post_maps: bias, a_post and a_res must share one stride")
     if posts and t:
-        _post_maps[(triton.cdiv(t, MAPS_ROWS), posts)](
+        rows = launch_config("post_maps", width // n, states.device)["rows"]
+        _post_maps[(triton.cdiv(t, rows), posts)](
             states, bias, a_post, a_res, maps, t, p_stride, float(width) ** 0.5, iterations, N=n,
-            NP=_np(n), BT=MAPS_ROWS, EPS=SINKHORN_EPS, RMS=RMS_EPS)
+            NP=_np(n), BT=rows, EPS=SINKHORN_EPS, RMS=RMS_EPS)
     return maps
 
 
@@ -399,7 +432,8 @@ def _launch_chain(x, ys, states, maps, bias, a_pre, a_post, a_res, p_stride, nor
     t, width = x.shape
     c = width // n
     nb = _np(n)
-    bc = _block_c(c, 2048 // (nb * nb))
+    config = launch_config("chain", c, x.device)
+    bc = config["features"] or _block_c(c, 2048 // (nb * nb))
     stream0 = streams[0] if streams else 0
     step = streams[1] - streams[0] if len(streams) > 1 else 0
     if any(s != stream0 + k * step for k, s in enumerate(streams)):
@@ -411,25 +445,32 @@ def _launch_chain(x, ys, states, maps, bias, a_pre, a_post, a_res, p_stride, nor
         norm if norm is not None else x, seed_arg, x_out, fn_out, t, c, steps, posts, stream0,
         step, p_stride, n_stride, float(width) ** 0.5, N=n, NP=nb, BT=CHAIN_ROWS, BC=bc, FN=fn,
         POSTS=posts > 0, NORM=norm is not None, RMS=RMS_EPS, HT=h_res_transposed,
-        **_dropout_args(seed, p))
+        **_dropout_args(seed, p), num_warps=config["warps"])
 
 
 def _launch_state(x, weight, bias, a_pre, norm: bool, eps, n, state_out, post=None):
     """The state of ``x``, or with ``post = (maps, y, seed, p, stream, out, h_res_transposed)``
-    of the post's output, which it writes into ``out``. One kernel and one tiling either way,
-    so a state is the same bits whichever made it."""
+    of the post's output, which it writes into ``out``: sums over feature splits enough to fill
+    the GPU (:func:`_state_part`), then summed in order (:func:`_state_sum`). One pair of kernels
+    and one tiling either way, so a state is the same bits whichever op made it."""
     t, width = x.shape
     c = width // n
-    nb = _np(n)
+    nb, mp, bc = state_tiling(c, n)
     state = _written(state_out, lambda: x.new_empty(t, state_width(weight.shape[0]),
                                                    dtype=torch.float32))
     maps, y, seed, p, stream, out, transposed = post or (x, x, None, 0.0, 0, x, False)
-    _state_fwd[(triton.cdiv(t, DOT_ROWS),)](
-        x, weight, bias, a_pre, state, y, maps, seed if seed is not None else x, out, stream, t,
-        c, float(width) ** 0.5, float(eps), N=n, NP=nb, MP=_mp(n), BT=DOT_ROWS,
-        BC=_block_c(c, 512 // (nb * nb)), NORM=norm, DOT_F32=_dot_in_fp32(x, weight),
-        RMS=RMS_EPS, POST=post is not None, HT=transposed, **_dropout_args(seed, p),
-        num_stages=4)  # x's tl.dot tiles run 3 steps ahead: a grid of 256 leaves 2 blocks per SM
+    config = launch_config("state", c, x.device)
+    splits, span = state_splits(t, c, bc, config["splits"])
+    part = x.new_empty(splits, t, mp + nb * nb, dtype=torch.float32)
+    # x's tl.dot tiles run num_stages - 1 steps ahead
+    _state_part[(triton.cdiv(t, DOT_ROWS), splits)](
+        x, weight, part, y, maps, seed if seed is not None else x, out, stream, t, c, span, N=n,
+        NP=nb, MP=mp, BT=DOT_ROWS, BC=bc, DOT_F32=_dot_in_fp32(x, weight),
+        POST=post is not None, HT=transposed, **_dropout_args(seed, p),
+        num_warps=config["warps"], num_stages=config["stages"])
+    _state_sum[(triton.cdiv(t, SUM_ROWS),)](
+        part, bias, a_pre, state, t, c, splits, float(width) ** 0.5, float(eps), N=n, NP=nb,
+        MP=mp, BT=SUM_ROWS, NORM=norm, RMS=RMS_EPS)
     return _deliver(state, state_out)
 
 
@@ -748,9 +789,10 @@ def pre_backward(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, 
         raise ValueError("mhc_cg pre_backward: the posts around a pre share one seed and rate")
     seed, p = (seed, p) if post is not None else (p_seed, p_p)
     # with the post's reductions, its tiles and layout: the same sums as its own backward's;
-    # without, 16 tokens at 8 warps (at 4 the Sinkhorn's live state spills)
-    bt, bc1, warps = (CHAIN_ROWS, _block_c(c, 1024 // (nb * nb)), 4) if post is not None else \
-        (DOT_ROWS, _block_c(c, COEF_BUDGET // nb), 8)
+    # without, the same tokens per program (a grid of T / 4 fills the GPU)
+    bt, bc1 = (CHAIN_ROWS, _block_c(c, 1024 // (nb * nb))) if post is not None else \
+        (CHAIN_ROWS, _block_c(c, COEF_BUDGET // nb))
+    warps = 4
     _pre_bwd_coef[(triton.cdiv(t, bt),)](
         g_out, g_in if g_in is not None else g_sum, g_sum, x, bias, a_pre, a_post, a_res, norm,
         state, g_proj, shares, aux, g_post if g_post is not None else x, y,
@@ -759,7 +801,7 @@ def pre_backward(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, 
         BT=bt, BC=bc1, NORM=norm_weight is not None, GPOST=g_post is not None, EPS=SINKHORN_EPS,
         RMS=RMS_EPS, POST=post is not None, PREV=prev is not None, GIN=g_in is not None,
         HT=h_res_transposed, AW=aux.shape[1], **_dropout_args(seed, p), num_warps=warps)
-    groups, per_group = weight_grad_groups(t, c, m)
+    groups, per_group = weight_grad_groups(t, c, m, n)
     g_w = x.new_empty(groups if norm_weight is not None else 0, c, dtype=torch.float32)
     g_y = None if prev is None else _written(g_y_out, lambda: x.new_empty(t, c))
     _pre_bwd_x[(triton.cdiv(c, _block_c(c, 128 // nb)), groups)](
@@ -976,7 +1018,7 @@ def _rms_bwd(g_ptr, x_ptr, w_ptr, gx_ptr, gw_part_ptr, T, C, eps, R: tl.constexp
         tl.store(gw_part_ptr + pid * C + c, tl.sum(g * xhat, axis=0), mask=c < C)
 
 
-_RMS_ROWS = 16
+_RMS_ROWS = 4  # rows per program of the norm's backward: a grid of T / 4 fills the GPU
 
 
 def rms_norm(x, weight, eps):

@@ -15,7 +15,9 @@ Built in, in this order:
   eager aggregate, the rest eager under eager block recompute;
 * ``moe_partial``: static-buffer recompute with MoE partial capture on the MoE version of the
   model (a dense model gets ``moe_experts`` experts, together as wide as its MLP); it trains
-  another model, so it is not compared with the reference.
+  another model, so it is not compared with the reference;
+* ``plain_residual``: the same F on a plain residual (``x + dropout(F(norm(x)))``, one stream,
+  eager): not the same model either; each mode's mHC overhead is its step over this one's.
 """
 
 from __future__ import annotations
@@ -175,6 +177,16 @@ def _moe_variant(cfg: RunConfig, *, moe_experts: int = 8, moe_top_k: int = 2) ->
         ["attn", "moe_router", "moe_preprocess", RECOMPUTE_SCOPE]))
 
 
+def _plain_variant(cfg: RunConfig, **_) -> RunConfig:
+    """The same F on a plain residual: one stream, no mHC ops, nothing to recompute or capture;
+    torch's dropout (one kernel, as Megatron's fused bias-dropout-add), where mHC's is fused into
+    its post."""
+    return cfg.replace(model={"residual": "plain", "num_streams": 1, "recompute": "none",
+                              "recompute_activation": False, "recompute_activation_layers": None,
+                              "dropout_impl": "torch"},
+                       graph=cfg.graph.with_scopes([]))
+
+
 def _moe_unavailable(cfg: RunConfig, device: str) -> str | None:
     if device == "meta":
         return ("a MoE model's dispatch reads its token counts on the host, which meta tensors "
@@ -198,5 +210,7 @@ for _mode in (
     Mode("moe_partial", "graphed_static with MoE partial capture, on the MoE model",
          GraphedStaticModel, capture=static_capture, same_model=False, configure=_moe_variant,
          unavailable=_moe_unavailable),
+    Mode("plain_residual", "the same F on a plain residual, eager: the baseline of mHC's overhead",
+         EagerModel, activation_recompute=False, same_model=False, configure=_plain_variant),
 ):
     register(_mode)

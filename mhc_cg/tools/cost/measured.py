@@ -6,6 +6,8 @@
   kernel's row counts for the current code only if it was measured at the same kernel source
   (``kernel_source_sha256`` of ``mhc_cg/ops/kernels/triton_kernels.py``); the copy row measures
   torch's own copy kernel, which no commit here changes.
+* :func:`fused_charges`: per fused op, the share of the copy bandwidth the step model charges: its
+  own measurement at this kernel source, else the H100's measured share for a kernel of its kind.
 * :func:`kernel_classes`: per class of kernel, what the step model charges and what was measured.
 * :func:`last_measured_steps`: per mode, the step time of the newest ``mhc-cg bench`` JSON of the
   same shape, beside the modelled one.
@@ -33,6 +35,24 @@ FUSED_OPS = {"pre": "mhc_cg::pre", "post": "mhc_cg::post", "recompute_block": "m
              "rms_norm": "mhc_cg::rms_norm"}
 
 
+# The kind of each fused op, and the probe kernel whose H100 measurement stands for its kind:
+# "state" kernels reduce a token's whole row (the projection and the streams' Gram matrix; the
+# backward's coefficients), "stream" kernels stream element-wise over (tokens, features),
+# "recompute" is the block's chain, "row" kernels normalise one row per program.
+FUSED_KINDS = {
+    "mhc_cg::pre": "state", "mhc_cg::pre_into": "state", "mhc_cg::post_state": "state",
+    "mhc_cg::post_state_into": "state", "mhc_cg::post_maps": "state",
+    "mhc_cg::pre_backward": "state", "mhc_cg::pre_backward_into": "state",
+    "mhc_cg::post": "stream", "mhc_cg::post_into": "stream", "mhc_cg::pre_from_state": "stream",
+    "mhc_cg::pre_from_state_into": "stream", "mhc_cg::post_grad_y": "stream",
+    "mhc_cg::post_backward": "stream",
+    "mhc_cg::recompute": "recompute",
+    "mhc_cg::rms_norm": "row", "mhc_cg::rms_norm_backward": "row",
+    "mhc_cg::cross_entropy": "row", "mhc_cg::cross_entropy_backward": "row",
+}
+KIND_PROBE = {"state": "pre", "stream": "post", "recompute": "recompute_block", "row": "rms_norm"}
+
+
 def kernel_source_sha256() -> str | None:
     return hashlib.sha256(KERNEL_SOURCE.read_bytes()).hexdigest() if KERNEL_SOURCE.exists() \
         else None
@@ -48,6 +68,30 @@ def copy_share(rows: list[dict] | None = None) -> float | None:
     rows = efficiency_rows() if rows is None else rows
     copies = [r["gb_per_s"] * 1e9 for r in rows if r["class"] == "copy" and "H100" in r["device"]]
     return min(1.0, sum(copies) / len(copies) / PEAK_BYTES_PER_S) if copies else None
+
+
+def fused_charges(rows: list[dict] | None = None) -> dict[str, dict]:
+    """Per fused op, what the step model charges: ``{"share": of the copy bandwidth, "source":
+    why}``. A measurement of the op at this kernel source wins; else the H100's measured share
+    for a kernel of its kind (at other code: the kernels it measured ran that far from the
+    bandwidth, and nothing measured since says this code does better); an op of no measured
+    kind is left out (timed at the copy bandwidth, and said so)."""
+    rows = efficiency_rows() if rows is None else rows
+    fused = [r for r in rows if r["class"] == "fused mHC" and "H100" in r["device"]]
+    current = kernel_source_sha256()
+    own = {r["op"]: r for r in fused if r.get("op") and r.get("kernel_source_sha256") == current}
+    by_kernel = {r["kernel"]: r for r in fused}
+    charges = {}
+    for op, kind in FUSED_KINDS.items():
+        if op in own:
+            r = own[op]
+            charges[op] = {"share": min(1.0, r["share_of_copy"]),
+                           "source": f"measured at this code ({r['code']})"}
+        elif KIND_PROBE[kind] in by_kernel:
+            r = by_kernel[KIND_PROBE[kind]]
+            charges[op] = {"share": min(1.0, r["share_of_copy"]),
+                           "source": f"its kind ({kind}): {r['kernel']} measured at {r['code']}"}
+    return charges
 
 
 def probe_rows(probe: dict, code: str, kernels_sha256: str) -> list[dict]:
@@ -87,7 +131,7 @@ def kernel_classes(shares: dict[str, float] | None, copy: float | None,
                           + " of the copy bandwidth (eager calls timed, launch included)")
     else:
         fused_measured = "unmeasured"
-    low = {op.split("::")[1]: s for op, s in (shares or {}).items() if s < 1}
+    charged = ", ".join(f"{op.split('::')[1]} {share:.3f}" for op, share in (shares or {}).items())
     copies = [r for r in rows if r["class"] == "copy"]
     copy_measured = ("unmeasured" if copy is None else ", ".join(
         f"{r['gb_per_s']:.0f} GB/s ({r['device']}, {r['code']})" for r in copies))
@@ -97,8 +141,9 @@ def kernel_classes(shares: dict[str, float] | None, copy: float | None,
         {"class": "attention", "charged": f"{PEAK_FLOPS / 1e12:.0f} TFLOP/s (dense bf16 peak)",
          "measured": "unmeasured"},
         {"class": "fused mHC ops",
-         "charged": "the copy class's bandwidth" + (", at their sm_90a in-flight share: " + ", ".join(
-             f"{op} {s:.2f}" for op, s in low.items()) if low else ""),
+         "charged": ("their share of the copy class's bandwidth (measured at this code, else "
+                     "the H100's for their kind): " + charged) if charged
+                    else "the copy class's bandwidth",
          "measured": fused_measured},
         {"class": "elementwise, copies, optimizer",
          "charged": f"{(copy or 1.0) * PEAK_BYTES_PER_S / 1e12:.2f} TB/s"
@@ -136,15 +181,26 @@ def last_measured_steps(cfg: RunConfig, results: Path = RESULTS) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mhc_cg.tools.cost.measured PROBE_JSON CODE``: add a probe's rows to the table,
-    stamped with the kernel source of the working tree (run it where the probe's code is)."""
+    """``python -m mhc_cg.tools.cost.measured merge KERNEL_EFFICIENCY.json``: a GPU run's rows
+    (``mhc-cg kernels --bench``) into the committed table, replacing the rows of the same
+    device, code and op; ``... probe PROBE_JSON CODE``: a probe's rows, stamped with the kernel
+    source of the working tree (run it where the probe's code is)."""
     import sys
 
-    probe_path, code = (argv if argv is not None else sys.argv[1:])[:2]
-    rows = [r for r in efficiency_rows() if r["code"] != code]
-    rows += probe_rows(json.loads(Path(probe_path).read_text()), code, kernel_source_sha256())
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) < 2 or args[0] not in ("merge", "probe") or (args[0] == "probe") != (len(args) == 3):
+        print("usage: python -m mhc_cg.tools.cost.measured merge FILE | probe PROBE_JSON CODE",
+              file=sys.stderr)
+        return 2
+    if args[0] == "probe":
+        new = probe_rows(json.loads(Path(args[1]).read_text()), args[2], kernel_source_sha256())
+    else:
+        new = json.loads(Path(args[1]).read_text())["rows"]
+    key = lambda r: (r["device"], r["code"], r.get("op") or r["kernel"])  # noqa: E731
+    replaced = {key(r) for r in new}
+    rows = [r for r in efficiency_rows() if key(r) not in replaced] + new
     EFFICIENCY.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
-    print(f"{EFFICIENCY}: {len(rows)} rows")
+    print(f"{EFFICIENCY}: {len(rows)} rows ({len(new)} merged)")
     return 0
 
 

@@ -34,12 +34,15 @@ from mhc_cg.tools.cost.attribution import (REFERENCE_C, model_note, by_phase_and
 from mhc_cg.core.storage import storage_id
 from mhc_cg.tools.cost.allocator import rounded
 from mhc_cg.tools.cost.bandwidth import charging
-from mhc_cg.tools.cost.measured import copy_share, kernel_classes, last_measured_steps
+from mhc_cg.tools.cost.measured import (copy_share, fused_charges, kernel_classes,
+                                        last_measured_steps)
 from mhc_cg.tools.cost.op_counters import StepRecorder, StreamTracker
 from mhc_cg.tools.cost.cost_backend import CostBackend
 from mhc_cg.training.session import TrainSession, optimizer_for
 
 DEVICES = ("meta", "cpu")
+PLAIN = "plain_residual"  # the same F without mHC: what each mode's overhead is measured against
+PAPER_OVERHEAD = 0.067  # the mHC paper's training-time overhead at n = 4 (section 4.3)
 RECOMPUTE_POOL_LIMIT = 1.25   # a recompute graph's pool peak, in arenas
 STATIC_MEMORY_LIMIT = 0.75    # graphed_static's graph memory, in graphed_none's (both below)
 
@@ -224,13 +227,13 @@ def checks(modes: dict) -> list[dict]:
 
 
 def cost_report(cfg: RunConfig, device: str, config_name: str | None = None,
-                kernel_shares: dict[str, float] | None = None, measured: bool = True) -> dict:
-    """Every mode's cost (:func:`cost_mode`) and the budget checks. ``kernel_shares``: each
-    fused op's share of the bandwidth (:func:`mhc_cg.tools.cost.bandwidth.kernel_shares`), which
-    the step model then charges; ``None``: none charged. ``measured``: bytes are timed at the
-    committed measured copy bandwidth (:mod:`mhc_cg.tools.cost.measured`), else at the HBM peak;
-    the report carries each kernel class's charge and measurement, and the newest measured step
-    of the config's shape."""
+                measured: bool = True, kernel_shares: dict[str, float] | None = None) -> dict:
+    """Every mode's cost (:func:`cost_mode`) and the budget checks. ``measured``: bytes are timed
+    at the committed measured copy bandwidth and each fused op at its measured share of it, or
+    its kind's (:mod:`mhc_cg.tools.cost.measured`); else everything at the HBM peak.
+    ``kernel_shares``: other shares to charge the fused ops instead. The report carries what
+    each kernel class is charged and what was measured, and the newest measured step of the
+    config's shape."""
     if device not in DEVICES:
         raise ConfigError(f"--device: must be one of {list(DEVICES)}, got {device!r}")
     if device == "meta" and cfg.model.is_moe:
@@ -238,11 +241,17 @@ def cost_report(cfg: RunConfig, device: str, config_name: str | None = None,
                           "host, which meta tensors do not have; cost MoE configs with --device cpu")
     costed, skipped = mode_configs(cfg, device)
     copy = copy_share() if measured else None
+    if kernel_shares is None and measured:
+        kernel_shares = {op: c["share"] for op, c in fused_charges().items()}
     modes = {}
     with charging(kernel_shares, copy):
         for index, (name, mode_cfg) in enumerate(costed, 1):
             log("cost", f"{name}: building and recording one step ({index}/{len(costed)})")
             modes[name] = cost_mode(mode_cfg, name, device)
+    plain = modes.get(PLAIN)
+    for m in modes.values():  # the paper's headline: a step's cost over the plain residual's
+        m["mhc_overhead"] = (None if plain is None else
+                             m["predicted_h100_step_s"] / plain["predicted_h100_step_s"] - 1)
     return {"config": config_name, "device": device, "modes": modes, "skipped": skipped,
             "checks": checks(modes), "kernel_bandwidth_shares": kernel_shares,
             "copy_bandwidth_share": copy, "kernel_classes": kernel_classes(kernel_shares, copy),
@@ -272,8 +281,8 @@ def format_report(report: dict, per_graph: bool = True) -> str:
                      f"{len(m['graphs']):>6} {m['pools']:>5} {_size(m['pool_reserved_bytes']):>13} "
                      f"{_size(m['arena_bytes']):>10} {_size(m['persistent_bytes_per_microbatch']):>13} "
                      f"{_size(m['static_buffer_bytes']):>11}")
-    lines += ["", *format_frontier(report), "", *format_traffic(report), "",
-              *format_measured(report)]
+    lines += ["", *format_frontier(report), *format_overhead(report), "",
+              *format_traffic(report), "", *format_measured(report)]
     for name, reason in report.get("skipped", {}).items():
         lines.append(f"{name}: not costed on {report['device']}: {reason}")
     for c in report["checks"]:
@@ -316,6 +325,16 @@ def format_frontier(report: dict) -> list[str]:
                      f"{_size(mem['step']):>10} {_size(m['bytes_per_step']):>10} "
                      f"{step * 1e3:>14.2f} ms {ratio:>11}")
     return lines
+
+
+def format_overhead(report: dict) -> list[str]:
+    """Each mode's modelled mHC overhead beside the paper's."""
+    rows = [(name, m["mhc_overhead"]) for name, m in report["modes"].items()
+            if m.get("mhc_overhead") is not None and name != PLAIN]
+    if not rows:
+        return []
+    return [f"mHC overhead (modelled step / {PLAIN}'s - 1; the paper: {PAPER_OVERHEAD:.1%}): "
+            + ", ".join(f"{name} {value:+.1%}" for name, value in rows)]
 
 
 def format_measured(report: dict) -> list[str]:
@@ -366,10 +385,8 @@ def format_traffic(report: dict) -> list[str]:
                      f"{c['total']:>7.1f} {step * 1e3:>14.2f} ms {ratio(reference):>11} "
                      f"{ratio(block):>12}")
     shares = report.get("kernel_bandwidth_shares")
-    charged = ("; kernels that cannot keep HBM busy (mhc-cg kernels, sm_90a) at their share of "
-               "it: " + ", ".join(f"{op.split('::')[1]} {share:.2f}" for op, share in shares.items()
-                                  if share < 1) if shares else
-               "; every kernel at the full bandwidth (no kernel shares: see mhc-cg kernels)")
+    charged = ("; each fused op at its share of it (measured, or its kind's: below)" if shares
+               else "; every fused op at it too")
     lines += [f"step times: {model_note(report.get('copy_bandwidth_share'))}{charged}", "",
               "bytes per step by part (all phases)"]
     parts = sorted({part for m in modes.values() for phase in m["bytes_by_phase_and_part"].values()
