@@ -64,7 +64,7 @@ else
     DEVICE=(--device cuda)
     # the modules with cuda-marked tests: collecting the rest would import what the GPU machine lacks
     TESTS=${GPU_CHECK_TESTS:-$(grep -l 'pytest.mark.cuda' tests/test_*.py | tr '\n' ' ')}
-    MODES=${GPU_CHECK_MODES:-eager_none eager_block graphed_none graphed_static attn_split}
+    MODES=${GPU_CHECK_MODES:-eager_none eager_block graphed_none graphed_static attn_split plain_residual}
     BENCH_ARGS=(--config configs/bench_h100.yaml --config configs/bench_h100_memory.yaml
                 --mode-timeout 90)
     KERNEL_ARGS=()

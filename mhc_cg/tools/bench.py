@@ -167,6 +167,7 @@ def run_bench(shapes: list[tuple[str, RunConfig]], device: torch.device, opts: B
             if "error" in entry:
                 log(f"{shape}: {mode} failed: {entry['error']}")
             report["modes"][mode] = _compared(entry, mode, report, cfg, device)
+            _overheads(report["modes"])
             report["targets"] = targets_check(report["modes"])
             if on_shape_done is not None:
                 on_shape_done(report)
@@ -193,6 +194,17 @@ def _report_head(shape: str, cfg: RunConfig, device: torch.device, opts: BenchOp
         "modes": {},
         "targets": [],
     }
+
+
+PLAIN = "plain_residual"
+
+
+def _overheads(modes: dict) -> None:
+    """Each mode's measured mHC overhead: its step over the plain residual's, less one."""
+    plain = modes.get(PLAIN, {}).get("step_ms_median")
+    for entry in modes.values():
+        if "step_ms_median" in entry:
+            entry["mhc_overhead"] = None if plain is None else entry["step_ms_median"] / plain - 1
 
 
 def losses_match(losses: list[float], reference: list[float], rtol: float) -> bool:
@@ -279,19 +291,22 @@ def _shape_markdown(report: dict) -> list[str]:
              f"{b['steps']} timed steps per mode after {b['warmup']} warm-up, {b['profile_steps']} "
              f"profiled; backend {b['backend']}. Phase times: {timing} ms per step of the "
              f"kernels launched in each phase.", "",
-             "| mode | pid | peak alloc MiB | peak reserved MiB | step ms | tokens/s | busy | "
-             "forward | backward | recompute | optimizer | losses match eager_none |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| mode | pid | peak alloc MiB | peak reserved MiB | step ms | mHC overhead | tokens/s "
+             "| busy | forward | backward | recompute | optimizer | losses match eager_none |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, e in report["modes"].items():
         if "error" in e:
-            lines.append(f"| {name} | - | failed: {e['error']} |||||||||||")
+            lines.append(f"| {name} | - | failed: {e['error']} ||||||||||||")
             continue
         phases = e["profile"]["phases"]
         busy = e["profile"]["busy_share"]
+        overhead = e.get("mhc_overhead")
+        overhead = "-" if overhead is None or name == PLAIN else f"{overhead:+.1%}"
         same = {True: "yes", False: "no", None: "-"}[e["losses_match_eager_none"]]
         lines.append(
             f"| {name} | {e['pid']} | {_fmt(e['peak_allocated_bytes'], 2 ** 20, 1)} | "
             f"{_fmt(e['peak_reserved_bytes'], 2 ** 20, 1)} | {e['step_ms_median']:.2f} | "
+            f"{overhead} | "
             f"{e['tokens_per_s']:.0f} | {'-' if busy is None else f'{busy:.0%}'} | "
             + " | ".join(_fmt(phases.get(p, {}).get("gpu_ms")) for p in
                          ("forward", "backward", "recompute", "optimizer"))

@@ -145,8 +145,8 @@ def profiled_phases(timeline: Path = TIMELINE) -> dict[str, dict[str, float]]:
 
 def markdown(result: dict) -> str:
     mib = 2 ** 20
-    lines = ["| mode | resident, modelled | measured | ratio | peak, modelled (at) | measured | ratio |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| mode | resident, modelled | measured | ratio | peak, modelled (at) | measured "
+             "| ratio |", "|---|---:|---:|---:|---:|---:|---:|"]
     for mode, r in result["modes"].items():
         lines.append(
             f"| `{mode}` | {r['modelled_resident'] / mib:.1f} MiB | "

@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     args = sys.argv[1:] if argv is None else argv
-    if len(args) < 2 or args[0] not in ("merge", "probe") or (args[0] == "probe") != (len(args) == 3):
+    arity = {"merge": 2, "probe": 3}
+    if not args or arity.get(args[0]) != len(args):
         print("usage: python -m mhc_cg.tools.cost.measured merge FILE | probe PROBE_JSON CODE",
               file=sys.stderr)
         return 2
