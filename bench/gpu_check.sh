@@ -22,7 +22,7 @@
 # bench/carry/ (bench/fetch_carry.sh makes it; bench/README.md says how to run this there).
 #
 # --dry-run (or MHC_CG_GPU_CHECK_DRY=1): the same parts on the CPU with tiny configs and the tape
-# backend, a few steps each, three modes; CI runs it (tests/test_gpu_check.py).
+# backend, a few steps each, four modes; CI runs it (tests/test_gpu_check.py).
 set -u -o pipefail
 
 DRY=${MHC_CG_GPU_CHECK_DRY:-0}
@@ -54,7 +54,7 @@ EOF
     DEVICE=(--device cpu)
     TESTS=${GPU_CHECK_TESTS:-tests/test_graphs_cuda.py}
     # the reference, ours and the peer: every code path of the script, at a fraction of the cost
-    MODES=${GPU_CHECK_MODES:-eager_none graphed_static attn_split}
+    MODES=${GPU_CHECK_MODES:-eager_none graphed_static attn_split graphed_full_static}
     BENCH_ARGS=(--config "$SHAPE" --config "$MEMORY" --backend tape --steps 2 --warmup 1
                 --profile-steps 1 --recompute-replays 2)
     KERNEL_ARGS=(--dry-run)
@@ -64,12 +64,12 @@ else
     DEVICE=(--device cuda)
     # the modules with cuda-marked tests: collecting the rest would import what the GPU machine lacks
     TESTS=${GPU_CHECK_TESTS:-$(grep -l 'pytest.mark.cuda' tests/test_*.py | tr '\n' ' ')}
-    MODES=${GPU_CHECK_MODES:-eager_none eager_block graphed_none graphed_static attn_split plain_residual}
+    MODES=${GPU_CHECK_MODES:-eager_none eager_block graphed_none graphed_static attn_split graphed_full graphed_full_static plain_residual}
     BENCH_ARGS=(--config configs/bench_h100.yaml --config configs/bench_h100_memory.yaml
                 --mode-timeout 90)
     KERNEL_ARGS=()
     BUDGET=${GPU_CHECK_BUDGET_S:-540}
-    LIMITS=(bench=300 kernels=90 megatron=90 tests=60)
+    LIMITS=(bench=340 kernels=90 megatron=75 tests=35)
 fi
 limit_of() { local kv; for kv in "${LIMITS[@]}"; do [ "${kv%%=*}" = "$1" ] && echo "${kv#*=}"; done; }
 

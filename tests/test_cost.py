@@ -361,7 +361,8 @@ def test_meta_and_cpu_cost_the_same_graphs_and_arena():
 def test_report_lists_every_mode_with_the_documented_fields():
     report = cost_report(tiny_config(), "meta", "tiny")
     assert list(report["modes"]) == ["eager_none", "eager_block", "graphed_none", "graphed_static",
-                                     "attn_split", "plain_residual"]
+                                     "attn_split", "graphed_full", "graphed_full_static",
+                                     "plain_residual"]
     assert list(report["skipped"]) == ["moe_partial"]  # MoE dispatch reads token counts on the host
     # the paper's headline: each mode's step over the same F's on a plain residual
     plain = report["modes"]["plain_residual"]
@@ -408,7 +409,10 @@ def test_moe_config_costs_partial_capture_on_cpu_and_is_refused_on_meta():
     costed, skipped = mode_configs(cfg, "cpu")
     modes = dict(costed)
     assert list(modes) == ["eager_none", "eager_block", "graphed_none", "graphed_static",
-                           "attn_split", "moe_partial", "plain_residual"] and skipped == {}
+                           "attn_split", "moe_partial", "plain_residual"]
+    # a dropless MoE dispatch reads its token counts on the host: no captured iteration
+    assert set(skipped) == {"graphed_full", "graphed_full_static"}
+    assert all(why.startswith("model.num_experts: a dropless MoE layer") for why in skipped.values())
     partial = cost_mode(modes["moe_partial"], "moe_partial", "cpu")
     heads = [g for g in partial["graphs"] if g["name"].endswith(".head fwd")]
     assert len(heads) == 2  # the MoE sublayer's captured head, one per layer
@@ -529,7 +533,11 @@ def test_peak_memory_adds_up_and_block_recompute_lowers_the_step_peak():
         held = m["peak_bytes"] - parts["step"]
         assert {"forward", "backward", "optimizer"} <= set(phases), name
         assert m["peak_bytes"] == phases[m["peak_phase"]] == max(phases.values()), name
-        assert all(held < b <= m["peak_bytes"] for b in phases.values()), name
+        # a phase with eager work allocates over what the step holds; one run inside graphs only
+        # (a captured iteration's backward, graphed_static's recompute) holds just that
+        assert all(held <= b <= m["peak_bytes"] for b in phases.values()), name
+        if not m["graphs"]:
+            assert held < min(phases.values()), name
     assert "recompute" in modes["eager_block"]["peak_bytes_by_phase"]
     none, block = modes["eager_none"]["peak_memory"], modes["eager_block"]["peak_memory"]
     assert none["model_state"] == block["model_state"] and none["graph_pools"] == 0

@@ -17,7 +17,7 @@ import torch
 from mhc_cg.tools import probe
 
 REPO = Path(__file__).resolve().parent.parent
-DRY_MODES = ["eager_none", "graphed_static", "attn_split"]
+DRY_MODES = ["eager_none", "graphed_static", "attn_split", "graphed_full_static"]
 
 
 def run_check(out: Path, **env) -> subprocess.CompletedProcess:
@@ -70,6 +70,9 @@ def test_bench_runs_both_shapes_each_mode_in_its_own_process(dry_run):
         assert len(pids) == len(DRY_MODES)
         assert report["modes"]["attn_split"]["losses_equal_eager_none"] is True
         assert report["modes"]["graphed_static"]["losses_equal_eager_none"] is True
+        full = report["modes"]["graphed_full_static"]
+        assert full["losses_equal_eager_none"] is True
+        assert "iteration" in full["profile"]["phases"]  # every forward and backward: one replay
         assert all(e["profile"]["phases"] for e in report["modes"].values())
     memory = json.loads((dry_run / "bench" / "cpu.dry_memory.json").read_text())
     assert memory["config"]["model"]["seq_length"] == 32

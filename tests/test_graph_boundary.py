@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mhc_cg.model import lm_loss
 from mhc_cg.runtime.graphs import get_backend, make_graphed_callables
 from mhc_cg.runtime.modes.registry import MODES
 
@@ -87,6 +88,15 @@ def test_an_input_aliasing_the_static_buffer_in_another_layout_gives_the_eager_a
     assert torch.equal(fn(given), want)
 
 
+def training_pass(mode_model, ids, seed):
+    """A training forward and backward as the mode runs one: a captured iteration replays every
+    microbatch (each given ``ids`` and ``seed``), the other modes run a forward here and the
+    caller's backward."""
+    if not mode_model.captures_iteration:
+        return mode_model(ids, seed)
+    return mode_model.run_iteration([(ids, ids, seed)] * mode_model.plan.iteration_microbatches)
+
+
 @pytest.mark.parametrize("mode", [m.name for m in MODES.values() if m.graphed and m.same_model])
 def test_every_graphed_mode_refuses_a_bad_dropout_seed_in_one_line(mode):
     graphed_model = build_for_mode(small_config(["attn", "mhc_recompute"]), mode, "cpu")
@@ -96,7 +106,7 @@ def test_every_graphed_mode_refuses_a_bad_dropout_seed_in_one_line(mode):
                       (torch.tensor(3.0), "[] torch.float32"), (3, "int 3"),
                       (torch.tensor([3]), "[1] torch.int64")):
         with pytest.raises(ValueError) as info:
-            graphed_model(ids, seed)
+            training_pass(graphed_model, ids, seed)
         message = str(info.value)
         assert "\n" not in message and message.startswith(f"dropout_seed is {got}")
         assert "captured with [] torch.int64 on cpu; pass a tensor of that shape" in message
@@ -109,9 +119,14 @@ def test_no_dropout_seed_draws_one_as_the_plain_model_does(mode):
     mode_models = {name: build_for_mode(cfg, name, "cpu") for name in ("eager_none", mode)}
     ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size,
                                                   cfg.model.seq_length))
+    n = cfg.train.num_microbatches
     grads = {}
     for name, mode_model in mode_models.items():
-        torch.manual_seed(11)  # the seed the forward draws
-        mode_model(ids, None).float().square().mean().backward()
+        torch.manual_seed(11)  # the seeds the forwards draw
+        if mode_model.captures_iteration:  # the loss it captured, over n microbatches
+            training_pass(mode_model, ids, None)
+        else:
+            for _ in range(n):
+                (lm_loss(mode_model(ids, None), ids, grad_over_logits=True) / n).backward()
         grads[name] = [p.grad for p in mode_model.model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(grads["eager_none"], grads[mode]))

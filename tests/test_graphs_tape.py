@@ -99,16 +99,46 @@ def test_fixed_size_variants_of_data_dependent_ops_are_allowed(backend):
     assert torch.equal(by_tensor, torch.repeat_interleave(x, repeats))
 
 
-def test_freeing_a_graph_tensor_during_capture_rejected(backend):
-    """Eager block recompute's discard (``untyped_storage().resize_(0)`` of a checkpointed output) in a graph."""
-    x = torch.randn(16)
+def test_a_capture_frees_and_reallocates_its_own_storage(backend):
+    """Eager block recompute inside a full-iteration capture: discard (``resize_(0)``) an output the
+    graph allocated, allocate it again, recompute into it; the replay equals eager."""
+    x = torch.randn(16, device=backend.device)
+    out = torch.zeros(16, device=backend.device)
+    left_freed = []
+
+    def body():
+        a = x * 2
+        a.untyped_storage().resize_(0)
+        a.untyped_storage().resize_(16 * 4)
+        a.copy_(x * 3)
+        out.copy_(a + 1)
+        b = x * 5  # freed and left freed: its pool memory is the graph's, a replay writes there
+        out.add_(b)
+        b.untyped_storage().resize_(0)
+        left_freed.append(b)
+
+    graph = backend.new_graph()
+    with graph.capture():
+        body()
+    assert graph.stats.violations == 0
+    x.copy_(torch.randn(16, device=backend.device))
+    out.zero_()
+    graph.replay()
+    assert torch.equal(out, x * 3 + 1 + x * 5)
+
+
+def test_freeing_a_storage_the_graph_does_not_own_is_rejected(backend):
+    """An input of the graph freed inside the capture: a replay would read freed memory."""
+    x = torch.randn(16, device=backend.device)
 
     def body():
         y = x * 2
-        y.untyped_storage().resize_(0)
+        x.untyped_storage().resize_(0)
+        y + 1
 
     error = capture_error(backend, body)
     assert "resized or re-pointed during capture" in str(error)
+    assert "the graph did not allocate it" in str(error)
     assert len(error.report.resized_storages) == 1
 
 

@@ -37,13 +37,16 @@ def run(args: argparse.Namespace) -> int:
         return pipeline_compare.run(cfg, args)
     progress = not args.no_progress
     if args.compare:
+        refused = compare.refused_modes(cfg, args.device)
         results = compare.run_modes(cfg, steps=args.steps, device=args.device, progress=progress)
         problems = compare.mismatches(results)
         if args.json:
-            print(json.dumps(compare.to_json(results), indent=1))
+            print(json.dumps({**compare.to_json(results), "refused": refused}, indent=1))
         else:
             _describe(cfg, "all modes")
             print(compare.format_table(results))
+            for mode, why in refused.items():
+                print(f"{mode}: not run: {why}")
             if any(r.eval_losses for r in results.values()):
                 print("eval loss (after step " + ", ".join(map(str, results[REFERENCE].eval_steps))
                       + "): " + "; ".join(f"{m} {r.eval_losses[-1]:.4f}" for m, r in results.items()))

@@ -62,6 +62,11 @@ class MHCGPTConfig:
     kernels: str = "auto"  # fused mHC ops: "auto" (triton on CUDA, torch on CPU) | "torch" | "triton"
     residual: str = "mhc"  # "mhc" | "plain": x + dropout(F(norm(x))), the baseline of mHC's cost
 
+    @property
+    def draws_random(self) -> bool:
+        """A training forward draws from torch's generators (torch's dropout, above 0)."""
+        return self.dropout_impl == "torch" and self.hidden_dropout > 0
+
     def __post_init__(self):
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size

@@ -292,11 +292,12 @@ def _shape_markdown(report: dict) -> list[str]:
              f"profiled; backend {b['backend']}. Phase times: {timing} ms per step of the "
              f"kernels launched in each phase.", "",
              "| mode | pid | peak alloc MiB | peak reserved MiB | step ms | mHC overhead | tokens/s "
-             "| busy | forward | backward | recompute | optimizer | losses match eager_none |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| busy | forward | backward | recompute | iteration | optimizer "
+             "| losses match eager_none |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, e in report["modes"].items():
         if "error" in e:
-            lines.append(f"| {name} | - | failed: {e['error']} ||||||||||||")
+            lines.append(f"| {name} | - | failed: {e['error']} |||||||||||||")
             continue
         phases = e["profile"]["phases"]
         busy = e["profile"]["busy_share"]
@@ -309,7 +310,7 @@ def _shape_markdown(report: dict) -> list[str]:
             f"{overhead} | "
             f"{e['tokens_per_s']:.0f} | {'-' if busy is None else f'{busy:.0%}'} | "
             + " | ".join(_fmt(phases.get(p, {}).get("gpu_ms")) for p in
-                         ("forward", "backward", "recompute", "optimizer"))
+                         ("forward", "backward", "recompute", "iteration", "optimizer"))
             + f" | {same} |")
     fused = [(name, row) for name, e in report["modes"].items() if "error" not in e
              for row in e["fused_ops"]]

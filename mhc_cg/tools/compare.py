@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 
 from mhc_cg.config import RunConfig
-from mhc_cg.runtime.modes.registry import MODES, REFERENCE
+from mhc_cg.runtime.modes.registry import MODES, REFERENCE, mode_config, mode_unavailable
+from mhc_cg.training.device import resolve_device
 from mhc_cg.training.session import TrainResult, train
 
 
@@ -20,10 +21,21 @@ def compared_modes() -> tuple[str, ...]:
     return tuple(mode.name for mode in MODES.values() if mode.same_model)
 
 
+def refused_modes(cfg: RunConfig, device: str | None = None,
+                  modes: tuple[str, ...] | None = None) -> dict[str, str]:
+    """``{mode: why}`` for the compared modes that cannot train ``cfg`` (one line each)."""
+    dev = resolve_device(device or cfg.train.device).type
+    reasons = {mode: mode_unavailable(mode_config(cfg, mode), mode, dev)
+               for mode in (modes or compared_modes())}
+    return {mode: why for mode, why in reasons.items() if why is not None}
+
+
 def run_modes(cfg: RunConfig, *, steps: int | None = None, device: str | None = None,
               progress: bool = True, modes: tuple[str, ...] | None = None) -> dict[str, TrainResult]:
+    """Every compared mode that can train ``cfg`` (:func:`refused_modes` says why not the rest)."""
+    refused = refused_modes(cfg, device, modes)
     return {mode: train(cfg, steps=steps, device=device, progress=progress, mode=mode)
-            for mode in (modes or compared_modes())}
+            for mode in (modes or compared_modes()) if mode not in refused}
 
 
 def _all_finite(values: list[float]) -> bool:

@@ -33,7 +33,7 @@ from mhc_cg.runtime.modes.lifecycle import ModeModel
 from mhc_cg.runtime.modes.plan import CapturePlan
 from mhc_cg.runtime.graphs import GraphBackend
 from mhc_cg.runtime.modes.registry import (REFERENCE, build_model, capture_plan, configured_mode,
-                                           get_mode, mode_config, prepare)
+                                           get_mode, mode_config, mode_unavailable, prepare)
 from mhc_cg.training.data import ProgressionCorpus
 from mhc_cg.training.device import check_fits, resolve_device
 from mhc_cg.training.optimizer import MainParamAdamW
@@ -170,9 +170,24 @@ class TrainSession:
         (:func:`held_bytes`). ``digest`` stores a hash of every gradient's bytes in
         ``last_grad_digest``; ``after_backward(model)`` runs before the optimizer.
         """
-        train, dev = self.cfg.train, self.device
         if self.release_pending():
             self.optimizer.zero_grad()  # what the aborted step's backwards accumulated
+        if self.mode_model.captures_iteration:
+            loss_sum, held = self._replayed_iteration(), None
+        else:
+            loss_sum, held = self._microbatches(probe_memory)
+        if after_backward is not None:
+            after_backward(self.model)
+        if digest:
+            self.last_grad_digest = grad_digest(self.model)
+        with phase("optimizer"):
+            result = self.optimizer.step(self.mode_model.idle_workspace())
+        return StepTensors(loss_sum, result.grad_norm, result.found_inf, held)
+
+    def _microbatches(self, probe_memory: bool) -> tuple[torch.Tensor, int | None]:
+        """Each microbatch's forward and backward, eagerly (graphs inside where the mode has
+        them); returns the summed loss and what the first forward held (``probe_memory``)."""
+        train, dev = self.cfg.train, self.device
         loss_sum, held = None, None
         for index in range(train.num_microbatches):
             with phase("forward"):  # the batch's loading counts with the forward
@@ -190,13 +205,14 @@ class TrainSession:
                 loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             with phase("backward"):
                 self.optimizer.backward(loss)
-        if after_backward is not None:
-            after_backward(self.model)
-        if digest:
-            self.last_grad_digest = grad_digest(self.model)
-        with phase("optimizer"):
-            result = self.optimizer.step(self.mode_model.idle_workspace())
-        return StepTensors(loss_sum, result.grad_norm, result.found_inf, held)
+        return loss_sum, held
+
+    def _replayed_iteration(self) -> torch.Tensor:
+        """Every microbatch's forward and backward as one replay (a full-iteration mode):
+        the batches are drawn as :meth:`_microbatches` draws them; returns the summed loss."""
+        with phase("forward"):
+            batches = [self.data.next(self.device) for _ in range(self.cfg.train.num_microbatches)]
+        return self.mode_model.run_iteration(batches)
 
     def step(self, *, probe_memory: bool = False, digest: bool = False,
              after_backward: Callable[[MHCGPT], None] | None = None) -> tuple[float, float, int | None]:
@@ -264,6 +280,8 @@ def train(cfg: RunConfig, *, steps: int | None = None, device: str | None = None
     mode = mode or configured_mode(cfg)
     cfg = mode_config(cfg, mode)
     dev = resolve_device(device or cfg.train.device)
+    if (reason := mode_unavailable(cfg, mode, dev.type)) is not None:
+        raise ConfigError(f"mode {mode}: {reason}")
     steps = cfg.train.steps if steps is None else steps
     if steps < 1:
         raise ConfigError(f"--steps: must be a positive integer, got {steps}")

@@ -5,8 +5,10 @@ Every backend captures under :class:`CaptureGuardMode`, a ``TorchDispatchMode`` 
 refuses exactly what a real capture would refuse, with the op and the user's source line.
 
 * **Static addresses.** A replay reads and writes exactly the storages the capture saw. Code that
-  frees, resizes or re-points a storage the graph uses (``untyped_storage().resize_``, ``set_``,
-  ``.data =``) is rejected (:class:`AddressBook`, :class:`CaptureSafetyReport`).
+  frees, resizes or re-points a storage the graph uses but did not allocate
+  (``untyped_storage().resize_``, ``set_``, ``.data =``) is rejected (:class:`AddressBook`,
+  :class:`CaptureSafetyReport`); one it allocated may be freed and allocated again (Note [a
+  capture frees and re-allocates its own storages]).
 * **No host synchronisation, no data-dependent shapes** (``.item()``, ``nonzero``, ``unique``,
   boolean-mask indexing, device-to-host copies, ``torch.tensor([...])`` from Python data), and
   no 0-dim CPU tensor read by a device op (CUDA bakes its value in at capture):
@@ -196,13 +198,14 @@ class _StorageState:
     being reused while the book lives, so keys stay unique.
     """
 
-    __slots__ = ("holder", "ref", "nbytes", "data_ptr", "owned", "first_seen", "description")
+    __slots__ = ("holder", "ref", "nbytes", "peak_nbytes", "data_ptr", "owned", "first_seen",
+                 "description")
 
     def __init__(self, holder: torch.Tensor, owned: bool, first_seen: str, strong: bool = True):
         storage = holder.untyped_storage()
         self.holder = holder if strong else None
         self.ref = None if strong else StorageWeakRef(storage)
-        self.nbytes = storage.nbytes()
+        self.nbytes = self.peak_nbytes = storage.nbytes()
         self.data_ptr = storage.data_ptr()
         self.owned = owned
         self.first_seen = first_seen
@@ -226,6 +229,7 @@ class _StorageState:
         storage = self.storage()
         if storage is not None:
             self.nbytes, self.data_ptr = storage.nbytes(), storage.data_ptr()
+            self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
 
     def current(self) -> str:
         storage = self.storage()
@@ -292,16 +296,29 @@ class AddressBook:
             state.refresh()
 
     def violations_of(self, tensors: list[torch.Tensor] | None = None) -> tuple[list[str], list[str]]:
-        """``(resized storages, re-pointed tensors)`` among ``tensors`` (default: all tracked)."""
+        """``(resized storages, re-pointed tensors)`` among ``tensors`` (default: all tracked).
+
+        Note [a capture frees and re-allocates its own storages]: a storage the capture allocated
+        may be freed and allocated again outside any op (``untyped_storage().resize_``, as an
+        eager recompute does inside a full-iteration capture): its memory is the graph's pool's,
+        so a replay finds it where the capture left it, and the book follows it. Only a storage
+        the graph did not allocate must keep its size and address."""
         if tensors is None:
             entries = self._tensor_entries()
             storages = list(self.storages.values())
         else:
             entries = [e for e in map(self._tensor_entry, tensors) if e is not None]
             storages = [self.storages[key] for _, key in entries]
-        resized = [f"{s.description} first used at {s.first_seen}: storage size/address "
-                   f"changed from {s.nbytes} bytes at {s.data_ptr:#x} to {s.current()}"
-                   for s in {id(s): s for s in storages}.values() if s.changed()]
+        resized = []
+        for s in {id(s): s for s in storages}.values():
+            if not s.changed():
+                continue
+            if s.owned:
+                s.refresh()
+            else:
+                resized.append(f"{s.description} first used at {s.first_seen}: storage "
+                               f"size/address changed from {s.nbytes} bytes at {s.data_ptr:#x} "
+                               f"to {s.current()}, and the graph did not allocate it")
         repointed = [f"{_describe(t)}: moved to another storage (set_ or .data =) after the "
                      f"graph first used it at {self.storages[key].first_seen}"
                      for t, key in entries if storage_id(t) != key]

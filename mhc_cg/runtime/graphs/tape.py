@@ -289,6 +289,7 @@ class TapeGraph(Graph):
         with _host_read_traps(self.name), collective_waits_unseen(), recorder:
             yield
         self.stats = recorder.finish()
+        _regrow_freed(recorder.book)
         self.made_storages = recorder.made_storages()
         self.ops = recorder.ops
         self.stats.ops_replayed = sum(op.kind != _KIND_SKIP for op in self.ops)
@@ -329,6 +330,19 @@ class TapeGraph(Graph):
     def _release(self, t: torch.Tensor) -> torch.Tensor:
         self.pool.release(self, t)
         return t
+
+
+def _regrow_freed(book) -> None:
+    """Give a storage the capture freed and left freed its bytes back, for the replay to write.
+
+    On a GPU its memory went back to the graph's pool, which holds it for good, and a replay
+    writes there in the captured order (Note [a capture frees and re-allocates its own storages]).
+    """
+    for state in book.storages.values():
+        storage = state.storage()
+        if state.owned and storage is not None and storage.nbytes() < state.peak_nbytes:
+            storage.resize_(state.peak_nbytes)
+            state.refresh()
 
 
 # A tensor's identity and what a launch froze of it: storage, data pointer, sizes, strides, offset.

@@ -153,7 +153,8 @@ class AttnSplitModel(ModeModel):
         self.recompute_managers = []
         x = run_recompute_blocks(self.model.layers, self.model.embed(input_ids), dropout_seed,
                                  self.block_size, self.recompute_managers,
-                                 attention=self._split_attention, ranges=True)
+                                 attention=self._split_attention, ranges=True,
+                                 draws_random=self.model.cfg.draws_random)
         return self.model.logits(x)
 
     def _split_attention(self, i: int, layer, x: Tensor, seed: Tensor, manager,

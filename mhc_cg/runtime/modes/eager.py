@@ -30,7 +30,8 @@ class EagerModel(ModeModel):
         seed = model.dropout_seed_for(input_ids, dropout_seed)
         self.recompute_managers = []
         x = run_recompute_blocks(model.layers, model.embed(input_ids), seed,
-                                 model.cfg.resolved_recompute_layers, self.recompute_managers)
+                                 model.cfg.resolved_recompute_layers, self.recompute_managers,
+                                 draws_random=model.cfg.draws_random)
         return model.logits(x)
 
     def describe(self) -> dict:

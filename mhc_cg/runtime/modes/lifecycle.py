@@ -40,6 +40,7 @@ class ModeModel:
     """
 
     graphed = False  # whether the mode replays graphs
+    captures_iteration = False  # a training step is run_iteration(batches), not forward + backward
 
     def __init__(self, model: MHCGPT, plan: CapturePlan, *, micro_batch_size: int,
                  backend: GraphBackend | None = None):

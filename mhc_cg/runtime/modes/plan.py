@@ -30,8 +30,10 @@ class CapturePlan:
     ``mode`` names the training mode (:mod:`mhc_cg.runtime.modes.registry`). ``attn`` / ``mlp``:
     those sublayers are graphs. ``moe_step`` is where a partially captured MoE sublayer's graph ends
     (``route`` or ``preprocess``), ``None`` without MoE partial capture. ``recompute_graph``: the
-    block recompute is captured as its own graph. ``backend`` is the resolved capture backend
-    (``tape``, ``cuda`` or ``te``; :func:`mhc_cg.runtime.graphs.resolve_backend_name`).
+    block recompute is captured as its own graph. ``iteration_microbatches``: that many
+    microbatches' forward, loss and backward are one graph (full-iteration capture; 0: none).
+    ``backend`` is the resolved capture backend (``tape``, ``cuda`` or ``te``;
+    :func:`mhc_cg.runtime.graphs.resolve_backend_name`).
     """
 
     mode: str
@@ -39,6 +41,7 @@ class CapturePlan:
     mlp: bool = False
     moe_step: str | None = None
     recompute_graph: bool = False
+    iteration_microbatches: int = 0
     backend: str = "tape"
 
     @property
@@ -52,7 +55,8 @@ class CapturePlan:
         names = [name for name, on in (("attn", self.attn), ("mlp", self.mlp)) if on]
         if self.moe_step is not None:
             names += ["moe_router"] + (["moe_preprocess"] if self.moe_step == "preprocess" else [])
-        return tuple(names + ([RECOMPUTE_SCOPE] if self.recompute_graph else []))
+        names += [RECOMPUTE_SCOPE] if self.recompute_graph else []
+        return tuple(names + (["full_iteration"] if self.iteration_microbatches else []))
 
 
 def static_capture(cfg: RunConfig) -> dict:

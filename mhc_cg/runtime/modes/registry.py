@@ -13,6 +13,9 @@ Built in, in this order:
 * ``graphed_static``: static-buffer recompute, the configured scopes graphed (this project);
 * ``attn_split``: Megatron-LM dev's split: each attention's norm + attention a graph fed by the
   eager aggregate, the rest eager under eager block recompute;
+* ``graphed_full``: one captured training iteration (every microbatch's forward and backward)
+  around eager block recompute, as Megatron's ``FullCudaGraphWrapper`` captures it;
+* ``graphed_full_static``: the same capture around the static runtime (arena, persistent sets);
 * ``moe_partial``: static-buffer recompute with MoE partial capture on the MoE version of the
   model (a dense model gets ``moe_experts`` experts, together as wide as its MLP); it trains
   another model, so it is not compared with the reference;
@@ -30,12 +33,14 @@ import torch
 
 from mhc_cg.config import RunConfig, check
 from mhc_cg.config.choices import RECOMPUTE_SCOPE
+from mhc_cg.config.rules import stateful_dropout_problem
 from mhc_cg.core.dtypes import TORCH_DTYPES
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.model import MHCGPT
 from mhc_cg.runtime.graphs import GraphBackend, resolve_backend_name
 from mhc_cg.runtime.modes.attn_split import AttnSplitModel
 from mhc_cg.runtime.modes.eager import EagerModel
+from mhc_cg.runtime.modes.graphed_full import FullEagerModel, FullStaticModel
 from mhc_cg.runtime.modes.graphed_none import GraphedSublayersModel
 from mhc_cg.runtime.modes.graphed_static import GraphedStaticModel
 from mhc_cg.runtime.modes.lifecycle import ModeModel
@@ -107,6 +112,13 @@ def mode_config(cfg: RunConfig, name: str, **variant) -> RunConfig:
     ``moe_experts``, ``moe_top_k``)."""
     mode = get_mode(name)
     return check(mode.configure(cfg, **variant)) if mode.configure is not None else cfg
+
+
+def mode_unavailable(cfg: RunConfig, name: str, device: str) -> str | None:
+    """Why mode ``name`` cannot train ``cfg`` on ``device`` (one line naming the field), or
+    ``None``."""
+    mode = get_mode(name)
+    return mode.unavailable(cfg, device) if mode.unavailable is not None else None
 
 
 def capture_plan(cfg: RunConfig, mode: str | None = None, device: str | None = None, *,
@@ -187,7 +199,37 @@ def _plain_variant(cfg: RunConfig, **_) -> RunConfig:
                        graph=cfg.graph.with_scopes([]))
 
 
+def _full_capture(cfg: RunConfig) -> dict:
+    return dict(iteration_microbatches=cfg.train.num_microbatches)
+
+
+def _replays_dropout(cfg: RunConfig, device: str) -> str | None:
+    """A mode whose graphs (or static slots) hold the dropout: torch's mask cannot be redrawn."""
+    m = cfg.model
+    return stateful_dropout_problem(m.dropout_impl, m.hidden_dropout, "model.dropout_impl",
+                                    "model.hidden_dropout",
+                                    also="or an eager mode (eager_none, eager_block, attn_split)")
+
+
+def _full_unavailable(cfg: RunConfig, device: str) -> str | None:
+    """Why one captured iteration cannot train ``cfg``: what changes on the host between steps,
+    or what only the host can decide inside one (then the dropout, as for every graphed mode:
+    ``graphed_full``'s eager recompute would rewind the generator inside the graph, which
+    Megatron refuses too)."""
+    if cfg.train.dtype == "fp16":
+        return ("train.dtype: fp16's loss scale moves on the host between steps, and a captured "
+                "iteration keeps the one it was captured with; use bf16 or fp32, or a mode that "
+                "captures less (graphed_static)")
+    if cfg.model.is_moe:
+        return ("model.num_experts: a dropless MoE layer's dispatch sizes its buffers from token "
+                "counts read on the host, which one captured iteration cannot do; use moe_partial "
+                "(MoE partial capture)")
+    return _replays_dropout(cfg, device)
+
+
 def _moe_unavailable(cfg: RunConfig, device: str) -> str | None:
+    if (problem := _replays_dropout(cfg, device)) is not None:
+        return problem
     if device == "meta":
         return ("a MoE model's dispatch reads its token counts on the host, which meta tensors "
                 "do not have")
@@ -202,11 +244,16 @@ for _mode in (
     # Activation recompute frees a storage, which no graph can hold
     Mode("graphed_none", "every sublayer a graph, no recompute", GraphedSublayersModel,
          activation_recompute=False,
-         capture=lambda cfg: dict(attn=True, mlp=not cfg.model.is_moe)),
+         capture=lambda cfg: dict(attn=True, mlp=not cfg.model.is_moe), unavailable=_replays_dropout),
     Mode("graphed_static", "static-buffer recompute, sublayers and recompute in graphs",
-         GraphedStaticModel, capture=static_capture, pipelines=True),
+         GraphedStaticModel, capture=static_capture, pipelines=True, unavailable=_replays_dropout),
     Mode("attn_split", "Megatron-LM dev's split: attention graphs, the rest eager block recompute",
          AttnSplitModel, recompute="block", capture=lambda cfg: dict(attn=True)),
+    Mode("graphed_full", "one captured iteration around eager block recompute (Megatron's "
+         "full-iteration capture)", FullEagerModel, recompute="block", capture=_full_capture,
+         unavailable=_full_unavailable),
+    Mode("graphed_full_static", "one captured iteration around the static runtime",
+         FullStaticModel, capture=_full_capture, unavailable=_full_unavailable),
     Mode("moe_partial", "graphed_static with MoE partial capture, on the MoE model",
          GraphedStaticModel, capture=static_capture, same_model=False, configure=_moe_variant,
          unavailable=_moe_unavailable),

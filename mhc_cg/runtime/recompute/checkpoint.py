@@ -29,6 +29,8 @@ dependency ``"name.output_key"`` declared for that input.
 
 from __future__ import annotations
 
+import contextlib
+
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -198,7 +200,11 @@ class CheckpointWithoutOutput:
         tensors = [a for a in args if isinstance(a, Tensor)]
         self.input_grad_nodes = {i: key for i, a in enumerate(args)
                                  if isinstance(a, Tensor) and (key := grad_node_key(a)) is not None}
-        self.rng_state = self._capture_rng(tensors)
+        # Note [no generator state without a random op]: a block whose ops draw nothing from
+        # torch's generators (counter dropout, or none) neither saves nor restores their state,
+        # which a CUDA graph capture (a full-iteration one swallowing this recompute) refuses
+        if self.manager is None or self.manager.draws_random:
+            self.rng_state = self._capture_rng(tensors)
 
         outputs = _CheckpointFunction.apply(self, *args)
         self._returns_tuple = isinstance(outputs, tuple)
@@ -297,7 +303,8 @@ class CheckpointWithoutOutput:
                                    f"{self.refill[i]!r} has {problem}")
             leaf = source.detach().requires_grad_(spec.requires_grad)
             args[i] = leaves[i] = leaf
-        with self.rng_state.forked(), torch.enable_grad():
+        rng = self.rng_state.forked() if self.rng_state is not None else contextlib.nullcontext()
+        with rng, torch.enable_grad():
             outputs = self.fn(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         for i, sink in self.edge_sinks.items():

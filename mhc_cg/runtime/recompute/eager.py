@@ -44,8 +44,9 @@ class BlockRecomputeManager:
     forward's. ``trace`` lists the checkpoint names in the order the last recompute ran them.
     """
 
-    def __init__(self, *, debug: bool = False, name: str = "block"):
+    def __init__(self, *, debug: bool = False, name: str = "block", draws_random: bool = True):
         self.debug = debug
+        self.draws_random = draws_random  # the block's ops read torch's generators (torch dropout)
         self.name = name  # the profiler range of the recompute: recompute/0/-/{name}
         self.checkpoints: list[CheckpointWithoutOutput] = []
         self.trace: list[str] = []
@@ -239,7 +240,8 @@ def _stepwise_checkpoints(steps, x, seed, manager, name, x_source, block_end):
 
 def run_recompute_blocks(layers, x: Tensor, seed: Tensor | None, block_size: int,
                          managers: list[BlockRecomputeManager], *,
-                         attention: Callable | None = None, ranges: bool = False) -> Tensor:
+                         attention: Callable | None = None, ranges: bool = False,
+                         draws_random: bool = True) -> Tensor:
     """Eager block recompute over ``layers`` (each with ``.attention`` / ``.mlp`` steps).
 
     One manager per block of ``block_size`` layers, appended to ``managers`` as it starts (so the
@@ -248,11 +250,14 @@ def run_recompute_blocks(layers, x: Tensor, seed: Tensor | None, block_size: int
     ``attention(i, layer, x, seed, manager, x_source) -> (x, x_source)`` replaces the attention
     sublayer's checkpoint (Megatron-LM dev's split graphs its core); ``ranges`` names each
     sublayer's NVTX range as the graphed modes do (``fwd``, ``{i}.attn`` / ``{i}.mlp``).
+    ``draws_random=False``: the layers draw nothing from torch's generators, so the recompute
+    saves and restores no generator state (Note [no generator state without a random op]).
     """
     layers = list(layers)
     for start in range(0, len(layers), block_size):
         block = layers[start:start + block_size]
-        manager = BlockRecomputeManager(name=f"block{start // block_size}")
+        manager = BlockRecomputeManager(name=f"block{start // block_size}",
+                                        draws_random=draws_random)
         managers.append(manager)
         with manager.forward_scope():
             x_source = None  # the block input is persistent, not refilled

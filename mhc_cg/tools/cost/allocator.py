@@ -7,6 +7,9 @@ returned while its graphs live: what it reserves is its high-water mark.
 
 The emulation counts bytes, block by block:
 
+* a storage resized to nothing during a capture (an eager recompute discarding an output) is
+  freed there, and one allocated again is a new block: the pool reuses its memory in between;
+
 * a storage allocated by an op of the capture is live from that op on, and its block returns to
   the pool after its **last use** in the recorded program, unless it *escapes*: it is still
   alive when the capture ends (a graph output, a tensor autograd saved, a tensor Python still
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 BLOCK_BYTES = 512
@@ -52,9 +56,15 @@ class Block:
     born: int
     last_use: int
     freed_at: int | None = None  # op index before which Python had dropped it (held model)
+    released: bool = False  # its storage was resized to nothing (and may be allocated again)
 
     def alive(self) -> bool:
-        return not self.ref.expired()
+        if self.released or self.ref.expired():
+            return False
+        if torch.UntypedStorage._new_with_weak_ptr(self.ref.cdata).nbytes() == 0:
+            self.released = True  # freed in place, as an eager recompute discards an output
+            return False
+        return True
 
 
 @dataclass

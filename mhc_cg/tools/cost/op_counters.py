@@ -172,6 +172,7 @@ class CaptureRecorder(CaptureGuardMode):
         self.blocks: dict[int, Block] = {b.ref.cdata: b for b in pool.live_resident()}
         self._external: set[int] = set()
         self._live: list[Block] = list(self.blocks.values())
+        self._retired: list[Block] = []  # blocks of storages freed in place and allocated again
 
     def _poll_frees(self, at: int) -> None:
         still = []
@@ -188,6 +189,15 @@ class CaptureRecorder(CaptureGuardMode):
     def record(self, func, args, kwargs, out, written, fresh_outputs) -> None:
         i = self.index
         self.counter.add(func, args, kwargs, out, self.streams)
+        for t in _tensors((args, kwargs, out)):
+            key = storage_id(t)
+            block = self.blocks.get(key)
+            storage = t.untyped_storage()
+            if block is not None and block.released and storage.nbytes() > 0:
+                self._retired.append(block)  # allocated again: a new block of the pool
+                block = self.blocks[key] = Block(StorageWeakRef(storage),
+                                                 rounded(storage.nbytes()), i, i)
+                self._live.append(block)
         for t in _tensors((args, kwargs)):
             key = storage_id(t)
             block = self.blocks.get(key)
@@ -211,7 +221,7 @@ class CaptureRecorder(CaptureGuardMode):
 
     def settle(self):
         self._poll_frees(self.index)
-        return self.pool.settle(list(self.blocks.values()), self.index)
+        return self.pool.settle([*self._retired, *self.blocks.values()], self.index)
 
 
 class LiveBytes:

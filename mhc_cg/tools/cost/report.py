@@ -94,8 +94,9 @@ def cost_mode(cfg: RunConfig, mode: str, device: str,
     memory = peak_memory(session, info, mode_model.static_buffer_bytes(), pool_reserved,
                          recorder.live.peak)
     held = sum(memory.values()) - memory["step"]  # model state, static buffers, pools: all step
-    by_phase = {phase: held + recorder.live.peak_by_phase[phase] for phase in traffic.PHASES
-                if phase in recorder.live.peak_by_phase}
+    # a phase that ran only inside a graph (a captured iteration's backward) holds the pools
+    by_phase = {phase: held + recorder.live.peak_by_phase.get(phase, 0) for phase in traffic.PHASES
+                if phase in recorder.live.peak_by_phase or recorder.kernels_by_phase[phase]}
     return {
         **_step_figures(recorder, cfg),
         "graphs": graphs,
@@ -271,12 +272,12 @@ def format_report(report: dict, per_graph: bool = True) -> str:
     """One summary table over the modes, then one table of graphs per graphed mode."""
     lines = [f"cost of {report['config'] or 'the config'} on {report['device']} (per training step)",
              "",
-             f"{'mode':15} {'kernels':>8} {'eager':>6} {'replays':>7} {'bytes':>11} "
+             f"{'mode':20} {'kernels':>8} {'eager':>6} {'replays':>7} {'bytes':>11} "
              f"{'graphs':>6} {'pools':>5} {'pool reserved':>13} {'arena':>10} {'persistent/mb':>13} "
              f"{'static bufs':>11}",
-             "-" * 113]
+             "-" * 118]
     for name, m in report["modes"].items():
-        lines.append(f"{name:15} {m['kernels_per_step']:>8} {m['eager_kernels_per_step']:>6} "
+        lines.append(f"{name:20} {m['kernels_per_step']:>8} {m['eager_kernels_per_step']:>6} "
                      f"{m['graph_replays_per_step']:>7} {_size(m['bytes_per_step']):>11} "
                      f"{len(m['graphs']):>6} {m['pools']:>5} {_size(m['pool_reserved_bytes']):>13} "
                      f"{_size(m['arena_bytes']):>10} {_size(m['persistent_bytes_per_microbatch']):>13} "
@@ -312,14 +313,14 @@ def format_frontier(report: dict) -> list[str]:
     lines = ["memory and time per step: peak on the device (allocator emulation) = model state + "
              "static buffers + graph pools + the step's eager allocations at their most; at: the "
              "phase it is reached in; fwd+bwd: the peak before the optimizer runs",
-             f"{'mode':15} {'peak':>10} {'at':>9} {'fwd+bwd':>10} {'model state':>11} "
+             f"{'mode':20} {'peak':>10} {'at':>9} {'fwd+bwd':>10} {'model state':>11} "
              f"{'static':>10} {'graph pools':>11} {'step':>10} {'bytes':>10} "
              f"{'H100 step (model)':>17} {'/eager_none':>11}",
-             "-" * 133]
+             "-" * 138]
     for name, m in modes.items():
         mem, step = m["peak_memory"], m["predicted_h100_step_s"]
         ratio = "-" if reference is None else f"{step / reference['predicted_h100_step_s']:.3f}"
-        lines.append(f"{name:15} {_size(m['peak_bytes']):>10} {m['peak_phase']:>9} "
+        lines.append(f"{name:20} {_size(m['peak_bytes']):>10} {m['peak_phase']:>9} "
                      f"{_size(peak_before_optimizer(m)):>10} {_size(mem['model_state']):>11} "
                      f"{_size(mem['static']):>10} {_size(mem['graph_pools']):>11} "
                      f"{_size(mem['step']):>10} {_size(m['bytes_per_step']):>10} "
@@ -352,11 +353,11 @@ def format_measured(report: dict) -> list[str]:
     lines += ["", f"last measured step at this shape: {steps['source']} ({steps['device']}, "
                   f"code {steps['code']}; its optimizer and kernels may predate this code: "
                   f"docs/cost.md's back-test costs that run's own step)",
-              f"{'mode':15} {'modelled':>10} {'measured':>10} {'measured / modelled':>20}"]
+              f"{'mode':20} {'modelled':>10} {'measured':>10} {'measured / modelled':>20}"]
     for name, m in report["modes"].items():
         model = 1e3 * m["predicted_h100_step_s"]
         got = steps["modes"].get(name)
-        lines.append(f"{name:15} {model:>7.2f} ms " + ("         -" if got is None else
+        lines.append(f"{name:20} {model:>7.2f} ms " + ("         -" if got is None else
                      f"{got:>7.2f} ms {got / model:>20.2f}"))
     return lines
 
@@ -374,14 +375,14 @@ def format_traffic(report: dict) -> list[str]:
     reference = modes.get("eager_none")
     lines = ["mHC traffic per token and sublayer, in C (one C-wide row); " + "; ".join(
                  f"{name}: {value:g}C" for name, value in REFERENCE_C.items()),
-             f"{'mode':15} {'forward':>8} {'recompute':>9} {'backward':>8} {'total':>7} "
+             f"{'mode':20} {'forward':>8} {'recompute':>9} {'backward':>8} {'total':>7} "
              f"{'H100 step (model)':>17} {'/eager_none':>11} {'/eager_block':>12}",
-             "-" * 95]
+             "-" * 100]
     block = modes.get("eager_block")
     for name, m in modes.items():
         c, step = m["mhc_traffic_C"], m["predicted_h100_step_s"]
         ratio = (lambda other: "-" if other is None else f"{step / other['predicted_h100_step_s']:.3f}")
-        lines.append(f"{name:15} {c['forward']:>8.1f} {c['recompute']:>9.1f} {c['backward']:>8.1f} "
+        lines.append(f"{name:20} {c['forward']:>8.1f} {c['recompute']:>9.1f} {c['backward']:>8.1f} "
                      f"{c['total']:>7.1f} {step * 1e3:>14.2f} ms {ratio(reference):>11} "
                      f"{ratio(block):>12}")
     shares = report.get("kernel_bandwidth_shares")
@@ -391,11 +392,11 @@ def format_traffic(report: dict) -> list[str]:
               "bytes per step by part (all phases)"]
     parts = sorted({part for m in modes.values() for phase in m["bytes_by_phase_and_part"].values()
                     for part in phase})
-    lines.append(f"{'part':34}" + "".join(f"{name:>15}" for name in modes))
+    lines.append(f"{'part':34}" + "".join(f"{name:>20}" for name in modes))
     for part in parts:
         row = [sum(phase.get(part, 0) for phase in m["bytes_by_phase_and_part"].values())
                for m in modes.values()]
-        lines.append(f"{part:34}" + "".join(f"{_size(b):>15}" for b in row))
+        lines.append(f"{part:34}" + "".join(f"{_size(b):>20}" for b in row))
     for name, m in modes.items():
         bounded = [g for g in m["graphs"] if "bound_bytes" in g]
         if bounded:

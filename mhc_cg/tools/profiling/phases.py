@@ -2,8 +2,8 @@
 
 ``step_profile(trace)`` reads the trace (:func:`~mhc_cg.tools.profiling.timeline.read_timeline`)
 and attributes each kernel to the phase whose range was open when its launch was made: the
-``forward``, ``backward`` and ``optimizer`` ranges of the training loop's thread and the
-``recompute/...`` ranges, wherever they are. Time, not thread, decides: autograd launches the
+``forward``, ``backward``, ``iteration`` (a captured iteration's replay) and ``optimizer`` ranges
+of the training loop's thread and the ``recompute/...`` ranges, wherever they are. Time, not thread, decides: autograd launches the
 backward's kernels from its own thread while the loop's thread sits in ``backward``; a recompute
 range, inside the backward, wins over it. Per phase: the union of its kernels' device intervals
 (``gpu_ms``) and their count. Over the ``step`` ranges: the device's busy share (the union of all
@@ -26,7 +26,8 @@ from pathlib import Path
 from mhc_cg.tools.profiling.timeline import (KIND_CHROME_CPU, _load_chrome_json, read_timeline,
                                              union_ns)
 
-PHASES = ("forward", "backward", "recompute", "optimizer")
+# "iteration": a captured iteration's replay, its forward, recompute and backward in one launch
+PHASES = ("forward", "backward", "recompute", "iteration", "optimizer")
 NS_PER_MS = 1e6
 
 
