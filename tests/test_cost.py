@@ -9,7 +9,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from mhc_cg.config import RunConfig
-from mhc_cg.tools.cost.allocator import rounded
+from mhc_cg.tools.cost.allocator import BLOCK_BYTES, rounded
 from mhc_cg.tools.cost.cost_backend import CostBackend
 from mhc_cg.tools.cost.ops import launches_kernel
 from mhc_cg.tools.cost.op_counters import StepRecorder
@@ -233,6 +233,27 @@ def test_held_peak_sees_memory_python_keeps_past_its_last_use():
     assert graph.peak.peak_bytes == 2 * block   # by last use, two blocks at a time
     assert graph.peak.held_peak_bytes == 4 * block
     assert graph.peak.escaped_bytes == 0
+
+
+def test_a_storage_freed_in_place_during_a_capture_is_reused_there():
+    """Eager block recompute inside one capture: an output discarded (``resize_(0)``) frees its
+    block for what comes next, and allocated again it is a new block of the pool."""
+    x = torch.randn(128, 128)
+    block = rounded(x.untyped_storage().nbytes())
+    backend = CostBackend("cpu")
+    graph = backend.new_graph(backend.new_pool(independent=True))
+    with graph.capture():
+        a = x * 2
+        a.untyped_storage().resize_(0)   # discarded
+        b = x * 3                        # takes a's block
+        a.untyped_storage().resize_(x.untyped_storage().nbytes())  # recomputed into
+        a.copy_(b)
+        out = (a + b).sum()
+        del a, b, out
+    assert graph.stats.violations == 0
+    assert graph.peak.allocated_bytes >= 4 * block  # a, b, a again, a + b
+    # never a's first block with the rest: a, b and a + b at most, and the sum's scalar
+    assert graph.peak.held_peak_bytes == 3 * block + BLOCK_BYTES
 
 
 def test_a_shared_pool_reuses_blocks_freed_by_earlier_captures():

@@ -23,6 +23,9 @@ a block returns when Python really dropped its storage (observed through weak re
 and after every op), which is what the caching allocator sees. The difference is memory that
 Python keeps alive past its last use.
 
+Every op of a capture runs on its one stream here, so no free waits on another stream (the
+caching allocator defers those to the capture's end).
+
 What it cannot see: fragmentation (a free block too small or in the wrong segment for the next
 request), the 2 MiB / 20 MiB segment rounding of small and large pools, and allocations made by
 libraries outside PyTorch's allocator (cuBLAS workspaces).
