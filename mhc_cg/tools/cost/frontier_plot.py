@@ -13,12 +13,20 @@ def plot_frontier(report: dict, path: str | Path, title: str | None = None) -> P
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = report["modes"]
+    points = {name: (m["predicted_h100_step_s"] * 1e3, m["peak_bytes"] / 2 ** 30)
+              for name, m in report["modes"].items()}
+    xs, ys = zip(*points.values())
+    # a label runs about a fifth of the width to the right of its point
+    near_x, near_y = 0.2 * (max(xs) - min(xs) or 1), 0.03 * (max(ys) - min(ys) or 1)
     fig, ax = plt.subplots(figsize=(7.5, 5))
-    for name, m in modes.items():
-        x, y = m["predicted_h100_step_s"] * 1e3, m["peak_bytes"] / 2 ** 30
+    placed: list[tuple[float, float]] = []
+    for name, (x, y) in points.items():
         ax.scatter([x], [y], s=40, zorder=3)
-        ax.annotate(name, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=9)
+        # a label next to another point's goes a line lower, so none is written over another
+        crowd = sum(abs(x - px) < near_x and abs(y - py) < near_y for px, py in placed)
+        placed.append((x, y))
+        ax.annotate(name, (x, y), textcoords="offset points", xytext=(6, 4 - 11 * crowd),
+                    fontsize=9)
     ax.set_xlabel("modelled H100 step (ms)")
     ax.set_ylabel("peak device memory (GiB, allocator emulation)")
     ax.set_title(title or f"memory and time per step: {report['config'] or 'the config'}",

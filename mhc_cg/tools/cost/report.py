@@ -97,6 +97,11 @@ def cost_mode(cfg: RunConfig, mode: str, device: str,
     # a phase that ran only inside a graph (a captured iteration's backward) holds the pools
     by_phase = {phase: held + recorder.live.peak_by_phase.get(phase, 0) for phase in traffic.PHASES
                 if phase in recorder.live.peak_by_phase or recorder.kernels_by_phase[phase]}
+    peak_phase = max(by_phase, key=by_phase.get)
+    if mode_model.captures_iteration:  # forward, recompute and backward: one replay
+        by_phase["iteration"] = max(b for p, b in by_phase.items() if p != "optimizer")
+        if by_phase["iteration"] >= by_phase.get("optimizer", 0):
+            peak_phase = "iteration"
     return {
         **_step_figures(recorder, cfg),
         "graphs": graphs,
@@ -111,7 +116,7 @@ def cost_mode(cfg: RunConfig, mode: str, device: str,
         "peak_bytes": sum(memory.values()),
         "peak_memory": memory,
         "peak_bytes_by_phase": by_phase,
-        "peak_phase": max(by_phase, key=by_phase.get),
+        "peak_phase": peak_phase,
         "step_peak_by_phase": {phase: recorder.live.peak_by_phase[phase]
                                for phase in traffic.PHASES if phase in recorder.live.peak_by_phase},
         "step_temporaries_by_phase": dict(recorder.live.largest_by_phase),
