@@ -26,18 +26,15 @@ from typing import Any, ContextManager, Iterator
 import torch
 
 from mhc_cg.core.errors import GraphCaptureError, GraphReplayError
-from mhc_cg.runtime.graphs.guard import CaptureSafetyReport
+from mhc_cg.runtime.graphs.guard import CaptureSafetyReport, capture_guard_active
 from mhc_cg.core.storage import storage_id
 
-# Graphs of any backend being captured right now (the tape's, mhc_cg's CUDA graphs).
-_CAPTURES_IN_PROGRESS = 0
-
-
 def graph_capturing() -> bool:
-    """Whether a graph capture is running: one of mhc_cg's backends, or a CUDA stream capture
-    (TransformerEngine's ``make_graphed_callables``, ``torch.cuda.graph``). Warm-up runs of the
-    same callables are not captures."""
-    if _CAPTURES_IN_PROGRESS:
+    """Whether a graph capture is running: one of mhc_cg's backends (each captures under its
+    :class:`~mhc_cg.runtime.graphs.guard.CaptureGuardMode`, found on the dispatch mode stack), or
+    a CUDA stream capture (TransformerEngine's ``make_graphed_callables``, ``torch.cuda.graph``).
+    Warm-up runs of the same callables are not captures."""
+    if capture_guard_active():
         return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -158,10 +155,8 @@ class Graph(ABC):
         # Python's garbage collector must not run inside a capture: it could destroy an older
         # graph or free a tensor whose memory the capture is using (torch >= 2.9 no longer
         # pauses it around torch.cuda.graph; TE does)
-        global _CAPTURES_IN_PROGRESS
         gc_was_enabled = gc.isenabled()
         gc.disable()
-        _CAPTURES_IN_PROGRESS += 1
         try:
             with self._record():
                 yield
@@ -169,7 +164,6 @@ class Graph(ABC):
             self._state = "failed"
             raise
         finally:
-            _CAPTURES_IN_PROGRESS -= 1
             if gc_was_enabled:
                 gc.enable()
         if self.pool.independent and self.stats.escaped_bytes:

@@ -42,7 +42,7 @@ callable's output and this backward wrote the input's grad into the very grad-ou
 producer's backward reads (a fused mHC backward writes the stream's grad over its grad output,
 and every backward graph shares those buffers), the buffer goes to autograd uncloned and the
 producer reads it where it lies. A backward graph that would overwrite a lent buffer before its
-reader replays raises (:class:`_LentGrads`). As with TE's static grads, a tensor hook that keeps
+reader replays raises (:class:`~mhc_cg.runtime.graphs.grad_lending.LentGrads`). As with TE's static grads, a tensor hook that keeps
 the grad of such an input sees it change when the producer's backward replays: clone it there.
 With ``lend_grads_to_eager`` the same holds for an input made by an eager op that reads its grad
 once (the streams' expand at a chunk's start). The other way round, an eager consumer of a graphed
@@ -61,438 +61,27 @@ values.
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from dataclasses import dataclass, field
+from collections import Counter
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from mhc_cg.core import traffic
+from mhc_cg.core.storage import storage_id
 from mhc_cg.ops.kernels import overwritable
+from mhc_cg.runtime.graphs.autograd_graph import saved_storages
 from mhc_cg.runtime.graphs.backends import get_backend, resolve_backend_name
 from mhc_cg.runtime.graphs.capture import Graph, GraphBackend
-from mhc_cg.runtime.graphs.static_inputs import (BufferLayout, buffer_layout, check_input, describe,
-                                                  layout_problem, load_input, static_buffer)
-from mhc_cg.core.storage import is_buffer, storage_id
-from mhc_cg.core.schedule import decode_order, pass_windows
-
-
-# --------------------------------------------------------------------------------------------
-# The (chunk, microbatch, layer) layout of TE's _order.
-
-@dataclass(frozen=True)
-class OrderLayout:
-    """Where each (chunk, microbatch, layer) lives in ``callables`` and ``sample_args``.
-
-    Chunks are 0-based here; ``order`` entries are 1-based.
-    """
-
-    order: tuple[int, ...]
-    num_chunks: int
-    num_microbatches: int
-    layers_per_chunk: tuple[int, ...]
-
-    @property
-    def chunk_offsets(self) -> list[int]:
-        offsets = [0]
-        for n in self.layers_per_chunk:
-            offsets.append(offsets[-1] + n)
-        return offsets
-
-    def callable_index(self, chunk: int, layer: int) -> int:
-        return self.chunk_offsets[chunk] + layer
-
-    def sample_index(self, chunk: int, microbatch: int, layer: int) -> int:
-        return (self.chunk_offsets[chunk] * self.num_microbatches
-                + microbatch * self.layers_per_chunk[chunk] + layer)
-
-    def passes(self) -> list[tuple[bool, int, int]]:
-        """``(is_forward, chunk, microbatch)`` for every entry of the order (chunk 0-based)."""
-        return [(s.forward, s.chunk - 1, s.microbatch) for s in decode_order(list(self.order))]
-
-
-def order_layout(order: Sequence[int], num_layers_per_chunk: int | Sequence[int] | None,
-                 num_callables: int, num_samples: int) -> OrderLayout:
-    """Validate ``order`` against the callables and samples; clear errors name the rule."""
-    order = tuple(int(c) for c in order)
-    if not order or any(c == 0 for c in order):
-        raise ValueError(f"make_graphed_callables: order must be a non-empty list of non-zero chunk "
-                         f"ids (+c forward, -c backward, 1-based), got {list(order)}")
-    num_chunks = max(abs(c) for c in order)
-    if len(order) % (2 * num_chunks):
-        raise ValueError(f"make_graphed_callables: order has {len(order)} entries, not a multiple of "
-                         f"2 * {num_chunks} chunks (every chunk needs M forwards and M backwards)")
-    num_microbatches = len(order) // (2 * num_chunks)
-    steps = decode_order(list(order))
-    pass_windows(steps)  # every backward after its forward, every forward with its backward
-    counts = [sum(s.forward and s.chunk == c for s in steps) for c in range(1, num_chunks + 1)]
-    if counts != [num_microbatches] * num_chunks:
-        raise ValueError(f"make_graphed_callables: every chunk needs {num_microbatches} forwards and "
-                         f"as many backwards; order has forwards {counts} per chunk")
-    if num_layers_per_chunk is None:
-        if num_callables % num_chunks:
-            raise ValueError(f"make_graphed_callables: {num_callables} callables do not split evenly "
-                             f"into {num_chunks} chunks; pass num_layers_per_chunk")
-        layers = (num_callables // num_chunks,) * num_chunks
-    elif isinstance(num_layers_per_chunk, int):
-        layers = (num_layers_per_chunk,) * num_chunks
-    else:
-        layers = tuple(int(n) for n in num_layers_per_chunk)
-        if len(layers) != num_chunks:
-            raise ValueError(f"make_graphed_callables: num_layers_per_chunk needs one entry per chunk "
-                             f"({num_chunks}), got {list(layers)}")
-    if sum(layers) != num_callables:
-        raise ValueError(f"make_graphed_callables: num_layers_per_chunk {list(layers)} sums to "
-                         f"{sum(layers)}, but {num_callables} callables were given")
-    if num_samples != sum(layers) * num_microbatches:
-        raise ValueError(f"make_graphed_callables: sample_args needs one entry per (chunk, "
-                         f"microbatch, layer) = {sum(layers)} layers x {num_microbatches} "
-                         f"microbatches = {sum(layers) * num_microbatches}, got {num_samples}")
-    return OrderLayout(order, num_chunks, num_microbatches, layers)
-
-
-def _buffer_key(tensors: Sequence[torch.Tensor]) -> tuple:
-    return tuple((tuple(t.shape), t.dtype, t.stride(), t.device) for t in tensors)
-
-
-def share_static_inputs(layout: OrderLayout, sample_args: list, sample_kwargs: list) -> None:
-    """Rewrite ``sample_args``/``sample_kwargs`` in place so later forwards reuse released buffers.
-
-    A backward of chunk ``c`` releases the inputs of the oldest forward of ``c`` still in flight
-    (one entry per layer) to a free queue keyed by :func:`_buffer_key`; each forward takes, per
-    layer, the oldest released entry with its key, if any.
-    """
-    free: dict[tuple, deque[int]] = {}
-    in_flight: list[deque[int]] = [deque() for _ in range(layout.num_chunks)]
-
-    def key_of(index: int) -> tuple:
-        return _buffer_key(_flat_tensors(sample_args[index], sample_kwargs[index]))
-
-    for is_forward, chunk, microbatch in layout.passes():
-        layers = range(layout.layers_per_chunk[chunk])
-        if is_forward:
-            for layer in layers:
-                index = layout.sample_index(chunk, microbatch, layer)
-                queue = free.get(key_of(index))
-                if queue:
-                    donor = queue.popleft()
-                    sample_args[index], sample_kwargs[index] = sample_args[donor], sample_kwargs[donor]
-                in_flight[chunk].append(index)
-        else:
-            for _ in layers:
-                index = in_flight[chunk].popleft()
-                free.setdefault(key_of(index), deque()).append(index)
-
-
-def _flat_tensors(args: Any, kwargs: dict) -> list[torch.Tensor]:
-    flat = tree_flatten(args)[0] + tree_flatten([kwargs[k] for k in kwargs])[0]
-    return flat
-
-
-# --------------------------------------------------------------------------------------------
-# One graphed (chunk, microbatch, layer): its graphs and static buffers.
-
-@dataclass
-class GraphedState:
-    """The static state behind one graphed callable: its captured graphs and static buffers."""
-
-    label: str
-    kwargs_keys: list[str]
-    static_inputs: list[torch.Tensor]           # the user's flattened args + kwargs
-    params: tuple[torch.nn.Parameter, ...]
-    layouts: list[BufferLayout] = field(default_factory=list)  # the surface's, as the forward captured it
-    fwd_graph: Graph | None = None
-    bwd_graph: Graph | None = None
-    static_outputs: list[torch.Tensor] = field(default_factory=list)
-    output_spec: Any = None
-    differentiable: list[bool] = field(default_factory=list)
-    static_grad_outputs: list[torch.Tensor | None] = field(default_factory=list)
-    static_grad_inputs: list[torch.Tensor | None] = field(default_factory=list)
-    saved_outputs: list[int] = field(default_factory=list)  # outputs the backward graph reads
-    # surface index -> the parameter whose gradient stays where the backward graph writes it
-    kept_grads: dict[int, torch.nn.Parameter] = field(default_factory=dict)
-    # surface index -> the parameter whose gradient the backward graph adds into its ``.grad``
-    grads_into: dict[int, torch.nn.Parameter] = field(default_factory=dict)
-    lend_to_eager: bool = False  # make_graphed_callables(lend_grads_to_eager=...)
-
-    @property
-    def surface(self) -> list[torch.Tensor]:
-        return list(self.static_inputs) + list(self.params)
-
-    def copy_inputs(self, inputs: Sequence[torch.Tensor]) -> None:
-        if len(inputs) != len(self.static_inputs):
-            raise TypeError(f"graphed callable {self.label}: got {len(inputs)} tensor inputs, "
-                            f"captured with {len(self.static_inputs)}")
-        n = len(self.static_inputs)
-        for i, (t, captured) in enumerate(zip(self.surface, self.layouts)):
-            if buffer_layout(t) != captured:  # every replay: compare first, word the error after
-                what = f"input {i}" if i < n else f"parameter {i - n}"
-                raise ValueError(layout_problem(f"graphed callable {self.label}: {what}", t,
-                                                captured))
-        for i, (static, given) in enumerate(zip(self.static_inputs, inputs)):
-            check_input(f"graphed callable {self.label}: input {i}", given, static)
-        with traffic.runtime_copy("static inputs"):
-            for static, given in zip(self.static_inputs, inputs):
-                load_input(static, given)
-
-    def saved_versions(self) -> tuple[int, ...]:
-        """The version counters of the outputs the backward graph reads, as a replay left them."""
-        return tuple(self.static_outputs[i]._version for i in self.saved_outputs)
-
-    def check_saved_versions(self, versions: tuple[int, ...]) -> None:
-        """Raise as autograd does when an output the backward reads was changed in place since
-        the forward replay (the returned outputs share the static outputs' version counters)."""
-        for i, version in zip(self.saved_outputs, versions):
-            now = self.static_outputs[i]._version
-            if now != version:
-                raise RuntimeError(
-                    f"one of the variables needed for gradient computation has been modified by "
-                    f"an inplace operation: output {i} of graphed callable {self.label} "
-                    f"({describe(self.static_outputs[i])}) is at version {now}; expected version "
-                    f"{version}. Its backward graph reads it: clone the output before editing it "
-                    f"in place (out = out.clone())")
-
-    def replay_forward(self) -> list[torch.Tensor]:
-        self.fwd_graph.replay()
-        _LENT.forget(self)  # a new forward: no backward of the last one reads or lends a grad
-        return [o.detach() for o in self.static_outputs]
-
-    def lendable_inputs(self, inputs: Sequence[torch.Tensor]) -> dict[int, Any]:
-        """Inputs whose grad this backward may return uncloned: {input index: reader}.
-
-        An input qualifies when it is an output of another graphed callable P whose static
-        grad-output buffer for it is the very buffer this backward writes the input's grad into
-        (a fused backward writes the stream's grad over its grad output, and every backward graph
-        shares the grad-output buffers): P's backward then reads it in place, copying nothing.
-        With ``lend_to_eager`` it also qualifies when its producer is an eager op that reads its
-        incoming grad once and keeps nothing of it (its Function says ``reads_grad_once``, as the
-        streams' expand does) and the grad lies in one of the shared grad-output buffers: the op
-        must read it before any other backward graph writes there (:class:`_LentGrads` raises
-        otherwise), which holds when one chain of graphs runs per backward.
-        """
-        lend = {}
-        for i, (given, grad) in enumerate(zip(inputs, self.static_grad_inputs)):
-            if grad is None or not isinstance(given, torch.Tensor) or not given.requires_grad:
-                continue
-            producer, target = _grad_output_of(given)
-            if producer is not None:
-                if target is not None and is_buffer(target, grad):
-                    lend[i] = producer
-            elif self.lend_to_eager and _reads_grad_once(given.grad_fn) \
-                    and any(b is not None and is_buffer(b, grad) for b in self.static_grad_outputs):
-                lend[i] = _EagerOp.reading(given.grad_fn)
-        return lend
-
-    def replay_backward(self, grads: Sequence[torch.Tensor | None],
-                        lend: Mapping[int, "GraphedState"] | None = None) -> tuple:
-        if self.bwd_graph is None:
-            return tuple(None for _ in self.surface)
-        _LENT.check_writer(self)
-        self._reclaim_kept_grads()
-        with traffic.runtime_copy("grad outputs"):
-            for static, grad in zip(self.static_grad_outputs, grads):
-                if static is None:
-                    continue
-                if grad is None:
-                    static.zero_()
-                else:
-                    load_input(static, grad)
-        self.bwd_graph.replay()
-        # Clones, not the static buffers: AccumulateGrad adopts a lone incoming gradient as
-        # ``.grad`` (and the engine may add into it in place), so handing out a static buffer would
-        # let the next replay overwrite an accumulated gradient. The exceptions: a grad lent to
-        # the graphed producer whose backward reads it where it lies (``lendable_inputs``), and a
-        # kept parameter grad, handed to ``.grad`` here (``_hand_over``).
-        out = []
-        for i, g in enumerate(self.static_grad_inputs):
-            if lend and i in lend:
-                _LENT.lend(g, lend[i], self)
-                out.append(g)
-            elif i in self.kept_grads and g is not None:
-                _hand_over(self.kept_grads[i], g)
-                out.append(None)
-            elif g is None:
-                out.append(None)
-            else:
-                with traffic.runtime_copy("grad clones"):
-                    out.append(g.clone())
-        return tuple(out)
-
-    def _reclaim_kept_grads(self) -> None:
-        """Before the replay overwrites the kept grads: a ``.grad`` that still is one of them (a
-        later microbatch, or ``zero_grad(set_to_none=False)``) moves to a copy of itself."""
-        for i, param in self.kept_grads.items():
-            buffer = self.static_grad_inputs[i]
-            if param.grad is not None and buffer is not None \
-                    and storage_id(param.grad) == storage_id(buffer):
-                with traffic.runtime_copy("grad clones"), torch.no_grad():
-                    param.grad = param.grad.clone()
-
-
-def _hand_over(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
-    """What AccumulateGrad does with a first-order gradient, without its clone of a tensor that
-    something else holds: adopt it as ``.grad``, or add it into ``.grad`` in place. The parameter's
-    AccumulateGrad node still runs (with no gradient), so its post-accumulate hooks fire after."""
-    with torch.no_grad():
-        if param.grad is None:
-            param.grad = grad
-        else:
-            param.grad.add_(grad)
-
-
-class _LentGrads:
-    """Grad buffers handed to autograd uncloned, each until its one reader's backward replays.
-
-    Autograd hands a lent buffer to the producer's backward next along the chain; if any other
-    backward graph would overwrite the buffer first (two graphed consumers of one output, say),
-    its replay raises instead of feeding the producer another graph's gradient.
-    """
-
-    def __init__(self):
-        self._by_storage: dict[int, tuple[Any, Any]] = {}
-
-    def lend(self, buffer: torch.Tensor, reader: Any, lender: Any) -> None:
-        """``lender`` handed ``buffer`` uncloned to ``reader`` (a graphed callable or an
-        :class:`_EagerOp`; each has a ``label``)."""
-        self._by_storage[storage_id(buffer)] = (reader, lender)
-
-    def forget(self, party: Any) -> None:
-        """End every lending ``party`` is the reader or the lender of."""
-        for key in [k for k, (r, l) in self._by_storage.items() if party is r or party is l]:
-            del self._by_storage[key]
-
-    def check_writer(self, state: GraphedState) -> None:
-        """Before ``state``'s backward replays (it writes its grad-output buffers)."""
-        for buffer in state.static_grad_outputs:
-            if buffer is None or storage_id(buffer) not in self._by_storage:
-                continue
-            reader, lender = self._by_storage[storage_id(buffer)]
-            if reader is not state:
-                fix = ("an eager op shares grad buffers with the graphs only when one chain of "
-                       "graphs runs per backward: make them with lend_grads_to_eager=False and "
-                       "pass no grad_into" if _EagerOp in (type(reader), type(lender)) else
-                       "an output of a graphed callable that feeds another graphed callable must "
-                       "feed only that one (clone it for any other use: out.clone())")
-                raise RuntimeError(
-                    f"graphed callable {state.label}'s backward would overwrite the grad that "
-                    f"{lender.label} handed uncloned to {reader.label} before {reader.label} "
-                    f"read it; {fix}")
-            del self._by_storage[storage_id(buffer)]
-
-
-_LENT = _LentGrads()
-
-
-def _grad_output_of(t: torch.Tensor) -> tuple[GraphedState | None, torch.Tensor | None]:
-    """The graphed callable that produced ``t`` (``None`` if none did) and the static
-    grad-output buffer its backward reads ``t``'s grad from (``None`` if it has none)."""
-    state = getattr(t.grad_fn, "state", None)
-    if not isinstance(state, GraphedState):
-        return None, None
-    outputs = state.static_grad_outputs
-    return state, outputs[t.output_nr] if t.output_nr < len(outputs) else None
-
-
-def _reads_grad_once(node) -> bool:
-    return bool(getattr(getattr(node, "_forward_cls", None), "reads_grad_once", False))
-
-
-class _EagerOp:
-    """An eager op at one end of a lent grad buffer: the reader of a grad a backward graph hands
-    it uncloned (the lending ends when its node runs), or the writer of a graph's grad output."""
-
-    def __init__(self, label: str):
-        self.label = label
-
-    @classmethod
-    def reading(cls, node) -> "_EagerOp":
-        reader = cls(f"the eager {node.name()}")
-        node.register_prehook(lambda grad_outputs: _LENT.forget(reader))
-        return reader
-
-
-def grad_output_buffer(t: torch.Tensor) -> torch.Tensor | None:
-    """The static grad-output buffer from which the backward graph that produced ``t`` reads
-    ``t``'s grad, for the eager consumer of ``t`` to write that grad into (``contract_streams(...,
-    grad_into=)``): the replay then copies nothing in. ``None`` when ``t`` is no graphed
-    callable's output. Until that backward replays, any other backward graph that would write
-    the buffer raises (:class:`_LentGrads`)."""
-    state, buffer = _grad_output_of(t)
-    if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype \
-            or not buffer.is_contiguous():
-        return None
-    writer = _EagerOp(f"the eager consumer of {state.label}'s output")
-
-    def lend(grad: torch.Tensor) -> None:
-        if is_buffer(buffer, grad):
-            _LENT.lend(buffer, state, writer)
-
-    t.register_hook(lend)
-    return buffer
-
-
-def saved_storages(outputs: Sequence[torch.Tensor]) -> set[int]:
-    """Storage ids of every tensor the autograd graph behind ``outputs`` saved for backward
-    (C++ nodes' ``_saved_*`` attributes, Python functions' ``saved_tensors``), down to the leaves."""
-    stack = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
-    seen, found = set(), set()
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        for name in dir(node):
-            if not (name.startswith("_saved_") or name == "saved_tensors"):
-                continue
-            try:
-                value = getattr(node, name)
-            except RuntimeError:  # freed, or not a tensor attribute
-                continue
-            for t in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(t, torch.Tensor):
-                    found.add(storage_id(t))
-        stack.extend(child for child, _ in node.next_functions)
-    return found
-
-
-class _ReplayGraphs(torch.autograd.Function):
-    """Forward replays the forward graph; backward replays the backward graph."""
-
-    @staticmethod
-    def forward(ctx, state: GraphedState, *inputs: torch.Tensor):
-        # before the copies: one may write a buffer that a given input is a view of
-        ctx.lend = state.lendable_inputs(inputs[:len(state.static_inputs)])
-        state.copy_inputs(inputs[:len(state.static_inputs)])
-        outputs = state.replay_forward()
-        ctx.state = state
-        ctx.saved_versions = state.saved_versions()
-        # an output no grad reaches comes to backward as None, not as zeros made to be copied:
-        # replay_backward zeroes its static grad buffer, if it has one, in place
-        ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(*[o for o, d in zip(outputs, state.differentiable) if not d])
-        return tuple(outputs)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, *grads: torch.Tensor):
-        ctx.state.check_saved_versions(ctx.saved_versions)
-        return (None,) + ctx.state.replay_backward(grads, ctx.lend)
-
-
-def _graphed_function(state: GraphedState) -> Callable:
-    def graphed(*user_args: Any, **user_kwargs: Any) -> Any:
-        missing = [k for k in state.kwargs_keys if k not in user_kwargs]
-        if missing:
-            raise TypeError(f"graphed callable {state.label} was captured with keyword arguments "
-                            f"{state.kwargs_keys}; missing {missing}")
-        flat = tree_flatten(user_args)[0] + tree_flatten(
-            [user_kwargs[k] for k in state.kwargs_keys])[0]
-        outputs = _ReplayGraphs.apply(state, *flat, *state.params)
-        return tree_unflatten(list(outputs), state.output_spec)
-
-    graphed.state = state  # type: ignore[attr-defined]
-    return graphed
+from mhc_cg.runtime.graphs.grad_lending import LentGrads
+from mhc_cg.runtime.graphs.order_layout import (OrderLayout, buffer_key, flat_tensors, label_of,
+                                                order_layout, share_static_inputs)
+from mhc_cg.runtime.graphs.replay_state import (GraphedState, graphed_forward, graphed_function,
+                                                grad_output_buffer)
+from mhc_cg.runtime.graphs.static_inputs import buffer_layout, static_buffer
+
+__all__ = ["GraphedCallables", "GraphedState", "OrderLayout", "count_allocated_static_inputs",
+           "grad_output_buffer", "make_graphed_callables", "order_layout"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -656,7 +245,7 @@ def _backend_name(backend: str | GraphBackend, sample_args: list, sample_kwargs:
     outputs)."""
     if isinstance(backend, GraphBackend):
         return backend.name
-    first = next((t for a, k in zip(sample_args, sample_kwargs) for t in _flat_tensors(a, k)), None)
+    first = next((t for a, k in zip(sample_args, sample_kwargs) for t in flat_tensors(a, k)), None)
     return resolve_backend_name(backend, first.device if first is not None else None)
 
 
@@ -664,17 +253,17 @@ def _runners(func_of: dict, layout: OrderLayout | None, sample_args: list, sampl
              keep_param_grads: bool, lend_to_eager: bool = False) -> list[GraphedState]:
     """One :class:`GraphedState` per sample: its static inputs are the sample's tensors; with
     ``keep_param_grads``, the parameters whose grads it keeps (those no other state holds)."""
-    states = []
+    states, ledger = [], LentGrads()  # one ledger: grads are lent among these callables
     for index in range(len(sample_args)):
         func = func_of[index]
         module = isinstance(func, torch.nn.Module)
         params = tuple(func.parameters()) if module else ()
-        label = f"#{index}" if layout is None else _label(layout, index)
-        inputs = _flat_tensors(sample_args[index], sample_kwargs[index])
+        label = f"#{index}" if layout is None else label_of(layout, index)
+        inputs = flat_tensors(sample_args[index], sample_kwargs[index])
         for t in (*inputs, *params, *(func.buffers() if module else ())):
             static_buffer(t)
         states.append(GraphedState(label, list(sample_kwargs[index]), inputs, params,
-                                   lend_to_eager=lend_to_eager))
+                                   lend_to_eager=lend_to_eager, ledger=ledger))
     if keep_param_grads:
         holders = Counter(id(p) for state in states for p in state.params)
         for state in states:
@@ -690,10 +279,10 @@ def _wrap(func_of: dict, states: list[GraphedState], layout: OrderLayout | None)
     """Modules stay modules without an order (their forward replays); otherwise plain functions."""
     results = []
     for index, state in enumerate(states):
-        graphed = _graphed_function(state)
+        graphed = graphed_function(state)
         func = func_of[index]
         if layout is None and isinstance(func, torch.nn.Module):
-            func.forward = _graphed_forward(func, graphed)
+            func.forward = graphed_forward(func, graphed)
             results.append(func)
         else:
             results.append(graphed)
@@ -709,7 +298,7 @@ def _normalise_samples(sample_args, sample_kwargs) -> tuple[list[tuple], list[di
         raise ValueError(f"make_graphed_callables: sample_kwargs has {len(sample_kwargs)} entries, "
                          f"sample_args {len(sample_args)}; they must match")
     for i, (args, kwargs) in enumerate(zip(sample_args, sample_kwargs)):
-        bad = [type(v).__name__ for v in _flat_tensors(args, kwargs) if not isinstance(v, torch.Tensor)]
+        bad = [type(v).__name__ for v in flat_tensors(args, kwargs) if not isinstance(v, torch.Tensor)]
         if bad:
             raise TypeError(f"make_graphed_callables: sample_args[{i}]/sample_kwargs[{i}] may hold "
                             f"only tensors (a graph's inputs are static buffers), found {bad}")
@@ -728,7 +317,7 @@ def _through_te(callables, sample_args, sample_kwargs, single: bool, **options) 
     # TE rewrote sample_args in place when it shared buffers.
     wrapped = GraphedCallables(result, backend="te", pool=options["pool"], states=None,
                                static_input_sets=_distinct_input_sets(
-                                   [_flat_tensors(a, k) for a, k in zip(sample_args, sample_kwargs)]))
+                                   [flat_tensors(a, k) for a, k in zip(sample_args, sample_kwargs)]))
     return wrapped
 
 
@@ -831,16 +420,6 @@ def _accumulate_into_grads(state: GraphedState, grads: list) -> None:
                 grads[i] = None
 
 
-def _label(layout: OrderLayout, index: int) -> str:
-    for chunk in range(layout.num_chunks):
-        start = layout.sample_index(chunk, 0, 0)
-        span = layout.layers_per_chunk[chunk] * layout.num_microbatches
-        if start <= index < start + span:
-            mb, layer = divmod(index - start, layout.layers_per_chunk[chunk])
-            return f"(chunk {chunk + 1}, microbatch {mb}, layer {layer})"
-    return f"#{index}"
-
-
 def _grads_of(outputs: list, surface: list[torch.Tensor], grad_outputs: list | None,
               allow_unused: bool) -> list[torch.Tensor | None]:
     """Grads of ``outputs`` w.r.t. the members of ``surface`` requiring grad, ``None`` elsewhere."""
@@ -865,7 +444,7 @@ def _grad_output_buffers(state: GraphedState, shared: dict) -> list[torch.Tensor
         if not differentiable:
             buffers.append(None)
             continue
-        key = _buffer_key([output])
+        key = buffer_key([output])
         slot = (key, seen[key])
         seen[key] += 1
         if slot not in shared:
@@ -875,17 +454,3 @@ def _grad_output_buffers(state: GraphedState, shared: dict) -> list[torch.Tensor
     return buffers
 
 
-def _graphed_forward(module: torch.nn.Module, graphed: Callable) -> Callable:
-    captured_training = module.training
-    eager_forward = module.forward
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        # A graph captured for training replays only when a backward may follow: under no_grad
-        # its forward replay would wait forever for the backward replay that comes next in order.
-        if module.training == captured_training and (
-                not captured_training or torch.is_grad_enabled()):
-            return graphed(*args, **kwargs)
-        return eager_forward(*args, **kwargs)
-
-    forward.state = graphed.state  # type: ignore[attr-defined]
-    return forward

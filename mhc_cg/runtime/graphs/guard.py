@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
@@ -323,6 +323,11 @@ class AddressBook:
                      f"graph first used it at {self.storages[key].first_seen}"
                      for t, key in entries if storage_id(t) != key]
         return resized, repointed
+
+
+def capture_guard_active() -> bool:
+    """A :class:`CaptureGuardMode` is on the dispatch mode stack: a capture is running."""
+    return any(isinstance(mode, CaptureGuardMode) for mode in _get_current_dispatch_mode_stack())
 
 
 class CaptureGuardMode(TorchDispatchMode):

@@ -32,7 +32,7 @@ from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
 from mhc_cg.runtime.modes.lifecycle import (CapturedState, ModeModel, rewind_replay_order,
                                     runs_graphs)
 from mhc_cg.runtime.modes.plan import CapturePlan
-from mhc_cg.runtime.recompute.checkpoint import FORWARD, DISCARDED, CheckpointWithoutOutput
+from mhc_cg.runtime.recompute.checkpoint import FORWARD, CheckpointWithoutOutput
 from mhc_cg.runtime.recompute.eager import ARMED, BlockRecomputeManager, run_recompute_blocks
 from mhc_cg.core.storage import own_version_alias
 

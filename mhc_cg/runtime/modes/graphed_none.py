@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from mhc_cg.model import MHCGPT, MoEMLP
-from mhc_cg.runtime.graphs.graphed_callables import grad_output_buffer, make_graphed_callables
+from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
+from mhc_cg.runtime.graphs.replay_state import grad_output_buffer
 from mhc_cg.runtime.modes.lifecycle import CapturedState, ModeModel, runs_graphs
 from mhc_cg.runtime.modes.plan import CapturePlan
 

@@ -27,7 +27,8 @@ from torch import Tensor, nn
 from mhc_cg.model.moe import MoECudaGraphPartialCaptureSignal, MoECudaGraphTensorStore
 from mhc_cg.model import MHCGPT, MoEMLP
 from mhc_cg.config.choices import RECOMPUTE_SCOPE
-from mhc_cg.runtime.graphs.graphed_callables import grad_output_buffer, make_graphed_callables
+from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
+from mhc_cg.runtime.graphs.replay_state import grad_output_buffer
 from mhc_cg.runtime.modes.lifecycle import CapturedState, ModeModel, runs_graphs
 from mhc_cg.runtime.modes.plan import CapturePlan
 from mhc_cg.core.nvtx import nvtx_range
@@ -236,8 +237,7 @@ class GraphedStaticModel(ModeModel):
         for layer, k in keys:
             i = layer  # the model is one chunk: a layer's number is its index
             block, j = i // self.block_size, 2 * (i % self.block_size) + k
-            stream = (pset.block_inputs[block] if j == 0
-                      else self.runtime.slots.stream(j).reader)
+            stream = self.runtime.stream_input(block, j, pset)
             samples.append((own_version_alias(stream).requires_grad_(), seed))
         return tuple(samples)
 

@@ -34,7 +34,7 @@ import contextlib
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -43,8 +43,6 @@ from mhc_cg.core import traffic
 from mhc_cg.runtime.recompute.gradient_order import capture_use_gradients, grad_node_key
 from mhc_cg.core.storage import own_version_alias, storage_id
 
-if TYPE_CHECKING:
-    from mhc_cg.runtime.recompute.eager import BlockRecomputeManager
 
 # Life cycle of one checkpoint; each step may only follow the one before it.
 FORWARD, DISCARDED, RECOMPUTED, CONSUMED, ABANDONED = (
@@ -111,6 +109,17 @@ class RNGState:
         return _Restore()
 
 
+class CheckpointOwner(Protocol):
+    """What a checkpoint reads of the manager it belongs to (the block's
+    :class:`~mhc_cg.runtime.recompute.eager.BlockRecomputeManager`), and tells it."""
+
+    debug: bool
+    draws_random: bool  # the block's ops draw from torch's generators
+    last_rng_state: "RNGState | None"  # shared by consecutive checkpoints with no draw between
+
+    def add_checkpoint(self, ckpt: "CheckpointWithoutOutput") -> None: ...
+
+
 class _CheckpointFunction(torch.autograd.Function):
     """Forward: ``fn`` without a graph. Backward: differentiate the graph the recompute built."""
 
@@ -143,7 +152,7 @@ class CheckpointWithoutOutput:
     values bit for bit (it costs the memory the checkpoint was meant to save).
     """
 
-    def __init__(self, manager: "BlockRecomputeManager | None" = None, *, name: str | None = None,
+    def __init__(self, manager: "CheckpointOwner | None" = None, *, name: str | None = None,
                  debug: bool = False):
         self.manager = manager
         self.name = name if name is not None else f"checkpoint{next(_anonymous)}"

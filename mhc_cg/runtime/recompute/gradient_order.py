@@ -11,12 +11,16 @@ sum with the left fold of those terms (:func:`order_gradient_sums`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from mhc_cg.runtime.recompute.checkpoint import CheckpointWithoutOutput
+
+class GradientConsumer(Protocol):
+    """What :func:`order_gradient_sums` reads of a checkpoint, and the sinks it sets."""
+
+    input_grad_nodes: dict[int, tuple[Any, int]]  # input index -> (autograd node, output slot)
+    edge_sinks: dict[int, Callable[[Tensor], None]]  # input index -> where its per-use terms go
 
 
 def grad_node_key(t: Tensor) -> tuple[Any, int] | None:
@@ -70,7 +74,7 @@ class _UseGradientTap:
                 self.sink(grad_inputs[j])
 
 
-def order_gradient_sums(checkpoints: Sequence["CheckpointWithoutOutput"], hook_tensor: Tensor,
+def order_gradient_sums(checkpoints: Sequence[GradientConsumer], hook_tensor: Tensor,
                     first_seq: int) -> list:
     """Make the gradient of every tensor consumed by several of ``checkpoints`` bit-identical to
     the un-checkpointed graph's; returns the pre-hook handles (remove them to undo).
@@ -84,7 +88,7 @@ def order_gradient_sums(checkpoints: Sequence["CheckpointWithoutOutput"], hook_t
     ledger's left fold, which is the plain graph's order. A tensor with other consumers
     keeps autograd's sum (correct, maybe not bit-identical).
     """
-    uses: dict[tuple[int, int], list[tuple[CheckpointWithoutOutput, int]]] = {}
+    uses: dict[tuple[int, int], list[tuple[GradientConsumer, int]]] = {}
     nodes: dict[tuple[int, int], tuple[object, int]] = {}
     for ckpt in checkpoints:
         for i, (node, slot) in ckpt.input_grad_nodes.items():

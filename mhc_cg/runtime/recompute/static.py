@@ -27,9 +27,8 @@ Invariants the tests check: slot addresses never move, nothing is resized or re-
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter, deque
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -45,6 +44,7 @@ from mhc_cg.model import MLP, MHCSublayer, MHCTransformerLayer, recomputes_activ
 from mhc_cg.ops.output_linear import output_into
 from mhc_cg.runtime.graphs.static_inputs import check_input
 from mhc_cg.runtime.recompute.arena import Arena
+from mhc_cg.runtime.recompute.chunk import ChunkLayout, SetBinding
 from mhc_cg.runtime.recompute.persistent import PersistentSetPool, PersistentSlotSet, new_persistent_set
 from mhc_cg.runtime.recompute.store import RegionCursor, store_in, store_in_slot
 from mhc_cg.runtime.recompute.sublayers import sublayers_for
@@ -55,34 +55,25 @@ class StaticRecompute:
 
     ``layers`` are split into recompute blocks of ``block_size`` layers. ``arena`` and the persistent
     set pool may be shared by several chunks of one pipeline rank (they have the same block shape).
-    ``sublayers`` is the strategy of :mod:`mhc_cg.runtime.recompute.sublayers` for these layers.
+    ``make_sublayers(layout, binding)`` builds the strategy of
+    :mod:`mhc_cg.runtime.recompute.sublayers` for these layers: it reads the chunk's layout and
+    which set is written (:mod:`mhc_cg.runtime.recompute.chunk`), and never holds the runtime.
     """
 
     def __init__(self, layers: list[MHCTransformerLayer], block_size: int, arena: Arena,
-                 sets: PersistentSetPool, sublayers):
-        if block_size < 1:
-            raise StaticRecomputeError(f"block_size must be >= 1, got {block_size}")
+                 sets: PersistentSetPool,
+                 make_sublayers: Callable[[ChunkLayout, SetBinding], object]):
         cfg = layers[0].attention.cfg
         problem = stateful_dropout_problem(cfg.dropout_impl, cfg.hidden_dropout,
                                            "dropout_impl", "hidden_dropout")
         if problem is not None:
             raise StaticRecomputeError(f"static-buffer recompute: {problem}")
-        self.layers = list(layers)
-        self.block_size = block_size
-        self.blocks = [self.layers[i:i + block_size] for i in range(0, len(self.layers), block_size)]
+        self.layout = ChunkLayout(layers, block_size)
+        self.binding = SetBinding(sets)
         self.arena, self.sets = arena, sets
-        self.sublayers = sublayers
-        sublayers.rt = self
-        self.in_fn = False  # F runs: its saved tensors stay as they are
-        self.active_set: PersistentSlotSet | None = None  # the set of the forward in progress
-        self.bound_set: PersistentSlotSet | None = None  # the set a capture writes (capturing_for)
-        self._sub_index = {id(sub): i for i, layer in enumerate(self.layers)
-                           for sub in (layer.attention, layer.mlp)}
+        self.sublayers = make_sublayers(self.layout, self.binding)
         self.recompute_graphs: dict[tuple[int, int], object] = {}
         self.recompute_pool = None  # the pool the recompute graphs were captured into
-        # Parameters (and views of them, e.g. a transposed weight) are saved as they are: they do
-        # not change between a forward and its backward, so copying them into slots is waste.
-        self.param_storages = {storage_id(p) for layer in self.layers for p in layer.parameters()}
         # The last recomputes run, in order (for tests and debugging): a ring of two rounds of
         # every (block, set), so a long run keeps a fixed number; ``recomputes`` counts them all.
         self.trace: deque[str] = deque(maxlen=2 * len(self.blocks) * sets.capacity)
@@ -90,55 +81,66 @@ class StaticRecompute:
         # forwards whose backward has not finished: persistent set index -> its hooks' state
         self._pending: dict[int, dict] = {}
 
+    # -- the chunk's layout and the set being written (read by the sublayer strategy too) --------
+    @property
+    def layers(self) -> list[MHCTransformerLayer]:
+        return self.layout.layers
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    @property
+    def blocks(self) -> list[list[MHCTransformerLayer]]:
+        return self.layout.blocks
+
+    @property
+    def param_storages(self) -> set[int]:
+        return self.layout.param_storages
+
+    def key(self, sub, k: int) -> tuple[int, int]:
+        """``(layer in the chunk, sublayer)``: the persistent set's key."""
+        return self.layout.key(sub, k)
+
+    def index(self, sub) -> int:
+        """The chunk index of the layer ``sub`` belongs to."""
+        return self.layout.index(sub)
+
+    @property
+    def active_set(self) -> PersistentSlotSet | None:
+        """The set of the forward in progress."""
+        return self.binding.active
+
+    @property
+    def in_fn(self) -> bool:
+        return self.binding.in_fn
+
+    def writing_set(self) -> PersistentSlotSet | None:
+        """The set a sublayer writes into (:meth:`SetBinding.writing_set`)."""
+        return self.binding.writing_set()
+
+    def required_set(self, what: str) -> PersistentSlotSet:
+        """:meth:`writing_set`, for a write that cannot be deferred to the forward."""
+        return self.binding.required_set(what)
+
+    def capturing_for(self, pset: PersistentSlotSet):
+        """Sublayers run in here (a graph's capture for one microbatch) write ``pset``: the set
+        that microbatch's forward will take along the schedule's order."""
+        return self.binding.capturing_for(pset)
+
+    def fn_region(self):
+        """F's own activations are kept by autograd as usual (F is not recomputed)."""
+        return self.binding.fn_region()
+
+    def stream_input(self, block: int, j: int, pset: PersistentSlotSet) -> Tensor:
+        """Where sublayer ``j`` of block ``block`` reads its stream: the block input in ``pset``
+        for ``j == 0``, else the arena slot the sublayer before wrote (fused sublayers)."""
+        return pset.block_inputs[block] if j == 0 else self.sublayers.slots.stream(j).reader
+
     @property
     def slots(self):
         """The fused sublayers' named arena slots (``None`` for hooked sublayers)."""
         return getattr(self.sublayers, "slots", None)
-
-    def key(self, sub, k: int) -> tuple[int, int]:
-        """``(layer in the chunk, sublayer)``: the persistent set's key."""
-        return self._sub_index[id(sub)], k
-
-    def index(self, sub) -> int:
-        """The chunk index of the layer ``sub`` belongs to."""
-        return self._sub_index[id(sub)]
-
-    def writing_set(self) -> PersistentSlotSet | None:
-        """The set a sublayer writes into: the forward's; outside a forward, the one a capture
-        was bound to (:meth:`capturing_for`), else the pool's fixed set; ``None`` when several
-        sets could be meant (the forward then copies what the set needs in after the sublayer)."""
-        if self.active_set is not None:
-            return self.active_set
-        return self.bound_set if self.bound_set is not None else self.sets.fixed_set()
-
-    def required_set(self, what: str) -> PersistentSlotSet:
-        """:meth:`writing_set`, for a write that cannot be deferred to the forward."""
-        pset = self.writing_set()
-        if pset is None:
-            raise StaticRecomputeError(
-                f"{what} ran outside a forward with {self.sets.capacity} persistent sets: a graph "
-                f"captured here would write one set for every microbatch; bind the capture to its "
-                f"microbatch's set (StaticRecompute.capturing_for), or capture with capacity 1")
-        return pset
-
-    @contextlib.contextmanager
-    def capturing_for(self, pset: PersistentSlotSet) -> Iterator[None]:
-        """Sublayers run in here (a graph's capture for one microbatch) write ``pset``: the set
-        that microbatch's forward will take along the schedule's order."""
-        previous, self.bound_set = self.bound_set, pset
-        try:
-            yield
-        finally:
-            self.bound_set = previous
-
-    @contextlib.contextmanager
-    def fn_region(self) -> Iterator[None]:
-        """F's own activations are kept by autograd as usual (F is not recomputed)."""
-        self.in_fn = True
-        try:
-            yield
-        finally:
-            self.in_fn = False
 
     # -- one sublayer ------------------------------------------------------------------------
     def sublayer_pre(self, sub: MHCSublayer, position: int, k: int,
@@ -230,6 +232,8 @@ class StaticRecompute:
         """Re-run block ``block``'s mHC ops from ``pset`` into the arena (no F, nothing returned)."""
         self.arena.holder = None
         self.sublayers.recompute_block(block, pset)
+        for position in range(len(self.blocks[block])):
+            self.recompute_activation(block, position, pset)
 
     def warm_up_recompute(self, backend) -> None:
         """Run every block's recompute once eagerly, in the backend's warmup context (a side stream
@@ -315,7 +319,7 @@ class StaticRecompute:
         if seed is not None:
             check_input("dropout seed", seed, self.sets.all_sets()[0].seed)
         pset = self.sets.acquire()
-        self.active_set = pset
+        self.binding.active = pset
         self.arena.holder = None  # this forward writes the slots
         handles = []
         state = {"released": False}
@@ -345,7 +349,7 @@ class StaticRecompute:
             self.sets.release(pset)
             raise
         finally:
-            self.active_set = None
+            self.binding.active = None
         if handles:
             self._pending[pset.index] = state
             # its last block's state stays in the slots until something else writes them
@@ -419,7 +423,7 @@ class StaticRecompute:
         """Run the first block once (layout discovery: slot sizes only, nothing written)."""
         if self.arena.allocated:
             return
-        self.active_set = self.sets.all_sets()[0]  # nothing is written: any set has the layout
+        self.binding.active = self.sets.all_sets()[0]  # nothing is written: any set has the layout
         try:
             with torch.enable_grad():
                 x = x.detach().requires_grad_()
@@ -427,7 +431,18 @@ class StaticRecompute:
                     for k, sub in enumerate((layer.attention, layer.mlp)):
                         x = self.sublayer(sub, position, k, x, seed)[0]
         finally:
-            self.active_set = None
+            self.binding.active = None
+
+    def lay_out(self, seq_length: int, micro_batch_size: int, dtype: torch.dtype) -> None:
+        """Name every arena slot (the strategy's, or what running the first block once on zeros
+        saves), then allocate the arena; a no-op for an arena another chunk laid out."""
+        self.sublayers.lay_out(seq_length, micro_batch_size, dtype)
+        if self.sublayers.discovers_layout and not self.arena.allocated:
+            cfg, device = self.layers[0].attention.cfg, self.sets.all_sets()[0].seed.device
+            x = torch.zeros(seq_length, micro_batch_size, cfg.num_streams * cfg.hidden_size,
+                            dtype=dtype, device=device)
+            self.discover_layout(x, torch.zeros((), dtype=torch.int64, device=device))
+        self.arena.allocate()
 
 
 def build_static_recompute(layers: list[MHCTransformerLayer], block_size: int, *,
@@ -446,7 +461,7 @@ def build_static_recompute(layers: list[MHCTransformerLayer], block_size: int, *
     if sets is None:
         sets = PersistentSetPool(capacity, lambda i: new_persistent_set(
             i, layers, block_size, seq_length, micro_batch_size, device, dtype))
-    sublayers = sublayers_for(layers, arena, block_size, seq_length, micro_batch_size, dtype)
-    runtime = StaticRecompute(layers, block_size, arena, sets, sublayers)
-    sublayers.lay_out(seq_length, micro_batch_size, dtype)
+    runtime = StaticRecompute(layers, block_size, arena, sets, lambda layout, binding: sublayers_for(
+        layout, binding, arena, seq_length, micro_batch_size, dtype))
+    runtime.lay_out(seq_length, micro_batch_size, dtype)
     return runtime

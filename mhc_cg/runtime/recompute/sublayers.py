@@ -20,7 +20,7 @@ bit-identical to no recompute.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -28,48 +28,46 @@ from torch import Tensor
 from mhc_cg.core.storage import is_buffer, storage_id
 from mhc_cg.model import recomputes_activation
 from mhc_cg.ops.kernels import Target, handed_link, recompute_block
+from mhc_cg.runtime.recompute.arena import Arena
+from mhc_cg.runtime.recompute.chunk import ChunkLayout, SetBinding
 from mhc_cg.runtime.recompute.fused_slots import FusedSlots
 from mhc_cg.runtime.recompute.store import RegionCursor, store_in, store_in_slot
-
-if TYPE_CHECKING:
-    from mhc_cg.runtime.recompute.static import StaticRecompute
 
 SUBLAYER_NAMES = ("attn", "mlp")
 
 
-def sublayers_for(layers, arena, block_size: int, seq_length: int, micro_batch_size: int,
-                  dtype: torch.dtype):
-    """The strategy ``layers`` need: fused when their sublayers are fused, else hooked."""
-    if layers[0].attention.fused:
-        return FusedSublayers(FusedSlots(arena, block_size, layers[0].attention.cfg, seq_length,
-                                         micro_batch_size, dtype))
-    return HookedSublayers()
+def sublayers_for(layout: ChunkLayout, binding: SetBinding, arena: Arena, seq_length: int,
+                  micro_batch_size: int, dtype: torch.dtype):
+    """The strategy the chunk's layers need: fused when their sublayers are fused, else hooked."""
+    cfg = layout.layers[0].attention.cfg
+    if layout.layers[0].attention.fused:
+        return FusedSublayers(FusedSlots(arena, layout.block_size, cfg, seq_length,
+                                         micro_batch_size, dtype), layout, binding)
+    return HookedSublayers(layout, binding, arena)
 
 
 class FusedSublayers:
     """Fused sublayers on named buffers; see the module docstring."""
 
-    def __init__(self, slots: FusedSlots):
-        self.slots = slots
-        self.rt: StaticRecompute | None = None  # set by the runtime
+    discovers_layout = False  # every slot is named up front
+
+    def __init__(self, slots: FusedSlots, layout: ChunkLayout, binding: SetBinding):
+        self.slots, self.layout, self.binding = slots, layout, binding
         self._links: dict = {}  # set key -> the link of the post whose output that pre reads
 
     def lay_out(self, seq_length: int, micro_batch_size: int, dtype: torch.dtype) -> None:
-        """Every slot is named up front: the activation slots, then the arena in one piece."""
-        rt = self.rt
-        item = torch.empty((), dtype=dtype).element_size()
-        for i, layer in enumerate(rt.layers):
+        """The activation slots; the fused slots named themselves already."""
+        arena, item = self.slots.arena, torch.empty((), dtype=dtype).element_size()
+        for i, layer in enumerate(self.layout.layers):
             if recomputes_activation(layer.mlp):
                 ffn = layer.mlp.fn.fc1.out_features
-                rt.arena.fixed_slot(f"L{i % rt.block_size}.mlp.act",
-                                    seq_length * micro_batch_size * ffn * item, dtype)
-        rt.arena.allocate()
+                arena.fixed_slot(f"L{i % self.layout.block_size}.mlp.act",
+                                 seq_length * micro_batch_size * ffn * item, dtype)
 
     def pre(self, sub, position: int, k: int, x: Tensor) -> tuple[Tensor, tuple]:
         """Past the chunk's first sublayer, the post before wrote this pre's state into the set
         (:meth:`post`): the pre takes it there and reads x once."""
-        rt, pset = self.rt, self.rt.writing_set()
-        key = rt.key(sub, k)
+        pset, key = self.binding.writing_set(), self.layout.key(sub, k)
         state_out = None if pset is None else Target.of(pset.states[key])
         written = pset.states[key] if pset is not None and key != (0, 0) else None
         fn_input, state, x_on = sub.pre(x, self.slots.fn_input(2 * position + k), state_out,
@@ -80,7 +78,7 @@ class FusedSublayers:
              seed: Tensor | None) -> Tensor:
         """The post, and the next sublayer's state into the set, where its pre takes it."""
         state, x_on = carry
-        key, pset = self.rt.key(sub, k), self.rt.writing_set()
+        key, pset = self.layout.key(sub, k), self.binding.writing_set()
         if pset is not None and not is_buffer(pset.fn_outputs[key], y):
             y = store_in(y, pset.fn_outputs[key])
         nxt, next_key = self._next_of(key)
@@ -100,21 +98,22 @@ class FusedSublayers:
         """``(sublayer, set key)`` after the sublayer at set key ``key`` in the chunk;
         ``(None, None)`` at its end."""
         i, k = key
+        layers = self.layout.layers
         if k == 0:
-            return self.rt.layers[i].mlp, (i, 1)
-        if i + 1 < len(self.rt.layers):
-            return self.rt.layers[i + 1].attention, (i + 1, 0)
+            return layers[i].mlp, (i, 1)
+        if i + 1 < len(layers):
+            return layers[i + 1].attention, (i + 1, 0)
         return None, None
 
     def fn_output_buffer(self, sub, k: int) -> Tensor:
         """Where F's last Linear writes its output: the set's buffer (no copy after F)."""
-        pset = self.rt.writing_set()
-        return None if pset is None else pset.fn_outputs[self.rt.key(sub, k)]
+        pset = self.binding.writing_set()
+        return None if pset is None else pset.fn_outputs[self.layout.key(sub, k)]
 
     def kept_fn_output(self, sub, k: int, y: Tensor) -> Tensor:
         """F's output as the persistent set keeps it, where the post put it there."""
-        pset = self.rt.writing_set()
-        return y if pset is None else pset.fn_outputs[self.rt.key(sub, k)]
+        pset = self.binding.writing_set()
+        return y if pset is None else pset.fn_outputs[self.layout.key(sub, k)]
 
     def state(self, carry: tuple) -> Tensor:
         return carry[0]
@@ -127,9 +126,8 @@ class FusedSublayers:
         return store_in(x, dst)
 
     def recompute_block(self, block: int, pset) -> None:
-        """The block's chain in one op, from the set into the arena slots; then the activations."""
-        rt = self.rt
-        subs = [sub for layer in rt.blocks[block] for sub in (layer.attention, layer.mlp)]
+        """The block's chain in one op, from the set into the arena slots."""
+        subs = [sub for layer in self.layout.blocks[block] for sub in (layer.attention, layer.mlp)]
         hc = subs[0].hc
         with torch.no_grad():
             params = torch.stack([torch.cat([s.hc.bias, s.hc.alpha_pre, s.hc.alpha_post,
@@ -141,17 +139,15 @@ class FusedSublayers:
                             subs[0].dropout_p, [s.dropout_stream for s in subs], hc.num_streams,
                             hc.sinkhorn_iterations, subs[0].norm.eps, x_out, fn_input_out,
                             hc.kernels, h_res_transposed=hc.h_res_transposed)
-        for position in range(len(rt.blocks[block])):
-            rt.recompute_activation(block, position, pset)
 
     def _output_target(self, sub, position: int, k: int, pset) -> Target | None:
         """The next sublayer's input slot; for a block's last, the next block's input (in the
         set); ``None`` for the chunk's output."""
-        rt = self.rt
-        block, j = rt.index(sub) // rt.block_size, 2 * position + k
-        if j + 1 < 2 * len(rt.blocks[block]):
+        layout = self.layout
+        block, j = layout.index(sub) // layout.block_size, 2 * position + k
+        if j + 1 < 2 * len(layout.blocks[block]):
             return self.slots.stream(j + 1)
-        if block + 1 < len(rt.blocks) and pset is not None:
+        if block + 1 < len(layout.blocks) and pset is not None:
             return Target.of(pset.block_inputs[block + 1])
         return None
 
@@ -159,29 +155,22 @@ class FusedSublayers:
 class HookedSublayers:
     """Sublayers saved through ``saved_tensors_hooks``; see the module docstring."""
 
-    def __init__(self):
-        self.rt: StaticRecompute | None = None  # set by the runtime
+    discovers_layout = True  # the runtime runs the first block once for the slots' sizes
+
+    def __init__(self, layout: ChunkLayout, binding: SetBinding, arena: Arena):
+        self.layout, self.binding, self.arena = layout, binding, arena
         self._cursor: RegionCursor | None = None
         self._persistent: set[int] = set()  # storages of every set's block inputs and F outputs
 
     def lay_out(self, seq_length: int, micro_batch_size: int, dtype: torch.dtype) -> None:
-        """Discover the arena's layout by running the first block once on zeros, then allocate."""
-        rt = self.rt
-        self._persistent = {storage_id(t) for pset in rt.sets.all_sets()
+        """What the hooks save in place: every set's block inputs and F outputs."""
+        self._persistent = {storage_id(t) for pset in self.binding.sets.all_sets()
                             for t in (*pset.block_inputs, *pset.fn_outputs.values())}
-        if rt.arena.allocated:  # shared with a chunk that laid it out
-            return
-        cfg = rt.layers[0].attention.cfg
-        device = rt.sets.all_sets()[0].seed.device
-        x = torch.zeros(seq_length, micro_batch_size, cfg.num_streams * cfg.hidden_size,
-                        dtype=dtype, device=device)
-        rt.discover_layout(x, torch.zeros((), dtype=torch.int64, device=device))
-        rt.arena.allocate()
 
     # -- the hooks ---------------------------------------------------------------------------
     def _pack(self, t: Tensor) -> Tensor:
-        rt, key = self.rt, storage_id(t)
-        if (rt.in_fn or rt.arena.contains(t) or key in rt.param_storages
+        key = storage_id(t)
+        if (self.binding.in_fn or self.arena.contains(t) or key in self.layout.param_storages
                 or key in self._persistent):
             return t
         return self._cursor.save(t)
@@ -191,7 +180,7 @@ class HookedSublayers:
         """Everything autograd saves in here goes to arena region (position, sublayer, segment)."""
         name = f"L{position}.{SUBLAYER_NAMES[sublayer]}.{segment}"
         previous = self._cursor
-        self._cursor = RegionCursor(self.rt.arena, self.rt.arena.region(name))
+        self._cursor = RegionCursor(self.arena, self.arena.region(name))
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
                 yield
@@ -207,12 +196,11 @@ class HookedSublayers:
         order as in ``MHCSublayer.forward`` (consumers run backward in reverse creation order, and
         h_res stays the last consumer of ``x`` created).
         """
-        rt = self.rt
         if position == 0 and k == 0 and storage_id(x) not in self._persistent:
             # x_l0 to its set first: the block's mHC ops save it from there, and the recompute
             # reads it there
-            pset = rt.required_set("a hooked sublayer (the block input)")
-            x = store_in(x, pset.block_inputs[rt.index(sub) // rt.block_size])
+            pset = self.binding.required_set("a hooked sublayer (the block input)")
+            x = store_in(x, pset.block_inputs[self.layout.index(sub) // self.layout.block_size])
         with self.region(position, k, 0):
             h_pre, h_post, h_res = sub.mappings(x)
             normed = store_in_slot(sub.norm(sub.aggregate(x, h_pre)), self._cursor)
@@ -225,8 +213,8 @@ class HookedSublayers:
         the forward and the recompute (which reads it there) save the same tensor."""
         h_post, mixed = carry
         if storage_id(y) not in self._persistent:
-            pset = self.rt.required_set("a hooked sublayer (F's output)")
-            y = store_in(y, pset.fn_outputs[self.rt.key(sub, k)])
+            pset = self.binding.required_set("a hooked sublayer (F's output)")
+            y = store_in(y, pset.fn_outputs[self.layout.key(sub, k)])
         with self.region(position, k, 1):
             return sub.post_bda(y, h_post, mixed, seed)
 
@@ -248,11 +236,10 @@ class HookedSublayers:
         Grad mode is on so that autograd saves, and the hooks store, exactly what the forward
         stored; the autograd graph built here is dropped on return.
         """
-        rt = self.rt
         with torch.enable_grad():
             x = pset.block_inputs[block].detach().requires_grad_()
-            first = block * rt.block_size
-            for position, layer in enumerate(rt.blocks[block]):
+            first = block * self.layout.block_size
+            for position, layer in enumerate(self.layout.blocks[block]):
                 for k, sub in enumerate((layer.attention, layer.mlp)):
                     y = pset.fn_outputs[(first + position, k)].detach().requires_grad_()
                     # Drop each temporary at its last use: what reads it saved it into slots,
@@ -261,7 +248,6 @@ class HookedSublayers:
                     x = None
                     x = self.post(sub, position, k, y, pre[1], pset.seed)
                     pre = None
-                rt.recompute_activation(block, position, pset)
 
 
 def _unpack(t: Tensor) -> Tensor:
