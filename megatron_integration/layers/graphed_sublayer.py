@@ -1,6 +1,7 @@
 """The layer side of megatron's TE layer graphs on mhc_cg's static runtime.
 
-megatron-core's ``TECudaGraphHelper`` (``cuda_graph_impl: transformer_engine``) graphs each
+Note [Megatron drives it] (docs/design.md, item 12). megatron-core's ``TECudaGraphHelper``
+(``cuda_graph_impl: transformer_engine``) graphs each
 ``GraphableMegatronModule`` layer: TE's ``make_graphed_callables`` calls the layer, whose
 ``__call__`` routes to ``_te_cuda_graph_capture`` while the helper captures, and to
 ``_te_cuda_graph_replay`` once the layer holds graphs. ``GraphedSublayerMixin`` (put before the

@@ -1,4 +1,8 @@
-"""Storage identity, the one way this project tells tensors' memory apart."""
+"""Storage identity, the one way this project tells tensors' memory apart.
+
+Note [one concept, one home] (docs/design.md, item 10): storage identity is :func:`storage_id`,
+never ``data_ptr``; each other concept has one module too (the design lists them).
+"""
 
 from __future__ import annotations
 

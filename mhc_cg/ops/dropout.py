@@ -1,6 +1,7 @@
 """Dropout whose mask is a pure function of (seed tensor, stream id, element index).
 
-A replayed CUDA graph cannot rewind a stateful generator: a graph that captured ``torch.dropout``
+Note [dropout from the seed] (docs/design.md, item 8). A replayed CUDA graph cannot rewind a
+stateful generator: a graph that captured ``torch.dropout``
 draws the same Philox offsets on every replay, and a recompute graph cannot reproduce the mask the
 forward graph drew. Here an element is kept when the top 24 bits of ``hash(seed, stream, index)``
 reach ``p * 2**24``, built from integer tensor ops only, so the forward, an eager recompute, a tape

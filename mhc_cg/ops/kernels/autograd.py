@@ -14,7 +14,8 @@ autograd delivers for ``x_on`` is the post output's, not ``x_on``'s own: **nothi
 may read** ``x_on`` (another consumer's gradient would be summed into it). A post given ``x``
 instead of the ``x_on`` of the pre that made its state is refused.
 
-**One gradient buffer down the chain.** A gradient the pre's backward wrote is marked
+**One gradient buffer down the chain** (Note [the stream's gradient summed once, in place],
+docs/design.md, item 13). A gradient the pre's backward wrote is marked
 *overwritable* (:func:`overwritable`): its one reader is the next sublayer's post and pre. When
 ``g`` arrives so marked (or a graph's static grad-output buffer, marked by the runtime), the pre's
 backward writes x's gradient over it in place (``pre_backward_into``): a chain of sublayers

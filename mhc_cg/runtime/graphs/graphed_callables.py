@@ -1,6 +1,7 @@
 """``make_graphed_callables`` with TransformerEngine's semantics, over any graph backend.
 
-What a caller relies on (the same as TE's ``make_graphed_callables``):
+Note [graphed callables as TE's] (docs/design.md, item 5). What a caller relies on (the same as
+TE's ``make_graphed_callables``):
 
 * **Layout.** Without ``order``: one graphed callable per callable, forwards captured 1..N and
   backwards N..1. With ``order`` (TE's ``_order``: ``+c`` forward of model chunk ``c``, ``-c`` its

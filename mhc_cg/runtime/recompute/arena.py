@@ -1,6 +1,6 @@
 """Static buffers for mHC activations: the per-rank arena and the per-microbatch persistent sets.
 
-The arena holds every tensor that autograd saves inside the mHC ops of one recompute block. It is
+Note [arena slots] (docs/design.md, item 1). The arena holds every tensor that autograd saves inside the mHC ops of one recompute block. It is
 one byte buffer, allocated once, cut into fixed *regions* (one per sublayer position in a block
 and per segment of that sublayer), each a sequence of *slots*. Nothing is ever freed: "discard"
 means the next block or microbatch may overwrite a slot; the block's recompute writes it back

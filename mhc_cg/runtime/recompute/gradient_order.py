@@ -1,7 +1,7 @@
 """Gradient sums in the plain graph's order, for tensors that several checkpoints consume.
 
-Autograd adds the uses of a tensor in the order their backward nodes run. A checkpoint adds its
-own uses of an input first, inside its backward, so a tensor used by several checkpoints gets
+Note [gradient sums in the plain graph's order] (docs/design.md, item 9). Autograd adds the uses
+of a tensor in the order their backward nodes run. A checkpoint adds its own uses of an input first, inside its backward, so a tensor used by several checkpoints gets
 ``(a + b) + (c + d)`` where the plain graph computes ``((a + b) + c) + d``: a different rounding.
 The block manager (:mod:`mhc_cg.runtime.recompute.eager`) fixes the order with two halves that live here:
 each checkpoint's recompute sends its per-use gradient terms to a sink

@@ -1,7 +1,8 @@
 """Persistent slot sets: what each in-flight microbatch keeps for its block recompute, and the
 first-in first-out pool that hands them out along a rank's order.
 
-A set holds only what the recompute needs (the design's item 3): each block's input x_l0, each
+Note [persistent state per microbatch] (docs/design.md, item 3). A set holds only what the
+recompute needs: each block's input x_l0, each
 sublayer's F output, the dropout seed, for fused sublayers each one's mapping state
 (``[proj | xnorm | rstd]``, n^2 + 2n + 2 values per token) and, for MLPs with activation recompute, fc1's
 output. Its

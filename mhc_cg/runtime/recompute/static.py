@@ -281,7 +281,11 @@ class StaticRecompute:
     def run_recompute(self, block: int, pset: PersistentSlotSet) -> None:
         """Block ``block``'s recompute from ``pset`` (its graph where captured), unless the
         arena still holds what that block's forward wrote there: then the slots already hold
-        the recompute's bits, and nothing runs."""
+        the recompute's bits, and nothing runs.
+
+        Note [recompute graphs] (docs/design.md, item 4): one per (block, persistent set),
+        replayed from the hook on the block output's gradient, before the block's first
+        backward node; they run one at a time, so no temporary outlives a replay."""
         kept, self.arena.holder = self.arena.holder == (self, block, pset.index), None
         if kept:
             self.recomputes[(block, "kept")] += 1
@@ -342,7 +346,8 @@ class StaticRecompute:
                 if x.requires_grad:
                     handles.append(x.register_hook(self._make_block_hook(b, pset, state)))
         except BaseException:
-            # Anything that unwinds the forward (MoECudaGraphPartialCaptureSignal included) leaves
+            # Note [an unwound forward leaves nothing behind] (docs/design.md, item 6):
+            # anything that unwinds the forward (MoECudaGraphPartialCaptureSignal included) leaves
             # no hook behind and gives the set back: nothing of this microbatch will run backward.
             for handle in handles:
                 handle.remove()

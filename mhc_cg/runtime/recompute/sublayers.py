@@ -13,7 +13,8 @@ recompute graphs; what a sublayer writes where is one of these:
   output go to the persistent set first, so they are saved from there (never a second copy in the
   arena). The block recompute re-runs the mHC ops under the same hooks, writing the same slots.
 
-Either way the autograd graph is the one eager builds: same ops, same order, so gradients are
+Note [recompute without rebuilding autograd] (docs/design.md, item 2). Either way the autograd
+graph is the one eager builds: same ops, same order, so gradients are
 bit-identical to no recompute.
 """
 

@@ -9,7 +9,8 @@ residual stream, ``[seq, micro_batch, n * hidden]`` wide. On CPU the schedule ru
 
 One rank is :class:`mhc_cg.training.pipeline.rank.PipelineRank`.
 
-What makes the losses and gradients equal, bit for bit, to ``pp_size: 1``: each chunk sees
+Note [a pipeline equals one process] (docs/design.md, item 11). What makes the losses and
+gradients equal, bit for bit, to ``pp_size: 1``: each chunk sees
 its microbatches first-in first-out in both directions, so every parameter sums its microbatch
 gradients in the same order; the loss is megatron's ``(loss * cp_size) / num_microbatches`` with
 ``cp_size = 1``, the same value and gradient as ``loss / num_microbatches``; AdamW is
