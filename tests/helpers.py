@@ -18,7 +18,7 @@ from mhc_cg.runtime.graphs import GraphCaptureError, get_backend
 from mhc_cg.model import MHCGPT, MHCGPTConfig
 from mhc_cg.core.schedule import peak_in_flight, pipeline_order
 from mhc_cg.runtime.modes.lifecycle import ModeModel
-from mhc_cg.runtime.modes.registry import build, capture_plan
+from mhc_cg.runtime.modes.registry import build, resolve
 from mhc_cg.runtime.recompute.arena import Arena
 from mhc_cg.runtime.recompute.persistent import PersistentSetPool, new_persistent_set
 from mhc_cg.runtime.recompute.static import build_static_recompute
@@ -296,4 +296,4 @@ def run_cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 def build_for_mode(cfg, name: str, device) -> ModeModel:
     """The prepared mode ``name`` of ``cfg`` on ``device`` (the config as given)."""
-    return build(cfg, capture_plan(cfg, name, str(device)), device)
+    return build(resolve(cfg, name, device))

@@ -14,6 +14,7 @@ from mhc_cg.tools.cost.cost_backend import CostBackend
 from mhc_cg.tools.cost.ops import launches_kernel
 from mhc_cg.tools.cost.op_counters import StepRecorder
 from mhc_cg.tools.cost.report import cost_mode, cost_report, format_report, mode_configs
+from mhc_cg.runtime.modes.registry import resolve
 from mhc_cg.core.errors import GraphCaptureError
 from mhc_cg.runtime.graphs.guard import CaptureGuardMode
 from mhc_cg.runtime.graphs.tape import TapeBackend
@@ -101,7 +102,7 @@ def test_the_bench_models_optimizer_step_launches_few_kernels_and_allocates_no_t
     from helpers import REPO
 
     configs = dict(mode_configs(load_config(REPO / "configs" / "bench_h100.yaml"), "meta")[0])
-    cost = cost_mode(configs["eager_none"], "eager_none", "meta")
+    cost = cost_mode(configs["eager_none"])
     assert cost["kernels_by_phase"]["optimizer"] <= 64, cost["kernels_by_phase"]
     assert cost["step_temporaries_by_phase"].get("optimizer", 0) < 2 ** 20
     params = 541_247_920
@@ -319,10 +320,8 @@ def test_recompute_graphs_join_the_sublayer_pool_where_they_replay():
     assert [g.replays for g in recompute.values()] == [2]
     assert graphed.runtime.recomputes[(1, "kept")] == 2
     backend = CostBackend("cpu")
-    from mhc_cg.runtime.modes.registry import build
-    from mhc_cg.runtime.modes.registry import capture_plan
-    costed = build(cfg, capture_plan(cfg, "graphed_static", "cpu"),
-                                  torch.device("cpu"), backend=backend)
+    from mhc_cg.runtime.modes.registry import build, resolve
+    costed = build(resolve(cfg, "graphed_static", "cpu"), backend=backend)
     assert all(g.peak.escaped_bytes == 0 for g in costed.runtime.recompute_graphs.values())
 
 
@@ -335,10 +334,8 @@ def test_recompute_graphs_alone_share_one_independent_pool():
     assert len(graphs) == 2 and len({id(g.pool) for g in graphs}) == 1
     assert graphs[0].pool.independent
     backend = CostBackend("cpu")
-    from mhc_cg.runtime.modes.registry import build
-    from mhc_cg.runtime.modes.registry import capture_plan
-    graphed = build(cfg, capture_plan(cfg, "graphed_static", "cpu"),
-                                   torch.device("cpu"), backend=backend)
+    from mhc_cg.runtime.modes.registry import build, resolve
+    graphed = build(resolve(cfg, "graphed_static", "cpu"), backend=backend)
     recompute = list(graphed.runtime.recompute_graphs.values())
     assert all(g.peak.escaped_bytes == 0 for g in recompute)
     # any order: block 0 then block 1, although captured the other way round
@@ -350,8 +347,8 @@ def test_meta_and_cpu_cost_the_same_graphs_and_arena():
     """meta tells storages apart by identity (every data_ptr is 0 there): same arena, same
     recompute graphs. Attention's forward decomposes differently on meta (the fused attention a GPU
     runs), and nothing else in the graphs; the eager ops within 1%."""
-    mode, cfg = [m for m in mode_configs(tiny_config(), "meta")[0] if m[0] == "graphed_static"][0]
-    cpu, meta = cost_mode(cfg, mode, "cpu"), cost_mode(cfg, mode, "meta")
+    cfg = tiny_config()
+    cpu, meta = (cost_mode(resolve(cfg, "graphed_static", device)) for device in ("cpu", "meta"))
     assert cpu["arena_bytes"] == meta["arena_bytes"] > 0
     assert cpu["persistent_bytes_per_microbatch"] == meta["persistent_bytes_per_microbatch"] > 0
     for a, b in zip(cpu["graphs"], meta["graphs"]):
@@ -434,7 +431,7 @@ def test_moe_config_costs_partial_capture_on_cpu_and_is_refused_on_meta():
     # a dropless MoE dispatch reads its token counts on the host: no captured iteration
     assert set(skipped) == {"graphed_full", "graphed_full_static"}
     assert all(why.startswith("model.num_experts: a dropless MoE layer") for why in skipped.values())
-    partial = cost_mode(modes["moe_partial"], "moe_partial", "cpu")
+    partial = cost_mode(modes["moe_partial"])
     heads = [g for g in partial["graphs"] if g["name"].endswith(".head fwd")]
     assert len(heads) == 2  # the MoE sublayer's captured head, one per layer
     assert partial["eager_kernels_per_step"] > 0  # the eager tail (dispatch, experts) counts
@@ -505,8 +502,7 @@ def test_graphed_static_copies_only_the_seed_into_its_persistent_set():
     """The expand writes the chunk's input into the set (x_l0 of block 0), F's last Linear writes
     F's output there and each sublayer graph writes its output where the next reads it: the one
     copy into the set is the dropout seed (int64), and no graph's input or grad is copied."""
-    mode, cfg = [m for m in mode_configs(tiny_config(), "meta")[0] if m[0] == "graphed_static"][0]
-    copies = cost_mode(cfg, mode, "meta")["copy_bytes_per_step"]
+    copies = cost_mode(resolve(tiny_config(), "graphed_static", "meta"))["copy_bytes_per_step"]
     assert copies == {"persistent set": 2 * 8}, copies
 
 
@@ -595,15 +591,14 @@ def _held_storages(root) -> dict[int, int]:
 def test_model_state_is_what_a_training_session_holds(dtype):
     """The cost model's model state is the bytes a CPU training session really holds between
     steps (everything reachable from it: model, optimizer, data), for the same model."""
-    from mhc_cg.runtime.modes.registry import capture_plan
+    from mhc_cg.runtime.modes.registry import resolve
     from mhc_cg.training.session import TrainSession
 
     cfg = tiny_config().replace(train={"dtype": dtype})
-    session = TrainSession.build(cfg, capture_plan(cfg, "eager_none", "cpu"),
-                                 torch.device("cpu"))
+    session = TrainSession.build(resolve(cfg, "eager_none", "cpu"))
     session.step()
     held = sum(_held_storages(session).values())
-    cost = cost_mode(dict(mode_configs(cfg, "cpu")[0])["eager_none"], "eager_none", "cpu")
+    cost = cost_mode(dict(mode_configs(cfg, "cpu")[0])["eager_none"])
     assert cost["peak_memory"]["model_state"] == held
     params = sum(p.numel() for p in session.model.parameters())
     per_param = {"bf16": 2 + 2 + 4 + 8, "fp32": 4 + 4 + 8}[dtype]  # model, grad, main, moments

@@ -20,7 +20,7 @@ from helpers import tiny_run_config, write_config
 from mhc_cg.cli import main
 from mhc_cg.training.data import ProgressionCorpus
 from mhc_cg.core.errors import StaleCaptureError, StaticRecomputeError
-from mhc_cg.runtime.modes.registry import capture_plan
+from mhc_cg.runtime.modes.registry import resolve
 from mhc_cg.tools.compare import compared_modes
 from mhc_cg.training.session import TrainSession, grad_digest
 
@@ -28,7 +28,7 @@ CPU = torch.device("cpu")
 
 
 def session_for(cfg, mode) -> TrainSession:
-    return TrainSession.build(cfg, capture_plan(cfg, mode, "cpu"), CPU)
+    return TrainSession.build(resolve(cfg, mode, CPU))
 
 
 def side_batch(cfg, seed=99):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mhc_cg.core.errors import ConfigError, StaleCaptureError
-from mhc_cg.runtime.modes.registry import capture_plan
+from mhc_cg.runtime.modes.registry import resolve
 from mhc_cg.tools.cost.report import cost_mode, mode_configs
 from mhc_cg.training.session import TrainSession, train
 
@@ -49,7 +49,7 @@ def test_what_an_iteration_cannot_hold_is_refused_by_name(change, field):
 @pytest.mark.parametrize("mode", FULL)
 def test_a_step_refuses_what_the_capture_baked_in(mode):
     cfg = tiny_run_config()
-    session = TrainSession.build(cfg, capture_plan(cfg, mode, "cpu"), torch.device("cpu"))
+    session = TrainSession.build(resolve(cfg, mode, "cpu"))
     session.step()
     session.model.cfg.hidden_dropout = 0.5
     with pytest.raises(StaleCaptureError, match=r"model\.hidden_dropout: changed from 0\.2"):
@@ -61,8 +61,7 @@ def test_a_step_refuses_what_the_capture_baked_in(mode):
     wrong = torch.zeros(cfg.train.micro_batch_size + 1, cfg.model.seq_length, dtype=torch.int64)
     batches = [(wrong, wrong, torch.tensor(1))] * cfg.train.num_microbatches
     with pytest.raises(ValueError, match=r"^microbatch 0's inputs is \[3, 8\] torch.int64"):
-        TrainSession.build(cfg, capture_plan(cfg, mode, "cpu"),
-                           torch.device("cpu")).mode_model.run_iteration(batches)
+        TrainSession.build(resolve(cfg, mode, "cpu")).mode_model.run_iteration(batches)
 
 
 def test_the_static_iteration_moves_fewer_bytes_and_peaks_no_higher():
@@ -72,7 +71,7 @@ def test_the_static_iteration_moves_fewer_bytes_and_peaks_no_higher():
     cfg = tiny_run_config(microbatches=2).replace(
         model={"seq_length": 64, "hidden_size": 256, "num_heads": 4})
     costed = dict(mode_configs(cfg, "meta")[0])
-    m = {mode: cost_mode(costed[mode], mode, "meta")
+    m = {mode: cost_mode(costed[mode])
          for mode in ("eager_none", "eager_block", *FULL)}
     optimizer = m["eager_none"]["kernels_by_phase"]["optimizer"]
     for mode in FULL:

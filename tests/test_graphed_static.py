@@ -159,7 +159,7 @@ def test_the_arena_is_idle_wherever_it_is_lent(case):
     recompute, so nothing reads a slot there before writing it. The lending is live: the
     optimizer allocates no bucket of its own, and its last cast gradients are found in the arena
     after a step."""
-    from mhc_cg.runtime.modes.registry import capture_plan
+    from mhc_cg.runtime.modes.registry import resolve
     from mhc_cg.training.optimizer import MainParamAdamW
     from mhc_cg.training.session import TrainSession
 
@@ -171,8 +171,7 @@ def test_the_arena_is_idle_wherever_it_is_lent(case):
         return MainParamAdamW(params, lr=cfg.train.lr, weight_decay=0.0,
                               model_dtype=torch.bfloat16, bucket_bytes=4096)
 
-    sessions = {mode: TrainSession.build(cfg, capture_plan(cfg, mode, "cpu"), cpu,
-                                         optimizer=small_buckets)
+    sessions = {mode: TrainSession.build(resolve(cfg, mode, cpu), optimizer=small_buckets)
                 for mode in ("eager_none", "graphed_static")}
     assert sessions["graphed_static"].optimizer.staging is None
     graphed = sessions["graphed_static"].mode_model

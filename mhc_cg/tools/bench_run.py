@@ -32,7 +32,7 @@ import torch
 from mhc_cg.config import RunConfig
 from mhc_cg.core.nvtx import nvtx_range
 from mhc_cg.core.progress import log
-from mhc_cg.runtime.modes.registry import capture_plan, get_mode, mode_config
+from mhc_cg.runtime.modes.registry import get_mode, resolve
 from mhc_cg.training.session import TrainSession
 
 
@@ -148,7 +148,7 @@ def modelled_fused_ops(cfg: RunConfig, mode: str) -> dict[str, dict] | None:
     from mhc_cg.tools.cost.report import cost_mode, mode_configs
 
     costed = dict(mode_configs(cfg, "meta")[0])
-    return cost_mode(costed[mode], mode, "meta")["fused_ops"] if mode in costed else None
+    return cost_mode(costed[mode])["fused_ops"] if mode in costed else None
 
 
 def fused_op_table(profile: dict, modelled: dict | None, bandwidth: float) -> list[dict]:
@@ -168,8 +168,9 @@ def measure(spec: dict) -> dict:
     """What the module docstring lists, for the mode and config of ``spec``."""
     device = torch.device(spec["device"])
     mode = spec["mode"]
-    cfg = mode_config(RunConfig.from_dict(spec["config"]), mode,
-                      moe_experts=spec["moe_experts"], moe_top_k=spec["moe_top_k"])
+    run = resolve(RunConfig.from_dict(spec["config"]), mode, device,
+                  moe_experts=spec["moe_experts"], moe_top_k=spec["moe_top_k"])
+    cfg = run.cfg
     torch.manual_seed(cfg.train.seed)
     bandwidth = copy_bandwidth(device, spec["bandwidth_bytes"])
     if device.type == "cuda":
@@ -177,7 +178,7 @@ def measure(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     begin = time.perf_counter()
     log("bench", f"{mode}: building{' and capturing graphs' if get_mode(mode).graphed else ''}")
-    session = TrainSession.build(cfg, capture_plan(cfg, mode, device.type), device)
+    session = TrainSession.build(run)
     build_s = time.perf_counter() - begin
     for _ in range(spec["warmup"]):
         session.step()

@@ -38,7 +38,7 @@ import torch
 from mhc_cg.config import RunConfig
 from mhc_cg.core.progress import log
 from mhc_cg.ops.kernels.launch import ENV, TUNABLE, candidates, device_name
-from mhc_cg.runtime.modes.registry import capture_plan, mode_config
+from mhc_cg.runtime.modes.registry import mode_config, resolve
 from mhc_cg.tools.bench_run import copy_bandwidth, modelled_fused_ops
 from mhc_cg.tools.profiling.timeline import _load_chrome_json, union_ns
 from mhc_cg.training.session import TrainSession
@@ -129,9 +129,8 @@ def op_rows(times: dict, modelled: dict | None, bandwidth: float) -> list[dict]:
 
 
 def _session(cfg: RunConfig, device: torch.device) -> TrainSession:
-    cfg = mode_config(cfg, MODE).replace(model={"kernels": "triton"},
-                                         train={"device": device.type})
-    return TrainSession.build(cfg, capture_plan(cfg, MODE, device.type), device)
+    cfg = cfg.replace(model={"kernels": "triton"}, train={"device": device.type})
+    return TrainSession.build(resolve(cfg, MODE, device))
 
 
 def bench_shape(name: str, cfg: RunConfig, device: torch.device, steps: int) -> dict:

@@ -36,7 +36,7 @@ from mhc_cg.core.dtypes import TORCH_DTYPES
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.ops import kernels
 from mhc_cg.ops.dropout import counter_dropout_mask
-from mhc_cg.runtime.modes.registry import MODES, build, capture_plan, mode_config
+from mhc_cg.runtime.modes.registry import MODES, build, resolve
 from mhc_cg.tools.bench import device_name
 from mhc_cg.tools.bench_run import copy_bandwidth, synchronize, time_repeated
 from mhc_cg.tools.cost.report import cost_mode
@@ -102,18 +102,18 @@ def measure_pools(graphs: Sequence[Any], backend: str) -> list[dict]:
 def probe_pools(cfg: RunConfig, device: torch.device, modes: Sequence[str] = POOL_MODES) -> dict:
     result: dict[str, Any] = {"status": "ok", "cost_model": "available", "modes": {}}
     for mode in modes:
-        mode_cfg = mode_config(cfg, mode)
-        plan = capture_plan(mode_cfg, mode, str(device))
+        run = resolve(cfg, mode, device)
+        plan = run.plan
         if plan.backend not in ("tape", "cuda"):
             result["modes"][mode] = not_available(f"backend {plan.backend}: its pools are TE's")
             continue
-        graphed = build(mode_cfg, plan, device)
+        graphed = build(run)
         synchronize(device)
         rows = measure_pools(graphed.graphs(), plan.backend)
         entry: dict[str, Any] = {"backend": plan.backend, "pools": rows,
                                  "total_bytes": sum(r["bytes"] for r in rows)}
         try:
-            cost = cost_mode(mode_cfg.replace(graph={"backend": "auto"}), mode, "meta")
+            cost = cost_mode(resolve(cfg.replace(graph={"backend": "auto"}), mode, "meta"))
         except Exception as exc:  # noqa: BLE001 - the measurement stands without it
             entry["prediction_error"] = f"{type(exc).__name__}: {exc}"
         else:

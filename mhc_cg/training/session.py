@@ -32,8 +32,8 @@ from mhc_cg.model import MHCGPT, lm_loss
 from mhc_cg.runtime.modes.lifecycle import ModeModel
 from mhc_cg.runtime.modes.plan import CapturePlan
 from mhc_cg.runtime.graphs import GraphBackend
-from mhc_cg.runtime.modes.registry import (REFERENCE, build_model, capture_plan, configured_mode,
-                                           get_mode, mode_config, mode_unavailable, prepare)
+from mhc_cg.runtime.modes.registry import (REFERENCE, Run, build_model, configured_mode,
+                                           mode_unavailable, prepare, resolve)
 from mhc_cg.training.data import ProgressionCorpus
 from mhc_cg.training.device import check_fits, resolve_device
 from mhc_cg.training.optimizer import MainParamAdamW
@@ -106,9 +106,7 @@ class TrainSession:
     same masks; the weights depend only on ``cfg.train.seed``.
     """
 
-    cfg: RunConfig
-    plan: CapturePlan
-    device: torch.device
+    run: Run
     mode_model: ModeModel
     optimizer: MainParamAdamW
     data: Microbatches
@@ -117,17 +115,28 @@ class TrainSession:
     _eval_data: list | None = None
 
     @classmethod
-    def build(cls, cfg: RunConfig, plan: CapturePlan, device: torch.device,
-              backend: GraphBackend | None = None,
+    def build(cls, run: Run, backend: GraphBackend | None = None,
               optimizer: Callable[[RunConfig, Iterable], MainParamAdamW] | None = None,
               ) -> "TrainSession":
         """Model, optimizer (which lays the parameters out), then the mode's captures.
         ``optimizer``: a factory instead of :func:`optimizer_for` (the cost model's back-test)."""
-        model = build_model(cfg, get_mode(plan.mode), device)
-        optimizer = (optimizer or optimizer_for)(cfg, model.parameters())
-        mode_model = prepare(cfg, plan, model, device, backend)
+        model = build_model(run)
+        optimizer = (optimizer or optimizer_for)(run.cfg, model.parameters())
+        mode_model = prepare(run, model, backend)
         optimizer.reserve_staging(mode_model.idle_workspace())
-        return cls(cfg, plan, device, mode_model, optimizer, Microbatches(cfg))
+        return cls(run, mode_model, optimizer, Microbatches(run.cfg))
+
+    @property
+    def cfg(self) -> RunConfig:
+        return self.run.cfg
+
+    @property
+    def plan(self) -> CapturePlan:
+        return self.run.plan
+
+    @property
+    def device(self) -> torch.device:
+        return self.run.device
 
     @property
     def model(self) -> MHCGPT:
@@ -278,16 +287,15 @@ def train(cfg: RunConfig, *, steps: int | None = None, device: str | None = None
                           f"{cfg.parallel.pp_size} ranks runs on train_pipeline() (mhc-cg train "
                           f"starts it)")
     mode = mode or configured_mode(cfg)
-    cfg = mode_config(cfg, mode)
-    dev = resolve_device(device or cfg.train.device)
+    run = resolve(cfg, mode, resolve_device(device or cfg.train.device))
+    cfg, dev = run.cfg, run.device
     if (reason := mode_unavailable(cfg, mode, dev.type)) is not None:
         raise ConfigError(f"mode {mode}: {reason}")
     steps = cfg.train.steps if steps is None else steps
     if steps < 1:
         raise ConfigError(f"--steps: must be a positive integer, got {steps}")
     check_fits(cfg, dev)
-    plan = capture_plan(cfg, mode, str(dev))
-    session = TrainSession.build(cfg, plan, dev)
+    session = TrainSession.build(run)
     result = TrainResult(mode=mode, info=session.mode_model.describe())
     bar = ProgressBar(steps, f"train[{mode}]", progress)
     for step in range(steps):

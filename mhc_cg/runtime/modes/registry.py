@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from mhc_cg.config import RunConfig, check
+from mhc_cg.config import MHCGPTConfig, RunConfig, check
 from mhc_cg.config.choices import RECOMPUTE_SCOPE
 from mhc_cg.config.rules import stateful_dropout_problem
 from mhc_cg.core.dtypes import TORCH_DTYPES
@@ -138,42 +138,69 @@ def capture_plan(cfg: RunConfig, mode: str | None = None, device: str | None = N
     return CapturePlan(spec.name, backend=backend, **spec.capture(cfg))
 
 
-def build_model(cfg: RunConfig, mode: Mode, device: torch.device | str) -> MHCGPT:
-    """``cfg``'s model with the settings ``mode`` implies, in ``train.dtype`` on ``device``.
+@dataclass(frozen=True)
+class Run:
+    """One run, resolved once at its entry (:func:`resolve`) and passed down: the mode's config
+    (its variant applied, checked), the model as the mode builds it, the capture plan and the
+    device. Nothing downstream derives any of it again."""
 
-    The weights depend only on ``cfg.train.seed``, never on the mode, so modes can be compared.
-    """
-    keeps_activation = mode.activation_recompute
-    model_cfg = dataclasses.replace(
-        cfg.model, recompute=mode.recompute,
+    cfg: RunConfig
+    model: MHCGPTConfig
+    plan: CapturePlan
+    device: torch.device
+
+    @property
+    def mode(self) -> Mode:
+        return get_mode(self.plan.mode)
+
+
+def resolve(cfg: RunConfig, mode: str | None, device: torch.device | str, *,
+            on_this_machine: bool = True, **variant) -> Run:
+    """``cfg`` as mode ``mode`` (default: :func:`configured_mode`) trains it on ``device``: its
+    config (:func:`mode_config`, checked once), the model settings the mode implies, the plan."""
+    name = mode or configured_mode(cfg)
+    cfg = mode_config(cfg, name, **variant)
+    spec = get_mode(name)
+    keeps_activation = spec.activation_recompute
+    model = dataclasses.replace(
+        cfg.model, recompute=spec.recompute,
         recompute_activation=cfg.model.recompute_activation and keeps_activation,
         recompute_activation_layers=cfg.model.recompute_activation_layers if keeps_activation
         else None)
-    torch.manual_seed(cfg.train.seed)
+    device = torch.device(device)
+    plan = capture_plan(cfg, name, device.type, on_this_machine=on_this_machine)
+    return Run(cfg, model, plan, device)
+
+
+def build_model(run: Run) -> MHCGPT:
+    """The run's model, in ``train.dtype`` on its device.
+
+    The weights depend only on ``cfg.train.seed``, never on the mode, so modes can be compared.
+    """
+    torch.manual_seed(run.cfg.train.seed)
     # weights are made in fp32 (same init for every dtype), then cast
-    model = MHCGPT(model_cfg).to(device=device, dtype=TORCH_DTYPES[cfg.train.dtype]).train()
+    model = MHCGPT(run.model).to(device=run.device,
+                                 dtype=TORCH_DTYPES[run.cfg.train.dtype]).train()
     install_activation_recompute(model)
     return model
 
 
-def prepare(cfg: RunConfig, plan: CapturePlan, model: MHCGPT, device: torch.device | str,
-            backend: GraphBackend | None = None) -> ModeModel:
-    """``model`` (from :func:`build_model`) as ``plan``'s mode runs it, graphs captured: after
+def prepare(run: Run, model: MHCGPT, backend: GraphBackend | None = None) -> ModeModel:
+    """``model`` (from :func:`build_model`) as the run's mode runs it, graphs captured: after
     this, the parameters' addresses are baked into the graphs. ``backend``: a capture backend
     object instead of the plan's (the cost model's)."""
-    mode_model = get_mode(plan.mode).model_type(model, plan,
-                                                micro_batch_size=cfg.train.micro_batch_size,
-                                                backend=backend)
+    mode_model = run.mode.model_type(model, run.plan,
+                                     micro_batch_size=run.cfg.train.micro_batch_size,
+                                     backend=backend)
     with torch.enable_grad():  # capture records the backward too, even if built under no_grad
-        mode_model.prepare(device)
+        mode_model.prepare(run.device)
     return mode_model
 
 
-def build(cfg: RunConfig, plan: CapturePlan, device: torch.device | str,
-          backend: GraphBackend | None = None) -> ModeModel:
-    """The prepared :class:`ModeModel` of ``plan``'s mode: model built, graphs captured (for a
-    model without an optimizer; training lays its parameters out in between)."""
-    return prepare(cfg, plan, build_model(cfg, get_mode(plan.mode), device), device, backend)
+def build(run: Run, backend: GraphBackend | None = None) -> ModeModel:
+    """The prepared :class:`ModeModel` of the run: model built, graphs captured (for a model
+    without an optimizer; training lays its parameters out in between)."""
+    return prepare(run, build_model(run), backend)
 
 
 # --------------------------------------------------------------------------------------------

@@ -107,7 +107,7 @@ def backtest(measured_path: Path = MEASURED, modes: tuple[str, ...] = MODES) -> 
         # the fused kernels at the shares the H100 measured for their kinds (at 8b1b9b9, the
         # kernels closest to that run's)
         with charging({op: c["share"] for op, c in fused_charges().items()}, copy_share()):
-            cost = cost_mode(configs[mode], mode, "meta", optimizer=PerTensorCopyAdamW)
+            cost = cost_mode(configs[mode], optimizer=PerTensorCopyAdamW)
         memory = cost["peak_memory"]
         resident = memory["model_state"] + memory["static"] + cost["pool_live_bytes"]
         step_peak = max(cost["step_peak_by_phase"].values())

@@ -27,7 +27,7 @@ from mhc_cg.core.errors import ConfigError
 from mhc_cg.core import traffic
 from mhc_cg.core.progress import log
 from mhc_cg.model import recomputes_activation
-from mhc_cg.runtime.modes.registry import MODES, capture_plan, mode_config
+from mhc_cg.runtime.modes.registry import MODES, Run, resolve
 from mhc_cg.tools.cost.attention import fused_attention_on_meta
 from mhc_cg.tools.cost.attribution import (REFERENCE_C, model_note, by_phase_and_part, copies,
                                            mhc_traffic_c, predicted_seconds, recompute_bound_bytes)
@@ -47,8 +47,8 @@ RECOMPUTE_POOL_LIMIT = 1.25   # a recompute graph's pool peak, in arenas
 STATIC_MEMORY_LIMIT = 0.75    # graphed_static's graph memory, in graphed_none's (both below)
 
 
-def mode_configs(cfg: RunConfig, device: str) -> tuple[list[tuple[str, RunConfig]], dict[str, str]]:
-    """``(mode, its config)`` for every registered mode that can be costed on ``device``, and why
+def mode_configs(cfg: RunConfig, device: str) -> tuple[list[tuple[str, Run]], dict[str, str]]:
+    """``(mode, its run)`` for every registered mode that can be costed on ``device``, and why
     the others cannot. The capture backend is ours (recording), so ``graph.backend`` is left to
     ``auto``: a config meant for a GPU is costed anywhere."""
     cfg = check(cfg.replace(graph={"backend": "auto"}))
@@ -58,20 +58,20 @@ def mode_configs(cfg: RunConfig, device: str) -> tuple[list[tuple[str, RunConfig
         if reason is not None:
             skipped[mode.name] = reason
         else:
-            costed.append((mode.name, mode_config(cfg, mode.name)))
+            costed.append((mode.name, resolve(cfg, mode.name, device)))
     return costed, skipped
 
 
-def cost_mode(cfg: RunConfig, mode: str, device: str,
+def cost_mode(run: Run,
               optimizer: Callable[[RunConfig, Iterable], object] = optimizer_for) -> dict:
-    """The cost of ``mode`` on its config ``cfg`` (:func:`mode_configs`) on ``device``: one
+    """The cost of one ``run`` (:func:`mode_configs`; its device ``meta`` or ``cpu``): one
     training step as training runs it (:meth:`TrainSession.run_step`), its optimizer included.
-    ``optimizer``: the session's optimizer factory (the back-test's costs another one)."""
-    dev = torch.device(device)
+    The capture backend is ours (recording), whatever the plan's. ``optimizer``: the session's
+    optimizer factory (the back-test's costs another one)."""
+    cfg, dev = run.cfg, run.device
     meta = dev.type == "meta"
     streams = StreamTracker(cfg.model.num_streams * cfg.model.hidden_size)
-    backend = CostBackend(device, streams)
-    plan = capture_plan(cfg, mode, "cpu")  # the backend is ours; the plan's is not used
+    backend = CostBackend(dev.type, streams)
 
     def laid_out(cfg: RunConfig, params: Iterable) -> object:
         # the flat buffers hold every parameter and gradient: no stream storage, before capture
@@ -83,7 +83,7 @@ def cost_mode(cfg: RunConfig, mode: str, device: str,
         if meta:
             stack.enter_context(fused_attention_on_meta())
         with torch.device(dev) if meta else contextlib.nullcontext():
-            session = TrainSession.build(cfg, plan, dev, backend=backend, optimizer=laid_out)
+            session = TrainSession.build(run, backend=backend, optimizer=laid_out)
         recorder = StepRecorder(streams, dev)
         with recorder:
             session.run_step()
@@ -251,9 +251,9 @@ def cost_report(cfg: RunConfig, device: str, config_name: str | None = None,
         kernel_shares = {op: c["share"] for op, c in fused_charges().items()}
     modes = {}
     with charging(kernel_shares, copy):
-        for index, (name, mode_cfg) in enumerate(costed, 1):
+        for index, (name, run) in enumerate(costed, 1):
             log("cost", f"{name}: building and recording one step ({index}/{len(costed)})")
-            modes[name] = cost_mode(mode_cfg, name, device)
+            modes[name] = cost_mode(run)
     plain = modes.get(PLAIN)
     for m in modes.values():  # the paper's headline: a step's cost over the plain residual's
         m["mhc_overhead"] = (None if plain is None else

@@ -36,7 +36,7 @@ from mhc_cg.model import MHCGPT, lm_loss
 from mhc_cg.runtime.graphs import get_backend, make_graphed_callables
 from mhc_cg.runtime.modes.graphed_none import sublayer_sample_args
 from mhc_cg.runtime.modes.graphed_static import slot_sublayers
-from mhc_cg.runtime.modes.registry import build_model, capture_plan, get_mode
+from mhc_cg.runtime.modes.registry import build_model, resolve
 from mhc_cg.runtime.recompute.arena import Arena
 from mhc_cg.runtime.recompute.persistent import PersistentSetPool, new_persistent_set
 from mhc_cg.runtime.recompute.static import build_static_recompute
@@ -146,12 +146,13 @@ class PipelineRank:
         from megatron.core import parallel_state
 
         par, train = cfg.parallel, cfg.train
-        self.rank, self.cfg, self.mode, self.dev = rank, cfg, mode, dev
+        self.run = resolve(cfg, mode, dev)  # this rank's entry: resolved once
+        self.rank, self.cfg, self.mode, self.dev = rank, self.run.cfg, mode, dev
         self.pp, self.vpp, self.m = par.pp_size, par.vpp_size, train.num_microbatches
         parallel_state.initialize_model_parallel(
             pipeline_model_parallel_size=self.pp,
             virtual_pipeline_model_parallel_size=self.vpp if self.vpp > 1 else None)
-        self.model = build_model(cfg, get_mode(mode), dev)
+        self.model = build_model(self.run)
         per_chunk = cfg.model.num_layers // (self.pp * self.vpp)
         self.block = min(cfg.model.resolved_recompute_layers, per_chunk)
         self.stages = [c * self.pp + rank for c in range(self.vpp)]
@@ -202,7 +203,7 @@ class PipelineRank:
         """The recompute graphs per (chunk, block, set); with graphed sublayers, one graphed
         callable per (chunk, microbatch, sublayer) along the rank's order (TE's
         ``make_graphed_callables`` semantics: one pool, static inputs reused)."""
-        plan = capture_plan(self.cfg, self.mode, self.dev.type)
+        plan = self.run.plan
         backend = get_backend(plan.backend)
         for runtime in self.runtimes:
             runtime.capture_recompute_graphs(backend)
