@@ -17,6 +17,20 @@ weights, data and update (:mod:`megatron_integration.harness.training`), ``{bran
   (:func:`megatron_integration.capture.te_graph_helper.make_te_graph_helper`) and the recompute
   graphs along the same order.
 
+With ``megatron.cuda_graph_impl: full_iteration`` (``dev`` only) the runs are, every one
+trained through dev's own ``FullCudaGraphWrapper`` but the references
+(:func:`megatron_integration.harness.training.train_run`; on the CPU the wrapper's CUDA graph is
+the tape, :mod:`megatron_integration.harness.full_iteration_on_tape`):
+
+* ``dev_eager_none``: the reference, no recompute, no graph, at the config's dropout;
+* ``dev_eager_none_dropout0``: the same at ``hidden_dropout`` 0, the reference of dev's own run
+  (only when the config's dropout is above 0);
+* ``dev_full_iteration_mhc``: dev's ``cuda_graph_impl: full_iteration`` with its own
+  ``recompute_modules: [mhc]``, at ``hidden_dropout`` 0 (dev refuses mHC recompute under a
+  full-iteration graph with dropout); where dev's config refuses it (VPP), recorded as refused;
+* ``mhc_cg_full_iteration``: dev's layers (no layer graphs) on mhc_cg's static runtime, its block
+  recompute eager inside the one graph, at the config's (counter) dropout.
+
 The branch's megatron.core must be first on the path:
 :mod:`megatron_integration.harness.child_process` starts ``tp x pp`` processes of
 ``python -m megatron_integration.harness.runs SPEC.json OUT_DIR RANK WORLD PORT``, and each
@@ -34,6 +48,7 @@ from pathlib import Path
 import torch
 
 from mhc_cg.config import RunConfig
+from mhc_cg.config.rules import FULL_ITERATION
 from mhc_cg.core.dtypes import TORCH_DTYPES
 
 from megatron_integration.config.field_map import WARMUP_STEPS, megatron_config_kwargs
@@ -41,16 +56,41 @@ from megatron_integration.harness.training import TrainSetup, train_run, wrap_fo
 
 BRANCHES = ("main", "dev", "core")
 OURS = "mhc_cg"
+DEV_FULL = "dev_full_iteration_mhc"
+OURS_FULL = "mhc_cg_full_iteration"
+NO_DROPOUT = "dev_eager_none_dropout0"
+# what each run under dev's FullCudaGraphWrapper is trained as: dev's own [mhc] recompute
+# (dropout 0), or mhc_cg's static runtime
+_FULL_ITERATION_RUNS = (DEV_FULL, OURS_FULL)
 # Megatron's own mHC recompute; the block size is also the static runtime's
 _MEGATRON_RECOMPUTE = ("recompute_granularity", "recompute_modules")
 _RECOMPUTE_FIELDS = (*_MEGATRON_RECOMPUTE, "mhc_recompute_layer_num")
 
 
-def runs_of(branch: str) -> tuple[str, ...]:
-    """Every run of a comparison on ``branch``, references first."""
+def runs_of(branch: str, impl: str = "transformer_engine", dropout: float = 0.0) -> tuple[str, ...]:
+    """Every run of a comparison on ``branch``, references first; ``impl``: the config's
+    ``megatron.cuda_graph_impl``, ``dropout`` its ``model.hidden_dropout``."""
+    if impl == FULL_ITERATION:
+        return ("dev_eager_none", *((NO_DROPOUT,) if dropout > 0 else ()), DEV_FULL, OURS_FULL)
     if branch == "core":
         return ("core_eager_none", "core_eager_block", OURS)
     return (f"{branch}_eager_none", f"{branch}_eager_mhc", f"{branch}_graphed_mhc", OURS)
+
+
+def ours(impl: str = "transformer_engine") -> str:
+    """mhc_cg's run of a comparison (the one ``mhc-cg megatron`` trains without ``--compare``)."""
+    return OURS_FULL if impl == FULL_ITERATION else OURS
+
+
+def checked_runs(branch: str, impl: str = "transformer_engine",
+                 dropout: float = 0.0) -> dict[str, tuple[str, ...]]:
+    """``{run: the runs it must equal bit for bit}``: ``mhc_cg`` and the branch's
+    :func:`references`; under ``full_iteration`` both graphed runs, each against dev without
+    recompute at its own dropout."""
+    if impl == FULL_ITERATION:
+        return {DEV_FULL: (NO_DROPOUT if dropout > 0 else "dev_eager_none",),
+                OURS_FULL: ("dev_eager_none",)}
+    return {OURS: references(branch)}
 
 
 def references(branch: str) -> tuple[str, ...]:
@@ -65,7 +105,15 @@ def references(branch: str) -> tuple[str, ...]:
 def run_kwargs(kwargs: dict, run: str, branch: str) -> dict:
     """The branch's config of one run: the mapped config less what the run leaves out."""
     kwargs = dict(kwargs)
-    if run.endswith("_eager_none"):
+    if run == NO_DROPOUT or run == DEV_FULL:  # dev: no dropout with [mhc] under full_iteration
+        kwargs["hidden_dropout"] = 0.0
+    if run in _FULL_ITERATION_RUNS:
+        if run == OURS_FULL:  # the runtime recomputes, in blocks of mhc_recompute_layer_num
+            for name in _MEGATRON_RECOMPUTE:
+                kwargs.pop(name)
+        kwargs.update(cuda_graph_impl=FULL_ITERATION, cuda_graph_modules=[])
+        return kwargs
+    if run.endswith("_eager_none") or run == NO_DROPOUT:
         for name in _RECOMPUTE_FIELDS:
             kwargs.pop(name)
     elif run == OURS and branch == "dev":
@@ -89,9 +137,13 @@ def transformer_config(kwargs: dict):
 
 def setup_of(cfg: RunConfig) -> TrainSetup:
     m, t = cfg.model, cfg.train
+    # under full_iteration every run of the comparison takes its counter-dropout seeds from the
+    # batches: an input the graph reads (a draw at capture would be replayed forever)
+    seeds = cfg.megatron.cuda_graph_impl == FULL_ITERATION and m.dropout_impl == "counter"
     return TrainSetup(vocab_size=m.vocab_size, seq_length=m.seq_length,
                       micro_batch_size=t.micro_batch_size, num_microbatches=t.num_microbatches,
-                      steps=t.steps, lr=t.lr, seed=t.seed, warmup_steps=WARMUP_STEPS)
+                      steps=t.steps, lr=t.lr, seed=t.seed, warmup_steps=WARMUP_STEPS,
+                      dropout_seeds=seeds)
 
 
 def decoder_spec(branch: str, config, vp_stage: int | None, *, cpu: bool, graphed: bool):
@@ -194,8 +246,30 @@ def build_run(run: str, cfg: RunConfig, branch: str, cpu: bool):
 
         for chunk in chunks:
             use_counter_dropout(chunk_decoder(chunk))
+        if cfg.megatron.cuda_graph_impl == FULL_ITERATION:  # the embedding is in the graph too
+            from megatron.core.utils import get_attr_wrapped_model
+
+            from megatron_integration.layers.counter_dropout import use_counter_embedding_dropout
+
+            for chunk in chunks:
+                use_counter_embedding_dropout(
+                    get_attr_wrapped_model(chunk, "decoder", return_model_obj=True),
+                    chunk_decoder(chunk))
     helper = None
-    if run.endswith("_graphed_mhc"):
+    if run == OURS_FULL:  # the static runtime, no layer graphs: the whole iteration is one graph
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        from megatron_integration.capture.install import install_rank
+        from megatron_integration.capture.te_graph_helper import (chunk_decoder, rank_order,
+                                                                  rank_seq_length,
+                                                                  static_block_type)
+
+        decoders = [chunk_decoder(chunk) for chunk in chunks]
+        install_rank(decoders, static_block_type(decoders[0]),
+                     seq_length=rank_seq_length(config, setup.seq_length),
+                     micro_batch_size=setup.micro_batch_size,
+                     order=rank_order(config, len(chunks), get_num_microbatches()))
+    elif run.endswith("_graphed_mhc"):
         helper = TECudaGraphHelper(chunks, config, setup.seq_length, setup.micro_batch_size)
     elif run == OURS:
         recompute_graphs = (None if branch == "core"  # MHCTransformerConfig's own scope says
@@ -224,19 +298,22 @@ def rank_runs(cfg: RunConfig, runs: list[str], branch: str, cpu: bool) -> dict:
         try:
             chunks, helper = build_run(run, cfg, branch, cpu)
         except ValueError as refused:
-            if not run.endswith("_graphed_mhc"):
+            if not (run.endswith("_graphed_mhc") or run == DEV_FULL):  # dev's own graphed runs
                 raise
             results[run] = {"refused": str(refused).splitlines()[0], **where}
             continue
         results[run] = {**where, **train_run(run, chunks, setup_of(cfg), helper=helper, cpu=cpu,
-                                             log_steps=log_steps)}
+                                             log_steps=log_steps,
+                                             full_iteration=run in _FULL_ITERATION_RUNS)}
     return results
 
 
-def compare_ranks(per_rank: list[dict], branch: str) -> dict:
+def compare_ranks(per_rank: list[dict], branch: str,
+                  checked: dict[str, tuple[str, ...]] | None = None) -> dict:
     """Every rank's results as ``{"runs": {name: {"losses", "ranks": [...]}}, "bit_identical",
-    "mismatches"}``: ``bit_identical`` holds when ``mhc_cg``'s losses and every gradient byte on
-    every rank equal each reference run's (``None`` when there is nothing to compare)."""
+    "mismatches"}``: ``bit_identical`` holds when each checked run's (default: ``mhc_cg``'s)
+    losses and every gradient byte on every rank equal each of its reference runs' (``None``
+    when there is nothing to compare); ``checked``: :func:`checked_runs`."""
     names = list(per_rank[0])
     runs = {}
     for name in names:
@@ -247,20 +324,24 @@ def compare_ranks(per_rank: list[dict], branch: str) -> dict:
         losses = next((r["losses"] for r in ranks if r["losses"]), [])
         runs[name] = {"losses": losses, "ranks": ranks}
     mismatches = []
-    present = [ref for ref in references(branch) if ref in runs and "refused" not in runs[ref]]
-    if OURS in runs:
+    compared = False
+    for run, refs in (checked or {OURS: references(branch)}).items():
+        present = [ref for ref in refs if ref in runs and "refused" not in runs[ref]]
+        if run not in runs or "refused" in runs[run] or not present:
+            continue
+        compared = True
         for ref in present:
-            if runs[OURS]["losses"] != runs[ref]["losses"]:
-                steps = [i + 1 for i, (a, b) in enumerate(zip(runs[OURS]["losses"],
+            if runs[run]["losses"] != runs[ref]["losses"]:
+                steps = [i + 1 for i, (a, b) in enumerate(zip(runs[run]["losses"],
                                                               runs[ref]["losses"])) if a != b]
-                mismatches.append(f"mhc_cg losses differ from {ref} at steps {steps}")
-            for ours, theirs in zip(runs[OURS]["ranks"], runs[ref]["ranks"]):
+                mismatches.append(f"{run} losses differ from {ref} at steps {steps}")
+            for ours, theirs in zip(runs[run]["ranks"], runs[ref]["ranks"]):
                 steps = [i + 1 for i, (a, b) in enumerate(zip(ours["grad_digests"],
                                                               theirs["grad_digests"])) if a != b]
                 if steps:
-                    mismatches.append(f"mhc_cg gradients on rank {ours['rank']} differ from {ref} "
+                    mismatches.append(f"{run} gradients on rank {ours['rank']} differ from {ref} "
                                       f"at steps {steps}")
-    identical = None if not present or OURS not in runs else not mismatches
+    identical = not mismatches if compared else None
     return {"runs": runs, "bit_identical": identical, "mismatches": mismatches}
 
 
@@ -270,10 +351,16 @@ def child_main(argv: list[str]) -> None:
     spec = json.loads(Path(argv[0]).read_text())
     rank, world, port = int(argv[2]), int(argv[3]), int(argv[4])
     cpu = spec["device"] != "cuda"
+    cfg = RunConfig.from_dict(spec["config"])
     if cpu:
         from megatron_integration.harness.megatron_on_cpu import install_cpu_shims
 
         install_cpu_shims()
+        if cfg.megatron.cuda_graph_impl == FULL_ITERATION:
+            from megatron_integration.harness.full_iteration_on_tape import \
+                install_full_iteration_shims
+
+            install_full_iteration_shims()
     import megatron.core  # noqa: F401  (before TransformerEngine's stand-in, see child_process)
 
     from megatron_integration.harness.child_process import STANDIN_ENV, load_te_standin
@@ -282,7 +369,6 @@ def child_main(argv: list[str]) -> None:
     if os.environ.get(STANDIN_ENV):
         load_te_standin(os.environ[STANDIN_ENV])
 
-    cfg = RunConfig.from_dict(spec["config"])
     p = cfg.parallel
     init_ranks(cpu, cfg.train.seed, rank=rank, world_size=world, port=port, tp_size=p.tp_size,
                pp_size=p.pp_size, vpp_size=p.vpp_size, ep_size=p.ep_size)

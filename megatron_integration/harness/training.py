@@ -4,9 +4,15 @@
 DDP (fp32 grad buffers), the synthetic progression corpus drawn from a seed, and AdamW on fp32
 master weights, so every run of a comparison sees the same data and the same update. With a TE
 graph ``helper``, the first ``warmup_steps`` run eagerly and the helper captures before the next
-(as megatron's training loop does with ``cuda_graph_warmup_steps``). It records each step's loss
-and a hash of every gradient byte, and what the last step holds and replays
-(:mod:`megatron_integration.harness.step_probe`).
+(as megatron's training loop does with ``cuda_graph_warmup_steps``). With ``full_iteration``,
+``forward_backward_func`` is wrapped in Megatron-LM dev's own ``FullCudaGraphWrapper``
+(``cuda_graph_impl: full_iteration``), as its training loop wraps it: the first ``warmup_steps``
+run eagerly, the next is captured (on the CPU on the tape,
+:mod:`megatron_integration.harness.full_iteration_on_tape`) and replayed, every later one only
+replayed. It records each step's loss and a hash of every gradient byte, and what the last step
+holds and replays (:mod:`megatron_integration.harness.step_probe`); with ``full_iteration``, what
+the decoder holds and recomputes is measured in the captured step (a replay runs no Python to
+measure), and the last step, a replay, counts what ran as Python (nothing, if it replayed).
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ class TrainSetup:
     lr: float
     seed: int
     warmup_steps: int = 1
+    # every microbatch carries its counter-dropout seed (``dropout_seed``), which the forward
+    # step hands to the decoder: an input a full-iteration graph reads from its static buffers
+    dropout_seeds: bool = False
 
 
 def init_ranks(cpu: bool, seed: int, *, rank: int = 0, world_size: int = 1, port: int | None = None,
@@ -94,8 +103,11 @@ def token_batches(setup: TrainSetup, device, data_rank: int = 0) -> list[dict]:
     """Every microbatch of the run on data-parallel rank ``data_rank``, from ``setup.seed``: the
     synthetic progression corpus (learnable in a few steps), positions and a causal mask
     ``[mbs, 1, s, s]`` (megatron's boolean "masked out"), the shape megatron's graph helper
-    gives the layers' static mask."""
+    gives the layers' static mask. With ``setup.dropout_seeds``, each microbatch's
+    counter-dropout seed too (a 0-dim int64, from a generator of its own: the same on every
+    pipeline stage, and in every run of a comparison)."""
     corpus = ProgressionCorpus(setup.vocab_size, setup.seq_length, seed=setup.seed + data_rank)
+    seeds = torch.Generator().manual_seed(setup.seed * 7919 + data_rank)
     s, b = setup.seq_length, setup.micro_batch_size
     mask = torch.ones(b, 1, s, s, dtype=torch.bool).triu(diagonal=1).to(device)
     positions = torch.arange(s).expand(b, s).to(device)
@@ -104,6 +116,9 @@ def token_batches(setup: TrainSetup, device, data_rank: int = 0) -> list[dict]:
         tokens, labels = (t.to(device) for t in corpus.batch(b))
         batches.append({"tokens": tokens, "labels": labels, "position_ids": positions,
                         "attention_mask": mask})
+        if setup.dropout_seeds:
+            batches[-1]["dropout_seed"] = torch.randint(
+                0, 2 ** 31 - 1, (), dtype=torch.int64, generator=seeds).to(device)
     return batches
 
 
@@ -141,11 +156,40 @@ def grad_digest(chunks: list[torch.nn.Module], replicated_only: bool = False) ->
 
 
 def train_run(name: str, chunks: list[torch.nn.Module], setup: TrainSetup, *, helper=None,
-              cpu: bool = True, log_steps: bool = True) -> dict:
+              cpu: bool = True, log_steps: bool = True, full_iteration: bool = False) -> dict:
     """Train this rank's model ``chunks`` (DDP-wrapped; several under virtual pipeline
     parallelism) ``setup.steps`` steps with megatron-core's schedule; the losses (on the last
     pipeline stage, else empty), per-step gradient hashes and the last step's measurements (see
-    the module docstring)."""
+    the module docstring). ``full_iteration``: under dev's ``FullCudaGraphWrapper``."""
+    if not full_iteration:
+        return _train(name, chunks, setup, helper=helper, cpu=cpu, log_steps=log_steps)
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_integration.harness.full_iteration_on_tape import reset_wrapper_state
+
+    if setup.steps < setup.warmup_steps + 2:
+        raise ValueError(f"train.steps: {setup.steps}: a full-iteration run needs a step replayed "
+                         f"after the captured one; set train.steps to {setup.warmup_steps + 2} "
+                         f"or more")
+    wrapper = FullCudaGraphWrapper(
+        get_forward_backward_func(), cuda_graph_warmup_steps=setup.warmup_steps,
+        use_single_mempool=getattr(chunks[0].config, "cuda_graph_use_single_mempool", False))
+    try:
+        return _train(name, chunks, setup, cpu=cpu, log_steps=log_steps, wrapper=wrapper)
+    finally:
+        reset_wrapper_state(wrapper)
+
+
+# what a full-iteration run measures in its captured step (what the decoder holds and recomputes,
+# run as Python there) rather than in its last, replayed, step
+_CAPTURE_STEP_FIGURES = ("saved_bytes_per_layer", "mhc_checkpoints_per_step",
+                         "recomputed_sublayers_per_step", "kept_sublayers_per_step",
+                         "recompute_blocks_kept_per_step")
+
+
+def _train(name: str, chunks: list[torch.nn.Module], setup: TrainSetup, *, helper=None,
+           cpu: bool = True, log_steps: bool = True, wrapper=None) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from mhc_cg.training.pipeline.schedules_on_cpu import cpu_shim
@@ -157,15 +201,21 @@ def train_run(name: str, chunks: list[torch.nn.Module], setup: TrainSetup, *, he
     iterators = [iter(batches) for _ in chunks]  # each chunk reads every microbatch once
     decoders = [chunk_decoder(chunk) for chunk in chunks]
     optimizer = MasterAdamW(chunks, setup.lr)
-    forward_backward = get_forward_backward_func()
+    forward_backward = get_forward_backward_func() if wrapper is None else wrapper
     result = {"losses": [], "grad_digests": [], "replicated_grad_digests": []}
+    captured: dict = {}
+    replays_before = 0
     for step in range(setup.steps):
         if helper is not None and step == setup.warmup_steps:
             helper.create_cudagraphs()
         last = step == setup.steps - 1
+        capture_step = wrapper is not None and step == setup.warmup_steps
+        into = result if last else captured if capture_step else None
+        if last and wrapper is not None:
+            replays_before = _iteration_graph_replays(wrapper)
         for chunk in chunks:
             chunk.zero_grad_buffer()
-        with (measuring(decoders, result) if last else contextlib.nullcontext()), \
+        with (measuring(decoders, into) if into is not None else contextlib.nullcontext()), \
                 (cpu_shim() if cpu else contextlib.nullcontext()):
             reduced = forward_backward(
                 forward_step_func=_forward_step,
@@ -182,7 +232,36 @@ def train_run(name: str, chunks: list[torch.nn.Module], setup: TrainSetup, *, he
         if log_steps:
             loss = f" loss {result['losses'][-1]:.6f}" if reduced else ""
             log(TOOL, f"{name}: step {step + 1}/{setup.steps}{loss}")
+    if wrapper is not None:
+        result.update({k: captured[k] for k in _CAPTURE_STEP_FIGURES})
+        result.update(_iteration_graph_figures(wrapper))
+        replays = result["iteration_graph_replays"]
+        result["iteration_graph_replays_per_step"] = (
+            None if replays is None or replays_before is None else replays - replays_before)
     return result
+
+
+def _iteration_graph(wrapper):
+    """The graph dev's wrapper captured for training (``None`` before the capture)."""
+    return type(wrapper).cuda_graph["training"]
+
+
+def _iteration_graph_replays(wrapper) -> int | None:
+    graph = _iteration_graph(wrapper)
+    if graph is None:
+        return 0
+    return getattr(graph, "replays", None)  # a real torch.cuda.CUDAGraph does not count them
+
+
+def _iteration_graph_figures(wrapper) -> dict:
+    """The captured iteration graph's replays so far, the bytes its capture allocated and the
+    collectives it holds (on the tape; ``None`` on a GPU, whose graphs report none of them)."""
+    graph = _iteration_graph(wrapper)
+    allocated = getattr(graph, "allocated_bytes", None)
+    collectives = getattr(graph, "collectives", None)
+    return {"iteration_graph_replays": _iteration_graph_replays(wrapper),
+            "iteration_graph_bytes": allocated() if allocated is not None else None,
+            "iteration_graph_collectives": collectives() if collectives is not None else None}
 
 
 def _data_parallel_mean(loss: float) -> float:
@@ -198,8 +277,13 @@ def _data_parallel_mean(loss: float) -> float:
 
 
 def _forward_step(data_iterator, model):
-    """megatron's ``forward_step_func``: the model's per-token loss, averaged over the microbatch."""
+    """megatron's ``forward_step_func``: the model's per-token loss, averaged over the microbatch.
+    A microbatch's counter-dropout seed, where it carries one, goes to the decoder (its forward
+    pre-hook takes it in place of a draw:
+    :func:`megatron_integration.layers.counter_dropout.use_counter_dropout`)."""
     batch = next(data_iterator)
+    if "dropout_seed" in batch:
+        chunk_decoder(model).mhc_dropout_seed_feed = batch["dropout_seed"]
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
                    labels=batch["labels"])
 

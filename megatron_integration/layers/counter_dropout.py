@@ -18,6 +18,16 @@ layer is marked ``mhc_counter_dropout`` for the step adapters
 (:class:`megatron_integration.layers.main_layer.MainSublayerSteps`,
 :class:`megatron_integration.layers.dev_layer.DevSublayerSteps`). Call it before the TE graph
 helper is made, on every run that must draw the same masks.
+
+A seed given to the decoder (``decoder.mhc_dropout_seed_feed``, a 0-dim int64 tensor: the
+microbatch's own, from its batch) is taken in place of a draw, as it lies: under one graph of the
+whole iteration (Megatron's ``FullCudaGraphWrapper``) a draw from the host generator would be
+made once, at capture, and every replay would use its mask; the batch's seed is copied into the
+wrapper's static buffers before each replay, like the tokens.
+
+:func:`use_counter_embedding_dropout` does the same for the GPT's embedding dropout (torch's
+``Dropout(hidden_dropout)`` on the first stage), from the seed given to the decoder: where the
+whole iteration is one graph, that dropout is inside it too.
 """
 
 from __future__ import annotations
@@ -26,6 +36,11 @@ import torch
 from torch import Tensor
 
 from mhc_cg.ops.dropout import dropout
+
+
+# the embedding's counter-dropout stream: megatron's layer numbers start at 1, so no sublayer's
+# stream (2 * layer_number + k) is below 2
+EMBEDDING_STREAM = 0
 
 
 def sublayer_stream(layer_number: int, k: int) -> int:
@@ -43,6 +58,10 @@ def use_counter_dropout(decoder) -> None:
     decoder.mhc_dropout_seed = None
 
     def draw(module, args, kwargs=None):
+        fed = getattr(module, "mhc_dropout_seed_feed", None)
+        if fed is not None:  # this microbatch's own (see the module docstring)
+            module.mhc_dropout_seed = fed
+            return
         seed = torch.randint(0, 2 ** 31 - 1, (), dtype=torch.int64)
         if module.mhc_dropout_seed is None:
             module.mhc_dropout_seed = seed
@@ -90,3 +109,33 @@ def _counter_bda(hc, decoder, stream: int):
         return CheckpointWithoutOutput(ckpt_manager=manager).checkpoint(post, *args)
 
     return fused_h_res_h_post_bda
+
+
+class CounterEmbeddingDropout(torch.nn.Module):
+    """The embedding's ``Dropout(p)`` with its mask from the seed given to ``decoder``
+    (``mhc_dropout_seed_feed``) on stream :data:`EMBEDDING_STREAM`."""
+
+    def __init__(self, p: float, decoder):
+        super().__init__()
+        self.p = p
+        self._decoder = [decoder]  # not a submodule: the decoder is the model's already
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        fed = getattr(self._decoder[0], "mhc_dropout_seed_feed", None)
+        if fed is None:
+            raise RuntimeError("CounterEmbeddingDropout: no seed was given to the decoder "
+                               "(decoder.mhc_dropout_seed_feed); give each microbatch's seed "
+                               "before the forward")
+        seed = fed.to(x.device, copy=True)
+        return dropout(x, self.p, True, impl="counter", seed=seed, stream=EMBEDDING_STREAM)
+
+
+def use_counter_embedding_dropout(model, decoder) -> None:
+    """Counter dropout for ``model``'s embedding (a GPT chunk of the first pipeline stage; others
+    have none): its mask from the seed given to ``decoder`` (see the module docstring)."""
+    embedding = getattr(model, "embedding", None)
+    if embedding is None or isinstance(embedding.embedding_dropout, CounterEmbeddingDropout):
+        return
+    embedding.embedding_dropout = CounterEmbeddingDropout(embedding.embedding_dropout.p, decoder)

@@ -1,5 +1,6 @@
-"""``mhc-cg megatron``: Megatron's own mHC GPT trained under megatron's TE graph helper, one
-process per rank."""
+"""``mhc-cg megatron``: Megatron's own mHC GPT trained under megatron's TE graph helper, or
+(``megatron.cuda_graph_impl: full_iteration``) under Megatron-LM dev's ``FullCudaGraphWrapper``,
+one process per rank."""
 
 from __future__ import annotations
 
@@ -11,25 +12,32 @@ from mhc_cg.config import load_config
 from mhc_cg.tools import megatron_compare
 
 HELP = ("train Megatron's own mHC GPT (megatron.branch: main, dev, or core with mhc_cg's layer) "
-        "under its TECudaGraphHelper with mhc_cg's recompute, one process per rank; --compare "
+        "under its TECudaGraphHelper with mhc_cg's recompute (or, with megatron.cuda_graph_impl: "
+        "full_iteration, under dev's FullCudaGraphWrapper), one process per rank; --compare "
         "also runs it eagerly and under Megatron's own recompute")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True,
                         help="YAML run config (e.g. configs/megatron_main_mhc.yaml, "
-                             "configs/megatron_dev_tp2_pp2.yaml, configs/megatron_dev_moe_partial.yaml)")
+                             "configs/megatron_dev_tp2_pp2.yaml, configs/megatron_dev_moe_partial.yaml, "
+                             "configs/megatron_dev_full_iteration.yaml)")
     parser.add_argument("--compare", action="store_true",
                         help="also run the branch's own runs (BRANCH_eager_none, BRANCH_eager_mhc, "
-                             "BRANCH_graphed_mhc; core: core_eager_none, core_eager_block); exit 1 "
-                             "unless mhc_cg equals the references bit for bit on every rank")
+                             "BRANCH_graphed_mhc; core: core_eager_none, core_eager_block; "
+                             "full_iteration: dev_eager_none[_dropout0], dev_full_iteration_mhc); "
+                             "exit 1 unless mhc_cg (and dev_full_iteration_mhc) equals its "
+                             "references bit for bit on every rank")
     parser.add_argument("--json", action="store_true",
                         help='print {"bit_identical": ..., "runs": {name: {"losses": [...], '
                              '"ranks": [{"rank", "pp_rank", "tp_rank", "ep_rank", "saved_bytes_per_layer", '
                              '"persistent_slot_sets", "arena_bytes", '
                              '"layer_graph_replays_per_step", '
                              '"recompute_graph_replays_per_step", '
-                             '"recompute_blocks_kept_per_step"}, ...]}}}')
+                             '"recompute_blocks_kept_per_step"[, full_iteration: '
+                             '"iteration_graph_replays", "iteration_graph_replays_per_step", '
+                             '"iteration_graph_bytes", "iteration_graph_collectives", '
+                             '"eager_sublayer_calls_per_step"]}, ...]}}, "checked": {run: [references]}}')
     parser.add_argument("--no-progress", action="store_true", help="no per-step lines on stderr")
 
 

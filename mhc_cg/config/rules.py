@@ -448,6 +448,10 @@ MEGATRON_WARMUP_STEPS = 1
 MEGATRON_BACKENDS = ("te", "auto")
 # "core": the installed megatron-core release with mhc_cg's own mHC layer
 MEGATRON_BRANCHES = ("main", "dev", "core")
+# megatron's cuda_graph_impl under mhc-cg megatron: its TE graph helper, or dev's
+# FullCudaGraphWrapper around forward_backward_func
+MEGATRON_GRAPH_IMPLS = ("transformer_engine", "full_iteration")
+FULL_ITERATION = "full_iteration"
 # processes one run starts on one machine (one per rank)
 MEGATRON_MAX_RANKS = 8
 
@@ -493,6 +497,8 @@ def megatron_problems(cfg: "RunConfig") -> list[str]:
     if all(isinstance(v, int) for v in sizes) and math.prod(sizes) > MEGATRON_MAX_RANKS:
         problems.append(f"parallel.tp_size x pp_size x ep_size: {math.prod(sizes)} processes; one "
                         f"machine runs at most {MEGATRON_MAX_RANKS} ranks here")
+    if cfg.megatron.cuda_graph_impl == FULL_ITERATION:
+        return problems + _full_iteration_problems(cfg)
     if g.backend not in MEGATRON_BACKENDS:
         problems.append(f"graph.backend: {g.backend!r}: megatron's TECudaGraphHelper captures with "
                         f"TransformerEngine's make_graphed_callables; set graph.backend: te (or auto)")
@@ -500,6 +506,34 @@ def megatron_problems(cfg: "RunConfig") -> list[str]:
     if t.steps <= MEGATRON_WARMUP_STEPS:
         problems.append(f"train.steps: {t.steps}: the first {MEGATRON_WARMUP_STEPS} step runs eagerly before "
                         f"megatron's helper captures; set train.steps to {MEGATRON_WARMUP_STEPS + 1} or more")
+    return problems
+
+
+def _full_iteration_problems(cfg: "RunConfig") -> list[str]:
+    """What ``megatron.cuda_graph_impl: full_iteration`` (Megatron-LM dev's
+    ``FullCudaGraphWrapper``: the whole forward and backward of a step, one graph) needs."""
+    m, t, g = cfg.model, cfg.train, cfg.graph
+    problems = []
+    if cfg.megatron.branch != "dev":
+        problems.append(f"megatron.cuda_graph_impl: full_iteration runs Megatron-LM dev's "
+                        f"FullCudaGraphWrapper here, not {cfg.megatron.branch}'s; set "
+                        f"megatron.branch: dev")
+    if g.scopes:
+        problems.append(f"{g.scope_field}: {g.scopes}: Megatron graphs the whole iteration with "
+                        f"cuda_graph_impl: full_iteration and wants no layer scopes (dev refuses "
+                        f"them); remove {g.scope_field}")
+    if g.backend != "auto":
+        problems.append(f"graph.backend: {g.backend!r}: dev's FullCudaGraphWrapper captures with "
+                        f"torch.cuda.CUDAGraph (the tape on a CPU), not with a backend chosen "
+                        f"here; set graph.backend: auto")
+    if m.is_moe:
+        problems.append(f"model.num_experts: {m.num_experts}: the MoE all-to-all's splits depend "
+                        f"on the routing, which one graph of the whole iteration cannot hold; set "
+                        f"model.num_experts: null, or megatron.cuda_graph_impl: transformer_engine")
+    if t.steps < MEGATRON_WARMUP_STEPS + 2:
+        problems.append(f"train.steps: {t.steps}: the first {MEGATRON_WARMUP_STEPS} step runs "
+                        f"eagerly, the next is captured, the ones after replay; set train.steps to "
+                        f"{MEGATRON_WARMUP_STEPS + 2} or more")
     return problems
 
 

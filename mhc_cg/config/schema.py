@@ -168,9 +168,15 @@ class MegatronConfig:
     """The ``megatron`` section: which Megatron-LM ``mhc-cg megatron`` trains its own mHC GPT of."""
 
     branch: str = "main"  # "main" | "dev": Megatron-LM's branch (a source snapshot or checkout)
+    # how Megatron graphs the training step (its cuda_graph_impl): "transformer_engine" (its
+    # TECudaGraphHelper, per layer, graph.cuda_graph_modules) | "full_iteration" (dev's
+    # FullCudaGraphWrapper: every microbatch's forward and backward in one graph)
+    cuda_graph_impl: str = "transformer_engine"
 
     def __post_init__(self):
-        _raise_problems(rules.choice_problems(("megatron.branch", self.branch, rules.MEGATRON_BRANCHES)))
+        _raise_problems(rules.choice_problems(
+            ("megatron.branch", self.branch, rules.MEGATRON_BRANCHES),
+            ("megatron.cuda_graph_impl", self.cuda_graph_impl, rules.MEGATRON_GRAPH_IMPLS)))
 
 
 @dataclass
