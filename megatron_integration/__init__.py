@@ -15,9 +15,9 @@ imports nothing from megatron-core):
   recompute graphs captured along the helper's order; ``install_rank``,
   ``install_static_recompute`` and ``StaticMHCBlock`` for the parts (``capture/``).
 
-``harness/`` is not for import by users: it runs Megatron-LM snapshots in child processes for
-``mhc-cg megatron`` and the tests (training loop, measurements, CPU shims, TransformerEngine's
-graph API on the tape).
+What runs Megatron-LM snapshots in child processes for ``mhc-cg megatron`` and the tests
+(training loop, measurements, CPU shims, TransformerEngine's graph API on the tape) lives with
+that tool, in :mod:`mhc_cg.tools.megatron_harness`; importing this package loads none of it.
 """
 
 from __future__ import annotations

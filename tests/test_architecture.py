@@ -35,18 +35,10 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    skipped = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped |= {id(sub) for sub in ast.walk(node)}
-    return skipped
-
-
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the project modules it imports, function-level imports included; ``if
-    TYPE_CHECKING:`` blocks and ``from package import submodule`` edges to the package itself are
-    not counted."""
+    """Module -> the project modules it imports, function-level imports and ``if TYPE_CHECKING:``
+    blocks included (a type-only import is a turn-back too); ``from package import submodule``
+    edges to the package itself are not counted."""
     mods = modules()
 
     def owner(name: str) -> str | None:
@@ -57,10 +49,8 @@ def import_graph() -> dict[str, set[str]]:
     graph = {}
     for name, path in mods.items():
         tree = ast.parse(path.read_text())
-        skipped, edges = _type_checking_nodes(tree), set()
+        edges = set()
         for node in ast.walk(tree):
-            if id(node) in skipped:
-                continue
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -106,6 +96,24 @@ def test_dependencies_run_one_way():
     upward = [(a, b) for a, targets in import_graph().items() for b in targets
               if layer_of(a) is not None and layer_of(b) is not None and layer_of(b) > layer_of(a)]
     assert not upward, upward
+
+
+def test_no_back_pointer_and_no_module_state_in_the_runtime():
+    """The static runtime hands its strategies what they read (no ``.rt = self``); the runtime
+    keeps no ``global`` state; its recompute, graphs and the model ask no config rule; the
+    Megatron package holds what users import (the harness lives with its tool)."""
+    runtime = [p for name, p in modules().items() if name.startswith("mhc_cg.runtime.")]
+    assert not [str(p) for p in modules().values() if ".rt = " in p.read_text()]
+    assert not [str(p) for p in runtime
+                if any(line.lstrip().startswith("global ") for line in p.read_text().splitlines())]
+    graph = import_graph()
+    asks = [name for name, targets in graph.items()
+            if name.startswith(("mhc_cg.runtime.recompute", "mhc_cg.runtime.graphs", "mhc_cg.model"))
+            and "mhc_cg.config.rules" in targets]
+    assert not asks, asks
+    assert not (ROOT / "megatron_integration" / "harness").exists()
+    assert not [name for name, targets in graph.items() if name.startswith("megatron_integration")
+                and any(t.startswith("mhc_cg.tools") for t in targets)]
 
 
 def test_every_module_has_a_role():

@@ -31,7 +31,9 @@ def test_no_project_history_in_code():
 def test_readme_layout_names_every_package():
     readme = (ROOT / "README.md").read_text()
     layout = readme[readme.index("## Layout"):]
-    packages = [p.parent.name for p in (ROOT / "mhc_cg").rglob("*/__init__.py")]
+    # te_on_tape/ holds a stand-in with TransformerEngine's own package layout, not ours
+    packages = [p.parent.name for p in (ROOT / "mhc_cg").rglob("*/__init__.py")
+                if "te_on_tape" not in p.parent.parent.parts]
     assert packages
     missing = [name for name in packages if f"{name}/" not in layout]
     assert not missing, f"README layout does not mention {missing}"

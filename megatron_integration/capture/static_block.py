@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from mhc_cg.config.rules import stateful_dropout_problem
+from mhc_cg.ops.dropout import stateful_dropout_problem
 from mhc_cg.core.errors import StaticRecomputeError
 
 from mhc_cg.runtime.recompute.static import StaticRecompute, build_static_recompute

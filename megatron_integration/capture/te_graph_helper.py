@@ -160,7 +160,7 @@ def make_te_graph_helper(model, config, seq_length: int, micro_batch_size: int,
     (:func:`rank_order`, checked against the helper's own when it captures).
     ``recompute_graphs``: capture the recompute graphs (default: ``config.mhc_recompute_graph``,
     set by ``mhc_recompute`` in the scope of an ``MHCTransformerConfig``). Needs
-    TransformerEngine (on the CPU, the stand-in in ``megatron_integration/harness/te_on_tape``);
+    TransformerEngine (on the CPU, the stand-in in ``mhc_cg/tools/megatron_harness/te_on_tape``);
     megatron-core's helper asserts its graph support.
     """
     from megatron.core.num_microbatches_calculator import get_num_microbatches

@@ -11,12 +11,15 @@
   field names).
 
 What the scopes mean, and the capture plan they resolve to: :mod:`mhc_cg.runtime.modes.plan`.
+
+The sections these rules read are :mod:`mhc_cg.config.schema`'s (``cfg`` a ``RunConfig``,
+``model`` an ``MHCGPTConfig``, ``train`` a ``TrainConfig``), named here and not imported: the
+schema runs a section's rules when it is built, so the import runs one way, schema to rules.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from mhc_cg.config.choices import (DEVICES, DROPOUT_IMPLS, GRAPH_BACKENDS, MIN_VOCAB_SIZE,
                                    MODEL_RECOMPUTE, MOE_SCOPES, RECOMPUTE_SCOPE, RESIDUALS,
@@ -24,10 +27,8 @@ from mhc_cg.config.choices import (DEVICES, DROPOUT_IMPLS, GRAPH_BACKENDS, MIN_V
 from mhc_cg.core.dtypes import DTYPE_BYTES, TRAIN_DTYPES
 from mhc_cg.core.errors import ConfigError, did_you_mean, is_positive_int
 from mhc_cg.core.schedule import schedule_problems
+from mhc_cg.ops.dropout import stateful_dropout_problem
 from mhc_cg.ops.kernels import KERNELS, kernels_problem
-
-if TYPE_CHECKING:
-    from mhc_cg.config.schema import MHCGPTConfig, RunConfig, TrainConfig
 
 # Megatron-LM / MindSpeed recompute options a user may carry over, and what they map to here.
 # mhc_cg has no full-layer recompute: model.recompute: block re-runs only the mHC ops, never F.
@@ -57,7 +58,7 @@ _MODEL_POSITIVE = ("vocab_size", "seq_length", "hidden_size", "num_heads", "num_
                    "num_streams", "ffn_hidden_size", "sinkhorn_iterations")
 
 
-def model_problems(model: "MHCGPTConfig") -> list[str]:
+def model_problems(model) -> list[str]:
     """The ``model`` section's rules, field by field and between its fields."""
     problems = [f"model.{name}: must be a positive integer, got {getattr(model, name)!r}"
                 for name in _MODEL_POSITIVE if not is_positive_int(getattr(model, name))]
@@ -91,7 +92,7 @@ def model_problems(model: "MHCGPTConfig") -> list[str]:
     return problems
 
 
-def _moe_layer_freq_problems(model: "MHCGPTConfig") -> list[str]:
+def _moe_layer_freq_problems(model) -> list[str]:
     freq = model.moe_layer_freq
     if freq == 1:
         return []
@@ -108,7 +109,7 @@ def _moe_layer_freq_problems(model: "MHCGPTConfig") -> list[str]:
             f"of {layers} entries of 0 (dense) and 1 (MoE) with at least one 1, got {freq!r}"]
 
 
-def train_problems(train: "TrainConfig") -> list[str]:
+def train_problems(train) -> list[str]:
     """The ``train`` section's rules."""
     problems = [f"train.{name}: must be a positive integer, got {getattr(train, name)!r}"
                 for name in ("steps", "micro_batch_size", "num_microbatches", "eval_batches")
@@ -137,7 +138,7 @@ _SCHEDULE_FIELDS = {"pp_size": "parallel.pp_size", "vpp_size": "parallel.vpp_siz
                     "num_microbatches": "train.num_microbatches"}
 
 
-def validate(cfg: "RunConfig") -> list[str]:
+def validate(cfg) -> list[str]:
     """Every cross-section problem of ``cfg``, one line each; empty when the config is consistent.
 
     Rules within the model section (activation recompute included) are ``MHCGPTConfig``'s own:
@@ -147,7 +148,7 @@ def validate(cfg: "RunConfig") -> list[str]:
             *_size_problems(cfg), *_kernel_problems(cfg)]
 
 
-def _kernel_problems(cfg: "RunConfig") -> list[str]:
+def _kernel_problems(cfg) -> list[str]:
     """``model.kernels`` on a config that names the CPU (on ``cuda``/``auto`` the device is
     known where the run is planned: :func:`device_fit_problems`)."""
     if cfg.train.device != "cpu":
@@ -156,7 +157,7 @@ def _kernel_problems(cfg: "RunConfig") -> list[str]:
     return [problem] if problem else []
 
 
-def check(cfg: "RunConfig") -> "RunConfig":
+def check(cfg):
     """``cfg`` unchanged, or ``ConfigError`` listing every problem ``validate`` finds."""
     problems = validate(cfg)
     if problems:
@@ -164,7 +165,7 @@ def check(cfg: "RunConfig") -> "RunConfig":
     return cfg
 
 
-def activation_recompute_problems(model: "MHCGPTConfig") -> list[str]:
+def activation_recompute_problems(model) -> list[str]:
     """The rules for ``model.recompute_activation[_layers]``, one line per broken rule.
 
     Run by ``MHCGPTConfig`` itself, so a model built in code obeys them too. Activation
@@ -199,7 +200,7 @@ def activation_recompute_problems(model: "MHCGPTConfig") -> list[str]:
     return problems
 
 
-def _graph_problems(cfg: "RunConfig") -> list[str]:
+def _graph_problems(cfg) -> list[str]:
     graph, problems = cfg.graph, []
     if graph.backend not in GRAPH_BACKENDS:
         problems.append(f"graph.backend: must be one of {list(GRAPH_BACKENDS)}, got "
@@ -216,7 +217,7 @@ def _graph_problems(cfg: "RunConfig") -> list[str]:
     return problems
 
 
-def _scope_problems(cfg: "RunConfig") -> list[str]:
+def _scope_problems(cfg) -> list[str]:
     model, name = cfg.model, cfg.graph.scope_field
     scopes = cfg.graph.scopes
     problems = []
@@ -279,24 +280,7 @@ def recompute_graph_problems(*, mhc_on: bool, block_recompute: bool, dropout_imp
     return problems + ([problem] if problem else [])
 
 
-def stateful_dropout_problem(dropout_impl: str, dropout: float, impl_field: str | None,
-                             dropout_field: str, also: str = "") -> str | None:
-    """The one rule of dropout under recompute into static slots (or a replayed graph): a mask
-    drawn from torch's stateful generator cannot be redrawn, so the recompute would draw another
-    mask and the gradients would be wrong. ``impl_field`` is ``None`` where the layer has no
-    counter dropout to switch to (Megatron-LM main's)."""
-    if dropout_impl != "torch" or not dropout > 0:
-        return None
-    fix = (f"set {impl_field}: counter (mask = hash(seed, index), the same on every replay), or "
-           f"{dropout_field}: 0" if impl_field else f"set {dropout_field}: 0")
-    what = (f"{impl_field}: 'torch' draws the mask" if impl_field
-            else f"{dropout_field}: {dropout} draws its mask")
-    return (f"{what} from the stateful generator, which a recompute into static slots (or a "
-            f"replayed graph) cannot rewind, so the recompute would draw another mask; "
-            f"{fix}{', ' + also if also else ''}")
-
-
-def _pipeline_problems(cfg: "RunConfig") -> list[str]:
+def _pipeline_problems(cfg) -> list[str]:
     par, model = cfg.parallel, cfg.model
     problems = []
     for line in schedule_problems(par.pp_size, 0, cfg.train.num_microbatches, par.vpp_size,
@@ -324,7 +308,7 @@ def _pipeline_problems(cfg: "RunConfig") -> list[str]:
     return problems
 
 
-def _tensor_parallel_problems(cfg: "RunConfig") -> list[str]:
+def _tensor_parallel_problems(cfg) -> list[str]:
     par, model = cfg.parallel, cfg.model
     tp = par.tp_size
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
@@ -344,7 +328,7 @@ def _tensor_parallel_problems(cfg: "RunConfig") -> list[str]:
     return problems
 
 
-def _expert_parallel_problems(cfg: "RunConfig") -> list[str]:
+def _expert_parallel_problems(cfg) -> list[str]:
     par, model = cfg.parallel, cfg.model
     ep = par.ep_size
     if not is_positive_int(ep):
@@ -360,7 +344,7 @@ def _expert_parallel_problems(cfg: "RunConfig") -> list[str]:
     return []
 
 
-def megatron_only_refusal(cfg: "RunConfig", tool: str) -> str | None:
+def megatron_only_refusal(cfg, tool: str) -> str | None:
     """The one line for a command that runs mhc_cg's own model: no tensor or expert parallelism,
     every MLP MoE or none (Megatron's own layers have them: mhc-cg megatron)."""
     par, model = cfg.parallel, cfg.model
@@ -379,7 +363,7 @@ def megatron_only_refusal(cfg: "RunConfig", tool: str) -> str | None:
 MAX_TRAIN_BYTES = 2 ** 40
 
 
-def estimated_train_bytes(cfg: "RunConfig") -> int:
+def estimated_train_bytes(cfg) -> int:
     """Rough bytes one training step holds: parameters and gradients in ``train.dtype``, fp32
     main parameters and AdamW state (mixed precision), and one microbatch's activations (about 24
     stream-wide tensors per layer, plus the seq x seq attention scores of the math path). An
@@ -395,7 +379,7 @@ def estimated_train_bytes(cfg: "RunConfig") -> int:
     return state + activations
 
 
-def _size_problems(cfg: "RunConfig") -> list[str]:
+def _size_problems(cfg) -> list[str]:
     model, problems = cfg.model, []
     if model.vocab_size < MIN_VOCAB_SIZE:
         problems.append(f"model.vocab_size: {model.vocab_size} is too small for the synthetic "
@@ -411,7 +395,7 @@ def _size_problems(cfg: "RunConfig") -> list[str]:
     return problems
 
 
-def device_fit_problems(cfg: "RunConfig", device_bytes: int | None, device_type: str) -> list[str]:
+def device_fit_problems(cfg, device_bytes: int | None, device_type: str) -> list[str]:
     """A run whose rough size (:func:`estimated_train_bytes`) exceeds what its device holds
     (``device_bytes``; ``None``: unknown), or whose ``model.kernels`` cannot run there, refused
     before anything is allocated."""
@@ -425,7 +409,7 @@ def device_fit_problems(cfg: "RunConfig", device_bytes: int | None, device_type:
             f"model.hidden_size, num_layers, seq_length or train.micro_batch_size"]
 
 
-def pipeline_driver_problems(cfg: "RunConfig") -> list[str]:
+def pipeline_driver_problems(cfg) -> list[str]:
     """What the multi-process pipeline driver (one process per rank, static buffers on every
     rank) does not run; empty when ``cfg`` can run on it."""
     problems = []
@@ -456,7 +440,7 @@ FULL_ITERATION = "full_iteration"
 MEGATRON_MAX_RANKS = 8
 
 
-def megatron_problems(cfg: "RunConfig") -> list[str]:
+def megatron_problems(cfg) -> list[str]:
     """What Megatron-LM's ``HyperConnectionTransformerLayer`` (``megatron.branch``) under
     ``TECudaGraphHelper`` with mhc_cg's static-buffer recompute needs beyond the general rules."""
     m, t, p, g = cfg.model, cfg.train, cfg.parallel, cfg.graph
@@ -478,8 +462,8 @@ def megatron_problems(cfg: "RunConfig") -> list[str]:
                         f"here ({name}'s {'raises for a MoE MLP' if branch == 'main' else 'run dense MLPs'}); "
                         f"set megatron.branch: dev, or model.num_experts: null")
     if m.is_moe and p.tp_size != 1 and not p.sequence_parallel:
-        problems.append(f"parallel.sequence_parallel: Megatron's MoE layer refuses tensor "
-                        f"parallelism without it in training; set parallel.sequence_parallel: true")
+        problems.append("parallel.sequence_parallel: Megatron's MoE layer refuses tensor "
+                        "parallelism without it in training; set parallel.sequence_parallel: true")
     if m.recompute_activation:
         problems.append(f"model.recompute_activation: not wired for {name}'s MLP; set false")
     if t.dtype != "bf16":
@@ -509,7 +493,7 @@ def megatron_problems(cfg: "RunConfig") -> list[str]:
     return problems
 
 
-def _full_iteration_problems(cfg: "RunConfig") -> list[str]:
+def _full_iteration_problems(cfg) -> list[str]:
     """What ``megatron.cuda_graph_impl: full_iteration`` (Megatron-LM dev's
     ``FullCudaGraphWrapper``: the whole forward and backward of a step, one graph) needs."""
     m, t, g = cfg.model, cfg.train, cfg.graph

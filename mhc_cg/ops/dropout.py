@@ -47,3 +47,20 @@ def dropout(x: Tensor, p: float, training: bool, *, impl: str = "counter",
         raise ValueError("counter dropout needs a seed tensor (one int64 scalar per microbatch)")
     mask = counter_dropout_mask(seed, stream, x.shape, p, torch.float32)
     return (x * mask).to(x.dtype)
+
+
+def stateful_dropout_problem(dropout_impl: str, dropout: float, impl_field: str | None,
+                             dropout_field: str, also: str = "") -> str | None:
+    """The one rule of dropout under recompute into static slots (or a replayed graph): a mask
+    drawn from torch's stateful generator cannot be redrawn, so the recompute would draw another
+    mask and the gradients would be wrong. ``impl_field`` is ``None`` where the layer has no
+    counter dropout to switch to (Megatron-LM main's)."""
+    if dropout_impl != "torch" or not dropout > 0:
+        return None
+    fix = (f"set {impl_field}: counter (mask = hash(seed, index), the same on every replay), or "
+           f"{dropout_field}: 0" if impl_field else f"set {dropout_field}: 0")
+    what = (f"{impl_field}: 'torch' draws the mask" if impl_field
+            else f"{dropout_field}: {dropout} draws its mask")
+    return (f"{what} from the stateful generator, which a recompute into static slots (or a "
+            f"replayed graph) cannot rewind, so the recompute would draw another mask; "
+            f"{fix}{', ' + also if also else ''}")

@@ -2,9 +2,9 @@
 or (``megatron.cuda_graph_impl: full_iteration``) under dev's ``FullCudaGraphWrapper``.
 
 :func:`run` checks a config for the megatron path (:func:`mhc_cg.config.rules.megatron_problems`),
-runs :mod:`megatron_integration.harness.runs` in one child process per rank (``tp_size x
+runs :mod:`mhc_cg.tools.megatron_harness.runs` in one child process per rank (``tp_size x
 pp_size``) with the branch's megatron first on the path
-(:mod:`megatron_integration.harness.child_process`) and returns the ranks' results side by side;
+(:mod:`mhc_cg.tools.megatron_harness.child_process`) and returns the ranks' results side by side;
 :func:`to_json` and :func:`format_table` present them.
 """
 
@@ -17,8 +17,8 @@ from mhc_cg.config.choices import split_recompute_scope
 from mhc_cg.config.rules import megatron_problems
 from mhc_cg.core.errors import ConfigError
 from megatron_integration.config.field_map import WARMUP_STEPS
-from megatron_integration.harness.child_process import find_megatron, run_megatron_job
-from megatron_integration.harness.runs import (DEV_FULL, FULL_ITERATION, NO_DROPOUT,
+from mhc_cg.tools.megatron_harness.child_process import find_megatron, run_megatron_job
+from mhc_cg.tools.megatron_harness.runs import (DEV_FULL, FULL_ITERATION, NO_DROPOUT,
                                                checked_runs, compare_ranks, ours, references,
                                                runs_of)
 

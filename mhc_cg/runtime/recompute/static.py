@@ -35,7 +35,7 @@ from torch import Tensor
 
 import torch.nn.functional as F
 
-from mhc_cg.config.rules import stateful_dropout_problem
+from mhc_cg.ops.dropout import stateful_dropout_problem
 from mhc_cg.core import traffic
 from mhc_cg.core.errors import StaticRecomputeError
 from mhc_cg.core.nvtx import nvtx_range

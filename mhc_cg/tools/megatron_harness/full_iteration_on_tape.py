@@ -21,7 +21,7 @@ a harness process and only without CUDA, the tape behind every name the wrapper 
   what a GPU run copies to the device (the wrapper's static batch buffers, a 0-dim dropout seed
   among them) is device memory a replay reads where it lies, not a host scalar the tape bakes.
 
-``torch.cuda.Stream``/``stream``/``current_stream`` are :mod:`megatron_integration.harness.megatron_on_cpu`'s.
+``torch.cuda.Stream``/``stream``/``current_stream`` are :mod:`mhc_cg.tools.megatron_harness.megatron_on_cpu`'s.
 
 What a CUDA capture does that the tape alone does not, :class:`TapeCUDAGraph` does around the
 tape's capture (:class:`_CaptureOnTape`, a dispatch mode under the tape's recorder):

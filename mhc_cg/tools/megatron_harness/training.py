@@ -8,9 +8,9 @@ graph ``helper``, the first ``warmup_steps`` run eagerly and the helper captures
 ``forward_backward_func`` is wrapped in Megatron-LM dev's own ``FullCudaGraphWrapper``
 (``cuda_graph_impl: full_iteration``), as its training loop wraps it: the first ``warmup_steps``
 run eagerly, the next is captured (on the CPU on the tape,
-:mod:`megatron_integration.harness.full_iteration_on_tape`) and replayed, every later one only
+:mod:`mhc_cg.tools.megatron_harness.full_iteration_on_tape`) and replayed, every later one only
 replayed. It records each step's loss and a hash of every gradient byte, and what the last step
-holds and replays (:mod:`megatron_integration.harness.step_probe`); with ``full_iteration``, what
+holds and replays (:mod:`mhc_cg.tools.megatron_harness.step_probe`); with ``full_iteration``, what
 the decoder holds and recomputes is measured in the captured step (a replay runs no Python to
 measure), and the last step, a replay, counts what ran as Python (nothing, if it replayed).
 """
@@ -27,7 +27,7 @@ from mhc_cg.core.progress import log
 from mhc_cg.training.data import ProgressionCorpus
 
 from megatron_integration.capture.te_graph_helper import chunk_decoder
-from megatron_integration.harness.step_probe import measuring
+from mhc_cg.tools.megatron_harness.step_probe import measuring
 
 TOOL = "mhc-cg megatron"
 
@@ -166,7 +166,7 @@ def train_run(name: str, chunks: list[torch.nn.Module], setup: TrainSetup, *, he
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_integration.harness.full_iteration_on_tape import reset_wrapper_state
+    from mhc_cg.tools.megatron_harness.full_iteration_on_tape import reset_wrapper_state
 
     if setup.steps < setup.warmup_steps + 2:
         raise ValueError(f"train.steps: {setup.steps}: a full-iteration run needs a step replayed "

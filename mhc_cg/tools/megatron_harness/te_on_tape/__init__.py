@@ -28,7 +28,7 @@ else:
   the CPU runs every op synchronously, so waiting for the device is a no-op.
 
 ``torch.cuda.current_device`` and ``torch.cuda.empty_cache`` are not touched here: the first is
-part of running megatron on the CPU at all (``megatron_integration.harness.megatron_on_cpu``), the second is
+part of running megatron on the CPU at all (``mhc_cg.tools.megatron_harness.megatron_on_cpu``), the second is
 already a no-op without CUDA.
 """
 

@@ -14,7 +14,7 @@ this process, so work on ``main``'s layer runs in a child process whose ``PYTHON
 A snapshot is extracted into a scratch folder. The tests also find Megatron-LM ``dev``'s snapshot
 (``megatron-lm-dev-*.tar.gz``, :func:`snapshot_archive` of ``"dev"``) the same way. Megatron's TE graph helper needs
 TransformerEngine, which installs only with CUDA (its wheel is 276 MB): where it is missing the
-child loads :mod:`megatron_integration.harness.te_on_tape` after megatron (TE's graph API on
+child loads :mod:`mhc_cg.tools.megatron_harness.te_on_tape` after megatron (TE's graph API on
 mhc_cg's graphs: the tape on a CPU, ``torch.cuda.CUDAGraph`` on a GPU; FP8 refused);
 ``MHC_CG_TE_STANDIN`` names its folder for the child.
 """
@@ -39,7 +39,7 @@ from mhc_cg.core.errors import ConfigError
 from mhc_cg.runtime.graphs.backends import te_available
 
 # the folder that holds ``megatron_integration`` (a checkout, or site-packages)
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def archive_glob(branch: str = "main") -> str:
@@ -269,7 +269,7 @@ def _child_env(first_on_path: list[Path], env: dict | None) -> dict:
 
 def run_megatron_job(spec: dict, *, world_size: int = 1, forward_rank: int = 0,
                      progress_prefix: str | None = None, timeout: float | None = None) -> dict:
-    """Run :mod:`megatron_integration.harness.runs` on ``spec`` in ``world_size`` processes with
+    """Run :mod:`mhc_cg.tools.megatron_harness.runs` on ``spec`` in ``world_size`` processes with
     Megatron-LM ``spec["branch"]`` first on the path; every rank's result (``RuntimeError`` with
     the failing rank's output if one fails)."""
     source = find_megatron(spec["branch"])
@@ -278,7 +278,7 @@ def run_megatron_job(spec: dict, *, world_size: int = 1, forward_rank: int = 0,
     with main_on_path(source) as first, tempfile.TemporaryDirectory(prefix="mhc_cg_job_") as tmp:
         spec_path = Path(tmp, "spec.json")
         spec_path.write_text(json.dumps(spec))
-        status, output = run_ranks(["-m", "megatron_integration.harness.runs", str(spec_path), tmp],
+        status, output = run_ranks(["-m", "mhc_cg.tools.megatron_harness.runs", str(spec_path), tmp],
                                    first, world_size, env=env, forward_rank=forward_rank,
                                    forward_prefix=progress_prefix, timeout=timeout)
         if status != 0:

@@ -4,7 +4,7 @@ TransformerEngine cannot be installed without CUDA, yet megatron-core's ``TECuda
 needs it: it imports a handful of names from ``transformer_engine.pytorch`` and calls one of
 them, ``make_graphed_callables``. This package has exactly those names; its
 ``make_graphed_callables`` is mhc_cg's on the ``tape`` backend (the CPU emulation of CUDA
-graphs), with TE's argument names. FP8 is refused. Load it with ``megatron_integration.harness.te_on_tape.load()`` after
+graphs), with TE's argument names. FP8 is refused. Load it with ``mhc_cg.tools.megatron_harness.te_on_tape.load()`` after
 megatron is imported; on a GPU real TE is used and
 nothing of this package is.
 """

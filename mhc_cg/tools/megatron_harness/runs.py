@@ -2,7 +2,7 @@
 and beside Megatron's own runs; one process per rank.
 
 Every run trains the branch's ``GPTModel`` of ``HyperConnectionTransformerLayer``s from the same
-weights, data and update (:mod:`megatron_integration.harness.training`), ``{branch}`` being
+weights, data and update (:mod:`mhc_cg.tools.megatron_harness.training`), ``{branch}`` being
 ``main`` or ``dev``:
 
 * ``{branch}_eager_none``: no recompute, no graphs;
@@ -19,8 +19,8 @@ weights, data and update (:mod:`megatron_integration.harness.training`), ``{bran
 
 With ``megatron.cuda_graph_impl: full_iteration`` (``dev`` only) the runs are, every one
 trained through dev's own ``FullCudaGraphWrapper`` but the references
-(:func:`megatron_integration.harness.training.train_run`; on the CPU the wrapper's CUDA graph is
-the tape, :mod:`megatron_integration.harness.full_iteration_on_tape`):
+(:func:`mhc_cg.tools.megatron_harness.training.train_run`; on the CPU the wrapper's CUDA graph is
+the tape, :mod:`mhc_cg.tools.megatron_harness.full_iteration_on_tape`):
 
 * ``dev_eager_none``: the reference, no recompute, no graph, at the config's dropout;
 * ``dev_eager_none_dropout0``: the same at ``hidden_dropout`` 0, the reference of dev's own run
@@ -32,8 +32,8 @@ the tape, :mod:`megatron_integration.harness.full_iteration_on_tape`):
   recompute eager inside the one graph, at the config's (counter) dropout.
 
 The branch's megatron.core must be first on the path:
-:mod:`megatron_integration.harness.child_process` starts ``tp x pp`` processes of
-``python -m megatron_integration.harness.runs SPEC.json OUT_DIR RANK WORLD PORT``, and each
+:mod:`mhc_cg.tools.megatron_harness.child_process` starts ``tp x pp`` processes of
+``python -m mhc_cg.tools.megatron_harness.runs SPEC.json OUT_DIR RANK WORLD PORT``, and each
 writes ``OUT_DIR/rank{RANK}.json``.
 """
 
@@ -52,7 +52,7 @@ from mhc_cg.config.rules import FULL_ITERATION
 from mhc_cg.core.dtypes import TORCH_DTYPES
 
 from megatron_integration.config.field_map import WARMUP_STEPS, megatron_config_kwargs
-from megatron_integration.harness.training import TrainSetup, train_run, wrap_for_training
+from mhc_cg.tools.megatron_harness.training import TrainSetup, train_run, wrap_for_training
 
 BRANCHES = ("main", "dev", "core")
 OURS = "mhc_cg"
@@ -284,7 +284,7 @@ def rank_runs(cfg: RunConfig, runs: list[str], branch: str, cpu: bool) -> dict:
     ``{name: {"refused": Megatron's message}}`` for a run the branch's config refuses."""
     from megatron.core import parallel_state
 
-    from megatron_integration.harness.training import use_microbatches
+    from mhc_cg.tools.megatron_harness.training import use_microbatches
 
     use_microbatches(setup_of(cfg))
     where = {"rank": torch.distributed.get_rank(),
@@ -353,18 +353,18 @@ def child_main(argv: list[str]) -> None:
     cpu = spec["device"] != "cuda"
     cfg = RunConfig.from_dict(spec["config"])
     if cpu:
-        from megatron_integration.harness.megatron_on_cpu import install_cpu_shims
+        from mhc_cg.tools.megatron_harness.megatron_on_cpu import install_cpu_shims
 
         install_cpu_shims()
         if cfg.megatron.cuda_graph_impl == FULL_ITERATION:
-            from megatron_integration.harness.full_iteration_on_tape import \
+            from mhc_cg.tools.megatron_harness.full_iteration_on_tape import \
                 install_full_iteration_shims
 
             install_full_iteration_shims()
     import megatron.core  # noqa: F401  (before TransformerEngine's stand-in, see child_process)
 
-    from megatron_integration.harness.child_process import STANDIN_ENV, load_te_standin
-    from megatron_integration.harness.training import init_ranks
+    from mhc_cg.tools.megatron_harness.child_process import STANDIN_ENV, load_te_standin
+    from mhc_cg.tools.megatron_harness.training import init_ranks
 
     if os.environ.get(STANDIN_ENV):
         load_te_standin(os.environ[STANDIN_ENV])
