@@ -220,11 +220,16 @@ def test_a_capture_that_keeps_a_temporary_alive_is_caught():
         body(False)
 
 
-def test_held_peak_sees_memory_python_keeps_past_its_last_use():
+def _independent_capture() -> tuple[torch.Tensor, int, object]:
+    """An input of 128 x 128 floats, its block's bytes, and a fresh graph of its own pool."""
     x = torch.randn(128, 128)
-    block = rounded(x.untyped_storage().nbytes())
     backend = CostBackend("cpu")
-    graph = backend.new_graph(backend.new_pool(independent=True))
+    return x, rounded(x.untyped_storage().nbytes()), backend.new_graph(
+        backend.new_pool(independent=True))
+
+
+def test_held_peak_sees_memory_python_keeps_past_its_last_use():
+    x, block, graph = _independent_capture()
     with graph.capture():
         a = x * 2
         b = a + 1      # last use of a
@@ -239,10 +244,7 @@ def test_held_peak_sees_memory_python_keeps_past_its_last_use():
 def test_a_storage_freed_in_place_during_a_capture_is_reused_there():
     """Eager block recompute inside one capture: an output discarded (``resize_(0)``) frees its
     block for what comes next, and allocated again it is a new block of the pool."""
-    x = torch.randn(128, 128)
-    block = rounded(x.untyped_storage().nbytes())
-    backend = CostBackend("cpu")
-    graph = backend.new_graph(backend.new_pool(independent=True))
+    x, block, graph = _independent_capture()
     with graph.capture():
         a = x * 2
         a.untyped_storage().resize_(0)   # discarded
