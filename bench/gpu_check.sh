@@ -22,7 +22,7 @@
 # bench/carry/ (bench/fetch_carry.sh makes it; bench/README.md says how to run this there).
 #
 # --dry-run (or MHC_CG_GPU_CHECK_DRY=1): the same parts on the CPU with tiny configs and the tape
-# backend, a few steps each, four modes; CI runs it (tests/test_gpu_check.py).
+# backend, a few steps each, three modes; CI runs it (tests/test_gpu_check.py).
 set -u -o pipefail
 
 DRY=${MHC_CG_GPU_CHECK_DRY:-0}
@@ -53,8 +53,9 @@ EOF
     sed 's/seq_length: 8,/seq_length: 32,/' "$SHAPE" > "$MEMORY"
     DEVICE=(--device cpu)
     TESTS=${GPU_CHECK_TESTS:-tests/test_graphs_cuda.py}
-    # the reference, ours and the peer: every code path of the script, at a fraction of the cost
-    MODES=${GPU_CHECK_MODES:-eager_none graphed_static attn_split graphed_full_static}
+    # the reference, sublayer graphs and one captured iteration: every code path of the script,
+    # at a fraction of the cost
+    MODES=${GPU_CHECK_MODES:-eager_none graphed_static graphed_full_static}
     BENCH_ARGS=(--config "$SHAPE" --config "$MEMORY" --backend tape --steps 2 --warmup 1
                 --profile-steps 1 --recompute-replays 2)
     KERNEL_ARGS=(--dry-run)

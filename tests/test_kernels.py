@@ -661,7 +661,7 @@ def test_compare_with_triton_kernels_every_mode_bit_identical(tmp_path):
     cfg.write_text(TINY_TRITON_YAML)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-m", "mhc_cg.cli", "train", "--config", str(cfg),
-                           "--compare", "--json", "--steps", "3", "--no-progress"],
+                           "--compare", "--json", "--steps", "2", "--no-progress"],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     modes = json.loads(proc.stdout)["modes"]
@@ -670,7 +670,7 @@ def test_compare_with_triton_kernels_every_mode_bit_identical(tmp_path):
     for name, mode in modes.items():
         assert mode["losses"] == ref["losses"], name
         assert mode["grad_norms"] == ref["grad_norms"], name
-    assert len(ref["losses"]) == 3
+    assert len(ref["losses"]) == 2  # the second step replays what the first left
 
 
 # ---- GPU: Triton against the torch reference, timed ----------------------------------------------
