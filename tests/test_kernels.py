@@ -280,7 +280,7 @@ def test_pre_backward_over_several_weight_gradient_groups_matches_reference(inte
     filled (``weight_grad_groups``); only the pre's backward groups tokens so."""
     from mhc_cg.ops.kernels.ops import weight_grad_groups
 
-    assert weight_grad_groups(300, 16, 2 * 2 + 2 * 2)[0] == 2
+    assert weight_grad_groups(300, 16, 2 * 2 + 2 * 2, 2)[0] == 2
     assert_ops_match(torch.float32, 2, 16, 300, True, rtol=1e-5, atol=1e-5,
                      only=("pre_backward", "pre_backward_into"))
 

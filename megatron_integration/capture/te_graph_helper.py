@@ -147,6 +147,22 @@ def chunk_decoder(model_chunk):
                                   ).decoder
 
 
+def install_static_runtime(chunks: list, config, seq_length: int, micro_batch_size: int) -> None:
+    """Every chunk's decoder of this rank on one static runtime (:func:`install_rank`: one arena,
+    one pool of persistent slot sets for the rank's order); a no-op where it is installed. What
+    :func:`make_te_graph_helper` does before the helper, and all a full-iteration capture needs."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    from megatron_integration.capture.install import install_rank
+
+    decoders = [chunk_decoder(chunk) for chunk in chunks]
+    if not hasattr(decoders[0], "mhc_static"):
+        install_rank(decoders, static_block_type(decoders[0]),
+                     seq_length=rank_seq_length(config, seq_length),
+                     micro_batch_size=micro_batch_size,
+                     order=rank_order(config, len(chunks), get_num_microbatches()))
+
+
 _HELPERS: dict[type, type] = {}
 
 
@@ -163,18 +179,10 @@ def make_te_graph_helper(model, config, seq_length: int, micro_batch_size: int,
     TransformerEngine (on the CPU, the stand-in in ``mhc_cg/tools/megatron_harness/te_on_tape``);
     megatron-core's helper asserts its graph support.
     """
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
 
-    from megatron_integration.capture.install import install_rank
-
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    decoders = [chunk_decoder(chunk) for chunk in chunks]
-    if not hasattr(decoders[0], "mhc_static"):
-        install_rank(decoders, static_block_type(decoders[0]),
-                     seq_length=rank_seq_length(config, seq_length),
-                     micro_batch_size=micro_batch_size,
-                     order=rank_order(config, len(chunks), get_num_microbatches()))
+    install_static_runtime(chunks, config, seq_length, micro_batch_size)
     if TECudaGraphHelper not in _HELPERS:  # looked up per call: loading TE re-imports the module
         _HELPERS[TECudaGraphHelper] = type("MHCTECudaGraphHelper",
                                            (RecomputeCaptureMixin, TECudaGraphHelper), {})

@@ -132,10 +132,11 @@ class CounterEmbeddingDropout(torch.nn.Module):
         return dropout(x, self.p, True, impl="counter", seed=seed, stream=EMBEDDING_STREAM)
 
 
-def use_counter_embedding_dropout(model, decoder) -> None:
+def use_counter_embedding_dropout(model) -> None:
     """Counter dropout for ``model``'s embedding (a GPT chunk of the first pipeline stage; others
-    have none): its mask from the seed given to ``decoder`` (see the module docstring)."""
+    have none): its mask from the seed given to its decoder (see the module docstring)."""
     embedding = getattr(model, "embedding", None)
     if embedding is None or isinstance(embedding.embedding_dropout, CounterEmbeddingDropout):
         return
-    embedding.embedding_dropout = CounterEmbeddingDropout(embedding.embedding_dropout.p, decoder)
+    embedding.embedding_dropout = CounterEmbeddingDropout(embedding.embedding_dropout.p,
+                                                          model.decoder)

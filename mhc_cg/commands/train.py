@@ -38,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     if args.compare:
         refused = compare.refused_modes(cfg, args.device)
-        results = compare.run_modes(cfg, steps=args.steps, device=args.device, progress=progress)
+        results = compare.run_modes(cfg, steps=args.steps, device=args.device, progress=progress,
+                                    refused=refused)
         problems = compare.mismatches(results)
         if args.json:
             print(json.dumps({**compare.to_json(results), "refused": refused}, indent=1))

@@ -434,8 +434,8 @@ MEGATRON_BACKENDS = ("te", "auto")
 MEGATRON_BRANCHES = ("main", "dev", "core")
 # megatron's cuda_graph_impl under mhc-cg megatron: its TE graph helper, or dev's
 # FullCudaGraphWrapper around forward_backward_func
-MEGATRON_GRAPH_IMPLS = ("transformer_engine", "full_iteration")
 FULL_ITERATION = "full_iteration"
+MEGATRON_GRAPH_IMPLS = ("transformer_engine", FULL_ITERATION)
 # processes one run starts on one machine (one per rank)
 MEGATRON_MAX_RANKS = 8
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from mhc_cg.config import rules
 from mhc_cg.core.errors import ConfigError, did_you_mean
+from mhc_cg.ops.dropout import draws_from_generator
 
 def paper_block_size(num_streams: int, num_layers: int) -> int:
     """L_r* = sqrt(n L / (n + 2)) (mHC paper, Eq. 20), rounded, within [1, L]."""
@@ -65,7 +66,7 @@ class MHCGPTConfig:
     @property
     def draws_random(self) -> bool:
         """A training forward draws from torch's generators (torch's dropout, above 0)."""
-        return self.dropout_impl == "torch" and self.hidden_dropout > 0
+        return draws_from_generator(self.dropout_impl, self.hidden_dropout)
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:

@@ -23,9 +23,13 @@ Ranges are per thread: enter and exit on the same thread (NVTX push/pop keeps a 
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
 
 import torch
+
+from mhc_cg.core import traffic
 
 try:
     import nvtx as _nvtx
@@ -126,6 +130,14 @@ def nvtx_range(phase: str, chunk: int | None = None, microbatch: int | None = No
     if not (_nvtx_on or _record_function_on):
         return NO_RANGE
     return _Range(range_name(phase, chunk, microbatch, layer))
+
+
+@contextlib.contextmanager
+def step_phase(name: str) -> Iterator[None]:
+    """A phase of a training step (:data:`mhc_cg.core.traffic.PHASES`): a profiler range and
+    the cost model's label, one name."""
+    with nvtx_range(name), traffic.phase(name):
+        yield
 
 
 def enable(on: bool = True, *, record_function: bool | None = None) -> None:

@@ -29,6 +29,12 @@ def lm_loss(logits: Tensor, targets: Tensor, kernels: str = "auto", *,
     return fused.cross_entropy(logits, targets, kernels, grad_over_logits=grad_over_logits)
 
 
+def microbatch_loss(logits: Tensor, targets: Tensor, kernels: str, num_microbatches: int) -> Tensor:
+    """One microbatch's share of a training step's loss: :func:`lm_loss` over logits it alone
+    reads (their gradient goes where they lie), over the step's ``num_microbatches``."""
+    return lm_loss(logits, targets, kernels, grad_over_logits=True) / num_microbatches
+
+
 class MHCTransformerLayer(nn.Module):
     def __init__(self, cfg: MHCGPTConfig, layer_number: int):
         super().__init__()

@@ -49,13 +49,18 @@ def dropout(x: Tensor, p: float, training: bool, *, impl: str = "counter",
     return (x * mask).to(x.dtype)
 
 
+def draws_from_generator(impl: str, p: float) -> bool:
+    """Dropout ``impl`` at ``p`` draws its mask from torch's stateful generator."""
+    return impl == "torch" and p > 0
+
+
 def stateful_dropout_problem(dropout_impl: str, dropout: float, impl_field: str | None,
                              dropout_field: str, also: str = "") -> str | None:
     """The one rule of dropout under recompute into static slots (or a replayed graph): a mask
     drawn from torch's stateful generator cannot be redrawn, so the recompute would draw another
     mask and the gradients would be wrong. ``impl_field`` is ``None`` where the layer has no
     counter dropout to switch to (Megatron-LM main's)."""
-    if dropout_impl != "torch" or not dropout > 0:
+    if not draws_from_generator(dropout_impl, dropout):
         return None
     fix = (f"set {impl_field}: counter (mask = hash(seed, index), the same on every replay), or "
            f"{dropout_field}: 0" if impl_field else f"set {dropout_field}: 0")

@@ -37,7 +37,7 @@ import torch
 from mhc_cg.config import RunConfig
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.core.progress import log as _log
-from mhc_cg.runtime.modes.registry import MODES, REFERENCE, capture_plan, get_mode
+from mhc_cg.runtime.modes.registry import MODES, PLAIN, REFERENCE, capture_plan, get_mode
 
 CPU_MEMORY_NOTE = ("null on CPU: CPU torch keeps no allocator peak counter "
                    "(torch.cuda.max_memory_allocated exists only for CUDA devices)")
@@ -194,9 +194,6 @@ def _report_head(shape: str, cfg: RunConfig, device: torch.device, opts: BenchOp
         "modes": {},
         "targets": [],
     }
-
-
-PLAIN = "plain_residual"
 
 
 def _overheads(modes: dict) -> None:

@@ -32,7 +32,7 @@ import torch
 from mhc_cg.config import RunConfig
 from mhc_cg.core.nvtx import nvtx_range
 from mhc_cg.core.progress import log
-from mhc_cg.runtime.modes.registry import get_mode, resolve
+from mhc_cg.runtime.modes.registry import get_mode, mode_unavailable, resolve
 from mhc_cg.training.session import TrainSession
 
 
@@ -145,21 +145,24 @@ def profiled(session: TrainSession, steps: int, trace_dir: Path | None) -> dict:
 def modelled_fused_ops(cfg: RunConfig, mode: str) -> dict[str, dict] | None:
     """The cost model's kernels and bytes per step of each fused op at this shape and mode
     (costed on ``meta``), or ``None`` where a mode cannot be costed there."""
-    from mhc_cg.tools.cost.report import cost_mode, mode_configs
+    from mhc_cg.tools.cost.report import cost_mode
 
-    costed = dict(mode_configs(cfg, "meta")[0])
-    return cost_mode(costed[mode])["fused_ops"] if mode in costed else None
+    cfg = cfg.replace(graph={"backend": "auto"})  # the cost model's backend records, anywhere
+    if mode_unavailable(cfg, mode, "meta") is not None:
+        return None
+    return cost_mode(resolve(cfg, mode, "meta"))["fused_ops"]
 
 
-def fused_op_table(profile: dict, modelled: dict | None, bandwidth: float) -> list[dict]:
-    """Per fused op the profile timed: calls, device ms, the cost model's bytes, GB/s, share."""
+def fused_op_table(fused: dict, modelled: dict | None, bandwidth: float) -> list[dict]:
+    """Per fused op timed (``fused_ops`` of a profile: calls, device ms, host us per call): with
+    the cost model's bytes, the GB/s achieved and its share of the copy bandwidth."""
     rows = []
-    for op, timed in profile["fused_ops"].items():
+    for op, timed in fused.items():
         nbytes = (modelled or {}).get(op, {}).get("bytes")
         seconds = timed["device_ms"] / 1e3
         achieved = nbytes / seconds if nbytes and seconds else None
-        rows.append({"op": op, "calls": timed["calls"], "device_ms": timed["device_ms"],
-                     "bytes": nbytes, "gb_per_s": None if achieved is None else achieved / 1e9,
+        rows.append({"op": op, **timed, "bytes": nbytes,
+                     "gb_per_s": None if achieved is None else achieved / 1e9,
                      "share_of_copy": None if achieved is None else achieved / bandwidth})
     return rows
 
@@ -212,7 +215,7 @@ def measure(spec: dict) -> dict:
         "wall_ms": wall_ms, "tokens_per_s": tokens / (statistics.median(step_ms) / 1e3),
         "losses": losses, "copy_bandwidth_bytes_per_s": bandwidth,
         "profile": {k: v for k, v in profile.items() if k != "fused_ops"},
-        "fused_ops": fused_op_table(profile, modelled_fused_ops(cfg, mode), bandwidth),
+        "fused_ops": fused_op_table(profile["fused_ops"], modelled_fused_ops(cfg, mode), bandwidth),
     }
     entry.update(recompute_timing(session, bandwidth, spec["recompute_replays"]))
     return entry

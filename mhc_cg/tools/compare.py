@@ -31,9 +31,11 @@ def refused_modes(cfg: RunConfig, device: str | None = None,
 
 
 def run_modes(cfg: RunConfig, *, steps: int | None = None, device: str | None = None,
-              progress: bool = True, modes: tuple[str, ...] | None = None) -> dict[str, TrainResult]:
-    """Every compared mode that can train ``cfg`` (:func:`refused_modes` says why not the rest)."""
-    refused = refused_modes(cfg, device, modes)
+              progress: bool = True, modes: tuple[str, ...] | None = None,
+              refused: dict[str, str] | None = None) -> dict[str, TrainResult]:
+    """Every compared mode that can train ``cfg``: not those of ``refused`` (default:
+    :func:`refused_modes`)."""
+    refused = refused_modes(cfg, device, modes) if refused is None else refused
     return {mode: train(cfg, steps=steps, device=device, progress=progress, mode=mode)
             for mode in (modes or compared_modes()) if mode not in refused}
 

@@ -38,9 +38,10 @@ import torch
 from mhc_cg.config import RunConfig
 from mhc_cg.core.progress import log
 from mhc_cg.ops.kernels.launch import ENV, TUNABLE, candidates, device_name
-from mhc_cg.runtime.modes.registry import mode_config, resolve
-from mhc_cg.tools.bench_run import copy_bandwidth, modelled_fused_ops
-from mhc_cg.tools.profiling.timeline import _load_chrome_json, union_ns
+from mhc_cg.runtime.modes.registry import resolve
+from mhc_cg.tools.bench_run import copy_bandwidth, fused_op_table, modelled_fused_ops
+from mhc_cg.tools.profiling.phases import fused_ops
+from mhc_cg.tools.profiling.timeline import KIND_CHROME_CPU, read_timeline, union_ns
 from mhc_cg.training.session import TrainSession
 
 MODE = "eager_none"  # every fused op eager: each is attributable
@@ -56,39 +57,14 @@ FAMILY_OPS = {"state": ("mhc_cg::pre", "mhc_cg::pre_into", "mhc_cg::post_state",
 
 
 def trace_times(path: Path, steps: int) -> dict:
-    """From a torch.profiler trace: per ``mhc_cg::`` op ``{calls, device_ms, host_ms}`` and per
-    device kernel name ``{calls, device_ms}``, per step. On a CPU trace an op's device time is
-    its own time."""
-    data = _load_chrome_json(path)
-    events = [e for e in (data.get("traceEvents", []) if isinstance(data, dict) else data)
-              if isinstance(e, dict) and e.get("ph") == "X" and "dur" in e]
-    kernels = [e for e in events if e.get("cat") == "kernel"]
-    by_correlation = {e.get("args", {}).get("correlation"): e for e in kernels}
-    launches = sorted((e["ts"], e["ts"] + e["dur"], (e.get("pid"), e.get("tid")),
-                       e.get("args", {}).get("correlation")) for e in events
-                      if e.get("cat") in ("cuda_runtime", "cuda_driver"))
-    ops, names = defaultdict(lambda: {"calls": 0, "spans": [], "host_us": 0.0}), defaultdict(list)
-    for k in kernels:
-        names[k["name"]].append((round(k["ts"] * 1e3), round((k["ts"] + k["dur"]) * 1e3)))
-    for e in events:
-        if e.get("cat") != "cpu_op" or not str(e.get("name", "")).startswith("mhc_cg::"):
-            continue
-        entry = ops[e["name"]]
-        entry["calls"] += 1
-        entry["host_us"] += e["dur"]
-        start, end, thread = e["ts"], e["ts"] + e["dur"], (e.get("pid"), e.get("tid"))
-        if not kernels:  # the CPU is the device
-            entry["spans"].append((round(start * 1e3), round(end * 1e3)))
-            continue
-        for ls, le, lt, corr in launches:
-            if lt == thread and start <= ls <= end and corr in by_correlation:
-                k = by_correlation[corr]
-                entry["spans"].append((round(k["ts"] * 1e3), round((k["ts"] + k["dur"]) * 1e3)))
-    per = max(steps, 1)
-    return {"ops": {name: {"calls": e["calls"] / per,
-                           "device_ms": union_ns(e["spans"]) / 1e6 / per,
-                           "host_us_per_call": e["host_us"] / max(e["calls"], 1)}
-                    for name, e in sorted(ops.items())},
+    """From a torch.profiler trace: per ``mhc_cg::`` op ``{calls, device_ms, kernels,
+    host_us_per_call}`` (:func:`~mhc_cg.tools.profiling.phases.fused_ops`) and per device kernel
+    name ``{calls, device_ms}``, per step. On a CPU trace an op's device time is its own time."""
+    timeline, per = read_timeline(path), max(steps, 1)
+    names: dict[str, list] = defaultdict(list)
+    for w in timeline.work if timeline.kind != KIND_CHROME_CPU else ():
+        names[w.name].append((w.start, w.end))
+    return {"ops": fused_ops(path, timeline, per),
             "kernels": {name: {"calls": len(spans) / per, "device_ms": union_ns(spans) / 1e6 / per}
                         for name, spans in sorted(names.items())}}
 
@@ -117,38 +93,36 @@ def family_ms(times: dict, family: str) -> float:
     return sum(times["ops"].get(op, {}).get("device_ms", 0.0) for op in FAMILY_OPS[family])
 
 
-def op_rows(times: dict, modelled: dict | None, bandwidth: float) -> list[dict]:
-    rows = []
-    for op, t in times["ops"].items():
-        nbytes = (modelled or {}).get(op, {}).get("bytes")
-        achieved = nbytes / (t["device_ms"] / 1e3) if nbytes and t["device_ms"] else None
-        rows.append({"op": op, **t, "bytes": nbytes,
-                     "gb_per_s": None if achieved is None else achieved / 1e9,
-                     "share_of_copy": None if achieved is None else achieved / bandwidth})
-    return rows
-
-
 def _session(cfg: RunConfig, device: torch.device) -> TrainSession:
     cfg = cfg.replace(model={"kernels": "triton"}, train={"device": device.type})
     return TrainSession.build(resolve(cfg, MODE, device))
 
 
-def bench_shape(name: str, cfg: RunConfig, device: torch.device, steps: int) -> dict:
-    """One shape's fused ops (see the module docstring)."""
-    log("kernels", f"{name}: one warm-up step, {steps} profiled")
+def _quiet(message: str) -> None:
+    pass
+
+
+def _say(message: str) -> None:
+    log("kernels", message)
+
+
+def bench_shape(name: str, cfg: RunConfig, device: torch.device, steps: int,
+                say=_say) -> dict:
+    """One shape's fused ops (see the module docstring); ``say``: progress lines."""
+    say(f"{name}: one warm-up step, {steps} profiled")
     bandwidth = copy_bandwidth(device, (256 if device.type == "cuda" else 16) << 20)
     session = _session(cfg, device)
     session.step()
     times = profiled_step_times(session, steps)
-    modelled = modelled_fused_ops(mode_config(cfg, MODE), MODE)
+    modelled = modelled_fused_ops(cfg, MODE)
     return {"shape": name, "hidden": cfg.model.hidden_size,
             "tokens": cfg.model.seq_length * cfg.train.micro_batch_size,
-            "copy_bandwidth_bytes_per_s": bandwidth, "ops": op_rows(times, modelled, bandwidth),
-            "kernels": times["kernels"]}
+            "copy_bandwidth_bytes_per_s": bandwidth,
+            "ops": fused_op_table(times["ops"], modelled, bandwidth), "kernels": times["kernels"]}
 
 
 def sweep(cfg: RunConfig, device: torch.device, steps: int, scratch: Path,
-          limit: int | None = None, on_row=None) -> list[dict]:
+          limit: int | None = None, on_row=None, say=_say) -> list[dict]:
     """Each tunable kernel's configurations (the first ``limit`` of them) timed at ``cfg``; the
     fastest per kernel as table rows. Every configuration runs through the table the launchers
     read (``MHC_CG_LAUNCH_CONFIGS``), as a committed row would, in one session: a launcher reads
@@ -161,14 +135,14 @@ def sweep(cfg: RunConfig, device: torch.device, steps: int, scratch: Path,
         for family in TUNABLE:
             timed, tried = [], candidates(family)[:limit]
             for index, config in enumerate(tried, 1):
-                table = scratch / f"{family}_{index}.json"
+                table = scratch / f"{family}_{hidden}_{index}.json"  # a table is read once
                 table.write_text(json.dumps({"rows": [{"device": name, "hidden": hidden,
                                                        "kernel": family, "config": config}]}))
                 os.environ[ENV] = str(table)
                 session.step()
                 ms = family_ms(profiled_step_times(session, steps), family)
                 timed.append((ms, config))
-                log("kernels", f"sweep {family} {index}/{len(tried)}: {config}: {ms:.3f} ms")
+                say(f"sweep {family} {index}/{len(tried)}: {config}: {ms:.3f} ms")
             best_ms, best = min(timed, key=lambda item: item[0])
             rows.append({"device": name, "hidden": hidden, "kernel": family, "config": best,
                          "device_ms": best_ms, "tried": [{"config": c, "device_ms": ms}
@@ -197,9 +171,11 @@ def efficiency_rows(shape: dict, device: torch.device, code: str | None) -> list
 
 
 def run(shapes: list[tuple[str, RunConfig]], device: torch.device, steps: int, do_sweep: bool,
-        out: Path, limit: int | None = None) -> dict:
+        out: Path, limit: int | None = None, progress: bool = True) -> dict:
     """Every shape, then the sweep; ``kernel_bench.json`` (and with the sweep
-    ``launch_configs.json`` and ``kernel_efficiency.json``) under ``out``, after each part."""
+    ``launch_configs.json`` and ``kernel_efficiency.json``) under ``out``, after each part;
+    ``progress``: a line on stderr per shape and per configuration swept."""
+    say = _say if progress else _quiet
     from mhc_cg.tools.bench import code_version
 
     out.mkdir(parents=True, exist_ok=True)
@@ -208,7 +184,7 @@ def run(shapes: list[tuple[str, RunConfig]], device: torch.device, steps: int, d
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "shapes": [],
               "launch_configs": []}
     for name, cfg in shapes:
-        report["shapes"].append(bench_shape(name, cfg, device, steps))
+        report["shapes"].append(bench_shape(name, cfg, device, steps, say))
         (out / "kernel_bench.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "kernel_efficiency.json").write_text(json.dumps({"rows": [
         row for shape in report["shapes"] for row in efficiency_rows(shape, device, code)]},
@@ -222,7 +198,7 @@ def run(shapes: list[tuple[str, RunConfig]], device: torch.device, steps: int, d
             (out / "kernel_bench.json").write_text(json.dumps(report, indent=1) + "\n")
 
         with tempfile.TemporaryDirectory() as scratch:
-            sweep(shapes[0][1], device, steps, Path(scratch), limit, on_row=written)
+            sweep(shapes[0][1], device, steps, Path(scratch), limit, on_row=written, say=say)
     return report
 
 

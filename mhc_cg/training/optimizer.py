@@ -91,9 +91,9 @@ class StepResult:
 
 
 def lay_out_flat(params: Sequence[nn.Parameter], dtype: torch.dtype,
-                 device: torch.device) -> tuple[Tensor, Tensor, list[tuple[int, int]]]:
+                 device: torch.device) -> tuple[Tensor, Tensor]:
     """Move ``params`` into one contiguous buffer and give each a gradient view of another:
-    ``(params buffer, grads buffer, [(start, end)] per parameter)``. The values do not change;
+    ``(params buffer, grads buffer)``. The values do not change;
     the addresses do, so this runs before any graph captures the parameters."""
     spans, start = [], 0
     for p in params:
@@ -106,7 +106,7 @@ def lay_out_flat(params: Sequence[nn.Parameter], dtype: torch.dtype,
             flat[a:b].copy_(p.detach().reshape(-1))
             p.data = flat[a:b].view_as(p)
             p.grad = grads[a:b].view_as(p)
-    return flat, grads, spans
+    return flat, grads
 
 
 class MainParamAdamW:
@@ -134,8 +134,8 @@ class MainParamAdamW:
         if bucket_bytes < FP32.itemsize:
             raise ValueError(f"bucket_bytes must be >= {FP32.itemsize}, got {bucket_bytes}")
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
-        self.model_dtype, self.device = model_dtype, device
-        self.flat, self.grads, self.spans = lay_out_flat(self.params, model_dtype, device)
+        self.device = device
+        self.flat, self.grads = lay_out_flat(self.params, model_dtype, device)
         self.low_precision = model_dtype != FP32
         self.main = self.flat.to(FP32, copy=True) if self.low_precision else self.flat
         self.exp_avg = torch.zeros_like(self.main)
@@ -227,6 +227,14 @@ class MainParamAdamW:
             self.flat.copy_(self.main)  # in place: graphs keep reading these addresses
         self.grads.zero_()
         return StepResult(norm, self.found_inf)
+
+    def finish(self, result: StepResult, *also: Tensor) -> tuple[float, bool, list[float]]:
+        """The step's one host synchronisation: ``result``'s norm and flag read back with
+        ``also`` (fp32 scalars, e.g. the loss), then :meth:`update`; returns ``(norm, skipped,
+        also's values)``."""
+        norm, found_inf, *values = torch.stack([result.grad_norm, result.found_inf, *also]).tolist()
+        self.update(found_inf != 0)
+        return norm, found_inf != 0, values
 
     def update(self, found_inf: bool) -> None:
         """After the caller read the step's flag: the loss scale follows it; a skip is counted."""

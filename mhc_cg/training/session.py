@@ -13,22 +13,20 @@ with and without evaluation), under ``eval()`` and ``no_grad``: a forward-only p
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import torch
 
 from mhc_cg.config.rules import megatron_only_refusal
 from mhc_cg.config import RunConfig
-from mhc_cg.core import traffic
 from mhc_cg.core.dtypes import TORCH_DTYPES
 from mhc_cg.core.errors import ConfigError
-from mhc_cg.core.nvtx import nvtx_range, profiler_recording
+from mhc_cg.core.nvtx import nvtx_range, profiler_recording, step_phase
 from mhc_cg.core.progress import ProgressBar
-from mhc_cg.model import MHCGPT, lm_loss
+from mhc_cg.model import MHCGPT, lm_loss, microbatch_loss
 from mhc_cg.runtime.modes.lifecycle import ModeModel
 from mhc_cg.runtime.modes.plan import CapturePlan
 from mhc_cg.runtime.graphs import GraphBackend
@@ -36,7 +34,7 @@ from mhc_cg.runtime.modes.registry import (REFERENCE, Run, build_model, configur
                                            mode_unavailable, prepare, resolve)
 from mhc_cg.training.data import ProgressionCorpus
 from mhc_cg.training.device import check_fits, resolve_device
-from mhc_cg.training.optimizer import MainParamAdamW
+from mhc_cg.training.optimizer import MainParamAdamW, StepResult
 
 
 @dataclass
@@ -189,7 +187,7 @@ class TrainSession:
             after_backward(self.model)
         if digest:
             self.last_grad_digest = grad_digest(self.model)
-        with phase("optimizer"):
+        with step_phase("optimizer"):
             result = self.optimizer.step(self.mode_model.idle_workspace())
         return StepTensors(loss_sum, result.grad_norm, result.found_inf, held)
 
@@ -199,27 +197,26 @@ class TrainSession:
         train, dev = self.cfg.train, self.device
         loss_sum, held = None, None
         for index in range(train.num_microbatches):
-            with phase("forward"):  # the batch's loading counts with the forward
+            with step_phase("forward"):  # the batch's loading counts with the forward
                 inputs, targets, seed = self.data.next(dev)
 
                 def forward_loss() -> torch.Tensor:
-                    # the loss is the logits' one reader: their gradient goes where they lie
-                    return lm_loss(self.forward(inputs, seed), targets, self.cfg.model.kernels,
-                                   grad_over_logits=True) / train.num_microbatches
+                    return microbatch_loss(self.forward(inputs, seed), targets,
+                                           self.cfg.model.kernels, train.num_microbatches)
 
                 if probe_memory and index == 0:
                     loss, held = held_bytes(forward_loss, dev)
                 else:
                     loss = forward_loss()
                 loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-            with phase("backward"):
+            with step_phase("backward"):
                 self.optimizer.backward(loss)
         return loss_sum, held
 
     def _replayed_iteration(self) -> torch.Tensor:
         """Every microbatch's forward and backward as one replay (a full-iteration mode):
         the batches are drawn as :meth:`_microbatches` draws them; returns the summed loss."""
-        with phase("forward"):
+        with step_phase("forward"):
             batches = [self.data.next(self.device) for _ in range(self.cfg.train.num_microbatches)]
         return self.mode_model.run_iteration(batches)
 
@@ -229,9 +226,8 @@ class TrainSession:
         ``last_skipped`` tells whether the optimizer skipped the step (a non-finite gradient)."""
         out = self.run_step(probe_memory=probe_memory, digest=digest,
                             after_backward=after_backward)
-        loss, norm, found_inf = torch.stack([out.loss, out.grad_norm, out.found_inf]).tolist()
-        self.last_skipped = found_inf != 0
-        self.optimizer.update(self.last_skipped)
+        norm, self.last_skipped, (loss,) = self.optimizer.finish(
+            StepResult(out.grad_norm, out.found_inf), out.loss)
         return loss, norm, out.held_bytes
 
 
@@ -244,13 +240,6 @@ class StepTensors:
     grad_norm: torch.Tensor
     found_inf: torch.Tensor
     held_bytes: int | None = None
-
-
-@contextlib.contextmanager
-def phase(name: str) -> Iterator[None]:
-    """A phase of the step: a profiler range and the cost model's label, one name."""
-    with nvtx_range(name), traffic.phase(name):
-        yield
 
 
 def optimizer_for(cfg: RunConfig, params) -> MainParamAdamW:

@@ -54,15 +54,17 @@ def table_path() -> Path:
 
 def read_table(path: Path) -> list[dict]:
     """The rows of a table file (``{"rows": [{device, hidden, kernel, config, ...}]}``); none
-    where there is no file."""
-    if not path.exists():
-        return []
-    return _rows(str(path), path.stat().st_mtime_ns)
+    where there is no file. Read once per path and process (Note [one configuration per
+    process]; a launch reads no file)."""
+    return _rows(str(path))
 
 
 @functools.cache
-def _rows(path: str, mtime: int) -> list[dict]:
-    return json.loads(Path(path).read_text())["rows"]
+def _rows(path: str) -> list[dict]:
+    try:
+        return json.loads(Path(path).read_text())["rows"]
+    except FileNotFoundError:
+        return []
 
 
 def launch_config(kernel: str, hidden: int, device: torch.device) -> dict:

@@ -59,11 +59,16 @@ def block_c(c: int, budget: int) -> int:
     return max(16, min(next_pow2(c), next_pow2(budget)))
 
 
+def mapping_columns(n: int) -> int:
+    """The mappings' ``n^2 + 2n`` columns padded to a power of two, at least 16 (``tl.dot``)."""
+    return max(16, next_pow2(n * n + 2 * n))
+
+
 def state_tiling(c: int, n: int) -> tuple[int, int, int]:
     """``(NP, MP, BC)`` of the state kernels: streams and mapping columns padded to powers of
-    two (at least 16 columns, as ``tl.dot`` wants), features per step."""
+    two, features per step."""
     np_ = next_pow2(n)
-    return np_, max(16, next_pow2(n * n + 2 * n)), block_c(c, 512 // (np_ * np_))
+    return np_, mapping_columns(n), block_c(c, 512 // (np_ * np_))
 
 
 def state_splits(tokens: int, c: int, bc: int, splits: int | None = None) -> tuple[int, int]:
@@ -88,7 +93,7 @@ def state_scratch(tokens: int, c: int, n: int, m: int) -> dict[str, tuple[int, .
     return {"part": (state_splits(tokens, c, bc)[0], tokens, mp + np_ * np_)}
 
 
-def weight_grad_groups(tokens: int, c: int, m: int, n: int = 4) -> tuple[int, int]:
+def weight_grad_groups(tokens: int, c: int, m: int, n: int) -> tuple[int, int]:
     """``(groups, tokens per group)`` the pre's backward sums the mapping weight's gradient over
     (each group writes an fp32 ``[m, nC]`` partial, then summed in group order): enough groups
     that the second pass's grid (feature chunks x groups) reaches :data:`MIN_PROGRAMS`, never

@@ -54,9 +54,9 @@ from triton import knobs
 
 from mhc_cg.ops.kernels.hash import MAX_ELEMENTS, counter_hash, keep_scale, keep_threshold
 from mhc_cg.ops.kernels.launch import launch_config
-from mhc_cg.ops.kernels.ops import (DOT_ROWS, SUM_ROWS, block_c, post_backward_scratch,
-                                    post_maps_shape, pre_backward_scratch, state_splits,
-                                    state_tiling, weight_grad_groups)
+from mhc_cg.ops.kernels.ops import (DOT_ROWS, SUM_ROWS, block_c, mapping_columns, next_pow2,
+                                    post_backward_scratch, post_maps_shape, pre_backward_scratch,
+                                    state_splits, state_tiling, weight_grad_groups)
 from mhc_cg.ops.kernels.reference import RMS_EPS, SINKHORN_EPS, state_width
 
 INTERPRETED = bool(knobs.runtime.interpret)
@@ -67,20 +67,9 @@ _hash = triton.jit(types.FunctionType(counter_hash.__code__, {**counter_hash.__g
                                       counter_hash.__name__))
 
 CHAIN_ROWS = 4  # tokens per program elsewhere: [BT, n, n, BC] tiles stay in registers
-# the pre backward's first pass: elements per feature step over the streams ([16, n, BC] tiles);
-# a program per 16 tokens binds it to the grid, so a wider step keeps more bytes in flight per SM
+# the pre backward's first pass without a post: elements per feature step over the streams
+# ([CHAIN_ROWS, n, BC] tiles)
 COEF_BUDGET = 256
-
-
-def _np(n: int) -> int:
-    return triton.next_power_of_2(n)
-
-
-def _mp(n: int) -> int:
-    return max(16, triton.next_power_of_2(n * n + 2 * n))
-
-
-_block_c = block_c
 
 
 def _indexable(*tensors: torch.Tensor) -> None:
@@ -422,7 +411,7 @@ def post_maps(states, bias, a_post, a_res, width, n, iterations):
         rows = launch_config("post_maps", width // n, states.device)["rows"]
         _post_maps[(triton.cdiv(t, rows), posts)](
             states, bias, a_post, a_res, maps, t, p_stride, float(width) ** 0.5, iterations, N=n,
-            NP=_np(n), BT=rows, EPS=SINKHORN_EPS, RMS=RMS_EPS)
+            NP=next_pow2(n), BT=rows, EPS=SINKHORN_EPS, RMS=RMS_EPS)
     return maps
 
 
@@ -431,9 +420,9 @@ def _launch_chain(x, ys, states, maps, bias, a_pre, a_post, a_res, p_stride, nor
                   h_res_transposed: bool = False):
     t, width = x.shape
     c = width // n
-    nb = _np(n)
+    nb = next_pow2(n)
     config = launch_config("chain", c, x.device)
-    bc = config["features"] or _block_c(c, 2048 // (nb * nb))
+    bc = config["features"] or block_c(c, 2048 // (nb * nb))
     stream0 = streams[0] if streams else 0
     step = streams[1] - streams[0] if len(streams) > 1 else 0
     if any(s != stream0 + k * step for k, s in enumerate(streams)):
@@ -771,7 +760,7 @@ def pre_backward(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, 
     t, width = x.shape
     c = width // n
     m = weight.shape[0]
-    nb = _np(n)
+    nb = next_pow2(n)
     in_place = g_x_out is not None and g_x_out is g_post and g_post.is_contiguous()
     if g_post is not None and not in_place:
         g_post = _prepared(g_post)[0]
@@ -790,24 +779,23 @@ def pre_backward(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, 
     seed, p = (seed, p) if post is not None else (p_seed, p_p)
     # with the post's reductions, its tiles and layout: the same sums as its own backward's;
     # without, the same tokens per program (a grid of T / 4 fills the GPU)
-    bt, bc1 = (CHAIN_ROWS, _block_c(c, 1024 // (nb * nb))) if post is not None else \
-        (CHAIN_ROWS, _block_c(c, COEF_BUDGET // nb))
-    warps = 4
+    bt = CHAIN_ROWS
+    bc1 = block_c(c, 1024 // (nb * nb) if post is not None else COEF_BUDGET // nb)
     _pre_bwd_coef[(triton.cdiv(t, bt),)](
         g_out, g_in if g_in is not None else g_sum, g_sum, x, bias, a_pre, a_post, a_res, norm,
         state, g_proj, shares, aux, g_post if g_post is not None else x, y,
         seed if seed is not None else x, p_state, p_bias, p_a_post, stream, t, c,
-        float(width) ** 0.5, iterations, N=n, NP=nb, MP=_mp(n), PP=triton.next_power_of_2(m + 3),
+        float(width) ** 0.5, iterations, N=n, NP=nb, MP=mapping_columns(n), PP=triton.next_power_of_2(m + 3),
         BT=bt, BC=bc1, NORM=norm_weight is not None, GPOST=g_post is not None, EPS=SINKHORN_EPS,
         RMS=RMS_EPS, POST=post is not None, PREV=prev is not None, GIN=g_in is not None,
-        HT=h_res_transposed, AW=aux.shape[1], **_dropout_args(seed, p), num_warps=warps)
+        HT=h_res_transposed, AW=aux.shape[1], **_dropout_args(seed, p), num_warps=4)
     groups, per_group = weight_grad_groups(t, c, m, n)
     g_w = x.new_empty(groups if norm_weight is not None else 0, c, dtype=torch.float32)
     g_y = None if prev is None else _written(g_y_out, lambda: x.new_empty(t, c))
-    _pre_bwd_x[(triton.cdiv(c, _block_c(c, 128 // nb)), groups)](
+    _pre_bwd_x[(triton.cdiv(c, block_c(c, 128 // nb)), groups)](
         g_out, g_post if g_post is not None else x, x, weight, norm, g_proj, aux, g_x, g_weight,
         g_w, g_y if g_y is not None else x, seed if seed is not None else x, p_stream, t, c,
-        per_group, N=n, NP=nb, MP=_mp(n), BT=DOT_ROWS, BC=_block_c(c, 128 // nb),
+        per_group, N=n, NP=nb, MP=mapping_columns(n), BT=DOT_ROWS, BC=block_c(c, 128 // nb),
         NORM=norm_weight is not None, GPOST=g_post is not None, IN_PLACE=in_place,
         HT=h_res_transposed, PREV=prev is not None, AW=aux.shape[1], **_dropout_args(seed, p),
         num_warps=8, num_stages=1)  # Triton's pipelining took 255 registers; it prefetches itself
@@ -956,9 +944,9 @@ def post_grad_y(g, state, a_post, bias, seed, p, stream, n, y_dtype):
 def _launch_post_bwd(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations,
                      g_state, shares, g_y, h_res_transposed, reduce):
     t, width = g.shape
-    nb = _np(n)
+    nb = next_pow2(n)
     # g_y alone holds no [n, n] tile: a wider step keeps as many bytes in flight as the grid needs
-    bc = _block_c(width // n, 1024 // (nb * nb) if reduce else 512 // nb)
+    bc = block_c(width // n, 1024 // (nb * nb) if reduce else 512 // nb)
     _post_bwd[(triton.cdiv(t, CHAIN_ROWS),)](
         g, x, state, bias, a_pre, a_post, a_res, y, seed if seed is not None else g, g_state,
         shares, g_y, stream, t, width // n, float(width) ** 0.5, iterations, N=n, NP=nb,
@@ -1025,7 +1013,7 @@ def rms_norm(x, weight, eps):
     x, weight = _prepared(x, weight)
     t, c = x.shape
     out = torch.empty_like(x)
-    _rms_fwd[(t,)](x, weight, out, c, float(eps), BC=_block_c(c, 1024))
+    _rms_fwd[(t,)](x, weight, out, c, float(eps), BC=block_c(c, 1024))
     return out
 
 
@@ -1036,7 +1024,7 @@ def rms_norm_backward(g, x, weight, eps):
     g_x = torch.empty_like(x)
     part = x.new_empty(programs, c, dtype=torch.float32)
     _rms_bwd[(programs,)](g, x, weight, g_x, part, t, c, float(eps), R=_RMS_ROWS,
-                          BC=_block_c(c, 256))
+                          BC=block_c(c, 256))
     return g_x, part.sum(0).to(weight.dtype)  # a fixed-order sum: deterministic
 
 

@@ -398,9 +398,6 @@ def _capture(backend: GraphBackend, pool, passes, func_of, states, sample_args, 
                                     for i, r in enumerate(released)]
         del grads
     backend.synchronize()
-    with torch.no_grad():  # what a capture that runs its ops (the tape) added there
-        for param in {id(p): p for state in states for p in state.grads_into.values()}.values():
-            param.grad.zero_()
 
 
 def _accumulate_into_grads(state: GraphedState, grads: list) -> None:

@@ -26,6 +26,9 @@ How each recorded op replays (decided once, at capture):
 * *uninitialised allocation* (``empty``, ``empty_like``, ...): nothing to do;
 * *functional* (fresh outputs): re-run and ``copy_`` the results into the captured outputs.
 
+A capture runs nothing, as on a GPU: the body runs once to be recorded, and every storage it
+wrote that it did not allocate is put back when the capture ends (Note [a capture runs nothing]).
+
 The tape also re-checks, before each replay, that every storage it used still has the size and
 address it had at capture: on a GPU a freed input or output reads or writes garbage silently.
 
@@ -128,11 +131,30 @@ class _TapeRecorder(CaptureGuardMode):
         self.ops: list[RecordedOp] = []
         # storages a GPU run keeps on the device, besides what this capture allocates
         self.on_device = static_storages()
+        # storage id -> (the storage, its bytes before the capture first wrote it)
+        self._untouched: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
 
     def before_op(self, func, args, kwargs, written):
         if torch.Tag.inplace_view in func.tags:
             for t in written:
                 self._freeze_earlier_references(t)
+        for t in written:  # Note [a capture runs nothing]
+            key = storage_id(t)
+            if key not in self._untouched and not self.book.is_owned(t) \
+                    and not self._host_scalar(t):
+                storage = t.untyped_storage()
+                self._untouched[key] = (storage, storage.clone())
+
+    def put_back(self) -> None:
+        """Note [a capture runs nothing]: a CUDA capture records kernels and runs none, so the
+        memory outside its pool is as it was before; the tape runs the body to record it, and
+        puts back every storage the body wrote but did not allocate (gradient buffers, arena
+        slots, static buffers). Host work (a host scalar written) runs at a GPU capture too and
+        stays."""
+        with torch.no_grad():
+            for storage, before in self._untouched.values():
+                storage.copy_(before)
+        self._untouched.clear()
 
     def _freeze_earlier_references(self, t: torch.Tensor) -> None:
         """Ops recorded so far saw ``t`` with its current metadata; keep that for their replay."""
@@ -286,8 +308,11 @@ class TapeGraph(Graph):
     @contextlib.contextmanager
     def _record(self) -> Iterator[None]:
         recorder = _TapeRecorder(self.name)
-        with _host_read_traps(self.name), collective_waits_unseen(), recorder:
-            yield
+        try:
+            with _host_read_traps(self.name), collective_waits_unseen(), recorder:
+                yield
+        finally:
+            recorder.put_back()
         self.stats = recorder.finish()
         _regrow_freed(recorder.book)
         self.made_storages = recorder.made_storages()

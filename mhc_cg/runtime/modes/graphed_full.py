@@ -16,10 +16,10 @@ A step copies each microbatch's inputs, targets and dropout seed into static buf
 holds no host synchronisation (the capture guard refuses one) and the gradients land in the
 parameters' ``.grad`` buffers, as eager accumulation leaves them.
 
-Note [warm-up, then capture, then zero]: before capture the iteration runs eagerly
-``backend.warmup_iters`` times (library handles, Triton's compiles; a CUDA capture may not
-allocate them), and its gradients are zeroed after each of warm-up and capture: a capture runs
-the body once on the tape (and nowhere else), and training starts from zero gradients.
+Note [warm-up, then capture]: before capture the iteration runs eagerly ``backend.warmup_iters``
+times (library handles, Triton's compiles; a CUDA capture may not allocate them), and the
+gradients it accumulated are zeroed; the capture itself leaves them as they were (Note [a capture
+runs nothing], in :mod:`~mhc_cg.runtime.graphs.tape`), so training starts from zero gradients.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ import torch
 from torch import Tensor
 
 from mhc_cg.core import traffic
-from mhc_cg.core.nvtx import nvtx_range
-from mhc_cg.model import lm_loss
+from mhc_cg.core.nvtx import nvtx_range, step_phase
+from mhc_cg.model import microbatch_loss
 from mhc_cg.runtime.graphs import GraphBackend, get_backend
 from mhc_cg.runtime.graphs.capture import Graph
-from mhc_cg.runtime.graphs.static_inputs import check_input, static_buffer
+from mhc_cg.runtime.graphs.static_inputs import check_input, load_input, static_buffer
 from mhc_cg.runtime.modes.eager import EagerModel
 from mhc_cg.runtime.modes.graphed_static import GraphedStaticModel
 from mhc_cg.runtime.modes.lifecycle import CapturedState, ModeModel
@@ -87,7 +87,6 @@ class FullIterationModel(ModeModel):
         with graph.capture():
             self.loss_sum = self._iteration()
         self.graph = graph
-        self.model.zero_grad(set_to_none=False)
         self.captured = CapturedState.of(self.model)
         return self
 
@@ -97,12 +96,12 @@ class FullIterationModel(ModeModel):
         n, kernels = len(self.seeds), self.model.cfg.kernels
         loss_sum = None
         for i in range(n):
-            with nvtx_range("forward"), traffic.phase("forward"):
+            with step_phase("forward"):
                 # no name holds the logits: the backward frees them, as the eager step does
-                loss = lm_loss(self.inner(self.inputs[i], self.seeds[i]), self.targets[i], kernels,
-                               grad_over_logits=True) / n
+                loss = microbatch_loss(self.inner(self.inputs[i], self.seeds[i]), self.targets[i],
+                                       kernels, n)
                 loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-            with nvtx_range("backward"), traffic.phase("backward"):
+            with step_phase("backward"):
                 loss.backward()
         return loss_sum
 
@@ -120,7 +119,7 @@ class FullIterationModel(ModeModel):
                 for name, given, static in (("inputs", inputs, self.inputs[i]),
                                             ("targets", targets, self.targets[i])):
                     check_input(f"microbatch {i}'s {name}", given, static)
-                    static.copy_(given)
+                    load_input(static, given)
                 self.seeds[i].copy_(self.graph_seed(inputs, seed))
         with nvtx_range("iteration"):
             self.graph.replay()

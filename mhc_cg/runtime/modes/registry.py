@@ -33,10 +33,10 @@ import torch
 
 from mhc_cg.config import MHCGPTConfig, RunConfig, check
 from mhc_cg.config.choices import RECOMPUTE_SCOPE
-from mhc_cg.config.rules import stateful_dropout_problem
 from mhc_cg.core.dtypes import TORCH_DTYPES
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.model import MHCGPT
+from mhc_cg.ops.dropout import stateful_dropout_problem
 from mhc_cg.runtime.graphs import GraphBackend, resolve_backend_name
 from mhc_cg.runtime.modes.attn_split import AttnSplitModel
 from mhc_cg.runtime.modes.eager import EagerModel
@@ -79,6 +79,7 @@ class Mode:
 
 MODES: dict[str, Mode] = {}
 REFERENCE = "eager_none"
+PLAIN = "plain_residual"  # the same F without mHC: each mode's mHC overhead is over its step
 
 
 def register(mode: Mode) -> Mode:
@@ -284,7 +285,7 @@ for _mode in (
     Mode("moe_partial", "graphed_static with MoE partial capture, on the MoE model",
          GraphedStaticModel, capture=static_capture, same_model=False, configure=_moe_variant,
          unavailable=_moe_unavailable),
-    Mode("plain_residual", "the same F on a plain residual, eager: the baseline of mHC's overhead",
+    Mode(PLAIN, "the same F on a plain residual, eager: the baseline of mHC's overhead",
          EagerModel, activation_recompute=False, same_model=False, configure=_plain_variant),
 ):
     register(_mode)

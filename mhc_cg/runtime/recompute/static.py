@@ -94,14 +94,6 @@ class StaticRecompute:
     def blocks(self) -> list[list[MHCTransformerLayer]]:
         return self.layout.blocks
 
-    @property
-    def param_storages(self) -> set[int]:
-        return self.layout.param_storages
-
-    def key(self, sub, k: int) -> tuple[int, int]:
-        """``(layer in the chunk, sublayer)``: the persistent set's key."""
-        return self.layout.key(sub, k)
-
     def index(self, sub) -> int:
         """The chunk index of the layer ``sub`` belongs to."""
         return self.layout.index(sub)
@@ -110,10 +102,6 @@ class StaticRecompute:
     def active_set(self) -> PersistentSlotSet | None:
         """The set of the forward in progress."""
         return self.binding.active
-
-    @property
-    def in_fn(self) -> bool:
-        return self.binding.in_fn
 
     def writing_set(self) -> PersistentSlotSet | None:
         """The set a sublayer writes into (:meth:`SetBinding.writing_set`)."""

@@ -24,11 +24,10 @@ from torch import Tensor, nn
 
 from mhc_cg.config import RunConfig
 from mhc_cg.tools.cost.bandwidth import charging
-from mhc_cg.tools.cost.measured import copy_share, fused_charges
+from mhc_cg.tools.cost.measured import RESULTS, copy_share, fused_charges
 from mhc_cg.tools.cost.report import cost_mode, mode_configs
 from mhc_cg.training.optimizer import StepResult
 
-RESULTS = Path(__file__).resolve().parents[3] / "bench" / "results"
 MEASURED = RESULTS / "nvidia-h100-80gb-hbm3.json"
 # the same run's profiles: GPU ms per range name, graphed_static (A) against eager_none (B)
 TIMELINE = RESULTS / "gpu_check_h100" / "timeline" / "graphed_static_vs_eager_none.txt"
@@ -100,13 +99,14 @@ def backtest(measured_path: Path = MEASURED, modes: tuple[str, ...] = MODES) -> 
     cfg = RunConfig.from_dict(measured["config"]).replace(graph={"backend": "auto"})
     configs = dict(mode_configs(cfg, "meta")[0])
     profiled = profiled_phases()
+    # the fused kernels at the shares the H100 measured for their kinds (at 8b1b9b9, the kernels
+    # closest to that run's)
+    shares, copy = {op: c["share"] for op, c in fused_charges().items()}, copy_share()
     rows = {}
     for mode in modes:
         if mode not in measured["modes"]:
             continue
-        # the fused kernels at the shares the H100 measured for their kinds (at 8b1b9b9, the
-        # kernels closest to that run's)
-        with charging({op: c["share"] for op, c in fused_charges().items()}, copy_share()):
+        with charging(shares, copy):
             cost = cost_mode(configs[mode], optimizer=PerTensorCopyAdamW)
         memory = cost["peak_memory"]
         resident = memory["model_state"] + memory["static"] + cost["pool_live_bytes"]

@@ -23,13 +23,12 @@ import json
 from pathlib import Path
 
 from mhc_cg.config import RunConfig
+from mhc_cg.tools.cost.op_counters import H100_BYTES_PER_S, H100_FLOPS  # the step model's device
 
 ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "bench" / "results"
 EFFICIENCY = RESULTS / "kernel_efficiency.json"
 KERNEL_SOURCE = ROOT / "mhc_cg" / "ops" / "kernels" / "triton_kernels.py"
-PEAK_BYTES_PER_S = 3.35e12  # the H100 SXM's HBM3, the step model's device
-PEAK_FLOPS = 989e12
 # the fused ops each probe kernel name times
 FUSED_OPS = {"pre": "mhc_cg::pre", "post": "mhc_cg::post", "recompute_block": "mhc_cg::recompute",
              "rms_norm": "mhc_cg::rms_norm"}
@@ -67,7 +66,7 @@ def copy_share(rows: list[dict] | None = None) -> float | None:
     an H100), or ``None`` where none was measured."""
     rows = efficiency_rows() if rows is None else rows
     copies = [r["gb_per_s"] * 1e9 for r in rows if r["class"] == "copy" and "H100" in r["device"]]
-    return min(1.0, sum(copies) / len(copies) / PEAK_BYTES_PER_S) if copies else None
+    return min(1.0, sum(copies) / len(copies) / H100_BYTES_PER_S) if copies else None
 
 
 def fused_charges(rows: list[dict] | None = None) -> dict[str, dict]:
@@ -136,9 +135,9 @@ def kernel_classes(shares: dict[str, float] | None, copy: float | None,
     copy_measured = ("unmeasured" if copy is None else ", ".join(
         f"{r['gb_per_s']:.0f} GB/s ({r['device']}, {r['code']})" for r in copies))
     return [
-        {"class": "GEMM", "charged": f"{PEAK_FLOPS / 1e12:.0f} TFLOP/s (dense bf16 peak)",
+        {"class": "GEMM", "charged": f"{H100_FLOPS / 1e12:.0f} TFLOP/s (dense bf16 peak)",
          "measured": "unmeasured"},
-        {"class": "attention", "charged": f"{PEAK_FLOPS / 1e12:.0f} TFLOP/s (dense bf16 peak)",
+        {"class": "attention", "charged": f"{H100_FLOPS / 1e12:.0f} TFLOP/s (dense bf16 peak)",
          "measured": "unmeasured"},
         {"class": "fused mHC ops",
          "charged": ("their share of the copy class's bandwidth (measured at this code, else "
@@ -146,7 +145,7 @@ def kernel_classes(shares: dict[str, float] | None, copy: float | None,
                     else "the copy class's bandwidth",
          "measured": fused_measured},
         {"class": "elementwise, copies, optimizer",
-         "charged": f"{(copy or 1.0) * PEAK_BYTES_PER_S / 1e12:.2f} TB/s"
+         "charged": f"{(copy or 1.0) * H100_BYTES_PER_S / 1e12:.2f} TB/s"
                     + (" (measured copy)" if copy else " (HBM3 peak)"),
          "measured": copy_measured},
     ]

@@ -27,21 +27,20 @@ from mhc_cg.core.errors import ConfigError
 from mhc_cg.core import traffic
 from mhc_cg.core.progress import log
 from mhc_cg.model import recomputes_activation
-from mhc_cg.runtime.modes.registry import MODES, Run, resolve
+from mhc_cg.runtime.modes.registry import MODES, PLAIN, Run, resolve
 from mhc_cg.tools.cost.attention import fused_attention_on_meta
 from mhc_cg.tools.cost.attribution import (REFERENCE_C, model_note, by_phase_and_part, copies,
                                            mhc_traffic_c, predicted_seconds, recompute_bound_bytes)
 from mhc_cg.core.storage import storage_id
 from mhc_cg.tools.cost.allocator import rounded
 from mhc_cg.tools.cost.bandwidth import charging
-from mhc_cg.tools.cost.measured import (copy_share, fused_charges, kernel_classes,
-                                        last_measured_steps)
+from mhc_cg.tools.cost.measured import (copy_share, efficiency_rows, fused_charges,
+                                        kernel_classes, last_measured_steps)
 from mhc_cg.tools.cost.op_counters import StepRecorder, StreamTracker
 from mhc_cg.tools.cost.cost_backend import CostBackend
 from mhc_cg.training.session import TrainSession, optimizer_for
 
 DEVICES = ("meta", "cpu")
-PLAIN = "plain_residual"  # the same F without mHC: what each mode's overhead is measured against
 PAPER_OVERHEAD = 0.067  # the mHC paper's training-time overhead at n = 4 (section 4.3)
 RECOMPUTE_POOL_LIMIT = 1.25   # a recompute graph's pool peak, in arenas
 STATIC_MEMORY_LIMIT = 0.75    # graphed_static's graph memory, in graphed_none's (both below)
@@ -233,22 +232,21 @@ def checks(modes: dict) -> list[dict]:
 
 
 def cost_report(cfg: RunConfig, device: str, config_name: str | None = None,
-                measured: bool = True, kernel_shares: dict[str, float] | None = None) -> dict:
+                measured: bool = True) -> dict:
     """Every mode's cost (:func:`cost_mode`) and the budget checks. ``measured``: bytes are timed
     at the committed measured copy bandwidth and each fused op at its measured share of it, or
-    its kind's (:mod:`mhc_cg.tools.cost.measured`); else everything at the HBM peak.
-    ``kernel_shares``: other shares to charge the fused ops instead. The report carries what
-    each kernel class is charged and what was measured, and the newest measured step of the
-    config's shape."""
+    its kind's (:mod:`mhc_cg.tools.cost.measured`); else everything at the HBM peak. The report
+    carries what each kernel class is charged and what was measured, and the newest measured
+    step of the config's shape."""
     if device not in DEVICES:
         raise ConfigError(f"--device: must be one of {list(DEVICES)}, got {device!r}")
     if device == "meta" and cfg.model.is_moe:
         raise ConfigError("--device meta: a MoE model's dispatch reads its token counts on the "
                           "host, which meta tensors do not have; cost MoE configs with --device cpu")
     costed, skipped = mode_configs(cfg, device)
-    copy = copy_share() if measured else None
-    if kernel_shares is None and measured:
-        kernel_shares = {op: c["share"] for op, c in fused_charges().items()}
+    rows = efficiency_rows()  # read once: the copy share, the fused charges, the classes
+    copy = copy_share(rows) if measured else None
+    kernel_shares = {op: c["share"] for op, c in fused_charges(rows).items()} if measured else None
     modes = {}
     with charging(kernel_shares, copy):
         for index, (name, run) in enumerate(costed, 1):
@@ -260,7 +258,7 @@ def cost_report(cfg: RunConfig, device: str, config_name: str | None = None,
                              m["predicted_h100_step_s"] / plain["predicted_h100_step_s"] - 1)
     return {"config": config_name, "device": device, "modes": modes, "skipped": skipped,
             "checks": checks(modes), "kernel_bandwidth_shares": kernel_shares,
-            "copy_bandwidth_share": copy, "kernel_classes": kernel_classes(kernel_shares, copy),
+            "copy_bandwidth_share": copy, "kernel_classes": kernel_classes(kernel_shares, copy, rows),
             "measured_steps": last_measured_steps(cfg)}
 
 

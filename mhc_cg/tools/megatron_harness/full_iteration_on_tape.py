@@ -9,8 +9,8 @@ a harness process and only without CUDA, the tape behind every name the wrapper 
 
 * ``torch.cuda.CUDAGraph`` -> :class:`TapeCUDAGraph`: ``capture_begin(pool)`` /
   ``capture_end()`` record the body on a tape graph (``mhc_cg.runtime.graphs.get_backend("tape")``),
-  ``replay()`` replays it, ``register_generator_state`` keeps the states it is given (on the tape
-  no generator may be drawn from inside a capture: the capture guard refuses it);
+  ``replay()`` replays it, ``register_generator_state`` does nothing (on the tape no generator
+  may be drawn from inside a capture: the capture guard refuses it);
 * ``torch.cuda.graph`` -> :class:`tape_graph`, the same context manager over it;
 * ``torch.cuda.graph_pool_handle`` -> a new tape pool;
 * ``torch.cuda.synchronize``, ``torch.cuda.empty_cache`` -> nothing to do (the CPU runs every op
@@ -23,16 +23,12 @@ a harness process and only without CUDA, the tape behind every name the wrapper 
 
 ``torch.cuda.Stream``/``stream``/``current_stream`` are :mod:`mhc_cg.tools.megatron_harness.megatron_on_cpu`'s.
 
-What a CUDA capture does that the tape alone does not, :class:`TapeCUDAGraph` does around the
-tape's capture (:class:`_CaptureOnTape`, a dispatch mode under the tape's recorder):
+A capture runs nothing, on the tape as with CUDA (the tape puts back what it wrote outside its
+pool: Note [a capture runs nothing]), so dev's wrapper, which replays right after capturing,
+counts the captured iteration once. What a CUDA capture does that the tape alone does not,
+:class:`TapeCUDAGraph` does around the tape's capture (:class:`_CaptureOnTape`, a dispatch mode
+under the tape's recorder):
 
-* **A capture runs nothing.** A CUDA capture records the work without doing it; the tape runs
-  the body once to record it. Dev's wrapper replays right after its capture, so a capture that
-  left its writes would count the iteration twice (megatron's fp32 gradient buffers accumulate).
-  Each storage the body writes that the capture did not allocate (gradient buffers, the static
-  runtime's arena and slot sets, a collective's buffers) is copied before its first write and put
-  back when the capture ends: memory outside the graph's pool is as it was, as after a CUDA
-  capture. What the capture allocated belongs to the graph's pool and every replay rewrites it.
 * **Host tensors stay on the host.** On a GPU, ``torch.get_rng_state()`` is a CPU tensor, and
   what is computed from it alone (megatron's RNG tracker compares the CPU generator's state
   before and after a ``fork``, ``.item()`` included) runs on the host once, at capture, outside
@@ -61,7 +57,6 @@ from torch.utils._pytree import tree_flatten
 
 from mhc_cg.core.storage import storage_id
 from mhc_cg.runtime.graphs import get_backend, graph_capturing
-from mhc_cg.runtime.graphs.guard import _written_args
 from mhc_cg.runtime.graphs.static_inputs import static_buffer
 from mhc_cg.runtime.graphs.tape import TapePool
 from mhc_cg.tools.cost.allocator import rounded
@@ -71,15 +66,11 @@ _TAPE = get_backend("tape")
 
 class _CaptureOnTape(TorchDispatchMode):
     """Inside a tape capture, under the tape's own recorder, what a CUDA capture does that the tape
-    alone does not (see the module docstring): a copy of each storage the body writes that it did
-    not allocate, taken before the first write and put back by :meth:`restore`; the host's
-    tensors (torch's CPU generator state) kept off the graph; ``x[mask] = scalar`` as
-    ``masked_fill_``."""
+    alone does not (see the module docstring): the host's tensors (torch's CPU generator state)
+    kept off the graph; ``x[mask] = scalar`` as ``masked_fill_``."""
 
     def __init__(self):
         super().__init__()
-        self.made: set[int] = set()  # storages the capture allocated (fresh outputs)
-        self.saved: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
         self.host: set[int] = set()  # storages a GPU run keeps on the host
         self._host_refs: list[torch.Tensor] = []  # alive while their ids are in ``host``
         self._get_rng_state = None
@@ -98,6 +89,7 @@ class _CaptureOnTape(TorchDispatchMode):
 
     def __exit__(self, *exc_info):
         torch.get_rng_state = self._get_rng_state
+        self._host_refs.clear()
         return super().__exit__(*exc_info)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -116,33 +108,7 @@ class _CaptureOnTape(TorchDispatchMode):
         masked_fill = _as_masked_fill(func, args, kwargs)
         if masked_fill is not None:
             func, args, kwargs = masked_fill
-        written = _written_args(func, args, kwargs)
-        for t in written:
-            key = storage_id(t)
-            if key not in self.made and key not in self.saved:
-                storage = t.untyped_storage()
-                with _disable_current_modes():  # host work of the emulation, not the graph's
-                    self.saved[key] = (storage, storage.clone())
-        inputs = {storage_id(t) for t in tensors}
-        out = func(*args, **kwargs)
-        if not written:  # an op that writes an argument (set_ onto a slot) allocates nothing
-            for o in tree_flatten(out)[0]:
-                if isinstance(o, torch.Tensor) and storage_id(o) not in inputs:
-                    key = storage_id(o)
-                    if key not in self.saved:
-                        self.made.add(key)
-        return out
-
-    def restore(self) -> int:
-        """Put every saved storage back; the bytes restored."""
-        nbytes = 0
-        with _disable_current_modes(), torch.no_grad():
-            for storage, copy in self.saved.values():
-                storage.copy_(copy)
-                nbytes += copy.nbytes()
-        self.saved.clear()
-        self._host_refs.clear()
-        return nbytes
+        return func(*args, **kwargs)
 
 
 def _as_masked_fill(func, args: tuple, kwargs: dict):
@@ -176,13 +142,11 @@ class TapeCUDAGraph:
 
     def __init__(self, keep_graph: bool = False):
         self.tape = None
-        self.generator_states: list = []
         self._capture = None
         self._writes: _CaptureOnTape | None = None
-        self.restored_bytes = 0
 
     def register_generator_state(self, state) -> None:
-        self.generator_states.append(state)
+        """Nothing to register: no generator is drawn from inside a tape capture."""
 
     def capture_begin(self, pool=None, capture_error_mode: str = "global", **kwargs) -> None:
         if self.tape is not None:
@@ -201,10 +165,7 @@ class TapeCUDAGraph:
         writes, capture = self._writes, self._capture
         self._writes = self._capture = None
         writes.__exit__(None, None, None)
-        try:
-            capture.__exit__(*(exc_info or (None, None, None)))
-        finally:
-            self.restored_bytes = writes.restore()
+        capture.__exit__(*(exc_info or (None, None, None)))
 
     def replay(self) -> None:
         if self.tape is None:

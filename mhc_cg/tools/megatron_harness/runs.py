@@ -253,22 +253,12 @@ def build_run(run: str, cfg: RunConfig, branch: str, cpu: bool):
 
             for chunk in chunks:
                 use_counter_embedding_dropout(
-                    get_attr_wrapped_model(chunk, "decoder", return_model_obj=True),
-                    chunk_decoder(chunk))
+                    get_attr_wrapped_model(chunk, "decoder", return_model_obj=True))
     helper = None
     if run == OURS_FULL:  # the static runtime, no layer graphs: the whole iteration is one graph
-        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron_integration.capture.te_graph_helper import install_static_runtime
 
-        from megatron_integration.capture.install import install_rank
-        from megatron_integration.capture.te_graph_helper import (chunk_decoder, rank_order,
-                                                                  rank_seq_length,
-                                                                  static_block_type)
-
-        decoders = [chunk_decoder(chunk) for chunk in chunks]
-        install_rank(decoders, static_block_type(decoders[0]),
-                     seq_length=rank_seq_length(config, setup.seq_length),
-                     micro_batch_size=setup.micro_batch_size,
-                     order=rank_order(config, len(chunks), get_num_microbatches()))
+        install_static_runtime(chunks, config, setup.seq_length, setup.micro_batch_size)
     elif run.endswith("_graphed_mhc"):
         helper = TECudaGraphHelper(chunks, config, setup.seq_length, setup.micro_batch_size)
     elif run == OURS:

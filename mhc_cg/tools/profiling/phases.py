@@ -77,7 +77,8 @@ def _innermost(spans, starts, t: int) -> str | None:
 
 
 def fused_ops(path: Path, timeline, per: int) -> dict[str, dict]:
-    """``{op: {calls, device_ms}}`` per step for the ``mhc_cg::`` operators of the trace."""
+    """``{op: {calls, device_ms, kernels, host_us_per_call}}`` per step for the ``mhc_cg::``
+    operators of the trace (``host_us_per_call``: the operator's own time on its thread)."""
     data = _load_chrome_json(path)
     events = data.get("traceEvents", []) if isinstance(data, dict) else data
     ops = [(round(e["ts"] * 1000), round((e["ts"] + e["dur"]) * 1000), (e.get("pid"), e.get("tid")),
@@ -88,13 +89,15 @@ def fused_ops(path: Path, timeline, per: int) -> dict[str, dict]:
     times = [w.launch_time for w in work]
     on_host = timeline.kind == KIND_CHROME_CPU
     for start, end, thread, name in ops:
-        entry = table.setdefault(name, {"calls": 0, "spans": []})
+        entry = table.setdefault(name, {"calls": 0, "spans": [], "host_ns": 0})
         entry["calls"] += 1
+        entry["host_ns"] += end - start
         if on_host:  # the CPU is the device: the operator's own time
             entry["spans"].append((start, end))
             continue
         lo, hi = bisect.bisect_left(times, start), bisect.bisect_right(times, end)
         entry["spans"] += [(w.start, w.end) for w in work[lo:hi] if w.launch_thread == thread]
     return {name: {"calls": e["calls"] / per, "device_ms": union_ns(e["spans"]) / NS_PER_MS / per,
-                   "kernels": len(e["spans"]) / per}
+                   "kernels": len(e["spans"]) / per,
+                   "host_us_per_call": e["host_ns"] / 1e3 / max(e["calls"], 1)}
             for name, e in sorted(table.items())}

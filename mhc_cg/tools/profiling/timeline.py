@@ -91,6 +91,7 @@ class DeviceWork:
     end: int
     launch_thread: Hashable | None  # None: no launch call found (not attributable to a range)
     launch_time: int
+    name: str = ""  # the kernel's (Chrome traces of a GPU run)
 
 
 @dataclass
@@ -289,7 +290,7 @@ def _read_chrome_trace(path: Path) -> Timeline:
             start, end = span(k)
             call = by_correlation.get(correlation(k))
             work.append(DeviceWork(start, end, call.thread if call else None,
-                                   call.start if call else start))
+                                   call.start if call else start, str(k.get("name", ""))))
         return Timeline(path, KIND_CHROME_GPU, ranges, launches, work)
 
     all_ops = [(*span(e), thread(e)) for e in complete if e.get("cat") == "cpu_op"]

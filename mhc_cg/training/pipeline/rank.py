@@ -145,9 +145,10 @@ class PipelineRank:
     def __init__(self, rank: int, cfg: RunConfig, mode: str, dev: torch.device):
         from megatron.core import parallel_state
 
-        par, train = cfg.parallel, cfg.train
         self.run = resolve(cfg, mode, dev)  # this rank's entry: resolved once
-        self.rank, self.cfg, self.mode, self.dev = rank, self.run.cfg, mode, dev
+        cfg = self.run.cfg
+        par, train = cfg.parallel, cfg.train
+        self.rank, self.cfg, self.dev = rank, cfg, dev
         self.pp, self.vpp, self.m = par.pp_size, par.vpp_size, train.num_microbatches
         parallel_state.initialize_model_parallel(
             pipeline_model_parallel_size=self.pp,
@@ -178,7 +179,6 @@ class PipelineRank:
         if pp * vpp - 1 in self.stages:
             owned |= {id(p) for p in (*model.final_norm.parameters(), *model.head.parameters())}
         self.named = [(n, p) for n, p in model.named_parameters() if id(p) in owned]
-        self.all_names = [n for n, _ in model.named_parameters()]
         optimizer = optimizer_for(self.cfg, [p for _, p in self.named])
         optimizer.reduce_norm = dist.all_reduce  # a sum over every rank: the global norm
         return optimizer
@@ -280,15 +280,13 @@ class PipelineRank:
                 micro_batch_size=self.cfg.train.micro_batch_size, forward_only=False)
         grads = {n: p.grad.detach().clone() for n, p in self.named} if collect_grads else {}
         result = self.optimizer.step(self.arena.lend())  # the gradients are zero afterwards
-        norm, found_inf = torch.stack([result.grad_norm, result.found_inf]).tolist()
-        self.optimizer.update(found_inf != 0)
-        loss = None
+        total = []
         if self.rank == self.pp - 1:  # summed in fp32 in microbatch order, as TrainSession sums
-            total = store[0]["loss"]
+            total = [store[0]["loss"]]
             for item in store[1:]:
-                total = total + item["loss"]
-            loss = total.item()
-        return loss, norm, grads
+                total[0] = total[0] + item["loss"]
+        norm, _, losses = self.optimizer.finish(result, *total)  # one read back per step
+        return (losses[0] if losses else None), norm, grads
 
     def train(self, steps: int, collect_grads: bool, progress: bool) -> RankReport:
         report = RankReport(rank=self.rank, order=self.order, stages=self.stages,
