@@ -25,8 +25,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/mhc-cg train --config $(CONFIG) --compare
 
-test: $(STAMP)
+# TransformerEngine's pure-Python wheel, whose mHC kernels `mhc-cg kernels --peers` loads by path
+# (never installed: with it alone, import transformer_engine raises); without it the TE rows skip
+PEERS_DIR := .cache/peers
+$(PEERS_DIR)/.fetched: $(STAMP)
+	mkdir -p $(PEERS_DIR)
+	$(VENV)/bin/pip download -q --no-deps -d $(PEERS_DIR) transformer-engine==2.20.2 \
+		|| echo "TransformerEngine's wheel not fetched: the peers' TE rows will say so"
+	touch $@
+
+test: $(STAMP) $(PEERS_DIR)/.fetched
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .cache

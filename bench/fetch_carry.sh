@@ -4,7 +4,9 @@
 # device call may bring along):
 #   wheels/   megatron-core 0.16.1 (the MoE capture signal, the pipeline schedules), nvtx, pyyaml,
 #             numpy, packaging, and pytest with what it needs (the cuda tests)
-#   megatron-lm-main-*.tar.gz   the Megatron-LM main snapshot the megatron part runs
+#   peers/    TransformerEngine's pure-Python wheel (1.2 MB), whose mHC kernels the peers part loads
+#             by path: never pip install it there (import transformer_engine would then raise)
+#   megatron-lm-{main,dev}-*.tar.gz   the Megatron-LM snapshots the megatron and peers parts run
 # Run it from the repository root on a machine that reaches PyPI:  bench/fetch_carry.sh
 set -euo pipefail
 PY=${PYTHON:-python3}
@@ -14,6 +16,10 @@ mkdir -p "$CARRY/wheels"
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$CARRY/wheels" \
     megatron-core==0.16.1 nvtx pyyaml numpy packaging pytest pluggy iniconfig pygments
-snapshot=$(ls ${MHC_CG_THIRD_PARTY:-../shared/third_party}/megatron-lm-main-*.tar.gz | tail -n 1)
-cp "$snapshot" "$CARRY/"
+mkdir -p "$CARRY/peers"
+"$PY" -m pip download -q --no-deps -d "$CARRY/peers" transformer-engine==2.20.2
+for branch in main dev; do
+    snapshot=$(ls ${MHC_CG_THIRD_PARTY:-../shared/third_party}/megatron-lm-$branch-*.tar.gz | tail -n 1)
+    cp "$snapshot" "$CARRY/"
+done
 du -sh "$CARRY"

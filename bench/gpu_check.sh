@@ -5,6 +5,10 @@
 #
 # Parts, most valuable first, each in its own process under its own time limit, each writing under
 # OUT_DIR as soon as it ends (a part that runs out of memory or time loses nothing the others wrote):
+#   peers     mhc-cg kernels --peers: each mHC op family through ours, peers/peers.json,
+#             TransformerEngine's Triton kernels, Megatron-LM dev's      peers/peers.md
+#             fused kernels and main's torch module, same inputs, one
+#             process: device time, GB/s, each peer over ours
 #   bench     mhc-cg bench: every mode, each in a process of its     bench/<slug>.<shape>.json,
 #             own, at the bench shape and the memory shape            bench/<slug>.md
 #   kernels   mhc-cg kernels --bench --sweep: each fused op's device  kernels/kernel_bench.json,
@@ -18,8 +22,9 @@
 # what ran. The limits add up to GPU_CHECK_BUDGET_S (default 540 s); a part that would start with
 # less than 15 s left is skipped and says so. GPU_CHECK_PARTS (space-separated) runs a subset.
 #
-# What the machine needs beyond torch and Triton: the wheels and the Megatron-LM main snapshot of
-# bench/carry/ (bench/fetch_carry.sh makes it; bench/README.md says how to run this there).
+# What the machine needs beyond torch and Triton: the wheels, the TransformerEngine wheel (loaded by
+# path, never installed) and the Megatron-LM snapshots of bench/carry/ (bench/fetch_carry.sh makes
+# it; bench/README.md says how to run this there).
 #
 # --dry-run (or MHC_CG_GPU_CHECK_DRY=1): the same parts on the CPU with tiny configs and the tape
 # backend, a few steps each, three modes; CI runs it (tests/test_gpu_check.py).
@@ -32,12 +37,16 @@ PY=${PYTHON:-python}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT_DIR"
 SUMMARY="$OUT_DIR/summary.tsv"
-PARTS=${GPU_CHECK_PARTS:-bench kernels megatron tests}
+PARTS=${GPU_CHECK_PARTS:-peers bench kernels megatron tests}
 [ -s "$SUMMARY" ] && [ -n "${GPU_CHECK_PARTS:-}" ] || printf 'part\tstatus\texit_code\tseconds\tlimit_s\n' > "$SUMMARY"
 START=$(date +%s)
 # the Megatron-LM snapshot brought along (bench/carry), where the harness looks for it
 if [ -z "${MHC_CG_THIRD_PARTY:-}" ] && ls bench/carry/megatron-lm-main-*.tar.gz >/dev/null 2>&1; then
     export MHC_CG_THIRD_PARTY="$PWD/bench/carry"
+fi
+# the TE wheel the peers part loads by path (mhc_cg/tools/kernel_peers.py looks there too)
+if [ -z "${MHC_CG_TE_WHEEL:-}" ] && ls bench/carry/peers/transformer_engine-*.whl >/dev/null 2>&1; then
+    export MHC_CG_TE_WHEEL="$PWD/bench/carry/peers"
 fi
 
 if [ "$DRY" = "1" ]; then
@@ -60,7 +69,7 @@ EOF
                 --profile-steps 1 --recompute-replays 2)
     KERNEL_ARGS=(--dry-run)
     BUDGET=${GPU_CHECK_BUDGET_S:-900}  # generous: CI machines are small and shared
-    LIMITS=(bench=400 kernels=200 megatron=300 tests=120)
+    LIMITS=(peers=200 bench=400 kernels=200 megatron=300 tests=120)
 else
     DEVICE=(--device cuda)
     # the modules with cuda-marked tests: collecting the rest would import what the GPU machine lacks
@@ -70,7 +79,7 @@ else
                 --mode-timeout 90)
     KERNEL_ARGS=()
     BUDGET=${GPU_CHECK_BUDGET_S:-540}
-    LIMITS=(bench=340 kernels=90 megatron=75 tests=35)
+    LIMITS=(peers=120 bench=260 kernels=50 megatron=75 tests=35)
 fi
 limit_of() { local kv; for kv in "${LIMITS[@]}"; do [ "${kv%%=*}" = "$1" ] && echo "${kv#*=}"; done; }
 
@@ -117,6 +126,9 @@ part() {
     printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$(( $(date +%s) - begin ))" "$limit" >> "$SUMMARY"
     echo "[gpu_check] $name: $status (exit $rc)" >&2
 }
+
+part peers "$(limit_of peers)" "$OUT_DIR/peers/peers.log" \
+    "$PY" -m mhc_cg.cli kernels --peers --no-progress --out "$OUT_DIR/peers" "${KERNEL_ARGS[@]}"
 
 part bench "$(limit_of bench)" "$OUT_DIR/bench/bench.log" \
     "$PY" -m mhc_cg.cli bench "${BENCH_ARGS[@]}" --modes "${MODES// /,}" --out-dir "$OUT_DIR/bench" \

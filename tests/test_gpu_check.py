@@ -42,10 +42,10 @@ def dry_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_every_part_ends_ok_and_in_order(dry_run):
-    """The parts in the order a GPU run needs them most: the bench, the kernel table, Megatron
-    under its own helper, the cuda tests."""
+    """The parts in the order a GPU run needs them most: the peers beside ours, the bench, the
+    kernel table, Megatron under its own helper, the cuda tests."""
     parts = summary(dry_run)
-    assert list(parts) == ["bench", "kernels", "megatron", "tests"]
+    assert list(parts) == ["peers", "bench", "kernels", "megatron", "tests"]
     assert {p: r["status"] for p, r in parts.items()} == {p: "ok" for p in parts}
     assert all(0 <= int(r["seconds"]) <= int(r["limit_s"]) for r in parts.values())
     env = (dry_run / "env.txt").read_text()
@@ -53,12 +53,37 @@ def test_every_part_ends_ok_and_in_order(dry_run):
 
 
 def test_the_gpu_run_fits_nine_minutes():
-    """The limits of a real run add up to at most 540 s, the bench first."""
+    """The limits of a real run add up to at most 540 s, the peers first."""
     text = (REPO / "bench" / "gpu_check.sh").read_text()
     real = text[text.index("BUDGET=${GPU_CHECK_BUDGET_S:-540}"):]
     limits = real[real.index("LIMITS=(") + 8:real.index(")")].split()
-    assert [kv.split("=")[0] for kv in limits] == ["bench", "kernels", "megatron", "tests"]
+    assert [kv.split("=")[0] for kv in limits] == ["peers", "bench", "kernels", "megatron",
+                                                   "tests"]
     assert sum(int(kv.split("=")[1]) for kv in limits) <= 540
+
+
+@pytest.mark.slow
+def test_peers_part_compares_every_op_with_every_peer(dry_run):
+    """``mhc-cg kernels --peers --dry-run``: every op family beside TransformerEngine's,
+    Megatron-LM dev's and torch's (main's module), at fp32 and bf16, every row within its
+    tolerance; what cannot run says why (the TE wheel missing, the interpreter's bf16 dot)."""
+    from mhc_cg.tools import kernel_peers
+
+    report = json.loads((dry_run / "peers" / "peers.json").read_text())
+    expected = set(kernel_peers.PEERS)
+    if kernel_peers.find_te_wheel(REPO) is None:
+        assert "pip download" in report["skipped"]["te"]
+        expected.discard("te")
+    assert set(report["peers"]) == expected and not set(report["skipped"]) & expected
+    gaps = {(g["peer"], g["dtype"], op) for g in report["not_run"] for op in g["ops"]}
+    assert all("interpreter" in g["why"] for g in report["not_run"])
+    rows = {(r["peer"], r["dtype"], r["op"]): r for r in report["rows"]}
+    want = {(p, d, op) for p in expected for d in kernel_peers.DRY_DTYPES
+            for op in kernel_peers.OPS} - gaps
+    assert set(rows) == want
+    assert [key for key, r in rows.items() if not r["ok"]] == []
+    assert all(r["rtol"] == kernel_peers.RTOL[r["dtype"]] for r in rows.values())
+    assert all(r["h_res_transposed"] == (r["peer"] != "torch") for r in rows.values())
 
 
 @pytest.mark.slow

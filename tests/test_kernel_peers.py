@@ -1,0 +1,84 @@
+"""``mhc-cg kernels --peers``'s own parts, without the peers: the layout conversions, the
+comparison and where the TE wheel is looked for. The peers themselves run in the GPU checklist's
+dry run (tests/test_gpu_check.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+
+from mhc_cg.ops.kernels import reference as R
+from mhc_cg.tools import kernel_peers as kp
+
+
+def test_te_layout_round_trips_and_matches_its_feature_order():
+    """TE's ``(s, b, C, n)``: feature ``c * n + i`` of x and of the weight's columns; what comes
+    back in our layout is what went in."""
+    inp = kp.make_inputs(3, 2, 8, torch.float32, "cpu")
+    te = kp.TE(wrappers=None, tf32=False)
+    t = te.prepare(inp)
+    x = inp.x.view(3, 2, kp.N, 8)
+    assert torch.equal(t["x"][1, 0, 5, 2], x[1, 0, 2, 5])
+    assert torch.equal(t["weight"][7, 5 * kp.N + 2], inp.weight[7, 2 * 8 + 5])
+    assert torch.equal(te.ours_layout("x", t["x"]), inp.x)
+    assert torch.equal(te.ours_layout("weight", t["weight"]), inp.weight)
+    assert torch.equal(t["alpha"], torch.cat([inp.a_pre, inp.a_post, inp.a_res]))
+
+
+def test_the_comparison_catches_a_transposed_h_res():
+    """A peer that applied H_res the other way is not ok at either dtype's tolerance: the check
+    has teeth."""
+    inp = kp.make_inputs(4, 2, 16, torch.float32, "cpu")
+    t, width = 8, kp.N * 16
+    state = R.mapping_state(inp.x.view(t, width), inp.weight, inp.a_pre, inp.a_post, inp.a_res,
+                            inp.bias, kp.N, 1e-6, False)
+    outs = [R.post(inp.x.view(t, width), state, inp.a_pre, inp.a_post, inp.a_res, inp.bias,
+                   inp.y.view(t, 16), None, 0.0, 0, kp.N, kp.ITERATIONS, h_res_transposed=ht)
+            for ht in (False, True)]
+    for dtype in kp.DRY_DTYPES:
+        assert kp._compare({"out": outs[0]}, {"out": outs[0].clone()}, kp.tolerance(dtype))[1]
+        diff, ok, note = kp._compare({"out": outs[0]}, {"out": outs[1]}, kp.tolerance(dtype))
+        assert not ok and diff > 0 and note.startswith("out:")
+
+
+def test_the_te_wheel_is_found_and_read_without_installing(tmp_path, monkeypatch):
+    """``$MHC_CG_TE_WHEEL`` (a wheel or a folder), else the repository's places; the two mHC
+    files are extracted from the wheel into a folder of their own."""
+    wheel = tmp_path / "w" / kp.TE_WHEEL
+    wheel.parent.mkdir()
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name in kp.TE_FILES:
+            z.writestr(name, "# stand-in\n")
+    monkeypatch.setenv(kp.TE_ENV, str(wheel.parent))
+    assert kp.find_te_wheel(tmp_path) == wheel
+    folder = kp.te_folder(wheel, tmp_path / "scratch")
+    assert all((folder / name).read_text() == "# stand-in\n" for name in kp.TE_FILES)
+    monkeypatch.setenv(kp.TE_ENV, str(tmp_path / "nowhere"))
+    assert kp.find_te_wheel(tmp_path) is None
+    assert "pip download --no-deps transformer-engine==" in kp.te_missing_reason(tmp_path)
+
+
+def test_family_bytes_count_each_tensor_once():
+    s, b, c, es = 2, 3, 8, 2
+    x, y, w = s * b * kp.N * c * es, s * b * c * es, 24 * kp.N * c * es
+    assert kp.family_bytes("post.backward", s, b, c, es) == 2 * x + y + s * b * 20 * 4
+    assert kp.family_bytes("sublayer", s, b, c, es) > kp.family_bytes("pre", s, b, c, es) + \
+        kp.family_bytes("post", s, b, c, es)
+
+
+@pytest.mark.parametrize("argv, field", [(["--peers", "--bench"], "--peers"),
+                                         (["--peers"], "--peers")])
+def test_cli_refuses_in_one_line(argv, field):
+    """``--peers`` with ``--bench``, or on a machine without a GPU and no ``--dry-run``: one line
+    naming the flag, exit 2."""
+    if argv == ["--peers"] and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    done = subprocess.run([sys.executable, "-m", "mhc_cg.cli", "kernels", *argv],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and field in lines[0] and "Traceback" not in done.stderr
