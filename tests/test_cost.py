@@ -135,7 +135,7 @@ def test_fused_ops_are_charged_their_second_passes_and_the_buffers_they_write():
     F-input pass reading x; its backward two, reading x and g_out in both, handing each other
     the per-token coefficients and summing the weight's per-group partials (its scratch), and
     writes x's grad over g_post (read first)."""
-    from mhc_cg.ops.kernels.ops import state_scratch
+    from mhc_cg.ops.kernels.ops import state_rows, state_scratch
 
     t, n, c = 64, 4, 32
     m = n * n + 2 * n
@@ -146,7 +146,7 @@ def test_fused_ops_are_charged_their_second_passes_and_the_buffers_they_write():
         fn_input, state = torch.ops.mhc_cg.pre(x, weight, *alphas, bias, norm, n, 20, 1e-5, False)
     size = lambda *ts: sum(u.numel() * u.element_size() for u in ts)  # noqa: E731
     assert step.eager.kernels == 3
-    (splits, tokens, width), = state_scratch(t, c, n, m).values()
+    (splits, tokens, width), = state_scratch(t, c, n, m, state_rows(4, 4)).values()
     rows = 4 * splits * tokens * width  # written by the first stage, read by the second
     assert step.eager.bytes_read == size(x, x, weight, *alphas, bias, norm) + rows
     assert step.eager.bytes_written == size(fn_input, state) + rows

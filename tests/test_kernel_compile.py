@@ -54,6 +54,24 @@ def test_every_fused_mhc_kernel_fills_the_h100_four_times_over(report):
     assert not [line for line in report["few_programs"] if line.startswith(f"hidden {BENCH_HIDDEN}")]
 
 
+@pytest.mark.parametrize("hidden", [BENCH_HIDDEN, LARGE_HIDDEN])
+def test_every_product_runs_on_tensor_cores_and_the_weight_reads_stay_under_half_of_x(report,
+                                                                                    hidden):
+    """Note [TF32 products] and Note [wide token tiles]: the projection (bf16 and fp32 mapping
+    weights) and both products of the pre's backward compile to mma/wgmma, and the projection
+    reads at most half as many weight bytes as x bytes; kernels with no product have none."""
+    shape = next(s for s in report["shapes"] if s["hidden"] == hidden)
+    products = [r for r in shape["kernels"] if r["kernel"] in ("_state_part", "_pre_bwd_x")]
+    cases = {r["case"] for r in products}
+    assert {"pre", "pre[fp32 weight]", "pre_backward", "pre_backward[fp32 weight]",
+            "post_state"} <= cases
+    assert all(r["tensor_cores"] for r in products), products
+    assert not any(r["tensor_cores"] for r in shape["kernels"]
+                   if r["kernel"].startswith(("_chain", "_post_maps", "_rms")))
+    weights = [r["weight_per_x"] for r in products if r["kernel"] == "_state_part"]
+    assert weights and all(w <= 0.5 for w in weights)
+
+
 def _calls_on_impl(tree: ast.AST) -> set[str]:
     """Names called as ``_impl(...).<name>(...)``: the launchers the custom ops use."""
     return {node.func.attr for node in ast.walk(tree)

@@ -417,6 +417,42 @@ def test_triton_post_backward_where_exp_underflows_matches_the_reference(interpr
 
 
 @needs_triton
+def test_sinkhorn_backward_runs_at_most_twice_the_forwards_iterations(interpret, monkeypatch):
+    """Note [Sinkhorn's iterates kept]: counted through the interpreter, one program's Sinkhorn
+    backward runs 2 x T iterations for the forward's T (rebuilding each iterate from the start
+    would run T (T + 1) / 2), and its gradient is still the reference's."""
+    impl = fused.dispatch.triton_kernels()
+    calls = {"_sk_iteration": 0, "_sk_parts": 0}
+    for name in calls:
+        original = getattr(impl, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(impl, name, counted)
+    n, c, t, iterations = 4, 16, 4, 20  # one program of 4 tokens (CHAIN_ROWS)
+    m = n * n + 2 * n
+    g = torch.Generator().manual_seed(3)
+    x, y, gg = (torch.randn(t, n * c, generator=g), torch.randn(t, c, generator=g),
+                torch.randn(t, n * c, generator=g))
+    bias = torch.randn(m, generator=g)
+    alphas = [torch.full((1,), v) for v in (0.7, -0.4, 1.3)]
+    state = reference.pre(x, torch.randn(m, n * c, generator=g) * 0.3, *alphas, bias, None, n,
+                          iterations, EPS)[1]
+    impl.post_maps(state[None], bias[None], alphas[1], alphas[2], n * c, n, iterations)
+    forward = calls["_sk_iteration"]
+    assert forward == iterations
+    calls.update(_sk_iteration=0, _sk_parts=0)
+    args = (gg, x, state, *alphas, bias, y, None, 0.0, 0, n, iterations)
+    got = impl.post_backward(*args)
+    backward = calls["_sk_iteration"] + calls["_sk_parts"]
+    assert backward == 2 * iterations <= 2 * forward
+    for mine, want in zip(got, reference.post_backward(*args)):
+        torch.testing.assert_close(mine, want, rtol=1e-4, atol=1e-5)
+
+
+@needs_triton
 def test_triton_recompute_refuses_outputs_past_int32_indexing():
     """The recompute's output offsets (sublayer x token x feature) are int32: a larger output
     would wrap into other rows, so it is refused before any launch."""

@@ -105,12 +105,13 @@ def _alphas(s: Shape) -> tuple:
     return s.t(1), s.t(1), s.t(1)
 
 
-def _pre(k, s: Shape, norm: bool = True):
-    return k.pre(s.t(s.T, s.n * s.C), s.t(s.M, s.n * s.C), *_alphas(s), s.t(s.M),
-                 s.t(s.C) if norm else None, s.n, s.iterations, 1e-5)
+def _pre(k, s: Shape, norm: bool = True, weight_dtype: torch.dtype | None = None):
+    return k.pre(s.t(s.T, s.n * s.C), s.t(s.M, s.n * s.C, dtype=weight_dtype), *_alphas(s),
+                 s.t(s.M), s.t(s.C) if norm else None, s.n, s.iterations, 1e-5)
 
 
-def _pre_backward(k, s: Shape, in_place: bool = False, norm: bool = True, fused: bool = False):
+def _pre_backward(k, s: Shape, in_place: bool = False, norm: bool = True, fused: bool = False,
+                  weight_dtype: torch.dtype | None = None):
     g_post = s.t(s.T, s.n * s.C)
     # fused: with its post's reductions and the previous post's F output gradient, as the model
     # runs it inside a chain of sublayers, where the state's one consumer is that post
@@ -120,7 +121,8 @@ def _pre_backward(k, s: Shape, in_place: bool = False, norm: bool = True, fused:
                   prev=(s.t(s.T, s.M + 2, dtype=torch.float32), s.t(1), s.t(s.M), seed,
                         s.dropout, 2), g_y_out=s.t(s.T, s.C)) if fused else {}
     return k.pre_backward(s.t(s.T, s.C), g_state, g_post,
-                          s.t(s.T, s.n * s.C), s.t(s.M, s.n * s.C), *_alphas(s), s.t(s.M),
+                          s.t(s.T, s.n * s.C), s.t(s.M, s.n * s.C, dtype=weight_dtype),
+                          *_alphas(s), s.t(s.M),
                           s.t(s.C) if norm else None, s.t(s.T, s.M + 2, dtype=torch.float32), s.n,
                           s.iterations, 1e-5, g_post if in_place else None, **around)
 
@@ -174,6 +176,10 @@ CASES = (
     Case("pre_backward[in place]", lambda k, s: _pre_backward(k, s, in_place=True)),
     Case("pre_backward[no norm]", lambda k, s: _pre_backward(k, s, norm=False)),
     Case("pre_backward[fused]", lambda k, s: _pre_backward(k, s, in_place=True, fused=True)),
+    # DeepSeek's recipe: the mapping parameters in fp32 beside bf16 activations
+    Case("pre[fp32 weight]", lambda k, s: _pre(k, s, weight_dtype=torch.float32)),
+    Case("pre_backward[fp32 weight]",
+         lambda k, s: _pre_backward(k, s, weight_dtype=torch.float32)),
     Case("post_maps", lambda k, s: _post_maps(k, s)),
     Case("post_maps[block]", lambda k, s: _post_maps(k, s, posts=3)),
     Case("post", lambda k, s: _post(k, s, 2)),
@@ -227,6 +233,10 @@ class KernelUsage:
     load_bytes: float | None = None  # per thread and step, times the steps a pipelined load runs ahead
     in_flight: float | None = None   # bytes per SM: resident warps x 32 threads x load_bytes
     bandwidth_share: float | None = None  # in_flight / SMLimits.bytes_in_flight(); < 1: cannot reach it
+    tensor_cores: bool = False  # its PTX multiplies on tensor cores (mma / wgmma)
+    # the projection's mapping-weight bytes per byte of x it reads (each program reads the
+    # weight's m rows over its features once, for its tokens); None for other kernels
+    weight_per_x: float | None = None
 
 
 # ---- targets ------------------------------------------------------------------------------------
@@ -285,6 +295,23 @@ def _resources(kernel) -> dict:
     return dict(num_warps=kernel.metadata.num_warps, registers=own["REG"], stack=own["STACK"],
                 local=own["LOCAL"], shared=own["SHARED"], dynamic_shared=kernel.metadata.shared,
                 spilled=any(f["LOCAL"] > 0 or f["STACK"] > 0 for f in functions.values()))
+
+
+def uses_tensor_cores(ptx: str) -> bool:
+    """Whether PTX multiplies on tensor cores: an ``mma`` or ``wgmma`` instruction (fp32 FMA
+    loops have neither)."""
+    return re.search(r"^\s*(wgmma|mma)\.", ptx, re.MULTILINE) is not None
+
+
+def projection_weight_per_x(kernel: str, bound: dict) -> float | None:
+    """The state's first stage reads the mapping weight's ``m`` rows (masked loads fetch no
+    padding) over its features once per program of ``BT`` tokens, which read ``BT`` tokens of
+    x over the same features: weight bytes per byte of x ``m * size(w) / (BT * size(x))``."""
+    if not kernel.startswith("_state_part"):
+        return None
+    n = int(bound["N"])
+    return ((n * n + 2 * n) * bound["w_ptr"].element_size()
+            / (int(bound["BT"]) * bound["x_ptr"].element_size()))
 
 
 # ---- can a kernel keep HBM busy: warps per SM and bytes in flight (Little's law) -----------------
@@ -505,7 +532,9 @@ def compile_shapes(shapes: list[Shape], target: str = DEFAULT_TARGET, cases=CASE
                     if kernel.hash not in read:
                         read[kernel.hash] = _resources(kernel)
                     grid = list(grid) if isinstance(grid, (tuple, list)) else [str(grid)]
-                    usage = KernelUsage(case.name, kernel.name, grid, **read[kernel.hash])
+                    usage = KernelUsage(case.name, kernel.name, grid, **read[kernel.hash],
+                                        tensor_cores=uses_tensor_cores(kernel.asm["ptx"]),
+                                        weight_per_x=projection_weight_per_x(kernel.name, bound))
                     rows.append(_with_in_flight(usage, kernel, bound))
                 bar.update(done, case.name)
             results.append(rows)
@@ -614,16 +643,21 @@ _COLUMNS = (("launcher", "case", "<"), ("kernel", "kernel", "<"), ("grid", "grid
             ("spills", "spilled", "<"), ("WARPS/SM", "resident_warps", ">"),
             ("limit", "warp_limit", "<"), ("B/thread", "load_bytes", ">"),
             ("in flight/SM", "in_flight", ">"), ("share", "bandwidth_share", ">"),
-            ("bandwidth", "bandwidth_share", "<"))
+            ("bandwidth", "bandwidth_share", "<"), ("TC", "tensor_cores", "<"),
+            ("W/x", "weight_per_x", ">"))
 
 
 def _cell(key: str, value, head: str = "") -> str:
     if head == "bandwidth":
         return "?" if value is None else "CANNOT REACH" if value < 1.0 else "ok"
     if value is None:
-        return "?"
+        return "-" if key == "weight_per_x" else "?"
     if key in ("load_bytes", "in_flight"):
         return f"{value:.0f}"
+    if key == "tensor_cores":
+        return "mma" if value else "-"
+    if key == "weight_per_x":
+        return f"{value:.2f}"
     if key == "bandwidth_share":
         return f"{value:.2f}"
     if key == "grid":

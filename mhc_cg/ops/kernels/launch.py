@@ -27,13 +27,15 @@ ENV = "MHC_CG_LAUNCH_CONFIGS"
 
 # kernel -> option -> the values a sweep tries; None: derived from the shape (fill the GPU)
 TUNABLE: dict[str, dict[str, tuple]] = {
-    "state": {"splits": (None, 2, 8), "warps": (4, 8)},  # the pre's first pass, and the post's
-    "chain": {"features": (None, 64, 256), "warps": (4, 8)},  # F's input, the post, the recompute
-    "post_maps": {"rows": (4, 8, 16)},  # the post's mappings: Sinkhorn once per token
+    # the pre's first pass, and the post's; rows None: 64 or 128 tokens (Note [wide token tiles])
+    "state": {"splits": (None, 2, 8), "warps": (1, 2, 4, 8), "rows": (None, 16)},
+    # F's input, the post, the recompute
+    "chain": {"features": (None, 64, 256), "warps": (1, 2, 4, 8), "rows": (4, 8)},
+    "post_maps": {"rows": (4, 8, 16), "warps": (1, 2, 4)},  # Sinkhorn once per token
 }
-DEFAULTS: dict[str, dict] = {"state": {"splits": None, "warps": 4, "stages": 4},
-                             "chain": {"features": None, "warps": 4},
-                             "post_maps": {"rows": 4}}
+DEFAULTS: dict[str, dict] = {"state": {"splits": None, "warps": 4, "stages": 4, "rows": None},
+                             "chain": {"features": None, "warps": 4, "rows": 4},
+                             "post_maps": {"rows": 4, "warps": 4}}
 
 
 def device_name(device: torch.device) -> str:
@@ -78,10 +80,12 @@ def launch_config(kernel: str, hidden: int, device: torch.device) -> dict:
 
 
 def candidates(kernel: str) -> list[dict]:
-    """Every configuration a sweep tries for ``kernel``: its options' values crossed."""
+    """The configurations a sweep tries for ``kernel``: the defaults, then each option's other
+    values one at a time (the options' values crossed would be too many for one GPU run)."""
     configs = [dict(DEFAULTS[kernel])]
     for option, values in TUNABLE[kernel].items():
-        configs = [{**c, option: v} for c in configs for v in values]
+        configs += [{**DEFAULTS[kernel], option: v} for v in values
+                    if v != DEFAULTS[kernel][option]]
     return configs
 
 

@@ -64,19 +64,37 @@ def mapping_columns(n: int) -> int:
     return max(16, next_pow2(n * n + 2 * n))
 
 
-def state_tiling(c: int, n: int) -> tuple[int, int, int]:
-    """``(NP, MP, BC)`` of the state kernels: streams and mapping columns padded to powers of
-    two, features per step."""
+# The state's first stage holds a [rows, NP, NP, BC] Gram product per step: its features per step
+# shrink as its tokens per program grow, so the tile keeps the same registers
+STATE_TILE = 8192
+
+
+def state_rows(x_bytes: int, weight_bytes: int, rows: int | None = None) -> int:
+    """Tokens per program of the state's first stage (``rows`` given: that). Note [wide token
+    tiles]: each program reads the mapping weight's m rows over its features once for its
+    tokens, so the weight's reads are ``m * size(w) / (rows * size(x))`` of x's: 64 tokens keep
+    them at 0.375 of x for weights in x's dtype, 128 for fp32 weights beside bf16 x."""
+    if rows is not None:
+        return rows
+    return 64 if weight_bytes <= x_bytes else 128
+
+
+def state_tiling(c: int, n: int, rows: int) -> tuple[int, int, int]:
+    """``(NP, MP, BC)`` of the state kernels at ``rows`` tokens per program: streams and mapping
+    columns padded to powers of two, features per step (the dot's depth ``NP * BC`` at least
+    16)."""
     np_ = next_pow2(n)
-    return np_, mapping_columns(n), block_c(c, 512 // (np_ * np_))
+    bc = max(16 // np_, min(next_pow2(c), next_pow2(max(1, STATE_TILE // (rows * np_ * np_)))))
+    return np_, mapping_columns(n), bc
 
 
-def state_splits(tokens: int, c: int, bc: int, splits: int | None = None) -> tuple[int, int]:
+def state_splits(tokens: int, c: int, bc: int, rows: int,
+                 splits: int | None = None) -> tuple[int, int]:
     """``(splits, features per split)`` of the state's first stage: whole ``bc`` steps per split;
-    ``splits`` None: a power of two, enough that ``tokens / DOT_ROWS x splits`` programs reach
+    ``splits`` None: a power of two, enough that ``tokens / rows x splits`` programs reach
     :data:`MIN_PROGRAMS`; never more splits than steps, never an empty one."""
     steps = max(1, math.ceil(c / bc))
-    blocks = max(1, math.ceil(tokens / DOT_ROWS))
+    blocks = max(1, math.ceil(tokens / rows))
     if splits is None:
         splits = next_pow2(math.ceil(MIN_PROGRAMS / blocks))
     splits = max(1, min(splits, next_pow2(steps)))
@@ -86,11 +104,11 @@ def state_splits(tokens: int, c: int, bc: int, splits: int | None = None) -> tup
     return math.ceil(c / span), span
 
 
-def state_scratch(tokens: int, c: int, n: int, m: int) -> dict[str, tuple[int, ...]]:
+def state_scratch(tokens: int, c: int, n: int, m: int, rows: int) -> dict[str, tuple[int, ...]]:
     """The fp32 rows the state's first stage writes and its second sums: per split and token
     ``[proj (MP) | Gram matrix (NP * NP)]``."""
-    np_, mp, bc = state_tiling(c, n)
-    return {"part": (state_splits(tokens, c, bc)[0], tokens, mp + np_ * np_)}
+    np_, mp, bc = state_tiling(c, n, rows)
+    return {"part": (state_splits(tokens, c, bc, rows)[0], tokens, mp + np_ * np_)}
 
 
 def weight_grad_groups(tokens: int, c: int, m: int, n: int) -> tuple[int, int]:
@@ -146,8 +164,12 @@ def scratch_bytes(name: str, args: dict) -> int:
     t, width = args["x"].shape
     n = args["n"]
     m = args["weight"].shape[0] if "weight" in args else args["bias"].shape[0]
-    extra = {"post": args.get("y") is not None, "prev": args.get("prev_state") is not None} \
-        if shapes_of is pre_backward_scratch else {}
+    if shapes_of is pre_backward_scratch:
+        extra = {"post": args.get("y") is not None, "prev": args.get("prev_state") is not None}
+    elif shapes_of is state_scratch:
+        extra = {"rows": state_rows(args["x"].element_size(), args["weight"].element_size())}
+    else:
+        extra = {}
     return 2 * 4 * sum(math.prod(shape) for shape in shapes_of(t, width // n, n, m,
                                                                **extra).values())
 

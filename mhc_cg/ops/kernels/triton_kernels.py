@@ -6,8 +6,9 @@ stream axis is padded to a power of two ``NP``, the mapping width ``m`` to ``MP`
 ``tl.dot`` wants), both masked. No atomics: a parameter's gradient leaves a kernel as per-token or
 per-program shares that torch sums in a fixed order, so every result is deterministic.
 
-* ``_state_part`` then ``_state_sum`` (the pre's first pass): the first over (``BT`` tokens, a
-  split of the features) sums the projection ``x W^T`` (``tl.dot``) and the streams' Gram matrix
+* ``_state_part`` then ``_state_sum`` (the pre's first pass): the first over (``BT`` tokens, 64 or
+  128: Note [wide token tiles]; a split of the features) sums the projection ``x W^T`` (``tl.dot``
+  on tensor cores: Note [TF32 products]) and the streams' Gram matrix
   over its features into fp32 rows; the second sums the splits in order and derives the norm of
   x and F's input's RMSNorm scale: the state ``[proj | xnorm | rstd]``. Enough splits that the
   grid fills the GPU (``ops.state_splits``). With ``POST`` the first is a post and the next
@@ -34,8 +35,9 @@ per-program shares that torch sums in a fixed order, so every result is determin
   group, summed by torch in group order (``weight_grad_groups`` keeps them few), so no GEMM reads
   x a third time.
 * ``_post_bwd``: ``BT`` tokens per program, one pass: x's and y's gradients, and the per-token
-  reductions the mappings need; then Sinkhorn's backward, which rebuilds iteration k's input with
-  k forward iterations (T iterations cost T*(T+1)/2 in registers, nothing stored).
+  reductions the mappings need; then Sinkhorn's backward, which keeps every iteration's input in
+  registers and takes them back in reverse (2T iterations for T, Note [Sinkhorn's iterates
+  kept]).
 * ``_rms_fwd`` / ``_rms_bwd``: the model's final RMSNorm.
 
 H_res's transposed layout (``HT``, a constexpr) swaps which axis of the ``[BT, NP, NP]`` tile the
@@ -56,7 +58,8 @@ from mhc_cg.ops.kernels.hash import MAX_ELEMENTS, counter_hash, keep_scale, keep
 from mhc_cg.ops.kernels.launch import launch_config
 from mhc_cg.ops.kernels.ops import (DOT_ROWS, SUM_ROWS, block_c, mapping_columns, next_pow2,
                                     post_backward_scratch, post_maps_shape, pre_backward_scratch,
-                                    state_splits, state_tiling, weight_grad_groups)
+                                    state_rows, state_splits, state_tiling,
+                                    weight_grad_groups)
 from mhc_cg.ops.kernels.reference import RMS_EPS, SINKHORN_EPS, state_width
 
 INTERPRETED = bool(knobs.runtime.interpret)
@@ -105,9 +108,24 @@ def _deliver(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 
 
 def _dot_in_fp32(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the projection multiplies in fp32: for fp32 models, mixed dtypes, and in the
-    interpreter, whose ``tl.dot`` mishandles bf16 (bf16 products are exact in fp32 anyway)."""
+    """Whether the projection's operands go to the dot as fp32: for fp32 models, mixed dtypes,
+    and in the interpreter, whose ``tl.dot`` mishandles bf16 (bf16 is exact in fp32 anyway)."""
     return INTERPRETED or x.dtype == torch.float32 or weight.dtype != x.dtype
+
+
+def _precision(activations: torch.dtype) -> str:
+    """The tensor-core precision of a dot with fp32 operands. Note [TF32 products]: TF32 keeps
+    a 10-bit mantissa, which holds a bf16 operand exactly: in a bf16 model only the fp32 side
+    (an fp32 mapping weight, the projection's fp32 gradient) is rounded, by 2^-11 relative,
+    below the 2^-9 that storing the result in bf16 costs. An fp32 model gets 3xTF32 (split
+    operands, three products: fp32-grade, docs/kernels.md's TF32 table). Triton's interpreter
+    multiplies in fp32 whatever this says."""
+    return "tf32x3" if activations == torch.float32 else "tf32"
+
+
+def _kept(iterations: int) -> int:
+    """The Sinkhorn backward's slots for its iterates (Note [Sinkhorn's iterates kept])."""
+    return next_pow2(max(int(iterations), 1))
 
 
 def _dropout_args(seed, p):
@@ -179,21 +197,36 @@ def _sinkhorn(logits, mask, iterations, EPS: tl.constexpr):
 
 
 @triton.jit
-def _sinkhorn_bwd(logits, mask, g, iterations, EPS: tl.constexpr):
-    """d sinkhorn / d logits for ``g`` (0 on padding), each iteration's input rebuilt. ``g``
-    runs as the gradient with respect to log m (``g_m * m``), as the reference's does: m's own
-    grows as 1/m and overflows where the logits spread past exp's range."""
-    m0 = _sk_init(logits, mask)
+def _sk_parts(m, EPS: tl.constexpr):
+    """One Sinkhorn iteration on its input ``m``, every part the backward needs: ``(row sums,
+    after the rows, column sums, after the columns)``, as :func:`_sk_iteration` computes them."""
+    s_row = tl.sum(m, axis=2)
+    mid = m / tl.maximum(s_row, EPS)[:, :, None]
+    s_col = tl.sum(mid, axis=1)
+    return s_row, mid, s_col, mid / tl.maximum(s_col, EPS)[:, None, :]
+
+
+@triton.jit
+def _sinkhorn_bwd(logits, mask, g, iterations, EPS: tl.constexpr, IP: tl.constexpr):
+    """d sinkhorn / d logits for ``g`` (0 on padding). ``g`` runs as the gradient with respect
+    to log m (``g_m * m``), as the reference's does: m's own grows as 1/m and overflows where the
+    logits spread past exp's range.
+
+    Note [Sinkhorn's iterates kept]: one forward sweep keeps every iteration's input in
+    registers (``[BT, NP, NP, IP]``, ``IP`` a power of two at least ``iterations``); the backward
+    sweep takes them back in reverse, each by a sum with one non-zero term (exact), and redoes
+    that one iteration for its parts: 2 x ``iterations`` iterations per token, not
+    ``iterations * (iterations + 1) / 2``, and the same bits as rebuilding each from ``m0``."""
+    m = _sk_init(logits, mask)
+    k_ids = tl.arange(0, IP)[None, None, None, :]
+    kept = m[:, :, :, None] * (k_ids * 0.0)
     for k in range(iterations):
-        m = m0
-        for _ in range(iterations - 1 - k):
-            m = _sk_iteration(m, EPS)
-        s_row = tl.sum(m, axis=2)
-        mid = m / tl.maximum(s_row, EPS)[:, :, None]
-        s_col = tl.sum(mid, axis=1)
-        out = mid / tl.maximum(s_col, EPS)[:, None, :]
-        if k == 0:  # out is the result
-            g = g * out
+        kept = tl.where(k_ids == k, m[:, :, :, None], kept)
+        m = _sk_iteration(m, EPS)
+    g = g * m  # m is the result
+    for back in range(iterations):
+        m = tl.sum(tl.where(k_ids == iterations - 1 - back, kept, 0.0), axis=3)
+        s_row, mid, s_col, out = _sk_parts(m, EPS)
         through = tl.where(s_col >= EPS, tl.sum(g, axis=1), 0.0)
         g = g - out * through[:, None, :]
         through = tl.where(s_row >= EPS, tl.sum(g, axis=2), 0.0)
@@ -244,7 +277,7 @@ def _post_step(x, y, mp, t, i, vmask, xoff, seed_ptr, stream, N: tl.constexpr,
 @triton.jit
 def _state_part(x_ptr, w_ptr, part_ptr, y_ptr, maps_ptr, seed_ptr, xo_ptr, stream, T, C, span,
                 N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr,
-                BC: tl.constexpr, DOT_F32: tl.constexpr, POST: tl.constexpr,
+                BC: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, POST: tl.constexpr,
                 DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr, SCALE: tl.constexpr,
                 HT: tl.constexpr):
     """The state's sums over features ``[split * span, (split + 1) * span)`` for ``BT`` tokens
@@ -279,7 +312,7 @@ def _state_part(x_ptr, w_ptr, part_ptr, y_ptr, maps_ptr, seed_ptr, xo_ptr, strea
         x2 = tl.reshape(x, [BT, NP * BC])
         w2 = tl.reshape(w, [NP * BC, MP])
         if DOT_F32:
-            proj = tl.dot(x2.to(tl.float32), w2.to(tl.float32), proj, input_precision="ieee")
+            proj = tl.dot(x2.to(tl.float32), w2.to(tl.float32), proj, input_precision=PREC)
         else:
             proj = tl.dot(x2, w2, proj)
         xf = x.to(tl.float32)
@@ -408,10 +441,11 @@ def post_maps(states, bias, a_post, a_res, width, n, iterations):
     if posts > 1 and not a_post.stride(0) == a_res.stride(0) == p_stride:
         raise ValueError("mhc_cg triton post_maps: bias, a_post and a_res must share one stride")
     if posts and t:
-        rows = launch_config("post_maps", width // n, states.device)["rows"]
-        _post_maps[(triton.cdiv(t, rows), posts)](
+        config = launch_config("post_maps", width // n, states.device)
+        _post_maps[(triton.cdiv(t, config["rows"]), posts)](
             states, bias, a_post, a_res, maps, t, p_stride, float(width) ** 0.5, iterations, N=n,
-            NP=next_pow2(n), BT=rows, EPS=SINKHORN_EPS, RMS=RMS_EPS)
+            NP=next_pow2(n), BT=config["rows"], EPS=SINKHORN_EPS, RMS=RMS_EPS,
+            num_warps=config["warps"])
     return maps
 
 
@@ -429,10 +463,10 @@ def _launch_chain(x, ys, states, maps, bias, a_pre, a_post, a_res, p_stride, nor
         raise ValueError(f"mhc_cg triton recompute: a block's dropout streams must be evenly "
                          f"spaced, got {streams}")
     seed_arg = seed if seed is not None else x  # never read without dropout
-    _chain[(triton.cdiv(t, CHAIN_ROWS), triton.cdiv(c, bc))](
+    _chain[(triton.cdiv(t, config["rows"]), triton.cdiv(c, bc))](
         x, ys, states, maps if posts else x, bias, a_pre, a_post, a_res,
         norm if norm is not None else x, seed_arg, x_out, fn_out, t, c, steps, posts, stream0,
-        step, p_stride, n_stride, float(width) ** 0.5, N=n, NP=nb, BT=CHAIN_ROWS, BC=bc, FN=fn,
+        step, p_stride, n_stride, float(width) ** 0.5, N=n, NP=nb, BT=config["rows"], BC=bc, FN=fn,
         POSTS=posts > 0, NORM=norm is not None, RMS=RMS_EPS, HT=h_res_transposed,
         **_dropout_args(seed, p), num_warps=config["warps"])
 
@@ -444,17 +478,18 @@ def _launch_state(x, weight, bias, a_pre, norm: bool, eps, n, state_out, post=No
     and one tiling either way, so a state is the same bits whichever op made it."""
     t, width = x.shape
     c = width // n
-    nb, mp, bc = state_tiling(c, n)
+    config = launch_config("state", c, x.device)
+    rows = state_rows(x.element_size(), weight.element_size(), config["rows"])
+    nb, mp, bc = state_tiling(c, n, rows)
     state = _written(state_out, lambda: x.new_empty(t, state_width(weight.shape[0]),
                                                    dtype=torch.float32))
     maps, y, seed, p, stream, out, transposed = post or (x, x, None, 0.0, 0, x, False)
-    config = launch_config("state", c, x.device)
-    splits, span = state_splits(t, c, bc, config["splits"])
+    splits, span = state_splits(t, c, bc, rows, config["splits"])
     part = x.new_empty(splits, t, mp + nb * nb, dtype=torch.float32)
     # x's tl.dot tiles run num_stages - 1 steps ahead
-    _state_part[(triton.cdiv(t, DOT_ROWS), splits)](
+    _state_part[(triton.cdiv(t, rows), splits)](
         x, weight, part, y, maps, seed if seed is not None else x, out, stream, t, c, span, N=n,
-        NP=nb, MP=mp, BT=DOT_ROWS, BC=bc, DOT_F32=_dot_in_fp32(x, weight),
+        NP=nb, MP=mp, BT=rows, BC=bc, DOT_F32=_dot_in_fp32(x, weight), PREC=_precision(x.dtype),
         POST=post is not None, HT=transposed, **_dropout_args(seed, p),
         num_warps=config["warps"], num_stages=config["stages"])
     _state_sum[(triton.cdiv(t, SUM_ROWS),)](
@@ -569,7 +604,7 @@ def _pre_bwd_coef(gout_ptr, gin_ptr, gstate_ptr, x_ptr, bias_ptr, apre_ptr, apos
                   BT: tl.constexpr, BC: tl.constexpr, NORM: tl.constexpr, GPOST: tl.constexpr,
                   EPS: tl.constexpr, RMS: tl.constexpr, POST: tl.constexpr, PREV: tl.constexpr,
                   GIN: tl.constexpr, DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr,
-                  SCALE: tl.constexpr, HT: tl.constexpr, AW: tl.constexpr):
+                  SCALE: tl.constexpr, HT: tl.constexpr, AW: tl.constexpr, IP: tl.constexpr):
     """The first pass: what x's gradient needs per token, from one read of x and g_out: the
     projection's gradient, the parameters' shares and ``aux = [kappa, coef, rstd, s | H_res |
     s_prev]``. ``POST``: the sublayer's post's reductions too, from the same read of x and one
@@ -613,7 +648,7 @@ def _pre_bwd_coef(gout_ptr, gin_ptr, gstate_ptr, x_ptr, bias_ptr, apre_ptr, apos
         _post_state_grads(gin_ptr, gstate_ptr, share_ptr, g_hres, g_spost,
                           tl.where(vmask, _sigmoid(l_post), 0.0), r, p_post, l_res, p_res,
                           apost_ptr, ares_ptr, t, tmask, vmask, rmask, sqrt_d, iterations, N, NP,
-                          BT, EPS, GIN)
+                          BT, EPS, GIN, IP)
         tl.debug_barrier()
     if NORM:
         g_rstd = tl.load(gstate_ptr + t * SW + M + 1, mask=tmask, other=0.0)
@@ -680,7 +715,7 @@ def _pre_bwd_x(gout_ptr, gpost_ptr, x_ptr, w_ptr, norm_ptr, gproj_ptr, aux_ptr, 
                NP: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                NORM: tl.constexpr, GPOST: tl.constexpr, IN_PLACE: tl.constexpr, HT: tl.constexpr,
                PREV: tl.constexpr, DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr,
-               SCALE: tl.constexpr, AW: tl.constexpr):
+               SCALE: tl.constexpr, AW: tl.constexpr, PREC: tl.constexpr):
     """The second pass, over (a feature chunk, a group of tokens): x's gradient, and the mapping
     weight's and the norm weight's gradients summed over the group (fixed order) from the same
     reads of x: no GEMM reads x again for the weight. ``PREV``: also the gradient of the F output
@@ -728,7 +763,7 @@ def _pre_bwd_x(gout_ptr, gpost_ptr, x_ptr, w_ptr, norm_ptr, gproj_ptr, aux_ptr, 
             g_norm += tl.sum(g * agg * rstd[:, None], axis=0)
         else:
             g_agg = g
-        through_proj = tl.dot(g_proj, w_blk, input_precision="ieee")
+        through_proj = tl.dot(g_proj, w_blk, input_precision=PREC)  # Note [TF32 products]
         gx = s[:, :, None] * g_agg[:, None, :] + tl.reshape(through_proj, [BT, NP, BC]) \
             + coef[:, None, None] * x
         if GPOST:  # the post's residual path: H_res^T g (H_res g for the transposed layout)
@@ -742,9 +777,9 @@ def _pre_bwd_x(gout_ptr, gpost_ptr, x_ptr, w_ptr, norm_ptr, gproj_ptr, aux_ptr, 
             gq = gx.to(gx_ptr.dtype.element_ty).to(tl.float32)
             gm = _masked(gq, seed_ptr, pstream, xoff, DROPOUT, THRESHOLD, SCALE)
             tl.store(gy_ptr + t[:, None] * C + c[None, :], _grad_y(gm, s_prev, i, N), mask=fmask)
-        # the weight's gradient g_proj^T x, in fp32 like the rest of the backward
+        # the weight's gradient g_proj^T x, fp32 operands on tensor cores (Note [TF32 products])
         g_weight = tl.dot(tl.trans(g_proj), tl.reshape(x, [BT, NP * BC]), g_weight,
-                          input_precision="ieee")
+                          input_precision=PREC)
     tl.store(gwt_ptr + group * (M * N * C) + woff, tl.reshape(g_weight, [MP, NP, BC]), mask=wmask)
     if NORM:
         tl.store(gw_ptr + group * C + c, g_norm, mask=c < C)
@@ -788,7 +823,8 @@ def pre_backward(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, 
         float(width) ** 0.5, iterations, N=n, NP=nb, MP=mapping_columns(n), PP=triton.next_power_of_2(m + 3),
         BT=bt, BC=bc1, NORM=norm_weight is not None, GPOST=g_post is not None, EPS=SINKHORN_EPS,
         RMS=RMS_EPS, POST=post is not None, PREV=prev is not None, GIN=g_in is not None,
-        HT=h_res_transposed, AW=aux.shape[1], **_dropout_args(seed, p), num_warps=4)
+        HT=h_res_transposed, AW=aux.shape[1], IP=_kept(iterations), **_dropout_args(seed, p),
+        num_warps=4)
     groups, per_group = weight_grad_groups(t, c, m, n)
     g_w = x.new_empty(groups if norm_weight is not None else 0, c, dtype=torch.float32)
     g_y = None if prev is None else _written(g_y_out, lambda: x.new_empty(t, c))
@@ -797,8 +833,8 @@ def pre_backward(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, 
         g_w, g_y if g_y is not None else x, seed if seed is not None else x, p_stream, t, c,
         per_group, N=n, NP=nb, MP=mapping_columns(n), BT=DOT_ROWS, BC=block_c(c, 128 // nb),
         NORM=norm_weight is not None, GPOST=g_post is not None, IN_PLACE=in_place,
-        HT=h_res_transposed, PREV=prev is not None, AW=aux.shape[1], **_dropout_args(seed, p),
-        num_warps=8, num_stages=1)  # Triton's pipelining took 255 registers; it prefetches itself
+        HT=h_res_transposed, PREV=prev is not None, AW=aux.shape[1], PREC=_precision(x.dtype),
+        **_dropout_args(seed, p), num_warps=8, num_stages=1)  # Triton's pipelining took 255 registers; it prefetches itself
     if g_y is not None:
         _deliver(g_y, g_y_out)
     return _deliver(g_x, g_x_out), g_weight.sum(0).to(weight.dtype), shares, g_w
@@ -844,7 +880,7 @@ def _post_sums(g, gm, x, y, g_hres, g_spost, HT: tl.constexpr):
 def _post_state_grads(gin_ptr, gstate_ptr, share_ptr, g_hres, g_spost, s_post, r, p_post, l_res,
                       p_res, apost_ptr, ares_ptr, t, tmask, vmask, rmask, sqrt_d, iterations,
                       N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, EPS: tl.constexpr,
-                      ADD: tl.constexpr):
+                      ADD: tl.constexpr, IP: tl.constexpr):
     """A post's state gradient ``[0 | post | res | xnorm | 0]`` and parameter shares from its
     reductions, stored by columns; ``ADD``: added to the state gradient ``gin`` (the pre's
     backward's input), every column of the sum stored."""
@@ -853,7 +889,7 @@ def _post_state_grads(gin_ptr, gstate_ptr, share_ptr, g_hres, g_spost, s_post, r
     P: tl.constexpr = M + 3
     i = tl.arange(0, NP)
     gh_post = g_spost * 2.0 * s_post * (1.0 - s_post)
-    gh_res = _sinkhorn_bwd(l_res, rmask, g_hres, iterations, EPS)
+    gh_res = _sinkhorn_bwd(l_res, rmask, g_hres, iterations, EPS, IP)
     a_post = tl.load(apost_ptr).to(tl.float32)
     a_res = tl.load(ares_ptr).to(tl.float32)
     col = 2 * N + i[:, None] * N + i[None, :]
@@ -890,7 +926,8 @@ def _post_bwd(g_ptr, x_ptr, state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, 
               gstate_ptr, share_ptr, gy_ptr, stream, T, C, sqrt_d, iterations,
               N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
               DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr, SCALE: tl.constexpr,
-              EPS: tl.constexpr, RMS: tl.constexpr, HT: tl.constexpr, REDUCE: tl.constexpr):
+              EPS: tl.constexpr, RMS: tl.constexpr, HT: tl.constexpr, REDUCE: tl.constexpr,
+              IP: tl.constexpr):
     """The post's backward from its output's gradient g: F's output's gradient, and with
     ``REDUCE`` its reductions (the state's gradient and the shares); without, g_y alone."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -916,7 +953,7 @@ def _post_bwd(g_ptr, x_ptr, state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, 
     if REDUCE:
         _post_state_grads(gstate_ptr, gstate_ptr, share_ptr, g_hres, g_spost, s_post, r, p_post,
                           l_res, p_res, apost_ptr, ares_ptr, t, tmask, vmask, rmask, sqrt_d,
-                          iterations, N, NP, BT, EPS, False)
+                          iterations, N, NP, BT, EPS, False, IP)
 
 
 def post_backward(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, *,
@@ -951,7 +988,7 @@ def _launch_post_bwd(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream
         g, x, state, bias, a_pre, a_post, a_res, y, seed if seed is not None else g, g_state,
         shares, g_y, stream, t, width // n, float(width) ** 0.5, iterations, N=n, NP=nb,
         BT=CHAIN_ROWS, BC=bc, EPS=SINKHORN_EPS, RMS=RMS_EPS,
-        HT=h_res_transposed, REDUCE=reduce, **_dropout_args(seed, p))
+        HT=h_res_transposed, REDUCE=reduce, IP=_kept(iterations), **_dropout_args(seed, p))
 
 
 # ---- RMSNorm --------------------------------------------------------------------------------------
