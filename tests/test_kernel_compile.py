@@ -72,6 +72,14 @@ def test_every_product_runs_on_tensor_cores_and_the_weight_reads_stay_under_half
     assert weights and all(w <= 0.5 for w in weights)
 
 
+def test_programmatic_dependent_launch_compiles_for_sm90a_as_a_sweep_option(report):
+    """Note [programmatic dependent launch]: with a table row's ``pdl``, the state's sum and the
+    chain launch with it and wait for the kernel before them in their PTX; by default none does."""
+    shape = next(s for s in report["shapes"] if s["hidden"] == BENCH_HIDDEN)
+    pdl = {(r["case"], r["kernel"]) for r in shape["kernels"] if r["pdl"]}
+    assert pdl == {("pre[pdl]", "_state_sum"), ("fn_input[pdl]", "_chain")}
+
+
 def _calls_on_impl(tree: ast.AST) -> set[str]:
     """Names called as ``_impl(...).<name>(...)``: the launchers the custom ops use."""
     return {node.func.attr for node in ast.walk(tree)

@@ -127,6 +127,34 @@ def _pre_backward(k, s: Shape, in_place: bool = False, norm: bool = True, fused:
                           s.iterations, 1e-5, g_post if in_place else None, **around)
 
 
+@contextlib.contextmanager
+def _launch_row(kernel: str, s: Shape, **config):
+    """Within: the launchers read ``config`` for ``kernel`` at this shape from a table of its own
+    (as a sweep's configuration is read), on the ``meta`` device the cases launch on."""
+    from mhc_cg.ops.kernels.launch import ENV
+
+    with tempfile.TemporaryDirectory() as folder:
+        table = Path(folder) / "launch_configs.json"
+        table.write_text(json.dumps({"rows": [{"device": "meta", "hidden": s.C, "kernel": kernel,
+                                               "config": config}]}))
+        previous = os.environ.get(ENV)
+        os.environ[ENV] = str(table)
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop(ENV, None)
+            else:
+                os.environ[ENV] = previous
+
+
+def _with_row(kernel: str, call: Callable, **config) -> Callable:
+    def run(k, s: Shape):
+        with _launch_row(kernel, s, **config):
+            return call(k, s)
+    return run
+
+
 def _maps(s: Shape, posts: int = 1) -> torch.Tensor:
     return s.t(posts, s.T, s.n + s.n * s.n, dtype=torch.float32)
 
@@ -180,6 +208,11 @@ CASES = (
     Case("pre[fp32 weight]", lambda k, s: _pre(k, s, weight_dtype=torch.float32)),
     Case("pre_backward[fp32 weight]",
          lambda k, s: _pre_backward(k, s, weight_dtype=torch.float32)),
+    # programmatic dependent launch, a sweep option (Note [programmatic dependent launch])
+    Case("pre[pdl]", _with_row("state", lambda k, s: _pre(k, s), pdl=True)),
+    Case("fn_input[pdl]", _with_row("chain", lambda k, s: k.fn_input(
+        s.t(s.T, s.n * s.C), s.t(s.T, s.M + 2, dtype=torch.float32), *_alphas(s), s.t(s.M),
+        s.t(s.C), s.n), pdl=True)),
     Case("post_maps", lambda k, s: _post_maps(k, s)),
     Case("post_maps[block]", lambda k, s: _post_maps(k, s, posts=3)),
     Case("post", lambda k, s: _post(k, s, 2)),
@@ -234,6 +267,7 @@ class KernelUsage:
     in_flight: float | None = None   # bytes per SM: resident warps x 32 threads x load_bytes
     bandwidth_share: float | None = None  # in_flight / SMLimits.bytes_in_flight(); < 1: cannot reach it
     tensor_cores: bool = False  # its PTX multiplies on tensor cores (mma / wgmma)
+    pdl: bool = False  # launched with programmatic dependent launch (waits in its PTX)
     # the projection's mapping-weight bytes per byte of x it reads (each program reads the
     # weight's m rows over its features once, for its tokens); None for other kernels
     weight_per_x: float | None = None
@@ -534,6 +568,8 @@ def compile_shapes(shapes: list[Shape], target: str = DEFAULT_TARGET, cases=CASE
                     grid = list(grid) if isinstance(grid, (tuple, list)) else [str(grid)]
                     usage = KernelUsage(case.name, kernel.name, grid, **read[kernel.hash],
                                         tensor_cores=uses_tensor_cores(kernel.asm["ptx"]),
+                                        pdl=bool(getattr(kernel.metadata, "launch_pdl", False))
+                                        and "griddepcontrol.wait" in kernel.asm["ptx"],
                                         weight_per_x=projection_weight_per_x(kernel.name, bound))
                     rows.append(_with_in_flight(usage, kernel, bound))
                 bar.update(done, case.name)

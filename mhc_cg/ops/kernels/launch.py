@@ -28,13 +28,17 @@ ENV = "MHC_CG_LAUNCH_CONFIGS"
 # kernel -> option -> the values a sweep tries; None: derived from the shape (fill the GPU)
 TUNABLE: dict[str, dict[str, tuple]] = {
     # the pre's first pass, and the post's; rows None: 64 or 128 tokens (Note [wide token tiles])
-    "state": {"splits": (None, 2, 8), "warps": (1, 2, 4, 8), "rows": (None, 16)},
+    # pdl: programmatic dependent launch (Note [programmatic dependent launch], triton_kernels)
+    "state": {"splits": (None, 2, 8), "warps": (1, 2, 4, 8), "rows": (None, 16),
+              "pdl": (False, True)},
     # F's input, the post, the recompute
-    "chain": {"features": (None, 64, 256), "warps": (1, 2, 4, 8), "rows": (4, 8)},
+    "chain": {"features": (None, 64, 256), "warps": (1, 2, 4, 8), "rows": (4, 8),
+              "pdl": (False, True)},
     "post_maps": {"rows": (4, 8, 16), "warps": (1, 2, 4)},  # Sinkhorn once per token
 }
-DEFAULTS: dict[str, dict] = {"state": {"splits": None, "warps": 4, "stages": 4, "rows": None},
-                             "chain": {"features": None, "warps": 4, "rows": 4},
+DEFAULTS: dict[str, dict] = {"state": {"splits": None, "warps": 4, "stages": 4, "rows": None,
+                                       "pdl": False},
+                             "chain": {"features": None, "warps": 4, "rows": 4, "pdl": False},
                              "post_maps": {"rows": 4, "warps": 4}}
 
 

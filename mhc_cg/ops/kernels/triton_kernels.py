@@ -53,6 +53,10 @@ import torch
 import triton
 import triton.language as tl
 from triton import knobs
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without grid dependency control: the ``pdl`` option stays off
+    gdc_launch_dependents = gdc_wait = None
 
 from mhc_cg.ops.kernels.hash import MAX_ELEMENTS, counter_hash, keep_scale, keep_threshold
 from mhc_cg.ops.kernels.launch import launch_config
@@ -121,6 +125,16 @@ def _precision(activations: torch.dtype) -> str:
     operands, three products: fp32-grade, docs/kernels.md's TF32 table). Triton's interpreter
     multiplies in fp32 whatever this says."""
     return "tf32x3" if activations == torch.float32 else "tf32"
+
+
+def _pdl(config: dict) -> dict:
+    """Note [programmatic dependent launch]: with a launch configuration's ``pdl`` (a sweep
+    option; off by default), a kernel launches while the one before it in the stream finishes
+    and waits (``gdc_wait``) before its first load, so it reads nothing early: only its launch
+    and prologue overlap. The state's first stage lets the second launch when its loads are done
+    (``gdc_launch_dependents``). Never under the interpreter, which has no grids to overlap."""
+    on = bool(config.get("pdl")) and not INTERPRETED and gdc_wait is not None
+    return {"PDL": on, "launch_pdl": on}
 
 
 def _kept(iterations: int) -> int:
@@ -279,7 +293,7 @@ def _state_part(x_ptr, w_ptr, part_ptr, y_ptr, maps_ptr, seed_ptr, xo_ptr, strea
                 N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr,
                 BC: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, POST: tl.constexpr,
                 DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr, SCALE: tl.constexpr,
-                HT: tl.constexpr):
+                HT: tl.constexpr, PDL: tl.constexpr):
     """The state's sums over features ``[split * span, (split + 1) * span)`` for ``BT`` tokens
     (``program_id(1)`` is the split): the projection ``x W^T`` and the streams' Gram matrix,
     stored as one fp32 row ``[proj (MP) | gram (NP * NP)]`` per split and token for
@@ -317,6 +331,8 @@ def _state_part(x_ptr, w_ptr, part_ptr, y_ptr, maps_ptr, seed_ptr, xo_ptr, strea
             proj = tl.dot(x2, w2, proj)
         xf = x.to(tl.float32)
         gram += tl.sum(xf[:, :, None, :] * xf[:, None, :, :], axis=3)
+    if PDL:  # Note [programmatic dependent launch]: the sum may start its launch
+        gdc_launch_dependents()
     row = part_ptr + (tl.program_id(1) * T + t) * PW
     tl.store(row[:, None] + mcol[None, :], proj, mask=tmask[:, None])
     gcol = i[:, None] * NP + i[None, :]
@@ -326,10 +342,12 @@ def _state_part(x_ptr, w_ptr, part_ptr, y_ptr, maps_ptr, seed_ptr, xo_ptr, strea
 @triton.jit
 def _state_sum(part_ptr, bias_ptr, apre_ptr, state_ptr, T, C, splits, sqrt_d, eps,
                N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr,
-               NORM: tl.constexpr, RMS: tl.constexpr):
+               NORM: tl.constexpr, RMS: tl.constexpr, PDL: tl.constexpr):
     """The state ``[proj | xnorm | rstd]`` of ``BT`` tokens from :func:`_state_part`'s rows,
     summed over the splits in order (deterministic): the norm of x from the Gram matrix's
     trace, F's input's RMSNorm scale from the pre gates and the whole matrix."""
+    if PDL:  # Note [programmatic dependent launch]
+        gdc_wait()
     M: tl.constexpr = N * N + 2 * N
     SW: tl.constexpr = M + 2
     PW: tl.constexpr = MP + NP * NP
@@ -394,7 +412,10 @@ def _chain(x_ptr, y_ptr, state_ptr, maps_ptr, bias_ptr, apre_ptr, apost_ptr, are
            seed_ptr, xo_ptr, fo_ptr, T, C, steps, posts, stream0, stream_step, p_stride, n_stride,
            sqrt_d, N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
            FN: tl.constexpr, POSTS: tl.constexpr, NORM: tl.constexpr, DROPOUT: tl.constexpr,
-           THRESHOLD: tl.constexpr, SCALE: tl.constexpr, RMS: tl.constexpr, HT: tl.constexpr):
+           THRESHOLD: tl.constexpr, SCALE: tl.constexpr, RMS: tl.constexpr, HT: tl.constexpr,
+           PDL: tl.constexpr):
+    if PDL:  # Note [programmatic dependent launch]
+        gdc_wait()
     M: tl.constexpr = N * N + 2 * N
     SW: tl.constexpr = M + 2
     MW: tl.constexpr = N + N * N
@@ -468,7 +489,7 @@ def _launch_chain(x, ys, states, maps, bias, a_pre, a_post, a_res, p_stride, nor
         norm if norm is not None else x, seed_arg, x_out, fn_out, t, c, steps, posts, stream0,
         step, p_stride, n_stride, float(width) ** 0.5, N=n, NP=nb, BT=config["rows"], BC=bc, FN=fn,
         POSTS=posts > 0, NORM=norm is not None, RMS=RMS_EPS, HT=h_res_transposed,
-        **_dropout_args(seed, p), num_warps=config["warps"])
+        **_dropout_args(seed, p), **_pdl(config), num_warps=config["warps"])
 
 
 def _launch_state(x, weight, bias, a_pre, norm: bool, eps, n, state_out, post=None):
@@ -491,10 +512,10 @@ def _launch_state(x, weight, bias, a_pre, norm: bool, eps, n, state_out, post=No
         x, weight, part, y, maps, seed if seed is not None else x, out, stream, t, c, span, N=n,
         NP=nb, MP=mp, BT=rows, BC=bc, DOT_F32=_dot_in_fp32(x, weight), PREC=_precision(x.dtype),
         POST=post is not None, HT=transposed, **_dropout_args(seed, p),
-        num_warps=config["warps"], num_stages=config["stages"])
+        PDL=_pdl(config)["PDL"], num_warps=config["warps"], num_stages=config["stages"])
     _state_sum[(triton.cdiv(t, SUM_ROWS),)](
         part, bias, a_pre, state, t, c, splits, float(width) ** 0.5, float(eps), N=n, NP=nb,
-        MP=mp, BT=SUM_ROWS, NORM=norm, RMS=RMS_EPS)
+        MP=mp, BT=SUM_ROWS, NORM=norm, RMS=RMS_EPS, **_pdl(config))
     return _deliver(state, state_out)
 
 
