@@ -565,6 +565,19 @@ def test_peak_memory_adds_up_and_block_recompute_lowers_the_step_peak():
     assert static["peak_memory"]["graph_pools"] == static["pool_reserved_bytes"] > 0
     assert static["peak_memory"]["static"] >= (static["arena_bytes"]
                                                + static["persistent_bytes_per_microbatch"])
+    # what is live at the peak (mhc-cg cost --live) itemizes those very sums
+    for name, m in modes.items():
+        live, parts = m["live_at_peak"], m["peak_memory"]
+        assert live["model_state"] == parts["model_state"], name
+        assert sum(live["static"].values()) == parts["static"], name
+        assert sum(p["high_water"] for p in live["pools"]) == parts["graph_pools"], name
+        assert sum(n for _, n in live["eager"]) == parts["step"], name
+        labels = {g["name"] for g in m["graphs"]}
+        for pool in live["pools"]:  # a mark set by a named capture, made of what it held then
+            assert pool["set_by"] in labels and 0 < sum(n for _, n in pool["live"]) \
+                <= pool["high_water"], (name, pool["set_by"])
+    pool = max(modes["graphed_static"]["live_at_peak"]["pools"], key=lambda p: p["high_water"])
+    assert pool["set_by"].endswith("bwd")  # the saved activations and a backward's temporaries
 
 
 def _held_storages(root) -> dict[int, int]:

@@ -10,7 +10,7 @@ from pathlib import Path
 from mhc_cg.config import load_config
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.core.progress import log
-from mhc_cg.tools.cost.report import DEVICES, cost_report, format_report
+from mhc_cg.tools.cost.report import DEVICES, cost_report, format_live, format_report
 
 HELP = "GPU cost without a GPU: kernels, bytes and capture-pool memory of every mode's step"
 
@@ -22,6 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "kernel); cpu: the ops really run")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--summary", action="store_true", help="only the per-mode tables")
+    parser.add_argument("--live", action="store_true",
+                        help="also what is live at each mode's peak: the static buffers, each "
+                             "graph pool's high-water mark (the capture that set it, the "
+                             "tensors live then) and the step's eager storages, by what made "
+                             "them")
     parser.add_argument("--full-bandwidth", action="store_true",
                         help="time every kernel at the HBM peak (default: at the copy bandwidth "
                              "a GPU measured and each fused op at its measured share of it, or "
@@ -35,7 +40,12 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         _check_writable(Path(args.plot))
     report = cost_report(cfg, args.device, args.config, measured=not args.full_bandwidth)
-    print(json.dumps(report, indent=2) if args.json else format_report(report, not args.summary))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report, not args.summary))
+        if args.live:
+            print("\n".join(format_live(report)))
     if args.plot:
         from mhc_cg.tools.cost.frontier_plot import plot_frontier
 

@@ -60,6 +60,8 @@ class Block:
     last_use: int
     freed_at: int | None = None  # op index before which Python had dropped it (held model)
     released: bool = False  # its storage was resized to nothing (and may be allocated again)
+    what: str = ""  # the op that made it and the tensor it made (what is live at the peak)
+    graph: str = ""  # the capture that made it
 
     def alive(self) -> bool:
         if self.released or self.ref.expired():
@@ -80,14 +82,23 @@ class CapturePeak:
     allocated_bytes: int = 0        # bytes this capture allocated
     escaped_bytes: int = 0          # of those, still alive after the capture
     escaped_blocks: int = 0
+    # the blocks live at the peak (last-use model): (graph that made it, what, bytes)
+    live_at_peak: list[tuple[str, str, int]] = field(default_factory=list)
 
 
 def _peak(events: list[tuple[float, int]], start: int) -> int:
+    return _peak_at(events, start)[0]
+
+
+def _peak_at(events: list[tuple[float, int]], start: int) -> tuple[int, float]:
+    """The most bytes live and the event index where it is first reached (-1: at the start)."""
     live = peak = start
-    for _, delta in sorted(events, key=lambda e: e[0]):  # frees sit at half indices: no ties
+    at = -1.0
+    for index, delta in sorted(events, key=lambda e: e[0]):  # frees sit at half indices: no ties
         live += delta
-        peak = max(peak, live)
-    return peak
+        if live > peak:
+            peak, at = live, index
+    return peak, at
 
 
 @dataclass
@@ -96,12 +107,15 @@ class PoolState:
 
     resident: list[Block] = field(default_factory=list)
     high_water: int = 0
+    # what was live when the high-water mark was set (CapturePeak.live_at_peak of that capture)
+    high_water_live: list[tuple[str, str, int]] = field(default_factory=list)
+    high_water_graph: str = ""  # the capture that set it
 
     def live_resident(self) -> list[Block]:
         self.resident = [b for b in self.resident if b.alive()]
         return self.resident
 
-    def settle(self, blocks: list[Block], ops: int) -> CapturePeak:
+    def settle(self, blocks: list[Block], ops: int, graph: str = "") -> CapturePeak:
         """Close a capture of ``ops`` ops over ``blocks`` (resident ones first, born -1).
 
         Frees come before allocations at the same index: a block whose last use is op ``i`` is
@@ -128,11 +142,15 @@ class PoolState:
             last_use.append((b.last_use + 0.5, -b.nbytes))
             freed = b.freed_at if b.freed_at is not None else ops
             held.append((freed - 0.5, -b.nbytes))
-        report.peak_bytes = _peak(last_use, report.resident_before)
+        report.peak_bytes, at = _peak_at(last_use, report.resident_before)
         report.held_peak_bytes = _peak(held, report.resident_before)
+        report.live_at_peak = [(b.graph, b.what, b.nbytes) for b in blocks
+                               if b.born <= at and (b.alive() or b.last_use + 0.5 > at)]
         for b in survivors:
             b.born = b.last_use = -1
             b.freed_at = None
         self.resident = survivors
+        if report.peak_bytes > self.high_water:
+            self.high_water_live, self.high_water_graph = report.live_at_peak, graph
         self.high_water = max(self.high_water, report.held_peak_bytes, report.peak_bytes)
         return report

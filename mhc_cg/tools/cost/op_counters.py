@@ -156,6 +156,13 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
+def owner(func, t: torch.Tensor) -> str:
+    """What made a storage, for the peak's breakdown: ``op [shape] dtype``."""
+    packet = str(func.overloadpacket)
+    name = packet[5:] if packet.startswith("aten.") else packet.replace(".", "::", 1)
+    return f"{name} {list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+
 class CaptureRecorder(CaptureGuardMode):
     """The capture guard (weak references only), counting kernels and tracking the pool's blocks.
 
@@ -196,7 +203,8 @@ class CaptureRecorder(CaptureGuardMode):
             if block is not None and block.released and storage.nbytes() > 0:
                 self._retired.append(block)  # allocated again: a new block of the pool
                 block = self.blocks[key] = Block(StorageWeakRef(storage),
-                                                 rounded(storage.nbytes()), i, i)
+                                                 rounded(storage.nbytes()), i, i,
+                                                 what=owner(func, t), graph=self.graph_name)
                 self._live.append(block)
         for t in _tensors((args, kwargs)):
             key = storage_id(t)
@@ -214,14 +222,16 @@ class CaptureRecorder(CaptureGuardMode):
                 block.last_use = i
                 block.nbytes = max(block.nbytes, rounded(storage.nbytes()))
             elif key not in self._external and storage.nbytes() > 0:
-                block = Block(StorageWeakRef(storage), rounded(storage.nbytes()), i, i)
+                block = Block(StorageWeakRef(storage), rounded(storage.nbytes()), i, i,
+                              what=owner(func, t), graph=self.graph_name)
                 self.blocks[key] = block
                 self._live.append(block)
         self.index += 1
 
     def settle(self):
         self._poll_frees(self.index)
-        return self.pool.settle([*self._retired, *self.blocks.values()], self.index)
+        return self.pool.settle([*self._retired, *self.blocks.values()], self.index,
+                                self.graph_name)
 
 
 class LiveBytes:
@@ -235,18 +245,20 @@ class LiveBytes:
     ``None`` outside any): what is alive after an op of that phase, whoever allocated it."""
 
     def __init__(self) -> None:
-        self._live: dict[int, list] = {}  # storage id -> [weak ref, bytes counted]
+        self._live: dict[int, list] = {}  # storage id -> [weak ref, bytes counted, owner]
         self.bytes = 0
         self.peak_by_phase: dict[str | None, int] = {}
         self.largest_by_phase: dict[str | None, int] = {}  # the largest storage made in a phase
+        # what was alive at the step's most: (owner, bytes), largest first
+        self.live_at_peak: list[tuple[str, int]] = []
 
     @property
     def peak(self) -> int:
         return max(self.peak_by_phase.values(), default=0)
 
-    def after_op(self, args: tuple, kwargs: dict, out: Any) -> None:
+    def after_op(self, args: tuple, kwargs: dict, out: Any, func=None) -> None:
         for key, entry in list(self._live.items()):
-            ref, counted = entry
+            ref, counted, _ = entry
             now = 0 if ref.expired() else rounded(
                 torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes())
             self.bytes += now - counted
@@ -263,11 +275,15 @@ class LiveBytes:
             if storage.nbytes() == 0:
                 continue
             nbytes = rounded(storage.nbytes())
-            self._live[key] = [StorageWeakRef(storage), nbytes]
+            self._live[key] = [StorageWeakRef(storage), nbytes,
+                               owner(func, t) if func is not None else "?"]
             self.bytes += nbytes
             made = traffic.current_phase()
             self.largest_by_phase[made] = max(self.largest_by_phase.get(made, 0), nbytes)
         phase = traffic.current_phase()
+        if self.bytes > self.peak:
+            self.live_at_peak = sorted(((o, n) for _, n, o in self._live.values() if n),
+                                       key=lambda e: -e[1])
         self.peak_by_phase[phase] = max(self.peak_by_phase.get(phase, 0), self.bytes)
 
 
@@ -301,7 +317,7 @@ class StepRecorder(TorchDispatchMode):
             self.host_ops += launches_kernel(func, args, kwargs, out)
             return out
         self.eager.add(func, args, kwargs, out, self.streams)
-        self.live.after_op(args, kwargs, out)
+        self.live.after_op(args, kwargs, out, func)
         return out
 
     def __enter__(self):

@@ -119,7 +119,64 @@ def cost_mode(run: Run,
         "step_peak_by_phase": {phase: recorder.live.peak_by_phase[phase]
                                for phase in traffic.PHASES if phase in recorder.live.peak_by_phase},
         "step_temporaries_by_phase": dict(recorder.live.largest_by_phase),
+        "live_at_peak": live_at_peak(memory, info, mode_model.static_buffer_bytes(), backend,
+                                     recorder.live.live_at_peak,
+                                     {g.name: n for n, _, g in mode_model.named_graphs()}),
     }
+
+
+def _grouped(entries, top: int = 6) -> list[list]:
+    """``[(name, bytes)]`` summed by name (``x k`` where ``k`` storages), the ``top`` largest,
+    the rest as one entry."""
+    sums: dict[str, list] = {}
+    for name, nbytes in entries:
+        entry = sums.setdefault(name, [0, 0])
+        entry[0] += nbytes
+        entry[1] += 1
+    ranked = sorted(sums.items(), key=lambda e: -e[1][0])
+    rest = sum(n for _, (n, _) in ranked[top:])
+    return [[name if k == 1 else f"{name} x {k}", n] for name, (n, k) in ranked[:top]] + \
+        ([[f"{len(ranked) - top} more", rest]] if rest else [])
+
+
+def live_at_peak(memory: dict, info: dict, static_buffers: int | None, backend: CostBackend,
+                 eager: list[tuple[str, int]], labels: dict[str, str]) -> dict:
+    """What is live at the peak, by holder: the static buffers one by one, each pool's
+    high-water mark with the capture that set it and the tensors live then (by the graph that
+    made them and the op), and the step's eager storages at their most (by the op that made
+    them). The sums are :func:`peak_memory`'s; ``labels``: a capture's name in the mode's words
+    (``L7.mlp bwd``)."""
+    sets = info.get("persistent_sets", 0)
+    static = {"arena": info.get("arena_bytes") or 0,
+              f"persistent sets ({sets})": (info.get("persistent_bytes_per_microbatch") or 0) * sets,
+              "graphs' static buffers": static_buffers or 0}
+    pools = [{"pool": pool.id, "high_water": pool.state.high_water,
+              "set_by": labels.get(pool.state.high_water_graph, pool.state.high_water_graph),
+              "live": _grouped((what, n) for _, what, n in pool.state.high_water_live)}
+             for pool in backend.pools]
+    return {"model_state": memory["model_state"], "static": static, "pools": pools,
+            "eager": _grouped(eager)}
+
+
+def format_live(report: dict) -> list[str]:
+    """``mhc-cg cost --live``: each mode's peak by holder (:func:`live_at_peak`)."""
+    lines = ["", "what is live at the peak (the allocator emulation; pools reserve their "
+                 "high-water mark for good, so a pool counts whole whenever its mark was set)"]
+    for name, mode in report["modes"].items():
+        live = mode["live_at_peak"]
+        lines += ["", f"{name}: {_size(mode['peak_bytes'])} at {mode['peak_phase']}",
+                  f"  model state                  {_size(live['model_state']):>12}"]
+        for what, nbytes in live["static"].items():
+            if nbytes:
+                lines.append(f"  static: {what:<20} {_size(nbytes):>12}")
+        for pool in live["pools"]:
+            lines.append(f"  pool {pool['pool']}: high-water mark     {_size(pool['high_water']):>12}"
+                         f"  set by {pool['set_by']}")
+            lines += [f"      {_size(n):>12}  {what}" for what, n in pool["live"]]
+        step = mode["peak_memory"]["step"]
+        lines.append(f"  eager, the step's most       {_size(step):>12}")
+        lines += [f"      {_size(n):>12}  {what}" for what, n in live["eager"]]
+    return lines
 
 
 def _step_figures(recorder: StepRecorder, cfg: RunConfig) -> dict:
