@@ -13,6 +13,12 @@ import sys
 
 from mhc_cg.core.errors import ConfigError
 
+DESCRIPTION = ("mHC activation recompute inside CUDA graphs: train an mHC GPT with static-buffer "
+               "recompute under graph capture (bit for bit like eager without recompute), cost "
+               "its memory and time without a GPU, run its kernels beside their peers, and run "
+               "Megatron-LM's own mHC under its own graph helpers.")
+EPILOG = "mhc-cg COMMAND --help says more; start with: mhc-cg train --compare"
+
 # command name -> module under mhc_cg.commands
 COMMANDS = {"train": "train", "memory": "memory", "schedule": "schedule", "config": "config_check",
             "timeline": "timeline", "bench": "bench", "cost": "cost", "kernels": "kernels",
@@ -25,7 +31,7 @@ def _command_modules():
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mhc-cg", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="mhc-cg", description=DESCRIPTION, epilog=EPILOG)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in _command_modules():
         cmd = sub.add_parser(name, help=module.HELP, description=module.HELP)

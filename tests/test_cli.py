@@ -33,3 +33,27 @@ def test_console_script_module_entry():
     proc = subprocess.run([sys.executable, "-m", "mhc_cg.cli", "train", "--device", "gpu"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def test_help_opens_with_what_mhc_cg_does_for_its_user():
+    from mhc_cg.cli import build_parser
+
+    text = build_parser().format_help()
+    assert "mHC activation recompute inside CUDA graphs" in text and "``" not in text
+    assert "mhc_cg/commands" not in text
+
+
+def test_the_cpu_memory_probe_prints_nothing_of_torchs_profiler(capfd):
+    """``held_bytes`` on the CPU runs torch's profiler, whose Kineto logs its start and stop on
+    file descriptor 2 (``USDT: ... profiler_start``) whatever its log level: none reaches the
+    user, and the probe still counts what the function left allocated."""
+    import torch
+
+    from mhc_cg.training.session import held_bytes
+
+    kept = []
+    out, held = held_bytes(lambda: kept.append(torch.ones(1 << 16)) or kept[0],
+                           torch.device("cpu"))
+    captured = capfd.readouterr()
+    assert "USDT" not in captured.err and "profiler" not in captured.err
+    assert held is not None and held >= (1 << 16) * 4 and out is kept[0]

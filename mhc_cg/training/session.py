@@ -13,10 +13,13 @@ with and without evaluation), under ``eval()`` and ``no_grad``: a forward-only p
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterator, Iterable
 
 import torch
 
@@ -74,9 +77,30 @@ def held_bytes(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[to
         return fn(), None
     from torch.autograd.profiler import profile
 
-    with profile(profile_memory=True) as prof:
+    prof = profile(profile_memory=True)
+    with native_stderr_silenced():  # Kineto logs its start and stop there, whatever the level
+        prof.__enter__()
+    try:
         out = fn()
+    finally:
+        with native_stderr_silenced():
+            prof.__exit__(None, None, None)
     return out, int(sum(e.self_cpu_memory_usage for e in prof.function_events))
+
+
+@contextlib.contextmanager
+def native_stderr_silenced() -> Iterator[None]:
+    """Within: what native code writes to file descriptor 2 goes nowhere (Python's own stderr
+    is flushed first and back after)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 class Microbatches:
