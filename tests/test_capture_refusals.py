@@ -11,13 +11,14 @@ from mhc_cg.core.errors import GraphCaptureError
 from mhc_cg.runtime.graphs import get_backend
 from mhc_cg.runtime.graphs.guard import illegal_op_reason
 
-X = torch.randn(6)
+X = torch.arange(6.0) - 2.5  # three positive: more than one value selected
 MASK = X > 0
+VALUES = torch.ones(int(MASK.sum()))  # one value per selected element: not a masked fill
 
 CASES = {
     "mask_read": (lambda: X[MASK], "aten.index.Tensor", "boolean mask"),
-    "mask_write": (lambda: X.__setitem__(MASK, torch.zeros(())), "aten.index_put_", "boolean mask"),
-    "mask_write_scalar": (lambda: X.__setitem__(MASK, 1.0), "aten.index_put_", "boolean mask"),
+    "mask_write_values": (lambda: X.__setitem__(MASK, VALUES), "aten.index_put_",
+                          "boolean mask"),
     "tensor_from_list": (lambda: torch.tensor([1.0, 2.0]), "aten.lift_fresh", "torch.tensor([...])"),
     "cpu": (lambda: X.cpu(), "Tensor.cpu()", "copies device memory to the host"),
 }
@@ -48,6 +49,25 @@ def test_what_stays_legal():
     graph.replay()
     assert torch.equal(z, torch.where(MASK, X, y)) and torch.equal(w, X[idx])
     assert X2[1] == 0.5 and torch.equal(t, 2.0 * X)
+
+
+def test_a_masked_scalar_write_is_a_masked_fill_that_follows_the_mask_at_replay():
+    """Note [x[mask] = scalar is a masked fill]: ``x[mask] = scalar`` (a Python number or a 0-dim
+    host tensor, read at capture as ATen reads it) is recorded as ``masked_fill_`` and each
+    replay fills where the mask is true then; the capture allocates nothing for it."""
+    mask = torch.zeros(2, 6, dtype=torch.bool)
+    x = torch.zeros(3, 2, 6)
+    graph = get_backend("tape").new_graph()
+    with graph.capture():
+        x[:, mask] = 1.5
+        x[0][mask] = torch.tensor(-2.0)
+    for trial in range(3):
+        x.zero_()
+        mask.copy_(torch.rand(2, 6, generator=torch.Generator().manual_seed(trial)) > 0.5)
+        graph.replay()
+        want = torch.where(mask, 1.5, 0.0).expand(3, 2, 6).clone()
+        want[0][mask] = -2.0
+        assert torch.equal(x, want), trial
 
 
 @pytest.mark.cuda

@@ -10,7 +10,8 @@ refuses exactly what a real capture would refuse, with the op and the user's sou
   :class:`CaptureSafetyReport`); one it allocated may be freed and allocated again (Note [a
   capture frees and re-allocates its own storages]).
 * **No host synchronisation, no data-dependent shapes** (``.item()``, ``nonzero``, ``unique``,
-  boolean-mask indexing, device-to-host copies, ``torch.tensor([...])`` from Python data), and
+  boolean-mask indexing but ``x[mask] = scalar``, which is a masked fill, device-to-host copies,
+  ``torch.tensor([...])`` from Python data), and
   no 0-dim CPU tensor read by a device op (CUDA bakes its value in at capture):
   :func:`illegal_op_reason`.
 * **No stateful random ops**: use the counter dropout of :mod:`mhc_cg.ops.dropout`.
@@ -31,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import (TorchDispatchMode, _disable_current_modes,
+                                         _get_current_dispatch_mode_stack)
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
@@ -79,6 +81,34 @@ _COUNTER_DROPOUT_HINT = (
     "cannot redraw the forward's mask; the CPU tape cannot rewind the CPU generator at all")
 
 
+def as_masked_fill(func: torch._ops.OpOverload, args: tuple, kwargs: dict):
+    """Note [x[mask] = scalar is a masked fill]: ATen runs ``index_put_`` with one boolean mask,
+    a one-element host value and no accumulation as ``masked_fill_`` on every device, the value
+    read on the host (and autograd's ``index_put`` backward of it as ``masked_fill``): fixed
+    shapes, which a CUDA graph captures, and a replay follows the mask's new contents.
+    ``(masked_fill op, args, kwargs)`` for such a call, else ``None``; any other boolean indexing
+    stays refused (:func:`illegal_op_reason`)."""
+    if func not in (aten.index_put_.default, aten.index_put.default):
+        return None
+    self, indices, value = args[:3]
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    defined = [i for i in indices if i is not None]
+    if accumulate or value.numel() != 1 or value.device.type != "cpu" or len(defined) != 1:
+        return None
+    mask = defined[0]
+    if mask.dtype not in (torch.bool, torch.uint8) or mask.device != self.device:
+        return None
+    leading = next(k for k, i in enumerate(indices) if i is not None)
+    if any(i is not None for i in indices[leading + 1:]):
+        return None
+    with _disable_current_modes():  # host work, as ATen's value.item() on a host scalar
+        fill = value.item()
+        mask = mask.view(*mask.shape, *([1] * (self.dim() - leading - mask.dim()))).bool()
+    fill_op = aten.masked_fill_.Scalar if func is aten.index_put_.default \
+        else aten.masked_fill.Scalar
+    return fill_op, (self, mask, fill), {}
+
+
 def illegal_op_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | None:
     """Why ``func`` cannot be captured, or ``None`` when it can."""
     packet = func.overloadpacket
@@ -93,9 +123,10 @@ def illegal_op_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) ->
         return "its output shape depends on tensor values; a graph needs shapes fixed at capture"
     if packet in (aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_) \
             and _has_bool_index(func, args, kwargs):
-        return ("it indexes with a boolean mask (x[mask], x[mask] = v), which hides a nonzero: "
-                "the selected count depends on tensor values; use torch.where(mask, v, x) or "
-                "x * mask, which keep shapes fixed")
+        return ("it indexes with a boolean mask (x[mask], or x[mask] = v with v more than one "
+                "value), which hides a nonzero: the selected count depends on tensor values; use "
+                "torch.where(mask, v, x) or x * mask, which keep shapes fixed (x[mask] = scalar "
+                "is a masked fill and is captured)")
     if packet in (aten.lift_fresh, aten.lift_fresh_copy) and args and args[0].dim() > 0:
         return ("it makes a tensor from Python data (torch.tensor([...])); on a GPU that is a "
                 "copy from pageable host memory, which a capture refuses; build it before the "
@@ -353,6 +384,9 @@ class CaptureGuardMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.report.ops_seen += 1
+        masked_fill = as_masked_fill(func, args, kwargs)  # Note [x[mask] = scalar is a masked fill]
+        if masked_fill is not None:
+            func, args, kwargs = masked_fill
         reason = illegal_op_reason(func, args, kwargs)
         if reason is not None:
             self._fail(f"op {func} cannot be captured in a graph: {reason}. "

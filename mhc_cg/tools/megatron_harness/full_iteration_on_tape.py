@@ -34,11 +34,10 @@ under the tape's recorder):
   before and after a ``fork``, ``.item()`` included) runs on the host once, at capture, outside
   the graph. The tape's one device is the CPU and it cannot tell; inside a capture those tensors
   are marked and every op on them alone runs unrecorded.
-* **``x[mask] = scalar`` is a ``masked_fill_``.** ATen runs ``index_put_`` with one boolean mask,
-  a one-element host value and no accumulation as ``masked_fill_`` on every device (and autograd's
-  ``index_put`` backward of it as ``masked_fill``), which a CUDA graph captures; the capture guard
-  refuses a boolean ``index_put_`` as data-dependent, so it is recorded as the ``masked_fill``
-  ATen runs (megatron's cross entropy and vocab-parallel embedding mask so).
+
+(``x[mask] = scalar``, which megatron's cross entropy and vocab-parallel embedding use, the
+capture guard itself records as the masked fill ATen runs: Note [x[mask] = scalar is a masked
+fill], :mod:`mhc_cg.runtime.graphs.guard`.)
 
 One of megatron's own functions is shimmed, and only while a tape capture runs:
 ``megatron.core.utils._kernel_make_viewless_tensor`` (``make_viewless_tensor``, which
@@ -67,7 +66,7 @@ _TAPE = get_backend("tape")
 class _CaptureOnTape(TorchDispatchMode):
     """Inside a tape capture, under the tape's own recorder, what a CUDA capture does that the tape
     alone does not (see the module docstring): the host's tensors (torch's CPU generator state)
-    kept off the graph; ``x[mask] = scalar`` as ``masked_fill_``."""
+    kept off the graph."""
 
     def __init__(self):
         super().__init__()
@@ -105,35 +104,7 @@ class _CaptureOnTape(TorchDispatchMode):
                     self.host.add(storage_id(o))
                     self._host_refs.append(o)
             return out
-        masked_fill = _as_masked_fill(func, args, kwargs)
-        if masked_fill is not None:
-            func, args, kwargs = masked_fill
         return func(*args, **kwargs)
-
-
-def _as_masked_fill(func, args: tuple, kwargs: dict):
-    """``x[mask] = scalar`` as torch's kernel runs it: ``index_put_`` with one boolean mask, a
-    one-element value on the host and no accumulation is ``masked_fill_`` (ATen's
-    ``_index_put_impl_`` takes that path on every device, the value read on the host, so a CUDA
-    graph captures it), and ``index_put`` (autograd's backward of it) ``masked_fill``;
-    ``(func, args, kwargs)`` of that ``masked_fill[_]``, else ``None``."""
-    aten = torch.ops.aten
-    if func not in (aten.index_put_.default, aten.index_put.default):
-        return None
-    self, indices, value = args[:3]
-    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
-    defined = [i for i in indices if i is not None]
-    if accumulate or value.numel() != 1 or value.device.type != "cpu" or len(defined) != 1:
-        return None
-    mask = defined[0]
-    if mask.dtype not in (torch.bool, torch.uint8) or mask.device != self.device:
-        return None
-    leading = next(k for k, i in enumerate(indices) if i is not None)
-    with _disable_current_modes():  # host work, as ATen's value.item() on a host scalar
-        fill = value.item()
-        mask = mask.view(*mask.shape, *([1] * (self.dim() - leading - mask.dim()))).bool()
-    fill_op = aten.masked_fill_.Scalar if func is aten.index_put_.default else aten.masked_fill.Scalar
-    return fill_op, (self, mask, fill), {}
 
 
 class TapeCUDAGraph:
