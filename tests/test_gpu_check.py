@@ -69,11 +69,17 @@ def test_peers_part_compares_every_op_with_every_peer(dry_run):
     tolerance; what cannot run says why (the TE wheel missing, the interpreter's bf16 dot)."""
     from mhc_cg.tools import kernel_peers
 
+    from mhc_cg.tools.megatron_harness.child_process import snapshot_archive
+
     report = json.loads((dry_run / "peers" / "peers.json").read_text())
     expected = set(kernel_peers.PEERS)
     if kernel_peers.find_te_wheel(REPO) is None:
         assert "pip download" in report["skipped"]["te"]
         expected.discard("te")
+    for peer, branches in (("dev", ("dev",)), ("torch", ("dev", "main"))):
+        if any(snapshot_archive(b) is None for b in branches):  # said, not run
+            assert "snapshot" in report["skipped"][peer]
+            expected.discard(peer)
     assert set(report["peers"]) == expected and not set(report["skipped"]) & expected
     gaps = {(g["peer"], g["dtype"], op) for g in report["not_run"] for op in g["ops"]}
     assert all("interpreter" in g["why"] for g in report["not_run"])
