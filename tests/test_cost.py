@@ -135,7 +135,7 @@ def test_fused_ops_are_charged_their_second_passes_and_the_buffers_they_write():
     F-input pass reading x; its backward two, reading x and g_out in both, handing each other
     the per-token coefficients and summing the weight's per-group partials (its scratch), and
     writes x's grad over g_post (read first)."""
-    from mhc_cg.ops.kernels.ops import state_rows, state_scratch
+    from mhc_cg.ops.kernels.tiling import state_rows, state_scratch
 
     t, n, c = 64, 4, 32
     m = n * n + 2 * n
@@ -667,7 +667,7 @@ def test_the_loss_holds_no_fp32_copy_of_the_logits():
 def test_the_losss_and_the_final_norms_ops_are_no_mhc_traffic():
     """Every registered op of the loss and of the model's final norm (their in-place variants
     too) is left out of the mHC traffic."""
-    from mhc_cg.ops.kernels import ops as fused_ops
+    from mhc_cg.tools.cost import fused as fused_ops
 
     names = [n for n in dir(torch.ops.mhc_cg) if n.startswith(("cross_entropy", "rms_norm"))]
     assert len(names) >= 5

@@ -197,7 +197,7 @@ def test_counter_hash_is_murmur3_fmix_in_32_bits():
 def op_cases(device, dtype, n: int, c: int, t: int, norm: bool = True, p: float = 0.2,
              h_res_transposed: bool = False) -> dict:
     """Every op, forward and backward, on the same random inputs; ``case(use_triton)`` runs one."""
-    from mhc_cg.ops.kernels import ops
+    from mhc_cg.ops.kernels import custom_ops as ops
 
     g = torch.Generator().manual_seed(0)
 
@@ -278,7 +278,7 @@ def test_triton_matches_reference_fp32(interpret, n, c, t, norm):
 def test_pre_backward_over_several_weight_gradient_groups_matches_reference(interpret):
     """300 tokens: two groups of the mapping weight's gradient partials, the last one partly
     filled (``weight_grad_groups``); only the pre's backward groups tokens so."""
-    from mhc_cg.ops.kernels.ops import weight_grad_groups
+    from mhc_cg.ops.kernels.tiling import weight_grad_groups
 
     assert weight_grad_groups(300, 16, 2 * 2 + 2 * 2, 2)[0] == 2
     assert_ops_match(torch.float32, 2, 16, 300, True, rtol=1e-5, atol=1e-5,
@@ -351,7 +351,7 @@ def test_block_recompute_reproduces_the_forward_bit_for_bit(request, use_triton,
 @pytest.mark.parametrize("use_triton", [False, pytest.param(True, marks=needs_triton)])
 def test_pre_backward_over_the_post_gradient_equals_the_fresh_one(request, use_triton):
     """Writing x's gradient over the post's (the one-buffer chain) changes no bit of it."""
-    from mhc_cg.ops.kernels import ops
+    from mhc_cg.ops.kernels import custom_ops as ops
 
     if use_triton:
         request.getfixturevalue("interpret")
@@ -742,7 +742,7 @@ def test_pre_backward_with_the_posts_halves_is_bit_identical_to_them_apart(reque
     gives the very bits of the ops apart: the post's backward, then the pre's given its state
     gradient, then the previous post's g_y from the x gradient written (so every mode rounds
     alike whichever way a sublayer runs)."""
-    from mhc_cg.ops.kernels import ops
+    from mhc_cg.ops.kernels import custom_ops as ops
 
     if use_triton:
         request.getfixturevalue("interpret")

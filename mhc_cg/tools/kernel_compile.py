@@ -43,7 +43,7 @@ from mhc_cg.core.dtypes import TORCH_DTYPES
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.core.progress import ProgressBar
 from mhc_cg.ops.kernels.dispatch import interpret_requested, triton_kernels
-from mhc_cg.ops.kernels.ops import MIN_PROGRAMS
+from mhc_cg.ops.kernels.tiling import MIN_PROGRAMS
 
 DEFAULT_TARGET = "sm_90a"
 DEFAULT_HIDDEN = (2048, 7168)

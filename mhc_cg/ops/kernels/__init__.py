@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from mhc_cg.ops.kernels import ops
+from mhc_cg.ops.kernels import custom_ops as ops
 from mhc_cg.ops.kernels.autograd import (NextPre, Post, PostConfig, PostLink, Pre, PreConfig,
                                          Target, hand_state, handed_link, handed_state,
                                          overwritable)

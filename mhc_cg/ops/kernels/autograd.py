@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 
 from mhc_cg.core.storage import alias, is_buffer
-from mhc_cg.ops.kernels import ops
+from mhc_cg.ops.kernels import custom_ops as ops
 from mhc_cg.ops.kernels.reference import state_dtype, state_width
 
 

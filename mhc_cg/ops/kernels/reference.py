@@ -1,6 +1,6 @@
 """The fused mHC ops in plain torch: the CPU path and the oracle the Triton kernels are tested on.
 
-Every function takes token-major 2-D views (T tokens; the callers in ``mhc_cg.ops.kernels.ops``
+Every function takes token-major 2-D views (T tokens; the callers in ``mhc_cg.ops.kernels.custom_ops``
 flatten ``[s, b, ...]``) and computes in fp32, or fp64 for fp64 inputs, casting the results to
 the input dtype, exactly as the Triton kernels do. Backward functions are the explicit
 derivatives (no autograd inside): the same formulas the kernels implement.

@@ -60,7 +60,7 @@ except ImportError:  # a Triton without grid dependency control: the ``pdl`` opt
 
 from mhc_cg.ops.kernels.hash import MAX_ELEMENTS, counter_hash, keep_scale, keep_threshold
 from mhc_cg.ops.kernels.launch import launch_config
-from mhc_cg.ops.kernels.ops import (DOT_ROWS, SUM_ROWS, block_c, mapping_columns, next_pow2,
+from mhc_cg.ops.kernels.tiling import (DOT_ROWS, SUM_ROWS, block_c, mapping_columns, next_pow2,
                                     post_backward_scratch, post_maps_shape, pre_backward_scratch,
                                     state_rows, state_splits, state_tiling,
                                     weight_grad_groups)

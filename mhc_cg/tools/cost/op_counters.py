@@ -19,7 +19,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from mhc_cg.ops.kernels.ops import NOT_MHC
+from mhc_cg.tools.cost.fused import NOT_MHC
 from mhc_cg.tools.cost.allocator import Block, PoolState, rounded
 from mhc_cg.tools.cost.bandwidth import share_of
 from mhc_cg.core import traffic

@@ -12,7 +12,7 @@ The one definition the cost model (and any kernel count elsewhere) uses:
 
 A fused mHC op (``mhc_cg::*``) says itself how many kernels it launches, which arguments its
 kernels read twice and what they pass each other through memory (``LAUNCHES``, ``read_twice`` and
-``scratch_bytes`` in :mod:`mhc_cg.ops.kernels.ops`).
+``scratch_bytes`` in :mod:`mhc_cg.tools.cost.fused`).
 
 What this cannot see: a library call that launches several kernels (cuBLAS split-K, attention's
 forward and its reduction) counts once; ops the GPU would fuse count separately.
@@ -26,7 +26,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from mhc_cg.core.storage import storage_id
-from mhc_cg.ops.kernels.ops import LAUNCHES, read_twice, scratch_bytes
+from mhc_cg.tools.cost.fused import LAUNCHES, read_twice, scratch_bytes
 
 aten = torch.ops.aten
 
