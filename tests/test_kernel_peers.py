@@ -79,3 +79,22 @@ def test_cli_refuses_in_one_line(argv, capsys):
     assert main(["kernels", "--no-progress", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mhc-cg kernels: error: --peers"), err
+
+
+def test_a_timed_report_reads_as_a_table_and_a_markdown_file(tmp_path):
+    """What a GPU run writes (``--out``): each row with ours and the peer's device time, the
+    ratio and GB/s, in the printed table and in ``peers.md``."""
+    row = {"shape": "bench_h100", "tokens": 4096, "hidden": 2048, "dtype": "bfloat16",
+           "op": "post", "peer": "te", "h_res_transposed": True, "max_abs_diff": 0.0,
+           "rtol": kp.RTOL["bfloat16"], "ok": True, "worst": "out: 0 of 1", "ours_ms": 0.05,
+           "ours_wall_ms": 0.07, "ours_gb_per_s": 2600.0, "ms": 0.1, "wall_ms": 0.12,
+           "gb_per_s": 1300.0, "over_ours": 2.0}
+    report = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "code": "abc1234",
+              "skipped": {"torch": "no Megatron-LM main snapshot"}, "not_run": [],
+              "peers": {"te": "TransformerEngine 2.20.2"}, "rows": [row]}
+    text = kp.format_report(report)
+    assert "torch: not run: no Megatron-LM main snapshot" in text
+    assert "0.0500" in text and "0.1000" in text and "2.00" in text
+    md = kp.markdown(report)
+    assert "| bench_h100 | bfloat16 | post | te | 0.0500 | 0.1000 | 2.00 | 2600 | 1300 |" in md
+    assert kp.family_bytes("post", 2048, 2, 2048, 2) / (row["ours_ms"] * 1e6) > 0
