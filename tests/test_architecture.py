@@ -168,3 +168,17 @@ def test_a_toy_mode_registered_in_one_place_reaches_train_compare_and_cost(toy_m
     assert main(["train", "--config", str(path), "--mode", "toy_eager", "--json",
                  "--no-progress"]) == 0
     assert json.loads(capsys.readouterr().out)["mode"] == "toy_eager"
+
+
+def test_the_step_loop_is_written_once_and_no_mode_runs_a_backward_itself():
+    """The microbatch loop lives in one function (``microbatch_loop``): the eager step runs it
+    and a full-iteration mode captures it; a mode backpropagates only with the backward its
+    owner gives it, never by calling ``.backward(`` itself."""
+    modes = ROOT / "mhc_cg" / "runtime" / "modes"
+    calls = [f"{p.name}:{n}" for p in modes.glob("*.py")
+             for n, line in enumerate(p.read_text().splitlines(), 1) if ".backward(" in line]
+    assert calls == []
+    users = {p.relative_to(ROOT).as_posix() for p in (ROOT / "mhc_cg").rglob("*.py")
+             if "microbatch_loop(" in p.read_text()}
+    assert users == {"mhc_cg/runtime/modes/step_loop.py", "mhc_cg/runtime/modes/graphed_full.py",
+                     "mhc_cg/training/session.py"}

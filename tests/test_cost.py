@@ -581,16 +581,17 @@ def test_peak_memory_adds_up_and_block_recompute_lowers_the_step_peak():
 
 
 def _held_storages(root) -> dict[int, int]:
-    """Every tensor storage reachable from ``root`` through Python references: storage -> its
-    bytes in 512-byte blocks."""
+    """Every tensor storage reachable from ``root`` through Python references (not through code:
+    a function's globals or a module lead everywhere): storage -> its bytes in 512-byte blocks."""
     import gc
+    import types
 
     from mhc_cg.core.storage import storage_id
 
     held, seen, todo = {}, set(), [root]
     while todo:
         obj = todo.pop()
-        if id(obj) in seen or isinstance(obj, type):
+        if id(obj) in seen or isinstance(obj, (type, types.FunctionType, types.ModuleType)):
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):

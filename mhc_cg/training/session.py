@@ -28,6 +28,7 @@ from mhc_cg.config import RunConfig
 from mhc_cg.core.dtypes import TORCH_DTYPES
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.core.nvtx import nvtx_range, profiler_recording, step_phase
+from mhc_cg.runtime.modes.step_loop import microbatch_loop
 from mhc_cg.core.progress import ProgressBar
 from mhc_cg.model import MHCGPT, lm_loss, microbatch_loss
 from mhc_cg.runtime.modes.lifecycle import ModeModel
@@ -144,7 +145,7 @@ class TrainSession:
         ``optimizer``: a factory instead of :func:`optimizer_for` (the cost model's back-test)."""
         model = build_model(run)
         optimizer = (optimizer or optimizer_for)(run.cfg, model.parameters())
-        mode_model = prepare(run, model, backend)
+        mode_model = prepare(run, model, backend, backward=optimizer.backward)
         optimizer.reserve_staging(mode_model.idle_workspace())
         return cls(run, mode_model, optimizer, Microbatches(run.cfg))
 
@@ -216,25 +217,26 @@ class TrainSession:
         return StepTensors(loss_sum, result.grad_norm, result.found_inf, held)
 
     def _microbatches(self, probe_memory: bool) -> tuple[torch.Tensor, int | None]:
-        """Each microbatch's forward and backward, eagerly (graphs inside where the mode has
-        them); returns the summed loss and what the first forward held (``probe_memory``)."""
+        """The step's microbatch loop (:func:`~mhc_cg.runtime.modes.step_loop.microbatch_loop`),
+        each forward eager (graphs inside where the mode has them); returns the summed loss and
+        what the first forward held (``probe_memory``)."""
         train, dev = self.cfg.train, self.device
-        loss_sum, held = None, None
-        for index in range(train.num_microbatches):
-            with step_phase("forward"):  # the batch's loading counts with the forward
-                inputs, targets, seed = self.data.next(dev)
+        held = None
 
-                def forward_loss() -> torch.Tensor:
-                    return microbatch_loss(self.forward(inputs, seed), targets,
-                                           self.cfg.model.kernels, train.num_microbatches)
+        def forward_loss(index: int) -> torch.Tensor:
+            nonlocal held
+            inputs, targets, seed = self.data.next(dev)  # loading counts with the forward
 
-                if probe_memory and index == 0:
-                    loss, held = held_bytes(forward_loss, dev)
-                else:
-                    loss = forward_loss()
-                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-            with step_phase("backward"):
-                self.optimizer.backward(loss)
+            def loss() -> torch.Tensor:
+                return microbatch_loss(self.forward(inputs, seed), targets,
+                                       self.cfg.model.kernels, train.num_microbatches)
+
+            if probe_memory and index == 0:
+                out, held = held_bytes(loss, dev)
+                return out
+            return loss()
+
+        loss_sum = microbatch_loop(train.num_microbatches, forward_loss, self.optimizer.backward)
         return loss_sum, held
 
     def _replayed_iteration(self) -> torch.Tensor:

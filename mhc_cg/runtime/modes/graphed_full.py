@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from mhc_cg.core import traffic
-from mhc_cg.core.nvtx import nvtx_range, step_phase
+from mhc_cg.core.nvtx import nvtx_range
 from mhc_cg.model import microbatch_loss
 from mhc_cg.runtime.graphs import GraphBackend, get_backend
 from mhc_cg.runtime.graphs.capture import Graph
@@ -39,6 +39,7 @@ from mhc_cg.runtime.modes.eager import EagerModel
 from mhc_cg.runtime.modes.graphed_static import GraphedStaticModel
 from mhc_cg.runtime.modes.lifecycle import CapturedState, ModeModel
 from mhc_cg.runtime.modes.plan import CapturePlan
+from mhc_cg.runtime.modes.step_loop import microbatch_loop
 
 Batch = tuple[Tensor, Tensor, Tensor]  # (input ids [b, s], targets [b, s], dropout seed [])
 
@@ -91,19 +92,12 @@ class FullIterationModel(ModeModel):
         return self
 
     def _iteration(self) -> Tensor:
-        """Every microbatch's forward, loss and backward, as the training step runs them eagerly
-        (:meth:`mhc_cg.training.session.TrainSession.run_step`); returns the summed loss."""
+        """Every microbatch's forward, loss and backward, the training step's own loop
+        (:func:`~mhc_cg.runtime.modes.step_loop.microbatch_loop`) over the static batches, with
+        the backward the session gave (:attr:`ModeModel.backward`); returns the summed loss."""
         n, kernels = len(self.seeds), self.model.cfg.kernels
-        loss_sum = None
-        for i in range(n):
-            with step_phase("forward"):
-                # no name holds the logits: the backward frees them, as the eager step does
-                loss = microbatch_loss(self.inner(self.inputs[i], self.seeds[i]), self.targets[i],
-                                       kernels, n)
-                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-            with step_phase("backward"):
-                loss.backward()
-        return loss_sum
+        return microbatch_loop(n, lambda i: microbatch_loss(
+            self.inner(self.inputs[i], self.seeds[i]), self.targets[i], kernels, n), self.backward)
 
     def run_iteration(self, batches: Sequence[Batch]) -> Tensor:
         """Copy ``batches`` (one per microbatch) into the static buffers and replay the iteration;

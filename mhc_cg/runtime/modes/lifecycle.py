@@ -17,6 +17,7 @@ claims no persistent set and leaves every pool's replay order where it was.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -50,6 +51,9 @@ class ModeModel:
         self.graph_labels: list[str] = []  # what each graphed callable holds, e.g. "L3.attn"
         self.runtime: StaticRecompute | None = None
         self.captured: CapturedState | None = None
+        # how a microbatch's loss is backpropagated, given by who runs the step (the session's
+        # optimizer scales it for fp16); a full-iteration mode captures it with the step
+        self.backward: Callable[[Tensor], None] = torch.autograd.backward
 
     # -- running --------------------------------------------------------------------------------
     def prepare(self, device: torch.device | str) -> "ModeModel":

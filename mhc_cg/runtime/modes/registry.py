@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch import Tensor
 
 from mhc_cg.config import MHCGPTConfig, RunConfig, check
 from mhc_cg.config.choices import RECOMPUTE_SCOPE
@@ -186,13 +187,17 @@ def build_model(run: Run) -> MHCGPT:
     return model
 
 
-def prepare(run: Run, model: MHCGPT, backend: GraphBackend | None = None) -> ModeModel:
+def prepare(run: Run, model: MHCGPT, backend: GraphBackend | None = None,
+            backward: Callable[[Tensor], None] | None = None) -> ModeModel:
     """``model`` (from :func:`build_model`) as the run's mode runs it, graphs captured: after
     this, the parameters' addresses are baked into the graphs. ``backend``: a capture backend
-    object instead of the plan's (the cost model's)."""
+    object instead of the plan's (the cost model's); ``backward``: how the step backpropagates a
+    microbatch's loss (the training optimizer's), which a full-iteration mode captures."""
     mode_model = run.mode.model_type(model, run.plan,
                                      micro_batch_size=run.cfg.train.micro_batch_size,
                                      backend=backend)
+    if backward is not None:
+        mode_model.backward = backward
     with torch.enable_grad():  # capture records the backward too, even if built under no_grad
         mode_model.prepare(run.device)
     return mode_model
