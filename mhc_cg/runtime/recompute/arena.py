@@ -83,9 +83,10 @@ class Arena:
         self._writer: Tensor | None = None
         self._region_offsets: dict[str, int] = {}
         self._data_ptrs: dict[tuple[str, int], int] = {}
-        # (runtime, block, persistent set) whose forward wrote the slots last, while nothing else
-        # has written them since; None otherwise (see the module docstring)
-        self.holder: tuple | None = None
+        # (the runtime's id, block, persistent set) whose forward wrote the slots last, while
+        # nothing else has written them since; None otherwise (see the module docstring). An id,
+        # not the runtime: the arena its runtimes share holds none of them
+        self.holder: tuple[int, int, int] | None = None
 
     # -- layout ------------------------------------------------------------------------------
     @property

@@ -274,7 +274,7 @@ class StaticRecompute:
         Note [recompute graphs] (docs/design.md, item 4): one per (block, persistent set),
         replayed from the hook on the block output's gradient, before the block's first
         backward node; they run one at a time, so no temporary outlives a replay."""
-        kept, self.arena.holder = self.arena.holder == (self, block, pset.index), None
+        kept, self.arena.holder = self.arena.holder == (id(self), block, pset.index), None
         if kept:
             self.recomputes[(block, "kept")] += 1
             self.trace.append(f"recompute block {block} set {pset.index} (kept from the forward)")
@@ -346,7 +346,7 @@ class StaticRecompute:
         if handles:
             self._pending[pset.index] = state
             # its last block's state stays in the slots until something else writes them
-            self.arena.holder = (self, len(self.blocks) - 1, pset.index)
+            self.arena.holder = (id(self), len(self.blocks) - 1, pset.index)
         else:  # no gradient will flow (e.g. a frozen chunk): nothing will run backward
             self.sets.release(pset)
         return x
