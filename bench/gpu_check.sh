@@ -127,8 +127,10 @@ part() {
     echo "[gpu_check] $name: $status (exit $rc)" >&2
 }
 
+# its stdout, the report as JSON, is the log (peers.json beside it is the same report)
 part peers "$(limit_of peers)" "$OUT_DIR/peers/peers.log" \
-    "$PY" -m mhc_cg.cli kernels --peers --no-progress --out "$OUT_DIR/peers" "${KERNEL_ARGS[@]}"
+    "$PY" -m mhc_cg.cli kernels --peers --json --no-progress --out "$OUT_DIR/peers" \
+    "${KERNEL_ARGS[@]}"
 
 part bench "$(limit_of bench)" "$OUT_DIR/bench/bench.log" \
     "$PY" -m mhc_cg.cli bench "${BENCH_ARGS[@]}" --modes "${MODES// /,}" --out-dir "$OUT_DIR/bench" \

@@ -72,6 +72,9 @@ def test_peers_part_compares_every_op_with_every_peer(dry_run):
     from mhc_cg.tools.megatron_harness.child_process import snapshot_archive
 
     report = json.loads((dry_run / "peers" / "peers.json").read_text())
+    printed = (dry_run / "peers" / "peers.log").read_text()  # --json: the same report on stdout
+    shown, _ = json.JSONDecoder().raw_decode(printed[printed.index("{"):])
+    assert shown["rows"] == report["rows"]
     expected = set(kernel_peers.PEERS)
     if kernel_peers.find_te_wheel(REPO) is None:
         assert "pip download" in report["skipped"]["te"]
