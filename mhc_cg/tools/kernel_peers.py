@@ -192,12 +192,16 @@ def format_report(report: dict) -> str:
         line = (f"{r['shape']:8} {r['dtype']:9} {r['op']:14} {r['peer']:6} {diff:>13} "
                 f"{r['rtol']:>8.1e} {'yes' if r['ok'] else 'NO'}")
         if timed:
-            line += (f" {r['ours_ms']:>9.4f} {r['ms']:>9.4f} {r['over_ours']:>7.2f} "
-                     f"{r['gb_per_s']:>7.0f}")
+            line += (f" {_fig(r['ours_ms'], '.4f'):>9} {_fig(r['ms'], '.4f'):>9} "
+                     f"{_fig(r['over_ours'], '.2f'):>7} {_fig(r['gb_per_s'], '.0f'):>7}")
         if r.get("worst"):
             line += f"  ({r['worst']})"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _fig(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def markdown(report: dict) -> str:
@@ -212,11 +216,12 @@ def markdown(report: dict) -> str:
            "peer GB/s | ours wall ms | peer wall ms | max abs diff | ok |",
            "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
+        figures = [_fig(r[k], f) for k, f in (
+            ("ours_ms", ".4f"), ("ms", ".4f"), ("over_ours", ".2f"), ("ours_gb_per_s", ".0f"),
+            ("gb_per_s", ".0f"), ("ours_wall_ms", ".4f"), ("wall_ms", ".4f"))]
         out.append(f"| {r['shape']} | {r['dtype']} | {r['op']} | {r['peer']} | "
-                   f"{r['ours_ms']:.4f} | {r['ms']:.4f} | {r['over_ours']:.2f} | "
-                   f"{r['ours_gb_per_s']:.0f} | {r['gb_per_s']:.0f} | {r['ours_wall_ms']:.4f} | "
-                   f"{r['wall_ms']:.4f} | {r['max_abs_diff']:.2e} | "
-                   f"{'yes' if r['ok'] else 'NO'} |")
+                   + " | ".join(figures)
+                   + f" | {r['max_abs_diff']:.2e} | {'yes' if r['ok'] else 'NO'} |")
     return "\n".join(out) + "\n"
 
 
@@ -364,8 +369,13 @@ class Peer:
         return value
 
     def pre(self, t: dict, x):
-        """``(F's input, h_post [s, b, n], h_res [s, b, n, n], what the post needs)``."""
+        """``(F's input, h_post [s, b, n], h_res [s, b, n, n], what the post needs)``; a peer
+        whose pre makes no mappings tensors returns ``None`` for them (:meth:`mappings`)."""
         raise NotImplementedError
+
+    def mappings(self, t: dict, h_post, h_res, maps) -> tuple:
+        """``(h_post, h_res)`` for the comparison, outside any timed call."""
+        return h_post, h_res
 
     def post(self, t: dict, x, maps, y):
         raise NotImplementedError
@@ -387,17 +397,24 @@ class Ours(Peer):
 
     def pre(self, t, x):
         from mhc_cg.ops import kernels as k
-        from mhc_cg.ops.kernels.reference import _post_mappings
 
         fn, state, x_on = k.pre(x, t["weight"], t["a_pre"], t["a_post"], t["a_res"], t["bias"],
                                 None, N, ITERATIONS, 1e-6, "triton",
                                 h_res_transposed=self.transposed)
-        with _no_grad():  # the mappings for the comparison, from the state the post reads
-            s, b, _ = x.shape
-            h, *_, s_post, h_res = _post_mappings(
+        return fn, None, None, (x_on, state)
+
+    def mappings(self, t, h_post, h_res, maps):
+        """Ours keeps the state, which the post reads: the mappings are derived from it for the
+        comparison only (the torch reference, never timed)."""
+        from mhc_cg.ops.kernels.reference import _post_mappings
+
+        state = maps[1]
+        s, b, _ = t["x"].shape
+        with _no_grad():
+            *_, s_post, h_res = _post_mappings(
                 state.reshape(s * b, -1), t["a_pre"], t["a_post"], t["a_res"], t["bias"], N,
-                ITERATIONS, math.sqrt(x.shape[-1]))
-        return fn, (2 * s_post).view(s, b, N), h_res.view(s, b, N, N), (x_on, state)
+                ITERATIONS, math.sqrt(t["x"].shape[-1]))
+        return (2 * s_post).view(s, b, N), h_res.view(s, b, N, N)
 
     def post(self, t, x, maps, y):
         from mhc_cg.ops import kernels as k
@@ -524,8 +541,11 @@ def _no_grad():
 
 
 # the work of each row: (run it once, returning the tensors compared by name)
-def _row_pre(peer, t):
-    fn, h_post, h_res, _ = peer.pre(t, t["x"])
+def _row_pre(peer, t, compare: bool = True):
+    fn, h_post, h_res, maps = peer.pre(t, t["x"])
+    if not compare:  # timed: the pre alone
+        return {"fn_input": fn}
+    h_post, h_res = peer.mappings(t, h_post, h_res, maps)
     return {"fn_input": fn, "h_post": h_post, "h_res": h_res}
 
 
@@ -728,6 +748,8 @@ def _rows(peer: Peer, ours: Ours, inp: Inputs, shape: dict, dtype: str, timed: b
             "pre.backward": (lambda p, t, m: _row_pre_backward(p, t)),
             "sublayer": (lambda p, t, m: _row_sublayer(p, t))}
     forward_of = {"post.backward": "post", "pre.backward": "pre"}
+    # what a timed call runs: the op, none of the comparison's own work
+    timed_work = {**work, "pre": (lambda p, t, m: _row_pre(p, t, compare=False))}
     rows, (s, b, c) = [], inp.shape
     es = inp.x.element_size()
     for op in (op for op in OPS if op not in skip):
@@ -740,13 +762,17 @@ def _rows(peer: Peer, ours: Ours, inp: Inputs, shape: dict, dtype: str, timed: b
         if timed:  # ours timed beside each peer, in the peer's H_res orientation
             for prefix, p, t, m in (("ours_", ours, t_ours, maps_ours),
                                     ("", peer, t_peer, maps_peer)):
-                ms, wall = _device_ms(lambda: work[op](p, t, m), reps)
+                ms, wall = _device_ms(lambda: timed_work[op](p, t, m), reps)
                 if op in forward_of:  # the backward alone: its forward's time taken off
-                    ms0, wall0 = _device_ms(lambda: work[forward_of[op]](p, t, m), reps)
+                    ms0, wall0 = _device_ms(lambda: timed_work[forward_of[op]](p, t, m), reps)
                     ms, wall = ms - ms0, wall - wall0
+                if ms <= 0:  # a backward within its forward's noise: no figure, rather than one
+                    ms = wall = None
                 row.update({f"{prefix}ms": ms, f"{prefix}wall_ms": wall,
-                            f"{prefix}gb_per_s": family_bytes(op, s, b, c, es) / (ms * 1e6)})
-            row["over_ours"] = row["ms"] / row["ours_ms"]
+                            f"{prefix}gb_per_s": None if ms is None
+                            else family_bytes(op, s, b, c, es) / (ms * 1e6)})
+            row["over_ours"] = (None if row["ms"] is None or row["ours_ms"] is None
+                                else row["ms"] / row["ours_ms"])
         rows.append(row)
     return rows
 
