@@ -48,6 +48,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 TE_VERSION = "2.20.2"
 TE_WHEEL = f"transformer_engine-{TE_VERSION}-py3-none-any.whl"
 TE_FILES = ("transformer_engine/common/triton/mhc.py", "transformer_engine/pytorch/triton/mhc.py")
@@ -229,8 +231,6 @@ def markdown(report: dict) -> str:
 def load_te(folder: str):
     """TE's autograd wrappers over its kernels, from ``folder`` (see the module docstring).
     The ``transformer_engine`` names it imports exist only while its files load."""
-    import torch
-
     packages = ["transformer_engine", "transformer_engine.common",
                 "transformer_engine.common.triton", "transformer_engine.pytorch",
                 "transformer_engine.pytorch.triton", "transformer_engine.pytorch.cpp_extensions",
@@ -263,7 +263,6 @@ def load_te(folder: str):
     wrappers = loaded[1]
     tma = wrappers._support_tma
     wrappers._support_tma = lambda x: x.is_cuda and tma(x)  # it asks the CUDA device
-    del torch
     return wrappers
 
 
@@ -324,8 +323,6 @@ class Inputs:
 def make_inputs(seq: int, batch: int, hidden: int, dtype, device, seed: int = 0) -> Inputs:
     """Inputs whose every mapping matters: alphas and a bias away from their init, a weight
     that moves the logits by O(1)."""
-    import torch
-
     g = torch.Generator().manual_seed(seed)
     m, width = N * N + 2 * N, N * hidden
 
@@ -348,13 +345,10 @@ class Peer:
     post_grads_x = True  # the post's backward alone gives x its whole gradient through the post
 
     def prepare(self, inp: Inputs) -> dict:
-        import torch
-
         t = {"x": inp.x, "weight": inp.weight, "a_pre": inp.a_pre, "a_post": inp.a_post,
              "a_res": inp.a_res, "bias": inp.bias, "y": inp.y}
         t = {k: v.detach().clone().requires_grad_() for k, v in t.items()}
         t.update(g_fn=inp.g_fn, g_out=inp.g_out)
-        del torch
         return t
 
     def params(self, t: dict) -> dict:
@@ -410,7 +404,7 @@ class Ours(Peer):
 
         state = maps[1]
         s, b, _ = t["x"].shape
-        with _no_grad():
+        with torch.no_grad():
             *_, s_post, h_res = _post_mappings(
                 state.reshape(s * b, -1), t["a_pre"], t["a_post"], t["a_res"], t["bias"], N,
                 ITERATIONS, math.sqrt(t["x"].shape[-1]))
@@ -439,8 +433,6 @@ class TE(Peer):
         self.tf32 = tf32
 
     def prepare(self, inp):
-        import torch
-
         s, b, c = inp.shape
         m = inp.weight.shape[0]
         # (s, b, C, n): feature k = c * n + i; the weight's columns likewise
@@ -502,8 +494,6 @@ class MainTorch(Peer):
     name = "torch"
 
     def __init__(self, module, config_type, inp: Inputs):
-        import torch
-
         s, b, c = inp.shape
         config = config_type(num_layers=1, hidden_size=c, num_attention_heads=1,
                              enable_hyper_connections=True, num_residual_streams=N,
@@ -532,14 +522,6 @@ class MainTorch(Peer):
                                                   False)
 
 
-@contextlib.contextmanager
-def _no_grad():
-    import torch
-
-    with torch.no_grad():
-        yield
-
-
 # the work of each row: (run it once, returning the tensors compared by name)
 def _row_pre(peer, t, compare: bool = True):
     fn, h_post, h_res, maps = peer.pre(t, t["x"])
@@ -560,8 +542,6 @@ def _clear(t: dict) -> None:
 
 
 def _row_post_backward(peer, t, maps):
-    import torch
-
     _clear(t)
     out = peer.post(t, t["x"], maps, t["y"])
     torch.autograd.backward(out, t["g_out"])
@@ -572,8 +552,6 @@ def _row_post_backward(peer, t, maps):
 
 
 def _row_pre_backward(peer, t):
-    import torch
-
     _clear(t)
     fn, *_ = peer.pre(t, t["x"])
     torch.autograd.backward(fn, t["g_fn"])
@@ -581,8 +559,6 @@ def _row_pre_backward(peer, t):
 
 
 def _row_sublayer(peer, t):
-    import torch
-
     _clear(t)
     fn, _, _, maps = peer.pre(t, t["x"])
     out = peer.post(t, t["x"], maps, t["y"])
@@ -623,7 +599,6 @@ def _device_ms(fn, reps: int) -> tuple[float, float]:
     """``(device ms per call: the union of the kernels' spans in a torch.profiler trace, as
     ``mhc-cg kernels --bench`` counts them; wall ms per synchronised call)``, after three warm-up
     calls (Triton's compiles, torch.compile's)."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from mhc_cg.tools.profiling.timeline import read_timeline, union_ns
@@ -651,7 +626,6 @@ def interpreter_bf16_dot_error() -> float:
     """The largest error of a 16 x 16 bf16 ``tl.dot`` (fp32 result) under Triton's interpreter
     against torch: Triton 3.9's interpreter gets it wrong (about 1e10), so a peer's kernel whose
     dot takes bf16 operands cannot be checked there."""
-    import torch
     import triton
     import triton.language as tl
 
@@ -677,7 +651,6 @@ def child(spec_path: str, out_path: str) -> int:
     import warnings
 
     warnings.filterwarnings("ignore")
-    import torch
 
     from mhc_cg.core.progress import log
     from mhc_cg.ops.kernels.dispatch import interpret_requested

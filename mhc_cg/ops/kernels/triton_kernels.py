@@ -506,16 +506,17 @@ def _launch_state(x, weight, bias, a_pre, norm: bool, eps, n, state_out, post=No
                                                    dtype=torch.float32))
     maps, y, seed, p, stream, out, transposed = post or (x, x, None, 0.0, 0, x, False)
     splits, span = state_splits(t, c, bc, rows, config["splits"])
+    pdl = _pdl(config)
     part = x.new_empty(splits, t, mp + nb * nb, dtype=torch.float32)
     # x's tl.dot tiles run num_stages - 1 steps ahead
     _state_part[(triton.cdiv(t, rows), splits)](
         x, weight, part, y, maps, seed if seed is not None else x, out, stream, t, c, span, N=n,
         NP=nb, MP=mp, BT=rows, BC=bc, DOT_F32=_dot_in_fp32(x, weight), PREC=_precision(x.dtype),
         POST=post is not None, HT=transposed, **_dropout_args(seed, p),
-        PDL=_pdl(config)["PDL"], num_warps=config["warps"], num_stages=config["stages"])
+        PDL=pdl["PDL"], num_warps=config["warps"], num_stages=config["stages"])
     _state_sum[(triton.cdiv(t, SUM_ROWS),)](
         part, bias, a_pre, state, t, c, splits, float(width) ** 0.5, float(eps), N=n, NP=nb,
-        MP=mp, BT=SUM_ROWS, NORM=norm, RMS=RMS_EPS, **_pdl(config))
+        MP=mp, BT=SUM_ROWS, NORM=norm, RMS=RMS_EPS, **pdl)
     return _deliver(state, state_out)
 
 

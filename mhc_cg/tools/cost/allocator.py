@@ -60,7 +60,7 @@ class Block:
     last_use: int
     freed_at: int | None = None  # op index before which Python had dropped it (held model)
     released: bool = False  # its storage was resized to nothing (and may be allocated again)
-    what: str = ""  # the op that made it and the tensor it made (what is live at the peak)
+    what: tuple | None = None  # what made it (op_counters.owner): what is live at the peak
     graph: str = ""  # the capture that made it
 
     def alive(self) -> bool:
@@ -83,7 +83,7 @@ class CapturePeak:
     escaped_bytes: int = 0          # of those, still alive after the capture
     escaped_blocks: int = 0
     # the blocks live at the peak (last-use model): (graph that made it, what, bytes)
-    live_at_peak: list[tuple[str, str, int]] = field(default_factory=list)
+    live_at_peak: list[tuple[str, tuple | None, int]] = field(default_factory=list)
 
 
 def _peak(events: list[tuple[float, int]], start: int) -> int:
@@ -108,7 +108,7 @@ class PoolState:
     resident: list[Block] = field(default_factory=list)
     high_water: int = 0
     # what was live when the high-water mark was set (CapturePeak.live_at_peak of that capture)
-    high_water_live: list[tuple[str, str, int]] = field(default_factory=list)
+    high_water_live: list[tuple[str, tuple | None, int]] = field(default_factory=list)
     high_water_graph: str = ""  # the capture that set it
 
     def live_resident(self) -> list[Block]:

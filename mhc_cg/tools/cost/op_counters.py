@@ -156,11 +156,20 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
-def owner(func, t: torch.Tensor) -> str:
-    """What made a storage, for the peak's breakdown: ``op [shape] dtype``."""
+def owner(func, t: torch.Tensor) -> tuple:
+    """What made a storage, for the peak's breakdown (:func:`owner_text` when reported): kept
+    raw, as every op the cost model records makes some."""
+    return func, tuple(t.shape), t.dtype
+
+
+def owner_text(made: tuple | None) -> str:
+    """``op [shape] dtype`` of an :func:`owner`."""
+    if made is None:
+        return "?"
+    func, shape, dtype = made
     packet = str(func.overloadpacket)
     name = packet[5:] if packet.startswith("aten.") else packet.replace(".", "::", 1)
-    return f"{name} {list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+    return f"{name} {list(shape)} {str(dtype).removeprefix('torch.')}"
 
 
 class CaptureRecorder(CaptureGuardMode):
@@ -249,8 +258,8 @@ class LiveBytes:
         self.bytes = 0
         self.peak_by_phase: dict[str | None, int] = {}
         self.largest_by_phase: dict[str | None, int] = {}  # the largest storage made in a phase
-        # what was alive at the step's most: (owner, bytes), largest first
-        self.live_at_peak: list[tuple[str, int]] = []
+        # what was alive at the step's most: (owner, bytes)
+        self.live_at_peak: list[tuple[tuple | None, int]] = []
 
     @property
     def peak(self) -> int:
@@ -276,14 +285,13 @@ class LiveBytes:
                 continue
             nbytes = rounded(storage.nbytes())
             self._live[key] = [StorageWeakRef(storage), nbytes,
-                               owner(func, t) if func is not None else "?"]
+                               owner(func, t) if func is not None else None]
             self.bytes += nbytes
             made = traffic.current_phase()
             self.largest_by_phase[made] = max(self.largest_by_phase.get(made, 0), nbytes)
         phase = traffic.current_phase()
-        if self.bytes > self.peak:
-            self.live_at_peak = sorted(((o, n) for _, n, o in self._live.values() if n),
-                                       key=lambda e: -e[1])
+        if self.bytes > self.peak:  # what made each, formatted when reported
+            self.live_at_peak = [(o, n) for _, n, o in self._live.values() if n]
         self.peak_by_phase[phase] = max(self.peak_by_phase.get(phase, 0), self.bytes)
 
 

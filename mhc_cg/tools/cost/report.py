@@ -36,7 +36,7 @@ from mhc_cg.tools.cost.allocator import rounded
 from mhc_cg.tools.cost.bandwidth import charging
 from mhc_cg.tools.cost.measured import (copy_share, efficiency_rows, fused_charges,
                                         kernel_classes, last_measured_steps)
-from mhc_cg.tools.cost.op_counters import StepRecorder, StreamTracker
+from mhc_cg.tools.cost.op_counters import StepRecorder, StreamTracker, owner_text
 from mhc_cg.tools.cost.cost_backend import CostBackend
 from mhc_cg.training.session import TrainSession, optimizer_for
 
@@ -140,7 +140,7 @@ def _grouped(entries, top: int = 6) -> list[list]:
 
 
 def live_at_peak(memory: dict, info: dict, static_buffers: int | None, backend: CostBackend,
-                 eager: list[tuple[str, int]], labels: dict[str, str]) -> dict:
+                 eager: list[tuple[tuple | None, int]], labels: dict[str, str]) -> dict:
     """What is live at the peak, by holder: the static buffers one by one, each pool's
     high-water mark with the capture that set it and the tensors live then (by the graph that
     made them and the op), and the step's eager storages at their most (by the op that made
@@ -152,10 +152,11 @@ def live_at_peak(memory: dict, info: dict, static_buffers: int | None, backend: 
               "graphs' static buffers": static_buffers or 0}
     pools = [{"pool": pool.id, "high_water": pool.state.high_water,
               "set_by": labels.get(pool.state.high_water_graph, pool.state.high_water_graph),
-              "live": _grouped((what, n) for _, what, n in pool.state.high_water_live)}
+              "live": _grouped((owner_text(what), n)
+                               for _, what, n in pool.state.high_water_live)}
              for pool in backend.pools]
     return {"model_state": memory["model_state"], "static": static, "pools": pools,
-            "eager": _grouped(eager)}
+            "eager": _grouped((owner_text(made), n) for made, n in eager)}
 
 
 def format_live(report: dict) -> list[str]:
