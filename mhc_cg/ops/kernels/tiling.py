@@ -27,9 +27,9 @@ def mapping_columns(n: int) -> int:
     return max(16, next_pow2(n * n + 2 * n))
 
 
-# The state's first stage holds a [rows, NP, NP, BC] Gram product per step: its features per step
-# shrink as its tokens per program grow, so the tile keeps the same registers
-STATE_TILE = 8192
+# The state's first stage holds its streams' [rows, BC] tiles of x per step: its features per
+# step shrink as its tokens per program grow, so the tiles keep about the same registers
+STATE_TILE = 4096
 
 
 def state_rows(x_bytes: int, weight_bytes: int, rows: int | None = None) -> int:
@@ -44,10 +44,10 @@ def state_rows(x_bytes: int, weight_bytes: int, rows: int | None = None) -> int:
 
 def state_tiling(c: int, n: int, rows: int) -> tuple[int, int, int]:
     """``(NP, MP, BC)`` of the state kernels at ``rows`` tokens per program: streams and mapping
-    columns padded to powers of two, features per step (the dot's depth ``NP * BC`` at least
-    16)."""
+    columns padded to powers of two (the rows the second stage sums), features per step (each
+    stream's ``tl.dot`` depth, at least 16)."""
     np_ = next_pow2(n)
-    bc = max(16 // np_, min(next_pow2(c), next_pow2(max(1, STATE_TILE // (rows * np_ * np_)))))
+    bc = max(16, min(next_pow2(c), next_pow2(max(1, STATE_TILE // (rows * np_)))))
     return np_, mapping_columns(n), bc
 
 

@@ -1,9 +1,10 @@
 """Triton kernels of the fused mHC ops; the same signatures as ``mhc_cg.ops.kernels.reference``.
 
 Loaded by ``mhc_cg.ops.kernels.dispatch.triton_kernels()`` only (so ``import mhc_cg`` never needs
-triton). Every kernel computes in fp32 and stores in the output's dtype; the state is fp32. The
-stream axis is padded to a power of two ``NP``, the mapping width ``m`` to ``MP`` (at least 16, as
-``tl.dot`` wants), both masked. No atomics: a parameter's gradient leaves a kernel as per-token or
+triton). Every kernel computes in fp32 and stores in the output's dtype; the state is fp32. Each
+stream is its own tile (Note [streams at their own offsets]); per-token tiles pad the streams to a
+power of two ``NP`` and the mapping width ``m`` to ``MP`` (at least 16, as ``tl.dot`` wants), both
+masked. No atomics: a parameter's gradient leaves a kernel as per-token or
 per-program shares that torch sums in a fixed order, so every result is deterministic.
 
 * ``_state_part`` then ``_state_sum`` (the pre's first pass): the first over (``BT`` tokens, 64 or
@@ -40,8 +41,8 @@ per-program shares that torch sums in a fixed order, so every result is determin
   kept]).
 * ``_rms_fwd`` / ``_rms_bwd``: the model's final RMSNorm.
 
-H_res's transposed layout (``HT``, a constexpr) swaps which axis of the ``[BT, NP, NP]`` tile the
-kernels reduce over where they apply H_res or form its gradient: no transpose, no other kernel.
+H_res's transposed layout (``HT``, a constexpr) swaps which of a pair of streams the kernels
+index H_res by where they apply it or form its gradient: no transpose, no other kernel.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ INTERPRETED = bool(knobs.runtime.interpret)
 _hash = triton.jit(types.FunctionType(counter_hash.__code__, {**counter_hash.__globals__, "tl": tl},
                                       counter_hash.__name__))
 
-CHAIN_ROWS = 4  # tokens per program elsewhere: [BT, n, n, BC] tiles stay in registers
+CHAIN_ROWS = 4  # tokens per program elsewhere: n x n per-token sums stay in registers
 # the pre backward's first pass without a post: elements per feature step over the streams
 # ([CHAIN_ROWS, n, BC] tiles)
 COEF_BUDGET = 256
@@ -164,6 +165,29 @@ def _gate_logits(p, r, a_ptr, b_ptr, i, N: tl.constexpr):
 
 
 @triton.jit
+def _inv_rms(state_ptr, t, tmask, sqrt_d, N: tl.constexpr, RMS: tl.constexpr):
+    """``r = 1 / (|x| / sqrt(d) + eps)`` per token, from the state's xnorm column."""
+    SW: tl.constexpr = N * N + 2 * N + 2
+    xnorm = tl.load(state_ptr + t * SW + N * N + 2 * N, mask=tmask, other=1.0)
+    return 1.0 / (xnorm / sqrt_d + RMS)
+
+
+@triton.jit
+def _gates(state_ptr, bias_ptr, a_ptr, r, t, tmask, FIRST: tl.constexpr, N: tl.constexpr):
+    """The gates ``sigmoid(r * p * a + b)`` of one mapping (the pre's at column ``FIRST`` 0, the
+    post's at ``N``), ``[BT]`` per stream, each read at its own column; the same arithmetic as
+    :func:`_gate_logits`, so a gate read either way is the same bits."""
+    SW: tl.constexpr = N * N + 2 * N + 2
+    a = tl.load(a_ptr).to(tl.float32)
+    gates = ()
+    for i in tl.static_range(N):
+        p = tl.load(state_ptr + t * SW + FIRST + i, mask=tmask, other=0.0)
+        b = tl.load(bias_ptr + i).to(tl.float32)
+        gates = gates + (_sigmoid(r * p * a + b),)
+    return gates
+
+
+@triton.jit
 def _mapping_logits(state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, t, tmask, sqrt_d,
                     N: tl.constexpr, NP: tl.constexpr, RMS: tl.constexpr):
     """``r [BT]``, the pre and post projections and logits ``[BT, NP]``, the res projection and
@@ -172,8 +196,7 @@ def _mapping_logits(state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, t, tmask
     SW: tl.constexpr = M + 2
     i = tl.arange(0, NP)
     vmask = tmask[:, None] & (i[None, :] < N)
-    xnorm = tl.load(state_ptr + t * SW + M, mask=tmask, other=1.0)
-    r = 1.0 / (xnorm / sqrt_d + RMS)
+    r = _inv_rms(state_ptr, t, tmask, sqrt_d, N, RMS)
     p_pre = tl.load(state_ptr + t[:, None] * SW + i[None, :], mask=vmask, other=0.0)
     p_post = tl.load(state_ptr + t[:, None] * SW + N + i[None, :], mask=vmask, other=0.0)
     col = 2 * N + i[:, None] * N + i[None, :]
@@ -185,6 +208,109 @@ def _mapping_logits(state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, t, tmask
     l_pre = _gate_logits(p_pre, r, apre_ptr, bias_ptr, i, N)
     l_post = _gate_logits(p_post, r, apost_ptr, bias_ptr + N, i, N)
     return r, p_pre, l_pre, p_post, l_post, p_res, l_res, vmask, rmask
+
+
+# ---- the streams, each its own tile -------------------------------------------------------------
+# Note [streams at their own offsets]: a token's n streams lie at ``t * nC + i * C``. Every kernel
+# loads, computes and stores each stream as its own ``[BT, BC]`` tile (a tuple over the constexpr
+# N): a post's mix is N x N per-token scalars times tiles in a fixed order; F's input and a post's
+# F-output gradient sum the streams in a fixed order; per-token reductions are per-stream (or
+# per-pair) ``[BT]`` accumulators, laid into ``[BT, NP]`` tiles once per program. No stream is
+# picked out of a padded ``[BT, NP, BC]`` tile by a sum with one non-zero term, which cost a
+# reduction across threads wherever a layout spread the streams over them. The one product over
+# every stream at once, the mapping weight's gradient, takes its operand side by side
+# (:func:`_side_by_side`): as N dots of M = 32 the 8 warps' MMA layout repeats each accumulator.
+
+@triton.jit
+def _load_streams(ptr, t, c, fmask, C, N: tl.constexpr):
+    """The ``N`` streams of a ``[BT, BC]`` block of tokens and features, each loaded at its own
+    offset ``t * nC + i * C + c``, as stored: a tuple of ``[BT, BC]`` tiles."""
+    xs = ()
+    for i in tl.static_range(N):
+        xs = xs + (tl.load(ptr + t[:, None] * (N * C) + i * C + c[None, :], mask=fmask, other=0.0),)
+    return xs
+
+
+@triton.jit
+def _store_streams(ptr, xs, t, c, fmask, C, N: tl.constexpr):
+    """Each stream's tile stored at its own offset, in the pointer's dtype."""
+    for i in tl.static_range(N):
+        tl.store(ptr + t[:, None] * (N * C) + i * C + c[None, :],
+                 xs[i].to(ptr.dtype.element_ty), mask=fmask)
+
+
+@triton.jit
+def _fp32(xs, N: tl.constexpr):
+    out = ()
+    for i in tl.static_range(N):
+        out = out + (xs[i].to(tl.float32),)
+    return out
+
+
+@triton.jit
+def _rounded(xs, ptr, N: tl.constexpr):
+    """The tiles as stored to ``ptr`` (rounded to its dtype), in fp32."""
+    out = ()
+    for i in tl.static_range(N):
+        out = out + (xs[i].to(ptr.dtype.element_ty).to(tl.float32),)
+    return out
+
+
+@triton.jit
+def _side_by_side(xs, N: tl.constexpr, NP: tl.constexpr):
+    """The streams' ``[BT, BC]`` tiles side by side, ``[BT, NP * BC]`` (stream ``i`` at columns
+    ``i * BC``, zeros past ``N``): one operand for one ``tl.dot`` over every stream. Joined in
+    pairs on new last axes (stream ``k + 2l + 4m`` at ``[.., k, l, m]``), then laid out."""
+    BT: tl.constexpr = xs[0].shape[0]
+    BC: tl.constexpr = xs[0].shape[1]
+    zero = tl.zeros_like(xs[0])
+    if NP == 1:
+        out = xs[0]
+    elif NP == 2:
+        out = tl.reshape(tl.permute(tl.join(xs[0], xs[1] if N > 1 else zero), (0, 2, 1)),
+                         [BT, 2 * BC])
+    elif NP == 4:
+        lo = tl.join(xs[0], xs[1])
+        hi = tl.join(xs[2], xs[3] if N > 3 else zero)
+        out = tl.reshape(tl.permute(tl.join(lo, hi), (0, 3, 2, 1)), [BT, 4 * BC])
+    else:
+        tl.static_assert(NP == 8, "mhc_cg: at most 8 streams")
+        q0 = tl.join(tl.join(xs[0], xs[1]), tl.join(xs[2], xs[3]))
+        q1 = tl.join(tl.join(xs[4], xs[5] if N > 5 else zero),
+                     tl.join(xs[6] if N > 6 else zero, xs[7] if N > 7 else zero))
+        out = tl.reshape(tl.permute(tl.join(q0, q1), (0, 4, 3, 2, 1)), [BT, 8 * BC])
+    return out
+
+
+@triton.jit
+def _zeros(BT: tl.constexpr, K: tl.constexpr):
+    """``K`` per-token fp32 accumulators."""
+    z = ()
+    for _ in tl.static_range(K):
+        z = z + (tl.zeros([BT], dtype=tl.float32),)
+    return z
+
+
+@triton.jit
+def _as_tile(vals, BT: tl.constexpr, N: tl.constexpr, NP: tl.constexpr):
+    """``N`` per-token values as one ``[BT, NP]`` tile (0 on padding), once per program."""
+    i = tl.arange(0, NP)
+    tile = tl.zeros([BT, NP], dtype=tl.float32)
+    for j in tl.static_range(N):
+        tile = tl.where(i[None, :] == j, vals[j][:, None], tile)
+    return tile
+
+
+@triton.jit
+def _as_square(vals, BT: tl.constexpr, N: tl.constexpr, NP: tl.constexpr):
+    """``N * N`` per-token values (row-major) as one ``[BT, NP, NP]`` tile, once per program."""
+    i = tl.arange(0, NP)
+    tile = tl.zeros([BT, NP, NP], dtype=tl.float32)
+    for a in tl.static_range(N):
+        for b in tl.static_range(N):
+            at = (i[:, None] == a) & (i[None, :] == b)
+            tile = tl.where(at[None, :, :], vals[a * N + b][:, None, None], tile)
+    return tile
 
 
 @triton.jit
@@ -261,29 +387,44 @@ def _keep_scaled(seed_ptr, stream, index, THRESHOLD: tl.constexpr, SCALE: tl.con
 
 
 @triton.jit
-def _post_step(x, y, mp, t, i, vmask, xoff, seed_ptr, stream, N: tl.constexpr,
+def _post_step(xs, y, mp, t, tmask, c, C, seed_ptr, stream, N: tl.constexpr,
                DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr, SCALE: tl.constexpr,
                HT: tl.constexpr):
-    """One post on a ``[BT, NP, BC]`` fp32 tile ``x`` (``y [BT, BC]``, the mappings at ``mp``):
-    ``sum_j H_res[i, j] x[j]`` (``H_res[j, i]`` with ``HT``) accumulated stream by stream in a
-    fixed order, then ``+ dropout(H_post y)``. Every kernel that writes the stream runs this on
-    tiles of its own shape: element-wise steps in one order, no reduction whose order a layout
+    """One post on the streams ``xs`` (``N`` fp32 ``[BT, BC]`` tiles; ``y [BT, BC]``, the
+    mappings at ``mp``): stream ``i`` is ``sum_j H_res[i, j] x[j]`` (``H_res[j, i]`` with
+    ``HT``) accumulated in a fixed order, then ``+ dropout(H_post y)``. Every kernel that writes
+    the stream runs this: element-wise steps in one order, no reduction whose order a layout
     would pick, so the forward's post and the recompute round alike."""
     MW: tl.constexpr = N + N * N
-    mix = tl.zeros_like(x)
-    for j in tl.static_range(N):
-        x_j = tl.sum(tl.where(i[None, :, None] == j, x, 0.0), axis=1)  # one non-zero: exact
-        if HT:  # out[i] += h_res[j, i] x[j]
-            col = N + j * N + i
-        else:  # out[i] += h_res[i, j] x[j]
-            col = N + i * N + j
-        h_j = tl.load(mp + t[:, None] * MW + col[None, :], mask=vmask, other=0.0)
-        mix += h_j[:, :, None] * x_j[:, None, :]
-    s_post = tl.load(mp + t[:, None] * MW + i[None, :], mask=vmask, other=0.0)
-    branch = 2.0 * s_post[:, :, None] * y[:, None, :]
-    if DROPOUT:
-        branch = branch * _keep_scaled(seed_ptr, stream, xoff, THRESHOLD, SCALE)
-    return mix + branch
+    outs = ()
+    for i in tl.static_range(N):
+        mix = tl.zeros_like(y)
+        for j in tl.static_range(N):
+            if HT:  # out[i] += h_res[j, i] x[j]
+                h = tl.load(mp + t * MW + N + j * N + i, mask=tmask, other=0.0)
+            else:  # out[i] += h_res[i, j] x[j]
+                h = tl.load(mp + t * MW + N + i * N + j, mask=tmask, other=0.0)
+            mix += h[:, None] * xs[j]
+        s_post = tl.load(mp + t * MW + i, mask=tmask, other=0.0)
+        branch = 2.0 * s_post[:, None] * y
+        if DROPOUT:
+            branch = branch * _keep_scaled(seed_ptr, stream,
+                                           t[:, None] * (N * C) + i * C + c[None, :],
+                                           THRESHOLD, SCALE)
+        outs = outs + (mix + branch,)
+    return outs
+
+
+@triton.jit
+def _gram_step(xs, gram, N: tl.constexpr):
+    """The streams' Gram matrix ``x_i . x_j`` (``i <= j``, row-major) summed over one step's
+    features into per-token accumulators."""
+    out = ()
+    for i in tl.static_range(N):
+        for j in tl.static_range(i, N):
+            acc = gram[i * N - i * (i - 1) // 2 + j - i]
+            out = out + (acc + tl.sum(xs[i] * xs[j], axis=1),)
+    return out
 
 
 # ---- pre, first pass: the state ---------------------------------------------------------------
@@ -295,48 +436,48 @@ def _state_part(x_ptr, w_ptr, part_ptr, y_ptr, maps_ptr, seed_ptr, xo_ptr, strea
                 DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr, SCALE: tl.constexpr,
                 HT: tl.constexpr, PDL: tl.constexpr):
     """The state's sums over features ``[split * span, (split + 1) * span)`` for ``BT`` tokens
-    (``program_id(1)`` is the split): the projection ``x W^T`` and the streams' Gram matrix,
-    stored as one fp32 row ``[proj (MP) | gram (NP * NP)]`` per split and token for
-    :func:`_state_sum`. With ``POST``, of the stream a post writes from ``x`` (its input): each
-    tile of it is made (:func:`_post_step`), stored and, as stored, projected."""
+    (``program_id(1)`` is the split): the projection ``x W^T`` (one ``tl.dot`` per stream, each
+    with its own rows of the weight) and the streams' Gram matrix, stored as one fp32 row
+    ``[proj (MP) | gram (NP * NP)]`` per split and token for :func:`_state_sum`. With ``POST``,
+    of the stream a post writes from ``x`` (its input): each tile of it is made
+    (:func:`_post_step`), stored and, as stored, projected."""
     M: tl.constexpr = N * N + 2 * N
     PW: tl.constexpr = MP + NP * NP
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     first = tl.program_id(1) * span
     tmask = t < T
-    i = tl.arange(0, NP)
     mcol = tl.arange(0, MP)
     proj = tl.zeros([BT, MP], dtype=tl.float32)
-    gram = tl.zeros([BT, NP, NP], dtype=tl.float32)
+    gram = _zeros(BT, N * (N + 1) // 2)
     for c0 in range(first, first + span, BC):
         c = c0 + tl.arange(0, BC)
-        xmask = tmask[:, None, None] & (i < N)[None, :, None] & (c < C)[None, None, :]
-        xoff = t[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :]
-        x = tl.load(x_ptr + xoff, mask=xmask, other=0.0)
-        if POST:  # the tile projected is the post's output, as stored
-            y = tl.load(y_ptr + t[:, None] * C + c[None, :],
-                        mask=tmask[:, None] & (c < C)[None, :], other=0.0).to(tl.float32)
-            x = _post_step(x.to(tl.float32), y, maps_ptr, t, i, tmask[:, None] & (i < N)[None, :],
-                           xoff, seed_ptr, stream, N, DROPOUT, THRESHOLD, SCALE, HT)
-            x = x.to(xo_ptr.dtype.element_ty)
-            tl.store(xo_ptr + xoff, x, mask=xmask)
-        wmask = (i < N)[:, None, None] & (c < C)[None, :, None] & (mcol < M)[None, None, :]
-        w = tl.load(w_ptr + mcol[None, None, :] * (N * C) + i[:, None, None] * C + c[None, :, None],
-                    mask=wmask, other=0.0)
-        x2 = tl.reshape(x, [BT, NP * BC])
-        w2 = tl.reshape(w, [NP * BC, MP])
-        if DOT_F32:
-            proj = tl.dot(x2.to(tl.float32), w2.to(tl.float32), proj, input_precision=PREC)
-        else:
-            proj = tl.dot(x2, w2, proj)
-        xf = x.to(tl.float32)
-        gram += tl.sum(xf[:, :, None, :] * xf[:, None, :, :], axis=3)
+        fmask = tmask[:, None] & (c < C)[None, :]
+        xs = _load_streams(x_ptr, t, c, fmask, C, N)
+        if POST:  # the tiles projected are the post's output, as stored
+            y = tl.load(y_ptr + t[:, None] * C + c[None, :], mask=fmask, other=0.0).to(tl.float32)
+            xs = _post_step(_fp32(xs, N), y, maps_ptr, t, tmask, c, C, seed_ptr, stream, N,
+                            DROPOUT, THRESHOLD, SCALE, HT)
+            _store_streams(xo_ptr, xs, t, c, fmask, C, N)
+            out = ()
+            for i in tl.static_range(N):
+                out = out + (xs[i].to(xo_ptr.dtype.element_ty),)
+            xs = out
+        wmask = (c < C)[:, None] & (mcol < M)[None, :]
+        for i in tl.static_range(N):  # stream i's rows of the weight: W[:, i * C + c]
+            w = tl.load(w_ptr + mcol[None, :] * (N * C) + i * C + c[:, None], mask=wmask, other=0.0)
+            if DOT_F32:
+                proj = tl.dot(xs[i].to(tl.float32), w.to(tl.float32), proj, input_precision=PREC)
+            else:
+                proj = tl.dot(xs[i], w, proj)
+        gram = _gram_step(_fp32(xs, N), gram, N)
     if PDL:  # Note [programmatic dependent launch]: the sum may start its launch
         gdc_launch_dependents()
     row = part_ptr + (tl.program_id(1) * T + t) * PW
     tl.store(row[:, None] + mcol[None, :], proj, mask=tmask[:, None])
-    gcol = i[:, None] * NP + i[None, :]
-    tl.store(row[:, None, None] + MP + gcol[None, :, :], gram, mask=tmask[:, None, None])
+    for i in tl.static_range(N):
+        for j in tl.static_range(i, N):  # the pair's accumulator, as _gram_step orders them
+            tl.store(row + MP + i * NP + j, gram[i * N - i * (i - 1) // 2 + j - i], mask=tmask)
+            tl.store(row + MP + j * NP + i, gram[i * N - i * (i - 1) // 2 + j - i], mask=tmask)
 
 
 @triton.jit
@@ -356,13 +497,17 @@ def _state_sum(part_ptr, bias_ptr, apre_ptr, state_ptr, T, C, splits, sqrt_d, ep
     i = tl.arange(0, NP)
     mcol = tl.arange(0, MP)
     gcol = i[:, None] * NP + i[None, :]
+    vmask = tmask[:, None] & (i < N)[None, :]
+    gmask = tmask[:, None, None] & ((i[:, None] < N) & (i[None, :] < N))[None, :, :]
     proj = tl.zeros([BT, MP], dtype=tl.float32)
+    p_pre = tl.zeros([BT, NP], dtype=tl.float32)
     gram = tl.zeros([BT, NP, NP], dtype=tl.float32)
     for k in range(splits):
         row = part_ptr + (k * T + t) * PW
         proj += tl.load(row[:, None] + mcol[None, :], mask=tmask[:, None], other=0.0)
-        gram += tl.load(row[:, None, None] + MP + gcol[None, :, :], mask=tmask[:, None, None],
-                        other=0.0)
+        if NORM:  # the pre columns again, at their own offsets: the sums proj's first N hold
+            p_pre += tl.load(row[:, None] + i[None, :], mask=vmask, other=0.0)
+        gram += tl.load(row[:, None, None] + MP + gcol[None, :, :], mask=gmask, other=0.0)
     diag = (i[:, None] == i[None, :])[None, :, :]
     xnorm = tl.sqrt(tl.sum(tl.sum(tl.where(diag, gram, 0.0), axis=2), axis=1))
     smask = tmask[:, None] & (mcol[None, :] < M)
@@ -370,9 +515,6 @@ def _state_sum(part_ptr, bias_ptr, apre_ptr, state_ptr, T, C, splits, sqrt_d, ep
     tl.store(state_ptr + t * SW + M, xnorm, mask=tmask)
     rstd = tl.full([BT], 1.0, tl.float32)
     if NORM:
-        # the pre columns of the projection, out of the register tile (one non-zero per sum)
-        pick = (mcol[None, None, :] == i[None, :, None]) & (i < N)[None, :, None]
-        p_pre = tl.sum(tl.where(pick, proj[:, None, :], 0.0), axis=2)
         r = 1.0 / (xnorm / sqrt_d + RMS)
         s = tl.where((i < N)[None, :], _sigmoid(_gate_logits(p_pre, r, apre_ptr, bias_ptr, i, N)), 0.0)
         mean_sq = tl.sum(tl.sum(s[:, :, None] * gram * s[:, None, :], axis=2), axis=1) / C
@@ -410,7 +552,7 @@ def _post_maps(state_ptr, bias_ptr, apost_ptr, ares_ptr, maps_ptr, T, p_stride, 
 @triton.jit
 def _chain(x_ptr, y_ptr, state_ptr, maps_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, norm_ptr,
            seed_ptr, xo_ptr, fo_ptr, T, C, steps, posts, stream0, stream_step, p_stride, n_stride,
-           sqrt_d, N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+           sqrt_d, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
            FN: tl.constexpr, POSTS: tl.constexpr, NORM: tl.constexpr, DROPOUT: tl.constexpr,
            THRESHOLD: tl.constexpr, SCALE: tl.constexpr, RMS: tl.constexpr, HT: tl.constexpr,
            PDL: tl.constexpr):
@@ -421,23 +563,19 @@ def _chain(x_ptr, y_ptr, state_ptr, maps_ptr, bias_ptr, apre_ptr, apost_ptr, are
     MW: tl.constexpr = N + N * N
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
-    i = tl.arange(0, NP)
     tmask = t < T
-    vmask = tmask[:, None] & (i[None, :] < N)
-    xmask = tmask[:, None, None] & (i < N)[None, :, None] & (c < C)[None, None, :]
-    xoff = t[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :]
     fmask = tmask[:, None] & (c < C)[None, :]
     foff = t[:, None] * C + c[None, :]
-    x = tl.load(x_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
+    xs = _fp32(_load_streams(x_ptr, t, c, fmask, C, N), N)
     for k in range(steps):
-        if FN:
+        if FN:  # F's input: sum_i h_pre[i] x[i], streams in a fixed order
             st = state_ptr + k * T * SW
             po = k * p_stride
-            r, p_pre, l_pre, p_post, l_post, p_res, l_res, _, _ = _mapping_logits(
-                st, bias_ptr + po, apre_ptr + po, apost_ptr + po, ares_ptr + po, t, tmask, sqrt_d,
-                N, NP, RMS)
-            s_pre = tl.where(vmask, _sigmoid(l_pre), 0.0)
-            fn = tl.sum(s_pre[:, :, None] * x, axis=1)
+            s_pre = _gates(st, bias_ptr + po, apre_ptr + po,
+                           _inv_rms(st, t, tmask, sqrt_d, N, RMS), t, tmask, 0, N)
+            fn = tl.zeros([BT, BC], dtype=tl.float32)
+            for i in tl.static_range(N):
+                fn += s_pre[i][:, None] * xs[i]
             if NORM:
                 rstd = tl.load(st + t * SW + M + 1, mask=tmask, other=0.0)
                 w = tl.load(norm_ptr + k * n_stride + c, mask=c < C, other=0.0).to(tl.float32)
@@ -445,11 +583,10 @@ def _chain(x_ptr, y_ptr, state_ptr, maps_ptr, bias_ptr, apre_ptr, apost_ptr, are
             tl.store(fo_ptr + k * T * C + foff, fn, mask=fmask)
         if POSTS and k < posts:  # POSTS False (the pre): no post code compiled in
             y = tl.load(y_ptr + k * T * C + foff, mask=fmask, other=0.0).to(tl.float32)
-            x = _post_step(x, y, maps_ptr + k * T * MW, t, i, vmask, xoff, seed_ptr,
-                           stream0 + k * stream_step, N, DROPOUT, THRESHOLD, SCALE, HT)
-            x = x.to(xo_ptr.dtype.element_ty)
-            tl.store(xo_ptr + k * T * (N * C) + xoff, x, mask=xmask)
-            x = x.to(tl.float32)  # the next sublayer reads what the forward stored
+            xs = _post_step(xs, y, maps_ptr + k * T * MW, t, tmask, c, C, seed_ptr,
+                            stream0 + k * stream_step, N, DROPOUT, THRESHOLD, SCALE, HT)
+            _store_streams(xo_ptr + k * T * (N * C), xs, t, c, fmask, C, N)
+            xs = _rounded(xs, xo_ptr, N)  # the next sublayer reads what the forward stored
 
 
 def post_maps(states, bias, a_post, a_res, width, n, iterations):
@@ -487,7 +624,7 @@ def _launch_chain(x, ys, states, maps, bias, a_pre, a_post, a_res, p_stride, nor
     _chain[(triton.cdiv(t, config["rows"]), triton.cdiv(c, bc))](
         x, ys, states, maps if posts else x, bias, a_pre, a_post, a_res,
         norm if norm is not None else x, seed_arg, x_out, fn_out, t, c, steps, posts, stream0,
-        step, p_stride, n_stride, float(width) ** 0.5, N=n, NP=nb, BT=config["rows"], BC=bc, FN=fn,
+        step, p_stride, n_stride, float(width) ** 0.5, N=n, BT=config["rows"], BC=bc, FN=fn,
         POSTS=posts > 0, NORM=norm is not None, RMS=RMS_EPS, HT=h_res_transposed,
         **_dropout_args(seed, p), **_pdl(config), num_warps=config["warps"])
 
@@ -641,34 +778,38 @@ def _pre_bwd_coef(gout_ptr, gin_ptr, gstate_ptr, x_ptr, bias_ptr, apre_ptr, apos
     i = tl.arange(0, NP)
     r, p_pre, l_pre, p_post, l_post, p_res, l_res, vmask, rmask = _mapping_logits(
         state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, t, tmask, sqrt_d, N, NP, RMS)
-    s = tl.where(vmask, _sigmoid(l_pre), 0.0)
+    s_i = _gates(state_ptr, bias_ptr, apre_ptr, r, t, tmask, 0, N)
+    s = _as_tile(s_i, BT, N, NP)
     xnorm = tl.load(state_ptr + t * SW + M, mask=tmask, other=0.0)
     rstd = tl.load(state_ptr + t * SW + M + 1, mask=tmask, other=0.0)
     # u[i] = x[i] . (g w) and v[i] = x[i] . agg, what the mappings' gradient needs
-    u = tl.zeros([BT, NP], dtype=tl.float32)
-    v = tl.zeros([BT, NP], dtype=tl.float32)
-    g_hres = tl.zeros([BT, NP, NP], dtype=tl.float32)
-    g_spost = tl.zeros([BT, NP], dtype=tl.float32)
+    u = _zeros(BT, N)
+    v = _zeros(BT, N)
+    g_hres = _zeros(BT, N * N)
+    g_spost = _zeros(BT, N)
     for c0 in range(0, C, BC):
         c = c0 + tl.arange(0, BC)
-        xmask = tmask[:, None, None] & (i < N)[None, :, None] & (c < C)[None, None, :]
-        xoff = t[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :]
-        x = tl.load(x_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
         fmask = tmask[:, None] & (c < C)[None, :]
+        xs = _fp32(_load_streams(x_ptr, t, c, fmask, C, N), N)
         g = tl.load(gout_ptr + t[:, None] * C + c[None, :], mask=fmask, other=0.0).to(tl.float32)
         if NORM:
             g = g * tl.load(norm_ptr + c, mask=c < C, other=0.0).to(tl.float32)[None, :]
-            agg = tl.sum(s[:, :, None] * x, axis=1)
-            v += tl.sum(x * agg[:, None, :], axis=2)
-        u += tl.sum(x * g[:, None, :], axis=2)
+            agg = tl.zeros([BT, BC], dtype=tl.float32)
+            for j in tl.static_range(N):
+                agg += s_i[j][:, None] * xs[j]
+            v = _dots(xs, agg, v, N)
+        u = _dots(xs, g, u, N)
         if POST:
-            gp = tl.load(gpost_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
+            gps = _fp32(_load_streams(gpost_ptr, t, c, fmask, C, N), N)
             y = tl.load(y_ptr + t[:, None] * C + c[None, :], mask=fmask, other=0.0).to(tl.float32)
-            gm = _masked(gp, seed_ptr, stream, xoff, DROPOUT, THRESHOLD, SCALE)
-            g_hres, g_spost = _post_sums(gp, gm, x, y, g_hres, g_spost, HT)
+            gms = _masked(gps, seed_ptr, stream, t, c, C, N, DROPOUT, THRESHOLD, SCALE)
+            g_hres, g_spost = _post_sums(gps, gms, xs, y, g_hres, g_spost, N, HT)
+    u = _as_tile(u, BT, N, NP)
+    v = _as_tile(v, BT, N, NP)
     if POST:  # the post's share first, into the state's gradient the pre's part reads
-        _post_state_grads(gin_ptr, gstate_ptr, share_ptr, g_hres, g_spost,
-                          tl.where(vmask, _sigmoid(l_post), 0.0), r, p_post, l_res, p_res,
+        s_post = _as_tile(_gates(state_ptr, bias_ptr + N, apost_ptr, r, t, tmask, N, N), BT, N, NP)
+        _post_state_grads(gin_ptr, gstate_ptr, share_ptr, _as_square(g_hres, BT, N, NP),
+                          _as_tile(g_spost, BT, N, NP), s_post, r, p_post, l_res, p_res,
                           apost_ptr, ares_ptr, t, tmask, vmask, rmask, sqrt_d, iterations, N, NP,
                           BT, EPS, GIN, IP)
         tl.debug_barrier()
@@ -691,44 +832,24 @@ def _pre_bwd_coef(gout_ptr, gin_ptr, gstate_ptr, x_ptr, bias_ptr, apre_ptr, apos
         tl.store(aux_ptr + t[:, None, None] * AW + 3 + N + i[None, :, None] * N + i[None, None, :],
                  h_res, mask=rmask)
     if PREV:  # the previous post's H_post / 2, as its own backward computes it
-        _, _, _, _, l_prev, _, _, _, _ = _mapping_logits(
-            pstate_ptr, pbias_ptr, papost_ptr, papost_ptr, papost_ptr, t, tmask, sqrt_d, N, NP, RMS)
-        tl.store(aux_ptr + t[:, None] * AW + 3 + N + N * N + i[None, :],
-                 tl.where(vmask, _sigmoid(l_prev), 0.0), mask=vmask)
+        s_prev = _gates(pstate_ptr, pbias_ptr + N, papost_ptr,
+                        _inv_rms(pstate_ptr, t, tmask, sqrt_d, N, RMS), t, tmask, N, N)
+        for j in tl.static_range(N):
+            tl.store(aux_ptr + t * AW + 3 + N + N * N + j, s_prev[j], mask=tmask)
 
 
 @triton.jit
-def _x_tiles(x_ptr, gout_ptr, gpost_ptr, t0, end, C, c, i, N: tl.constexpr, BT: tl.constexpr,
+def _x_tiles(x_ptr, gout_ptr, gpost_ptr, t0, end, C, c, N: tl.constexpr, BT: tl.constexpr,
              GPOST: tl.constexpr):
-    """The second pass's streamed tiles of the step at ``t0`` as stored (x, g_out, g_post), none
-    past ``end``: in place, the rows past its group are another program's to overwrite."""
+    """The second pass's streamed tiles of the step at ``t0`` as stored (x's and g_post's
+    streams, g_out), none past ``end``: in place, the rows past its group are another program's
+    to overwrite."""
     t = t0 + tl.arange(0, BT)
-    tmask = t < end
-    xmask = tmask[:, None, None] & (i < N)[None, :, None] & (c < C)[None, None, :]
-    xoff = t[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :]
-    x = tl.load(x_ptr + xoff, mask=xmask, other=0.0)
-    g = tl.load(gout_ptr + t[:, None] * C + c[None, :], mask=tmask[:, None] & (c < C)[None, :],
-                other=0.0)
-    gp = tl.load(gpost_ptr + xoff, mask=xmask, other=0.0) if GPOST else x
-    return x, g, gp
-
-
-@triton.jit
-def _residual_grad(gx, g_post, aux_ptr, t, i, vmask, N: tl.constexpr, HT: tl.constexpr,
-                   AW: tl.constexpr):
-    """``gx`` plus the post's residual path ``H_res^T g_post`` (``H_res g_post`` for the
-    transposed layout), ``H_res`` from the first pass's aux: one stream of ``g_post`` at a time,
-    no ``[BT, n, n, BC]`` product held in registers."""
-    for j in tl.static_range(N):
-        if HT:  # gx[i] += h_res[i, j] g_post[j]
-            h_col = tl.load(aux_ptr + t[:, None] * AW + 3 + N + i[None, :] * N + j, mask=vmask,
-                            other=0.0)
-        else:  # gx[i] += h_res[j, i] g_post[j]
-            h_col = tl.load(aux_ptr + t[:, None] * AW + 3 + N + j * N + i[None, :], mask=vmask,
-                            other=0.0)
-        g_j = tl.sum(tl.where(i[None, :, None] == j, g_post, 0.0), axis=1)  # one non-zero: exact
-        gx += h_col[:, :, None] * g_j[:, None, :]
-    return gx
+    fmask = (t < end)[:, None] & (c < C)[None, :]
+    xs = _load_streams(x_ptr, t, c, fmask, C, N)
+    g = tl.load(gout_ptr + t[:, None] * C + c[None, :], mask=fmask, other=0.0)
+    gps = _load_streams(gpost_ptr, t, c, fmask, C, N) if GPOST else xs
+    return xs, g, gps
 
 
 @triton.jit
@@ -740,69 +861,85 @@ def _pre_bwd_x(gout_ptr, gpost_ptr, x_ptr, w_ptr, norm_ptr, gproj_ptr, aux_ptr, 
                SCALE: tl.constexpr, AW: tl.constexpr, PREC: tl.constexpr):
     """The second pass, over (a feature chunk, a group of tokens): x's gradient, and the mapping
     weight's and the norm weight's gradients summed over the group (fixed order) from the same
-    reads of x: no GEMM reads x again for the weight. ``PREV``: also the gradient of the F output
-    of the post that wrote x, from x's gradient as stored (:func:`_grad_y`, the post's formula).
-    The streamed tiles are loaded two steps ahead into registers: at the registers this pass needs
-    one block fits on an SM, and two steps in flight keep as many bytes outstanding as two blocks
-    would (``mhc-cg kernels``)."""
+    reads of x: no GEMM reads x again for the weight. Stream by stream (Note [streams at their
+    own offsets]): each stream's weight rows, products and gradient tiles are its own.
+    ``PREV``: also the gradient of the F output of the post that wrote x, from x's gradient as
+    stored (:func:`_grad_y`, the post's formula). The streamed tiles are loaded two steps ahead
+    into registers: at the registers this pass needs one block fits on an SM, and two steps in
+    flight keep as many bytes outstanding as two blocks would (``mhc-cg kernels``)."""
     M: tl.constexpr = N * N + 2 * N
     c = tl.program_id(0) * BC + tl.arange(0, BC)
     group = tl.program_id(1)
-    i = tl.arange(0, NP)
     mcol = tl.arange(0, MP)
-    wmask = (mcol < M)[:, None, None] & (i < N)[None, :, None] & (c < C)[None, None, :]
-    woff = mcol[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :]
-    w_blk = tl.reshape(tl.load(w_ptr + woff, mask=wmask, other=0.0).to(tl.float32), [MP, NP * BC])
-    wn = tl.load(norm_ptr + c, mask=c < C, other=0.0).to(tl.float32)
+    wmask = (mcol < M)[:, None] & (c < C)[None, :]
+    w_blk = ()  # stream i's rows of the weight, W[:, i * C + c]
     g_weight = tl.zeros([MP, NP * BC], dtype=tl.float32)
+    for i in tl.static_range(N):
+        w = tl.load(w_ptr + mcol[:, None] * (N * C) + i * C + c[None, :], mask=wmask, other=0.0)
+        w_blk = w_blk + (w.to(tl.float32),)
+    wn = tl.load(norm_ptr + c, mask=c < C, other=0.0).to(tl.float32)
     g_norm = tl.zeros([BC], dtype=tl.float32)
     start = group * per_group
     end = tl.minimum(start + per_group, T)
     # loads of step k + 2 are issued before step k's arithmetic waits on its own
-    ahead1 = _x_tiles(x_ptr, gout_ptr, gpost_ptr, start, end, C, c, i, N, BT, GPOST)
-    ahead2 = _x_tiles(x_ptr, gout_ptr, gpost_ptr, start + BT, end, C, c, i, N, BT, GPOST)
+    ahead1 = _x_tiles(x_ptr, gout_ptr, gpost_ptr, start, end, C, c, N, BT, GPOST)
+    ahead2 = _x_tiles(x_ptr, gout_ptr, gpost_ptr, start + BT, end, C, c, N, BT, GPOST)
     for t0 in range(start, start + per_group, BT):
         x_raw, g_raw, gp_raw = ahead1
         ahead1 = ahead2
-        ahead2 = _x_tiles(x_ptr, gout_ptr, gpost_ptr, t0 + 2 * BT, end, C, c, i, N, BT, GPOST)
+        ahead2 = _x_tiles(x_ptr, gout_ptr, gpost_ptr, t0 + 2 * BT, end, C, c, N, BT, GPOST)
         t = t0 + tl.arange(0, BT)
         tmask = t < T
-        vmask = tmask[:, None] & (i < N)[None, :]
+        fmask = tmask[:, None] & (c < C)[None, :]
         kappa = tl.load(aux_ptr + t * AW, mask=tmask, other=0.0)
         coef = tl.load(aux_ptr + t * AW + 1, mask=tmask, other=0.0)
         rstd = tl.load(aux_ptr + t * AW + 2, mask=tmask, other=0.0)
-        s = tl.load(aux_ptr + t[:, None] * AW + 3 + i[None, :], mask=vmask, other=0.0)
         g_proj = tl.load(gproj_ptr + t[:, None] * M + mcol[None, :],
                          mask=tmask[:, None] & (mcol < M)[None, :], other=0.0)
-        xmask = tmask[:, None, None] & (i < N)[None, :, None] & (c < C)[None, None, :]
-        xoff = t[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :]
-        x = x_raw.to(tl.float32)
-        fmask = tmask[:, None] & (c < C)[None, :]
+        xs = _fp32(x_raw, N)
         g = g_raw.to(tl.float32)
+        s = ()
+        for i in tl.static_range(N):
+            s = s + (tl.load(aux_ptr + t * AW + 3 + i, mask=tmask, other=0.0),)
         if NORM:
-            agg = tl.sum(s[:, :, None] * x, axis=1)
+            agg = tl.zeros([BT, BC], dtype=tl.float32)
+            for i in tl.static_range(N):
+                agg += s[i][:, None] * xs[i]
             g_agg = rstd[:, None] * (g * wn[None, :]) - kappa[:, None] * agg
             g_norm += tl.sum(g * agg * rstd[:, None], axis=0)
         else:
             g_agg = g
-        through_proj = tl.dot(g_proj, w_blk, input_precision=PREC)  # Note [TF32 products]
-        gx = s[:, :, None] * g_agg[:, None, :] + tl.reshape(through_proj, [BT, NP, BC]) \
-            + coef[:, None, None] * x
-        if GPOST:  # the post's residual path: H_res^T g (H_res g for the transposed layout)
-            gx = _residual_grad(gx, gp_raw.to(tl.float32), aux_ptr, t, i, vmask, N, HT, AW)
+        gps = _fp32(gp_raw, N)
+        gxs = ()
+        for i in tl.static_range(N):
+            through_proj = tl.dot(g_proj, w_blk[i], input_precision=PREC)  # Note [TF32 products]
+            gx = s[i][:, None] * g_agg + through_proj + coef[:, None] * xs[i]
+            if GPOST:  # the post's residual path: H_res^T g (H_res g for the transposed layout)
+                for j in tl.static_range(N):
+                    if HT:  # gx[i] += h_res[i, j] g_post[j]
+                        h = tl.load(aux_ptr + t * AW + 3 + N + i * N + j, mask=tmask, other=0.0)
+                    else:  # gx[i] += h_res[j, i] g_post[j]
+                        h = tl.load(aux_ptr + t * AW + 3 + N + j * N + i, mask=tmask, other=0.0)
+                    gx += h[:, None] * gps[j]
+            gxs = gxs + (gx,)
         if IN_PLACE:  # every thread has read its part of g_post before any overwrites it
             tl.debug_barrier()
-        tl.store(gx_ptr + xoff, gx, mask=xmask)
+        _store_streams(gx_ptr, gxs, t, c, fmask, C, N)
         if PREV:  # from g_x as the post's backward would read it: rounded to its dtype
-            s_prev = tl.load(aux_ptr + t[:, None] * AW + 3 + N + N * N + i[None, :], mask=vmask,
-                             other=0.0)
-            gq = gx.to(gx_ptr.dtype.element_ty).to(tl.float32)
-            gm = _masked(gq, seed_ptr, pstream, xoff, DROPOUT, THRESHOLD, SCALE)
-            tl.store(gy_ptr + t[:, None] * C + c[None, :], _grad_y(gm, s_prev, i, N), mask=fmask)
+            s_prev = ()
+            for j in tl.static_range(N):
+                s_prev = s_prev + (tl.load(aux_ptr + t * AW + 3 + N + N * N + j, mask=tmask,
+                                           other=0.0),)
+            gms = _masked(_rounded(gxs, gx_ptr, N), seed_ptr, pstream, t, c, C, N, DROPOUT,
+                          THRESHOLD, SCALE)
+            tl.store(gy_ptr + t[:, None] * C + c[None, :], _grad_y(gms, s_prev, N), mask=fmask)
         # the weight's gradient g_proj^T x, fp32 operands on tensor cores (Note [TF32 products])
-        g_weight = tl.dot(tl.trans(g_proj), tl.reshape(x, [BT, NP * BC]), g_weight,
+        g_weight = tl.dot(tl.trans(g_proj), _side_by_side(xs, N, NP), g_weight,
                           input_precision=PREC)
-    tl.store(gwt_ptr + group * (M * N * C) + woff, tl.reshape(g_weight, [MP, NP, BC]), mask=wmask)
+    i = tl.arange(0, NP)
+    gmask = (mcol < M)[:, None, None] & (i < N)[None, :, None] & (c < C)[None, None, :]
+    tl.store(gwt_ptr + group * (M * N * C) + mcol[:, None, None] * (N * C) + i[None, :, None] * C
+             + c[None, None, :], tl.reshape(g_weight, [MP, NP, BC]), mask=gmask)
     if NORM:
         tl.store(gw_ptr + group * C + c, g_norm, mask=c < C)
 
@@ -865,37 +1002,51 @@ def pre_backward(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, 
 # ---- post backward -----------------------------------------------------------------------------
 
 @triton.jit
-def _masked(g, seed_ptr, stream, xoff, DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr,
-            SCALE: tl.constexpr):
-    """A post output's gradient tile through the post's dropout mask."""
+def _masked(gs, seed_ptr, stream, t, c, C, N: tl.constexpr, DROPOUT: tl.constexpr,
+            THRESHOLD: tl.constexpr, SCALE: tl.constexpr):
+    """A post output's gradient streams through the post's dropout mask."""
     if DROPOUT:
-        g = g * _keep_scaled(seed_ptr, stream, xoff, THRESHOLD, SCALE)
-    return g
+        out = ()
+        for i in tl.static_range(N):
+            keep = _keep_scaled(seed_ptr, stream, t[:, None] * (N * C) + i * C + c[None, :],
+                                THRESHOLD, SCALE)
+            out = out + (gs[i] * keep,)
+        gs = out
+    return gs
 
 
 @triton.jit
-def _grad_y(gm, s_post, i, N: tl.constexpr):
-    """F's output's gradient through a post, ``sum_j 2 s_post[j] gm[j]`` from a ``[BT, NP, BC]``
-    tile of its output's masked gradient: stream by stream in a fixed order, so that every kernel
-    that computes it (the post's backward, the next pre's second pass) rounds alike."""
-    acc = tl.zeros([gm.shape[0], gm.shape[2]], dtype=tl.float32)
+def _grad_y(gms, s_post, N: tl.constexpr):
+    """F's output's gradient through a post, ``sum_j 2 s_post[j] gm[j]`` from its output's
+    masked gradient streams: in a fixed order, so that every kernel that computes it (the
+    post's backward, the next pre's second pass) rounds alike."""
+    acc = tl.zeros_like(gms[0])
     for j in tl.static_range(N):
-        g_j = tl.sum(tl.where(i[None, :, None] == j, gm, 0.0), axis=1)  # one non-zero: exact
-        s_j = tl.sum(tl.where(i[None, :] == j, s_post, 0.0), axis=1)
-        acc += 2.0 * s_j[:, None] * g_j
+        acc += 2.0 * s_post[j][:, None] * gms[j]
     return acc
 
 
 @triton.jit
-def _post_sums(g, gm, x, y, g_hres, g_spost, HT: tl.constexpr):
-    """One feature step of a post's per-token reductions on ``[BT, NP, BC]`` tiles: ``g . x``
-    through H_res and ``gm . y`` (gm: g masked) through H_post."""
-    if HT:  # d out[j] / d h_res[i, j] = x[i]
-        g_hres += tl.sum(x[:, :, None, :] * g[:, None, :, :], axis=3)
-    else:  # d out[i] / d h_res[i, j] = x[j]
-        g_hres += tl.sum(g[:, :, None, :] * x[:, None, :, :], axis=3)
-    g_spost += tl.sum(gm * y[:, None, :], axis=2)
-    return g_hres, g_spost
+def _dots(xs, g, acc, N: tl.constexpr):
+    """``acc[i] + x[i] . g`` over one step's features, per stream."""
+    out = ()
+    for i in tl.static_range(N):
+        out = out + (acc[i] + tl.sum(xs[i] * g, axis=1),)
+    return out
+
+
+@triton.jit
+def _post_sums(gs, gms, xs, y, g_hres, g_spost, N: tl.constexpr, HT: tl.constexpr):
+    """One feature step of a post's per-token reductions, stream by stream: ``g . x`` through
+    H_res (``N * N`` accumulators, row-major) and ``gm . y`` (gm: g masked) through H_post."""
+    hres = ()
+    for i in tl.static_range(N):
+        for j in tl.static_range(N):
+            if HT:  # d out[j] / d h_res[i, j] = x[i]
+                hres = hres + (g_hres[i * N + j] + tl.sum(xs[i] * gs[j], axis=1),)
+            else:  # d out[i] / d h_res[i, j] = x[j]
+                hres = hres + (g_hres[i * N + j] + tl.sum(gs[i] * xs[j], axis=1),)
+    return hres, _dots(gms, y, g_spost, N)
 
 
 @triton.jit
@@ -957,23 +1108,22 @@ def _post_bwd(g_ptr, x_ptr, state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, 
     i = tl.arange(0, NP)
     r, p_pre, l_pre, p_post, l_post, p_res, l_res, vmask, rmask = _mapping_logits(
         state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, t, tmask, sqrt_d, N, NP, RMS)
-    s_post = tl.where(vmask, _sigmoid(l_post), 0.0)
-    g_hres = tl.zeros([BT, NP, NP], dtype=tl.float32)
-    g_spost = tl.zeros([BT, NP], dtype=tl.float32)
+    s_post = _gates(state_ptr, bias_ptr + N, apost_ptr, r, t, tmask, N, N)
+    g_hres = _zeros(BT, N * N)
+    g_spost = _zeros(BT, N)
     for c0 in range(0, C, BC):
         c = c0 + tl.arange(0, BC)
-        xmask = tmask[:, None, None] & (i < N)[None, :, None] & (c < C)[None, None, :]
-        xoff = t[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :]
         fmask = tmask[:, None] & (c < C)[None, :]
-        g = tl.load(g_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
-        gm = _masked(g, seed_ptr, stream, xoff, DROPOUT, THRESHOLD, SCALE)
-        tl.store(gy_ptr + t[:, None] * C + c[None, :], _grad_y(gm, s_post, i, N), mask=fmask)
+        gs = _fp32(_load_streams(g_ptr, t, c, fmask, C, N), N)
+        gms = _masked(gs, seed_ptr, stream, t, c, C, N, DROPOUT, THRESHOLD, SCALE)
+        tl.store(gy_ptr + t[:, None] * C + c[None, :], _grad_y(gms, s_post, N), mask=fmask)
         if REDUCE:
-            x = tl.load(x_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
+            xs = _fp32(_load_streams(x_ptr, t, c, fmask, C, N), N)
             y = tl.load(y_ptr + t[:, None] * C + c[None, :], mask=fmask, other=0.0).to(tl.float32)
-            g_hres, g_spost = _post_sums(g, gm, x, y, g_hres, g_spost, HT)
+            g_hres, g_spost = _post_sums(gs, gms, xs, y, g_hres, g_spost, N, HT)
     if REDUCE:
-        _post_state_grads(gstate_ptr, gstate_ptr, share_ptr, g_hres, g_spost, s_post, r, p_post,
+        _post_state_grads(gstate_ptr, gstate_ptr, share_ptr, _as_square(g_hres, BT, N, NP),
+                          _as_tile(g_spost, BT, N, NP), _as_tile(s_post, BT, N, NP), r, p_post,
                           l_res, p_res, apost_ptr, ares_ptr, t, tmask, vmask, rmask, sqrt_d,
                           iterations, N, NP, BT, EPS, False, IP)
 
