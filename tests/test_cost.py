@@ -397,13 +397,17 @@ def test_report_lists_every_mode_with_the_documented_fields():
         assert m["kernels_per_step"] > 0 and m["bytes_per_step"] > 0
     assert report["modes"]["eager_none"]["graphs"] == []
     assert report["modes"]["graphed_none"]["arena_bytes"] is None
-    assert len(report["checks"]) == 2
+    assert len(report["checks"]) == 3
     # the second budget counts what both modes keep outside their pools too
     static, none = report["modes"]["graphed_static"], report["modes"]["graphed_none"]
     kept = (static["pool_reserved_bytes"] + static["arena_bytes"] + static["static_buffer_bytes"]
             + static["persistent_bytes_per_microbatch"])
     assert report["checks"][1]["value"] == kept / (none["pool_reserved_bytes"]
                                                    + none["static_buffer_bytes"])
+    # the third: the mode this project exists for keeps no more than eager block recompute
+    block = report["modes"]["eager_block"]
+    assert report["checks"][2]["value"] == static["peak_bytes"] / block["peak_bytes"]
+    assert report["checks"][2]["ok"] == (static["peak_bytes"] <= block["peak_bytes"])
 
 
 def test_static_buffers_outside_the_pools_are_counted_once_per_storage():

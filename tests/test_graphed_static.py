@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from mhc_cg.tools.planner import ModelShape
+from mhc_cg.training.data import ProgressionCorpus
 from helpers import build_for_mode
 
 from helpers import SCOPE_CASES, assert_training_identical, grads_per_step, small_config
@@ -176,13 +177,13 @@ def test_the_arena_is_idle_wherever_it_is_lent(case):
     assert sessions["graphed_static"].optimizer.staging is None
     graphed = sessions["graphed_static"].mode_model
     arena = graphed.runtime.arena
-    forward = graphed.forward
+    microbatch_loss = graphed.microbatch_loss
 
-    def poisoned_forward(input_ids, seed):
+    def poisoned_microbatch(*args):
         arena.lend().fill_(255)  # 0xff..: NaN in every float dtype
-        return forward(input_ids, seed)
+        return microbatch_loss(*args)
 
-    graphed.forward = poisoned_forward
+    graphed.microbatch_loss = poisoned_microbatch
     for step in range(3):
         losses = {mode: s.step(digest=True, after_backward=lambda model: arena.lend().fill_(255))[0]
                   for mode, s in sessions.items()}
@@ -192,3 +193,35 @@ def test_the_arena_is_idle_wherever_it_is_lent(case):
         assert (arena.lend() != 255).any()  # the step's cast gradients
     assert all(torch.equal(p, q) for p, q in zip(sessions["eager_none"].model.parameters(),
                                                  sessions["graphed_static"].model.parameters()))
+
+
+def test_training_logits_live_in_the_chunk_outputs_scratch_until_the_backward_takes_it():
+    """Note [logits in the chunk output's scratch]: a training step's logits are written into
+    the last sublayer graph's forward scratch, the memory its chunk output came in, and no eager
+    allocation; that backward graph takes the memory back (the tape poisons what a graph gave
+    back once another graph of its pool replays), so the memory is lent and not kept. A
+    forward's logits, which its caller keeps, are its own storage and survive the next step."""
+    from mhc_cg.core.storage import storage_id
+    from mhc_cg.runtime.modes.registry import resolve
+    from mhc_cg.training.session import TrainSession
+
+    cfg = small_config(["attn", "mlp", "mhc_recompute"])
+    session = TrainSession.build(resolve(cfg, "graphed_static", torch.device("cpu")))
+    graphed = session.mode_model
+    memory = graphed.logits_memory
+    assert memory is not None
+    seen = []
+    graphed.model.head.register_forward_hook(lambda m, args, out: seen.append((args[0], out)))
+    session.step()
+    assert len(seen) == cfg.train.num_microbatches
+    assert all(storage_id(out) == storage_id(memory) for _, out in seen)
+    assert torch.isnan(memory).all()  # given back: the backward graphs replayed over it
+
+    seen.clear()
+    inputs, targets = ProgressionCorpus(cfg.model.vocab_size, cfg.model.seq_length,
+                                        seed=5).batch(cfg.train.micro_batch_size)
+    logits = session.forward(inputs, torch.tensor(7))
+    assert storage_id(seen[0][1]) != storage_id(memory)
+    kept = logits.detach().clone()
+    session.step()  # releases the forward whose backward never came, then trains
+    assert torch.equal(logits, kept)

@@ -311,6 +311,44 @@ def test_a_released_output_is_poisoned_when_another_graph_of_the_pool_replays(ba
     assert torch.equal(released, x * 2)
 
 
+class _IntoScratch(torch.nn.Module):
+    """``x * w``, written into the forward scratch of its capture when there is one."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((4,), 3.0))
+
+    def forward(self, x):
+        from mhc_cg.runtime.graphs.graphed_callables import capture_scratch
+
+        out, scratch = x * self.w, capture_scratch()
+        if scratch is None:
+            return out
+        into = scratch[:4]
+        into.copy_(out)
+        return into
+
+
+def test_a_forward_scratch_holds_its_output_until_the_pools_next_replay():
+    """Note [forward scratch]: the forward writes its output into the scratch; the caller gets
+    the same memory (``scratch(i)``) and the right values after the forward's replay; the
+    backward capture took the memory back, so the backward's replay poisons it (tape), and the
+    gradients are those of eager."""
+    from mhc_cg.core.storage import storage_id
+
+    module, sample = _IntoScratch(), torch.randn(4, requires_grad=True)
+    graphed = make_graphed_callables((module,), ((sample,),), backend="tape", scratch={0: 8},
+                                     num_warmup_iters=1)
+    memory = graphed.scratch(0)
+    assert memory is not None and memory.numel() == 8
+    x = torch.randn(4, requires_grad=True)
+    out = graphed[0](x)
+    assert storage_id(out) == storage_id(memory) and torch.equal(memory[:4], x.detach() * 3.0)
+    out.sum().backward()
+    assert torch.isnan(memory).all()
+    assert torch.equal(x.grad, torch.full((4,), 3.0)) and torch.equal(module.w.grad, x.detach())
+
+
 # ---------------------------------------------------------------------------------------------
 # A chain of fused mHC sublayers: the stream's grad is lent from one backward graph to the next.
 

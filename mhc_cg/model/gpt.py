@@ -19,6 +19,7 @@ from mhc_cg.model.moe import MoEMLP
 from mhc_cg.model.sublayer import MHCSublayer, PlainSublayer
 from mhc_cg.ops import kernels as fused
 from mhc_cg.ops.hyper_connection import contract_streams, expand_streams
+from mhc_cg.ops.output_linear import OutputLinear
 
 
 def lm_loss(logits: Tensor, targets: Tensor, kernels: str = "auto", *,
@@ -62,7 +63,8 @@ class MHCGPT(nn.Module):
         for sub, nxt in zip(sublayers, sublayers[1:]):
             sub.feeds(nxt)
         self.final_norm = RMSNorm(cfg.hidden_size, kernels=cfg.kernels)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # nn.Linear's parameters and bits; a mode may name where it writes the logits
+        self.head = OutputLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.apply(self._init_weights)
 
     def sublayers(self) -> list[MHCSublayer]:

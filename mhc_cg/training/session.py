@@ -30,7 +30,7 @@ from mhc_cg.core.errors import ConfigError
 from mhc_cg.core.nvtx import nvtx_range, profiler_recording, step_phase
 from mhc_cg.runtime.modes.step_loop import microbatch_loop
 from mhc_cg.core.progress import ProgressBar
-from mhc_cg.model import MHCGPT, lm_loss, microbatch_loss
+from mhc_cg.model import MHCGPT, lm_loss
 from mhc_cg.runtime.modes.lifecycle import ModeModel
 from mhc_cg.runtime.modes.plan import CapturePlan
 from mhc_cg.runtime.graphs import GraphBackend
@@ -228,8 +228,9 @@ class TrainSession:
             inputs, targets, seed = self.data.next(dev)  # loading counts with the forward
 
             def loss() -> torch.Tensor:
-                return microbatch_loss(self.forward(inputs, seed), targets,
-                                       self.cfg.model.kernels, train.num_microbatches)
+                return self.mode_model.microbatch_loss(inputs, targets, seed,
+                                                       self.cfg.model.kernels,
+                                                       train.num_microbatches)
 
             if probe_memory and index == 0:
                 out, held = held_bytes(loss, dev)

@@ -853,6 +853,27 @@ def _x_tiles(x_ptr, gout_ptr, gpost_ptr, t0, end, C, c, N: tl.constexpr, BT: tl.
 
 
 @triton.jit
+def _stream_grads(xs, gps, s, g_agg, coef, g_proj, w_blk, aux_ptr, t, tmask, N: tl.constexpr,
+                  HT: tl.constexpr, AW: tl.constexpr, GPOST: tl.constexpr, PREC: tl.constexpr):
+    """x's gradient, stream by stream: through the pre's aggregate, the projection (one
+    ``tl.dot`` with the stream's rows of the weight, Note [TF32 products]) and xnorm, then with
+    ``GPOST`` the post's residual path ``H_res^T g_post`` (``H_res g_post`` transposed)."""
+    gxs = ()
+    for i in tl.static_range(N):
+        through_proj = tl.dot(g_proj, w_blk[i], input_precision=PREC)
+        gx = s[i][:, None] * g_agg + through_proj + coef[:, None] * xs[i]
+        if GPOST:
+            for j in tl.static_range(N):
+                if HT:  # gx[i] += h_res[i, j] g_post[j]
+                    h = tl.load(aux_ptr + t * AW + 3 + N + i * N + j, mask=tmask, other=0.0)
+                else:  # gx[i] += h_res[j, i] g_post[j]
+                    h = tl.load(aux_ptr + t * AW + 3 + N + j * N + i, mask=tmask, other=0.0)
+                gx += h[:, None] * gps[j]
+        gxs = gxs + (gx,)
+    return gxs
+
+
+@triton.jit
 def _pre_bwd_x(gout_ptr, gpost_ptr, x_ptr, w_ptr, norm_ptr, gproj_ptr, aux_ptr, gx_ptr, gwt_ptr,
                gw_ptr, gy_ptr, seed_ptr, pstream, T, C, per_group, N: tl.constexpr,
                NP: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
@@ -909,19 +930,8 @@ def _pre_bwd_x(gout_ptr, gpost_ptr, x_ptr, w_ptr, norm_ptr, gproj_ptr, aux_ptr, 
             g_norm += tl.sum(g * agg * rstd[:, None], axis=0)
         else:
             g_agg = g
-        gps = _fp32(gp_raw, N)
-        gxs = ()
-        for i in tl.static_range(N):
-            through_proj = tl.dot(g_proj, w_blk[i], input_precision=PREC)  # Note [TF32 products]
-            gx = s[i][:, None] * g_agg + through_proj + coef[:, None] * xs[i]
-            if GPOST:  # the post's residual path: H_res^T g (H_res g for the transposed layout)
-                for j in tl.static_range(N):
-                    if HT:  # gx[i] += h_res[i, j] g_post[j]
-                        h = tl.load(aux_ptr + t * AW + 3 + N + i * N + j, mask=tmask, other=0.0)
-                    else:  # gx[i] += h_res[j, i] g_post[j]
-                        h = tl.load(aux_ptr + t * AW + 3 + N + j * N + i, mask=tmask, other=0.0)
-                    gx += h[:, None] * gps[j]
-            gxs = gxs + (gx,)
+        gxs = _stream_grads(xs, _fp32(gp_raw, N), s, g_agg, coef, g_proj, w_blk, aux_ptr, t,
+                            tmask, N, HT, AW, GPOST, PREC)
         if IN_PLACE:  # every thread has read its part of g_post before any overwrites it
             tl.debug_barrier()
         _store_streams(gx_ptr, gxs, t, c, fmask, C, N)

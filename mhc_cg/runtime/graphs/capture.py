@@ -194,6 +194,25 @@ class Graph(ABC):
     def _release(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
+    def free_early(self, t: torch.Tensor) -> torch.Tensor:
+        """Give the pool back the memory of ``t`` (made by this capture) now, though ``t`` itself
+        is still referenced (a later capture needs its autograd history, not its bytes).
+
+        Returns a tensor over the same memory, ``t``'s shape and layout, that keeps nothing
+        allocated: the caller's from this graph's replay to the pool's next replay, as a
+        :meth:`release_outputs` result; ``t`` is not to be read again. The base class keeps the
+        memory (always safe).
+        """
+        if self._state != "captured":
+            raise GraphCaptureError(f"{self.name}: free_early() before the capture ended")
+        if storage_id(t) not in self.made_storages:
+            raise GraphCaptureError(f"{self.name}: free_early() of a tensor this capture did not "
+                                    f"allocate")
+        return self._free_early(t)
+
+    def _free_early(self, t: torch.Tensor) -> torch.Tensor:
+        return self._release(t)
+
     def replay(self) -> None:
         """Re-run the recorded ops on the recorded tensors; runs no Python of the user's."""
         if self._state != "captured":

@@ -85,6 +85,11 @@ class CudaGraph(Graph):
     def _release(self, t: torch.Tensor) -> torch.Tensor:
         return unowned_alias(t)
 
+    def _free_early(self, t: torch.Tensor) -> torch.Tensor:
+        alias = unowned_alias(t)
+        t.untyped_storage().resize_(0)  # the block goes back to this graph's pool
+        return alias
+
 
 class _DeviceBytes:
     """The bytes behind a tensor, as a ``__cuda_array_interface__`` that owns nothing."""

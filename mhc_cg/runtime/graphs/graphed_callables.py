@@ -62,8 +62,10 @@ values.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections import Counter
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -81,8 +83,36 @@ from mhc_cg.runtime.graphs.replay_state import (GraphedState, graphed_forward, g
                                                 grad_output_buffer)
 from mhc_cg.runtime.graphs.static_inputs import buffer_layout, static_buffer
 
-__all__ = ["GraphedCallables", "GraphedState", "OrderLayout", "count_allocated_static_inputs",
-           "grad_output_buffer", "make_graphed_callables", "order_layout"]
+__all__ = ["GraphedCallables", "GraphedState", "OrderLayout", "capture_scratch",
+           "count_allocated_static_inputs", "grad_output_buffer", "make_graphed_callables",
+           "order_layout"]
+
+# Note [forward scratch]: ``make_graphed_callables(scratch={i: numel})`` has sample i's forward
+# capture allocate ``numel`` elements of its pool before the callable runs, which may write an
+# output there (:func:`capture_scratch` names it during that capture only). The memory goes back
+# to the pool when that sample's backward is captured (``Graph.free_early``): the backward and
+# every later capture may take it. So what the forward wrote there, and anything the caller puts
+# there after the forward's replay (``GraphedCallables.scratch(i)``), lives until the pool's next
+# replay: a chain whose next graph is this sample's backward lends the caller that memory for
+# the work between the two, without a byte more of pool. An output there must not be one the
+# backward reads; the forward's static outputs are re-pointed at the returned memory.
+_SCRATCH: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
+    "mhc_cg_capture_scratch", default=None)
+
+
+def capture_scratch() -> torch.Tensor | None:
+    """The forward scratch of the capture running now (Note [forward scratch]); ``None`` outside
+    one, in warm-up and eagerly."""
+    return _SCRATCH.get()
+
+
+@contextlib.contextmanager
+def _scratch_named(t: torch.Tensor | None) -> Iterator[None]:
+    token = _SCRATCH.set(t)
+    try:
+        yield
+    finally:
+        _SCRATCH.reset(token)
 
 
 # --------------------------------------------------------------------------------------------
@@ -104,6 +134,10 @@ class GraphedCallables(tuple):
         self.backend, self.pool, self.states = backend, pool, states
         self.static_input_sets = static_input_sets
         return self
+
+    def scratch(self, index: int) -> torch.Tensor | None:
+        """Sample ``index``'s forward scratch (Note [forward scratch]), ``None`` without one."""
+        return None if self.states is None else self.states[index].scratch
 
     def graphs(self) -> list[Graph]:
         """Every captured graph (forward and backward) of the tape/cuda backends."""
@@ -174,6 +208,7 @@ def make_graphed_callables(
     capture_before_backward: Mapping[int, Callable[[Any], None]] | None = None,
     keep_param_grads: bool = False,
     lend_grads_to_eager: bool = False,
+    scratch: Mapping[int, int] | None = None,
 ) -> Any:
     """Graph ``callables`` (forward and backward) with TransformerEngine's semantics.
 
@@ -185,11 +220,10 @@ def make_graphed_callables(
     :class:`GraphedCallables` tuple.
 
     Not in TE: ``capture_before_backward``, ``{sample index: capture(pool)}``, called just before
-    the backward graph of that sample is captured, to capture graphs of the caller's into the
-    same pool there (each must then replay there in every iteration and leave nothing of the pool
-    allocated); ``keep_param_grads``, parameter grads are not cloned (module docstring);
-    ``lend_grads_to_eager``, for callers that run one chain of graphs per backward, an input made
-    by an eager op that reads its grad once gets that grad uncloned (module docstring).
+    that sample's backward capture, to capture the caller's graphs into the pool there (each
+    must replay there every iteration and leave nothing allocated); ``keep_param_grads`` and
+    ``lend_grads_to_eager`` (module docstring); ``scratch``, ``{sample index: elements}`` of pool
+    memory lent from a forward's replay to the pool's next one (Note [forward scratch]).
 
     Phases: normalise the samples, lay out the order, (TE: hand over), share static inputs,
     warm up, capture along the order, wrap.
@@ -210,9 +244,10 @@ def make_graphed_callables(
 
     backend_name = _backend_name(backend, sample_args, sample_kwargs)
     if backend_name == "te":
-        if capture_before_backward:
-            raise ValueError("make_graphed_callables: capture_before_backward needs the tape or "
-                             "cuda backend; TransformerEngine captures its graphs on its own")
+        if capture_before_backward or scratch:
+            raise ValueError("make_graphed_callables: capture_before_backward and scratch need the "
+                             "tape or cuda backend; TransformerEngine captures its graphs on its "
+                             "own")
         return _through_te(callables, sample_args, sample_kwargs, single, order=order,
                            num_layers_per_chunk=num_layers_per_chunk, reuse_input_buffers=reuse, pool=pool,
                            num_warmup_iters=3 if num_warmup_iters is None else num_warmup_iters,
@@ -232,7 +267,7 @@ def make_graphed_callables(
         _warm_up(backend_obj, forwards, states, sample_args, sample_kwargs, num_warmup_iters,
                  training, allow_unused_input)
         _capture(backend_obj, pool, passes, func_of, states, sample_args, sample_kwargs,
-                 training, allow_unused_input, capture_before_backward or {})
+                 training, allow_unused_input, capture_before_backward or {}, scratch or {})
     results = _wrap(func_of, states, layout)
     if single:
         return results[0]
@@ -355,9 +390,11 @@ def _warm_up(backend: GraphBackend, forwards, states, sample_args, sample_kwargs
 
 
 def _capture(backend: GraphBackend, pool, passes, func_of, states, sample_args, sample_kwargs,
-             training: bool, allow_unused: bool, before_backward: Mapping[int, Callable]) -> None:
+             training: bool, allow_unused: bool, before_backward: Mapping[int, Callable],
+             scratch: Mapping[int, int]) -> None:
     """Capture every forward and backward graph in ``passes``' order, all in ``pool``."""
     shared_grad_outputs: dict[tuple, torch.Tensor] = {}
+    made_scratch: dict[int, torch.Tensor] = {}
     for kind, index in passes:
         if kind == "bwd" and training and index in before_backward:
             before_backward[index](pool)
@@ -365,7 +402,10 @@ def _capture(backend: GraphBackend, pool, passes, func_of, states, sample_args, 
         if kind == "fwd":
             state.fwd_graph = backend.new_graph(pool=pool)
             with state.fwd_graph.capture(), traffic.phase("forward"):
-                outputs = func_of[index](*sample_args[index], **sample_kwargs[index])
+                if index in scratch:  # the pool's first, before the callable allocates
+                    made_scratch[index] = _new_scratch(scratch[index], sample_args[index])
+                with _scratch_named(made_scratch.get(index)):
+                    outputs = func_of[index](*sample_args[index], **sample_kwargs[index])
             state.layouts = [buffer_layout(t) for t in state.surface]
             flat, state.output_spec = tree_flatten(outputs)
             if not all(isinstance(o, torch.Tensor) for o in flat):
@@ -375,29 +415,56 @@ def _capture(backend: GraphBackend, pool, passes, func_of, states, sample_args, 
             state.differentiable = [training and o.requires_grad for o in flat]
             saved = saved_storages(flat) if training else set()
             state.saved_outputs = [i for i, o in enumerate(flat) if storage_id(o) in saved]
+            if index in made_scratch and any(storage_id(flat[i]) == storage_id(made_scratch[index])
+                                             for i in state.saved_outputs):
+                raise ValueError(f"make_graphed_callables: sample {state.label} wrote an output "
+                                 f"its backward reads into its forward scratch, which that "
+                                 f"backward's capture takes back")
             continue
+        made = made_scratch.pop(index, None)
+        if made is not None:  # Note [forward scratch]: back to the pool before this capture
+            state.scratch = state.fwd_graph.free_early(made)
         diff_outputs = [o for o, d in zip(state.static_outputs, state.differentiable) if d]
         wanted = [t for t in state.surface if t.requires_grad]
         state.static_grad_outputs = _grad_output_buffers(state, shared_grad_outputs)
         if not diff_outputs or not wanted:
             state.static_grad_inputs = [None] * len(state.surface)
-            continue
-        state.bwd_graph = backend.new_graph(pool=pool)
-        with state.bwd_graph.capture(), traffic.phase("backward"):
-            grads = _grads_of(diff_outputs, state.surface,
-                              [g for g in state.static_grad_outputs if g is not None], allow_unused)
-            _accumulate_into_grads(state, grads)
-        # replay_backward clones them before any other graph runs: the pool may have them back;
-        # kept parameter grads stay this graph's own (they become ``.grad``)
-        made = state.bwd_graph.made_storages
-        state.kept_grads = {i: p for i, p in state.kept_grads.items()
-                            if grads[i] is not None and storage_id(grads[i]) in made}
-        released = state.bwd_graph.release_outputs(
-            [None if i in state.kept_grads else g for i, g in enumerate(grads)])
-        state.static_grad_inputs = [grads[i] if i in state.kept_grads else r
-                                    for i, r in enumerate(released)]
-        del grads
+        else:
+            _capture_backward(backend, pool, state, diff_outputs, allow_unused)
+        if made is not None:
+            state.static_outputs = [_over(state.scratch, o) if storage_id(o) == storage_id(made)
+                                    else o for o in state.static_outputs]
+        del made, diff_outputs
     backend.synchronize()
+
+
+def _capture_backward(backend: GraphBackend, pool, state: GraphedState, diff_outputs: list,
+                      allow_unused: bool) -> None:
+    state.bwd_graph = backend.new_graph(pool=pool)
+    with state.bwd_graph.capture(), traffic.phase("backward"):
+        grads = _grads_of(diff_outputs, state.surface,
+                          [g for g in state.static_grad_outputs if g is not None], allow_unused)
+        _accumulate_into_grads(state, grads)
+    # replay_backward clones them before any other graph runs: the pool may have them back;
+    # kept parameter grads stay this graph's own (they become ``.grad``)
+    made = state.bwd_graph.made_storages
+    state.kept_grads = {i: p for i, p in state.kept_grads.items()
+                        if grads[i] is not None and storage_id(grads[i]) in made}
+    released = state.bwd_graph.release_outputs(
+        [None if i in state.kept_grads else g for i, g in enumerate(grads)])
+    state.static_grad_inputs = [grads[i] if i in state.kept_grads else r
+                                for i, r in enumerate(released)]
+
+
+def _new_scratch(numel: int, sample: tuple) -> torch.Tensor:
+    """A forward scratch in the dtype and on the device of the sample's first tensor."""
+    first = next(t for t in flat_tensors(sample, {}) if t.is_floating_point())
+    return torch.empty(numel, dtype=first.dtype, device=first.device)
+
+
+def _over(memory: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """``view`` (a view of a scratch) as the same view of ``memory`` (what the scratch became)."""
+    return memory.view(view.dtype).as_strided(view.size(), view.stride(), view.storage_offset())
 
 
 def _accumulate_into_grads(state: GraphedState, grads: list) -> None:

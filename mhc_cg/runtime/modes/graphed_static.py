@@ -25,7 +25,8 @@ import torch
 from torch import Tensor, nn
 
 from mhc_cg.model.moe import MoECudaGraphPartialCaptureSignal, MoECudaGraphTensorStore
-from mhc_cg.model import MHCGPT, MoEMLP
+from mhc_cg.model import MHCGPT, MoEMLP, microbatch_loss
+from mhc_cg.ops.output_linear import output_into
 from mhc_cg.config.choices import RECOMPUTE_SCOPE
 from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
 from mhc_cg.runtime.graphs.replay_state import grad_output_buffer
@@ -165,6 +166,7 @@ class GraphedStaticModel(ModeModel):
         self.capacity = capacity
         self.block_size = block_size or model.cfg.resolved_recompute_layers
         self.sublayer_fns: dict[tuple[int, int], Callable] = {}
+        self.logits_memory: Tensor | None = None  # Note [logits in the chunk output's scratch]
 
     def prepare(self, device: torch.device | str) -> "GraphedStaticModel":
         cfg = self.model.cfg
@@ -186,12 +188,15 @@ class GraphedStaticModel(ModeModel):
                 self.runtime.warm_up_recompute(backend)
                 before_backward = self._recompute_captures()
                 recompute_in_sublayer_pool = True
+            scratch = self._head_scratch(modules, keys, backend)
             # a partially captured MoE sublayer leaves its experts' parameters to the eager tail
             graphed = make_graphed_callables(tuple(modules), sample_args, backend=backend,
                                              allow_unused_input=self.plan.moe_step is not None,
                                              capture_before_backward=before_backward,
-                                             keep_param_grads=True, lend_grads_to_eager=True)
+                                             keep_param_grads=True, lend_grads_to_eager=True,
+                                             scratch=scratch)
             self.graphed_callables = graphed
+            self.logits_memory = graphed.scratch(len(modules) - 1) if scratch else None
             self.graph_labels = [sublayer_label(key, module) for key, module in zip(keys, modules)]
             for key, module, fn in zip(keys, modules, graphed):
                 self.sublayer_fns[key] = self._wrap(key, module, fn)
@@ -221,6 +226,24 @@ class GraphedStaticModel(ModeModel):
                 lambda pool, block=block: runtime.capture_recompute_graph(self.backend, pool,
                                                                           block, pset))
         return captures
+
+    def _head_scratch(self, modules: list, keys: list, backend) -> dict[int, int]:
+        """Note [logits in the chunk output's scratch]: with one microbatch in flight and the
+        chunk's last sublayer a graph of the tape or cuda backend, that graph's forward scratch
+        (Note [forward scratch]) takes the chunk output, then the training step's logits: the
+        head reads the output once (the streams' mean) before its Linear writes the logits over
+        it, and the loss's backward is done before the last sublayer's backward graph, the
+        pool's next replay, takes the memory back for its temporaries. The logits then cost the
+        pool only what exceeds the chunk output, instead of an eager allocation beside the
+        pool's high-water mark. A forward whose logits its caller keeps (``forward``) computes
+        them eagerly as before."""
+        cfg = self.model.cfg
+        last = (self.model.layers[-1].layer_number, 1)
+        if self.capacity != 1 or backend.name == "te" or not keys or keys[-1] != last \
+                or type(modules[-1]) is not SlotSublayer:
+            return {}
+        tokens = self.micro_batch_size * cfg.seq_length
+        return {len(modules) - 1: tokens * max(cfg.num_streams * cfg.hidden_size, cfg.vocab_size)}
 
     def _graphs_every_sublayer(self, modules: list, keys: list) -> bool:
         """Every sublayer is one graph, replayed in one fixed order per step."""
@@ -265,8 +288,28 @@ class GraphedStaticModel(ModeModel):
             raise StaticRecomputeError("GraphedStaticModel.prepare(device) must run before forward")
         if not runs_graphs(self.model):
             return self.model(input_ids, dropout_seed)
+        return self.model.logits(*self._streams(input_ids, dropout_seed))
+
+    def microbatch_loss(self, input_ids: Tensor, targets: Tensor, dropout_seed: Tensor | None,
+                        kernels: str, num_microbatches: int) -> Tensor:
+        """The loss over logits in the chunk output's scratch, where there is one (Note
+        [logits in the chunk output's scratch])."""
+        if self.logits_memory is None or not runs_graphs(self.model):
+            return super().microbatch_loss(input_ids, targets, dropout_seed, kernels,
+                                           num_microbatches)
+        x, grad_into = self._streams(input_ids, dropout_seed)
+        s, b = x.shape[0], x.shape[1]
+        shape = (s, b, self.model.cfg.vocab_size)
+        memory = self.logits_memory[:s * b * shape[2]].view(shape)
+        with output_into(memory):
+            logits = self.model.logits(x, grad_into)
+        return microbatch_loss(logits, targets, kernels, num_microbatches)
+
+    def _streams(self, input_ids: Tensor, dropout_seed: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The chunk output of a training forward through the graphs, and the buffer its
+        gradient goes to."""
         self.captured.check(self.model)
         dropout_seed = self.graph_seed(input_ids, dropout_seed)
         x = self.model.embed(input_ids, *embed_buffers(self.model, self.runtime, input_ids))
         x = self.runtime.forward(x, dropout_seed, self.sublayer_fns)
-        return self.model.logits(x, grad_into=grad_output_buffer(x))
+        return x, grad_output_buffer(x)

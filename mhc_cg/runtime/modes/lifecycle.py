@@ -24,7 +24,7 @@ from torch import Tensor
 
 from mhc_cg.core.errors import StaleCaptureError
 from mhc_cg.core.storage import distinct_storage_bytes, storage_id
-from mhc_cg.model import MHCGPT
+from mhc_cg.model import MHCGPT, microbatch_loss
 from mhc_cg.runtime.graphs import GraphBackend, GraphedCallables, get_backend
 from mhc_cg.runtime.graphs.capture import Graph, Pool
 from mhc_cg.runtime.graphs.static_inputs import input_problem
@@ -64,6 +64,13 @@ class ModeModel:
 
     def __call__(self, input_ids: Tensor, dropout_seed: Tensor | None = None) -> Tensor:
         return self.forward(input_ids, dropout_seed)
+
+    def microbatch_loss(self, input_ids: Tensor, targets: Tensor, dropout_seed: Tensor | None,
+                        kernels: str, num_microbatches: int) -> Tensor:
+        """A training step's microbatch: its share of the loss
+        (:func:`~mhc_cg.model.microbatch_loss`) over logits nobody else reads, so a mode may put
+        them where it likes."""
+        return microbatch_loss(self(input_ids, dropout_seed), targets, kernels, num_microbatches)
 
     def train(self, mode: bool = True) -> "ModeModel":
         """``train()``/``eval()`` reach the wrapped model, so an eval forward never replays a

@@ -29,6 +29,7 @@ from torch import Tensor
 from mhc_cg.core.storage import is_buffer, storage_id
 from mhc_cg.model import recomputes_activation
 from mhc_cg.ops.kernels import Target, handed_link, recompute_block
+from mhc_cg.runtime.graphs.graphed_callables import capture_scratch
 from mhc_cg.runtime.recompute.arena import Arena
 from mhc_cg.runtime.recompute.chunk import ChunkLayout, SetBinding
 from mhc_cg.runtime.recompute.fused_slots import FusedSlots
@@ -84,7 +85,7 @@ class FusedSublayers:
             y = store_in(y, pset.fn_outputs[key])
         nxt, next_key = self._next_of(key)
         state_out = None if pset is None or nxt is None else Target.of(pset.states[next_key])
-        out = sub.post(x_on, state, y, seed, self._output_target(sub, position, k, pset),
+        out = sub.post(x_on, state, y, seed, self._output_target(sub, position, k, pset, x_on),
                        nxt=nxt, state_out=state_out)
         # the next sublayer's F output, dead once its pre's backward has read it, carries this
         # post's F output gradient from that backward (another graph) to this one's; at the
@@ -141,15 +142,19 @@ class FusedSublayers:
                             hc.sinkhorn_iterations, subs[0].norm.eps, x_out, fn_input_out,
                             hc.kernels, h_res_transposed=hc.h_res_transposed)
 
-    def _output_target(self, sub, position: int, k: int, pset) -> Target | None:
+    def _output_target(self, sub, position: int, k: int, pset, x_on: Tensor) -> Target | None:
         """The next sublayer's input slot; for a block's last, the next block's input (in the
-        set); ``None`` for the chunk's output."""
+        set); for the chunk's output, the scratch of the graph capturing it, if any (Note
+        [forward scratch]: its reader takes it before the next replay), else ``None``."""
         layout = self.layout
         block, j = layout.index(sub) // layout.block_size, 2 * position + k
         if j + 1 < 2 * len(layout.blocks[block]):
             return self.slots.stream(j + 1)
         if block + 1 < len(layout.blocks) and pset is not None:
             return Target.of(pset.block_inputs[block + 1])
+        scratch = capture_scratch()
+        if scratch is not None and scratch.dtype == x_on.dtype and scratch.numel() >= x_on.numel():
+            return Target.of(scratch[:x_on.numel()].view(x_on.shape))
         return None
 
 

@@ -66,6 +66,10 @@ class CostGraph(Graph):
         # values are never replayed here: a fresh storage lets the pool see the block freed
         return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
 
+    def _free_early(self, t: torch.Tensor) -> torch.Tensor:
+        t.untyped_storage().resize_(0)  # the pool's block table sees it freed
+        return self._release(t)
+
 
 class CostBackend(GraphBackend):
     """Makes :class:`CostGraph` graphs on ``device``; ``captured`` lists them in capture order."""

@@ -277,7 +277,7 @@ def checks(modes: dict) -> list[dict]:
              + static["static_buffer_bytes"])
     base = none["pool_reserved_bytes"] + none["static_buffer_bytes"]
     ratio = total / base if base else None
-    return [
+    found = [
         {"check": f"every recompute graph's pool peak (above the pool's live bytes before it) <= "
                   f"{RECOMPUTE_POOL_LIMIT} x arena",
          "value": worst / arena, "limit": RECOMPUTE_POOL_LIMIT,
@@ -287,6 +287,12 @@ def checks(modes: dict) -> list[dict]:
          "value": ratio, "limit": STATIC_MEMORY_LIMIT,
          "ok": ratio is not None and ratio <= STATIC_MEMORY_LIMIT},
     ]
+    block = modes.get("eager_block")
+    if block is not None:  # the mode this project exists for keeps no more than eager recompute
+        found.append({"check": "graphed_static peak <= eager_block peak",
+                      "value": static["peak_bytes"] / block["peak_bytes"], "limit": 1.0,
+                      "ok": static["peak_bytes"] <= block["peak_bytes"]})
+    return found
 
 
 def cost_report(cfg: RunConfig, device: str, config_name: str | None = None,
