@@ -171,14 +171,70 @@ def test_a_toy_mode_registered_in_one_place_reaches_train_compare_and_cost(toy_m
 
 
 def test_the_step_loop_is_written_once_and_no_mode_runs_a_backward_itself():
-    """The microbatch loop lives in one function (``microbatch_loop``): the eager step runs it
-    and a full-iteration mode captures it; a mode backpropagates only with the backward its
-    owner gives it, never by calling ``.backward(`` itself."""
+    """The microbatch loop lives in one function (``microbatch_loop``, in training): the session
+    runs it and a full-iteration mode captures it, given at prepare; a mode backpropagates only
+    in that loop, never by calling ``.backward(`` itself."""
     modes = ROOT / "mhc_cg" / "runtime" / "modes"
     calls = [f"{p.name}:{n}" for p in modes.glob("*.py")
              for n, line in enumerate(p.read_text().splitlines(), 1) if ".backward(" in line]
     assert calls == []
     users = {p.relative_to(ROOT).as_posix() for p in (ROOT / "mhc_cg").rglob("*.py")
              if "microbatch_loop(" in p.read_text()}
-    assert users == {"mhc_cg/runtime/modes/step_loop.py", "mhc_cg/runtime/modes/graphed_full.py",
-                     "mhc_cg/training/session.py"}
+    assert users == {"mhc_cg/training/step_loop.py", "mhc_cg/training/session.py"}
+
+
+# a training step calls down this order, never up (callbacks that reach back are closures handed
+# down; the modes hand the runtime data and graphed callables instead)
+STEP_LAYERS = {"mhc_cg.core": 0, "mhc_cg.ops": 1, "mhc_cg.config": 2, "mhc_cg.model": 3,
+               "mhc_cg.runtime.graphs": 4, "mhc_cg.runtime.recompute": 5,
+               "mhc_cg.runtime.modes": 6, "mhc_cg.training": 7}
+
+
+def step_layer_of(name: str) -> int | None:
+    return next((rank for prefix, rank in sorted(STEP_LAYERS.items(), key=lambda kv: -len(kv[0]))
+                 if name == prefix or name.startswith(prefix + ".")), None)
+
+
+def upward_calls_in_a_step(session) -> set[tuple[str, str]]:
+    """``(caller module.function, callee module.function)`` of every Python call, from one
+    mhc_cg module into another, that goes up :data:`STEP_LAYERS` or into a module outside it
+    (a tool), over one training step (``sys.setprofile``)."""
+    import sys
+
+    found = set()
+
+    def profile(frame, event, arg):
+        back = frame.f_back
+        if event != "call" or back is None:
+            return
+        callee, caller = frame.f_globals.get("__name__", ""), back.f_globals.get("__name__", "")
+        if not (callee.startswith("mhc_cg.") and caller.startswith("mhc_cg.")):
+            return
+        low, high = step_layer_of(caller), step_layer_of(callee)
+        if high is None or (low is not None and high > low):
+            found.add((f"{caller}.{back.f_code.co_name}", f"{callee}.{frame.f_code.co_name}"))
+
+    sys.setprofile(profile)
+    try:
+        session.step()
+    finally:
+        sys.setprofile(None)
+    return found
+
+
+def test_a_training_step_of_every_mode_never_calls_upward():
+    """One step of every mode on the tiny config (after the first, which captures): no call from
+    a product module into a higher layer, and no tool module on the step's path."""
+    import torch
+
+    from helpers import tiny_run_config
+    from mhc_cg.runtime.modes.registry import resolve
+    from mhc_cg.training.session import TrainSession
+
+    cfg = tiny_run_config()
+    found = {}
+    for mode in MODES:
+        session = TrainSession.build(resolve(cfg, mode, torch.device("cpu")))
+        session.step()
+        found[mode] = upward_calls_in_a_step(session)
+    assert all(not calls for calls in found.values()), found

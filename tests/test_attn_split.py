@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from mhc_cg.runtime.modes.attn_split import StaticInputCheckpoint
+from mhc_cg.runtime.recompute.split_attention import StaticInputCheckpoint
 from helpers import build_for_mode
 from mhc_cg.runtime.modes.registry import capture_plan
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from mhc_cg.runtime.recompute.arena import ArenaLayoutError
 from mhc_cg.model import MHCGPT, MHCGPTConfig
 from mhc_cg.core.errors import StaticRecomputeError
-from mhc_cg.runtime.recompute.static import build_static_recompute
+from mhc_cg.runtime.recompute.static import SublayerGraph, build_static_recompute
 
 SEQ, MBS = 16, 2
 
@@ -193,7 +193,8 @@ def test_exception_mid_forward_claims_nothing_and_next_step_is_correct():
         raise Boom()
 
     with pytest.raises(Boom):
-        runtime.forward(model.embed(data[0][0]), data[0][2], sublayer_fns={(3, 0): explode})
+        runtime.forward(model.embed(data[0][0]), data[0][2],
+                        sublayer_fns={(3, 0): SublayerGraph(explode)})
     assert runtime.sets.in_use == 0
     got = static_grads(model, runtime, data)
     assert all(torch.equal(got[n], expected[n]) for n in expected)

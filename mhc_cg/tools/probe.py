@@ -36,7 +36,8 @@ from mhc_cg.core.dtypes import TORCH_DTYPES
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.ops import kernels
 from mhc_cg.ops.dropout import counter_dropout_mask
-from mhc_cg.runtime.modes.registry import MODES, build, resolve
+from mhc_cg.runtime.modes.registry import MODES, resolve
+from mhc_cg.training.session import TrainSession
 from mhc_cg.tools.bench import device_name
 from mhc_cg.tools.bench_run import copy_bandwidth, synchronize, time_repeated
 from mhc_cg.tools.cost.report import cost_mode
@@ -107,7 +108,7 @@ def probe_pools(cfg: RunConfig, device: torch.device, modes: Sequence[str] = POO
         if plan.backend not in ("tape", "cuda"):
             result["modes"][mode] = not_available(f"backend {plan.backend}: its pools are TE's")
             continue
-        graphed = build(run)
+        graphed = TrainSession.build(run).mode_model  # a full-iteration mode needs its step loop
         synchronize(device)
         rows = measure_pools(graphed.graphs(), plan.backend)
         entry: dict[str, Any] = {"backend": plan.backend, "pools": rows,

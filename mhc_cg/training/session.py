@@ -14,6 +14,7 @@ with and without evaluation), under ``eval()`` and ``no_grad``: a forward-only p
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import sys
@@ -28,7 +29,6 @@ from mhc_cg.config import RunConfig
 from mhc_cg.core.dtypes import TORCH_DTYPES
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.core.nvtx import nvtx_range, profiler_recording, step_phase
-from mhc_cg.runtime.modes.step_loop import microbatch_loop
 from mhc_cg.core.progress import ProgressBar
 from mhc_cg.model import MHCGPT, lm_loss
 from mhc_cg.runtime.modes.lifecycle import ModeModel
@@ -39,6 +39,7 @@ from mhc_cg.runtime.modes.registry import (REFERENCE, Run, build_model, configur
 from mhc_cg.training.data import ProgressionCorpus
 from mhc_cg.training.device import check_fits, resolve_device
 from mhc_cg.training.optimizer import MainParamAdamW, StepResult
+from mhc_cg.training.step_loop import microbatch_loop
 
 
 @dataclass
@@ -145,7 +146,9 @@ class TrainSession:
         ``optimizer``: a factory instead of :func:`optimizer_for` (the cost model's back-test)."""
         model = build_model(run)
         optimizer = (optimizer or optimizer_for)(run.cfg, model.parameters())
-        mode_model = prepare(run, model, backend, backward=optimizer.backward)
+        step_loop = functools.partial(microbatch_loop, kernels=run.cfg.model.kernels,
+                                      backward=optimizer.backward)
+        mode_model = prepare(run, model, backend, step_loop=step_loop)
         optimizer.reserve_staging(mode_model.idle_workspace())
         return cls(run, mode_model, optimizer, Microbatches(run.cfg))
 
@@ -217,27 +220,21 @@ class TrainSession:
         return StepTensors(loss_sum, result.grad_norm, result.found_inf, held)
 
     def _microbatches(self, probe_memory: bool) -> tuple[torch.Tensor, int | None]:
-        """The step's microbatch loop (:func:`~mhc_cg.runtime.modes.step_loop.microbatch_loop`),
+        """The step's microbatch loop (:func:`~mhc_cg.training.step_loop.microbatch_loop`),
         each forward eager (graphs inside where the mode has them); returns the summed loss and
         what the first forward held (``probe_memory``)."""
         train, dev = self.cfg.train, self.device
         held = None
 
-        def forward_loss(index: int) -> torch.Tensor:
+        def probe(loss: Callable[[], torch.Tensor]) -> torch.Tensor:
             nonlocal held
-            inputs, targets, seed = self.data.next(dev)  # loading counts with the forward
+            out, held = held_bytes(loss, dev)
+            return out
 
-            def loss() -> torch.Tensor:
-                return self.mode_model.microbatch_loss(inputs, targets, seed,
-                                                       self.cfg.model.kernels,
-                                                       train.num_microbatches)
-
-            if probe_memory and index == 0:
-                out, held = held_bytes(loss, dev)
-                return out
-            return loss()
-
-        loss_sum = microbatch_loop(train.num_microbatches, forward_loss, self.optimizer.backward)
+        loss_sum = microbatch_loop(self.mode_model, lambda index: self.data.next(dev),
+                                   train.num_microbatches, kernels=self.cfg.model.kernels,
+                                   backward=self.optimizer.backward,
+                                   first=probe if probe_memory else None)
         return loss_sum, held
 
     def _replayed_iteration(self) -> torch.Tensor:

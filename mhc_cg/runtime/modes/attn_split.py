@@ -8,11 +8,8 @@ MLP sublayer run eagerly, as checkpoints of the eager block recompute
 the norm is fused into the pre. It is the strongest public alternative to ``graphed_static``, so
 the bench runs it beside ours.
 
-F's input is written straight into the graph's static input, in the forward and in the recompute
-(:class:`StaticInputCheckpoint`), so the replay copies nothing and it costs no memory of its own:
-the static input is the only copy. That buffer is the graph's, so "discard" must not free it; the
-recompute overwrites it in place before the graph's backward replays (the block's unified
-recompute runs before any backward node of the block).
+F's input is written straight into the graph's static input, which the block recompute reads
+as data (:mod:`mhc_cg.runtime.recompute.split_attention`): the replay copies nothing.
 
 Numbers: the graph computes ``fn`` with the eager ops, and everything else is eager block
 recompute, so on the ``tape`` backend losses and gradients equal ``eager_none``'s bit for bit
@@ -27,14 +24,12 @@ import torch
 from torch import Tensor, nn
 
 from mhc_cg.model import MHCGPT
-from mhc_cg.ops.kernels import Target
 from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
 from mhc_cg.runtime.modes.lifecycle import (CapturedState, ModeModel, rewind_replay_order,
                                     runs_graphs)
 from mhc_cg.runtime.modes.plan import CapturePlan
-from mhc_cg.runtime.recompute.checkpoint import FORWARD, CheckpointWithoutOutput
 from mhc_cg.runtime.recompute.eager import ARMED, BlockRecomputeManager, run_recompute_blocks
-from mhc_cg.core.storage import own_version_alias
+from mhc_cg.runtime.recompute.split_attention import AttentionSplit
 
 
 class AttentionConsumer(nn.Module):
@@ -46,73 +41,6 @@ class AttentionConsumer(nn.Module):
 
     def forward(self, fn_input: Tensor) -> Tensor:
         return self.fn(fn_input)
-
-
-def static_view(buffer: Tensor) -> Tensor:
-    """A new tensor over ``buffer``'s bytes with its own autograd identity.
-
-    The checkpoint's Function attaches its node to the tensor it returns; returning the graph's
-    static input itself (a leaf that requires grad) would graft that node onto the graph's buffer.
-    """
-    return own_version_alias(buffer)
-
-
-class StaticInputCheckpoint(CheckpointWithoutOutput):
-    """A checkpoint whose output ``index`` lives in a graph's static input ``slot``.
-
-    Discard keeps those bytes (they are the graph's input buffer; freeing them would break every
-    replay) and only checks the output still points at the slot; the recompute writes the slot in
-    place through the base class's writer alias. Its other outputs are discarded as usual.
-    """
-
-    def __init__(self, manager: BlockRecomputeManager, slot: Tensor, index: int, *, name: str):
-        super().__init__(manager, name=name)
-        self.slot, self.index = slot, index
-
-    def discard_outputs(self) -> None:
-        if self.state != FORWARD:
-            raise RuntimeError(f"checkpoint {self.name!r}: cannot discard in state {self.state!r}")
-        out = self.outputs[self.index]
-        if out.data_ptr() != self.slot.data_ptr():
-            raise RuntimeError(f"checkpoint {self.name!r}: its output is not the graph's static "
-                               f"input any more (address {out.data_ptr():#x} != "
-                               f"{self.slot.data_ptr():#x}); F's input must be written there")
-        kept = self.passthrough
-        self.passthrough = frozenset(kept | {self.index})  # kept, and restored by the recompute
-        try:
-            super().discard_outputs()
-        finally:
-            self.passthrough = kept
-
-
-def pre_into(steps, slot: Tensor) -> Callable[[Tensor], tuple[Tensor, Tensor, Tensor]]:
-    """``steps.pre`` writing F's input into ``slot`` when it runs without grad (the checkpoint's
-    forward); with grad (the recompute) it returns the value and the checkpoint copies it into
-    ``slot``."""
-    def pre(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        if torch.is_grad_enabled():
-            return steps.pre(x)
-        return steps.pre(x, fn_input_out=Target(slot, static_view(slot)))
-    return pre
-
-
-def split_attention_sublayer(steps, consumer: Callable[[Tensor], Tensor], slot: Tensor, x: Tensor,
-                             seed: Tensor | None, manager: BlockRecomputeManager, name: str,
-                             x_source: str | None) -> tuple[Tensor, str]:
-    """An attention sublayer: eager checkpointed pre and post around the graphed ``consumer``.
-
-    The same checkpoints as :func:`mhc_cg.runtime.recompute.eager.checkpoint_sublayer`, with F's
-    input written into ``slot`` (the consumer graph's static input). The attention sublayer never
-    ends a block (its layer's MLP follows), so its post is always a checkpoint.
-    """
-    x_refill = {} if x_source is None else {0: x_source}
-    fn_input, state, x_on = StaticInputCheckpoint(manager, slot, 0, name=f"{name}/pre").checkpoint(
-        pre_into(steps, slot), x, refill=x_refill, output_keys=("fn_input", "state", "x_on"),
-        passthrough=(2,))
-    y = consumer(fn_input)
-    out = CheckpointWithoutOutput(manager, name=f"{name}/post").checkpoint(
-        steps.post, x_on, state, y, seed, refill={0: f"{name}/pre.x_on", 1: f"{name}/pre.state"})
-    return out, f"{name}/post"
 
 
 class AttnSplitModel(ModeModel):
@@ -153,14 +81,9 @@ class AttnSplitModel(ModeModel):
         self.recompute_managers = []
         x = run_recompute_blocks(self.model.layers, self.model.embed(input_ids), dropout_seed,
                                  self.block_size, self.recompute_managers,
-                                 attention=self._split_attention, ranges=True,
+                                 split=AttentionSplit(self.consumers, self.slots), ranges=True,
                                  draws_random=self.model.cfg.draws_random)
         return self.model.logits(x)
-
-    def _split_attention(self, i: int, layer, x: Tensor, seed: Tensor, manager,
-                         x_source) -> tuple[Tensor, object]:
-        return split_attention_sublayer(layer.attention, self.consumers[i], self.slots[i], x, seed,
-                                        manager, f"layer{i}/attention", x_source)
 
     def release_pending(self) -> int:
         """Forget a training forward whose backward never came (an aborted step): its block

@@ -31,7 +31,6 @@ from torch import Tensor
 
 from mhc_cg.core import traffic
 from mhc_cg.core.nvtx import nvtx_range
-from mhc_cg.model import microbatch_loss
 from mhc_cg.runtime.graphs import GraphBackend, get_backend
 from mhc_cg.runtime.graphs.capture import Graph
 from mhc_cg.runtime.graphs.static_inputs import check_input, load_input, static_buffer
@@ -39,7 +38,6 @@ from mhc_cg.runtime.modes.eager import EagerModel
 from mhc_cg.runtime.modes.graphed_static import GraphedStaticModel
 from mhc_cg.runtime.modes.lifecycle import CapturedState, ModeModel
 from mhc_cg.runtime.modes.plan import CapturePlan
-from mhc_cg.runtime.modes.step_loop import microbatch_loop
 
 Batch = tuple[Tensor, Tensor, Tensor]  # (input ids [b, s], targets [b, s], dropout seed [])
 
@@ -92,12 +90,13 @@ class FullIterationModel(ModeModel):
         return self
 
     def _iteration(self) -> Tensor:
-        """Every microbatch's forward, loss and backward, the training step's own loop
-        (:func:`~mhc_cg.runtime.modes.step_loop.microbatch_loop`) over the static batches, with
-        the backward the session gave (:attr:`ModeModel.backward`); returns the summed loss."""
-        n, kernels = len(self.seeds), self.model.cfg.kernels
-        return microbatch_loop(n, lambda i: microbatch_loss(
-            self.inner(self.inputs[i], self.seeds[i]), self.targets[i], kernels, n), self.backward)
+        """Every microbatch's forward, loss and backward over the static batches: the training
+        step's own loop (:attr:`ModeModel.step_loop`, the session's); returns the summed loss."""
+        if self.step_loop is None:
+            raise RuntimeError(f"{self.plan.mode}: a full-iteration mode captures the training "
+                               f"step's loop; build it with TrainSession.build")
+        return self.step_loop(self.inner, lambda i: (self.inputs[i], self.targets[i],
+                                                     self.seeds[i]), len(self.seeds))
 
     def run_iteration(self, batches: Sequence[Batch]) -> Tensor:
         """Copy ``batches`` (one per microbatch) into the static buffers and replay the iteration;

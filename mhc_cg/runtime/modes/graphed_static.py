@@ -19,12 +19,12 @@ combination of scopes computes the same numbers, bit for bit, as eager without r
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
-from mhc_cg.model.moe import MoECudaGraphPartialCaptureSignal, MoECudaGraphTensorStore
+from mhc_cg.model.moe import MoECudaGraphPartialCaptureSignal
 from mhc_cg.model import MHCGPT, MoEMLP, microbatch_loss
 from mhc_cg.ops.output_linear import output_into
 from mhc_cg.config.choices import RECOMPUTE_SCOPE
@@ -32,9 +32,9 @@ from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
 from mhc_cg.runtime.graphs.replay_state import grad_output_buffer
 from mhc_cg.runtime.modes.lifecycle import CapturedState, ModeModel, runs_graphs
 from mhc_cg.runtime.modes.plan import CapturePlan
-from mhc_cg.core.nvtx import nvtx_range
 from mhc_cg.core.errors import StaticRecomputeError
-from mhc_cg.runtime.recompute.static import StaticRecompute, build_static_recompute
+from mhc_cg.runtime.recompute.static import (StaticRecompute, SublayerGraph,
+                                             build_static_recompute)
 from mhc_cg.runtime.recompute.sublayers import SUBLAYER_NAMES
 from mhc_cg.core.storage import own_version_alias
 
@@ -86,24 +86,6 @@ class PartialMoESublayer(nn.Module):
         finally:
             moe.partial_capture = None
         return (state, x_on, *early)
-
-
-def moe_eager_tail(runtime: StaticRecompute, sub: nn.Module, position: int, k: int, step: str,
-                   head_outputs: Sequence[Tensor], seed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The eager rest of a partially captured MoE sublayer; returns (out, F output, state)."""
-    state, x_on, hidden, probs, *rest = head_outputs
-    moe: MoEMLP = sub.fn
-    store = MoECudaGraphTensorStore()
-    if step == "route":
-        store.set(hidden_states=hidden, probs=probs, routing_map=rest[0])
-    else:
-        store.set(hidden_states=hidden, probs=probs)
-        for name, value in zip(moe.token_dispatcher.valid_cudagraph_attrs, rest):
-            setattr(moe.token_dispatcher, name, value)
-    with runtime.fn_region():
-        y = moe(x_on.narrow(-1, 0, hidden.shape[-1]), store)  # only its shape is read
-    out = runtime.sublayer_post(sub, position, k, y, (state, x_on), seed)
-    return out, runtime.kept_fn_output(sub, k, y), state
 
 
 def slot_sublayers(plan: CapturePlan, runtime: StaticRecompute, layers, block_size: int
@@ -165,7 +147,7 @@ class GraphedStaticModel(ModeModel):
         super().__init__(model, plan, micro_batch_size=micro_batch_size, backend=backend)
         self.capacity = capacity
         self.block_size = block_size or model.cfg.resolved_recompute_layers
-        self.sublayer_fns: dict[tuple[int, int], Callable] = {}
+        self.sublayer_fns: dict[tuple[int, int], SublayerGraph] = {}
         self.logits_memory: Tensor | None = None  # Note [logits in the chunk output's scratch]
 
     def prepare(self, device: torch.device | str) -> "GraphedStaticModel":
@@ -199,7 +181,7 @@ class GraphedStaticModel(ModeModel):
             self.logits_memory = graphed.scratch(len(modules) - 1) if scratch else None
             self.graph_labels = [sublayer_label(key, module) for key, module in zip(keys, modules)]
             for key, module, fn in zip(keys, modules, graphed):
-                self.sublayer_fns[key] = self._wrap(key, module, fn)
+                self.sublayer_fns[key] = SublayerGraph(fn, getattr(module, "step", None))
         if self.plan.recompute_graph and not recompute_in_sublayer_pool:
             self.runtime.capture_recompute_graphs(backend)
         self.captured = CapturedState.of(self.model)
@@ -263,23 +245,6 @@ class GraphedStaticModel(ModeModel):
             stream = self.runtime.stream_input(block, j, pset)
             samples.append((own_version_alias(stream).requires_grad_(), seed))
         return tuple(samples)
-
-    def _wrap(self, key: tuple[int, int], module: nn.Module, fn: Callable) -> Callable:
-        layer, k = key
-        phase = "attn" if k == 0 else "mlp"
-        if isinstance(module, PartialMoESublayer):
-            def run_partial(x: Tensor, seed: Tensor) -> tuple[Tensor, Tensor]:
-                with nvtx_range("fwd", 0, None, f"{layer}.moe_head"):
-                    head = fn(x, seed)
-                with nvtx_range("eager", 0, None, f"{layer}.moe_tail"):
-                    return moe_eager_tail(self.runtime, module.sub, module.position, module.k,
-                                          module.step, head, seed)
-            return run_partial
-
-        def run(x: Tensor, seed: Tensor) -> tuple[Tensor, Tensor]:
-            with nvtx_range("fwd", 0, None, f"{layer}.{phase}"):
-                return fn(x, seed)
-        return run
 
     def forward(self, input_ids: Tensor, dropout_seed: Tensor) -> Tensor:
         """A training forward runs the static runtime and its graphs; evaluation (``eval()`` or

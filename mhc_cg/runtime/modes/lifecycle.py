@@ -51,9 +51,9 @@ class ModeModel:
         self.graph_labels: list[str] = []  # what each graphed callable holds, e.g. "L3.attn"
         self.runtime: StaticRecompute | None = None
         self.captured: CapturedState | None = None
-        # how a microbatch's loss is backpropagated, given by who runs the step (the session's
-        # optimizer scales it for fp16); a full-iteration mode captures it with the step
-        self.backward: Callable[[Tensor], None] = torch.autograd.backward
+        # the training step's microbatch loop, given by who runs the step (TrainSession: its
+        # optimizer's backward scales the loss for fp16); a full-iteration mode captures it
+        self.step_loop: Callable | None = None
 
     # -- running --------------------------------------------------------------------------------
     def prepare(self, device: torch.device | str) -> "ModeModel":

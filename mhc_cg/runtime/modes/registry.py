@@ -188,16 +188,16 @@ def build_model(run: Run) -> MHCGPT:
 
 
 def prepare(run: Run, model: MHCGPT, backend: GraphBackend | None = None,
-            backward: Callable[[Tensor], None] | None = None) -> ModeModel:
+            step_loop: Callable | None = None) -> ModeModel:
     """``model`` (from :func:`build_model`) as the run's mode runs it, graphs captured: after
     this, the parameters' addresses are baked into the graphs. ``backend``: a capture backend
-    object instead of the plan's (the cost model's); ``backward``: how the step backpropagates a
-    microbatch's loss (the training optimizer's), which a full-iteration mode captures."""
+    object instead of the plan's (the cost model's); ``step_loop``: the training step's
+    microbatch loop (:func:`mhc_cg.training.step_loop.microbatch_loop` with the optimizer's
+    backward), which a full-iteration mode captures."""
     mode_model = run.mode.model_type(model, run.plan,
                                      micro_batch_size=run.cfg.train.micro_batch_size,
                                      backend=backend)
-    if backward is not None:
-        mode_model.backward = backward
+    mode_model.step_loop = step_loop
     with torch.enable_grad():  # capture records the backward too, even if built under no_grad
         mode_model.prepare(run.device)
     return mode_model

@@ -21,7 +21,7 @@ can be reused.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -32,6 +32,7 @@ from mhc_cg.core.nvtx import nvtx_range
 from mhc_cg.model.layers import MLP
 from mhc_cg.runtime.recompute.checkpoint import CheckpointWithoutOutput, RNGState
 from mhc_cg.runtime.recompute.gradient_order import order_gradient_sums
+from mhc_cg.runtime.recompute.split_attention import AttentionSplit, split_attention_sublayer
 from mhc_cg.core.storage import storage_id
 
 IDLE, ARMED, RECOMPUTED = "idle", "armed", "recomputed"
@@ -240,15 +241,15 @@ def _stepwise_checkpoints(steps, x, seed, manager, name, x_source, block_end):
 
 def run_recompute_blocks(layers, x: Tensor, seed: Tensor | None, block_size: int,
                          managers: list[BlockRecomputeManager], *,
-                         attention: Callable | None = None, ranges: bool = False,
+                         split: AttentionSplit | None = None, ranges: bool = False,
                          draws_random: bool = True) -> Tensor:
     """Eager block recompute over ``layers`` (each with ``.attention`` / ``.mlp`` steps).
 
     One manager per block of ``block_size`` layers, appended to ``managers`` as it starts (so the
     caller still sees it, empty, if an exception unwinds its forward): each block keeps its input
     x_l0 and every F output; its hook tensor is the block's last bias-dropout-add output.
-    ``attention(i, layer, x, seed, manager, x_source) -> (x, x_source)`` replaces the attention
-    sublayer's checkpoint (Megatron-LM dev's split graphs its core); ``ranges`` names each
+    ``split``: the attention's core is layer ``i``'s graph of the split, its checkpoints around it
+    (Megatron-LM dev's split, :mod:`~mhc_cg.runtime.recompute.split_attention`); ``ranges`` names each
     sublayer's NVTX range as the graphed modes do (``fwd``, ``{i}.attn`` / ``{i}.mlp``).
     ``draws_random=False``: the layers draw nothing from torch's generators, so the recompute
     saves and restores no generator state (Note [no generator state without a random op]).
@@ -263,12 +264,14 @@ def run_recompute_blocks(layers, x: Tensor, seed: Tensor | None, block_size: int
             x_source = None  # the block input is persistent, not refilled
             for i, layer in enumerate(block, start):
                 with _sublayer_range(ranges, f"{i}.attn"):
-                    if attention is None:
+                    if split is None:
                         x, x_source = checkpoint_sublayer(layer.attention, x, seed, manager,
                                                           f"layer{i}/attention", x_source,
                                                           block_end=False)
                     else:
-                        x, x_source = attention(i, layer, x, seed, manager, x_source)
+                        x, x_source = split_attention_sublayer(
+                            layer.attention, split.consumers[i], split.slots[i], x, seed, manager,
+                            f"layer{i}/attention", x_source)
                 with _sublayer_range(ranges, f"{i}.mlp"):
                     x, x_source = checkpoint_sublayer(layer.mlp, x, seed, manager,
                                                       f"layer{i}/mlp", x_source,

@@ -28,7 +28,8 @@ Invariants the tests check: slot addresses never move, nothing is resized or re-
 from __future__ import annotations
 
 from collections import Counter, deque
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -40,14 +41,26 @@ from mhc_cg.core import traffic
 from mhc_cg.core.errors import StaticRecomputeError
 from mhc_cg.core.nvtx import nvtx_range
 from mhc_cg.core.storage import storage_id
-from mhc_cg.model import MLP, MHCSublayer, MHCTransformerLayer, recomputes_activation
+from mhc_cg.model import MLP, MHCSublayer, MHCTransformerLayer, MoEMLP, recomputes_activation
+from mhc_cg.model.moe import MoECudaGraphTensorStore
 from mhc_cg.ops.output_linear import output_into
 from mhc_cg.runtime.graphs.static_inputs import check_input
 from mhc_cg.runtime.recompute.arena import Arena
 from mhc_cg.runtime.recompute.chunk import ChunkLayout, SetBinding
 from mhc_cg.runtime.recompute.persistent import PersistentSetPool, PersistentSlotSet, new_persistent_set
 from mhc_cg.runtime.recompute.store import RegionCursor, store_in, store_in_slot
-from mhc_cg.runtime.recompute.sublayers import sublayers_for
+from mhc_cg.runtime.recompute.sublayers import SUBLAYER_NAMES, sublayers_for
+
+
+@dataclass(frozen=True)
+class SublayerGraph:
+    """What runs sublayer ``(layer number, k)`` instead of the eager one: its graphed callable
+    ``fn(x, seed) -> (out, F output, state)``; with ``moe_step`` (``route`` / ``preprocess``) the
+    graph is a MoE sublayer's head, and the runtime runs the rest from its outputs
+    (:meth:`StaticRecompute.moe_tail`)."""
+
+    fn: Callable
+    moe_step: str | None = None
 
 
 class StaticRecompute:
@@ -292,9 +305,9 @@ class StaticRecompute:
 
     # -- the chunk forward -----------------------------------------------------------------------
     def forward(self, x: Tensor, seed: Tensor | None,
-                sublayer_fns: dict[tuple[int, int], Callable] | None = None) -> Tensor:
-        """Run the chunk; returns its output. ``sublayer_fns[(layer, k)]`` replaces the eager
-        sublayer (e.g. by a graphed callable) and must return ``(out, fn_output)``."""
+                sublayer_fns: dict[tuple[int, int], SublayerGraph] | None = None) -> Tensor:
+        """Run the chunk; returns its output. ``sublayer_fns[(layer number, k)]`` runs that
+        sublayer instead of the eager one (:class:`SublayerGraph`)."""
         if not self.arena.allocated:
             raise StaticRecomputeError("call prepare() (layout discovery + allocation) before forward")
         if not torch.is_grad_enabled():
@@ -325,9 +338,10 @@ class StaticRecompute:
                 first = b * self.block_size
                 for position, layer in enumerate(block):
                     for k, sub in enumerate((layer.attention, layer.mlp)):
-                        fn = (sublayer_fns or {}).get((layer.layer_number, k))
-                        if fn is not None:
-                            x, y, mappings = fn(x, seed_in)
+                        graph = (sublayer_fns or {}).get((layer.layer_number, k))
+                        if graph is not None:
+                            x, y, mappings = self._graphed(graph, layer.layer_number, sub,
+                                                           position, k, x, seed_in)
                         else:
                             x, y, mappings = self.sublayer(sub, position, k, x, seed_in)
                         self._keep(pset, (first + position, k), y, mappings)
@@ -350,6 +364,37 @@ class StaticRecompute:
         else:  # no gradient will flow (e.g. a frozen chunk): nothing will run backward
             self.sets.release(pset)
         return x
+
+    def _graphed(self, graph: SublayerGraph, layer: int, sub, position: int, k: int, x: Tensor,
+                 seed: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """A sublayer through its graph, named as the graphed modes name it; a MoE head's graph
+        then this runtime's eager tail."""
+        if graph.moe_step is None:
+            with nvtx_range("fwd", 0, None, f"{layer}.{SUBLAYER_NAMES[k]}"):
+                return graph.fn(x, seed)
+        with nvtx_range("fwd", 0, None, f"{layer}.moe_head"):
+            head = graph.fn(x, seed)
+        with nvtx_range("eager", 0, None, f"{layer}.moe_tail"):
+            return self.moe_tail(sub, position, k, graph.moe_step, head, seed)
+
+    def moe_tail(self, sub: MHCSublayer, position: int, k: int, step: str,
+                 head_outputs: Sequence[Tensor], seed: Tensor | None
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+        """The eager rest of a MoE sublayer whose head was captured (megatron-core's partial
+        capture: the router [and the dispatcher's preprocess]); returns (out, F output, state)."""
+        state, x_on, hidden, probs, *rest = head_outputs
+        moe: MoEMLP = sub.fn
+        store = MoECudaGraphTensorStore()
+        if step == "route":
+            store.set(hidden_states=hidden, probs=probs, routing_map=rest[0])
+        else:
+            store.set(hidden_states=hidden, probs=probs)
+            for name, value in zip(moe.token_dispatcher.valid_cudagraph_attrs, rest):
+                setattr(moe.token_dispatcher, name, value)
+        with self.fn_region():
+            y = moe(x_on.narrow(-1, 0, hidden.shape[-1]), store)  # only its shape is read
+        out = self.sublayer_post(sub, position, k, y, (state, x_on), seed)
+        return out, self.kept_fn_output(sub, k, y), state
 
     def next_input_buffer(self, shape: tuple[int, ...]) -> Tensor | None:
         """Where the next training forward keeps its chunk input of ``shape`` (block 0's input

@@ -1,0 +1,37 @@
+"""The training step's microbatch loop, written once: the session runs it each step
+(:meth:`mhc_cg.training.session.TrainSession.run_step`), and a full-iteration mode captures it
+over its static batches (:class:`mhc_cg.runtime.modes.graphed_full.FullIterationModel`, given it
+at ``prepare`` as ``ModeModel.step_loop``: the mode calls up only while it captures)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import Tensor
+
+from mhc_cg.core.nvtx import step_phase
+
+Batch = tuple[Tensor, Tensor, Tensor]  # (input ids [b, s], targets [b, s], dropout seed [])
+
+
+def microbatch_loop(model, batch: Callable[[int], Batch], count: int, *, kernels: str,
+                    backward: Callable[[Tensor], None],
+                    first: Callable[[Callable[[], Tensor]], Tensor] | None = None) -> Tensor:
+    """Each microbatch ``index``'s share of the step's loss, ``model.microbatch_loss`` of
+    ``batch(index)`` (drawn in its forward: loading counts with it), then ``backward`` of it, in
+    order; returns the summed loss (detached). ``first`` runs the first microbatch's loss (the
+    session's memory probe). Nothing here holds a microbatch's logits: its backward frees them, as
+    it must inside a captured iteration."""
+    loss_sum = None
+    for index in range(count):
+        with step_phase("forward"):
+            inputs, targets, seed = batch(index)
+
+            def loss() -> Tensor:
+                return model.microbatch_loss(inputs, targets, seed, kernels, count)
+
+            loss_value = first(loss) if first is not None and index == 0 else loss()
+            loss_sum = loss_value.detach() if loss_sum is None else loss_sum + loss_value.detach()
+        with step_phase("backward"):
+            backward(loss_value)
+    return loss_sum
