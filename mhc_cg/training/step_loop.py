@@ -25,13 +25,20 @@ def microbatch_loop(model, batch: Callable[[int], Batch], count: int, *, kernels
     loss_sum = None
     for index in range(count):
         with step_phase("forward"):
-            inputs, targets, seed = batch(index)
-
-            def loss() -> Tensor:
-                return model.microbatch_loss(inputs, targets, seed, kernels, count)
-
-            loss_value = first(loss) if first is not None and index == 0 else loss()
-            loss_sum = loss_value.detach() if loss_sum is None else loss_sum + loss_value.detach()
+            loss = _loss(model, batch(index), kernels, count, first if index == 0 else None)
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         with step_phase("backward"):
-            backward(loss_value)
+            backward(loss)
     return loss_sum
+
+
+def _loss(model, batch: Batch, kernels: str, count: int,
+          run: Callable[[Callable[[], Tensor]], Tensor] | None) -> Tensor:
+    """One microbatch's loss; its batch dies here, before its backward, as nothing reads it."""
+    inputs, targets, seed = batch
+    del batch
+
+    def loss() -> Tensor:
+        return model.microbatch_loss(inputs, targets, seed, kernels, count)
+
+    return loss() if run is None else run(loss)
