@@ -44,7 +44,7 @@ START=$(date +%s)
 if [ -z "${MHC_CG_THIRD_PARTY:-}" ] && ls bench/carry/megatron-lm-main-*.tar.gz >/dev/null 2>&1; then
     export MHC_CG_THIRD_PARTY="$PWD/bench/carry"
 fi
-# the TE wheel the peers part loads by path (mhc_cg/tools/kernel_peers.py looks there too)
+# the TE wheel the peers part loads by path (mhc_cg/benchmarks/kernel_peers.py looks there too)
 if [ -z "${MHC_CG_TE_WHEEL:-}" ] && ls bench/carry/peers/transformer_engine-*.whl >/dev/null 2>&1; then
     export MHC_CG_TE_WHEEL="$PWD/bench/carry/peers"
 fi

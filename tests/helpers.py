@@ -5,6 +5,7 @@ and running the CLI in a fresh process."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -16,9 +17,10 @@ import torch
 from mhc_cg.config import RunConfig
 from mhc_cg.runtime.graphs import GraphCaptureError, get_backend
 from mhc_cg.model import MHCGPT, MHCGPTConfig
-from mhc_cg.core.schedule import peak_in_flight, pipeline_order
+from mhc_cg.core.pipeline_order import peak_in_flight, pipeline_order
 from mhc_cg.runtime.modes.lifecycle import ModeModel
-from mhc_cg.runtime.modes.registry import build, resolve
+from mhc_cg.runtime.modes.registry import build_model, prepare, resolve
+from mhc_cg.training.step_loop import microbatch_loop
 from mhc_cg.runtime.recompute.arena import Arena
 from mhc_cg.runtime.recompute.persistent import PersistentSetPool, new_persistent_set
 from mhc_cg.runtime.recompute.static import build_static_recompute
@@ -202,7 +204,7 @@ def planner_prediction(order: list[int], layers_per_chunk: list[int], reuse: boo
     """The schedule planner's figure, which must agree with the independent walk."""
     walked = expected_static_input_sets(order, layers_per_chunk, reuse)
     try:
-        from mhc_cg.tools.planner import count_static_input_buffers
+        from mhc_cg.planning.planner import count_static_input_buffers
     except ImportError:  # a checkout without the planner
         return walked
     planned = count_static_input_buffers(order, layers_per_chunk, reuse)
@@ -295,5 +297,9 @@ def run_cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def build_for_mode(cfg, name: str, device) -> ModeModel:
-    """The prepared mode ``name`` of ``cfg`` on ``device`` (the config as given)."""
-    return build(resolve(cfg, name, device))
+    """The prepared mode ``name`` of ``cfg`` on ``device`` (the config as given), with the
+    training step's loop and autograd's own backward (no optimizer)."""
+    run = resolve(cfg, name, device)
+    loop = functools.partial(microbatch_loop, kernels=run.cfg.model.kernels,
+                             backward=torch.autograd.backward)
+    return prepare(run, build_model(run), step_loop=loop)

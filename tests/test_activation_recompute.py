@@ -20,9 +20,9 @@ from mhc_cg.config import RunConfig, load_config
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.core.storage import distinct_storage_bytes, storage_id
 from mhc_cg.runtime.graphs import get_backend
-from mhc_cg.tools.memory.measure import measure_saved_bytes
+from mhc_cg.memory.measure import measure_saved_bytes
 from mhc_cg.runtime.modes.eager import EagerModel
-from mhc_cg.runtime.recompute.eager import install_activation_recompute
+from mhc_cg.runtime.recompute.block_recompute import install_activation_recompute
 from mhc_cg.model import MHCGPT, MHCGPTConfig
 from mhc_cg.core.errors import StaticRecomputeError
 from mhc_cg.runtime.recompute.static import build_static_recompute
@@ -213,7 +213,7 @@ def test_graphed_static_training_bit_identical_with_mlp_scope_on_tape():
 @pytest.mark.parametrize("block_size", [1, 2])
 def test_pipeline_order_with_shared_arena_and_sets_bit_identical(monkeypatch, block_size):
     """pp=4, vpp=2, rank 0: two chunks share the arena and the set pool, many microbatches in flight."""
-    from mhc_cg.core.schedule import pipeline_order
+    from mhc_cg.core.pipeline_order import pipeline_order
 
     order = pipeline_order(4, 0, 8, vpp_size=2)
     ref_model, ref_grads = eager_run(order)  # no recompute at all

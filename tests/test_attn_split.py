@@ -67,7 +67,7 @@ def test_fn_input_lives_in_the_static_input_and_the_recompute_rewrites_it():
 
 
 def test_discard_refuses_an_fn_input_that_left_the_slot():
-    from mhc_cg.runtime.recompute.eager import BlockRecomputeManager
+    from mhc_cg.runtime.recompute.block_recompute import BlockRecomputeManager
 
     manager = BlockRecomputeManager()
     slot = torch.zeros(3)

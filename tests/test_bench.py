@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from mhc_cg.tools import bench, bench_run
+from mhc_cg.benchmarks import runner as bench, timing as bench_run
 from mhc_cg.cli import main
 from mhc_cg.config import load_config
 from mhc_cg.runtime.modes.registry import MODES, mode_config

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mhc_cg.tools import compare
+from mhc_cg.compare import modes as compare
 from mhc_cg.cli import main
 from mhc_cg.training.session import TrainResult
 

@@ -1,4 +1,4 @@
-"""The cost model: kernels, bytes and capture-pool memory of recorded graphs (mhc_cg.tools.cost)."""
+"""The cost model: kernels, bytes and capture-pool memory of recorded graphs (mhc_cg.cost)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from mhc_cg.config import RunConfig
-from mhc_cg.tools.cost.allocator import BLOCK_BYTES, rounded
-from mhc_cg.tools.cost.cost_backend import CostBackend
-from mhc_cg.tools.cost.ops import launches_kernel
-from mhc_cg.tools.cost.op_counters import StepRecorder
-from mhc_cg.tools.cost.report import cost_mode, cost_report, format_report, mode_configs
+from mhc_cg.cost.allocator import BLOCK_BYTES, rounded
+from mhc_cg.cost.cost_backend import CostBackend
+from mhc_cg.cost.ops import launches_kernel
+from mhc_cg.cost.op_counters import StepRecorder
+from mhc_cg.cost.report import cost_mode, cost_report, format_report, mode_configs
 from mhc_cg.runtime.modes.registry import resolve
 from mhc_cg.core.errors import GraphCaptureError
 from mhc_cg.runtime.graphs.guard import CaptureGuardMode
@@ -78,7 +78,7 @@ def test_multi_tensor_ops_launch_as_cuda_chunks_their_lists():
     """CUDA's multi_tensor_apply: a block per 65536 elements, a launch per 320 blocks or per
     36 tensors of a 4-list op (fused AdamW: params, grads, exp_avgs, exp_avg_sqs; the step
     counts are not chunked); a foreach norm adds its cleanup kernel."""
-    from mhc_cg.tools.cost.ops import kernel_launches, multi_tensor_launches
+    from mhc_cg.cost.ops import kernel_launches, multi_tensor_launches
 
     assert multi_tensor_launches([320 * 65536], depth=4) == 1
     assert multi_tensor_launches([320 * 65536 + 1], depth=4) == 2
@@ -672,7 +672,7 @@ def test_the_loss_holds_no_fp32_copy_of_the_logits():
 def test_the_losss_and_the_final_norms_ops_are_no_mhc_traffic():
     """Every registered op of the loss and of the model's final norm (their in-place variants
     too) is left out of the mHC traffic."""
-    from mhc_cg.tools.cost import fused as fused_ops
+    from mhc_cg.cost import fused as fused_ops
 
     names = [n for n in dir(torch.ops.mhc_cg) if n.startswith(("cross_entropy", "rms_norm"))]
     assert len(names) >= 5
@@ -738,7 +738,7 @@ def test_the_cost_model_predicts_the_h100_runs_eager_peaks_within_5_percent():
     gradient copies, foreach AdamW), the model predicts that run's measured peak of each eager
     mode (in the optimizer step, where they were) within 5 %, and its resident bytes (the
     parameters' and the optimizer's alone) too."""
-    from mhc_cg.tools.cost.backtest import backtest
+    from mhc_cg.cost.backtest import backtest
 
     rows = backtest(modes=("eager_none", "eager_block"))["modes"]
     assert set(rows) == {"eager_none", "eager_block"}
@@ -752,7 +752,7 @@ def test_a_kernel_measurement_counts_only_at_the_code_it_measured(tmp_path):
     """The step model says per kernel class what it charges and what was measured: a fused
     kernel's measurement at other kernel source is shown as such, not as this code's; the copy
     bandwidth a GPU measured is what bytes are timed at."""
-    from mhc_cg.tools.cost.measured import copy_share, kernel_classes, kernel_source_sha256
+    from mhc_cg.cost.measured import copy_share, kernel_classes, kernel_source_sha256
 
     rows = [{"device": "NVIDIA H100 80GB HBM3", "code": "old", "class": "copy", "kernel": "copy_",
              "gb_per_s": 2680.0, "share_of_copy": 1.0},
@@ -772,7 +772,7 @@ def test_a_kernel_measurement_counts_only_at_the_code_it_measured(tmp_path):
 def test_cost_prints_the_last_measured_step_of_the_shape_beside_the_modelled_one(tmp_path):
     import json
 
-    from mhc_cg.tools.cost.measured import last_measured_steps
+    from mhc_cg.cost.measured import last_measured_steps
 
     cfg = tiny_config()
     for date, step in (("2026-01-01", 50.0), ("2026-02-01", 40.0)):

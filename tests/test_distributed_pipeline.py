@@ -21,9 +21,9 @@ from mhc_cg.cli import main
 from mhc_cg.config import RunConfig, load_config
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.training.pipeline.driver import train_pipeline
-from mhc_cg.core.schedule import max_persistent_slot_sets, recomputes_kept
-from mhc_cg.tools.pipeline_compare import norms_agree, single_process_config
-from mhc_cg.core.schedule import pipeline_order
+from mhc_cg.core.pipeline_order import max_persistent_slot_sets, recomputes_kept
+from mhc_cg.compare.pipeline import norms_agree, single_process_config
+from mhc_cg.core.pipeline_order import pipeline_order
 from mhc_cg.training.session import train
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

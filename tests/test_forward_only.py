@@ -21,7 +21,7 @@ from mhc_cg.cli import main
 from mhc_cg.training.data import ProgressionCorpus
 from mhc_cg.core.errors import StaleCaptureError, StaticRecomputeError
 from mhc_cg.runtime.modes.registry import resolve
-from mhc_cg.tools.compare import compared_modes
+from mhc_cg.compare.modes import compared_modes
 from mhc_cg.training.session import TrainSession, grad_digest
 
 CPU = torch.device("cpu")

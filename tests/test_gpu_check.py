@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mhc_cg.tools import probe
-
+from mhc_cg.profiling import probe
 REPO = Path(__file__).resolve().parent.parent
 DRY_MODES = ["eager_none", "graphed_static", "graphed_full_static"]
 
@@ -67,9 +66,8 @@ def test_peers_part_compares_every_op_with_every_peer(dry_run):
     """``mhc-cg kernels --peers --dry-run``: every op family beside TransformerEngine's,
     Megatron-LM dev's and torch's (main's module), at fp32 and bf16, every row within its
     tolerance; what cannot run says why (the TE wheel missing, the interpreter's bf16 dot)."""
-    from mhc_cg.tools import kernel_peers
-
-    from mhc_cg.tools.megatron_harness.child_process import snapshot_archive
+    from mhc_cg.benchmarks import kernel_peers
+    from mhc_cg.megatron_harness.child_process import snapshot_archive
 
     report = json.loads((dry_run / "peers" / "peers.json").read_text())
     printed = (dry_run / "peers" / "peers.log").read_text()  # --json: the same report on stdout
@@ -126,7 +124,7 @@ def test_the_kernel_part_writes_the_tables_the_launchers_and_the_cost_model_read
     fastest become rows the launchers read, the op timings rows ``mhc-cg cost`` charges as
     measured at this kernel source (once they are an H100's)."""
     from mhc_cg.ops.kernels.launch import DEFAULTS, ENV, TUNABLE, launch_config
-    from mhc_cg.tools.cost.measured import fused_charges, kernel_source_sha256
+    from mhc_cg.cost.measured import fused_charges, kernel_source_sha256
 
     report = json.loads((dry_run / "kernels" / "kernel_bench.json").read_text())
     assert [s["shape"] for s in report["shapes"]] == ["dry_bench", "dry_memory"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import tiny_run_config
-from mhc_cg.tools import bench
+from mhc_cg.benchmarks import runner as bench
 from mhc_cg.runtime.graphs import get_backend
 from mhc_cg.runtime.modes.registry import capture_plan
 

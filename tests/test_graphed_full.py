@@ -8,7 +8,7 @@ import torch
 
 from mhc_cg.core.errors import ConfigError, StaleCaptureError
 from mhc_cg.runtime.modes.registry import resolve
-from mhc_cg.tools.cost.report import cost_mode, mode_configs
+from mhc_cg.cost.report import cost_mode, mode_configs
 from mhc_cg.training.session import TrainSession, train
 
 from helpers import tiny_run_config

@@ -14,7 +14,7 @@ import gc
 import pytest
 import torch
 
-from mhc_cg.tools.planner import ModelShape
+from mhc_cg.planning.planner import ModelShape
 from mhc_cg.training.data import ProgressionCorpus
 from helpers import build_for_mode
 

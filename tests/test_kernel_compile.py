@@ -12,8 +12,8 @@ import pytest
 
 from mhc_cg.cli import main
 from mhc_cg.ops.kernels.dispatch import interpret_requested
-from mhc_cg.tools import kernel_compile
-from mhc_cg.tools.kernel_compile import (CASES, H100, in_flight, kernel_report, parse_resource_usage,
+from mhc_cg.benchmarks import kernel_compile
+from mhc_cg.benchmarks.kernel_compile import (CASES, H100, in_flight, kernel_report, parse_resource_usage,
                                          is_mhc_case, resident_warps)
 
 KERNELS = Path(kernel_compile.__file__).resolve().parents[1] / "ops" / "kernels"
@@ -99,7 +99,7 @@ def test_every_launcher_the_ops_call_has_a_case():
     used = _calls_on_impl(ast.parse((KERNELS / "custom_ops.py").read_text()))
     assert len(used) >= 7
     assert used == {case.launcher for case in CASES}, \
-        "add a Case for each launcher to CASES in mhc_cg/tools/kernel_compile.py"
+        "add a Case for each launcher to CASES in mhc_cg/benchmarks/kernel_compile.py"
 
 
 def test_every_kernel_launched_is_compiled(report):
@@ -228,9 +228,9 @@ def test_the_in_flight_estimate_is_a_check_and_the_step_model_charges_measuremen
     measured share of the copy bandwidth at this code, else the H100's for its kind, never 1.0
     without a measurement; a step then takes longer in the model on the same bytes."""
     from mhc_cg.config import load_config
-    from mhc_cg.tools.cost.bandwidth import OP_CASES, kernel_shares
-    from mhc_cg.tools.cost.measured import FUSED_KINDS, fused_charges
-    from mhc_cg.tools.cost.report import cost_report
+    from mhc_cg.cost.bandwidth import OP_CASES, kernel_shares
+    from mhc_cg.cost.measured import FUSED_KINDS, fused_charges
+    from mhc_cg.cost.report import cost_report
 
     shares = kernel_shares(BENCH_HIDDEN, 4096)
     assert set(shares) == set(OP_CASES) and all(0 < s <= 1 for s in shares.values())

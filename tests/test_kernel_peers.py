@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mhc_cg.ops.kernels import reference as R
-from mhc_cg.tools import kernel_peers as kp
+from mhc_cg.benchmarks import kernel_peers as kp
 
 
 def test_te_layout_round_trips_and_matches_its_feature_order():

@@ -26,7 +26,7 @@ from mhc_cg.ops.dropout import counter_dropout_mask
 from mhc_cg.ops.hyper_connection import HyperConnection, sinkhorn_knopp
 from mhc_cg.ops.kernels import reference
 from mhc_cg.ops.kernels.dispatch import triton_installed
-from mhc_cg.tools.compare import compared_modes
+from mhc_cg.compare.modes import compared_modes
 from kernel_count import KernelCounter, kernels_per_layer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,8 +12,8 @@ from megatron.core.transformer.enums import CudaGraphScope  # noqa: E402
 from mhc_cg.config import load_config  # noqa: E402
 from mhc_cg.core.errors import ConfigError  # noqa: E402
 from mhc_cg.training.pipeline.driver import free_port  # noqa: E402
-from mhc_cg.tools.planner import plan  # noqa: E402
-from mhc_cg.core.schedule import pipeline_order  # noqa: E402
+from mhc_cg.planning.planner import plan  # noqa: E402
+from mhc_cg.core.pipeline_order import pipeline_order  # noqa: E402
 from megatron_integration.config.transformer_config import MHCTransformerConfig  # noqa: E402
 from megatron_integration.capture.te_graph_helper import (RecomputeCaptureMixin, RecomputeGraphKey,  # noqa: E402
                                              recompute_capture_order)
@@ -199,7 +199,7 @@ def test_mixin_captures_recompute_graphs_in_order_before_megatron_finishes():
     recompute graphs, captured along the helper's order before its capture phase ends, held by
     the runtimes whose block hooks replay them (the real helper: tests/test_megatron_helper.py)."""
     from helpers import PIPELINE_MBS, PIPELINE_SEQ, chunk_layers, rank_model
-    from mhc_cg.core.schedule import peak_in_flight
+    from mhc_cg.core.pipeline_order import peak_in_flight
     from mhc_cg.runtime.recompute.static import build_static_recompute
 
     order = pipeline_order(2, 0, 4, 2)  # rank 0 of pp 2, 2 chunks, 4 microbatches

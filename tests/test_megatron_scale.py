@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from mhc_cg.config import load_config
-from mhc_cg.core.schedule import pipeline_order, recomputes_kept
+from mhc_cg.core.pipeline_order import pipeline_order, recomputes_kept
 from megatron_main_oracle import require_snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,8 +139,8 @@ def test_another_shape_with_the_mlp_graphed_and_counter_dropout():
     the graphed forward, the recompute graphs, dev's eager run and dev's own ``[mhc]``
     recompute draw the same masks."""
     require_snapshot("dev")
-    from mhc_cg.tools.megatron_harness.child_process import run_megatron_job
-    from mhc_cg.tools.megatron_harness.runs import compare_ranks
+    from mhc_cg.megatron_harness.child_process import run_megatron_job
+    from mhc_cg.megatron_harness.runs import compare_ranks
 
     cfg = load_config(ROOT / "configs/megatron_dev_dense_mlp.yaml").replace(
         model={"num_layers": 6, "recompute_layers": 3, "hidden_dropout": 0.1,
@@ -177,8 +177,8 @@ def test_moe_layers_end_their_graphs_at_megatron_signal_at_ep1_with_counter_drop
     recompute; in a replayed step nothing of either sublayer runs as Python but the MoE layer's
     eager rest, and the recompute graphs replay once per block and microbatch."""
     require_snapshot("dev")
-    from mhc_cg.tools.megatron_harness.child_process import run_megatron_job
-    from mhc_cg.tools.megatron_harness.runs import compare_ranks
+    from mhc_cg.megatron_harness.child_process import run_megatron_job
+    from mhc_cg.megatron_harness.runs import compare_ranks
 
     m, layers = 2, 4
     cfg = load_config(ROOT / CONFIGS["moe_partial"]).replace(
@@ -271,8 +271,8 @@ def test_our_layer_on_megatron_core_0_16_at_scale_is_bit_identical(shape):
     its TE graph helper, counter dropout 0.1: bit-identical to the same model without recompute on
     every rank; under sequence parallelism the mHC parameters' gradients are summed over the
     tensor-parallel ranks like the norms'."""
-    from mhc_cg.tools.megatron_harness.child_process import run_megatron_job
-    from mhc_cg.tools.megatron_harness.runs import compare_ranks
+    from mhc_cg.megatron_harness.child_process import run_megatron_job
+    from mhc_cg.megatron_harness.runs import compare_ranks
 
     s = CORE_SHAPES[shape]
     cfg = load_config(ROOT / CONFIGS["pp2_vpp2"]).replace(

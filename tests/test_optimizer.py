@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mhc_cg.config import load_config
-from mhc_cg.tools.compare import format_table, mismatches
+from mhc_cg.compare.modes import format_table, mismatches
 from mhc_cg.training import optimizer as optimizer_module
 from mhc_cg.training.optimizer import DynamicLossScaler, MainParamAdamW
 from mhc_cg.training.session import TrainResult, train

@@ -1,6 +1,6 @@
 """Static-buffer recompute along a real pipeline order (pp=4, vpp=2), on one process.
 
-The rank's order (``mhc_cg.core.schedule.pipeline_order``) is executed in sequence: ``+c`` runs the
+The rank's order (``mhc_cg.core.pipeline_order.pipeline_order``) is executed in sequence: ``+c`` runs the
 forward of model chunk ``c`` on its next microbatch, ``-c`` that chunk's oldest backward. Many
 microbatches are in flight at once, the two chunks share one arena and one pool of persistent
 slot sets, and gradients must still equal eager without recompute, bit for bit.
@@ -13,7 +13,7 @@ import torch
 
 from mhc_cg.runtime.recompute.arena import Arena
 from mhc_cg.runtime.graphs import get_backend
-from mhc_cg.core.schedule import peak_in_flight, pipeline_order, recomputes_kept
+from mhc_cg.core.pipeline_order import peak_in_flight, pipeline_order, recomputes_kept
 from mhc_cg.runtime.recompute.persistent import PersistentSetPool, new_persistent_set
 from mhc_cg.runtime.recompute.static import build_static_recompute
 
@@ -41,7 +41,7 @@ def test_pipeline_order_gradients_bit_identical_with_recompute_graphs(rank):
     assert runtimes[1].sets.in_use == 0
     # FIFO along the order, exactly as the schedule planner assigns them
     try:
-        from mhc_cg.core.schedule import assign_persistent_slot_sets
+        from mhc_cg.core.pipeline_order import assign_persistent_slot_sets
     except ImportError:
         return
     assert acquired == assign_persistent_slot_sets(order)
@@ -120,7 +120,7 @@ def test_every_step_takes_the_sets_the_captures_were_bound_to(rank):
     interleaved schedule is not the acquire order)."""
     from types import SimpleNamespace
 
-    from mhc_cg.core.schedule import assign_persistent_slot_sets, decode_order, max_persistent_slot_sets
+    from mhc_cg.core.pipeline_order import assign_persistent_slot_sets, decode_order, max_persistent_slot_sets
 
     order = pipeline_order(2, rank, 4, vpp_size=2)
     pool = PersistentSetPool(max_persistent_slot_sets(order), lambda i: SimpleNamespace(index=i))

@@ -241,7 +241,7 @@ def test_arena_holds_one_block_of_what_the_backward_reads(block_size, dropout):
     more: each sublayer's stream input but the block's first (saved from the set), and each F
     input: (2L - 1) n C + 2L C per token (analytical.arena_elements), up to alignment."""
     from mhc_cg.runtime.recompute.arena import ALIGN_BYTES
-    from mhc_cg.tools.memory.analytical import arena_elements
+    from mhc_cg.memory.analytical import arena_elements
 
     model = tiny_model(dropout=dropout)
     runtime = build_static_recompute(list(model.layers), block_size, seq_length=SEQ,

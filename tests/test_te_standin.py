@@ -1,4 +1,4 @@
-"""The test-only TransformerEngine stand-in (``mhc_cg/tools/megatron_harness/te_on_tape``): TE's ``make_graphed_callables``
+"""The test-only TransformerEngine stand-in (``mhc_cg/megatron_harness/te_on_tape``): TE's ``make_graphed_callables``
 mapped onto mhc_cg's on the tape, and FP8 refused. Its module is loaded by path under a private
 name, so no ``transformer_engine`` enters this process (tests/test_megatron_helper.py runs it
 under megatron's helper in a child process)."""
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-GRAPH = Path(__file__).resolve().parents[1] / "mhc_cg" / "tools" / "megatron_harness" / "te_on_tape" / "transformer_engine" / "pytorch" / "graph.py"
+GRAPH = Path(__file__).resolve().parents[1] / "mhc_cg" / "megatron_harness" / "te_on_tape" / "transformer_engine" / "pytorch" / "graph.py"
 
 
 @pytest.fixture(scope="module")

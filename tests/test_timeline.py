@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 from mhc_cg.cli import main
 from mhc_cg.config import RunConfig
 from mhc_cg.core.nvtx import enable, enabled_parts
-from mhc_cg.tools.profiling.timeline import range_stats, read_timeline, total_stats
+from mhc_cg.profiling.traces import range_stats, read_timeline, total_stats
 from mhc_cg.training.session import train
 
 TID = (100 << 24) | 7  # nsys globalTid: process 100, thread 7

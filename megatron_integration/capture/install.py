@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from mhc_cg.core.schedule import assign_persistent_slot_sets, max_persistent_slot_sets
+from mhc_cg.core.pipeline_order import assign_persistent_slot_sets, max_persistent_slot_sets
 from mhc_cg.runtime.recompute.static import StaticRecompute
 
 from megatron_integration.capture.static_block import StaticMHCBlock
@@ -102,7 +102,7 @@ def install_static_recompute(decoder, static_type: type[StaticMHCBlock], *, seq_
     """Put ``decoder``'s training forward on a ``static_type`` runtime (see the module docstring).
 
     ``slot_sets``: persistent slot sets, the most microbatches in flight on this rank
-    (:func:`mhc_cg.core.schedule.max_persistent_slot_sets` of the rank's order; 1 without
+    (:func:`mhc_cg.core.pipeline_order.max_persistent_slot_sets` of the rank's order; 1 without
     pipeline parallelism). ``shared``: a runtime of another chunk of this rank whose arena and
     sets this one shares. ``graph_sets``: the set each microbatch of this chunk takes along the
     order (see :class:`SublayerSite`). ``seq_length`` is the rank's own (divided by the tensor

@@ -14,7 +14,7 @@ then calls ``_finish_capturing()``. ``RecomputeCaptureMixin`` overrides exactly 
   warm-up state), captures one recompute graph per (chunk, recompute block, persistent slot set)
   in the order the schedule first needs them: walking the order, at each backward ``-c`` of
   microbatch k, chunk c's blocks last to first, on the slot set microbatch k's forward took
-  (:func:`mhc_cg.core.schedule.assign_persistent_slot_sets`, first-in first-out, as at run time).
+  (:func:`mhc_cg.core.pipeline_order.assign_persistent_slot_sets`, first-in first-out, as at run time).
 
 The recompute graphs of a rank share one pool of independent graphs (docs/design.md, invariant 4):
 each leaves nothing allocated, so capturing them after the layer graphs does not disturb the
@@ -33,7 +33,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mhc_cg.core.schedule import assign_persistent_slot_sets, decode_order, pipeline_order
+from mhc_cg.core.pipeline_order import assign_persistent_slot_sets, decode_order, pipeline_order
 from mhc_cg.runtime.graphs import get_backend, resolve_backend_name
 from mhc_cg.runtime.recompute.static import StaticRecompute
 
@@ -176,7 +176,7 @@ def make_te_graph_helper(model, config, seq_length: int, micro_batch_size: int,
     (:func:`rank_order`, checked against the helper's own when it captures).
     ``recompute_graphs``: capture the recompute graphs (default: ``config.mhc_recompute_graph``,
     set by ``mhc_recompute`` in the scope of an ``MHCTransformerConfig``). Needs
-    TransformerEngine (on the CPU, the stand-in in ``mhc_cg/tools/megatron_harness/te_on_tape``);
+    TransformerEngine (on the CPU, the stand-in in ``mhc_cg/megatron_harness/te_on_tape``);
     megatron-core's helper asserts its graph support.
     """
     from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
@@ -196,7 +196,7 @@ def make_te_graph_helper(model, config, seq_length: int, micro_batch_size: int,
 def rank_order(config, num_chunks: int, num_microbatches: int) -> list[int]:
     """The order megatron's TE graph helper captures this rank's layer graphs along: one
     microbatch without a pipeline (its one graph per layer serves every microbatch), else the
-    rank's pipeline schedule (:func:`mhc_cg.core.schedule.pipeline_order`, megatron's own)."""
+    rank's pipeline schedule (:func:`mhc_cg.core.pipeline_order.pipeline_order`, megatron's own)."""
     from megatron.core import parallel_state
 
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from mhc_cg.model import HyperConnectionSteps
 from mhc_cg.ops.dropout import dropout
-from mhc_cg.runtime.recompute.eager import BlockRecomputeManager, run_recompute_blocks
+from mhc_cg.runtime.recompute.block_recompute import BlockRecomputeManager, run_recompute_blocks
 
 from megatron_integration.layers.counter_dropout import sublayer_stream
 from megatron_integration.layers.graphed_sublayer import GraphedSublayerMixin

@@ -2,7 +2,7 @@
 shape and one markdown under bench/results/.
 
 Prints the markdown tables and the targets check on stdout, progress on stderr. See
-``mhc_cg/tools/bench.py`` for what is measured and ``bench/README.md`` for running it on a GPU.
+``mhc_cg/benchmarks/runner.py`` for what is measured and ``bench/README.md`` for running it on a GPU.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 
 from mhc_cg.runtime.modes.registry import MODES
-from mhc_cg.tools.bench import CPU_CAVEAT, BenchOptions, markdown, parse_modes, run_bench, \
+from mhc_cg.benchmarks.runner import CPU_CAVEAT, BenchOptions, markdown, parse_modes, run_bench, \
     write_results
 from mhc_cg.config import load_config
 from mhc_cg.core.errors import ConfigError

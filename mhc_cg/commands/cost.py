@@ -10,7 +10,7 @@ from pathlib import Path
 from mhc_cg.config import load_config
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.core.progress import log
-from mhc_cg.tools.cost.report import DEVICES, cost_report, format_live, format_report
+from mhc_cg.cost.report import DEVICES, cost_report, format_live, format_report
 
 HELP = "GPU cost without a GPU: kernels, bytes and capture-pool memory of every mode's step"
 
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         if args.live:
             print("\n".join(format_live(report)))
     if args.plot:
-        from mhc_cg.tools.cost.frontier_plot import plot_frontier
+        from mhc_cg.cost.frontier_plot import plot_frontier
 
         log("cost", f"frontier written to {plot_frontier(report, args.plot)}")
     return 0

@@ -11,7 +11,7 @@ import sys
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.core.progress import log
 from mhc_cg.ops.kernels.dispatch import interpret_requested, triton_installed
-from mhc_cg.tools.kernel_compile import (DEFAULT_HIDDEN, DEFAULT_TARGET, DEFAULT_TOKENS,
+from mhc_cg.benchmarks.kernel_compile import (DEFAULT_HIDDEN, DEFAULT_TARGET, DEFAULT_TOKENS,
                                          format_report, kernel_report)
 
 HELP = ("compile every fused Triton kernel for a GPU ahead of time (no GPU needed): registers, "
@@ -87,7 +87,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     from mhc_cg.commands.bench import SHAPES
     from mhc_cg.config import load_config
-    from mhc_cg.tools import kernel_bench
+    from mhc_cg.benchmarks import kernel_bench
     from mhc_cg.training.device import resolve_device
 
     if args.steps < 1:
@@ -120,8 +120,7 @@ def run_peers(args: argparse.Namespace) -> int:
 
     from mhc_cg.commands.bench import SHAPES
     from mhc_cg.config import load_config
-    from mhc_cg.tools import kernel_peers
-
+    from mhc_cg.benchmarks import kernel_peers
     if args.bench or args.sweep:
         raise ConfigError("--peers runs apart from --bench and --sweep; give one of them")
     out = Path(args.out if args.out != BENCH_OUT else kernel_peers.OUT)

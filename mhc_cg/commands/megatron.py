@@ -9,8 +9,7 @@ import json
 import sys
 
 from mhc_cg.config import load_config
-from mhc_cg.tools import megatron_compare
-
+from mhc_cg.megatron_harness import compare as megatron_compare
 HELP = ("train Megatron's own mHC GPT (megatron.branch: main, dev, or core with mhc_cg's layer) "
         "under its TECudaGraphHelper with mhc_cg's recompute (or, with megatron.cuda_graph_impl: "
         "full_iteration, under dev's FullCudaGraphWrapper), one process per rank; --compare "

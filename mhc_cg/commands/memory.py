@@ -9,7 +9,7 @@ from dataclasses import replace
 from mhc_cg.config import load_config
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.core.dtypes import TORCH_DTYPES
-from mhc_cg.tools.memory.measure import measure_saved_bytes
+from mhc_cg.memory.measure import measure_saved_bytes
 
 HELP = "measure activation bytes saved for backward per layer (recompute none vs block)"
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from mhc_cg.config import load_config
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.core.dtypes import DTYPE_BYTES
-from mhc_cg.tools.planner import ModelShape, RankPlan, layers_per_chunk, plan
-from mhc_cg.core.schedule import schedule_problems
+from mhc_cg.planning.planner import ModelShape, RankPlan, layers_per_chunk, plan
+from mhc_cg.core.pipeline_order import schedule_problems
 
 HELP = "simulate the PP/VPP 1F1B order per rank and plan its static buffers (graphs, inputs, mHC sets)"
 
@@ -193,11 +193,11 @@ def run(args: argparse.Namespace) -> int:
         print(format_plans(plans, values, args.dtype))
     written = []
     if args.trace:
-        from mhc_cg.tools.planner_plot import write_trace
+        from mhc_cg.planning.plot import write_trace
 
         written.append(write_trace(plans, args.trace))
     if args.png:
-        from mhc_cg.tools.planner_plot import plot_schedule  # matplotlib only when a PNG is asked for
+        from mhc_cg.planning.plot import plot_schedule  # matplotlib only when a PNG is asked for
 
         group = values["microbatch_group_size"] or values["pp_size"]
         title = (f"mhc-cg schedule: pp {values['pp_size']}, vpp {values['vpp_size']}, "

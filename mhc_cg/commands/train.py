@@ -8,8 +8,8 @@ import sys
 
 from mhc_cg.config import load_config
 from mhc_cg.runtime.modes.registry import MODES, REFERENCE, configured_mode
-from mhc_cg.tools import pipeline_compare
-from mhc_cg.tools import compare
+from mhc_cg.compare import pipeline as pipeline_compare
+from mhc_cg.compare import modes as compare
 from mhc_cg.training.session import train
 
 HELP = "train the mHC GPT of a config on a synthetic corpus; --compare runs every recompute mode"

@@ -26,7 +26,7 @@ from mhc_cg.config.choices import (DEVICES, DROPOUT_IMPLS, GRAPH_BACKENDS, MIN_V
                                    SCOPES, split_recompute_scope)
 from mhc_cg.core.dtypes import DTYPE_BYTES, TRAIN_DTYPES
 from mhc_cg.core.errors import ConfigError, did_you_mean, is_positive_int
-from mhc_cg.core.schedule import schedule_problems
+from mhc_cg.core.pipeline_order import schedule_problems
 from mhc_cg.ops.dropout import stateful_dropout_problem
 from mhc_cg.ops.kernels import KERNELS, kernels_problem
 

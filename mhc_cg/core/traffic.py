@@ -12,7 +12,7 @@ and, for the copies the runtime adds, what each copy is for.
 
 A label is a push on a process-wide stack (the autograd engine may run backward on another thread,
 so not a context variable); nothing reads the labels unless the cost model records
-(:mod:`mhc_cg.tools.cost`), which reads them when it records an op: at dispatch for eager work,
+(:mod:`mhc_cg.cost`), which reads them when it records an op: at dispatch for eager work,
 at capture for a graph's work. The innermost label wins.
 """
 

@@ -47,7 +47,7 @@ class MLP(nn.Module):
 
     ``recompute_activation`` asks the runtime not to keep the gelu output (``ffn`` per token, the
     MLP's largest tensor) from the forward to the backward. How is the runtime's: eager modes
-    install ``activation_recompute`` (:func:`mhc_cg.runtime.recompute.eager.
+    install ``activation_recompute`` (:func:`mhc_cg.runtime.recompute.block_recompute.
     install_activation_recompute`: a checkpoint whose output is freed and recomputed before fc2's
     backward); the static-buffer runtime keeps the gelu output in an arena slot instead and never
     calls this forward for such an MLP. Without a runtime the MLP keeps its activation.

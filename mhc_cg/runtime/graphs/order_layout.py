@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import torch
 from torch.utils._pytree import tree_flatten
 
-from mhc_cg.core.schedule import decode_order, pass_windows
+from mhc_cg.core.pipeline_order import decode_order, pass_windows
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ The split Megatron-LM's development branch ships for mHC recompute with CUDA gra
 graph scope with mHC selective recompute): per layer, the attention is captured as a graph whose
 input is the one-stream ``[s, b, C]`` F input; the mHC ops (the fused pre and post) and the whole
 MLP sublayer run eagerly, as checkpoints of the eager block recompute
-(:mod:`mhc_cg.runtime.recompute.eager`). Megatron's graph also holds the sublayer's RMSNorm; here
+(:mod:`mhc_cg.runtime.recompute.block_recompute`). Megatron's graph also holds the sublayer's RMSNorm; here
 the norm is fused into the pre. It is the strongest public alternative to ``graphed_static``, so
 the bench runs it beside ours.
 
@@ -28,7 +28,7 @@ from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
 from mhc_cg.runtime.modes.lifecycle import (CapturedState, ModeModel, rewind_replay_order,
                                     runs_graphs)
 from mhc_cg.runtime.modes.plan import CapturePlan
-from mhc_cg.runtime.recompute.eager import ARMED, BlockRecomputeManager, run_recompute_blocks
+from mhc_cg.runtime.recompute.block_recompute import ARMED, BlockRecomputeManager, run_recompute_blocks
 from mhc_cg.runtime.recompute.split_attention import AttentionSplit
 
 

@@ -2,7 +2,7 @@
 
 ``eager_none`` (no recompute of any kind) is the reference every other mode must equal bit for bit.
 ``eager_block`` frees each recompute block's mHC intermediates after the block and recomputes them
-from one hook on the block's end tensor (:mod:`mhc_cg.runtime.recompute.eager`); the MLPs that ask
+from one hook on the block's end tensor (:mod:`mhc_cg.runtime.recompute.block_recompute`); the MLPs that ask
 for activation recompute recompute their gelu eagerly in both modes where the mode keeps it.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from mhc_cg.runtime.modes.lifecycle import ModeModel, runs_graphs
-from mhc_cg.runtime.recompute.eager import BlockRecomputeManager, run_recompute_blocks
+from mhc_cg.runtime.recompute.block_recompute import BlockRecomputeManager, run_recompute_blocks
 
 
 class EagerModel(ModeModel):

@@ -46,7 +46,7 @@ from mhc_cg.runtime.modes.graphed_none import GraphedSublayersModel
 from mhc_cg.runtime.modes.graphed_static import GraphedStaticModel
 from mhc_cg.runtime.modes.lifecycle import ModeModel
 from mhc_cg.runtime.modes.plan import CapturePlan, static_capture
-from mhc_cg.runtime.recompute.eager import install_activation_recompute
+from mhc_cg.runtime.recompute.block_recompute import install_activation_recompute
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ Invariants the caller relies on:
 
 Inputs are *persistent* (saved with ``ctx.save_for_backward``, the default) or *refillable*
 (listed in ``refill``): not saved at all, filled at recompute time from an upstream checkpoint's
-recomputed output by the :class:`~mhc_cg.runtime.recompute.eager.BlockRecomputeManager`, which resolves the
+recomputed output by the :class:`~mhc_cg.runtime.recompute.block_recompute.BlockRecomputeManager`, which resolves the
 dependency ``"name.output_key"`` declared for that input.
 """
 
@@ -111,7 +111,7 @@ class RNGState:
 
 class CheckpointOwner(Protocol):
     """What a checkpoint reads of the manager it belongs to (the block's
-    :class:`~mhc_cg.runtime.recompute.eager.BlockRecomputeManager`), and tells it."""
+    :class:`~mhc_cg.runtime.recompute.block_recompute.BlockRecomputeManager`), and tells it."""
 
     debug: bool
     draws_random: bool  # the block's ops draw from torch's generators

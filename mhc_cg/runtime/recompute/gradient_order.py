@@ -3,7 +3,7 @@
 Note [gradient sums in the plain graph's order] (docs/design.md, item 9). Autograd adds the uses
 of a tensor in the order their backward nodes run. A checkpoint adds its own uses of an input first, inside its backward, so a tensor used by several checkpoints gets
 ``(a + b) + (c + d)`` where the plain graph computes ``((a + b) + c) + d``: a different rounding.
-The block manager (:mod:`mhc_cg.runtime.recompute.eager`) fixes the order with two halves that live here:
+The block manager (:mod:`mhc_cg.runtime.recompute.block_recompute`) fixes the order with two halves that live here:
 each checkpoint's recompute sends its per-use gradient terms to a sink
 (:func:`capture_use_gradients`), and a pre-hook on the tensor's gradient node replaces autograd's
 sum with the left fold of those terms (:func:`order_gradient_sums`).

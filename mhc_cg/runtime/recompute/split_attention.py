@@ -84,7 +84,7 @@ def split_attention_sublayer(steps, consumer: Callable[[Tensor], Tensor], slot: 
                              x_source: str | None) -> tuple[Tensor, str]:
     """An attention sublayer: eager checkpointed pre and post around the graphed ``consumer``.
 
-    The same checkpoints as :func:`mhc_cg.runtime.recompute.eager.checkpoint_sublayer`, with F's
+    The same checkpoints as :func:`mhc_cg.runtime.recompute.block_recompute.checkpoint_sublayer`, with F's
     input written into ``slot`` (the consumer graph's static input). The attention sublayer never
     ends a block (its layer's MLP follows), so its post is always a checkpoint.
     """

@@ -307,7 +307,8 @@ class StaticRecompute:
     def forward(self, x: Tensor, seed: Tensor | None,
                 sublayer_fns: dict[tuple[int, int], SublayerGraph] | None = None) -> Tensor:
         """Run the chunk; returns its output. ``sublayer_fns[(layer number, k)]`` runs that
-        sublayer instead of the eager one (:class:`SublayerGraph`)."""
+        sublayer instead of the eager one: a :class:`SublayerGraph`, or a callable alone
+        ``fn(x, seed) -> (out, F output, state)``."""
         if not self.arena.allocated:
             raise StaticRecomputeError("call prepare() (layout discovery + allocation) before forward")
         if not torch.is_grad_enabled():
@@ -369,6 +370,8 @@ class StaticRecompute:
                  seed: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """A sublayer through its graph, named as the graphed modes name it; a MoE head's graph
         then this runtime's eager tail."""
+        if not isinstance(graph, SublayerGraph):  # a callable alone: the whole sublayer
+            graph = SublayerGraph(graph)
         if graph.moe_step is None:
             with nvtx_range("fwd", 0, None, f"{layer}.{SUBLAYER_NAMES[k]}"):
                 return graph.fn(x, seed)
@@ -491,7 +494,7 @@ def build_static_recompute(layers: list[MHCTransformerLayer], block_size: int, *
     """Lay out and allocate everything static for one chunk: arena (shared if given) and sets.
 
     ``capacity`` persistent sets (the most microbatches in flight on the rank:
-    :func:`mhc_cg.core.schedule.max_persistent_slot_sets` of its order). Pass the same ``arena``
+    :func:`mhc_cg.core.pipeline_order.max_persistent_slot_sets` of its order). Pass the same ``arena``
     (and, for chunks of equal depth, the same ``sets``) to every chunk of a rank: both are then
     sized by the rank, not by the number of chunks or microbatches.
     """

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from mhc_cg.config import RunConfig
 from mhc_cg.core.dtypes import TORCH_DTYPES
 from mhc_cg.core.progress import ProgressBar
-from mhc_cg.core.schedule import (assign_persistent_slot_sets, max_persistent_slot_sets,
+from mhc_cg.core.pipeline_order import (assign_persistent_slot_sets, max_persistent_slot_sets,
                                   pipeline_order)
 from mhc_cg.model import MHCGPT, lm_loss
 from mhc_cg.runtime.graphs import get_backend, make_graphed_callables
