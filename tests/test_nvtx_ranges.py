@@ -133,3 +133,29 @@ def test_train_loop_names_step_forward_backward_optimizer():
     names = _annotation_names(prof)
     assert {n: names.count(n) for n in set(names)} == {"step": 2, "forward": 4, "backward": 4,
                                                         "optimizer": 2}
+
+
+def test_a_region_is_named_once_for_the_profilers_and_the_cost_model():
+    """``region`` is the one way to name work: the name torch's profiler records is the label the
+    cost model reads (its phase, what a runtime copy is for, whether it is mHC work), and no
+    other module opens profiler ranges or keeps labels of its own."""
+    from pathlib import Path
+
+    from mhc_cg.core.regions import current_copy, current_phase, in_mhc, region
+
+    enable(True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with region("fwd", 0, None, "3.attn"):
+            assert current_phase() == "forward"
+            with region("copy", "static inputs"):
+                assert current_copy() == "static inputs" and current_phase() == "forward"
+                torch.ones(2) + 1
+            with region("eager", 0, None, "3.moe_tail"), region("mhc"):
+                assert in_mhc() and current_phase() == "forward"
+    assert {"fwd/0/-/3.attn", "copy/static inputs", "eager/0/-/3.moe_tail", "mhc"} <= \
+        {e.name for e in prof.events()}
+    assert (current_phase(), current_copy(), in_mhc()) == (None, None, False)
+    root = Path(__file__).resolve().parents[1] / "mhc_cg"
+    openers = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")
+                     if "nvtx_range(" in p.read_text() or "record_function(" in p.read_text())
+    assert openers == ["core/nvtx.py", "core/regions.py"]

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from mhc_cg.config import RunConfig
-from mhc_cg.core.nvtx import nvtx_range
+from mhc_cg.core.regions import region
 from mhc_cg.core.progress import log
 from mhc_cg.runtime.modes.registry import get_mode, mode_unavailable, resolve
 from mhc_cg.training.session import TrainSession
@@ -133,7 +133,7 @@ def profiled(session: TrainSession, steps: int, trace_dir: Path | None) -> dict:
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            with nvtx_range("step"):
+            with region("step"):
                 session.step()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(trace_dir or tmp) / f"{session.plan.mode}.json"

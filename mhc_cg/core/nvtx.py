@@ -1,15 +1,12 @@
-"""Named timeline ranges for graphs and eager segments: NVTX for nsys, ``record_function`` for torch.profiler.
+"""The profilers' half of a region (:func:`mhc_cg.core.regions.region`, the one way to name
+work): NVTX for nsys, ``record_function`` for torch.profiler, under one name::
 
-One call site feeds both profilers::
+    nvtx_range("fwd", chunk, microbatch, layer)   # -> "fwd/0/3/5"
 
-    from mhc_cg.core.nvtx import nvtx_range
-    with nvtx_range("fwd", chunk, microbatch, layer):   # -> "fwd/0/3/5"
-        ...
-
-Names are ``{phase}/{chunk}/{microbatch}/{layer}``; the phase is one of :data:`PHASES` or any other
-short word (``"optimizer"``, ``"step"``). Trailing parts may be left out (``nvtx_range("step")``
-is ``"step"``); a missing part before a given one is written ``-``. ``mhc-cg timeline`` aggregates
-by exactly this name, so the same work must get the same name in the runs being compared.
+Names are ``{kind}/{chunk}/{microbatch}/{layer}``; trailing parts may be left out
+(``nvtx_range("step")`` is ``"step"``); a missing part before a given one is written ``-``.
+``mhc-cg timeline`` aggregates by exactly this name, so the same work must get the same name in
+the runs being compared.
 
 Cost when off (``MHC_CG_NVTX=0`` in the environment, or ``enable(False)``): one function call that
 returns a shared no-op context manager; the name is never formatted. When on, NVTX ranges go to
@@ -23,13 +20,10 @@ Ranges are per thread: enter and exit on the same thread (NVTX push/pop keeps a 
 
 from __future__ import annotations
 
-import contextlib
 import os
-from typing import Iterator
 
 import torch
 
-from mhc_cg.core import traffic
 
 try:
     import nvtx as _nvtx
@@ -130,14 +124,6 @@ def nvtx_range(phase: str, chunk: int | None = None, microbatch: int | None = No
     if not (_nvtx_on or _record_function_on):
         return NO_RANGE
     return _Range(range_name(phase, chunk, microbatch, layer))
-
-
-@contextlib.contextmanager
-def step_phase(name: str) -> Iterator[None]:
-    """A phase of a training step (:data:`mhc_cg.core.traffic.PHASES`): a profiler range and
-    the cost model's label, one name."""
-    with nvtx_range(name), traffic.phase(name):
-        yield
 
 
 def enable(on: bool = True, *, record_function: bool | None = None) -> None:

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 from mhc_cg.cost.fused import NOT_MHC
 from mhc_cg.cost.allocator import Block, PoolState, rounded
 from mhc_cg.cost.bandwidth import share_of
-from mhc_cg.core import traffic
+from mhc_cg.core import regions
 from mhc_cg.cost.ops import (is_gemm, kernel_launches, launches_kernel, op_bytes,
                                    op_flops)
 from mhc_cg.runtime.graphs.guard import CaptureGuardMode
@@ -75,7 +75,7 @@ class OpCounter:
         self.model_seconds += seconds
         self.by_op[str(func.overloadpacket)] += launches
         self.bytes_by_op[str(func.overloadpacket)] += read + written
-        phase = traffic.current_phase() or "other"
+        phase = regions.current_phase() or "other"
         self.by_phase[phase] += launches
         self.seconds_by_phase[phase] += seconds
         self.by_part[(phase, part_of(func, args, kwargs, out, streams))] += read + written
@@ -103,7 +103,7 @@ class StreamTracker:
     """Which storages hold n-stream tensors (the residual streams, their gradients, the mapping
     projection's weight), by identity (a tensor with an ``n C`` dimension joins only through mHC
     work): width alone cannot tell (an MLP of 4C is as wide as 4
-    streams of C). Work labelled :func:`mhc_cg.core.traffic.mhc` and the fused mHC ops seed the
+    streams of C). Work in an ``mhc`` region (:func:`mhc_cg.core.regions.region`) and the fused mHC ops seed the
     set; any op touching a member joins its ``width``-wide tensors to it, so the backward's ops
     (which no label reaches) are found through the tensors they read."""
 
@@ -129,7 +129,7 @@ class StreamTracker:
         """The op's mHC part, or ``None`` when it touches no stream."""
         wide = self._wide(_tensors((args, kwargs, out)))
         custom = getattr(func, "namespace", "") == "mhc_cg" and func._schema.name not in NOT_MHC
-        if not (custom or traffic.in_mhc() or any(self._member(t) for t in wide)):
+        if not (custom or regions.in_mhc() or any(self._member(t) for t in wide)):
             return None
         for t in wide:
             if storage_id(t) not in self._never:
@@ -144,10 +144,10 @@ class StreamTracker:
 
 def part_of(func, args: tuple, kwargs: dict, out: Any, streams: StreamTracker | None) -> str:
     mhc = streams.classify(func, args, kwargs, out) if streams is not None else None  # tracks too
-    copy = traffic.current_copy()
+    copy = regions.current_copy()
     if copy is not None:
         return f"copy: {copy}"
-    if traffic.current_phase() == "optimizer":
+    if regions.current_phase() == "optimizer":
         return "optimizer"
     return mhc or "F and the rest"
 
@@ -250,7 +250,7 @@ class LiveBytes:
     is the most alive after any op. A storage an op writes that was one of its inputs (in place,
     ``out=``, a view) is not new; storages allocated before the step (parameters, optimizer
     state, static buffers, graph pools) and what graph replays touch are not counted here.
-    ``peak_by_phase`` is that most per phase of the step (:data:`mhc_cg.core.traffic.PHASES`,
+    ``peak_by_phase`` is that most per phase of the step (:data:`mhc_cg.core.regions.PHASES`,
     ``None`` outside any): what is alive after an op of that phase, whoever allocated it."""
 
     def __init__(self) -> None:
@@ -287,9 +287,9 @@ class LiveBytes:
             self._live[key] = [StorageWeakRef(storage), nbytes,
                                owner(func, t) if func is not None else None]
             self.bytes += nbytes
-            made = traffic.current_phase()
+            made = regions.current_phase()
             self.largest_by_phase[made] = max(self.largest_by_phase.get(made, 0), nbytes)
-        phase = traffic.current_phase()
+        phase = regions.current_phase()
         if self.bytes > self.peak:  # what made each, formatted when reported
             self.live_at_peak = [(o, n) for _, n, o in self._live.values() if n]
         self.peak_by_phase[phase] = max(self.peak_by_phase.get(phase, 0), self.bytes)
@@ -338,7 +338,7 @@ class StepRecorder(TorchDispatchMode):
 
     def replayed(self, cost: OpCounter) -> None:
         self.replays += 1
-        self.replays_by_phase[traffic.current_phase() or "other"] += 1
+        self.replays_by_phase[regions.current_phase() or "other"] += 1
         self.graphs.add_counter(cost)
 
     @property

@@ -24,7 +24,7 @@ import torch
 
 from mhc_cg.config import RunConfig, check
 from mhc_cg.core.errors import ConfigError
-from mhc_cg.core import traffic
+from mhc_cg.core import regions
 from mhc_cg.core.progress import log
 from mhc_cg.model import recomputes_activation
 from mhc_cg.runtime.modes.registry import MODES, PLAIN, Run, resolve
@@ -94,7 +94,7 @@ def cost_mode(run: Run,
                          recorder.live.peak)
     held = sum(memory.values()) - memory["step"]  # model state, static buffers, pools: all step
     # a phase that ran only inside a graph (a captured iteration's backward) holds the pools
-    by_phase = {phase: held + recorder.live.peak_by_phase.get(phase, 0) for phase in traffic.PHASES
+    by_phase = {phase: held + recorder.live.peak_by_phase.get(phase, 0) for phase in regions.PHASES
                 if phase in recorder.live.peak_by_phase or recorder.kernels_by_phase[phase]}
     peak_phase = max(by_phase, key=by_phase.get)
     if mode_model.captures_iteration:  # forward, recompute and backward: one replay
@@ -117,7 +117,7 @@ def cost_mode(run: Run,
         "peak_bytes_by_phase": by_phase,
         "peak_phase": peak_phase,
         "step_peak_by_phase": {phase: recorder.live.peak_by_phase[phase]
-                               for phase in traffic.PHASES if phase in recorder.live.peak_by_phase},
+                               for phase in regions.PHASES if phase in recorder.live.peak_by_phase},
         "step_temporaries_by_phase": dict(recorder.live.largest_by_phase),
         "live_at_peak": live_at_peak(memory, info, mode_model.static_buffer_bytes(), backend,
                                      recorder.live.live_at_peak,
@@ -183,7 +183,7 @@ def format_live(report: dict) -> list[str]:
 def _step_figures(recorder: StepRecorder, cfg: RunConfig) -> dict:
     """Kernels, bytes and modelled time of a recorded step, in all and per phase and part."""
     eager, graphed = recorder.eager, recorder.graphs
-    phases = [p for p in (*traffic.PHASES, "other") if recorder.kernels_by_phase[p]]
+    phases = [p for p in (*regions.PHASES, "other") if recorder.kernels_by_phase[p]]
     return {
         "kernels_per_step": recorder.kernels,
         "kernels_by_phase": dict(recorder.kernels_by_phase),

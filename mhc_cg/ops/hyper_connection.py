@@ -18,12 +18,12 @@ import math
 import torch
 from torch import Tensor, nn
 
-from mhc_cg.core import traffic
 from mhc_cg.core.storage import alias
 from mhc_cg.ops import kernels as fused
 from mhc_cg.ops.dropout import dropout
 from mhc_cg.ops.kernels import reference
 from mhc_cg.ops.kernels.reference import RMS_EPS, SINKHORN_EPS
+from mhc_cg.core.regions import region
 
 
 
@@ -151,7 +151,7 @@ def expand_streams(x: Tensor, num_streams: int, out: Tensor | None = None,
             raise ValueError("expand_streams: grad_into needs an x made by an op, not a leaf "
                              "tensor (its .grad would keep the lent buffer)")
         _check_buffer("expand_streams", "grad_into", grad_into, (s, b, c), x.dtype)
-    with traffic.mhc():
+    with region("mhc"):
         return _ExpandStreams.apply(x, num_streams, out, grad_into)
 
 
@@ -160,7 +160,7 @@ def contract_streams(x: Tensor, num_streams: int, grad_into: Tensor | None = Non
     buffer shaped like ``x`` that the backward writes x's gradient into."""
     c = _check_streams("contract_streams", x, num_streams)
     s, b, _ = x.shape
-    with traffic.mhc():
+    with region("mhc"):
         if grad_into is None:
             return x.view(s, b, num_streams, c).mean(dim=-2)
         _check_buffer("contract_streams", "grad_into", grad_into, tuple(x.shape), x.dtype)
@@ -197,7 +197,7 @@ class HyperConnection(nn.Module):
         """``x [s, b, n*C] -> h_pre [s, b, n], h_post [s, b, n], h_res [s, b, n, n]``."""
         _check_streams("compute_mappings", x, self.num_streams, self.hidden_size)
         n = self.num_streams
-        with traffic.mhc():
+        with region("mhc"):
             rms = x.norm(dim=-1, keepdim=True) / math.sqrt(x.shape[-1])
             h = self.mapping_proj(x) * self._gating_scale() / (rms + RMS_EPS) + self.bias
             return (torch.sigmoid(h[..., :n]), 2.0 * torch.sigmoid(h[..., n:2 * n]),
@@ -207,7 +207,7 @@ class HyperConnection(nn.Module):
         """``sum_i h_pre[i] * x[i]``: ``[s, b, n*C], [s, b, n] -> [s, b, C]``."""
         _check_streams("aggregate", x, self.num_streams, self.hidden_size)
         _check_mapping("aggregate", h_pre, x.shape[:2], (self.num_streams,))
-        with traffic.mhc():
+        with region("mhc"):
             return (h_pre.unsqueeze(-1) * x.unflatten(-1, (self.num_streams, -1))).sum(-2)
 
     def apply_h_res(self, h_res: Tensor, residual: Tensor) -> Tensor:
@@ -217,7 +217,7 @@ class HyperConnection(nn.Module):
         _check_mapping("apply_h_res", h_res, residual.shape[:2], (self.num_streams, self.num_streams))
         if self.h_res_transposed:
             h_res = h_res.transpose(-1, -2)
-        with traffic.mhc():
+        with region("mhc"):
             return torch.matmul(h_res, residual.unflatten(-1, (self.num_streams, -1))).flatten(-2)
 
     def apply_h_post(self, y: Tensor, h_post: Tensor) -> Tensor:
@@ -232,7 +232,7 @@ class HyperConnection(nn.Module):
                  stream: int, dropout_impl: str = "counter") -> Tensor:
         """``mixed + dropout(apply_h_post(y, h_post))`` with the counter mask (or torch's)."""
         _check_mapping("post_bda", h_post, y.shape[:2], (self.num_streams,))
-        with traffic.mhc():
+        with region("mhc"):
             return mixed + dropout(self.apply_h_post(y, h_post), p, p > 0, impl=dropout_impl,
                                    seed=seed, stream=stream)
 

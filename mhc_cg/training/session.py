@@ -28,7 +28,8 @@ from mhc_cg.config.rules import megatron_only_refusal
 from mhc_cg.config import RunConfig
 from mhc_cg.core.dtypes import TORCH_DTYPES
 from mhc_cg.core.errors import ConfigError
-from mhc_cg.core.nvtx import nvtx_range, profiler_recording, step_phase
+from mhc_cg.core.nvtx import profiler_recording
+from mhc_cg.core.regions import region
 from mhc_cg.core.progress import ProgressBar
 from mhc_cg.model import MHCGPT, lm_loss
 from mhc_cg.runtime.modes.lifecycle import ModeModel
@@ -188,7 +189,7 @@ class TrainSession:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad(), nvtx_range("eval"):
+            with torch.no_grad(), region("eval"):
                 total = sum(lm_loss(self.forward(x.to(dev), seed), y.to(dev),
                                     self.cfg.model.kernels).item()
                             for x, y in self._eval_data)
@@ -215,7 +216,7 @@ class TrainSession:
             after_backward(self.model)
         if digest:
             self.last_grad_digest = grad_digest(self.model)
-        with step_phase("optimizer"):
+        with region("optimizer"):
             result = self.optimizer.step(self.mode_model.idle_workspace())
         return StepTensors(loss_sum, result.grad_norm, result.found_inf, held)
 
@@ -240,7 +241,7 @@ class TrainSession:
     def _replayed_iteration(self) -> torch.Tensor:
         """Every microbatch's forward and backward as one replay (a full-iteration mode):
         the batches are drawn as :meth:`_microbatches` draws them; returns the summed loss."""
-        with step_phase("forward"):
+        with region("forward"):
             batches = [self.data.next(self.device) for _ in range(self.cfg.train.num_microbatches)]
         return self.mode_model.run_iteration(batches)
 
@@ -314,7 +315,7 @@ def train(cfg: RunConfig, *, steps: int | None = None, device: str | None = None
     for step in range(steps):
         start = time.perf_counter()
         hook = None if after_backward is None else (lambda model, s=step: after_backward(s, model))
-        with nvtx_range("step"):  # profiler ranges; one name per phase so runs aggregate by name
+        with region("step"):  # profiler ranges; one name per phase so runs aggregate by name
             # the first step is excluded from the median time: probe memory there
             loss, grad_norm, held = session.step(probe_memory=step == 0, digest=True,
                                                  after_backward=hook)

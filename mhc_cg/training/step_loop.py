@@ -9,7 +9,7 @@ from typing import Callable
 
 from torch import Tensor
 
-from mhc_cg.core.nvtx import step_phase
+from mhc_cg.core.regions import region
 
 Batch = tuple[Tensor, Tensor, Tensor]  # (input ids [b, s], targets [b, s], dropout seed [])
 
@@ -24,10 +24,10 @@ def microbatch_loop(model, batch: Callable[[int], Batch], count: int, *, kernels
     it must inside a captured iteration."""
     loss_sum = None
     for index in range(count):
-        with step_phase("forward"):
+        with region("forward"):
             loss = _loss(model, batch(index), kernels, count, first if index == 0 else None)
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-        with step_phase("backward"):
+        with region("backward"):
             backward(loss)
     return loss_sum
 

@@ -70,7 +70,6 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch.utils._pytree import tree_flatten
 
-from mhc_cg.core import traffic
 from mhc_cg.core.storage import storage_id
 from mhc_cg.ops.kernels import overwritable
 from mhc_cg.runtime.graphs.autograd_graph import saved_storages
@@ -82,6 +81,7 @@ from mhc_cg.runtime.graphs.order_layout import (OrderLayout, buffer_key, flat_te
 from mhc_cg.runtime.graphs.replay_state import (GraphedState, graphed_forward, graphed_function,
                                                 grad_output_buffer)
 from mhc_cg.runtime.graphs.static_inputs import buffer_layout, static_buffer
+from mhc_cg.core.regions import region
 
 __all__ = ["GraphedCallables", "GraphedState", "OrderLayout", "capture_scratch",
            "count_allocated_static_inputs", "grad_output_buffer", "make_graphed_callables",
@@ -401,7 +401,7 @@ def _capture(backend: GraphBackend, pool, passes, func_of, states, sample_args, 
         state = states[index]
         if kind == "fwd":
             state.fwd_graph = backend.new_graph(pool=pool)
-            with state.fwd_graph.capture(), traffic.phase("forward"):
+            with state.fwd_graph.capture(), region("forward"):
                 if index in scratch:  # the pool's first, before the callable allocates
                     made_scratch[index] = _new_scratch(scratch[index], sample_args[index])
                 with _scratch_named(made_scratch.get(index)):
@@ -441,7 +441,7 @@ def _capture(backend: GraphBackend, pool, passes, func_of, states, sample_args, 
 def _capture_backward(backend: GraphBackend, pool, state: GraphedState, diff_outputs: list,
                       allow_unused: bool) -> None:
     state.bwd_graph = backend.new_graph(pool=pool)
-    with state.bwd_graph.capture(), traffic.phase("backward"):
+    with state.bwd_graph.capture(), region("backward"):
         grads = _grads_of(diff_outputs, state.surface,
                           [g for g in state.static_grad_outputs if g is not None], allow_unused)
         _accumulate_into_grads(state, grads)

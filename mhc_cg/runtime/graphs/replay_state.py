@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from mhc_cg.core import traffic
+from mhc_cg.core.regions import region
 from mhc_cg.core.storage import is_buffer, storage_id
 from mhc_cg.runtime.graphs.capture import Graph
 from mhc_cg.runtime.graphs.grad_lending import EagerOp, LentGrads, reads_grad_once
@@ -67,7 +67,7 @@ class GraphedState:
                                                 captured))
         for i, (static, given) in enumerate(zip(self.static_inputs, inputs)):
             check_input(f"graphed callable {self.label}: input {i}", given, static)
-        with traffic.runtime_copy("static inputs"):
+        with region("copy", "static inputs"):
             for static, given in zip(self.static_inputs, inputs):
                 load_input(static, given)
 
@@ -125,7 +125,7 @@ class GraphedState:
             return tuple(None for _ in self.surface)
         self.ledger.check_writer(self)
         self._reclaim_kept_grads()
-        with traffic.runtime_copy("grad outputs"):
+        with region("copy", "grad outputs"):
             for static, grad in zip(self.static_grad_outputs, grads):
                 if static is None:
                     continue
@@ -150,7 +150,7 @@ class GraphedState:
             elif g is None:
                 out.append(None)
             else:
-                with traffic.runtime_copy("grad clones"):
+                with region("copy", "grad clones"):
                     out.append(g.clone())
         return tuple(out)
 
@@ -161,7 +161,7 @@ class GraphedState:
             buffer = self.static_grad_inputs[i]
             if param.grad is not None and buffer is not None \
                     and storage_id(param.grad) == storage_id(buffer):
-                with traffic.runtime_copy("grad clones"), torch.no_grad():
+                with region("copy", "grad clones"), torch.no_grad():
                     param.grad = param.grad.clone()
 
 

@@ -29,8 +29,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from mhc_cg.core import traffic
-from mhc_cg.core.nvtx import nvtx_range
+from mhc_cg.core.regions import region
 from mhc_cg.runtime.graphs import GraphBackend, get_backend
 from mhc_cg.runtime.graphs.capture import Graph
 from mhc_cg.runtime.graphs.static_inputs import check_input, load_input, static_buffer
@@ -107,14 +106,14 @@ class FullIterationModel(ModeModel):
         if len(batches) != len(self.seeds):
             raise ValueError(f"{self.plan.mode}: the iteration was captured for {len(self.seeds)} "
                              f"microbatches, got {len(batches)}")
-        with torch.no_grad(), traffic.phase("forward"), traffic.runtime_copy("static inputs"):
+        with torch.no_grad(), region("forward"), region("copy", "static inputs"):
             for i, (inputs, targets, seed) in enumerate(batches):
                 for name, given, static in (("inputs", inputs, self.inputs[i]),
                                             ("targets", targets, self.targets[i])):
                     check_input(f"microbatch {i}'s {name}", given, static)
                     load_input(static, given)
                 self.seeds[i].copy_(self.graph_seed(inputs, seed))
-        with nvtx_range("iteration"):
+        with region("iteration"):
             self.graph.replay()
         return self.loss_sum
 

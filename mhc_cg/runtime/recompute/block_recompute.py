@@ -27,8 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from mhc_cg.core import traffic
-from mhc_cg.core.nvtx import nvtx_range
+from mhc_cg.core.regions import region
 from mhc_cg.model.layers import MLP
 from mhc_cg.runtime.recompute.checkpoint import CheckpointWithoutOutput, RNGState
 from mhc_cg.runtime.recompute.gradient_order import order_gradient_sums
@@ -143,7 +142,7 @@ class BlockRecomputeManager:
         """Recompute every checkpoint in forward order, refilling inputs from their sources."""
         recomputed: list[tuple[Tensor, ...]] = []
         self.trace = []
-        with nvtx_range("recompute", 0, None, self.name), traffic.phase("recompute"):
+        with region("recompute", 0, None, self.name):
             for ckpt in self.checkpoints:
                 fills = {i: recomputed[src][out] for i, (src, out) in self._resolved[ckpt.name].items()}
                 recomputed.append(ckpt.recompute(fills))
@@ -281,7 +280,7 @@ def run_recompute_blocks(layers, x: Tensor, seed: Tensor | None, block_size: int
 
 
 def _sublayer_range(named: bool, label: str):
-    return nvtx_range("fwd", 0, None, label) if named else contextlib.nullcontext()
+    return region("fwd", 0, None, label) if named else contextlib.nullcontext()
 
 
 def recompute_activation_eagerly(mlp: MLP, x: Tensor) -> Tensor:

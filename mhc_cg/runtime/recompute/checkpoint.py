@@ -39,9 +39,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from mhc_cg.core import traffic
 from mhc_cg.runtime.recompute.gradient_order import capture_use_gradients, grad_node_key
 from mhc_cg.core.storage import own_version_alias, storage_id
+from mhc_cg.core.regions import region
 
 
 # Life cycle of one checkpoint; each step may only follow the one before it.
@@ -287,7 +287,7 @@ class CheckpointWithoutOutput:
                 f"checkpoint {self.name!r}: its recompute was already consumed by an earlier "
                 f"backward; a second backward through a discarded checkpoint is not supported "
                 f"(run the forward again)")
-        with traffic.phase("recompute"):
+        with region("recompute"):
             self.recompute()
 
     # -------------------------------------------------------------- recompute
@@ -347,7 +347,7 @@ class CheckpointWithoutOutput:
                 storage.resize_(self._storage_nbytes[storage_id(out)])
             # A writer alias: same storage, own version counter, so saved views stay valid.
             alias = own_version_alias(out)
-            with torch.no_grad(), traffic.runtime_copy("refills"):
+            with torch.no_grad(), region("copy", "refills"):
                 alias.copy_(new.detach())
 
     # --------------------------------------------------------------- backward

@@ -37,9 +37,8 @@ from torch import Tensor
 import torch.nn.functional as F
 
 from mhc_cg.ops.dropout import stateful_dropout_problem
-from mhc_cg.core import traffic
 from mhc_cg.core.errors import StaticRecomputeError
-from mhc_cg.core.nvtx import nvtx_range
+from mhc_cg.core.regions import region
 from mhc_cg.core.storage import storage_id
 from mhc_cg.model import MLP, MHCSublayer, MHCTransformerLayer, MoEMLP, recomputes_activation
 from mhc_cg.model.moe import MoECudaGraphTensorStore
@@ -191,7 +190,7 @@ class StaticRecompute:
             if dst is None or t is None:
                 continue
             if storage_id(dst) != storage_id(t) or dst.storage_offset() != t.storage_offset():
-                with traffic.runtime_copy("persistent set"):
+                with region("copy", "persistent set"):
                     dst.copy_(t.detach())
 
     # -- activation recompute ---------------------------------------------------------------
@@ -252,7 +251,7 @@ class StaticRecompute:
         pool's): its temporaries are dead when the block's backward starts, whatever shares the pool.
         """
         graph = backend.new_graph(pool=pool)
-        with graph.capture(), traffic.phase("recompute"):
+        with graph.capture(), region("recompute"):
             self.recompute_block(block, pset)
         if graph.stats.escaped_bytes:
             raise StaticRecomputeError(
@@ -297,7 +296,7 @@ class StaticRecompute:
         self.recomputes[(block, how)] += 1
         self.trace.append(f"recompute block {block} set {pset.index} ({how})")
         # same range name as eager block recompute
-        with nvtx_range("recompute", 0, None, f"block{block}"), traffic.phase("recompute"):
+        with region("recompute", 0, None, f"block{block}"):
             if graph is not None:
                 graph.replay()
             else:
@@ -331,7 +330,7 @@ class StaticRecompute:
         state = {"released": False}
         try:
             if seed is not None:
-                with traffic.runtime_copy("persistent set"):
+                with region("copy", "persistent set"):
                     pset.seed.copy_(seed)
             seed_in = pset.seed if seed is not None else None
             for b, block in enumerate(self.blocks):
@@ -373,11 +372,11 @@ class StaticRecompute:
         if not isinstance(graph, SublayerGraph):  # a callable alone: the whole sublayer
             graph = SublayerGraph(graph)
         if graph.moe_step is None:
-            with nvtx_range("fwd", 0, None, f"{layer}.{SUBLAYER_NAMES[k]}"):
+            with region("fwd", 0, None, f"{layer}.{SUBLAYER_NAMES[k]}"):
                 return graph.fn(x, seed)
-        with nvtx_range("fwd", 0, None, f"{layer}.moe_head"):
+        with region("fwd", 0, None, f"{layer}.moe_head"):
             head = graph.fn(x, seed)
-        with nvtx_range("eager", 0, None, f"{layer}.moe_tail"):
+        with region("eager", 0, None, f"{layer}.moe_tail"):
             return self.moe_tail(sub, position, k, graph.moe_step, head, seed)
 
     def moe_tail(self, sub: MHCSublayer, position: int, k: int, step: str,
