@@ -242,3 +242,22 @@ def test_a_training_step_of_every_mode_never_calls_upward():
         session.step()
         found[mode] = upward_calls_in_a_step(session)
     assert all(not calls for calls in found.values()), found
+
+
+def test_parts_by_role_no_file_name_twice_and_no_cost_table_under_ops():
+    """The tools are top-level parts named for what they are (no ``tools`` folder holding a third
+    of the code): no part holds more than a third of the lines, no file name appears twice, and
+    the cost model's per-op tables live with the cost model, not beside the ops."""
+    root = ROOT / "mhc_cg"
+    files = [p for p in root.rglob("*.py") if "te_on_tape" not in p.parts]
+    lines = {}
+    for p in files:
+        part = p.relative_to(root).parts[0]
+        lines[part] = lines.get(part, 0) + len(p.read_text().splitlines())
+    assert not (root / "tools").exists()
+    assert max(lines.values()) < sum(lines.values()) / 3, lines
+    names = [p.name for p in files if p.name != "__init__.py"]
+    assert len(names) == len(set(names)), sorted(n for n in set(names) if names.count(n) > 1)
+    tables = ("LAUNCHES", "READ_TWICE", "NOT_MHC", "def scratch_bytes")
+    assert not [p.name for p in (root / "ops").rglob("*.py")
+                if any(t in p.read_text() for t in tables)]

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from mhc_cg.core.regions import region
+from mhc_cg.core import regions
 from mhc_cg.core.storage import own_version_alias, storage_id
 from mhc_cg.runtime.graphs.static_inputs import static_buffer
 
@@ -187,7 +187,7 @@ class Arena:
         """Copy the flat typed ``flat`` into ``slot`` through the writer alias."""
         dst = self._writer[slot.offset:slot.offset + slot.nbytes].view(slot.dtype)
         self.track(region.name, index, dst)
-        with region("copy", "arena slots"):
+        with regions.region("copy", "arena slots"):
             dst.copy_(flat)
 
     def track(self, name: str, index: int, t: Tensor) -> None:

@@ -16,7 +16,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from mhc_cg.core.storage import alias, storage_id
 from mhc_cg.runtime.recompute.arena import Arena, Region
-from mhc_cg.core.regions import region
+from mhc_cg.core import regions
 
 
 class RegionCursor:
@@ -78,7 +78,7 @@ def store_in_slot(t: Tensor, cursor: RegionCursor) -> Tensor:
 def store_in(t: Tensor, dst: Tensor) -> Tensor:
     """``t`` written into the persistent buffer ``dst``, as ``dst``."""
     def write(t: Tensor) -> Tensor:
-        with region("copy", "persistent set"):
+        with regions.region("copy", "persistent set"):
             dst.copy_(t)  # nothing saved a view of dst since its set was acquired: no version clash
         return alias(dst)
 
