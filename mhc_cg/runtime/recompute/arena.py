@@ -18,7 +18,8 @@ region was first filled. A different shape is an error, never a silent re-alloca
 
 A forward leaves its last block's state in the slots, as that block's recompute would write it.
 When that block's backward is the next thing to read the arena (no pipeline, or the last stage of
-one), its recompute is skipped (``Arena.holder``, kept by the static runtime).
+one), its recompute is skipped: the runtime notes the arena's ``generation`` when its forward
+ends, and every other writer (a forward, a recompute, a borrower) starts a new one.
 """
 
 from __future__ import annotations
@@ -83,10 +84,9 @@ class Arena:
         self._writer: Tensor | None = None
         self._region_offsets: dict[str, int] = {}
         self._data_ptrs: dict[tuple[str, int], int] = {}
-        # (the runtime's id, block, persistent set) whose forward wrote the slots last, while
-        # nothing else has written them since; None otherwise (see the module docstring). An id,
-        # not the runtime: the arena its runtimes share holds none of them
-        self.holder: tuple[int, int, int] | None = None
+        # bumped whenever a writer starts (a forward, a recompute, a borrower): a runtime whose
+        # forward left its last block's state here finds it kept while the generation is its own
+        self.generation = 0
 
     # -- layout ------------------------------------------------------------------------------
     @property
@@ -133,12 +133,17 @@ class Arena:
         step can borrow it instead of allocating."""
         if self._writer is None:
             return None
-        self.holder = None  # the borrower writes slots
+        self.touch()  # the borrower writes slots
         shape = (self._writer.numel(),) if shape is None else shape
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > self._writer.numel():
             return None
         return self._writer[:nbytes].view(dtype).view(shape)
+
+    def touch(self) -> int:
+        """A writer starts: what the slots held is no longer what anyone left there."""
+        self.generation += 1
+        return self.generation
 
     # -- addresses ---------------------------------------------------------------------------
     def contains(self, t: Tensor) -> bool:

@@ -13,8 +13,9 @@ How it works, per sublayer of a recompute block (docs/design.md, invariants 1-4)
 * A hook on the gradient of the block output runs (or replays) the recompute; the block's first
   backward node runs only after that gradient exists. The chunk's last block is the exception
   when its backward directly follows its forward: the arena still holds what that forward wrote,
-  the recompute's very bits, and nothing runs (``Arena.holder``: every forward, recompute and
-  borrower of the arena clears it, so a stale arena is always recomputed).
+  the recompute's very bits, and nothing runs (the runtime notes the arena's generation when its
+  forward ends; every forward, recompute and borrower of the arena starts a new one, so a stale
+  arena is always recomputed).
 * Activation recompute for an MLP that asks for it: fc1's output goes to the persistent
   set (``fc1_outputs``; the gelu saves a view of it), the gelu output to one arena slot per layer
   position (region ``L{pos}.mlp.act``; fc2 saves a view of it), and the block recompute re-derives
@@ -86,6 +87,9 @@ class StaticRecompute:
         self.sublayers = make_sublayers(self.layout, self.binding)
         self.recompute_graphs: dict[tuple[int, int], object] = {}
         self.recompute_pool = None  # the pool the recompute graphs were captured into
+        # (arena generation, block, set) of the state this runtime's last forward left in the
+        # arena; the last block's recompute is skipped while the generation is unchanged
+        self._kept: tuple[int, int, int] | None = None
         # The last recomputes run, in order (for tests and debugging): a ring of two rounds of
         # every (block, set), so a long run keeps a fixed number; ``recomputes`` counts them all.
         self.trace: deque[str] = deque(maxlen=2 * len(self.blocks) * sets.capacity)
@@ -230,7 +234,8 @@ class StaticRecompute:
     # -- the block recompute ---------------------------------------------------------------------
     def recompute_block(self, block: int, pset: PersistentSlotSet) -> None:
         """Re-run block ``block``'s mHC ops from ``pset`` into the arena (no F, nothing returned)."""
-        self.arena.holder = None
+        self.arena.touch()
+        self._kept = None
         self.sublayers.recompute_block(block, pset)
         for position in range(len(self.blocks[block])):
             self.recompute_activation(block, position, pset)
@@ -286,7 +291,7 @@ class StaticRecompute:
         Note [recompute graphs] (docs/design.md, item 4): one per (block, persistent set),
         replayed from the hook on the block output's gradient, before the block's first
         backward node; they run one at a time, so no temporary outlives a replay."""
-        kept, self.arena.holder = self.arena.holder == (id(self), block, pset.index), None
+        kept, self._kept = self._kept == (self.arena.generation, block, pset.index), None
         if kept:
             self.recomputes[(block, "kept")] += 1
             self.trace.append(f"recompute block {block} set {pset.index} (kept from the forward)")
@@ -325,7 +330,7 @@ class StaticRecompute:
             check_input("dropout seed", seed, self.sets.all_sets()[0].seed)
         pset = self.sets.acquire()
         self.binding.active = pset
-        self.arena.holder = None  # this forward writes the slots
+        self.arena.touch()  # this forward writes the slots
         handles = []
         state = {"released": False}
         try:
@@ -360,7 +365,7 @@ class StaticRecompute:
         if handles:
             self._pending[pset.index] = state
             # its last block's state stays in the slots until something else writes them
-            self.arena.holder = (id(self), len(self.blocks) - 1, pset.index)
+            self._kept = (self.arena.generation, len(self.blocks) - 1, pset.index)
         else:  # no gradient will flow (e.g. a frozen chunk): nothing will run backward
             self.sets.release(pset)
         return x
@@ -449,7 +454,7 @@ class StaticRecompute:
         microbatch may have overwritten.
         """
         released = 0
-        self.arena.holder = None
+        self.arena.touch()
         for pset in self.sets.all_sets():
             state = self._pending.pop(pset.index, None)
             if state is not None:
