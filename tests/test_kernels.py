@@ -11,12 +11,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from mhc_cg.benchmarks.timing import time_repeated
 from mhc_cg.config import RunConfig, check
 from mhc_cg.config.rules import device_fit_problems
 from mhc_cg.core.errors import ConfigError
@@ -712,13 +712,9 @@ def test_compare_with_triton_kernels_every_mode_bit_identical(tmp_path):
 # ---- GPU: Triton against the torch reference, timed ----------------------------------------------
 
 def _time_ms(fn, reps=20) -> float:
-    fn()
+    fn()  # warm-up: Triton's compile
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / reps * 1e3
+    return time_repeated(fn, reps, torch.device("cuda")) * 1e3
 
 
 @pytest.mark.cuda

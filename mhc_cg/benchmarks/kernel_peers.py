@@ -42,7 +42,6 @@ import math
 import os
 import sys
 import tempfile
-import time
 import types
 import zipfile
 from dataclasses import dataclass
@@ -597,20 +596,18 @@ def family_bytes(op: str, s: int, b: int, c: int, es: int) -> int:
 
 def _device_ms(fn, reps: int) -> tuple[float, float]:
     """``(device ms per call: the union of the kernels' spans in a torch.profiler trace, as
-    ``mhc-cg kernels --bench`` counts them; wall ms per synchronised call)``, after three warm-up
-    calls (Triton's compiles, torch.compile's)."""
+    ``mhc-cg kernels --bench`` counts them; ms per call between CUDA events around back-to-back
+    calls, launch gaps included, :func:`~mhc_cg.benchmarks.timing.time_repeated`)``, after three
+    warm-up calls (Triton's compiles, torch.compile's)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from mhc_cg.benchmarks.timing import time_repeated
     from mhc_cg.profiling.traces import read_timeline, union_ns
 
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - start) * 1e3 / reps
+    wall = time_repeated(fn, reps, torch.device("cuda")) * 1e3
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()

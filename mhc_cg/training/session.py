@@ -221,9 +221,9 @@ class TrainSession:
         return StepTensors(loss_sum, result.grad_norm, result.found_inf, held)
 
     def _microbatches(self, probe_memory: bool) -> tuple[torch.Tensor, int | None]:
-        """The step's microbatch loop (:func:`~mhc_cg.training.step_loop.microbatch_loop`),
-        each forward eager (graphs inside where the mode has them); returns the summed loss and
-        what the first forward held (``probe_memory``)."""
+        """The step's microbatch loop, the one :meth:`build` gave the mode (a full-iteration
+        mode captures it), each forward eager (graphs inside where the mode has them); returns
+        the summed loss and what the first forward held (``probe_memory``)."""
         train, dev = self.cfg.train, self.device
         held = None
 
@@ -232,10 +232,9 @@ class TrainSession:
             out, held = held_bytes(loss, dev)
             return out
 
-        loss_sum = microbatch_loop(self.mode_model, lambda index: self.data.next(dev),
-                                   train.num_microbatches, kernels=self.cfg.model.kernels,
-                                   backward=self.optimizer.backward,
-                                   first=probe if probe_memory else None)
+        loss_sum = self.mode_model.step_loop(self.mode_model, lambda index: self.data.next(dev),
+                                             train.num_microbatches,
+                                             first=probe if probe_memory else None)
         return loss_sum, held
 
     def _replayed_iteration(self) -> torch.Tensor:

@@ -248,12 +248,18 @@ def _fp32(xs, N: tl.constexpr):
 
 
 @triton.jit
-def _rounded(xs, ptr, N: tl.constexpr):
-    """The tiles as stored to ``ptr`` (rounded to its dtype), in fp32."""
+def _as_stored(xs, ptr, N: tl.constexpr):
+    """The tiles in ``ptr``'s dtype, as :func:`_store_streams` stores them there."""
     out = ()
     for i in tl.static_range(N):
-        out = out + (xs[i].to(ptr.dtype.element_ty).to(tl.float32),)
+        out = out + (xs[i].to(ptr.dtype.element_ty),)
     return out
+
+
+@triton.jit
+def _rounded(xs, ptr, N: tl.constexpr):
+    """The tiles as stored to ``ptr`` (rounded to its dtype), in fp32."""
+    return _fp32(_as_stored(xs, ptr, N), N)
 
 
 @triton.jit
@@ -457,11 +463,8 @@ def _state_part(x_ptr, w_ptr, part_ptr, y_ptr, maps_ptr, seed_ptr, xo_ptr, strea
             y = tl.load(y_ptr + t[:, None] * C + c[None, :], mask=fmask, other=0.0).to(tl.float32)
             xs = _post_step(_fp32(xs, N), y, maps_ptr, t, tmask, c, C, seed_ptr, stream, N,
                             DROPOUT, THRESHOLD, SCALE, HT)
+            xs = _as_stored(xs, xo_ptr, N)
             _store_streams(xo_ptr, xs, t, c, fmask, C, N)
-            out = ()
-            for i in tl.static_range(N):
-                out = out + (xs[i].to(xo_ptr.dtype.element_ty),)
-            xs = out
         wmask = (c < C)[:, None] & (mcol < M)[None, :]
         for i in tl.static_range(N):  # stream i's rows of the weight: W[:, i * C + c]
             w = tl.load(w_ptr + mcol[None, :] * (N * C) + i * C + c[:, None], mask=wmask, other=0.0)

@@ -70,6 +70,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch.utils._pytree import tree_flatten
 
+from mhc_cg.core.regions import region
 from mhc_cg.core.storage import storage_id
 from mhc_cg.ops.kernels import overwritable
 from mhc_cg.runtime.graphs.autograd_graph import saved_storages
@@ -81,7 +82,6 @@ from mhc_cg.runtime.graphs.order_layout import (OrderLayout, buffer_key, flat_te
 from mhc_cg.runtime.graphs.replay_state import (GraphedState, graphed_forward, graphed_function,
                                                 grad_output_buffer)
 from mhc_cg.runtime.graphs.static_inputs import buffer_layout, static_buffer
-from mhc_cg.core.regions import region
 
 __all__ = ["GraphedCallables", "GraphedState", "OrderLayout", "capture_scratch",
            "count_allocated_static_inputs", "grad_output_buffer", "make_graphed_callables",

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch import Tensor
 
 from mhc_cg.config import MHCGPTConfig, RunConfig, check
 from mhc_cg.config.choices import RECOMPUTE_SCOPE

@@ -372,10 +372,10 @@ class StaticRecompute:
 
     def _graphed(self, graph: SublayerGraph, layer: int, sub, position: int, k: int, x: Tensor,
                  seed: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        """A sublayer through its graph, named as the graphed modes name it; a MoE head's graph
-        then this runtime's eager tail."""
-        if not isinstance(graph, SublayerGraph):  # a callable alone: the whole sublayer
-            graph = SublayerGraph(graph)
+        """A sublayer through its graph (a :class:`SublayerGraph`, named as the graphed modes
+        name it; a MoE head's graph then this runtime's eager tail), or a callable alone."""
+        if not isinstance(graph, SublayerGraph):  # a callable alone names its own work
+            return graph(x, seed)
         if graph.moe_step is None:
             with region("fwd", 0, None, f"{layer}.{SUBLAYER_NAMES[k]}"):
                 return graph.fn(x, seed)
