@@ -3,24 +3,26 @@
 #
 #   bench/gpu_check.sh [--dry-run] [OUT_DIR]      (OUT_DIR default: $OUT, else bench/results/gpu_check)
 #
-# Parts, most valuable first, each in its own process under its own time limit, each writing under
-# OUT_DIR as soon as it ends (a part that runs out of memory or time loses nothing the others wrote):
-#   peers     mhc-cg kernels --peers: each mHC op family through ours, peers/peers.json,
-#             TransformerEngine's Triton kernels, Megatron-LM dev's      peers/peers.md
-#             fused kernels and main's torch module, same inputs, one
+# Parts, most valuable first, each in its own process under its own time limit:
+#   peers     mhc-cg kernels --peers: each mHC op family through ours, TransformerEngine's Triton
+#             kernels, Megatron-LM dev's fused kernels and main's torch module, same inputs, one
 #             process: device time, GB/s, each peer over ours
-#   bench     mhc-cg bench: every mode, each in a process of its     bench/<slug>.<shape>.json,
-#             own, at the bench shape and the memory shape            bench/<slug>.md
-#   kernels   mhc-cg kernels --bench --sweep: each fused op's device  kernels/kernel_bench.json,
-#             time apart from its launch cost, GB/s against the cost  kernels/launch_configs.json,
-#             model's bytes; the launch-configuration sweep           kernels/kernel_efficiency.json
-#   megatron  Megatron-LM main's mHC GPT under main's own             megatron/compare.json
-#             TECudaGraphHelper, TE's graph API served by mhc_cg's
-#             make_graphed_callables, against main eager
-#   tests     the cuda-marked tests                                   tests/pytest.log
-# summary.tsv gets one line per part (status, exit code, seconds, limit) as it ends; env.txt says
-# what ran. The limits add up to GPU_CHECK_BUDGET_S (default 540 s); a part that would start with
-# less than 15 s left is skipped and says so. GPU_CHECK_PARTS (space-separated) runs a subset.
+#   bench     mhc-cg bench: every mode, each in a process of its own, at the bench shape and the
+#             memory shape
+#   kernels   mhc-cg kernels --bench --sweep: each fused op's device time apart from its launch
+#             cost, GB/s against the cost model's bytes; the launch-configuration sweep
+#   megatron  Megatron-LM main's mHC GPT under main's own TECudaGraphHelper against main eager
+#   tests     the cuda-marked tests
+# What comes back: a device call returns at most 8 files from its output folder, two folders down
+# at most, 16 MiB each. So OUT_DIR holds exactly: env.txt (what ran), summary.tsv (a line per part:
+# status, exit code, seconds, limit) and one archive per part, <part>.tar.gz, written as the part
+# ends whatever its status (a run cut short keeps every part that finished). Each part works in a
+# scratch folder (GPU_CHECK_WORK, default a new folder under $TMPDIR); an archive over 16 MiB is
+# remade without its largest files, which <part>/LEFT_OUT.txt then names.
+#   python -m mhc_cg.benchmarks.gpu_run unpack OUT_DIR     the parts' files, under bench/results/
+#   python -m mhc_cg.benchmarks.gpu_run fold OUT_DIR       that, the measurements merged, the back-test
+# The limits add up to GPU_CHECK_BUDGET_S (default 540 s); a part that would start with less than
+# 15 s left is skipped and says so. GPU_CHECK_PARTS (space-separated) runs a subset.
 #
 # What the machine needs beyond torch and Triton: the wheels, the TransformerEngine wheel (loaded by
 # path, never installed) and the Megatron-LM snapshots of bench/carry/ (bench/fetch_carry.sh makes
@@ -36,6 +38,15 @@ OUT_DIR=${1:-${OUT:-bench/results/gpu_check}}
 PY=${PYTHON:-python}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+MAX_ARCHIVE_BYTES=${GPU_CHECK_MAX_ARCHIVE_BYTES:-$((16 * 1024 * 1024))}
+if [ -n "${GPU_CHECK_WORK:-}" ]; then
+    WORK=$GPU_CHECK_WORK
+    mkdir -p "$WORK"
+else
+    WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
+    trap 'rm -rf "$WORK"' EXIT
+fi
 SUMMARY="$OUT_DIR/summary.tsv"
 PARTS=${GPU_CHECK_PARTS:-peers bench kernels megatron tests}
 [ -s "$SUMMARY" ] && [ -n "${GPU_CHECK_PARTS:-}" ] || printf 'part\tstatus\texit_code\tseconds\tlimit_s\n' > "$SUMMARY"
@@ -50,8 +61,8 @@ if [ -z "${MHC_CG_TE_WHEEL:-}" ] && ls bench/carry/peers/transformer_engine-*.wh
 fi
 
 if [ "$DRY" = "1" ]; then
-    SHAPE="$OUT_DIR/dry_shape.yaml"
-    MEMORY="$OUT_DIR/dry_memory.yaml"
+    SHAPE="$WORK/dry_shape.yaml"
+    MEMORY="$WORK/dry_memory.yaml"
     cat > "$SHAPE" <<'EOF'
 model: {vocab_size: 32, seq_length: 8, hidden_size: 16, num_heads: 2, num_layers: 2,
         num_streams: 4, hidden_dropout: 0.1, dropout_impl: counter, recompute: block,
@@ -102,7 +113,25 @@ EOF
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
 } >> "$OUT_DIR/env.txt" 2>&1
 
-# part NAME LIMIT_S LOG CMD...: run CMD under min(LIMIT_S, what is left), log to LOG, one summary line
+# pack NAME: the part's scratch folder as OUT_DIR/NAME.tar.gz; over MAX_ARCHIVE_BYTES, made again
+# without its largest file, one at a time until it fits, each named in NAME/LEFT_OUT.txt
+pack() {
+    local name=$1 archive="$OUT_DIR/$1.tar.gz" notes="$WORK/$1/LEFT_OUT.txt" file
+    mkdir -p "$WORK/$name"
+    tar -czf "$archive" -C "$WORK" "$name"
+    while [ "$(stat -c %s "$archive")" -gt "$MAX_ARCHIVE_BYTES" ]; do
+        file=$(find "$WORK/$name" -type f ! -name LEFT_OUT.txt -printf '%s %p\n' | sort -rn \
+               | head -n 1 | cut -d' ' -f2-)
+        [ -n "$file" ] || break
+        [ -f "$notes" ] || echo "left out of $name.tar.gz to keep it within $MAX_ARCHIVE_BYTES bytes (bytes, file):" > "$notes"
+        echo "$(stat -c %s "$file") ${file#"$WORK"/}" >> "$notes"
+        rm -f "$file"  # the scratch copy: the archive is what comes back
+        tar -czf "$archive" -C "$WORK" "$name"
+    done
+}
+
+# part NAME LIMIT_S LOG CMD...: run CMD under min(LIMIT_S, what is left), log to LOG, one summary
+# line, then the part's archive
 part() {
     local name=$1 limit=$2 log=$3; shift 3
     case " $PARTS " in *" $name "*) ;; *) return 0 ;; esac
@@ -124,29 +153,30 @@ part() {
         *) status=failed ;;
     esac
     printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$(( $(date +%s) - begin ))" "$limit" >> "$SUMMARY"
-    echo "[gpu_check] $name: $status (exit $rc)" >&2
+    pack "$name"
+    echo "[gpu_check] $name: $status (exit $rc) -> $OUT_DIR/$name.tar.gz" >&2
 }
 
 # its stdout, the report as JSON, is the log (peers.json beside it is the same report)
-part peers "$(limit_of peers)" "$OUT_DIR/peers/peers.log" \
-    "$PY" -m mhc_cg.cli kernels --peers --json --no-progress --out "$OUT_DIR/peers" \
+part peers "$(limit_of peers)" "$WORK/peers/peers.log" \
+    "$PY" -m mhc_cg.cli kernels --peers --json --no-progress --out "$WORK/peers" \
     "${KERNEL_ARGS[@]}"
 
-part bench "$(limit_of bench)" "$OUT_DIR/bench/bench.log" \
-    "$PY" -m mhc_cg.cli bench "${BENCH_ARGS[@]}" --modes "${MODES// /,}" --out-dir "$OUT_DIR/bench" \
+part bench "$(limit_of bench)" "$WORK/bench/bench.log" \
+    "$PY" -m mhc_cg.cli bench "${BENCH_ARGS[@]}" --modes "${MODES// /,}" --out-dir "$WORK/bench" \
     "${DEVICE[@]}"
 
-part kernels "$(limit_of kernels)" "$OUT_DIR/kernels/kernels.log" \
-    "$PY" -m mhc_cg.cli kernels --bench --sweep --no-progress --out "$OUT_DIR/kernels" \
+part kernels "$(limit_of kernels)" "$WORK/kernels/kernels.log" \
+    "$PY" -m mhc_cg.cli kernels --bench --sweep --no-progress --out "$WORK/kernels" \
     "${KERNEL_ARGS[@]}"
 
 # the harness runs on the device it finds (train.device: auto); --json is the record
-part megatron "$(limit_of megatron)" "$OUT_DIR/megatron/megatron.log" \
+part megatron "$(limit_of megatron)" "$WORK/megatron/megatron.log" \
     bash -c '"$0" -m mhc_cg.cli megatron --config configs/megatron_main_mhc.yaml --compare --json \
-             --no-progress > "$1"' "$PY" "$OUT_DIR/megatron/compare.json"
+             --no-progress > "$1"' "$PY" "$WORK/megatron/compare.json"
 
-part tests "$(limit_of tests)" "$OUT_DIR/tests/pytest.log" \
-    "$PY" -m pytest -m cuda -q -rs -p no:cacheprovider --junitxml="$OUT_DIR/tests/junit.xml" $TESTS
+part tests "$(limit_of tests)" "$WORK/tests/pytest.log" \
+    "$PY" -m pytest -m cuda -q -rs -p no:cacheprovider --junitxml="$WORK/tests/junit.xml" $TESTS
 
 echo "[gpu_check] done in $(( $(date +%s) - START )) s; summary:" >&2
 column -t -s $'\t' "$SUMMARY" >&2 2>/dev/null || cat "$SUMMARY" >&2

@@ -1,5 +1,6 @@
 """``bench/gpu_check.sh --dry-run``: every part of the GPU checklist on the CPU (tape backend, tiny
-config), each writing its own files; and the probe's pieces on hand-made inputs."""
+config), each packed into its archive, all of it within what a device call brings back and unpacked
+by ``python -m mhc_cg.benchmarks.gpu_run unpack``; and the probe's pieces on hand-made inputs."""
 
 from __future__ import annotations
 
@@ -14,9 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from mhc_cg.benchmarks import gpu_run
 from mhc_cg.profiling import probe
 REPO = Path(__file__).resolve().parent.parent
 DRY_MODES = ["eager_none", "graphed_static", "graphed_full_static"]
+PARTS = ["peers", "bench", "kernels", "megatron", "tests"]
+# what a device call brings back from $OUT
+MAX_FILES, MAX_DEPTH, MAX_BYTES = 8, 2, 16 * 2 ** 20
 
 
 def run_check(out: Path, **env) -> subprocess.CompletedProcess:
@@ -32,11 +37,68 @@ def summary(out: Path) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def dry_run(tmp_path_factory):
+def dry_out(tmp_path_factory):
+    """The folder the checklist leaves, as a device call would bring it back."""
     out = tmp_path_factory.mktemp("gpu_check")
     done = run_check(out)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def dry_run(dry_out, tmp_path_factory):
+    """The same, unpacked: every part's files."""
+    return gpu_run.unpack(dry_out, tmp_path_factory.mktemp("unpacked") / "gpu_check_cpu")
+
+
+def files_under(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.mark.slow
+def test_everything_comes_back_from_a_device_call(dry_out):
+    """At most 8 files, none more than two folders down, none over 16 MiB: env.txt, the summary
+    and one archive per part; no shapes or scratch beside them."""
+    found = files_under(dry_out)
+    assert len(found) <= MAX_FILES, found
+    assert all(len(p.relative_to(dry_out).parts) <= MAX_DEPTH + 1 for p in found)
+    assert all(p.stat().st_size <= MAX_BYTES for p in found)
+    assert sorted(p.name for p in found) == sorted(
+        ["env.txt", "summary.tsv", *(f"{part}.tar.gz" for part in PARTS)])
+
+
+@pytest.mark.slow
+def test_unpack_restores_every_parts_files(dry_out, dry_run):
+    """What each part wrote, back under bench/results/gpu_check_<device>/ (``cpu`` here)."""
+    assert gpu_run.device_of((dry_out / "env.txt").read_text()) == "cpu"
+    names = {str(p.relative_to(dry_run)) for p in files_under(dry_run)}
+    assert {"env.txt", "summary.tsv", "peers/peers.json", "peers/peers.log", "bench/bench.log",
+            "bench/cpu.dry_shape.json", "bench/cpu.dry_memory.json", "bench/cpu.md",
+            "kernels/kernel_bench.json", "kernels/kernel_efficiency.json",
+            "kernels/launch_configs.json", "kernels/kernels.log", "megatron/compare.json",
+            "tests/pytest.log", "tests/junit.xml"} <= names
+    assert not any(name.endswith(".yaml") for name in names)  # the dry run's shapes stay behind
+
+
+def test_an_archive_over_the_limit_leaves_out_its_largest_files_and_says_so(tmp_path):
+    """A part whose files would not come back in one archive keeps the rest, and names what it
+    left out."""
+    done = run_check(tmp_path / "out", GPU_CHECK_PARTS="tests",
+                     GPU_CHECK_MAX_ARCHIVE_BYTES="500")
+    assert summary(tmp_path / "out")["tests"]["status"] == "ok", done.stderr[-2000:]
+    archive = tmp_path / "out" / "tests.tar.gz"
+    assert archive.stat().st_size <= 500
+    unpacked = gpu_run.unpack(tmp_path / "out", tmp_path / "back")
+    left_out = (unpacked / "tests" / "LEFT_OUT.txt").read_text()
+    assert "junit.xml" in left_out and not (unpacked / "tests" / "junit.xml").exists()
+    # the largest first: the log goes only if the archive is still too big without the XML
+    assert (unpacked / "tests" / "pytest.log").exists() or "tests/pytest.log" in left_out
+
+
+def test_device_names_and_slugs():
+    assert gpu_run.device_of("python 3.12\ngpu NVIDIA H200\ntriton: yes") == "NVIDIA H200"
+    assert gpu_run.device_of("gpu none\n") == "cpu"
+    assert gpu_run.name_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
 
 
 @pytest.mark.slow
@@ -159,7 +221,7 @@ def test_a_spent_budget_skips_parts_and_says_so(tmp_path):
     assert done.returncode == 1
     parts = summary(tmp_path)
     assert set(r["status"] for r in parts.values()) == {"skipped (budget spent)"}
-    assert "tests" in parts and not (tmp_path / "kernels" / "kernel_bench.json").exists()
+    assert "tests" in parts and not list(tmp_path.glob("*.tar.gz"))
 
 
 # ------------------------------------------------------------------------------------------

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 import platform
-import re
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ import torch
 from mhc_cg.config import RunConfig
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.core.progress import log as _log
+from mhc_cg.benchmarks.gpu_run import name_slug
 from mhc_cg.runtime.modes.registry import MODES, PLAIN, REFERENCE, capture_plan, get_mode
 
 CPU_MEMORY_NOTE = ("null on CPU: CPU torch keeps no allocator peak counter "
@@ -75,9 +75,7 @@ def device_name(device: torch.device) -> str:
 
 def device_slug(device: torch.device) -> str:
     """A file name for the device: ``NVIDIA H100 80GB HBM3`` -> ``nvidia-h100-80gb-hbm3``; ``cpu``."""
-    if device.type != "cuda":
-        return "cpu"
-    return re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-") or "cuda"
+    return "cpu" if device.type != "cuda" else name_slug(device_name(device))
 
 
 def code_version() -> str | None:
