@@ -153,3 +153,27 @@ def test_every_relative_link_resolves():
             if not re.match(r"\w+://", target) and not (doc.parent / target).exists():
                 missing[target] = str(doc.relative_to(ROOT))
     assert not missing, f"links to missing files: {missing}"
+
+
+# ---- the figures the README and docs/ quote are the commands' output -----------------------------
+
+def test_generated_blocks_are_what_the_commands_make_now():
+    """README's modelled and measured tables, and docs/cost.md's costed output, frontier and
+    back-test, equal what ``python -m mhc_cg.cost.doc_tables write`` makes at this code (run it
+    after a change that moves a figure)."""
+    from mhc_cg.cost import doc_tables
+
+    reports = doc_tables.Reports()
+    readme = (ROOT / "README.md").read_text()
+    assert {"modelled", "measured"} <= set(doc_tables.blocks_of(readme))
+    for doc in doc_tables.DOCS:
+        text = doc.read_text()
+        made = doc_tables.blocks_of(doc_tables.regenerate(text, reports))
+        stale = [key for key, body in doc_tables.blocks_of(text).items() if made[key] != body]
+        assert not stale, f"{doc.relative_to(ROOT)}: stale {stale}; python -m mhc_cg.cost.doc_tables write"
+    # the step is a band until the fused kernels are measured at this code, then one figure
+    row = next(line for line in doc_tables.blocks_of(readme)["modelled"].splitlines()
+               if line.startswith("| `eager_none`"))
+    step = row.split("|")[4].strip()
+    banded = not reports(doc_tables.BENCH)["gpu"]["one_figure"]
+    assert re.fullmatch(r"[\d.]+-[\d.]+ ms" if banded else r"[\d.]+ ms", step), step

@@ -95,6 +95,38 @@ def test_an_archive_over_the_limit_leaves_out_its_largest_files_and_says_so(tmp_
     assert (unpacked / "tests" / "pytest.log").exists() or "tests/pytest.log" in left_out
 
 
+@pytest.mark.slow
+def test_fold_merges_the_measurements_and_back_tests_each_bench_on_its_gpu(dry_out, tmp_path):
+    """``gpu_run fold``: the run unpacked; its kernel rows (copy bandwidth and each op's device
+    time) merged into what the step model reads, its sweep into what the launchers read; a
+    bench JSON taken on a GPU back-tested on that GPU's model, the error printed per mode (the
+    dry run's, relabelled as an H200's: the CPU is no GPU of the model, and says so)."""
+    from mhc_cg.cost.backtest import backtest, errors
+
+    results, table = tmp_path / "results", tmp_path / "launch_configs.json"
+    said = gpu_run.fold(dry_out, results=results, launch_table=table, docs=False)
+    assert (results / "gpu_check_cpu" / "kernels" / "kernel_bench.json").is_file()
+    merged = json.loads((results / "kernel_efficiency.json").read_text())["rows"]
+    assert {r["class"] for r in merged} == {"copy", "fused mHC"}
+    assert json.loads(table.read_text())["rows"]
+    assert any(line.startswith("back-test: none (cpu") for line in said)
+
+    bench = json.loads((results / "gpu_check_cpu" / "bench" / "cpu.dry_shape.json").read_text())
+    bench.update(device="NVIDIA H200", device_type="cuda")
+    for entry in bench["modes"].values():
+        entry.update(peak_allocated_bytes=2 ** 20, peak_reserved_bytes=2 ** 21)
+    as_h200 = tmp_path / "h200.json"
+    as_h200.write_text(json.dumps(bench))
+    result = backtest(as_h200, rows=[])
+    assert result["gpu"] == "h200" and not result["side_by_side"]
+    assert list(result["modes"]) == DRY_MODES
+    for r in result["modes"].values():
+        assert r["modelled_peak"] > 0 and r["modelled_reserved"] >= r["modelled_peak"]
+        assert 0 < r["modelled_step_ms"]["low"] <= r["modelled_step_ms"]["high"]
+    lines = errors(result)
+    assert len(lines) == 1 + len(DRY_MODES) and all(" to " in line for line in lines[1:])
+
+
 def test_device_names_and_slugs():
     assert gpu_run.device_of("python 3.12\ngpu NVIDIA H200\ntriton: yes") == "NVIDIA H200"
     assert gpu_run.device_of("gpu none\n") == "cpu"
@@ -186,7 +218,8 @@ def test_the_kernel_part_writes_the_tables_the_launchers_and_the_cost_model_read
     fastest become rows the launchers read, the op timings rows ``mhc-cg cost`` charges as
     measured at this kernel source (once they are an H100's)."""
     from mhc_cg.ops.kernels.launch import DEFAULTS, ENV, TUNABLE, launch_config
-    from mhc_cg.cost.measured import fused_charges, kernel_source_sha256
+    from mhc_cg.cost.measured import kernel_source_sha256
+    from mhc_cg.cost.step_model import step_model
 
     report = json.loads((dry_run / "kernels" / "kernel_bench.json").read_text())
     assert [s["shape"] for s in report["shapes"]] == ["dry_bench", "dry_memory"]
@@ -204,9 +237,13 @@ def test_the_kernel_part_writes_the_tables_the_launchers_and_the_cost_model_read
         assert launch_config(row["kernel"], row["hidden"] * 2, torch.device("cpu")) == \
             DEFAULTS[row["kernel"]]  # no row for that hidden size: the defaults
     timed = json.loads((dry_run / "kernels" / "kernel_efficiency.json").read_text())["rows"]
-    assert timed and all(r["kernel_source_sha256"] == kernel_source_sha256() for r in timed)
-    as_h100 = [{**r, "device": "NVIDIA H100 80GB HBM3"} for r in timed]
-    assert fused_charges(as_h100)["mhc_cg::pre"]["source"].startswith("measured at this code")
+    fused = [r for r in timed if r["class"] == "fused mHC"]
+    assert fused and all(r["kernel_source_sha256"] == kernel_source_sha256() for r in fused)
+    assert {r["class"] for r in timed} == {"copy", "fused mHC"}  # the copy bandwidth too
+    as_h200 = [{**r, "device": "NVIDIA H200"} for r in timed]
+    model = step_model("h200", as_h200)
+    assert model.fused["mhc_cg::pre"].source.startswith("measured at this code")
+    assert model.copy.source.startswith("measured")
 
 
 @pytest.mark.slow

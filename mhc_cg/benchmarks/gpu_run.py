@@ -6,11 +6,20 @@ each), so the checklist leaves ``env.txt``, ``summary.tsv`` and one ``<part>.tar
 ``python -m mhc_cg.benchmarks.gpu_run unpack DIR [--to DEST]``: every part's files under
 ``bench/results/gpu_check_<device>/`` (``<device>``: the GPU's name as a file name, ``cpu`` for a
 dry run), beside ``env.txt`` and ``summary.tsv``.
+
+``python -m mhc_cg.benchmarks.gpu_run fold DIR``: the run folded back in, in one go: unpacked;
+the kernels' device times and copy bandwidth merged into what the step model charges
+(``bench/results/kernel_efficiency.json``) and the sweep's fastest configurations into what the
+launchers read (``mhc_cg/ops/kernels/launch_configs.json``); each bench JSON back-tested on the
+model of the GPU that ran, the model's error on peak and step printed per mode; and the README's
+and docs' generated figures made again from the committed results
+(:mod:`mhc_cg.cost.doc_tables`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shutil
 import tarfile
@@ -54,6 +63,49 @@ def unpack(src: Path, dest: Path | None = None, results: Path = RESULTS) -> Path
     return dest
 
 
+def fold(src: Path, results: Path = RESULTS, launch_table: Path | None = None,
+         docs: bool = True) -> list[str]:
+    """:func:`unpack`, then every step the module docstring lists; returns what it did, a line
+    each. ``docs``: make the generated blocks of README.md and docs/ again (only when
+    ``results`` is the checkout's own)."""
+    from mhc_cg.core.gpus import gpu_named
+    from mhc_cg.cost.backtest import backtest, errors
+    from mhc_cg.cost.measured import efficiency_rows, merge
+    from mhc_cg.ops.kernels.launch import TABLE, merged, read_table
+
+    dest = unpack(src, results=results)
+    device = device_of((dest / "env.txt").read_text())
+    said = [f"unpacked into {dest}"]
+    timed = dest / "kernels" / "kernel_efficiency.json"
+    efficiency = results / "kernel_efficiency.json"
+    if timed.is_file():
+        new = json.loads(timed.read_text())["rows"]
+        said.append(f"{efficiency}: {len(merge(new, efficiency))} rows ({len(new)} merged)")
+    swept = dest / "kernels" / "launch_configs.json"
+    if swept.is_file():
+        table = launch_table or TABLE
+        new = json.loads(swept.read_text())["rows"]
+        rows = merged(read_table(table), new)
+        table.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+        said.append(f"{table}: {len(rows)} rows ({len(new)} merged)")
+    gpu = gpu_named(device)
+    benches = [path for path in sorted((dest / "bench").glob("*.json"))
+               if json.loads(path.read_text()).get("device_type") == "cuda"]
+    if gpu is None:
+        said.append(f"back-test: none ({device} is not a GPU of the step model, "
+                    f"mhc_cg/core/gpus.py)")
+    for path in benches if gpu is not None else ():
+        result = backtest(path, rows=efficiency_rows(efficiency))
+        said += [f"back-test of {path.name} on the {gpu.name} model:", *errors(result)]
+    if docs and results == RESULTS:
+        from mhc_cg.cost.doc_tables import main as doc_tables
+
+        doc_tables(["write"])
+        said.append("README.md and docs/: generated figures made again (python -m "
+                    "mhc_cg.cost.doc_tables write)")
+    return said
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mhc_cg.benchmarks.gpu_run",
                                      description=__doc__.split("\n\n")[0])
@@ -61,12 +113,18 @@ def main(argv: list[str] | None = None) -> int:
     unpacking = sub.add_parser("unpack", help="the parts' files under bench/results/")
     unpacking.add_argument("src", help="the folder bench/gpu_check.sh wrote (the device's $OUT)")
     unpacking.add_argument("--to", default=None, help="default: bench/results/gpu_check_<device>")
+    folding = sub.add_parser("fold", help="unpack, merge the measurements, back-test, make the "
+                                          "docs' figures again")
+    folding.add_argument("src", help="the folder bench/gpu_check.sh wrote (the device's $OUT)")
     args = parser.parse_args(argv)
     try:
-        dest = unpack(Path(args.src), None if args.to is None else Path(args.to))
+        if args.action == "unpack":
+            said = [f"unpacked into {unpack(Path(args.src), None if args.to is None else Path(args.to))}"]
+        else:
+            said = fold(Path(args.src))
     except (FileNotFoundError, tarfile.TarError) as exc:
         parser.exit(2, f"gpu_run: error: {exc}\n")
-    print(f"unpacked {args.src} into {dest}")
+    print("\n".join(said))
     return 0
 
 

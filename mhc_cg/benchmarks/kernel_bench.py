@@ -158,10 +158,17 @@ def sweep(cfg: RunConfig, device: torch.device, steps: int, scratch: Path,
 
 
 def efficiency_rows(shape: dict, device: torch.device, code: str | None) -> list[dict]:
-    """The shape's op timings as rows of ``bench/results/kernel_efficiency.json``."""
+    """The shape's copy bandwidth and op timings as rows of
+    ``bench/results/kernel_efficiency.json`` (the copy row: what the step model times bytes at
+    on this GPU)."""
     from mhc_cg.cost.measured import kernel_source_sha256
 
-    return [{"device": device_name(device), "code": code, "class": "fused mHC",
+    copy = shape["copy_bandwidth_bytes_per_s"]
+    return [{"device": device_name(device), "code": code, "class": "copy", "kernel": "copy_",
+             "hidden": shape["hidden"], "tokens": shape["tokens"],
+             "timing": "CUDA events, dst.copy_(src), read + write", "bytes": None, "ms": None,
+             "gb_per_s": copy / 1e9, "share_of_copy": 1.0}] + [
+            {"device": device_name(device), "code": code, "class": "fused mHC",
              "kernel": r["op"].split("::")[1], "op": r["op"], "hidden": shape["hidden"],
              "tokens": shape["tokens"], "kernel_source_sha256": kernel_source_sha256(),
              "timing": "profiler: the device time of the kernels each eager call launched",

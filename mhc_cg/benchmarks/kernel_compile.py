@@ -41,6 +41,7 @@ import torch
 
 from mhc_cg.core.dtypes import TORCH_DTYPES
 from mhc_cg.core.errors import ConfigError
+from mhc_cg.core.gpus import DEFAULT_GPU, GPUS
 from mhc_cg.core.progress import ProgressBar
 from mhc_cg.ops.kernels.dispatch import interpret_requested, triton_kernels
 from mhc_cg.ops.kernels.tiling import MIN_PROGRAMS
@@ -353,12 +354,13 @@ def projection_weight_per_x(kernel: str, bound: dict) -> float | None:
 @dataclass(frozen=True)
 class SMLimits:
     """One GPU's per-SM limits and its memory's bandwidth-latency product. Assumed, not measured:
-    the H100 SXM5 as NVIDIA's Hopper tuning guide and the CUDA programming guide's compute
-    capability 9.0 table give it (132 SMs, 64K 32-bit registers, 228 KiB shared memory of which a
-    block may take 227 KiB and 1 KiB is reserved per block, 64 warps and 32 blocks), registers
-    allocated per warp in units of 256 with warps in groups of 4 (CUDA occupancy calculator, 9.0),
-    3.35 TB/s HBM3 (H100 SXM5 datasheet), and 700 ns, a loaded DRAM latency inside the 600 to
-    800 ns that microbenchmarks of Hopper report."""
+    compute capability 9.0 as NVIDIA's Hopper tuning guide and the CUDA programming guide's table
+    give it (64K 32-bit registers, 228 KiB shared memory of which a block may take 227 KiB and
+    1 KiB is reserved per block, 64 warps and 32 blocks), registers allocated per warp in units
+    of 256 with warps in groups of 4 (CUDA occupancy calculator, 9.0); the SMs and the HBM
+    bandwidth are the GPU's (:func:`sm_limits`, ``mhc_cg.core.gpus``), and 700 ns a loaded DRAM
+    latency inside the 600 to 800 ns that microbenchmarks of Hopper report."""
+    name: str = "NVIDIA H100 SXM5 80GB"
     sms: int = 132
     registers: int = 65536
     register_unit: int = 256
@@ -368,7 +370,7 @@ class SMLimits:
     shared_reserved: int = 1024
     warps: int = 64
     blocks: int = 32
-    bandwidth: float = 3.35e12  # bytes/s
+    bandwidth: float = 3.35e12  # bytes/s, the HBM peak
     latency: float = 700e-9     # s
 
     def bytes_in_flight(self) -> float:
@@ -376,7 +378,13 @@ class SMLimits:
         return self.bandwidth * self.latency / self.sms
 
 
-H100 = SMLimits()
+def sm_limits(gpu: str = DEFAULT_GPU) -> SMLimits:
+    """The limits of a GPU of ``mhc_cg.core.gpus`` (every one of them compute capability 9.0)."""
+    row = GPUS[gpu]
+    return SMLimits(name=row.name, sms=row.sms, bandwidth=row.hbm_bytes_per_s.value)
+
+
+H100 = sm_limits("h100")
 
 
 def resident_warps(registers: int, num_warps: int, shared: int, programs: int | None = None,
@@ -547,7 +555,7 @@ def compiling_launches(capability: int):
 
 
 def compile_shapes(shapes: list[Shape], target: str = DEFAULT_TARGET, cases=CASES,
-                   progress: bool = False) -> list[list[KernelUsage]]:
+                   progress: bool = False, sm: SMLimits = H100) -> list[list[KernelUsage]]:
     """Per shape, every kernel the cases launch, compiled for ``target``; a specialization that
     two shapes share is compiled and read once."""
     capability, module, read = parse_target(target), triton_kernels(), {}
@@ -571,7 +579,7 @@ def compile_shapes(shapes: list[Shape], target: str = DEFAULT_TARGET, cases=CASE
                                         pdl=bool(getattr(kernel.metadata, "launch_pdl", False))
                                         and "griddepcontrol.wait" in kernel.asm["ptx"],
                                         weight_per_x=projection_weight_per_x(kernel.name, bound))
-                    rows.append(_with_in_flight(usage, kernel, bound))
+                    rows.append(_with_in_flight(usage, kernel, bound, sm))
                 bar.update(done, case.name)
             results.append(rows)
     return results
@@ -598,24 +606,28 @@ def _check_sizes(hidden, tokens) -> None:
 
 
 def kernel_report(hidden=DEFAULT_HIDDEN, target: str = DEFAULT_TARGET, tokens: int = DEFAULT_TOKENS,
-                  cases: str = f"{__name__}:CASES", progress: bool = False) -> dict:
+                  cases: str = f"{__name__}:CASES", progress: bool = False,
+                  gpu: str = DEFAULT_GPU) -> dict:
     """Every case's kernels compiled for ``target`` at each hidden size: ``{"target", "shapes":
     [{shape..., "kernels": [KernelUsage as dict]}], "spilled": ["hidden H: case kernel", ...]}``.
     Runs in a child process without ``TRITON_INTERPRET`` when this process interprets Triton."""
     hidden = list(hidden)
     _check_sizes(hidden, tokens)
     parse_target(target)
+    if gpu not in GPUS:
+        raise ConfigError(f"--gpu: must be one of {list(GPUS)}, got {gpu!r}")
     request = {"hidden": hidden, "target": target, "tokens": tokens, "cases": cases,
-               "progress": progress}
+               "progress": progress, "gpu": gpu}
     return _report_in_child(request) if interpret_requested() else _report(request)
 
 
 def _report(request: dict) -> dict:
     shapes = [Shape(h, tokens=request["tokens"]) for h in request["hidden"]]
+    sm = sm_limits(request.get("gpu", DEFAULT_GPU))
     per_shape = compile_shapes(shapes, request["target"], resolve_cases(request["cases"]),
-                               request["progress"])
+                               request["progress"], sm)
     report = {"target": request["target"],
-              "sm": {**asdict(H100), "bytes_in_flight": H100.bytes_in_flight()},
+              "sm": {**asdict(sm), "bytes_in_flight": sm.bytes_in_flight()},
               "shapes": [], "spilled": [], "below_bandwidth": [], "few_programs": [],
               "min_programs": MIN_PROGRAMS}
     for shape, rows in zip(shapes, per_shape):
@@ -624,12 +636,50 @@ def _report(request: dict) -> dict:
                               f"{r.stack} B stack" for r in rows if r.spilled]
         report["below_bandwidth"] += [
             f"hidden {shape.hidden}: {r.case} ({r.kernel}): {r.in_flight:.0f} B in flight per SM, "
-            f"{r.bandwidth_share:.2f} of {H100.bytes_in_flight():.0f}" for r in rows
+            f"{r.bandwidth_share:.2f} of {sm.bytes_in_flight():.0f}" for r in rows
             if r.bandwidth_share is not None and r.bandwidth_share < 1.0]
         report["few_programs"] += [
             f"hidden {shape.hidden}: {r.case} ({r.kernel}): {r.programs} programs" for r in rows
             if is_mhc_case(r.case) and r.programs is not None and r.programs < MIN_PROGRAMS]
     return report
+
+
+# the fused op -> the case (or cases, for an op whose arguments choose what it launches) that
+# launches what it launches
+OP_CASES: dict[str, str | tuple[str, ...]] = {
+    "mhc_cg::pre": "pre", "mhc_cg::pre_into": "pre",
+    # in a chain a pre's backward takes its posts' halves (in place or not); alone it does not
+    "mhc_cg::pre_backward": ("pre_backward", "pre_backward[no norm]", "pre_backward[fused]"),
+    "mhc_cg::pre_backward_into": ("pre_backward[in place]", "pre_backward[fused]"),
+    "mhc_cg::post_grad_y": "post_grad_y",
+    "mhc_cg::post_maps": "post_maps", "mhc_cg::post": "post", "mhc_cg::post_into": "post",
+    "mhc_cg::post_state": "post_state", "mhc_cg::post_state_into": "post_state",
+    "mhc_cg::pre_from_state": "fn_input", "mhc_cg::pre_from_state_into": "fn_input",
+    "mhc_cg::post_backward": "post_backward",
+    "mhc_cg::recompute": "recompute", "mhc_cg::rms_norm": "rms_norm",
+    "mhc_cg::rms_norm_backward": "rms_norm_backward", "mhc_cg::cross_entropy": "cross_entropy",
+    "mhc_cg::cross_entropy_backward": "cross_entropy_backward",
+}
+
+
+def kernel_shares(hidden: int, tokens: int, target: str = DEFAULT_TARGET,
+                  gpu: str = DEFAULT_GPU) -> dict[str, float]:
+    """``{fused op: in-flight share}`` at ``hidden`` and ``tokens``: the lowest share among the
+    kernels its cases launch, capped at 1. A compile-time check of whether a kernel can keep the
+    HBM busy, not what the step model charges (that is measured: ``mhc_cg.cost.step_model``)."""
+    report = kernel_report(hidden=(hidden,), tokens=tokens, target=target, gpu=gpu)
+    lowest: dict[str, float] = {}
+    for kernel in report["shapes"][0]["kernels"]:
+        share = kernel["bandwidth_share"]
+        if share is not None:
+            lowest[kernel["case"]] = min(lowest.get(kernel["case"], share), share)
+    shares = {}
+    for op, cases in OP_CASES.items():
+        found = [lowest[case] for case in ((cases,) if isinstance(cases, str) else cases)
+                 if case in lowest]
+        if found:
+            shares[op] = min(1.0, *found)
+    return shares
 
 
 def is_mhc_case(case: str) -> bool:
@@ -719,7 +769,8 @@ def format_shape(target: str, shape: dict) -> str:
 
 
 def format_sm(sm: dict) -> str:
-    return (f"in flight: Little's law on an H100 SXM5 (assumed): {sm['bandwidth'] / 1e12:.2f} TB/s x "
+    return (f"in flight: Little's law on an {sm['name']} (HBM peak, latency assumed): "
+            f"{sm['bandwidth'] / 1e12:.2f} TB/s x "
             f"{sm['latency'] * 1e9:.0f} ns / {sm['sms']} SMs = {sm['bytes_in_flight']:.0f} B per SM; "
             "share below 1: the kernel cannot reach the bandwidth")
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from mhc_cg.config import load_config
 from mhc_cg.core.errors import ConfigError
+from mhc_cg.core.gpus import GPUS
 from mhc_cg.core.progress import log
 from mhc_cg.cost.report import DEVICES, cost_report, format_live, format_report
 
@@ -27,10 +28,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "graph pool's high-water mark (the capture that set it, the "
                              "tensors live then) and the step's eager storages, by what made "
                              "them")
+    parser.add_argument("--gpu", choices=sorted(GPUS), default=None,
+                        help="the GPU the step is modelled on (default: the config's train.gpu, "
+                             "h100 unless set); mhc_cg/core/gpus.py says where each figure comes "
+                             "from")
     parser.add_argument("--full-bandwidth", action="store_true",
-                        help="time every kernel at the HBM peak (default: at the copy bandwidth "
-                             "a GPU measured and each fused op at its measured share of it, or "
-                             "its kind's: bench/results/kernel_efficiency.json)")
+                        help="time every kernel at the HBM peak, one figure (default: a band, "
+                             "bytes at the copy bandwidth the GPU measured, each fused op from "
+                             "that to its kind's eager-measured share until this code's kernels "
+                             "are timed: bench/results/kernel_efficiency.json)")
     parser.add_argument("--plot", metavar="PNG", default=None,
                         help="also draw each mode's peak memory against its modelled step time")
 
@@ -39,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     if args.plot:
         _check_writable(Path(args.plot))
-    report = cost_report(cfg, args.device, args.config, measured=not args.full_bandwidth)
+    report = cost_report(cfg, args.device, args.config, measured=not args.full_bandwidth,
+                         gpu=args.gpu)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -9,6 +9,7 @@ import json
 import sys
 
 from mhc_cg.core.errors import ConfigError
+from mhc_cg.core.gpus import DEFAULT_GPU, GPUS
 from mhc_cg.core.progress import log
 from mhc_cg.ops.kernels.dispatch import interpret_requested, triton_installed
 from mhc_cg.benchmarks.kernel_compile import (DEFAULT_HIDDEN, DEFAULT_TARGET, DEFAULT_TOKENS,
@@ -28,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="hidden sizes, comma-separated (default %(default)s); n = 4, bf16")
     parser.add_argument("--tokens", default=str(DEFAULT_TOKENS),
                         help="tokens per microbatch, seq x micro-batch (default %(default)s)")
+    parser.add_argument("--gpu", choices=sorted(GPUS), default=DEFAULT_GPU,
+                        help="the GPU whose SMs and HBM peak the bytes-in-flight check uses "
+                             "(default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     bench = parser.add_argument_group("--bench: time the fused ops on the device (CUDA)")
@@ -163,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("compiling the kernels needs the triton package; pip install triton")
     if interpret_requested() and not args.no_progress:
         log("kernels", "TRITON_INTERPRET is set: compiling in a child process without it")
-    report = kernel_report(hidden, args.target, tokens[0], progress=not args.no_progress)
+    report = kernel_report(hidden, args.target, tokens[0], progress=not args.no_progress,
+                           gpu=args.gpu)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     for line in report["spilled"]:
         print(f"mhc-cg kernels: spills: {line}", file=sys.stderr)

@@ -26,6 +26,7 @@ from mhc_cg.config.choices import (DEVICES, DROPOUT_IMPLS, GRAPH_BACKENDS, MIN_V
                                    SCOPES, split_recompute_scope)
 from mhc_cg.core.dtypes import DTYPE_BYTES, TRAIN_DTYPES
 from mhc_cg.core.errors import ConfigError, did_you_mean, is_positive_int
+from mhc_cg.core.gpus import GPUS
 from mhc_cg.core.pipeline_order import schedule_problems
 from mhc_cg.ops.dropout import stateful_dropout_problem
 from mhc_cg.ops.kernels import KERNELS, kernels_problem
@@ -123,7 +124,8 @@ def train_problems(train) -> list[str]:
         problems.append(f"train.weight_decay: must be a finite number >= 0 (0 turns it off), "
                         f"got {train.weight_decay!r}")
     return problems + choice_problems(("train.device", train.device, DEVICES),
-                                      ("train.dtype", train.dtype, TRAIN_DTYPES))
+                                      ("train.dtype", train.dtype, TRAIN_DTYPES),
+                                      ("train.gpu", train.gpu, tuple(GPUS)))
 
 
 def choice_problems(*fields: tuple[str, object, tuple]) -> list[str]:

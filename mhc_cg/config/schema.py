@@ -115,6 +115,7 @@ class TrainConfig:
     seed: int = 1234
     device: str = "cpu"  # "cpu" | "cuda" | "auto"
     dtype: str = "fp32"  # "fp32" | "bf16" | "fp16": parameters and activations (megatron mapping)
+    gpu: str = "h100"  # the GPU `mhc-cg cost` models the step on: "h100" | "h200" (core/gpus.py)
     eval_interval: int = 0  # evaluate every N steps (and after the last); 0: never
     eval_batches: int = 2  # held-out batches per evaluation
 

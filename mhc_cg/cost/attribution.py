@@ -1,17 +1,11 @@
-"""Where a step's bytes go, in the units the mHC literature uses, and what a step would take on an H100.
+"""Where a step's bytes go, in the units the mHC literature uses.
 
 A recorded step's bytes are split by ``(phase, part)`` (:func:`mhc_cg.cost.op_counters.part_of`):
 phases ``forward``, ``recompute``, ``backward``, ``optimizer``; parts the fused mHC ops, other ops
 on n-stream tensors (GEMMs, adds, the rest), F and the rest (GEMMs, attention, embedding, head,
 loss), the optimizer, and each copy the runtime adds, by name. The mHC traffic is reported per
 token and sublayer in units of C, one ``C``-wide row of the model's dtype: the paper's unit
-(Table 2), independent of the shape.
-
-The step time is a **model**, not a measurement: every kernel takes its bytes at the HBM bandwidth
-or its FLOPs at the dense bf16 rate, whichever is longer
-(:data:`~mhc_cg.cost.op_counters.H100_BYTES_PER_S`, :data:`~mhc_cg.cost.op_counters.H100_FLOPS`),
-plus :data:`EAGER_LAUNCH_S` per kernel launched eagerly and :data:`GRAPH_LAUNCH_S` per graph
-replay, counted as if never hidden behind the GPU's work.
+(Table 2), independent of the shape. What a step takes in time: :mod:`mhc_cg.cost.step_model`.
 """
 
 from __future__ import annotations
@@ -20,10 +14,7 @@ from collections import Counter
 
 from mhc_cg.config import RunConfig
 from mhc_cg.core.dtypes import DTYPE_BYTES
-from mhc_cg.cost.op_counters import MHC_PARTS, H100_BYTES_PER_S, H100_FLOPS
-
-EAGER_LAUNCH_S = 4e-6  # host overhead of one eager kernel launch
-GRAPH_LAUNCH_S = 8e-6  # one graph replay's launch
+from mhc_cg.cost.op_counters import MHC_PARTS
 
 # Per token and sublayer, in C (n = 4, C large): the mHC paper's Table 2 forward, unfused, and
 # with H_res, H_post and the merge fused into one kernel; an estimated lower bound for forward and
@@ -77,16 +68,3 @@ def recompute_bound_bytes(cfg: RunConfig, layers: int, activation_layers: int) -
     n, c = m.num_streams, m.hidden_size
     elements = n * c + 2 * layers * (n + 2) * c + activation_layers * 2 * m.ffn_hidden_size
     return tokens * elements * DTYPE_BYTES[cfg.train.dtype]
-
-
-def predicted_seconds(model_seconds: float, eager_kernels: int, replays: int) -> float:
-    return model_seconds + eager_kernels * EAGER_LAUNCH_S + replays * GRAPH_LAUNCH_S
-
-
-def model_note(copy_share: float | None = None) -> str:
-    """How step times are modelled, with the bandwidth bytes are timed at."""
-    bandwidth = H100_BYTES_PER_S * (copy_share or 1.0) / 1e12
-    where = "the measured copy bandwidth" if copy_share else "the HBM peak"
-    return (f"modelled, not measured: each kernel max(bytes / {bandwidth:.2f} TB/s ({where}), "
-            f"FLOPs / {H100_FLOPS / 1e12:.0f} TFLOP/s), + {EAGER_LAUNCH_S * 1e6:.0f} us per eager "
-            f"launch, + {GRAPH_LAUNCH_S * 1e6:.0f} us per graph replay")

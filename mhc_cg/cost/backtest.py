@@ -1,16 +1,17 @@
-"""The cost model against the one H100 run: configured with the optimizer that run trained with,
-does it predict the memory and the time the GPU measured?
+"""The cost model against a GPU run: does it predict the memory and the time the GPU measured?
 
-``python -m mhc_cg.cost.backtest [--measured bench/results/nvidia-h100-80gb-hbm3.json]``
-costs every mode of that run on ``meta`` at the run's own config, with the step that run took
-(:class:`PerTensorCopyAdamW`, not a user option: training runs
-:class:`~mhc_cg.training.optimizer.MainParamAdamW`), and prints per mode the modelled and measured
-resident bytes and peaks, and step and phase times, with their ratios (the tables in
-``docs/cost.md``).
+``python -m mhc_cg.cost.backtest [--measured A_BENCH.json]`` costs every mode of a ``mhc-cg
+bench`` JSON on ``meta`` at the run's own config, on the step model of the GPU that ran
+(:func:`~mhc_cg.core.gpus.gpu_named`), and prints per mode the modelled and measured peaks and
+step, and their ratios (the tables in ``docs/cost.md``).
 
-The bench measured ``torch.cuda.max_memory_allocated``: allocated bytes, so the model's figure
-beside it counts of each graph pool what is allocated in it after the step
-(``pool_live_bytes``: static outputs, kept activations), not what the pool reserves.
+Two kinds of run. The first H100 run (b48c0ff, the default ``--measured``) built every mode side
+by side in one process and trained with another step than training runs now: it is costed with
+that step (:class:`PerTensorCopyAdamW`, not a user option) and its "resident" bytes and peaks.
+Runs of ``mhc-cg bench`` since measure each mode in a process of its own, with the session's
+optimizer: ``torch.cuda.max_memory_allocated`` (the model's pools counted by what is allocated in
+them after the step, ``pool_live_bytes``) and ``max_memory_reserved`` (pools at their high-water
+mark, the model's peak).
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ import torch
 from torch import Tensor, nn
 
 from mhc_cg.config import RunConfig
-from mhc_cg.cost.bandwidth import charging
-from mhc_cg.cost.measured import RESULTS, copy_share, fused_charges
-from mhc_cg.cost.report import cost_mode, mode_configs
+from mhc_cg.core.gpus import gpu_named
+from mhc_cg.cost.measured import RESULTS
+from mhc_cg.cost.report import cost_mode, mode_configs, step_band
+from mhc_cg.cost.step_model import Band, step_model
 from mhc_cg.training.optimizer import StepResult
+from mhc_cg.training.session import optimizer_for
 
 MEASURED = RESULTS / "nvidia-h100-80gb-hbm3.json"
 # the same run's profiles: GPU ms per range name, graphed_static (A) against eager_none (B)
@@ -92,39 +95,56 @@ class PerTensorCopyAdamW:
         pass
 
 
-def backtest(measured_path: Path = MEASURED, modes: tuple[str, ...] = MODES) -> dict:
-    """Per mode of the run (of ``modes``): ``resident`` and ``peak``, modelled and measured, in
-    bytes."""
+def is_side_by_side(measured: dict) -> bool:
+    """A run of the first bench (every mode in one process; per mode its resident bytes)."""
+    return any("resident_bytes" in e for e in measured["modes"].values())
+
+
+def backtest(measured_path: Path = MEASURED, modes: tuple[str, ...] | None = None,
+             rows: list[dict] | None = None) -> dict:
+    """Per mode of the run (of ``modes``; default every mode it measured): peak and step,
+    modelled (a band for the step) and measured, on the model of the GPU that ran (from the
+    measurement rows ``rows``, default the committed ones)."""
     measured = json.loads(Path(measured_path).read_text())
+    gpu = gpu_named(measured["device"])
+    if gpu is None:
+        raise ValueError(f"{measured_path}: measured on {measured['device']!r}, a device the "
+                         f"step model does not know (mhc_cg/core/gpus.py)")
+    model = step_model(gpu.key, rows)
+    side_by_side = is_side_by_side(measured)
     cfg = RunConfig.from_dict(measured["config"]).replace(graph={"backend": "auto"})
     configs = dict(mode_configs(cfg, "meta")[0])
-    profiled = profiled_phases()
-    # the fused kernels at the shares the H100 measured for their kinds (at 8b1b9b9, the kernels
-    # closest to that run's)
-    shares, copy = {op: c["share"] for op, c in fused_charges().items()}, copy_share()
+    profiled = profiled_phases() if side_by_side else {}
     rows = {}
-    for mode in modes:
-        if mode not in measured["modes"]:
+    for mode, got in measured["modes"].items():
+        if (modes is not None and mode not in modes) or mode not in configs \
+                or got.get("step_ms_median") is None:
             continue
-        with charging(shares, copy):
-            cost = cost_mode(configs[mode], optimizer=PerTensorCopyAdamW)
+        cost = cost_mode(configs[mode], optimizer=PerTensorCopyAdamW if side_by_side
+                         else optimizer_for, model=model)
         memory = cost["peak_memory"]
-        resident = memory["model_state"] + memory["static"] + cost["pool_live_bytes"]
+        allocated = memory["model_state"] + memory["static"] + cost["pool_live_bytes"]
         step_peak = max(cost["step_peak_by_phase"].values())
-        got = measured["modes"][mode]
-        rows[mode] = {"modelled_resident": resident, "measured_resident": got["resident_bytes"],
-                      "modelled_peak": resident + step_peak,
-                      "measured_peak": got["peak_mem_bytes"], "peak_phase": cost["peak_phase"],
-                      "pool_reserved": cost["pool_reserved_bytes"],
-                      "pool_live": cost["pool_live_bytes"],
-                      "modelled_step_ms": 1e3 * cost["predicted_h100_step_s"],
-                      "measured_step_ms": got["step_ms_median"],
-                      # kernel time alone: the profiles measured kernel intervals
-                      "modelled_ms_by_phase": {p: 1e3 * s for p, s in
-                                               cost["kernel_s_by_phase"].items()},
-                      "measured_ms_by_phase": profiled.get(mode, {}),
-                      "optimizer_kernels": cost["kernels_by_phase"].get("optimizer", 0)}
-    return {"measured": str(measured_path), "device": measured["device"], "modes": rows}
+        row = {"peak_phase": cost["peak_phase"], "pool_reserved": cost["pool_reserved_bytes"],
+               "pool_live": cost["pool_live_bytes"],
+               "modelled_step_ms": step_band(cost).scaled(1e3).as_dict(),
+               "measured_step_ms": got["step_ms_median"],
+               # kernel time alone: the profiles measured kernel intervals
+               "modelled_ms_by_phase": {p: Band(**s).scaled(1e3).as_dict()
+                                        for p, s in cost["kernel_s_by_phase"].items()},
+               "measured_ms_by_phase": profiled.get(mode, {}),
+               "optimizer_kernels": cost["kernels_by_phase"].get("optimizer", 0)}
+        if side_by_side:  # its peaks: max allocated less the other modes' resident bytes
+            row.update(modelled_resident=allocated, measured_resident=got["resident_bytes"],
+                       modelled_peak=allocated + step_peak, measured_peak=got["peak_mem_bytes"])
+        else:
+            row.update(modelled_peak=allocated + step_peak,
+                       measured_peak=got.get("peak_allocated_bytes"),
+                       modelled_reserved=cost["peak_bytes"],
+                       measured_reserved=got.get("peak_reserved_bytes"))
+        rows[mode] = row
+    return {"measured": str(measured_path), "device": measured["device"], "gpu": gpu.key,
+            "code": measured.get("code"), "side_by_side": side_by_side, "modes": rows}
 
 
 def profiled_phases(timeline: Path = TIMELINE) -> dict[str, dict[str, float]]:
@@ -143,31 +163,62 @@ def profiled_phases(timeline: Path = TIMELINE) -> dict[str, dict[str, float]]:
     return out
 
 
-def markdown(result: dict) -> str:
-    mib = 2 ** 20
-    lines = ["| mode | resident, modelled | measured | ratio | peak, modelled (at) | measured "
-             "| ratio |", "|---|---:|---:|---:|---:|---:|---:|"]
+def errors(result: dict) -> list[str]:
+    """Per mode, the model's error against the run: peak and step, modelled / measured - 1."""
+    lines = [f"{'mode':20} {'peak error':>11} {'step error (low to high)':>26}"]
     for mode, r in result["modes"].items():
-        lines.append(
-            f"| `{mode}` | {r['modelled_resident'] / mib:.1f} MiB | "
-            f"{r['measured_resident'] / mib:.1f} MiB | "
-            f"{r['modelled_resident'] / r['measured_resident']:.3f} | "
-            f"{r['modelled_peak'] / mib:.1f} MiB ({r['peak_phase']}) | "
-            f"{r['measured_peak'] / mib:.1f} MiB | {r['modelled_peak'] / r['measured_peak']:.3f} |")
-    lines += ["", "| mode | time | modelled ms | measured ms | ratio |", "|---|---|---:|---:|---:|"]
+        peak = "-" if not r["measured_peak"] else f"{r['modelled_peak'] / r['measured_peak'] - 1:+.1%}"
+        step = Band(**r["modelled_step_ms"]).scaled(1 / r["measured_step_ms"]) + -1.0
+        lines.append(f"{mode:20} {peak:>11} {f'{step.low:+.1%} to {step.high:+.1%}':>26}")
+    return lines
+
+
+def _ratio(model: float | None, got: float | None) -> str:
+    return "-" if not model or not got else f"{model / got:.3f}"
+
+
+def markdown(result: dict) -> str:
+    """The back-test as two tables: memory, then time (modelled over measured; a band's ratio
+    from its low to its high end)."""
+    mib = 2 ** 20
+    size = lambda b: "-" if b is None else f"{b / mib:.1f} MiB"  # noqa: E731
+    lines = [f"{result['device']} ({result['gpu']} in the model), code {result['code']}: "
+             f"{result['measured']}", ""]
+    if result["side_by_side"]:
+        lines += ["| mode | resident, modelled | measured | ratio | peak, modelled (at) | "
+                  "measured | ratio |", "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| `{mode}` | {size(r['modelled_resident'])} | {size(r['measured_resident'])} | "
+                  f"{_ratio(r['modelled_resident'], r['measured_resident'])} | "
+                  f"{size(r['modelled_peak'])} ({r['peak_phase']}) | {size(r['measured_peak'])} "
+                  f"| {_ratio(r['modelled_peak'], r['measured_peak'])} |"
+                  for mode, r in result["modes"].items()]
+    else:
+        lines += ["| mode | max allocated, modelled (at) | measured | ratio | max reserved, "
+                  "modelled | measured | ratio |", "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| `{mode}` | {size(r['modelled_peak'])} ({r['peak_phase']}) | "
+                  f"{size(r['measured_peak'])} | {_ratio(r['modelled_peak'], r['measured_peak'])} "
+                  f"| {size(r['modelled_reserved'])} | {size(r['measured_reserved'])} | "
+                  f"{_ratio(r['modelled_reserved'], r['measured_reserved'])} |"
+                  for mode, r in result["modes"].items()]
+    lines += ["", "| mode | time | modelled ms (low-high) | measured ms | modelled / measured |",
+              "|---|---|---:|---:|---:|"]
     for mode, r in result["modes"].items():
         timed = [("step (wall)", r["modelled_step_ms"], r["measured_step_ms"])]
-        timed += [(f"{phase} (GPU kernels)", r["modelled_ms_by_phase"].get(phase, 0.0), ms)
+        timed += [(f"{phase} (GPU kernels)", r["modelled_ms_by_phase"].get(
+                   phase, {"low": 0.0, "high": 0.0}), ms)
                   for phase, ms in r["measured_ms_by_phase"].items()]
-        lines += [f"| `{mode}` | {phase} | {model:.2f} | {got:.2f} | {model / got:.3f} |"
-                  for phase, model, got in timed]
+        for phase, model, got in timed:
+            band = Band(**model)
+            lines.append(f"| `{mode}` | {phase} | {band.format('.2f')} | {got:.2f} | "
+                         f"{band.scaled(1 / got).format('.3f')} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mhc_cg.cost.backtest",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--measured", default=str(MEASURED), help="a `mhc-cg bench` JSON")
+    parser.add_argument("--measured", default=str(MEASURED),
+                        help="a `mhc-cg bench` JSON (default: the first H100 run)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     result = backtest(Path(args.measured))

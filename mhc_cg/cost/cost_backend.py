@@ -21,6 +21,7 @@ import torch
 
 from mhc_cg.cost.allocator import CapturePeak, PoolState
 from mhc_cg.cost.op_counters import CaptureRecorder, OpCounter, StepRecorder, StreamTracker
+from mhc_cg.cost.step_model import StepModel
 from mhc_cg.runtime.graphs.capture import Graph, GraphBackend, Pool
 
 
@@ -34,7 +35,9 @@ class CostPool(Pool):
         super().__init__(private, independent)
         self.state = PoolState()
         self.log: list["CostGraph"] = []
-        self.streams: StreamTracker | None = None  # set by the backend that registers the pool
+        # set by the backend that registers the pool: what marks mHC traffic, what times a kernel
+        self.streams: StreamTracker | None = None
+        self.model: StepModel | None = None
 
 
 class CostGraph(Graph):
@@ -49,7 +52,7 @@ class CostGraph(Graph):
 
     @contextlib.contextmanager
     def _record(self) -> Iterator[None]:
-        recorder = CaptureRecorder(self.name, self.pool.state, self.pool.streams)
+        recorder = CaptureRecorder(self.name, self.pool.state, self.pool.streams, self.pool.model)
         with recorder:
             yield
         self.stats = recorder.finish()
@@ -72,21 +75,24 @@ class CostGraph(Graph):
 
 
 class CostBackend(GraphBackend):
-    """Makes :class:`CostGraph` graphs on ``device``; ``captured`` lists them in capture order."""
+    """Makes :class:`CostGraph` graphs on ``device``, timed by ``model``; ``captured`` lists them
+    in capture order."""
 
     name = "cost"
     pool_type = CostPool
     graph_type = CostGraph
     warmup_iters = 0  # nothing to set up lazily; warmups would only cost time on meta
 
-    def __init__(self, device: str = "meta", streams: StreamTracker | None = None):
+    def __init__(self, device: str = "meta", streams: StreamTracker | None = None,
+                 model: StepModel | None = None):
         self.device = str(device)
         self.streams = streams  # what marks an op's bytes as mHC traffic
+        self.model = model
         self.captured: list[CostGraph] = []
         self.pools: list[CostPool] = []
 
     def _register(self, pool: CostPool) -> CostPool:
-        pool.streams = self.streams
+        pool.streams, pool.model = self.streams, self.model
         if pool not in self.pools:
             pool.log = self.captured
             self.pools.append(pool)

@@ -1,5 +1,6 @@
 """The memory/time frontier of ``mhc-cg cost`` as a picture: each mode's peak memory against its
-modelled step time, one point per mode (``mhc-cg cost --plot PNG``)."""
+modelled step time, one point per mode at the band's middle with a bar from its low to its high
+end (``mhc-cg cost --plot PNG``)."""
 
 from __future__ import annotations
 
@@ -13,21 +14,27 @@ def plot_frontier(report: dict, path: str | Path, title: str | None = None) -> P
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = {name: (m["predicted_h100_step_s"] * 1e3, m["peak_bytes"] / 2 ** 30)
-              for name, m in report["modes"].items()}
+    bands = {name: (m["step_s"]["low"] * 1e3, m["step_s"]["high"] * 1e3)
+             for name, m in report["modes"].items()}
+    points = {name: ((low + high) / 2, m["peak_bytes"] / 2 ** 30)
+              for (name, m), (low, high) in zip(report["modes"].items(), bands.values())}
     xs, ys = zip(*points.values())
     # a label runs about a fifth of the width to the right of its point
     near_x, near_y = 0.2 * (max(xs) - min(xs) or 1), 0.03 * (max(ys) - min(ys) or 1)
     fig, ax = plt.subplots(figsize=(7.5, 5))
     placed: list[tuple[float, float]] = []
     for name, (x, y) in points.items():
-        ax.scatter([x], [y], s=40, zorder=3)
+        low, high = bands[name]
+        line = ax.errorbar([x], [y], xerr=[[x - low], [high - x]], fmt="o", ms=6, capsize=3,
+                           zorder=3)
+        color = line[0].get_color()
+        ax.scatter([low, high], [y, y], s=12, color=color, zorder=3)
         # a label next to another point's goes a line lower, so none is written over another
         crowd = sum(abs(x - px) < near_x and abs(y - py) < near_y for px, py in placed)
         placed.append((x, y))
         ax.annotate(name, (x, y), textcoords="offset points", xytext=(6, 4 - 11 * crowd),
                     fontsize=9)
-    ax.set_xlabel("modelled H100 step (ms)")
+    ax.set_xlabel(f"modelled {report['gpu']['name']} step (ms): low to high end of the band")
     ax.set_ylabel("peak device memory (GiB, allocator emulation)")
     ax.set_title(title or f"memory and time per step: {report['config'] or 'the config'}",
                  fontsize=10)

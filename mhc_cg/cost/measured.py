@@ -6,9 +6,7 @@
   kernel's row counts for the current code only if it was measured at the same kernel source
   (``kernel_source_sha256`` of ``mhc_cg/ops/kernels/triton_kernels.py``); the copy row measures
   torch's own copy kernel, which no commit here changes.
-* :func:`fused_charges`: per fused op, the share of the copy bandwidth the step model charges: its
-  own measurement at this kernel source, else the H100's measured share for a kernel of its kind.
-* :func:`kernel_classes`: per class of kernel, what the step model charges and what was measured.
+  What the step model charges from them: :mod:`mhc_cg.cost.step_model`.
 * :func:`last_measured_steps`: per mode, the step time of the newest ``mhc-cg bench`` JSON of the
   same shape, beside the modelled one.
 
@@ -23,7 +21,7 @@ import json
 from pathlib import Path
 
 from mhc_cg.config import RunConfig
-from mhc_cg.cost.op_counters import H100_BYTES_PER_S, H100_FLOPS  # the step model's device
+from mhc_cg.core.gpus import gpu_named
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
@@ -34,7 +32,7 @@ FUSED_OPS = {"pre": "mhc_cg::pre", "post": "mhc_cg::post", "recompute_block": "m
              "rms_norm": "mhc_cg::rms_norm"}
 
 
-# The kind of each fused op, and the probe kernel whose H100 measurement stands for its kind:
+# The kind of each fused op, and the probe kernel whose measurement stands for its kind:
 # "state" kernels reduce a token's whole row (the projection and the streams' Gram matrix; the
 # backward's coefficients), "stream" kernels stream element-wise over (tokens, features),
 # "recompute" is the block's chain, "row" kernels normalise one row per program.
@@ -48,6 +46,7 @@ FUSED_KINDS = {
     "mhc_cg::recompute": "recompute",
     "mhc_cg::rms_norm": "row", "mhc_cg::rms_norm_backward": "row",
     "mhc_cg::cross_entropy": "row", "mhc_cg::cross_entropy_backward": "row",
+    "mhc_cg::cross_entropy_backward_": "row",
 }
 KIND_PROBE = {"state": "pre", "stream": "post", "recompute": "recompute_block", "row": "rms_norm"}
 
@@ -61,36 +60,10 @@ def efficiency_rows(path: Path = EFFICIENCY) -> list[dict]:
     return json.loads(path.read_text())["rows"] if path.exists() else []
 
 
-def copy_share(rows: list[dict] | None = None) -> float | None:
-    """The measured copy bandwidth over the modelled peak (the mean of the committed copy rows on
-    an H100), or ``None`` where none was measured."""
-    rows = efficiency_rows() if rows is None else rows
-    copies = [r["gb_per_s"] * 1e9 for r in rows if r["class"] == "copy" and "H100" in r["device"]]
-    return min(1.0, sum(copies) / len(copies) / H100_BYTES_PER_S) if copies else None
-
-
-def fused_charges(rows: list[dict] | None = None) -> dict[str, dict]:
-    """Per fused op, what the step model charges: ``{"share": of the copy bandwidth, "source":
-    why}``. A measurement of the op at this kernel source wins; else the H100's measured share
-    for a kernel of its kind (at other code: the kernels it measured ran that far from the
-    bandwidth, and nothing measured since says this code does better); an op of no measured
-    kind is left out (timed at the copy bandwidth, and said so)."""
-    rows = efficiency_rows() if rows is None else rows
-    fused = [r for r in rows if r["class"] == "fused mHC" and "H100" in r["device"]]
-    current = kernel_source_sha256()
-    own = {r["op"]: r for r in fused if r.get("op") and r.get("kernel_source_sha256") == current}
-    by_kernel = {r["kernel"]: r for r in fused}
-    charges = {}
-    for op, kind in FUSED_KINDS.items():
-        if op in own:
-            r = own[op]
-            charges[op] = {"share": min(1.0, r["share_of_copy"]),
-                           "source": f"measured at this code ({r['code']})"}
-        elif KIND_PROBE[kind] in by_kernel:
-            r = by_kernel[KIND_PROBE[kind]]
-            charges[op] = {"share": min(1.0, r["share_of_copy"]),
-                           "source": f"its kind ({kind}): {r['kernel']} measured at {r['code']}"}
-    return charges
+def is_device_time(row: dict) -> bool:
+    """A row timed as the device time of its kernels (``mhc-cg kernels --bench``), not as eager
+    calls with their launch and host cost."""
+    return str(row.get("timing", "")).startswith("profiler")
 
 
 def probe_rows(probe: dict, code: str, kernels_sha256: str) -> list[dict]:
@@ -112,54 +85,16 @@ def probe_rows(probe: dict, code: str, kernels_sha256: str) -> list[dict]:
     return rows
 
 
-def kernel_classes(shares: dict[str, float] | None, copy: float | None,
-                   rows: list[dict] | None = None) -> list[dict]:
-    """Per class of kernel: ``charged`` (what the step model times it at) and ``measured`` (the
-    committed measurement it rests on, or why none applies)."""
-    rows = efficiency_rows() if rows is None else rows
-    current = kernel_source_sha256()
-    fused = [r for r in rows if r["class"] == "fused mHC"]
-    now = [r for r in fused if r.get("kernel_source_sha256") == current]
-    if now:
-        fused_measured = "; ".join(f"{r['kernel']} {r['share_of_copy']:.1%} of copy "
-                                   f"({r['device']}, {r['code']})" for r in now)
-    elif fused:
-        fused_measured = ("unmeasured at this code; at " + fused[0]["code"] + " on "
-                          + fused[0]["device"] + ": " + ", ".join(
-                              f"{r['kernel']} {r['share_of_copy']:.1%}" for r in fused)
-                          + " of the copy bandwidth (eager calls timed, launch included)")
-    else:
-        fused_measured = "unmeasured"
-    charged = ", ".join(f"{op.split('::')[1]} {share:.3f}" for op, share in (shares or {}).items())
-    copies = [r for r in rows if r["class"] == "copy"]
-    copy_measured = ("unmeasured" if copy is None else ", ".join(
-        f"{r['gb_per_s']:.0f} GB/s ({r['device']}, {r['code']})" for r in copies))
-    return [
-        {"class": "GEMM", "charged": f"{H100_FLOPS / 1e12:.0f} TFLOP/s (dense bf16 peak)",
-         "measured": "unmeasured"},
-        {"class": "attention", "charged": f"{H100_FLOPS / 1e12:.0f} TFLOP/s (dense bf16 peak)",
-         "measured": "unmeasured"},
-        {"class": "fused mHC ops",
-         "charged": ("their share of the copy class's bandwidth (measured at this code, else "
-                     "the H100's for their kind): " + charged) if charged
-                    else "the copy class's bandwidth",
-         "measured": fused_measured},
-        {"class": "elementwise, copies, optimizer",
-         "charged": f"{(copy or 1.0) * H100_BYTES_PER_S / 1e12:.2f} TB/s"
-                    + (" (measured copy)" if copy else " (HBM3 peak)"),
-         "measured": copy_measured},
-    ]
-
-
 def _shape(cfg: dict) -> tuple:
     m, t = cfg["model"], cfg["train"]
     return (m["num_layers"], m["hidden_size"], m["num_heads"], m["seq_length"], m["num_streams"],
             m["vocab_size"], t["micro_batch_size"], t["num_microbatches"], t["dtype"])
 
 
-def last_measured_steps(cfg: RunConfig, results: Path = RESULTS) -> dict:
+def last_measured_steps(cfg: RunConfig, results: Path = RESULTS, gpu: str | None = None) -> dict:
     """``{"source", "device", "code", "modes": {mode: step ms}}`` of the newest ``mhc-cg bench``
-    JSON under ``results`` measured on a GPU at ``cfg``'s shape; {} if there is none."""
+    JSON under ``results`` measured on a GPU (the model's ``gpu``, a key of
+    :data:`~mhc_cg.core.gpus.GPUS`, when given) at ``cfg``'s shape; {} if there is none."""
     shape, found = _shape(cfg.to_dict()), []
     for path in sorted(results.rglob("*.json")) if results.exists() else []:
         try:
@@ -169,7 +104,8 @@ def last_measured_steps(cfg: RunConfig, results: Path = RESULTS) -> dict:
         if not isinstance(report, dict) or report.get("device_type") != "cuda" \
                 or "modes" not in report or "config" not in report:
             continue
-        if _shape(report["config"]) == shape:
+        taken_on = gpu_named(report.get("device", ""))
+        if _shape(report["config"]) == shape and (gpu is None or (taken_on and taken_on.key == gpu)):
             found.append((report.get("date", ""), path, report))
     if not found:
         return {}
@@ -179,11 +115,22 @@ def last_measured_steps(cfg: RunConfig, results: Path = RESULTS) -> dict:
             "modes": {m: e["step_ms_median"] for m, e in report["modes"].items()}}
 
 
+def merge(new: list[dict], path: Path = EFFICIENCY) -> list[dict]:
+    """``new`` rows into the table at ``path``, in place of the rows of the same device, code and
+    op (or kernel, and shape where a row has one); returns the table's rows."""
+    key = lambda r: (r["device"], r["code"], r.get("op") or r["kernel"], r.get("hidden"),  # noqa: E731
+                     r.get("tokens"))
+    replaced = {key(r) for r in new}
+    rows = [r for r in efficiency_rows(path) if key(r) not in replaced] + new
+    path.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m mhc_cg.cost.measured merge KERNEL_EFFICIENCY.json``: a GPU run's rows
-    (``mhc-cg kernels --bench``) into the committed table, replacing the rows of the same
-    device, code and op; ``... probe PROBE_JSON CODE``: a probe's rows, stamped with the kernel
-    source of the working tree (run it where the probe's code is)."""
+    (``mhc-cg kernels --bench``) into the committed table (:func:`merge`); ``... probe
+    PROBE_JSON CODE``: a probe's rows, stamped with the kernel source of the working tree (run it
+    where the probe's code is)."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
@@ -196,10 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         new = probe_rows(json.loads(Path(args[1]).read_text()), args[2], kernel_source_sha256())
     else:
         new = json.loads(Path(args[1]).read_text())["rows"]
-    key = lambda r: (r["device"], r["code"], r.get("op") or r["kernel"])  # noqa: E731
-    replaced = {key(r) for r in new}
-    rows = [r for r in efficiency_rows() if key(r) not in replaced] + new
-    EFFICIENCY.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    rows = merge(new)
     print(f"{EFFICIENCY}: {len(rows)} rows ({len(new)} merged)")
     return 0
 

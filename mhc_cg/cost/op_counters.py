@@ -21,17 +21,12 @@ from torch.utils._pytree import tree_flatten
 
 from mhc_cg.cost.fused import NOT_MHC
 from mhc_cg.cost.allocator import Block, PoolState, rounded
-from mhc_cg.cost.bandwidth import share_of
 from mhc_cg.core import regions
 from mhc_cg.cost.ops import (is_gemm, kernel_launches, launches_kernel, op_bytes,
                                    op_flops)
+from mhc_cg.cost.step_model import Band, StepModel
 from mhc_cg.runtime.graphs.guard import CaptureGuardMode
 from mhc_cg.core.storage import storage_id
-
-
-# The machine the step times are modelled on: an H100 SXM's HBM3 bandwidth and dense bf16 rate.
-H100_BYTES_PER_S = 3.35e12
-H100_FLOPS = 989e12
 
 
 @dataclass
@@ -39,16 +34,19 @@ class OpCounter:
     """Kernels, bytes and FLOPs of the ops seen; ``by_op`` counts kernels per op name.
 
     ``by_part`` splits the bytes by ``(phase, part)`` (:func:`part_of`), ``by_phase`` the kernels
-    by phase (``other`` outside any); ``model_seconds`` sums each kernel's time on the modelled
-    GPU: its bytes at the HBM bandwidth or its FLOPs at the dense rate, whichever takes longer.
+    by phase (``other`` outside any); ``model_seconds`` sums each kernel's time on ``model``'s
+    GPU (:meth:`~mhc_cg.cost.step_model.StepModel.kernel_seconds`, a band); without a model,
+    nothing is timed.
     """
 
+    model: StepModel | None = None
     kernels: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
     ops: int = 0
     flops: int = 0
-    model_seconds: float = 0.0
+    model_seconds: Band = Band()
+    bandwidth_seconds: Band = Band()  # of model_seconds: kernels bound by their bytes
     by_op: Counter = field(default_factory=Counter)
     by_part: Counter = field(default_factory=Counter)
     by_phase: Counter = field(default_factory=Counter)
@@ -70,8 +68,12 @@ class OpCounter:
         self.bytes_read += read
         self.bytes_written += written
         self.flops += flops
-        bandwidth = H100_BYTES_PER_S * share_of(func)  # a kernel that cannot keep HBM busy
-        seconds = max((read + written) / bandwidth, flops / H100_FLOPS)
+        if self.model is None:
+            seconds = Band()
+        else:
+            moving, computing = self.model.kernel_seconds(func._schema.name, read + written, flops)
+            self.bandwidth_seconds += moving
+            seconds = moving + computing
         self.model_seconds += seconds
         self.by_op[str(func.overloadpacket)] += launches
         self.bytes_by_op[str(func.overloadpacket)] += read + written
@@ -87,6 +89,7 @@ class OpCounter:
         self.ops += other.ops
         self.flops += other.flops
         self.model_seconds += other.model_seconds
+        self.bandwidth_seconds += other.bandwidth_seconds
         self.by_op.update(other.by_op)
         self.by_part.update(other.by_part)
         self.by_phase.update(other.by_phase)
@@ -179,11 +182,12 @@ class CaptureRecorder(CaptureGuardMode):
     table at the start, and :meth:`settle` returns the capture's peaks.
     """
 
-    def __init__(self, graph_name: str, pool: PoolState, streams: StreamTracker | None = None):
+    def __init__(self, graph_name: str, pool: PoolState, streams: StreamTracker | None = None,
+                 model: StepModel | None = None):
         super().__init__(graph_name, keep_tensors=False)
         self.pool = pool
         self.streams = streams
-        self.counter = OpCounter()
+        self.counter = OpCounter(model)
         self.index = 0
         self.blocks: dict[int, Block] = {b.ref.cdata: b for b in pool.live_resident()}
         self._external: set[int] = set()
@@ -298,8 +302,8 @@ class LiveBytes:
 class StepRecorder(TorchDispatchMode):
     """Counts a training step: eager ops through dispatch, graph replays through :meth:`replayed`.
 
-    ``eager`` and ``graphs`` split the total; ``replays`` counts graph launches; ``live`` tracks
-    what the eager ops allocate (:class:`LiveBytes`). With ``device`` other than the CPU, an op
+    ``eager`` and ``graphs`` split the total (timed by ``model``); ``replays`` counts graph
+    launches; ``live`` tracks what the eager ops allocate (:class:`LiveBytes`). With ``device`` other than the CPU, an op
     that touches no tensor off the CPU is host work (AdamW's step counter and its ``item()``):
     no kernel, no device memory (``host_ops`` counts those a CPU run would charge as kernels).
     """
@@ -307,10 +311,10 @@ class StepRecorder(TorchDispatchMode):
     active: list["StepRecorder"] = []
 
     def __init__(self, streams: StreamTracker | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, model: StepModel | None = None) -> None:
         super().__init__()
-        self.eager = OpCounter()
-        self.graphs = OpCounter()
+        self.eager = OpCounter(model)
+        self.graphs = OpCounter(model)
         self.replays = 0
         self.replays_by_phase: Counter = Counter()  # the phase each replay was launched in
         self.streams = streams

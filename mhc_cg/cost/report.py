@@ -29,15 +29,14 @@ from mhc_cg.core.progress import log
 from mhc_cg.model import recomputes_activation
 from mhc_cg.runtime.modes.registry import MODES, PLAIN, Run, resolve
 from mhc_cg.cost.attention import fused_attention_on_meta
-from mhc_cg.cost.attribution import (REFERENCE_C, model_note, by_phase_and_part, copies,
-                                           mhc_traffic_c, predicted_seconds, recompute_bound_bytes)
+from mhc_cg.cost.attribution import (REFERENCE_C, by_phase_and_part, copies, mhc_traffic_c,
+                                     recompute_bound_bytes)
 from mhc_cg.core.storage import storage_id
 from mhc_cg.cost.allocator import rounded
-from mhc_cg.cost.bandwidth import charging
-from mhc_cg.cost.measured import (copy_share, efficiency_rows, fused_charges,
-                                        kernel_classes, last_measured_steps)
+from mhc_cg.cost.measured import last_measured_steps
 from mhc_cg.cost.op_counters import StepRecorder, StreamTracker, owner_text
 from mhc_cg.cost.cost_backend import CostBackend
+from mhc_cg.cost.step_model import Band, StepModel, step_model
 from mhc_cg.training.session import TrainSession, optimizer_for
 
 DEVICES = ("meta", "cpu")
@@ -62,15 +61,18 @@ def mode_configs(cfg: RunConfig, device: str) -> tuple[list[tuple[str, Run]], di
 
 
 def cost_mode(run: Run,
-              optimizer: Callable[[RunConfig, Iterable], object] = optimizer_for) -> dict:
+              optimizer: Callable[[RunConfig, Iterable], object] = optimizer_for,
+              model: StepModel | None = None) -> dict:
     """The cost of one ``run`` (:func:`mode_configs`; its device ``meta`` or ``cpu``): one
-    training step as training runs it (:meth:`TrainSession.run_step`), its optimizer included.
-    The capture backend is ours (recording), whatever the plan's. ``optimizer``: the session's
-    optimizer factory (the back-test's costs another one)."""
+    training step as training runs it (:meth:`TrainSession.run_step`), its optimizer included,
+    timed by ``model`` (default: the step model of the config's ``train.gpu``). The capture
+    backend is ours (recording), whatever the plan's. ``optimizer``: the session's optimizer
+    factory (the back-test's costs another one)."""
     cfg, dev = run.cfg, run.device
+    model = step_model(cfg.train.gpu) if model is None else model
     meta = dev.type == "meta"
     streams = StreamTracker(cfg.model.num_streams * cfg.model.hidden_size)
-    backend = CostBackend(dev.type, streams)
+    backend = CostBackend(dev.type, streams, model)
 
     def laid_out(cfg: RunConfig, params: Iterable) -> object:
         # the flat buffers hold every parameter and gradient: no stream storage, before capture
@@ -83,7 +85,7 @@ def cost_mode(run: Run,
             stack.enter_context(fused_attention_on_meta())
         with torch.device(dev) if meta else contextlib.nullcontext():
             session = TrainSession.build(run, backend=backend, optimizer=laid_out)
-        recorder = StepRecorder(streams, dev)
+        recorder = StepRecorder(streams, dev, model)
         with recorder:
             session.run_step()
     mode_model = session.mode_model
@@ -102,7 +104,7 @@ def cost_mode(run: Run,
         if by_phase["iteration"] >= by_phase.get("optimizer", 0):
             peak_phase = "iteration"
     return {
-        **_step_figures(recorder, cfg),
+        **_step_figures(recorder, cfg, model),
         "graphs": graphs,
         "pools": len(backend.pools),
         "pool_reserved_bytes": pool_reserved,
@@ -180,8 +182,9 @@ def format_live(report: dict) -> list[str]:
     return lines
 
 
-def _step_figures(recorder: StepRecorder, cfg: RunConfig) -> dict:
-    """Kernels, bytes and modelled time of a recorded step, in all and per phase and part."""
+def _step_figures(recorder: StepRecorder, cfg: RunConfig, model: StepModel) -> dict:
+    """Kernels, bytes and modelled time of a recorded step, in all and per phase and part (each
+    time a band: :class:`~mhc_cg.cost.step_model.Band` as ``{"low", "high"}``)."""
     eager, graphed = recorder.eager, recorder.graphs
     phases = [p for p in (*regions.PHASES, "other") if recorder.kernels_by_phase[p]]
     return {
@@ -199,15 +202,18 @@ def _step_figures(recorder: StepRecorder, cfg: RunConfig) -> dict:
             "bytes": eager.bytes_by_op[op] + graphed.bytes_by_op[op]}
             for op in sorted(set(eager.by_op) | set(graphed.by_op)) if op.startswith("mhc_cg.")},
         "flops_per_step": eager.flops + graphed.flops,
-        "predicted_h100_step_s": predicted_seconds(
-            eager.model_seconds + graphed.model_seconds, eager.kernels, recorder.replays),
+        "step_s": model.step_seconds(eager.model_seconds + graphed.model_seconds,
+                                     eager.kernels, recorder.replays).as_dict(),
+        # of it, the kernels bound by their bytes (the rest: by FLOPs, and launches)
+        "bandwidth_bound_s": (eager.bandwidth_seconds + graphed.bandwidth_seconds).as_dict(),
         # per phase: its kernels' time (a graph's where it was captured) and its launches
-        "predicted_h100_s_by_phase": {
-            p: predicted_seconds(eager.seconds_by_phase[p] + graphed.seconds_by_phase[p],
-                                 eager.by_phase[p], recorder.replays_by_phase[p]) for p in phases},
+        "step_s_by_phase": {
+            p: model.step_seconds(eager.seconds_by_phase[p] + graphed.seconds_by_phase[p],
+                                  eager.by_phase[p], recorder.replays_by_phase[p]).as_dict()
+            for p in phases},
         # ... its kernels' time alone (what a profiler's kernel intervals measure)
-        "kernel_s_by_phase": {p: eager.seconds_by_phase[p] + graphed.seconds_by_phase[p]
-                              for p in phases},
+        "kernel_s_by_phase": {p: (eager.seconds_by_phase[p] + graphed.seconds_by_phase[p]
+                                  + Band()).as_dict() for p in phases},
         "bytes_by_phase_and_part": by_phase_and_part(recorder.by_part),
         "mhc_traffic_C": mhc_traffic_c(recorder.by_part, cfg),
         "copy_bytes_per_step": copies(recorder.by_part),
@@ -296,34 +302,35 @@ def checks(modes: dict) -> list[dict]:
 
 
 def cost_report(cfg: RunConfig, device: str, config_name: str | None = None,
-                measured: bool = True) -> dict:
-    """Every mode's cost (:func:`cost_mode`) and the budget checks. ``measured``: bytes are timed
-    at the committed measured copy bandwidth and each fused op at its measured share of it, or
-    its kind's (:mod:`mhc_cg.cost.measured`); else everything at the HBM peak. The report
-    carries what each kernel class is charged and what was measured, and the newest measured
-    step of the config's shape."""
+                measured: bool = True, gpu: str | None = None) -> dict:
+    """Every mode's cost (:func:`cost_mode`) and the budget checks, timed on ``gpu`` (default the
+    config's ``train.gpu``). ``measured``: the step model of the committed measurements
+    (:func:`~mhc_cg.cost.step_model.step_model`: a band until this code's kernels are timed);
+    else every kernel at the HBM peak. The report says which GPU, where each figure comes from,
+    and the newest measured step of the config's shape."""
     if device not in DEVICES:
         raise ConfigError(f"--device: must be one of {list(DEVICES)}, got {device!r}")
     if device == "meta" and cfg.model.is_moe:
         raise ConfigError("--device meta: a MoE model's dispatch reads its token counts on the "
                           "host, which meta tensors do not have; cost MoE configs with --device cpu")
+    model = step_model(gpu or cfg.train.gpu, full_bandwidth=not measured)
     costed, skipped = mode_configs(cfg, device)
-    rows = efficiency_rows()  # read once: the copy share, the fused charges, the classes
-    copy = copy_share(rows) if measured else None
-    kernel_shares = {op: c["share"] for op, c in fused_charges(rows).items()} if measured else None
     modes = {}
-    with charging(kernel_shares, copy):
-        for index, (name, run) in enumerate(costed, 1):
-            log("cost", f"{name}: building and recording one step ({index}/{len(costed)})")
-            modes[name] = cost_mode(run)
+    for index, (name, run) in enumerate(costed, 1):
+        log("cost", f"{name}: building and recording one step ({index}/{len(costed)})")
+        modes[name] = cost_mode(run, model=model)
     plain = modes.get(PLAIN)
     for m in modes.values():  # the paper's headline: a step's cost over the plain residual's
         m["mhc_overhead"] = (None if plain is None else
-                             m["predicted_h100_step_s"] / plain["predicted_h100_step_s"] - 1)
-    return {"config": config_name, "device": device, "modes": modes, "skipped": skipped,
-            "checks": checks(modes), "kernel_bandwidth_shares": kernel_shares,
-            "copy_bandwidth_share": copy, "kernel_classes": kernel_classes(kernel_shares, copy, rows),
-            "measured_steps": last_measured_steps(cfg)}
+                             (step_band(m) / step_band(plain) + -1.0).as_dict())
+    return {"config": config_name, "device": device, "gpu": model.describe(), "modes": modes,
+            "skipped": skipped, "checks": checks(modes),
+            "measured_steps": last_measured_steps(cfg, gpu=model.gpu.key)}
+
+
+def step_band(mode: dict) -> Band:
+    """A costed mode's modelled step, in seconds."""
+    return Band(**mode["step_s"])
 
 
 def _size(nbytes: int | None) -> str:
@@ -337,7 +344,8 @@ def _size(nbytes: int | None) -> str:
 
 def format_report(report: dict, per_graph: bool = True) -> str:
     """One summary table over the modes, then one table of graphs per graphed mode."""
-    lines = [f"cost of {report['config'] or 'the config'} on {report['device']} (per training step)",
+    lines = [f"cost of {report['config'] or 'the config'} on {report['device']}, modelled on "
+             f"{report['gpu']['name']} (per training step)",
              "",
              f"{'mode':20} {'kernels':>8} {'eager':>6} {'replays':>7} {'bytes':>11} "
              f"{'graphs':>6} {'pools':>5} {'pool reserved':>13} {'arena':>10} {'persistent/mb':>13} "
@@ -372,27 +380,45 @@ def format_report(report: dict, per_graph: bool = True) -> str:
     return "\n".join(lines)
 
 
+def _ms(band: Band) -> str:
+    return band.scaled(1e3).format(".2f", " ms")
+
+
+def _ratios(band: Band, other: dict | None) -> str:
+    return "-" if other is None else (band / step_band(other)).format(".3f")
+
+
+def _gpu_column(report: dict) -> str:
+    return f"{report['gpu']['key'].upper()} step (model)"
+
+
 def format_frontier(report: dict) -> list[str]:
     """Memory against time, one row per mode: the device's peak over a step by what holds it,
-    the bytes the step moves and its modelled time."""
+    the bytes the step moves and its modelled time (a band: Note [the step is a band until the
+    kernels are measured])."""
     modes = report["modes"]
     reference = modes.get("eager_none")
     lines = ["memory and time per step: peak on the device (allocator emulation) = model state + "
              "static buffers + graph pools + the step's eager allocations at their most; at: the "
-             "phase it is reached in; fwd+bwd: the peak before the optimizer runs",
+             "phase it is reached in; fwd+bwd: the peak before the optimizer runs; step: low-high",
              f"{'mode':20} {'peak':>10} {'at':>9} {'fwd+bwd':>10} {'model state':>11} "
              f"{'static':>10} {'graph pools':>11} {'step':>10} {'bytes':>10} "
-             f"{'H100 step (model)':>17} {'/eager_none':>11}",
-             "-" * 138]
+             f"{_gpu_column(report):>21} {'/eager_none':>11}",
+             "-" * 142]
     for name, m in modes.items():
-        mem, step = m["peak_memory"], m["predicted_h100_step_s"]
-        ratio = "-" if reference is None else f"{step / reference['predicted_h100_step_s']:.3f}"
+        mem, step = m["peak_memory"], step_band(m)
         lines.append(f"{name:20} {_size(m['peak_bytes']):>10} {m['peak_phase']:>9} "
                      f"{_size(peak_before_optimizer(m)):>10} {_size(mem['model_state']):>11} "
                      f"{_size(mem['static']):>10} {_size(mem['graph_pools']):>11} "
                      f"{_size(mem['step']):>10} {_size(m['bytes_per_step']):>10} "
-                     f"{step * 1e3:>14.2f} ms {ratio:>11}")
+                     f"{_ms(step):>21} {_ratios(step, reference):>11}")
     return lines
+
+
+def overhead_text(overhead: dict) -> str:
+    """An mHC overhead band: ``+2.4% to +111.0%``, or one figure."""
+    low, high = f"{overhead['low']:+.1%}", f"{overhead['high']:+.1%}"
+    return low if low == high else f"{low} to {high}"
 
 
 def format_overhead(report: dict) -> list[str]:
@@ -401,31 +427,59 @@ def format_overhead(report: dict) -> list[str]:
             if m.get("mhc_overhead") is not None and name != PLAIN]
     if not rows:
         return []
-    return [f"mHC overhead (modelled step / {PLAIN}'s - 1; the paper: {PAPER_OVERHEAD:.1%}): "
-            + ", ".join(f"{name} {value:+.1%}" for name, value in rows)]
+    return [f"mHC overhead (modelled step / {PLAIN}'s - 1, low to high; the paper: "
+            f"{PAPER_OVERHEAD:.1%}): " + ", ".join(f"{name} {overhead_text(value)}"
+                                                  for name, value in rows)]
+
+
+def _rate(value: float, unit: str) -> str:
+    return f"{value / 1e12:.{2 if unit == 'TB/s' else 0}f} {unit}"
+
+
+def format_model(gpu: dict) -> list[str]:
+    """Which GPU the step is modelled on and where each figure it charges comes from."""
+    figures = gpu["figures"]
+    lines = [f"step model: {gpu['name']} (--gpu {gpu['key']}): each kernel max(bytes / bandwidth, "
+             f"FLOPs / dense bf16), + {gpu['eager_launch_s'] * 1e6:.0f} us per eager launch, + "
+             f"{gpu['graph_launch_s'] * 1e6:.0f} us per graph replay",
+             f"  bytes at {_rate(gpu['copy_charged']['value'], 'TB/s')}: "
+             f"{gpu['copy_charged']['source']}"]
+    for what, unit in (("dense bf16", "TFLOP/s"), ("dense TF32", "TFLOP/s"),
+                       ("HBM bandwidth", "TB/s")):
+        lines.append(f"  {what}: {_rate(figures[what]['value'], unit)} ({figures[what]['source']})")
+    groups: dict[tuple, list[str]] = {}
+    for op, c in gpu["fused"].items():
+        groups.setdefault((c["low"], c["high"], c["source"]), []).append(op.split("::")[1])
+    if not groups:
+        lines.append("  fused mHC ops: at the same bandwidth as every other kernel")
+    for (low, high, source), ops in groups.items():
+        share = f"{low:.1%}" if low == high else f"{low:.0%} (low) to {high:.1%} (high)"
+        lines += textwrap.wrap(f"fused {', '.join(ops)}: {share} of it; {source}", 100,
+                               initial_indent="  ", subsequent_indent="      ")
+    if not gpu["one_figure"]:
+        lines.append("  the step is a band until this code's fused kernels are timed on this GPU "
+                     "(mhc-cg kernels --bench, folded in: bench/README.md)")
+    return lines
 
 
 def format_measured(report: dict) -> list[str]:
-    """What the step model charges each class of kernel and what a GPU measured of it; the
-    newest measured step of this shape beside the modelled one."""
-    lines = ["step model: what each class of kernel is charged, and what a GPU measured"]
-    for c in report.get("kernel_classes", []):
-        lines.append(f"  {c['class']}: charged {c['charged']}")
-        lines += textwrap.wrap(f"measured: {c['measured']}", 100, initial_indent=" " * 4,
-                               subsequent_indent=" " * 6)
+    """The step model's GPU and figures; the newest measured step of this shape beside the
+    modelled one."""
+    lines = format_model(report["gpu"])
     steps = report.get("measured_steps") or {}
     if not steps:
-        return lines + ["no GPU has measured a step at this shape (bench/results/): every step "
-                        "time here is modelled only"]
+        return lines + [f"no {report['gpu']['key'].upper()} has measured a step at this shape "
+                        f"(bench/results/): every step time here is modelled only"]
     lines += ["", f"last measured step at this shape: {steps['source']} ({steps['device']}, "
                   f"code {steps['code']}; its optimizer and kernels may predate this code: "
-                  f"docs/cost.md's back-test costs that run's own step)",
-              f"{'mode':20} {'modelled':>10} {'measured':>10} {'measured / modelled':>20}"]
+                  f"docs/cost.md's back-test costs that run's own step)"]
+    lines.append(f"{'mode':20} {'modelled':>21} {'measured':>10} {'measured / modelled':>20}")
     for name, m in report["modes"].items():
-        model = 1e3 * m["predicted_h100_step_s"]
+        model = step_band(m).scaled(1e3)
         got = steps["modes"].get(name)
-        lines.append(f"{name:20} {model:>7.2f} ms " + ("         -" if got is None else
-                     f"{got:>7.2f} ms {got / model:>20.2f}"))
+        ratio = "-" if got is None else Band(got / model.high, got / model.low).format(".2f")
+        lines.append(f"{name:20} {_ms(step_band(m)):>21} "
+                     + ("         -" if got is None else f"{got:>7.2f} ms {ratio:>20}"))
     return lines
 
 
@@ -443,20 +497,16 @@ def format_traffic(report: dict) -> list[str]:
     lines = ["mHC traffic per token and sublayer, in C (one C-wide row); " + "; ".join(
                  f"{name}: {value:g}C" for name, value in REFERENCE_C.items()),
              f"{'mode':20} {'forward':>8} {'recompute':>9} {'backward':>8} {'total':>7} "
-             f"{'H100 step (model)':>17} {'/eager_none':>11} {'/eager_block':>12}",
-             "-" * 100]
+             f"{_gpu_column(report):>21} {'of it bandwidth-bound':>21} {'/eager_none':>11} "
+             f"{'/eager_block':>12}",
+             "-" * 126]
     block = modes.get("eager_block")
     for name, m in modes.items():
-        c, step = m["mhc_traffic_C"], m["predicted_h100_step_s"]
-        ratio = (lambda other: "-" if other is None else f"{step / other['predicted_h100_step_s']:.3f}")
+        c, step = m["mhc_traffic_C"], step_band(m)
         lines.append(f"{name:20} {c['forward']:>8.1f} {c['recompute']:>9.1f} {c['backward']:>8.1f} "
-                     f"{c['total']:>7.1f} {step * 1e3:>14.2f} ms {ratio(reference):>11} "
-                     f"{ratio(block):>12}")
-    shares = report.get("kernel_bandwidth_shares")
-    charged = ("; each fused op at its share of it (measured, or its kind's: below)" if shares
-               else "; every fused op at it too")
-    lines += [f"step times: {model_note(report.get('copy_bandwidth_share'))}{charged}", "",
-              "bytes per step by part (all phases)"]
+                     f"{c['total']:>7.1f} {_ms(step):>21} {_ms(Band(**m['bandwidth_bound_s'])):>21} "
+                     f"{_ratios(step, reference):>11} {_ratios(step, block):>12}")
+    lines += ["", "bytes per step by part (all phases)"]
     parts = sorted({part for m in modes.values() for phase in m["bytes_by_phase_and_part"].values()
                     for part in phase})
     lines.append(f"{'part':34}" + "".join(f"{name:>20}" for name in modes))
