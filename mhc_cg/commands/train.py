@@ -10,6 +10,7 @@ from mhc_cg.config import load_config
 from mhc_cg.runtime.modes.registry import MODES, REFERENCE, configured_mode
 from mhc_cg.compare import pipeline as pipeline_compare
 from mhc_cg.compare import modes as compare
+from mhc_cg.training.device import use_cpu_threads
 from mhc_cg.training.session import train
 
 HELP = "train the mHC GPT of a config on a synthetic corpus; --compare runs every recompute mode"
@@ -33,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
+    on_cpu = use_cpu_threads(cfg, args.device)
     if cfg.parallel.pp_size > 1:  # one process per pipeline rank
         return pipeline_compare.run(cfg, args)
     progress = not args.no_progress
@@ -45,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({**compare.to_json(results), "refused": refused}, indent=1))
         else:
             _describe(cfg, "all modes")
-            print(compare.format_table(results))
+            print(compare.format_table(results, cpu=on_cpu))
             for mode, why in refused.items():
                 print(f"{mode}: not run: {why}")
             if any(r.eval_losses for r in results.values()):
@@ -65,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     _describe(cfg, mode)
     print(f"first loss {result.losses[0]:.4f}")
     print(f"last loss  {result.losses[-1]:.4f}")
-    print(f"step time  {result.median_step_ms:.1f} ms (median of {len(result.step_times)} steps)")
+    print(f"step time  {result.median_step_ms:.1f} ms (median of {len(result.step_times)} steps"
+          + ("; host time on the CPU, says nothing about a GPU)" if on_cpu else ")"))
     if result.eval_losses:
         print(f"eval loss  {result.eval_losses[-1]:.4f} (after step {result.eval_steps[-1]})")
     if result.skipped_steps:

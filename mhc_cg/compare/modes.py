@@ -89,10 +89,16 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2 ** 20:.2f} MiB"
 
 
-def format_table(results: dict[str, TrainResult]) -> str:
+# under the table of a CPU run: its step times are the host's, with graphs emulated by the tape
+CPU_STEP_NOTE = ("step ms (CPU host): median wall time of a step on this CPU, graphs on the tape; "
+                 "says nothing about a GPU's step time (mhc-cg bench measures that)")
+
+
+def format_table(results: dict[str, TrainResult], *, cpu: bool = False) -> str:
+    """One row per mode; ``cpu``: the runs trained on the CPU, which the step column says."""
     reference = results.get(REFERENCE)
     header = ("mode", "loss first -> last", "loss == eager_none", "held / microbatch", "arena", "persistent / mb",
-              "graphs", "step ms")
+              "graphs", "step ms (CPU host)" if cpu else "step ms")
     rows = []
     for mode, r in results.items():
         if not _all_finite(r.losses):
@@ -112,4 +118,4 @@ def format_table(results: dict[str, TrainResult]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in (header, *rows)]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join(lines + [CPU_STEP_NOTE] if cpu else lines)

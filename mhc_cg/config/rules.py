@@ -20,6 +20,7 @@ schema runs a section's rules when it is built, so the import runs one way, sche
 from __future__ import annotations
 
 import math
+import re
 
 from mhc_cg.config.choices import (DEVICES, DROPOUT_IMPLS, GRAPH_BACKENDS, MIN_VOCAB_SIZE,
                                    MODEL_RECOMPUTE, MOE_SCOPES, RECOMPUTE_SCOPE, RESIDUALS,
@@ -63,7 +64,8 @@ def model_problems(model) -> list[str]:
     """The ``model`` section's rules, field by field and between its fields."""
     problems = [f"model.{name}: must be a positive integer, got {getattr(model, name)!r}"
                 for name in _MODEL_POSITIVE if not is_positive_int(getattr(model, name))]
-    if not problems and model.hidden_size % model.num_heads:
+    if is_positive_int(model.hidden_size) and is_positive_int(model.num_heads) \
+            and model.hidden_size % model.num_heads:
         problems.append(f"model.num_heads: must divide hidden_size={model.hidden_size}, "
                         f"got {model.num_heads}")
     if not (isinstance(model.hidden_dropout, (int, float)) and 0.0 <= model.hidden_dropout < 1.0):
@@ -88,9 +90,7 @@ def model_problems(model) -> list[str]:
     if not is_positive_int(model.moe_ffn_hidden_size):
         problems.append(f"model.moe_ffn_hidden_size: must be a positive integer or null "
                         f"(null: ffn_hidden_size), got {model.moe_ffn_hidden_size!r}")
-    if not problems:
-        problems.extend(activation_recompute_problems(model))
-    return problems
+    return problems + activation_recompute_problems(model)
 
 
 def _moe_layer_freq_problems(model) -> list[str]:
@@ -140,14 +140,29 @@ _SCHEDULE_FIELDS = {"pp_size": "parallel.pp_size", "vpp_size": "parallel.vpp_siz
                     "num_microbatches": "train.num_microbatches"}
 
 
-def validate(cfg) -> list[str]:
+def validate(cfg, unknown=frozenset()) -> list[str]:
     """Every cross-section problem of ``cfg``, one line each; empty when the config is consistent.
 
     Rules within the model section (activation recompute included) are ``MHCGPTConfig``'s own:
-    a config that reached here has passed them.
+    a config that reached here has passed them. ``unknown`` names fields (``section.field``, or a
+    whole section) whose value in ``cfg`` is a stand-in for one already reported
+    (:meth:`~mhc_cg.config.schema.RunConfig.build`): the lines that name them are left out.
     """
-    return [*_graph_problems(cfg), *_scope_problems(cfg), *_pipeline_problems(cfg),
-            *_size_problems(cfg), *_kernel_problems(cfg)]
+    problems = [*_graph_problems(cfg), *_scope_problems(cfg), *_pipeline_problems(cfg),
+                *_size_problems(cfg), *_kernel_problems(cfg)]
+    return [line for line in problems if not mentions_any(line, unknown)]
+
+
+def mentions_any(line: str, names) -> bool:
+    """Whether ``line`` names one of ``names``: ``section.field`` as written or quoted as
+    ``field=value``; a bare ``section``, any of its fields or the section itself."""
+    for name in names:
+        section, _, field = name.partition(".")
+        pattern = (rf"(?<![\w.])(?:{section}\.{field}(?!\w)|{field}=)" if field
+                   else rf"(?<![\w.]){section}(?:\.\w|:)")
+        if re.search(pattern, line):
+            return True
+    return False
 
 
 def _kernel_problems(cfg) -> list[str]:

@@ -15,6 +15,7 @@ code obeys the same rules as one read from YAML (:mod:`mhc_cg.config.load`).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
@@ -193,25 +194,35 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: dict | None) -> "RunConfig":
-        """Build from a mapping of sections (YAML's shape): unknown sections or fields and values
-        of the wrong type are reported together, one line each naming the field and what is
-        allowed. The rules between sections are :func:`mhc_cg.config.rules.check`'s."""
+        """Build from a mapping of sections (YAML's shape): unknown sections or fields, values of
+        the wrong type and each section's own rules are reported together, one line each naming
+        the field and what is allowed. The rules between sections are
+        :func:`mhc_cg.config.rules.check`'s."""
+        built = cls.build(data)
+        _raise_problems(built.problems)
+        return built.config
+
+    @classmethod
+    def build(cls, data: dict | None) -> "Built":
+        """:meth:`from_dict` without raising, so the rules between sections can run too: a field
+        that is unknown, of the wrong type or breaks its section's rules is reported and holds its
+        default, and is named in ``unknown`` (``section.field``; a bare section name when the whole
+        section is lost), so that no later rule reports a consequence of the default."""
         data = {} if data is None else data
         if not isinstance(data, dict):
             raise ConfigError(f"config: expected a mapping of sections, got {type(data).__name__}")
         problems: list[str] = []
+        unknown: set[str] = set()
         sections = typing.get_type_hints(cls)
         for key in data:
             if key not in sections:
                 problems.append(f"{key}: unknown section{did_you_mean(key, sections)}; "
                                 f"allowed: {', '.join(sections)}")
-        built = {}
-        for name, section_cls in sections.items():
-            section = _build_section(name, section_cls, data.get(name) or {}, problems)
-            if section is not None:
-                built[name] = section
-        _raise_problems(problems)
-        return cls(**built)
+                unknown.update(_misspelt(key, sections, data))
+        built = {name: _build_section(name, section_cls,
+                                      {} if data.get(name) is None else data[name], problems, unknown)
+                 for name, section_cls in sections.items()}
+        return Built(cls(**built), problems, frozenset(unknown))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -226,30 +237,82 @@ class RunConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _build_section(section: str, cls: type, data: dict, problems: list[str]):
+class Built(typing.NamedTuple):
+    """What :meth:`RunConfig.build` makes of a mapping: the config (broken fields at their
+    defaults), a line per problem, and the fields whose value is therefore not the user's."""
+
+    config: RunConfig
+    problems: list[str]
+    unknown: frozenset[str]
+
+
+# fields a section fills from another when left out: unknown when their source is
+_DERIVED = {"model": (("ffn_hidden_size", "hidden_size"), ("moe_ffn_hidden_size", "ffn_hidden_size"))}
+
+
+def _misspelt(key, allowed, given) -> list[str]:
+    """The name ``key`` most likely misspells, when that one was not given itself."""
+    close = difflib.get_close_matches(str(key), list(allowed), n=1)
+    return [name for name in close if name not in given]
+
+
+def _build_section(section: str, cls: type, data, problems: list[str], unknown: set[str]):
+    """``cls`` from the fields of ``data`` that are known and of the right type, every problem
+    appended to ``problems``; a field left at its default because of one is added to ``unknown``."""
     if not isinstance(data, dict):
         problems.append(f"{section}: expected a mapping of fields, got {type(data).__name__}")
-        return None
+        unknown.add(section)
+        return cls()
     hints = typing.get_type_hints(cls)
-    ok = True
+    fields = {}
     for key, value in data.items():
         if section == "model" and key in rules.FOREIGN_RECOMPUTE_FIELDS:
             problems.append(f"model.{key}: not an mhc_cg option: {rules.FOREIGN_RECOMPUTE_FIELDS[key]}")
-            ok = False
         elif key not in hints:
             problems.append(f"{section}.{key}: unknown field{did_you_mean(key, hints)}; "
                             f"allowed: {', '.join(hints)}")
-            ok = False
+            unknown.update(f"{section}.{name}" for name in _misspelt(key, hints, data))
         elif (message := _type_error(value, hints[key])) is not None:
             problems.append(f"{section}.{key}: {message}")
-            ok = False
-    if not ok:
-        return None
-    try:
-        return cls(**data)
-    except ConfigError as exc:
-        problems.extend(exc.problems)
-        return None
+            unknown.add(f"{section}.{key}")
+        else:
+            fields[key] = value
+    return _construct(section, cls, fields, problems, unknown)
+
+
+def _construct(section: str, cls: type, fields: dict, problems: list[str], unknown: set[str]):
+    """``cls(**fields)``; when its own rules refuse it, their lines are reported (not those that
+    quote a field already unknown) and it is built again with the fields they name at their
+    defaults, silently: what a default breaks then is a consequence, not the user's problem."""
+    first = True
+    while True:
+        unknown |= _filled_from(section, fields, unknown)
+        try:
+            return cls(**fields)
+        except ConfigError as exc:
+            if not fields:
+                raise  # the defaults break the section's own rules: a bug, not the user's
+            named = {name for name in fields
+                     if any(line.startswith(f"{section}.{name}:") for line in exc.problems)}
+            if first:
+                # a left-out field filled from a refused one would repeat that refusal
+                repeats = _filled_from(section, fields, {f"{section}.{n}" for n in named})
+                problems.extend(line for line in exc.problems
+                                if not rules.mentions_any(line, unknown | repeats))
+                first = False
+            for name in named or list(fields):
+                unknown.add(f"{section}.{name}")
+                del fields[name]
+
+
+def _filled_from(section: str, fields: dict, sources: set[str]) -> set[str]:
+    """The fields of ``section`` left out of ``fields`` and so filled from one of ``sources``
+    (``section.field``), directly or through another."""
+    filled: set[str] = set()
+    for name, source in _DERIVED.get(section, ()):
+        if fields.get(name) is None and f"{section}.{source}" in sources | filled:
+            filled.add(f"{section}.{name}")
+    return filled
 
 
 def _type_error(value, hint) -> str | None:
