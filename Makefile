@@ -27,13 +27,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/mhc-cg train --config $(CONFIG) --compare
 
-# TransformerEngine's pure-Python wheel, whose mHC kernels `mhc-cg kernels --peers` loads by path
-# (never installed: with it alone, import transformer_engine raises); without it the TE rows skip
+# TransformerEngine's pure-Python wheel: its graph.py is what graph.backend te runs (the tests
+# run it on the tape) and its mHC kernels are the peers' (mhc-cg kernels --peers). Loaded by path,
+# never installed (with it alone, import transformer_engine raises); the tests need it
 PEERS_DIR := .cache/peers
 $(PEERS_DIR)/.fetched: $(STAMP)
 	mkdir -p $(PEERS_DIR)
 	$(VENV)/bin/pip download -q --no-deps -d $(PEERS_DIR) transformer-engine==2.20.2 \
-		|| echo "TransformerEngine's wheel not fetched: the peers' TE rows will say so"
+		|| { echo "make test: could not fetch TransformerEngine's wheel (transformer-engine==2.20.2, 1.2 MB) into $(PEERS_DIR); the tests run its graph.py"; exit 1; }
 	touch $@
 
 test: $(STAMP) $(PEERS_DIR)/.fetched

@@ -9,12 +9,15 @@
 #             process: device time, GB/s, each peer over ours
 #   bench     mhc-cg bench: every mode, each in a process of its own, at the bench shape and the
 #             memory shape
+#   te        mhc-cg bench: graphed_static at the bench shape, its graphs captured by
+#             TransformerEngine's own make_graphed_callables (its wheel's graph.py)
 #   kernels   mhc-cg kernels --bench --sweep: each fused op's device time apart from its launch
 #             cost, GB/s against the cost model's bytes; the launch-configuration sweep
-#   megatron  Megatron-LM main's mHC GPT under main's own TECudaGraphHelper against main eager
+#   megatron  Megatron-LM main's mHC GPT under main's own TECudaGraphHelper (calling TE's own
+#             make_graphed_callables from its wheel) against main eager
 #   tests     the cuda-marked tests
 # What comes back: a device call returns at most 8 files from its output folder, two folders down
-# at most, 16 MiB each. So OUT_DIR holds exactly: env.txt (what ran), summary.tsv (a line per part:
+# at most, 16 MiB each. So OUT_DIR holds at most 8: env.txt (what ran), summary.tsv (a line per part:
 # status, exit code, seconds, limit) and one archive per part, <part>.tar.gz, written as the part
 # ends whatever its status (a run cut short keeps every part that finished). Each part works in a
 # scratch folder (GPU_CHECK_WORK, default a new folder under $TMPDIR); an archive over 16 MiB is
@@ -48,7 +51,7 @@ else
     trap 'rm -rf "$WORK"' EXIT
 fi
 SUMMARY="$OUT_DIR/summary.tsv"
-PARTS=${GPU_CHECK_PARTS:-peers bench kernels megatron tests}
+PARTS=${GPU_CHECK_PARTS:-peers bench te kernels megatron tests}
 [ -s "$SUMMARY" ] && [ -n "${GPU_CHECK_PARTS:-}" ] || printf 'part\tstatus\texit_code\tseconds\tlimit_s\n' > "$SUMMARY"
 START=$(date +%s)
 # the Megatron-LM snapshot brought along (bench/carry), where the harness looks for it
@@ -71,6 +74,8 @@ train: {micro_batch_size: 2, seed: 7, device: cpu}
 graph: {backend: tape, cuda_graph_scope: [attn, mlp, mhc_recompute]}
 EOF
     sed 's/seq_length: 8,/seq_length: 32,/' "$SHAPE" > "$MEMORY"
+    TE_SHAPE="$WORK/dry_te.yaml"
+    sed 's/backend: tape,/backend: te,/' "$SHAPE" > "$TE_SHAPE"
     DEVICE=(--device cpu)
     TESTS=${GPU_CHECK_TESTS:-tests/test_graphs_cuda.py}
     # the reference, sublayer graphs and one captured iteration: every code path of the script,
@@ -78,9 +83,11 @@ EOF
     MODES=${GPU_CHECK_MODES:-eager_none graphed_static graphed_full_static}
     BENCH_ARGS=(--config "$SHAPE" --config "$MEMORY" --backend tape --steps 2 --warmup 1
                 --profile-steps 1 --recompute-replays 2)
+    TE_BENCH_ARGS=(--config "$TE_SHAPE" --steps 2 --warmup 1 --profile-steps 1
+                   --recompute-replays 2)
     KERNEL_ARGS=(--dry-run)
     BUDGET=${GPU_CHECK_BUDGET_S:-900}  # generous: CI machines are small and shared
-    LIMITS=(peers=200 bench=400 kernels=200 megatron=300 tests=120)
+    LIMITS=(peers=200 bench=400 te=120 kernels=200 megatron=300 tests=120)
 else
     DEVICE=(--device cuda)
     # the modules with cuda-marked tests: collecting the rest would import what the GPU machine lacks
@@ -88,9 +95,10 @@ else
     MODES=${GPU_CHECK_MODES:-eager_none eager_block graphed_none graphed_static attn_split graphed_full graphed_full_static plain_residual}
     BENCH_ARGS=(--config configs/bench_h100.yaml --config configs/bench_h100_memory.yaml
                 --mode-timeout 90)
+    TE_BENCH_ARGS=(--config configs/bench_h100_te.yaml --mode-timeout 40)
     KERNEL_ARGS=()
     BUDGET=${GPU_CHECK_BUDGET_S:-540}
-    LIMITS=(peers=120 bench=260 kernels=50 megatron=75 tests=35)
+    LIMITS=(peers=105 bench=235 te=40 kernels=50 megatron=75 tests=35)
 fi
 limit_of() { local kv; for kv in "${LIMITS[@]}"; do [ "${kv%%=*}" = "$1" ] && echo "${kv#*=}"; done; }
 
@@ -164,6 +172,10 @@ part peers "$(limit_of peers)" "$WORK/peers/peers.log" \
 
 part bench "$(limit_of bench)" "$WORK/bench/bench.log" \
     "$PY" -m mhc_cg.cli bench "${BENCH_ARGS[@]}" --modes "${MODES// /,}" --out-dir "$WORK/bench" \
+    "${DEVICE[@]}"
+
+part te "$(limit_of te)" "$WORK/te/bench.log" \
+    "$PY" -m mhc_cg.cli bench "${TE_BENCH_ARGS[@]}" --modes graphed_static --out-dir "$WORK/te" \
     "${DEVICE[@]}"
 
 part kernels "$(limit_of kernels)" "$WORK/kernels/kernels.log" \

@@ -560,6 +560,7 @@ def core_helper_job(shapes: list[dict]) -> dict:
     """megatron-core 0.16.1 (pinned) with our own mHC layer: eager without recompute, eager block
     recompute, and mhc_cg under megatron-core's TE graph helper, for each shape."""
     from megatron_integration.capture.te_graph_helper import chunk_decoder
+    from mhc_cg.megatron_harness.step_probe import graph_states
     from mhc_cg.megatron_harness.training import TrainSetup, train_run, use_microbatches
 
     _init_model_parallel()
@@ -576,9 +577,9 @@ def core_helper_job(shapes: list[dict]) -> dict:
             runs[run]["recompute_graphs"] = [list(vars(key).values()) for key in
                                              getattr(helper, "mhc_recompute_graphs", {})]
             runs[run]["order"] = getattr(helper, "mhc_order", None)
-            runs[run]["graph_inputs"] = [list(graphed.state.static_inputs[0].shape)
+            runs[run]["graph_inputs"] = [list(state.static_inputs[0].shape)
                                          for layer in chunk_decoder(chunk).layers
-                                         for graphed in getattr(layer, "cuda_graphs", [])]
+                                         for state in graph_states(layer)]
         cases.append({"shape": shape, "runs": runs})
     return {"cases": cases}
 

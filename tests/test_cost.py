@@ -284,14 +284,14 @@ def test_backward_graphs_give_their_gradients_back_to_the_pool():
     """Every replay clones a backward graph's input and weight gradients at once, so once captured
     they go back to the pool: after N layers only the forward outputs (tanh saves its output) are
     live in it, not N sets of gradients."""
-    from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
+    from mhc_cg.runtime.graphs.graphed_callables import GraphOptions, make_graphed_callables
 
     batch, width, layers = 16, 32, 4
     modules = tuple(torch.nn.Sequential(torch.nn.Linear(width, width, bias=False), torch.nn.Tanh())
                     for _ in range(layers))
     samples = tuple((torch.randn(batch, width, requires_grad=True),) for _ in range(layers))
     backend = CostBackend("cpu")
-    graphed = make_graphed_callables(modules, samples, backend=backend)
+    graphed = make_graphed_callables(modules, samples, options=GraphOptions(backend=backend))
     activation, weight = rounded(batch * width * 4), rounded(width * width * 4)
     backwards = [r.bwd_graph for r in graphed.states]
     assert all(g.peak.escaped_bytes == activation + weight for g in backwards)  # x and W grads

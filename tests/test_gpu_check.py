@@ -19,7 +19,7 @@ from mhc_cg.benchmarks import gpu_run
 from mhc_cg.profiling import probe
 REPO = Path(__file__).resolve().parent.parent
 DRY_MODES = ["eager_none", "graphed_static", "graphed_full_static"]
-PARTS = ["peers", "bench", "kernels", "megatron", "tests"]
+PARTS = ["peers", "bench", "te", "kernels", "megatron", "tests"]
 # what a device call brings back from $OUT
 MAX_FILES, MAX_DEPTH, MAX_BYTES = 8, 2, 16 * 2 ** 20
 
@@ -76,6 +76,7 @@ def test_unpack_restores_every_parts_files(dry_out, dry_run):
             "bench/cpu.dry_shape.json", "bench/cpu.dry_memory.json", "bench/cpu.md",
             "kernels/kernel_bench.json", "kernels/kernel_efficiency.json",
             "kernels/launch_configs.json", "kernels/kernels.log", "megatron/compare.json",
+            "te/cpu.dry_te.json", "te/bench.log",
             "tests/pytest.log", "tests/junit.xml"} <= names
     assert not any(name.endswith(".yaml") for name in names)  # the dry run's shapes stay behind
 
@@ -135,10 +136,11 @@ def test_device_names_and_slugs():
 
 @pytest.mark.slow
 def test_every_part_ends_ok_and_in_order(dry_run):
-    """The parts in the order a GPU run needs them most: the peers beside ours, the bench, the
-    kernel table, Megatron under its own helper, the cuda tests."""
+    """The parts in the order a GPU run needs them most: the peers beside ours, the bench, its
+    graphed_static row under TE's own function, the kernel table, Megatron under its own helper,
+    the cuda tests."""
     parts = summary(dry_run)
-    assert list(parts) == ["peers", "bench", "kernels", "megatron", "tests"]
+    assert list(parts) == PARTS
     assert {p: r["status"] for p, r in parts.items()} == {p: "ok" for p in parts}
     assert all(0 <= int(r["seconds"]) <= int(r["limit_s"]) for r in parts.values())
     env = (dry_run / "env.txt").read_text()
@@ -150,8 +152,7 @@ def test_the_gpu_run_fits_nine_minutes():
     text = (REPO / "bench" / "gpu_check.sh").read_text()
     real = text[text.index("BUDGET=${GPU_CHECK_BUDGET_S:-540}"):]
     limits = real[real.index("LIMITS=(") + 8:real.index(")")].split()
-    assert [kv.split("=")[0] for kv in limits] == ["peers", "bench", "kernels", "megatron",
-                                                   "tests"]
+    assert [kv.split("=")[0] for kv in limits] == PARTS
     assert sum(int(kv.split("=")[1]) for kv in limits) <= 540
 
 
@@ -168,9 +169,7 @@ def test_peers_part_compares_every_op_with_every_peer(dry_run):
     shown, _ = json.JSONDecoder().raw_decode(printed[printed.index("{"):])
     assert shown["rows"] == report["rows"]
     expected = set(kernel_peers.PEERS)
-    if kernel_peers.find_te_wheel(REPO) is None:
-        assert "pip download" in report["skipped"]["te"]
-        expected.discard("te")
+    assert kernel_peers.find_te_wheel(REPO) is not None, kernel_peers.te_missing_reason(REPO)
     for peer, branches in (("dev", ("dev",)), ("torch", ("dev", "main"))):
         if any(snapshot_archive(b) is None for b in branches):  # said, not run
             assert "snapshot" in report["skipped"][peer]
@@ -201,6 +200,23 @@ def test_bench_runs_both_shapes_each_mode_in_its_own_process(dry_run):
         assert all(e["profile"]["phases"] for e in report["modes"].values())
     memory = json.loads((dry_run / "bench" / "cpu.dry_memory.json").read_text())
     assert memory["config"]["model"]["seq_length"] == 32
+
+
+@pytest.mark.slow
+def test_te_part_runs_graphed_static_under_tes_own_function(dry_run):
+    """One bench row whose graphs TE's own ``make_graphed_callables`` captured, from its wheel:
+    the JSON names the capturing function's file and sha256; its losses equal eager's."""
+    from mhc_cg.runtime.graphs.te_wheel import find_te_wheel, source_of
+    from mhc_cg.runtime.graphs.te import graph_api
+
+    report = json.loads((dry_run / "te" / "cpu.dry_te.json").read_text())
+    assert list(report["modes"]) == ["graphed_static"]
+    capture = report["modes"]["graphed_static"]["capture"]
+    assert capture["origin"] == "wheel" and capture["version"] == "2.20.2"
+    assert capture["file"].startswith(str(find_te_wheel().resolve()))
+    assert capture["sha256"] == source_of(graph_api("te").function)["sha256"]
+    bench = json.loads((dry_run / "bench" / "cpu.dry_shape.json").read_text())
+    assert report["modes"]["graphed_static"]["losses"] == bench["modes"]["eager_none"]["losses"]
 
 
 @pytest.mark.slow
@@ -248,9 +264,12 @@ def test_the_kernel_part_writes_the_tables_the_launchers_and_the_cost_model_read
 
 @pytest.mark.slow
 def test_megatron_main_under_its_own_helper_is_bit_identical_to_main_eager(dry_run):
+    """Megatron's helper called TE's own function (the wheel's graph.py, TE's version)."""
     result = json.loads((dry_run / "megatron" / "compare.json").read_text())
     assert result["bit_identical"] is True
     assert {"mhc_cg", "main_eager_none"} <= set(result["runs"])
+    assert result["capturing_function"]["file"].endswith(".whl/transformer_engine/pytorch/graph.py")
+    assert result["capturing_function"]["te_version"] == "2.20.2"
 
 
 def test_a_spent_budget_skips_parts_and_says_so(tmp_path):

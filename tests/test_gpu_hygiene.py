@@ -84,9 +84,10 @@ def test_bench_peak_reserved_counts_graph_pools():
 
 
 def test_make_graphed_callables_auto_follows_the_inputs_device(monkeypatch):
-    from mhc_cg.runtime.graphs import make_graphed_callables
+    from mhc_cg.runtime.graphs import GraphOptions, make_graphed_callables
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
-    graphed = make_graphed_callables((torch.nn.Linear(3, 3),), ((torch.randn(2, 3, requires_grad=True),),),
-                                     num_warmup_iters=1, backend="auto")
+    graphed = make_graphed_callables((torch.nn.Linear(3, 3),),
+                                     ((torch.randn(2, 3, requires_grad=True),),),
+                                     num_warmup_iters=1, options=GraphOptions(backend="auto"))
     assert graphed.backend == "tape"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mhc_cg.model import lm_loss
-from mhc_cg.runtime.graphs import get_backend, make_graphed_callables
+from mhc_cg.runtime.graphs import GraphOptions, get_backend, make_graphed_callables
 from mhc_cg.runtime.modes.registry import MODES
 
 from helpers import build_for_mode, small_config
@@ -35,7 +35,7 @@ def graphed(backend_name: str, saves_output: bool):
     torch.manual_seed(0)
     module = Scaled(backend.device, saves_output)
     sample = torch.randn(4, 4, device=backend.device, requires_grad=True)
-    return module, make_graphed_callables(module, (sample,), backend=backend)
+    return module, make_graphed_callables(module, (sample,), options=GraphOptions(backend=backend))
 
 
 def eager_grads(module, x, edit):

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mhc_cg.runtime.graphs import (GraphReplayError, count_allocated_static_inputs, get_backend,
-                           make_graphed_callables)
+from mhc_cg.runtime.graphs import (GraphOptions, GraphReplayError, count_allocated_static_inputs,
+                                   get_backend, make_graphed_callables)
 from mhc_cg.runtime.graphs.graphed_callables import order_layout
 from mhc_cg.model import MHCTransformerLayer
 
@@ -181,8 +181,10 @@ def test_pipeline_matches_eager(backend):
     sample_args = [(torch.randn(LAYER_SEQ, LAYER_BATCH, width, device=device, requires_grad=True),
                     torch.zeros((), dtype=torch.int64, device=device))
                    for _ in range(len(layers) * layout.num_microbatches)]
-    graphed = make_graphed_callables(tuple(layers), sample_args, order=order, num_layers_per_chunk=2,
-                                     backend=backend_name)
+    graphed = make_graphed_callables(tuple(layers), sample_args, _order=order,
+                                     _reuse_graph_input_output_buffers=True,
+                                     _num_layers_per_chunk=2,
+                                     options=GraphOptions(backend=backend_name))
     assert len(graphed) == len(sample_args)
     assert all(g.stats.violations == 0 for g in graphed.graphs())
     assert count_allocated_static_inputs(graphed) == planner_prediction(order, [2, 2], True)
@@ -220,7 +222,8 @@ def test_module_stays_module_and_python_does_not_rerun(backend):
     backend_name, device = backend.name, backend.device
     module = CountingScale(5).to(device)
     sample = torch.randn(3, 5, device=device, requires_grad=True)
-    graphed = make_graphed_callables(module, (sample,), num_warmup_iters=2, backend=backend_name)
+    graphed = make_graphed_callables(module, (sample,), num_warmup_iters=2,
+                                     options=GraphOptions(backend=backend_name))
     assert graphed is module and isinstance(graphed, torch.nn.Module)
     calls_at_capture = module.calls
     assert calls_at_capture == 2 + 1  # warmup iterations, then the capture

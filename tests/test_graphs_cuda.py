@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mhc_cg.runtime.graphs import GraphReplayError, get_backend, make_graphed_callables
+from mhc_cg.runtime.graphs import GraphOptions, GraphReplayError, get_backend, make_graphed_callables
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -25,7 +25,8 @@ def test_graphed_callables_replay_order_on_cuda():
     layer = torch.nn.Linear(4, 4).cuda()
     layers = (layer, torch.nn.Linear(4, 4).cuda())
     samples = [(torch.randn(2, 4, device="cuda", requires_grad=True),) for _ in range(2)]
-    _, second = make_graphed_callables(layers, samples, num_warmup_iters=1, backend="cuda")
+    _, second = make_graphed_callables(layers, samples, num_warmup_iters=1,
+                                       options=GraphOptions(backend="cuda"))
     with pytest.raises(GraphReplayError, match="replay order differs"):
         second(torch.randn(2, 4, device="cuda"))
 

@@ -169,25 +169,28 @@ def test_freeing_an_input_after_capture_is_caught_at_replay(backend):
 # ---------------------------------------------------------------------------------------------
 # make_graphed_callables over a real pipeline order, on a small mHC layer with counter dropout.
 
-from mhc_cg.runtime.graphs import count_allocated_static_inputs, make_graphed_callables  # noqa: E402
+from mhc_cg.runtime.graphs import GraphOptions, count_allocated_static_inputs, make_graphed_callables  # noqa: E402
 
 
 def test_static_inputs_without_reuse_one_set_per_sample():
     layers = tuple(CountingScale(4) for _ in range(2))
     order = [1, 1, 2, -2, 2, -1, -2, -1]  # pp-style: 2 chunks x 2 microbatches, 1 layer each
     samples = [(torch.randn(2, 4, requires_grad=True),) for _ in range(4)]
-    graphed = make_graphed_callables(layers, samples, order=order, reuse_input_buffers=False,
-                                     num_warmup_iters=1, backend="tape")
+    graphed = make_graphed_callables(layers, samples, num_warmup_iters=1, _order=order,
+                                     options=GraphOptions(backend="tape"))
     assert count_allocated_static_inputs(graphed) == 4 == planner_prediction(order, [1, 1], False)
     samples = [(torch.randn(2, 4, requires_grad=True),) for _ in range(4)]
-    graphed = make_graphed_callables(layers, samples, order=order, num_warmup_iters=1, backend="tape")
+    graphed = make_graphed_callables(layers, samples, num_warmup_iters=1, _order=order,
+                                     _reuse_graph_input_output_buffers=True,
+                                     options=GraphOptions(backend="tape"))
     assert count_allocated_static_inputs(graphed) == planner_prediction(order, [1, 1], True) == 3
 
 
 def test_graphed_callables_must_replay_in_capture_order():
     layers = tuple(CountingScale(4) for _ in range(2))
     samples = [(torch.randn(2, 4, requires_grad=True),) for _ in range(2)]
-    first, second = make_graphed_callables(layers, samples, num_warmup_iters=1, backend="tape")
+    first, second = make_graphed_callables(layers, samples, num_warmup_iters=1,
+                                           options=GraphOptions(backend="tape"))
     with pytest.raises(GraphReplayError, match="replay order differs from capture order"):
         second(torch.randn(2, 4))  # captured order: forward 1, forward 2, backward 2, backward 1
 
@@ -201,41 +204,52 @@ def test_graphed_callables_must_replay_in_capture_order():
 def test_invalid_order_is_rejected(order, match):
     layer = CountingScale(4)
     with pytest.raises(ValueError, match=match):
-        make_graphed_callables((layer,), [(torch.randn(2, 4),)], order=order, backend="tape")
+        make_graphed_callables((layer,), [(torch.randn(2, 4),)], _order=order,
+                               _reuse_graph_input_output_buffers=True,
+                               options=GraphOptions(backend="tape"))
 
 
 def test_module_hooks_are_rejected():
     layer = CountingScale(4)
     layer.register_forward_hook(lambda *a: None)
     with pytest.raises(ValueError, match="hooks run once at capture and never at replay"):
-        make_graphed_callables((layer,), [(torch.randn(2, 4),)], backend="tape")
+        make_graphed_callables((layer,), [(torch.randn(2, 4),)],
+                               options=GraphOptions(backend="tape"))
 
 
 def test_non_tensor_sample_args_are_rejected():
     with pytest.raises(TypeError, match="only tensors"):
-        make_graphed_callables((CountingScale(4),), [(torch.randn(2, 4), 3)], backend="tape")
+        make_graphed_callables((CountingScale(4),), [(torch.randn(2, 4), 3)],
+                               options=GraphOptions(backend="tape"))
 
 
 def test_wrong_input_shape_at_call_is_rejected():
     graphed = make_graphed_callables(CountingScale(4), (torch.randn(2, 4),), num_warmup_iters=1,
-                                     backend="tape")
+                                     options=GraphOptions(backend="tape"))
     with pytest.raises(ValueError, match="captured with \\[2, 4\\]"):
         graphed(torch.randn(3, 4))
 
 
-def test_te_backend_without_te_says_so():
-    from mhc_cg.runtime.graphs.backends import te_available
+def test_te_without_tes_python_says_how_to_get_it(tmp_path, monkeypatch):
+    """``te`` is TransformerEngine's own function: where neither TE nor its wheel is at hand,
+    one line says how to fetch the wheel."""
+    from mhc_cg.runtime.graphs.backends import resolve_backend_name, te_available
+    from mhc_cg.runtime.graphs.te import graph_api
+
     if te_available() and torch.cuda.is_available():
         pytest.skip("TransformerEngine is installed")
-    with pytest.raises(RuntimeError, match="(TransformerEngine|CUDA device)"):
-        get_backend("te")
+    monkeypatch.setenv("MHC_CG_TE_WHEEL", str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="pip download --no-deps transformer-engine=="):
+        graph_api("te")
+    with pytest.raises(ValueError, match="'te' needs TransformerEngine's Python"):
+        resolve_backend_name("te", "cpu")
 
 
 def test_gradients_accumulate_over_microbatches_replaying_one_graph():
     """Without an order one graph serves every microbatch; ``.grad`` must sum them all."""
     module = CountingScale(5)
     graphed = make_graphed_callables(module, (torch.randn(3, 5, requires_grad=True),),
-                                     num_warmup_iters=1, backend="tape")
+                                     num_warmup_iters=1, options=GraphOptions(backend="tape"))
     reference = module.weight.detach().clone().requires_grad_()
     for _ in range(3):
         x = torch.randn(3, 5)
@@ -256,7 +270,8 @@ def test_a_kept_param_grad_becomes_grad_uncopied_and_accumulates_as_autograd_doe
     next replay leaves the accumulated ``.grad`` alone."""
     module = CountingScale(5)
     graphed = make_graphed_callables(module, (torch.randn(3, 5, requires_grad=True),),
-                                     num_warmup_iters=1, backend="tape", keep_param_grads=True)
+                                     num_warmup_iters=1, clone_param_grads_on_return=False,
+                                     options=GraphOptions(backend="tape"))
     buffer = _kept_grad_buffer(graphed)
     reference = module.weight.detach().clone().requires_grad_()
     for step in range(2):
@@ -279,8 +294,9 @@ def test_a_param_shared_by_two_graphed_callables_gets_clones():
     first, second = CountingScale(5), CountingScale(5)
     second.weight = first.weight
     samples = [(torch.randn(3, 5, requires_grad=True),) for _ in range(2)]
-    graphed = make_graphed_callables((first, second), samples, num_warmup_iters=1, backend="tape",
-                                     keep_param_grads=True)
+    graphed = make_graphed_callables((first, second), samples, num_warmup_iters=1,
+                                     clone_param_grads_on_return=False,
+                                     options=GraphOptions(backend="tape"))
     assert all(not state.kept_grads for state in graphed.states)
     reference = first.weight.detach().clone().requires_grad_()
     for _ in range(2):
@@ -337,8 +353,8 @@ def test_a_forward_scratch_holds_its_output_until_the_pools_next_replay():
     from mhc_cg.core.storage import storage_id
 
     module, sample = _IntoScratch(), torch.randn(4, requires_grad=True)
-    graphed = make_graphed_callables((module,), ((sample,),), backend="tape", scratch={0: 8},
-                                     num_warmup_iters=1)
+    graphed = make_graphed_callables((module,), ((sample,),), num_warmup_iters=1,
+                                     options=GraphOptions(backend="tape", scratch={0: 8}))
     memory = graphed.scratch(0)
     assert memory is not None and memory.numel() == 8
     x = torch.randn(4, requires_grad=True)
@@ -366,7 +382,8 @@ def _graphed_chain(subs):
     from mhc_cg.runtime.graphs import make_graphed_callables
 
     samples = tuple((torch.randn(4, 2, 32, requires_grad=True),) for _ in subs)
-    return make_graphed_callables(tuple(subs), samples, num_warmup_iters=1, backend="tape")
+    return make_graphed_callables(tuple(subs), samples, num_warmup_iters=1,
+                                  options=GraphOptions(backend="tape"))
 
 
 class StreamCopies(TorchDispatchMode):
@@ -412,8 +429,8 @@ def _lending_chain(subs, lend: bool):
     from mhc_cg.runtime.graphs import make_graphed_callables
 
     samples = tuple((torch.randn(4, 2, 32, requires_grad=True),) for _ in subs)
-    return make_graphed_callables(tuple(subs), samples, num_warmup_iters=1, backend="tape",
-                                  lend_grads_to_eager=lend)
+    return make_graphed_callables(tuple(subs), samples, num_warmup_iters=1,
+                                  options=GraphOptions(backend="tape", lend_grads_to_eager=lend))
 
 
 def test_a_chain_between_the_streams_expand_and_contraction_copies_no_stream_grad():

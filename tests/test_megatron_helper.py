@@ -141,7 +141,11 @@ def test_cli_compare_json_on_the_shipped_config(main_snapshot):
     proc = _cli("--config", "configs/megatron_main_mhc.yaml", "--compare", "--json")
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
-    assert set(result) == {"bit_identical", "runs", "checked"} and result["bit_identical"] is True
+    assert set(result) == {"bit_identical", "runs", "checked", "capturing_function"}
+    assert result["bit_identical"] is True
+    # megatron's helper called TE's own function, from its wheel
+    assert result["capturing_function"]["file"].endswith(".whl/transformer_engine/pytorch/graph.py")
+    assert result["capturing_function"]["te_version"] == "2.20.2"
     assert result["checked"]["mhc_cg"] == ["main_eager_none", "main_eager_mhc"]
     assert set(result["runs"]) == {"main_eager_none", "main_eager_mhc", "main_graphed_mhc", "mhc_cg"}
     assert all(set(run) == {"losses", "ranks"} and len(run["ranks"]) == 1

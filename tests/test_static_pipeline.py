@@ -66,7 +66,7 @@ def test_graphed_sublayers_per_microbatch_along_the_order():
     layer), captured with the order (TE semantics, shared pool, static input reuse), the mHC ops
     inside them saving into the shared arena, recompute graphs per (chunk, block, set)."""
     from mhc_cg.runtime.modes.graphed_static import SlotSublayer
-    from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
+    from mhc_cg.runtime.graphs.graphed_callables import GraphOptions, make_graphed_callables
 
     order = pipeline_order(4, 2, 4, vpp_size=2)
     ref_model, ref_grads = eager_run(order)
@@ -93,8 +93,10 @@ def test_graphed_sublayers_per_microbatch_along_the_order():
     sample_args = [(torch.zeros(PIPELINE_SEQ, PIPELINE_MBS, width, requires_grad=True),
                     torch.zeros((), dtype=torch.int64))
                    for _ in range(2 * microbatches * per_chunk)]
-    graphed = make_graphed_callables(tuple(modules), sample_args, order=order,
-                                     num_layers_per_chunk=per_chunk, backend=backend)
+    graphed = make_graphed_callables(tuple(modules), sample_args, _order=order,
+                                     _reuse_graph_input_output_buffers=True,
+                                     _num_layers_per_chunk=per_chunk,
+                                     options=GraphOptions(backend=backend))
 
     def forward(chunk, x, seed, counts={1: 0, 2: 0}):
         mb = counts[chunk]

@@ -49,12 +49,10 @@ from pathlib import Path
 
 import torch
 
-TE_VERSION = "2.20.2"
-TE_WHEEL = f"transformer_engine-{TE_VERSION}-py3-none-any.whl"
+from mhc_cg.runtime.graphs.te_wheel import (TE_ENV, TE_VERSION, TE_WHEEL, find_te_wheel,
+                                            te_missing_reason)
+
 TE_FILES = ("transformer_engine/common/triton/mhc.py", "transformer_engine/pytorch/triton/mhc.py")
-# where a TE wheel is looked for, after MHC_CG_TE_WHEEL (a .whl, or a folder holding one)
-TE_PLACES = ("bench/carry/peers", ".cache/peers")
-TE_ENV = "MHC_CG_TE_WHEEL"
 PEERS = ("te", "dev", "torch")
 OPS = ("pre", "post", "post.backward", "pre.backward", "sublayer")
 N = 4  # TE asserts n = 4
@@ -88,29 +86,6 @@ def tolerance(dtype: str) -> float:
 
 
 # ------------------------------------------------------------------------- the parent side
-def find_te_wheel(repo: Path) -> Path | None:
-    """A TE wheel (or a folder holding its two mHC files): ``$MHC_CG_TE_WHEEL``, then
-    :data:`TE_PLACES` under ``repo``."""
-    given = os.environ.get(TE_ENV)
-    places = [Path(given)] if given else [repo / p for p in TE_PLACES]
-    for place in places:
-        if place.is_file():
-            return place
-        if (place / TE_FILES[0]).is_file():
-            return place
-        if place.is_dir():
-            wheels = sorted(place.glob("transformer_engine-*-py3-none-any.whl"))
-            if wheels:
-                return wheels[-1]
-    return None
-
-
-def te_missing_reason(repo: Path) -> str:
-    where = os.environ.get(TE_ENV) or " or ".join(str(repo / p) for p in TE_PLACES)
-    return (f"no TransformerEngine {TE_VERSION} wheel in {where}: pip download --no-deps "
-            f"transformer-engine=={TE_VERSION} -d .cache/peers (1.2 MB; never pip install it)")
-
-
 def te_folder(source: Path, scratch: Path) -> Path:
     """A folder holding TE's two mHC files, extracted from the wheel when ``source`` is one."""
     if source.is_dir():

@@ -216,6 +216,9 @@ def measure(spec: dict) -> dict:
         "losses": losses, "copy_bandwidth_bytes_per_s": bandwidth,
         "profile": {k: v for k, v in profile.items() if k != "fused_ops"},
         "fused_ops": fused_op_table(profile["fused_ops"], modelled_fused_ops(cfg, mode), bandwidth),
+        # what captured the graphs: mhc_cg's make_graphed_callables or TE's (file and sha256)
+        "capture": (session.mode_model.capture_api().source() if session.mode_model.graphed
+                    else None),
     }
     entry.update(recompute_timing(session, bandwidth, spec["recompute_replays"]))
     return entry

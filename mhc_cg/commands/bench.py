@@ -64,9 +64,10 @@ def run(args: argparse.Namespace) -> int:
     shapes = []
     for stem, cfg in zip(stems, configs):
         backend = args.backend or cfg.graph.backend
-        if device.type == "cpu" and backend in ("cuda", "te"):
-            raise ConfigError(f"--backend {backend} needs a CUDA device but the run is on CPU; "
-                              f"use --backend tape (or auto) with --device cpu")
+        if device.type == "cpu" and backend == "cuda":
+            raise ConfigError("--backend cuda needs a CUDA device but the run is on CPU; use "
+                              "--backend tape (or auto, or te: TransformerEngine's function over "
+                              "the tape) with --device cpu")
         shapes.append((stem, cfg.replace(graph={"backend": backend},
                                          train={"device": device.type})))
     opts = BenchOptions(modes=modes, steps=args.steps, warmup=args.warmup,

@@ -43,9 +43,35 @@ def summary(cfg: RunConfig) -> str:
     """One comment line: what the config makes ``mhc-cg train`` do."""
     plan = capture_plan(cfg, on_this_machine=False)  # a config may be meant for another machine
     megatron = [s for s in cfg.graph.scopes if s != RECOMPUTE_SCOPE]
-    return (f"# ok: mode {plan.mode}, L_r={cfg.model.resolved_recompute_layers}, "
+    line = (f"# ok: mode {plan.mode}, L_r={cfg.model.resolved_recompute_layers}, "
             f"graphs {list(plan.scopes) or 'none'} on {plan.backend} "
             f"(megatron-core gets {megatron or 'none'})")
+    return line if plan.backend != "te" else f"{line}\n{te_line()}"
+
+
+def te_line() -> str:
+    """Which TransformerEngine's ``make_graphed_callables`` ``graph.backend: te`` runs here."""
+    from mhc_cg.runtime.graphs.backends import te_python
+    from mhc_cg.runtime.graphs.te_wheel import find_te_wheel, te_missing_reason, te_wheel
+
+    where = te_python()
+    if where == "installed":
+        from importlib.metadata import version
+
+        return (f"# te: the installed TransformerEngine {version('transformer_engine')}'s "
+                f"make_graphed_callables, over torch.cuda graphs")
+    if where == "wheel":
+        wheel = te_wheel(str(find_te_wheel()))
+        return (f"# te: TransformerEngine {wheel.version}'s make_graphed_callables from its wheel's "
+                f"source ({wheel.graph_source()[0]}), over "
+                f"{'torch.cuda graphs' if _cuda() else 'the tape (this machine has no GPU)'}")
+    return f"# te: not at hand on this machine: {te_missing_reason()}"
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def run(args: argparse.Namespace) -> int:

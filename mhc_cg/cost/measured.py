@@ -86,9 +86,11 @@ def probe_rows(probe: dict, code: str, kernels_sha256: str) -> list[dict]:
 
 
 def _shape(cfg: dict) -> tuple:
+    """What makes two runs comparable: the shape, and whether TE's function captured."""
     m, t = cfg["model"], cfg["train"]
     return (m["num_layers"], m["hidden_size"], m["num_heads"], m["seq_length"], m["num_streams"],
-            m["vocab_size"], t["micro_batch_size"], t["num_microbatches"], t["dtype"])
+            m["vocab_size"], t["micro_batch_size"], t["num_microbatches"], t["dtype"],
+            cfg.get("graph", {}).get("backend") == "te")
 
 
 def last_measured_steps(cfg: RunConfig, results: Path = RESULTS, gpu: str | None = None) -> dict:

@@ -47,9 +47,11 @@ STATIC_MEMORY_LIMIT = 0.75    # graphed_static's graph memory, in graphed_none's
 
 def mode_configs(cfg: RunConfig, device: str) -> tuple[list[tuple[str, Run]], dict[str, str]]:
     """``(mode, its run)`` for every registered mode that can be costed on ``device``, and why
-    the others cannot. The capture backend is ours (recording), so ``graph.backend`` is left to
-    ``auto``: a config meant for a GPU is costed anywhere."""
-    cfg = check(cfg.replace(graph={"backend": "auto"}))
+    the others cannot. The graphs are captured on the recording backend whatever the config's,
+    so ``graph.backend`` is left to ``auto`` (a config meant for a GPU is costed anywhere), but
+    for ``te``: TransformerEngine's own function then captures, over the recording backend."""
+    backend = "te" if cfg.graph.backend == "te" else "auto"
+    cfg = check(cfg.replace(graph={"backend": backend}))
     costed, skipped = [], {}
     for mode in MODES.values():
         reason = mode.unavailable(cfg, device) if mode.unavailable is not None else None

@@ -71,7 +71,8 @@ def run(cfg: RunConfig, compare: bool, progress: bool = True, timeout: float | N
                                 progress_prefix=PROGRESS if progress else None, timeout=timeout)
     result = compare_ranks([r["runs"] for r in per_rank], branch,
                            checked_runs(branch, impl, dropout))
-    result.update(device=device, branch=branch, source=source, impl=impl, dropout=dropout)
+    result.update(device=device, branch=branch, source=source, impl=impl, dropout=dropout,
+                  capturing_function=per_rank[0].get("capturing_function"))
     return result
 
 
@@ -85,7 +86,9 @@ def to_json(result: dict) -> dict:
     graph's replays over the run and in the last step, the bytes its capture allocated and the
     ``c10d`` ops it holds (the tape's figures; ``null`` on a GPU), and the sublayer calls run as
     Python in the last (replayed) step; its saved bytes and recompute counts are the captured
-    step's. ``"checked"``: ``{run: [the runs it must equal bit for bit]}``."""
+    step's. ``"checked"``: ``{run: [the runs it must equal bit for bit]}``.
+    ``"capturing_function"``: the ``make_graphed_callables`` megatron's helper called (file and
+    sha256 from its code object, TE's version as megatron read it)."""
     runs = {}
     for name, run in result["runs"].items():
         if "refused" in run:
@@ -98,7 +101,8 @@ def to_json(result: dict) -> dict:
     checked = checked_runs(result["branch"], result.get("impl", "transformer_engine"),
                            result.get("dropout", 0.0))
     return {"bit_identical": result["bit_identical"], "runs": runs,
-            "checked": {run: list(refs) for run, refs in checked.items() if run in runs}}
+            "checked": {run: list(refs) for run, refs in checked.items() if run in runs},
+            "capturing_function": result.get("capturing_function")}
 
 
 def _equal_to_reference(result: dict, name: str, reference: str, rank: int) -> str:

@@ -335,6 +335,20 @@ def compare_ranks(per_rank: list[dict], branch: str,
     return {"runs": runs, "bit_identical": identical, "mismatches": mismatches}
 
 
+def capturing_function() -> dict | None:
+    """The ``make_graphed_callables`` megatron's TE graph helper calls: its file and sha256, read
+    from its code object, and TE's version; None where megatron has no TE graph support."""
+    from megatron.core import utils
+    from megatron.core.transformer import cuda_graphs
+
+    function = getattr(cuda_graphs, "make_graphed_callables", None)
+    if function is None:
+        return None
+    from mhc_cg.runtime.graphs.te_wheel import source_of
+
+    return {**source_of(function), "te_version": str(utils.get_te_version())}
+
+
 def child_main(argv: list[str]) -> None:
     """``SPEC.json OUT_DIR RANK WORLD PORT``; ``SPEC``: ``{"config": RunConfig as a dict, "runs":
     [...], "device": ..., "branch": "main" | "dev"}``."""
@@ -363,7 +377,8 @@ def child_main(argv: list[str]) -> None:
     init_ranks(cpu, cfg.train.seed, rank=rank, world_size=world, port=port, tp_size=p.tp_size,
                pp_size=p.pp_size, vpp_size=p.vpp_size, ep_size=p.ep_size)
     result = rank_runs(cfg, spec["runs"], spec["branch"], cpu)
-    out = {"runs": result, "megatron_core": megatron.core.__file__}
+    out = {"runs": result, "megatron_core": megatron.core.__file__,
+           "capturing_function": capturing_function()}
     Path(argv[1], f"rank{rank}.json").write_text(json.dumps(out))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

@@ -19,14 +19,16 @@
   managers register (counted by wrapping ``CheckpointWithoutOutputManager.add_checkpoint`` for
   the step), and the sublayers mhc_cg's runtime recomputes (and those it kept from the forward).
 
-Layer graphs expose what their backward reads only on the ``tape`` backend (the CPU emulation);
-elsewhere the saved bytes are ``None``.
+Layer graphs expose what their backward reads only on the ``tape`` backend (the CPU emulation),
+whether mhc_cg's ``make_graphed_callables`` or TE's own captured them; elsewhere the saved bytes
+are ``None``.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from types import SimpleNamespace
 from typing import Callable, Iterator
 
 import torch
@@ -103,7 +105,7 @@ def held_bytes(decoder: torch.nn.Module, saved: list[Tensor]) -> int | None:
     excluded = {storage_id(p) for p in decoder.parameters()}
     storages = storage_bytes(saved)
     for layer in decoder.layers:
-        states = _graph_states(layer)
+        states = graph_states(layer)
         if states:
             read = backward_reads(states[getattr(layer, "current_microbatch", 0) % len(states)])
             if read is None:
@@ -127,13 +129,54 @@ def _static(decoder):
     return getattr(decoder, "mhc_static", None)
 
 
-def _graph_states(layer) -> list[GraphedState | None]:
-    """Each of the layer's TE graphs' state (megatron keeps the graphs in ``cuda_graphs``); ``None``
-    for a callable of real TransformerEngine, which keeps its own."""
-    return [getattr(graphed, "state", None) for graphed in getattr(layer, "cuda_graphs", None) or ()]
+def graph_states(layer) -> list[GraphedState | SimpleNamespace | None]:
+    """Each of the layer's TE graphs' state (megatron keeps the graphs in ``cuda_graphs``): mhc_cg's
+    :class:`GraphedState`, or for TE's own function (:func:`te_graph_state`) the same three
+    things read from what it returned; ``None`` where neither is found."""
+    return [getattr(graphed, "state", None) or te_graph_state(graphed)
+            for graphed in getattr(layer, "cuda_graphs", None) or ()]
 
 
-def backward_reads(state: GraphedState | None) -> dict[int, int] | None:
+def te_graph_state(graphed: Callable) -> SimpleNamespace | None:
+    """A callable TE's ``make_graphed_callables`` returned, as ``fwd_graph``, ``bwd_graph`` (the
+    graphs mhc_cg's ``torch.cuda`` API captured for it: off a GPU), ``static_grad_outputs`` and
+    ``static_inputs`` (its static input surface: the inputs, then the parameters).
+    TE keeps them in the closure of the autograd function it makes per callable; read there, a
+    few levels down, by name (nothing is changed)."""
+    found: dict[str, object] = {}
+    seen: set[int] = set()
+
+    def visit(value, depth: int) -> None:
+        if id(value) in seen or depth > 6:
+            return
+        seen.add(id(value))
+        if isinstance(value, type):
+            for member in vars(value).values():
+                visit(getattr(member, "__func__", member), depth + 1)
+            return
+        value = getattr(value, "__wrapped__", value)
+        code, cells = getattr(value, "__code__", None), getattr(value, "__closure__", None)
+        if code is None or cells is None:
+            return
+        for name, cell in zip(code.co_freevars, cells):
+            try:
+                content = cell.cell_contents
+            except ValueError:  # not yet bound
+                continue
+            if name in ("fwd_graph", "bwd_graph", "static_grad_outputs", "static_input_surface"):
+                found.setdefault(name, content)
+            visit(content, depth + 1)
+
+    visit(getattr(graphed, "forward", graphed), 0)
+    graphs = [getattr(found.get(name), "graph", None) for name in ("fwd_graph", "bwd_graph")]
+    if graphs[0] is None:
+        return None
+    return SimpleNamespace(fwd_graph=graphs[0], bwd_graph=graphs[1],
+                           static_grad_outputs=list(found.get("static_grad_outputs") or ()),
+                           static_inputs=list(found.get("static_input_surface") or ()))
+
+
+def backward_reads(state: GraphedState | SimpleNamespace | None) -> dict[int, int] | None:
     """``{storage: bytes}`` a graphed callable's backward graph reads that its capture did not
     allocate and that are not its grad-output buffers (what the forward left for it); ``None``
     where the backend keeps no record of what its kernels read."""
@@ -146,7 +189,7 @@ def backward_reads(state: GraphedState | None) -> dict[int, int] | None:
 
 def graph_replays(decoder: torch.nn.Module) -> tuple[int, int]:
     """``(layer graph replays, recompute graph replays)`` so far (forward and backward graphs)."""
-    layer = sum(g.replays for module in decoder.layers for state in _graph_states(module)
+    layer = sum(g.replays for module in decoder.layers for state in graph_states(module)
                 if state is not None for g in (state.fwd_graph, state.bwd_graph) if g is not None)
     static = _static(decoder)
     recompute = sum(g.replays for g in static.runtime.recompute_graphs.values()) if static else 0
@@ -259,5 +302,5 @@ def _count_method(obj, name: str, counts: Counter, key: str) -> Callable[[], Non
 
 def layer_graph_replays(decoder: torch.nn.Module) -> list[int]:
     """Replays so far of each of ``decoder``'s layer graphs (forward and backward graphs)."""
-    return [g.replays for module in decoder.layers for state in _graph_states(module)
+    return [g.replays for module in decoder.layers for state in graph_states(module)
             if state is not None for g in (state.fwd_graph, state.bwd_graph) if g is not None]

@@ -1,11 +1,12 @@
-"""TransformerEngine's graph API on mhc_cg's graphs, for megatron's TE graph helper without TE.
+"""TransformerEngine's graph API for megatron's TE graph helper where TE cannot be imported.
 
-``transformer_engine/`` beside this file is a stand-in for TE's package: its
-``make_graphed_callables`` is mhc_cg's (``mhc_cg.runtime.graphs``) on the ``auto`` backend (the
-tape on a CPU, ``torch.cuda.CUDAGraph`` on a GPU), with TE's argument names and ``_order``
-semantics; FP8 is refused. It exists so that megatron's own ``TECudaGraphHelper`` can run where
-TE is not installed: ``mhc-cg megatron`` on a CPU and the tests, and on a GPU machine without
-TE (the lent ones; its wheel is 276 MB). Where TE is installed on a GPU, TE is used.
+``transformer_engine/`` beside this file is the module tree megatron-core's ``TECudaGraphHelper``
+imports; its ``make_graphed_callables`` is TE's own, from TE's wheel
+(:mod:`mhc_cg.runtime.graphs.te_wheel`), over the tape on a CPU and ``torch.cuda`` graphs on a
+GPU; only what needs TE's C extension stands in (the package docstring). It exists so that
+megatron's own helper calls TE's own function where TE's package cannot load: ``mhc-cg megatron``
+and the tests on a CPU, and the lent GPUs (no TE; its wheel of compiled libraries is 276 MB).
+Where TE is installed on a GPU, TE is used.
 
 ``load()`` puts it into a process that has imported megatron already.
 

@@ -2,23 +2,32 @@
 
 ``auto`` follows the device the model runs on: TransformerEngine where it is installed and the
 device is CUDA, plain ``torch.cuda.CUDAGraph`` on CUDA without TE, the ``tape`` emulation on the
-CPU. The backends themselves (:mod:`~mhc_cg.runtime.graphs.tape`, :mod:`~mhc_cg.runtime.graphs.cuda`,
-:mod:`~mhc_cg.runtime.graphs.te`) implement :mod:`mhc_cg.runtime.graphs.capture`.
+CPU. ``te`` is TransformerEngine's own ``make_graphed_callables`` (:mod:`mhc_cg.runtime.graphs.te`):
+installed, or from its wheel, over ``torch.cuda`` graphs on CUDA and over the tape on the CPU. The
+primitives themselves (:mod:`~mhc_cg.runtime.graphs.tape`, :mod:`~mhc_cg.runtime.graphs.cuda`)
+implement :mod:`mhc_cg.runtime.graphs.capture`.
 """
 
 from __future__ import annotations
-
-import importlib.util
 
 import torch
 
 from mhc_cg.config.choices import GRAPH_BACKENDS
 from mhc_cg.runtime.graphs.capture import GraphBackend
+from mhc_cg.runtime.graphs.te_wheel import find_te_wheel, te_installed, te_missing_reason
 
 
 def te_available() -> bool:
     """TransformerEngine's PyTorch extension is installed (never imported here)."""
-    return importlib.util.find_spec("transformer_engine") is not None
+    return te_installed()
+
+
+def te_python() -> str | None:
+    """Where TE's graph code would come from here: ``installed`` (on CUDA), ``wheel``, or None."""
+    if torch.cuda.is_available() and te_installed():
+        return "installed"
+    wheel = find_te_wheel()
+    return "wheel" if wheel is not None and wheel.is_file() else None
 
 
 def resolve_backend_name(name: str, device: "str | torch.device | None" = None, *,
@@ -26,9 +35,10 @@ def resolve_backend_name(name: str, device: "str | torch.device | None" = None, 
     """The backend ``name`` stands for on ``device`` (default: CUDA when this torch sees a GPU).
 
     ``auto`` -> ``te`` where TE is installed and the device is CUDA, ``cuda`` on CUDA without TE,
-    ``tape`` on the CPU: graphs follow the device the model runs on, not only the machine. With a
-    CPU ``device``, ``cuda`` and ``te`` are refused here; ``on_this_machine`` also refuses them
-    where this torch sees no GPU or TE is missing (off for checking a config meant elsewhere).
+    ``tape`` on the CPU: graphs follow the device the model runs on, not only the machine.
+    ``cuda`` is refused for a CPU ``device``; ``te`` runs on either (TE's function over the tape
+    on the CPU). ``on_this_machine`` also refuses ``cuda`` where this torch sees no GPU and ``te``
+    where no TE (installed, or its wheel) is at hand (off for checking a config meant elsewhere).
     """
     if name not in GRAPH_BACKENDS:
         raise ValueError(f"graph backend must be one of {list(GRAPH_BACKENDS)}, got {name!r}")
@@ -36,27 +46,32 @@ def resolve_backend_name(name: str, device: "str | torch.device | None" = None, 
     on_cuda = torch.device(device).type == "cuda" if known else torch.cuda.is_available()
     if name == "auto":
         return ("te" if te_available() else "cuda") if on_cuda else "tape"
-    if known and name in ("cuda", "te") and not on_cuda:
-        raise ValueError(f"{name!r} captures CUDA graphs, but the model runs on the CPU; use "
-                         f"'tape' (the CPU emulation) or 'auto'")
-    if on_this_machine and name in ("cuda", "te") and not torch.cuda.is_available():
-        raise ValueError(f"{name!r} captures CUDA graphs, but this torch build sees no CUDA GPU; "
-                         f"use 'tape' (the CPU emulation) or 'auto'")
-    if on_this_machine and name == "te" and not te_available():
-        raise ValueError("'te' needs TransformerEngine (transformer_engine), which is not "
-                         "installed; install it, or use 'cuda' or 'auto'")
+    if known and name == "cuda" and not on_cuda:
+        raise ValueError("'cuda' captures CUDA graphs, but the model runs on the CPU; use 'tape' "
+                         "(the CPU emulation), 'te' (TransformerEngine's function over it) or "
+                         "'auto'")
+    if on_this_machine and name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("'cuda' captures CUDA graphs, but this torch build sees no CUDA GPU; "
+                         "use 'tape' (the CPU emulation) or 'auto'")
+    if on_this_machine and name == "te" and te_python() is None:
+        raise ValueError(f"'te' needs TransformerEngine's Python, installed or its wheel: "
+                         f"{te_missing_reason()}")
     return name
 
 
+def primitive_of(name: str) -> str:
+    """The graphs a resolved backend ``name`` captures: ``te``'s are ``torch.cuda`` graphs on a
+    GPU and the tape's off one."""
+    if name != "te":
+        return name
+    return "cuda" if torch.cuda.is_available() else "tape"
+
+
 def get_backend(name: str = "auto") -> GraphBackend:
-    """The backend called ``name`` (see :func:`resolve_backend_name` for ``auto``)."""
-    resolved = resolve_backend_name(name, on_this_machine=False)  # the backends say why not
+    """The primitive of ``name`` (:func:`resolve_backend_name`, :func:`primitive_of`)."""
+    resolved = primitive_of(resolve_backend_name(name, on_this_machine=False))
     if resolved == "tape":
         from mhc_cg.runtime.graphs.tape import TapeBackend
         return TapeBackend()
-    if resolved == "cuda":
-        from mhc_cg.runtime.graphs.cuda import CudaBackend
-        return CudaBackend()
-    from mhc_cg.runtime.graphs.te import TEBackend
-    return TEBackend()
-
+    from mhc_cg.runtime.graphs.cuda import CudaBackend
+    return CudaBackend()

@@ -65,6 +65,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -83,7 +84,7 @@ from mhc_cg.runtime.graphs.replay_state import (GraphedState, graphed_forward, g
                                                 grad_output_buffer)
 from mhc_cg.runtime.graphs.static_inputs import buffer_layout, static_buffer
 
-__all__ = ["GraphedCallables", "GraphedState", "OrderLayout", "capture_scratch",
+__all__ = ["GraphOptions", "GraphedCallables", "GraphedState", "OrderLayout", "capture_scratch",
            "count_allocated_static_inputs", "grad_output_buffer", "make_graphed_callables",
            "order_layout"]
 
@@ -121,7 +122,7 @@ def _scratch_named(t: torch.Tensor | None) -> Iterator[None]:
 class GraphedCallables(tuple):
     """The graphed callables (a tuple, as TE returns), with what was built for them: the
     ``backend``'s name, the ``pool``, each callable's ``states`` (``None`` under TE, which keeps
-    its own) and how many distinct static input sets they read."""
+    its own), how many distinct static input sets they read, and the graphs (:meth:`graphs`)."""
 
     backend: str
     pool: Any
@@ -129,20 +130,35 @@ class GraphedCallables(tuple):
     static_input_sets: int
 
     def __new__(cls, callables: Sequence, *, backend: str, pool: Any,
-                states: list[GraphedState] | None, static_input_sets: int) -> "GraphedCallables":
+                states: list[GraphedState] | None, static_input_sets: int,
+                captured: Sequence[Graph] = (),
+                static_tensors: Sequence[torch.Tensor] = ()) -> "GraphedCallables":
         self = super().__new__(cls, callables)
         self.backend, self.pool, self.states = backend, pool, states
         self.static_input_sets = static_input_sets
+        self._captured = list(captured)  # TE's graphs, where its torch.cuda is ours
+        self._static_tensors = list(static_tensors)  # TE's static buffers outside its pool
         return self
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        """The static buffers the graphs read and write outside their pool: inputs and
+        grad outputs."""
+        if self.states is None:
+            return list(self._static_tensors)
+        return [t for state in self.states for t in (*state.static_inputs,
+                                                     *state.static_grad_outputs) if t is not None]
 
     def scratch(self, index: int) -> torch.Tensor | None:
         """Sample ``index``'s forward scratch (Note [forward scratch]), ``None`` without one."""
         return None if self.states is None else self.states[index].scratch
 
     def graphs(self) -> list[Graph]:
-        """Every captured graph (forward and backward) of the tape/cuda backends."""
+        """Every graph the call captured (forward and backward), in capture order: ours, or
+        TE's where its ``torch.cuda`` is served by mhc_cg (off a GPU)."""
+        if self.states is None:
+            return list(self._captured)
         found = []
-        for state in self.states or ():
+        for state in self.states:
             found.extend(g for g in (state.fwd_graph, state.bwd_graph) if g is not None)
         return found
 
@@ -193,86 +209,136 @@ def _check_callables(callables: tuple) -> bool:
     return all(training)
 
 
+@dataclass(frozen=True)
+class GraphOptions:
+    """What mhc_cg's ``make_graphed_callables`` does that TransformerEngine's does not, in one
+    argument: ``backend`` (``"auto"``, ``"tape"``, ``"cuda"`` or a backend object: what captures),
+    ``lend_grads_to_eager`` (the module docstring) and ``scratch``, ``{sample index: elements}``
+    of pool memory lent from a forward's replay to the pool's next one (Note [forward scratch])."""
+
+    backend: str | GraphBackend = "auto"
+    lend_grads_to_eager: bool = False
+    scratch: Mapping[int, int] | None = None
+
+
 def make_graphed_callables(
-    callables: Callable | tuple[Callable, ...],
+    modules: Callable | tuple[Callable, ...],
     sample_args: tuple | list,
-    *,
-    sample_kwargs: tuple | list | None = None,
-    order: Sequence[int] | None = None,
-    num_layers_per_chunk: int | Sequence[int] | None = None,
-    reuse_input_buffers: bool = True,
-    pool: Any = None,
-    num_warmup_iters: int | None = None,
+    num_warmup_iters: int = 3,
     allow_unused_input: bool = False,
-    backend: str | GraphBackend = "auto",
-    capture_before_backward: Mapping[int, Callable[[Any], None]] | None = None,
-    keep_param_grads: bool = False,
-    lend_grads_to_eager: bool = False,
-    scratch: Mapping[int, int] | None = None,
+    sample_kwargs: tuple | list | None = None,
+    fp8_enabled: Any = None,
+    fp8_calibrating: bool | None = None,
+    fp8_recipe: Any = None,
+    fp8_group: Any = None,
+    fp8_weight_caching: bool | None = None,
+    enabled: Any = None,
+    calibrating: bool | None = None,
+    recipe: Any = None,
+    amax_reduction_group: Any = None,
+    cache_quantized_params: bool | None = None,
+    _order: Sequence[int] | None = None,
+    _num_layers_per_chunk: int | Sequence[int] | None = None,
+    pool: Any = None,
+    retain_graph_in_backward: bool = False,
+    _reuse_graph_input_output_buffers: bool = False,
+    clone_param_grads_on_return: bool = True,
+    pre_warmup_hook: Callable[[], None] | None = None,
+    post_warmup_hook: Callable[[], None] | None = None,
+    capture_time_hooks: Sequence[Mapping[str, Mapping[Any, Callable]] | None] | None = None,
+    *,
+    options: GraphOptions | None = None,
 ) -> Any:
-    """Graph ``callables`` (forward and backward) with TransformerEngine's semantics.
+    """Graph ``modules`` (forward and backward): TransformerEngine 2.20's
+    ``make_graphed_callables``, its arguments and semantics, over mhc_cg's backends.
 
-    See the module docstring. ``reuse_input_buffers`` applies only with ``order`` (TE's
-    ``_reuse_graph_input_output_buffers``). ``pool`` is a pool of the chosen backend (``None``: a
-    new one shared by all the graphs made here). ``backend`` is ``"auto"``, ``"tape"``, ``"cuda"``,
-    ``"te"`` or a backend object. ``num_warmup_iters`` defaults to the backend's
-    ``warmup_iters`` (3 on CUDA). Returns one graphed callable for a single callable, else a
-    :class:`GraphedCallables` tuple.
+    See the module docstring. As TE's: ``num_warmup_iters`` warm-up iterations of every forward
+    and backward in the capture order; ``pre_warmup_hook``/``post_warmup_hook`` once before/after
+    them; ``capture_time_hooks``, one dict per callable of ``{"forward_pre_hooks",
+    "forward_hooks", "backward_pre_hooks", "backward_hooks": {id: hook(module)}}``, run around
+    that callable's forward and backward at every warm-up iteration and at capture, outside the
+    capture (a hook that returns a value raises); ``retain_graph_in_backward``;
+    ``clone_param_grads_on_return=False`` hands the parameter grads on uncloned (the module
+    docstring: kept, or added into ``.grad`` inside the graph). ``_reuse_graph_input_output_buffers``
+    applies only with ``_order``. ``pool``: a pool of the backend (``None``: a new one shared by
+    all the graphs made here). FP8 is refused. Returns one graphed callable for a single callable,
+    else a :class:`GraphedCallables` tuple. What is ours alone: ``options`` (:class:`GraphOptions`).
 
-    Not in TE: ``capture_before_backward``, ``{sample index: capture(pool)}``, called just before
-    that sample's backward capture, to capture the caller's graphs into the pool there (each
-    must replay there every iteration and leave nothing allocated); ``keep_param_grads`` and
-    ``lend_grads_to_eager`` (module docstring); ``scratch``, ``{sample index: elements}`` of pool
-    memory lent from a forward's replay to the pool's next one (Note [forward scratch]).
-
-    Phases: normalise the samples, lay out the order, (TE: hand over), share static inputs,
-    warm up, capture along the order, wrap.
+    Phases: normalise the samples, lay out the order, share static inputs, warm up, capture along
+    the order, wrap.
     """
-    single = not isinstance(callables, tuple)
+    _refuse_fp8(fp8_enabled, fp8_calibrating, fp8_weight_caching, enabled, calibrating,
+                cache_quantized_params)
+    options = options or GraphOptions()
+    single = not isinstance(modules, tuple)
     if single:
-        callables, sample_args = (callables,), (sample_args,)
+        modules, sample_args = (modules,), (sample_args,)
         sample_kwargs = None if sample_kwargs is None else (sample_kwargs,)
     sample_args, sample_kwargs = _normalise_samples(sample_args, sample_kwargs)
-    training = _check_callables(callables)
-    layout = None
-    if order is not None:
-        layout = order_layout(order, num_layers_per_chunk, len(callables), len(sample_args))
-    elif len(sample_args) != len(callables):
-        raise ValueError(f"make_graphed_callables: without order, sample_args needs one entry per "
-                         f"callable ({len(callables)}), got {len(sample_args)}")
-    reuse = bool(reuse_input_buffers and layout is not None and training)
-
-    backend_name = _backend_name(backend, sample_args, sample_kwargs)
-    if backend_name == "te":
-        if capture_before_backward or scratch:
-            raise ValueError("make_graphed_callables: capture_before_backward and scratch need the "
-                             "tape or cuda backend; TransformerEngine captures its graphs on its "
-                             "own")
-        return _through_te(callables, sample_args, sample_kwargs, single, order=order,
-                           num_layers_per_chunk=num_layers_per_chunk, reuse_input_buffers=reuse, pool=pool,
-                           num_warmup_iters=3 if num_warmup_iters is None else num_warmup_iters,
-                           allow_unused_input=allow_unused_input)
-    backend_obj = backend if isinstance(backend, GraphBackend) else get_backend(backend_name)
-    num_warmup_iters = backend_obj.warmup_iters if num_warmup_iters is None else num_warmup_iters
+    training = _check_callables(modules)
+    hooks = _capture_time_hooks(capture_time_hooks, len(modules))
+    layout = _layout(_order, _num_layers_per_chunk, len(modules), len(sample_args))
+    reuse = bool(_reuse_graph_input_output_buffers and layout is not None and training)
+    backend = options.backend if isinstance(options.backend, GraphBackend) else get_backend(
+        _backend_name(options.backend, sample_args, sample_kwargs))
     if reuse:
         share_static_inputs(layout, sample_args, sample_kwargs)
     if pool is None:
-        pool = backend_obj.new_pool()
-    forwards, passes = _capture_sequence(callables, layout)
+        pool = backend.new_pool()
+    forwards, passes = _capture_sequence(modules, layout)
     func_of = dict(forwards)
-    states = _runners(func_of, layout, sample_args, sample_kwargs, keep_param_grads and training,
-                      lend_grads_to_eager)
+    states = _runners(func_of, layout, sample_args, sample_kwargs,
+                      not clone_param_grads_on_return and training, options.lend_grads_to_eager)
+    run = _Passes(func_of, states, sample_args, sample_kwargs, training, allow_unused_input,
+                  retain_graph_in_backward, hooks)
     # warmup and capture draw nothing the caller should see: the generators are put back after
     with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
-        _warm_up(backend_obj, forwards, states, sample_args, sample_kwargs, num_warmup_iters,
-                 training, allow_unused_input)
-        _capture(backend_obj, pool, passes, func_of, states, sample_args, sample_kwargs,
-                 training, allow_unused_input, capture_before_backward or {}, scratch or {})
+        _warm_up(backend, run, passes, num_warmup_iters, pre_warmup_hook, post_warmup_hook)
+        _capture(backend, pool, passes, run, options.scratch or {})
     results = _wrap(func_of, states, layout)
     if single:
         return results[0]
-    return GraphedCallables(results, backend=backend_obj.name, pool=pool, states=states,
+    return GraphedCallables(results, backend=backend.name, pool=pool, states=states,
                             static_input_sets=_distinct_input_sets([r.static_inputs for r in states]))
+
+
+def _layout(order, layers_per_chunk, callables: int, samples: int) -> OrderLayout | None:
+    if order is not None:
+        return order_layout(order, layers_per_chunk, callables, samples)
+    if samples != callables:
+        raise ValueError(f"make_graphed_callables: without _order, sample_args needs one entry "
+                         f"per callable ({callables}), got {samples}")
+    return None
+
+
+CAPTURE_TIME_HOOKS = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
+
+
+def _capture_time_hooks(hooks, count: int) -> list[dict[str, list[Callable]]]:
+    """TE's ``capture_time_hooks``, checked as TE checks them: one entry per callable."""
+    if hooks is None:
+        return [{name: [] for name in CAPTURE_TIME_HOOKS} for _ in range(count)]
+    if len(hooks) != count:
+        raise ValueError(f"make_graphed_callables: capture_time_hooks has {len(hooks)} entries, "
+                         f"but there are {count} callables")
+    found = []
+    for entry in hooks:
+        entry = entry or {}
+        unexpected = set(entry) - set(CAPTURE_TIME_HOOKS)
+        if unexpected:
+            raise ValueError(f"make_graphed_callables: unexpected keys in capture_time_hooks "
+                             f"{sorted(unexpected)}; allowed: {list(CAPTURE_TIME_HOOKS)}")
+        found.append({name: list(entry.get(name, {}).values()) for name in CAPTURE_TIME_HOOKS})
+    return found
+
+
+def _refuse_fp8(*values) -> None:
+    if any(v for v in values if not isinstance(v, (tuple, list))) or \
+            any(any(v) for v in values if isinstance(v, (tuple, list))):
+        raise NotImplementedError("make_graphed_callables: FP8 (enabled, calibrating, "
+                                  "cache_quantized_params and their fp8_* forms) needs "
+                                  "TransformerEngine's own make_graphed_callables on a GPU; "
+                                  "mhc_cg's has none: leave them off")
 
 
 def _backend_name(backend: str | GraphBackend, sample_args: list, sample_kwargs: list) -> str:
@@ -341,79 +407,106 @@ def _normalise_samples(sample_args, sample_kwargs) -> tuple[list[tuple], list[di
     return sample_args, sample_kwargs
 
 
-def _through_te(callables, sample_args, sample_kwargs, single: bool, **options) -> Any:
-    """Hand the call to TransformerEngine's ``make_graphed_callables``."""
-    from mhc_cg.runtime.graphs.te import te_make_graphed_callables
-
-    pick = (lambda seq: seq[0]) if single else (lambda seq: seq)
-    result = te_make_graphed_callables(pick(callables), pick(sample_args),
-                                       sample_kwargs=pick(sample_kwargs), **options)
-    if single:
-        return result
-    # TE rewrote sample_args in place when it shared buffers.
-    wrapped = GraphedCallables(result, backend="te", pool=options["pool"], states=None,
-                               static_input_sets=_distinct_input_sets(
-                                   [flat_tensors(a, k) for a, k in zip(sample_args, sample_kwargs)]))
-    return wrapped
-
-
 def _capture_sequence(callables: tuple, layout: OrderLayout | None
-                      ) -> tuple[list[tuple[int, Callable]], list[tuple[str, int]]]:
-    """``(sample index, callable)`` in forward order, and the capture sequence of passes."""
+                      ) -> tuple[list[tuple[int, Callable]], list[tuple[str, int, int]]]:
+    """``(sample index, callable)`` in forward order, and the capture sequence of passes:
+    ``(kind, sample index, callable index)``."""
     if layout is None:
         forwards = [(i, callables[i]) for i in range(len(callables))]
-        passes = [("fwd", i) for i in range(len(callables))] + \
-                 [("bwd", i) for i in reversed(range(len(callables)))]
+        passes = [("fwd", i, i) for i in range(len(callables))] + \
+                 [("bwd", i, i) for i in reversed(range(len(callables)))]
         return forwards, passes
     forwards, passes = [], []
     for is_forward, chunk, mb in layout.passes():
         layers = range(layout.layers_per_chunk[chunk])
         for layer in (layers if is_forward else reversed(layers)):
-            index = layout.sample_index(chunk, mb, layer)
+            index, which = layout.sample_index(chunk, mb, layer), layout.callable_index(chunk, layer)
             if is_forward:
-                forwards.append((index, callables[layout.callable_index(chunk, layer)]))
-            passes.append(("fwd" if is_forward else "bwd", index))
+                forwards.append((index, callables[which]))
+            passes.append(("fwd" if is_forward else "bwd", index, which))
     return forwards, passes
 
 
-def _warm_up(backend: GraphBackend, forwards, states, sample_args, sample_kwargs,
-             iterations: int, training: bool, allow_unused: bool) -> None:
-    """Eager iterations before any capture (lazy library setup never happens inside one)."""
+class _Passes:
+    """The forward and backward passes of the samples, as warm-up runs them eagerly and capture
+    records them, with the capture-time hooks around each (outside any capture)."""
+
+    def __init__(self, func_of: dict, states: list[GraphedState], sample_args: list,
+                 sample_kwargs: list, training: bool, allow_unused: bool, retain_graph: bool,
+                 hooks: list[dict[str, list[Callable]]]):
+        self.func_of, self.states = func_of, states
+        self.sample_args, self.sample_kwargs = sample_args, sample_kwargs
+        self.training, self.allow_unused, self.retain_graph = training, allow_unused, retain_graph
+        self.hooks = hooks
+
+    def hook(self, which: int, name: str, index: int) -> None:
+        for hook in self.hooks[which][name]:
+            if hook(self.func_of[index]) is not None:
+                raise RuntimeError(f"make_graphed_callables: capture_time_hooks {name} must not "
+                                   f"return a value")
+
+    def forward(self, index: int) -> Any:
+        return self.func_of[index](*self.sample_args[index], **self.sample_kwargs[index])
+
+    def grads(self, outputs: list, index: int, grad_outputs: list | None) -> list:
+        return _grads_of(outputs, self.states[index].surface, grad_outputs, self.allow_unused,
+                         self.retain_graph)
+
+    def warm_up(self, passes: list[tuple[str, int, int]]) -> None:
+        """One eager iteration of every pass in the capture order (lazy library setup never
+        happens inside a capture)."""
+        outputs: dict[int, list] = {}
+        for kind, index, which in passes:
+            if kind == "fwd":
+                self.hook(which, "forward_pre_hooks", index)
+                out = tree_flatten(self.forward(index))[0]
+                self.hook(which, "forward_hooks", index)
+                if self.training:
+                    outputs[index] = out
+                del out
+            elif self.training:
+                self.hook(which, "backward_pre_hooks", index)
+                self.grads(outputs.pop(index), index, None)
+                self.hook(which, "backward_hooks", index)
+
+
+def _warm_up(backend: GraphBackend, run: _Passes, passes, iterations: int,
+             before: Callable[[], None] | None, after: Callable[[], None] | None) -> None:
+    """``iterations`` eager runs of every pass, between the pre- and post-warm-up hooks."""
     with backend.warmup():
-        for index, func in forwards:
-            for _ in range(iterations):
-                outputs = tree_flatten(func(*sample_args[index], **sample_kwargs[index]))[0]
-                if training:
-                    _grads_of(outputs, states[index].surface, None, allow_unused)
-                del outputs
+        if before is not None:
+            before()
+        for _ in range(iterations):
+            run.warm_up(passes)
+        if after is not None:
+            after()
     backend.synchronize()
 
 
-def _capture(backend: GraphBackend, pool, passes, func_of, states, sample_args, sample_kwargs,
-             training: bool, allow_unused: bool, before_backward: Mapping[int, Callable],
-             scratch: Mapping[int, int]) -> None:
+def _capture(backend: GraphBackend, pool, passes, run: _Passes, scratch: Mapping[int, int]) -> None:
     """Capture every forward and backward graph in ``passes``' order, all in ``pool``."""
     shared_grad_outputs: dict[tuple, torch.Tensor] = {}
     made_scratch: dict[int, torch.Tensor] = {}
-    for kind, index in passes:
-        if kind == "bwd" and training and index in before_backward:
-            before_backward[index](pool)
+    states, sample_args = run.states, run.sample_args
+    for kind, index, which in passes:
         state = states[index]
         if kind == "fwd":
+            run.hook(which, "forward_pre_hooks", index)
             state.fwd_graph = backend.new_graph(pool=pool)
             with state.fwd_graph.capture(), region("forward"):
                 if index in scratch:  # the pool's first, before the callable allocates
                     made_scratch[index] = _new_scratch(scratch[index], sample_args[index])
                 with _scratch_named(made_scratch.get(index)):
-                    outputs = func_of[index](*sample_args[index], **sample_kwargs[index])
+                    outputs = run.forward(index)
+            run.hook(which, "forward_hooks", index)
             state.layouts = [buffer_layout(t) for t in state.surface]
             flat, state.output_spec = tree_flatten(outputs)
             if not all(isinstance(o, torch.Tensor) for o in flat):
                 raise TypeError(f"make_graphed_callables: callable for sample {state.label} "
                                 f"returned non-tensor outputs {[type(o).__name__ for o in flat]}")
             state.static_outputs = flat
-            state.differentiable = [training and o.requires_grad for o in flat]
-            saved = saved_storages(flat) if training else set()
+            state.differentiable = [run.training and o.requires_grad for o in flat]
+            saved = saved_storages(flat) if run.training else set()
             state.saved_outputs = [i for i, o in enumerate(flat) if storage_id(o) in saved]
             if index in made_scratch and any(storage_id(flat[i]) == storage_id(made_scratch[index])
                                              for i in state.saved_outputs):
@@ -421,6 +514,9 @@ def _capture(backend: GraphBackend, pool, passes, func_of, states, sample_args, 
                                  f"its backward reads into its forward scratch, which that "
                                  f"backward's capture takes back")
             continue
+        if not run.training:
+            continue
+        run.hook(which, "backward_pre_hooks", index)
         made = made_scratch.pop(index, None)
         if made is not None:  # Note [forward scratch]: back to the pool before this capture
             state.scratch = state.fwd_graph.free_early(made)
@@ -430,7 +526,8 @@ def _capture(backend: GraphBackend, pool, passes, func_of, states, sample_args, 
         if not diff_outputs or not wanted:
             state.static_grad_inputs = [None] * len(state.surface)
         else:
-            _capture_backward(backend, pool, state, diff_outputs, allow_unused)
+            _capture_backward(backend, pool, state, run, diff_outputs, index)
+        run.hook(which, "backward_hooks", index)
         if made is not None:
             state.static_outputs = [_over(state.scratch, o) if storage_id(o) == storage_id(made)
                                     else o for o in state.static_outputs]
@@ -438,12 +535,12 @@ def _capture(backend: GraphBackend, pool, passes, func_of, states, sample_args, 
     backend.synchronize()
 
 
-def _capture_backward(backend: GraphBackend, pool, state: GraphedState, diff_outputs: list,
-                      allow_unused: bool) -> None:
+def _capture_backward(backend: GraphBackend, pool, state: GraphedState, run: _Passes,
+                      diff_outputs: list, index: int) -> None:
     state.bwd_graph = backend.new_graph(pool=pool)
     with state.bwd_graph.capture(), region("backward"):
-        grads = _grads_of(diff_outputs, state.surface,
-                          [g for g in state.static_grad_outputs if g is not None], allow_unused)
+        grads = run.grads(diff_outputs, index,
+                          [g for g in state.static_grad_outputs if g is not None])
         _accumulate_into_grads(state, grads)
     # replay_backward clones them before any other graph runs: the pool may have them back;
     # kept parameter grads stay this graph's own (they become ``.grad``)
@@ -486,7 +583,7 @@ def _accumulate_into_grads(state: GraphedState, grads: list) -> None:
 
 
 def _grads_of(outputs: list, surface: list[torch.Tensor], grad_outputs: list | None,
-              allow_unused: bool) -> list[torch.Tensor | None]:
+              allow_unused: bool, retain_graph: bool = False) -> list[torch.Tensor | None]:
     """Grads of ``outputs`` w.r.t. the members of ``surface`` requiring grad, ``None`` elsewhere."""
     diff_outputs = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
     wanted = [t for t in surface if t.requires_grad]
@@ -495,7 +592,7 @@ def _grads_of(outputs: list, surface: list[torch.Tensor], grad_outputs: list | N
     if grad_outputs is None:
         grad_outputs = [torch.zeros_like(o) for o in diff_outputs]
     grads = iter(torch.autograd.grad(diff_outputs, wanted, grad_outputs, only_inputs=True,
-                                     allow_unused=allow_unused))
+                                     allow_unused=allow_unused, retain_graph=retain_graph))
     return [next(grads) if t.requires_grad else None for t in surface]
 
 

@@ -24,8 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from mhc_cg.model import MHCGPT
-from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
-from mhc_cg.runtime.modes.lifecycle import (CapturedState, ModeModel, rewind_replay_order,
+from mhc_cg.runtime.modes.lifecycle import (CapturedState, ModeModel, one_microbatch, rewind_replay_order, warmups,
                                     runs_graphs)
 from mhc_cg.runtime.modes.plan import CapturePlan
 from mhc_cg.runtime.recompute.block_recompute import ARMED, BlockRecomputeManager, run_recompute_blocks
@@ -62,8 +61,10 @@ class AttnSplitModel(ModeModel):
         samples = tuple((torch.zeros(cfg.seq_length, self.micro_batch_size, cfg.hidden_size,
                                      device=device, dtype=dtype, requires_grad=True),)
                         for _ in modules)
-        graphed = make_graphed_callables(modules, samples, backend=self.capture_backend(),
-                                         keep_param_grads=True)
+        api = self.capture_api()
+        graphed = api.make_graphed_callables(modules, samples, num_warmup_iters=warmups(api),
+                                             clone_param_grads_on_return=False,
+                                             **one_microbatch(api, len(modules)))
         self.graphed_callables = graphed
         self.graph_labels = [f"L{layer.layer_number}.attn.core" for layer in self.model.layers]
         self.consumers = list(graphed)

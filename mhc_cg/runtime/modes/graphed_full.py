@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from mhc_cg.core.regions import region
-from mhc_cg.runtime.graphs import GraphBackend, get_backend
+from mhc_cg.runtime.graphs import GraphBackend
 from mhc_cg.runtime.graphs.capture import Graph
 from mhc_cg.runtime.graphs.static_inputs import check_input, load_input, static_buffer
 from mhc_cg.runtime.modes.eager import EagerModel
@@ -60,13 +60,6 @@ class FullIterationModel(ModeModel):
         self.graph: Graph | None = None
         self.loss_sum: Tensor | None = None
         self.inputs = self.targets = self.seeds = None
-
-    def capture_backend(self) -> GraphBackend:
-        """The plan's backend; TransformerEngine's graphs are per callable, so a whole iteration
-        is a plain ``torch.cuda.CUDAGraph`` where the plan says ``te``."""
-        if self.backend is None:
-            self.backend = get_backend("cuda" if self.plan.backend == "te" else self.plan.backend)
-        return self.backend
 
     def prepare(self, device: torch.device | str) -> "FullIterationModel":
         self.inner.prepare(device)

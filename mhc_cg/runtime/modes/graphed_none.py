@@ -17,9 +17,9 @@ import torch
 from torch import Tensor
 
 from mhc_cg.model import MHCGPT, MoEMLP
-from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
+from mhc_cg.runtime.graphs.graphed_callables import GraphOptions
 from mhc_cg.runtime.graphs.replay_state import grad_output_buffer
-from mhc_cg.runtime.modes.lifecycle import CapturedState, ModeModel, runs_graphs
+from mhc_cg.runtime.modes.lifecycle import CapturedState, ModeModel, one_microbatch, runs_graphs, warmups
 from mhc_cg.runtime.modes.plan import CapturePlan
 
 
@@ -56,10 +56,11 @@ class GraphedSublayersModel(ModeModel):
                     labels.append(f"L{layer.layer_number}.{name}")
         self.model.no_state_across(captured)
         sample_args = sublayer_sample_args(self.model, self.micro_batch_size, len(captured), device)
-        self.graphed_callables = make_graphed_callables(tuple(captured), sample_args,
-                                                        backend=self.capture_backend(),
-                                                        keep_param_grads=True,
-                                                        lend_grads_to_eager=True)
+        api = self.capture_api()
+        self.graphed_callables = api.make_graphed_callables(
+            tuple(captured), sample_args, num_warmup_iters=warmups(api),
+            clone_param_grads_on_return=False, **one_microbatch(api, len(captured)),
+            options=GraphOptions(lend_grads_to_eager=True))
         self.graph_labels = labels
         graphed = dict(zip(map(id, captured), self.graphed_callables))
         self.sublayer_fns = [graphed.get(id(sub), sub) for sub in subs]  # MoE: the eager module

@@ -19,8 +19,6 @@ combination of scopes computes the same numbers, bit for bit, as eager without r
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import Tensor, nn
 
@@ -28,13 +26,14 @@ from mhc_cg.model.moe import MoECudaGraphPartialCaptureSignal
 from mhc_cg.model import MHCGPT, MoEMLP, microbatch_loss
 from mhc_cg.ops.output_linear import output_into
 from mhc_cg.config.choices import RECOMPUTE_SCOPE
-from mhc_cg.runtime.graphs.graphed_callables import make_graphed_callables
+from mhc_cg.runtime.graphs.graphed_callables import GraphOptions
 from mhc_cg.runtime.graphs.replay_state import grad_output_buffer
-from mhc_cg.runtime.modes.lifecycle import CapturedState, ModeModel, runs_graphs
+from mhc_cg.runtime.modes.lifecycle import CapturedState, ModeModel, one_microbatch, runs_graphs, warmups
 from mhc_cg.runtime.modes.plan import CapturePlan
 from mhc_cg.core.errors import StaticRecomputeError
 from mhc_cg.runtime.recompute.static import (StaticRecompute, SublayerGraph,
                                              build_static_recompute)
+from mhc_cg.runtime.recompute.pool_captures import RecomputeCaptures
 from mhc_cg.runtime.recompute.sublayers import SUBLAYER_NAMES
 from mhc_cg.core.storage import own_version_alias
 
@@ -158,25 +157,30 @@ class GraphedStaticModel(ModeModel):
             layers, self.block_size, seq_length=cfg.seq_length,
             micro_batch_size=self.micro_batch_size, capacity=self.capacity, device=device,
             dtype=dtype)
-        backend = self.capture_backend()
+        api = self.capture_api()
+        backend = api.backend
         modules, keys = slot_sublayers(self.plan, self.runtime, layers, self.block_size)
         self.model.no_state_across(module.sub for module in modules)
         recompute_in_sublayer_pool = False
         if modules:
+            pool = api.new_pool()
             sample_args = self._static_inputs(keys)
-            before_backward = {}
-            if self._graphs_every_sublayer(modules, keys) and self.plan.recompute_graph \
-                    and backend.name != "te":
+            hooks = armed = None
+            if self._graphs_every_sublayer(modules, keys) and self.plan.recompute_graph:
                 self.runtime.warm_up_recompute(backend)
-                before_backward = self._recompute_captures()
+                captures = RecomputeCaptures(self.runtime, backend, pool,
+                                             self.runtime.sets.all_sets()[0])
+                hooks, armed = captures.hooks(self._recompute_points(), len(modules)), captures.arm
                 recompute_in_sublayer_pool = True
-            scratch = self._head_scratch(modules, keys, backend)
+            scratch = self._head_scratch(modules, keys, api)
             # a partially captured MoE sublayer leaves its experts' parameters to the eager tail
-            graphed = make_graphed_callables(tuple(modules), sample_args, backend=backend,
-                                             allow_unused_input=self.plan.moe_step is not None,
-                                             capture_before_backward=before_backward,
-                                             keep_param_grads=True, lend_grads_to_eager=True,
-                                             scratch=scratch)
+            graphed = api.make_graphed_callables(
+                tuple(modules), sample_args, num_warmup_iters=warmups(api),
+                allow_unused_input=self.plan.moe_step is not None,
+                clone_param_grads_on_return=False, pool=pool, post_warmup_hook=armed,
+                capture_time_hooks=hooks,
+                **one_microbatch(api, len(modules)),
+                options=GraphOptions(lend_grads_to_eager=True, scratch=scratch))
             self.graphed_callables = graphed
             self.logits_memory = graphed.scratch(len(modules) - 1) if scratch else None
             self.graph_labels = [sublayer_label(key, module) for key, module in zip(keys, modules)]
@@ -187,41 +191,33 @@ class GraphedStaticModel(ModeModel):
         self.captured = CapturedState.of(self.model)
         return self
 
-    def _recompute_captures(self) -> dict[int, Callable]:
-        """With every sublayer a graph, replayed in one fixed order per step, each block's recompute
-        graph goes into the sublayer graphs' pool, captured where it replays: after the backward of
-        the next block's first sublayer (whose input gradient fires the block's hook), before the
-        backward of the block's last sublayer. Its temporaries then take memory the forward
-        graphs' temporaries had, instead of a pool of their own.
+    def _recompute_points(self) -> dict[int, int]:
+        """``{sublayer graph: block}``: each block's recompute graph goes into the sublayer
+        graphs' pool just before the backward of the block's last sublayer is captured (Note
+        [recompute graphs in the sublayer pool]).
 
         The last block has none: each forward is followed by its backward (one microbatch in
         flight), so the arena still holds what its forward wrote and the runtime skips its
         recompute (``StaticRecompute.run_recompute``).
         """
-        runtime = self.runtime
-        pset = runtime.sets.all_sets()[0]
         layers = len(self.model.layers)
-        captures = {}
-        for block in range(len(runtime.blocks) - 1):
-            last_layer = min((block + 1) * self.block_size, layers) - 1
-            captures[2 * last_layer + 1] = (
-                lambda pool, block=block: runtime.capture_recompute_graph(self.backend, pool,
-                                                                          block, pset))
-        return captures
+        return {2 * (min((block + 1) * self.block_size, layers) - 1) + 1: block
+                for block in range(len(self.runtime.blocks) - 1)}
 
-    def _head_scratch(self, modules: list, keys: list, backend) -> dict[int, int]:
+    def _head_scratch(self, modules: list, keys: list, api) -> dict[int, int]:
         """Note [logits in the chunk output's scratch]: with one microbatch in flight and the
-        chunk's last sublayer a graph of the tape or cuda backend, that graph's forward scratch
+        chunk's last sublayer a graph of mhc_cg's make_graphed_callables, that graph's forward scratch
         (Note [forward scratch]) takes the chunk output, then the training step's logits: the
         head reads the output once (the streams' mean) before its Linear writes the logits over
         it, and the loss's backward is done before the last sublayer's backward graph, the
         pool's next replay, takes the memory back for its temporaries. The logits then cost the
         pool only what exceeds the chunk output, instead of an eager allocation beside the
         pool's high-water mark. A forward whose logits its caller keeps (``forward``) computes
-        them eagerly as before."""
+        them eagerly. TransformerEngine's function has no forward scratch: under it the logits
+        are an eager allocation (docs/design.md says what that costs)."""
         cfg = self.model.cfg
         last = (self.model.layers[-1].layer_number, 1)
-        if self.capacity != 1 or backend.name == "te" or not keys or keys[-1] != last \
+        if self.capacity != 1 or api.te is not None or not keys or keys[-1] != last \
                 or type(modules[-1]) is not SlotSublayer:
             return {}
         tokens = self.micro_batch_size * cfg.seq_length

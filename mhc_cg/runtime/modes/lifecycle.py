@@ -25,11 +25,29 @@ from torch import Tensor
 from mhc_cg.core.errors import StaleCaptureError
 from mhc_cg.core.storage import distinct_storage_bytes, storage_id
 from mhc_cg.model import MHCGPT, microbatch_loss
-from mhc_cg.runtime.graphs import GraphBackend, GraphedCallables, get_backend
+from mhc_cg.runtime.graphs import GraphBackend, GraphedCallables
+from mhc_cg.runtime.graphs.te import GraphAPI, graph_api
 from mhc_cg.runtime.graphs.capture import Graph, Pool
 from mhc_cg.runtime.graphs.static_inputs import input_problem
 from mhc_cg.runtime.modes.plan import CapturePlan
 from mhc_cg.runtime.recompute.static import StaticRecompute
+
+
+def warmups(api: GraphAPI) -> int:
+    """Warm-up iterations before capture: the backend's (none on the recording backend); TE's
+    function finds which parameters get grads in its first, so it warms up at least once."""
+    return max(1, api.backend.warmup_iters) if api.te is not None else api.backend.warmup_iters
+
+
+def one_microbatch(api: GraphAPI, callables: int) -> dict:
+    """TE's arguments for graphs serving one microbatch at a time, as Megatron's helper passes
+    them without a pipeline: the order ``[1, -1]`` over one chunk, buffers shared along it (TE
+    then keeps one grad-output buffer per shape, not one per callable). mhc_cg's function does
+    that without an order."""
+    if api.te is None:
+        return {}
+    return {"_order": [1, -1], "_num_layers_per_chunk": [callables],
+            "_reuse_graph_input_output_buffers": True}
 
 
 class ModeModel:
@@ -47,6 +65,7 @@ class ModeModel:
                  backend: GraphBackend | None = None):
         self.model, self.plan, self.micro_batch_size = model, plan, micro_batch_size
         self.backend = backend
+        self._api: GraphAPI | None = None
         self.graphed_callables: tuple = ()
         self.graph_labels: list[str] = []  # what each graphed callable holds, e.g. "L3.attn"
         self.runtime: StaticRecompute | None = None
@@ -100,11 +119,16 @@ class ModeModel:
             raise ValueError(problem)
         return seed
 
+    def capture_api(self) -> GraphAPI:
+        """What captures go through: the plan's ``make_graphed_callables`` (TE's for ``te``,
+        else mhc_cg's) over the backend given (the cost model's recording one), else the plan's."""
+        if self._api is None:
+            self._api = graph_api(self.plan.backend, self.backend)
+        return self._api
+
     def capture_backend(self) -> GraphBackend:
-        """The backend captures go through: the one given, else the plan's."""
-        if self.backend is None:
-            self.backend = get_backend(self.plan.backend)
-        return self.backend
+        """The primitive the graphs are captured on: the runtime's own graphs go through it."""
+        return self.capture_api().backend
 
     def idle_workspace(self) -> Tensor | None:
         """Bytes the mode holds that nothing reads between training steps, for the optimizer's
@@ -121,11 +145,24 @@ class ModeModel:
         for label, state in zip(self.graph_labels, self._graphed_states()):
             found += [(f"{label} fwd", "forward", state.fwd_graph),
                       (f"{label} bwd", "backward", state.bwd_graph)]
-        found = [entry for entry in found if entry[2] is not None]
+        found = [entry for entry in found if entry[2] is not None] or self._te_named_graphs()
         if self.runtime is not None:
             found += [(f"recompute block {block} set {pset}", "recompute", graph)
                       for (block, pset), graph in self.runtime.recompute_graphs.items()]
         return found
+
+    def _te_named_graphs(self) -> list[tuple[str, str, Graph]]:
+        """TE's graphs, where its ``torch.cuda`` was ours: its forwards in order, then its
+        backwards in reverse (its capture order over one microbatch)."""
+        callables = self.graphed_callables
+        if not isinstance(callables, GraphedCallables) or callables.states is not None:
+            return []
+        graphs, labels = callables.graphs(), self.graph_labels
+        if len(graphs) != 2 * len(labels):
+            return [(f"te graph {i}", "forward", g) for i, g in enumerate(graphs)]
+        return ([(f"{label} fwd", "forward", g) for label, g in zip(labels, graphs)]
+                + [(f"{label} bwd", "backward", g)
+                   for label, g in zip(reversed(labels), graphs[len(labels):])])
 
     def graphs(self) -> list[Graph]:
         """Every captured graph, in :meth:`named_graphs` order."""
@@ -135,12 +172,10 @@ class ModeModel:
         """Bytes of the buffers allocated for the graphed callables' static inputs and grad
         outputs, outside the pools, once per distinct storage (an input that aliases the static
         runtime's arena or persistent sets adds nothing); ``None`` without graphed callables."""
-        states = self._graphed_states()
-        if not states:
+        callables = self.graphed_callables
+        if not isinstance(callables, GraphedCallables) or not callables:
             return None
-        buffers = [t for state in states for t in (*state.static_inputs, *state.static_grad_outputs)
-                   if t is not None]
-        return distinct_storage_bytes(buffers, self._runtime_storages())
+        return distinct_storage_bytes(callables.static_tensors(), self._runtime_storages())
 
     def _runtime_storages(self) -> set[int]:
         """Storages of the static runtime's arena and persistent sets (reported on their own)."""

@@ -33,7 +33,8 @@ from mhc_cg.core.progress import ProgressBar
 from mhc_cg.core.pipeline_order import (assign_persistent_slot_sets, max_persistent_slot_sets,
                                   pipeline_order)
 from mhc_cg.model import MHCGPT, lm_loss
-from mhc_cg.runtime.graphs import get_backend, make_graphed_callables
+from mhc_cg.runtime.graphs.te import graph_api
+from mhc_cg.runtime.modes.lifecycle import warmups
 from mhc_cg.runtime.modes.graphed_none import sublayer_sample_args
 from mhc_cg.runtime.modes.graphed_static import slot_sublayers
 from mhc_cg.runtime.modes.registry import build_model, resolve
@@ -118,6 +119,7 @@ class RankReport:
     recomputes_replayed: int = 0  # block recomputes that ran as a replayed graph
     recomputes_eager: int = 0  # ... and eagerly (none, once the graphs are captured)
     recomputes_kept: int = 0  # ... and skipped: the arena still held the block's forward
+    capture_api: str = ""  # what captured the sublayer graphs: "te" (TE's function) or ours
     sublayer_graphs: int = 0  # forward and backward graphs of the graphed sublayers
     sublayer_graph_replays: int = 0
     losses: list[float] = field(default_factory=list)
@@ -135,7 +137,7 @@ class RankReport:
                 "recomputes_replayed": self.recomputes_replayed,
                 "recomputes_eager": self.recomputes_eager,
                 "recomputes_kept": self.recomputes_kept,
-                "sublayer_graphs": self.sublayer_graphs,
+                "capture_api": self.capture_api, "sublayer_graphs": self.sublayer_graphs,
                 "sublayer_graph_replays": self.sublayer_graph_replays, "order": self.order}
 
 
@@ -204,9 +206,10 @@ class PipelineRank:
         callable per (chunk, microbatch, sublayer) along the rank's order (TE's
         ``make_graphed_callables`` semantics: one pool, static inputs reused)."""
         plan = self.run.plan
-        backend = get_backend(plan.backend)
+        api = graph_api(plan.backend)
+        self.capture_api = api.name
         for runtime in self.runtimes:
-            runtime.capture_recompute_graphs(backend)
+            runtime.capture_recompute_graphs(api.backend)
         self.sublayer_fns, self.graphed = [None] * self.vpp, None
         if not plan.graphed_sublayers:
             return
@@ -220,9 +223,10 @@ class PipelineRank:
         # then microbatch, then the chunk's sublayers
         samples = sublayer_sample_args(self.model, self.cfg.train.micro_batch_size,
                                        self.vpp * self.m * per_chunk, self.dev)
-        self.graphed = make_graphed_callables(tuple(modules), samples, order=self.order,
-                                              num_layers_per_chunk=per_chunk, backend=backend,
-                                              keep_param_grads=True)
+        self.graphed = api.make_graphed_callables(
+            tuple(modules), list(samples), num_warmup_iters=warmups(api),
+            _order=self.order, _num_layers_per_chunk=[per_chunk] * self.vpp,
+            _reuse_graph_input_output_buffers=True, clone_param_grads_on_return=False)
 
         def for_chunk(c):
             def fns(microbatch):
@@ -294,7 +298,8 @@ class PipelineRank:
                             peak_sets_in_use=0, assignment_matches_planner=False,
                             arena_bytes=self.arena.nbytes,
                             persistent_bytes_per_set=self.sets.nbytes_per_set,
-                            recompute_graphs=sum(len(rt.recompute_graphs) for rt in self.runtimes))
+                            recompute_graphs=sum(len(rt.recompute_graphs) for rt in self.runtimes),
+                            capture_api=self.capture_api)
         is_last_rank = self.rank == self.pp - 1
         bar = ProgressBar(steps, f"train[pp{self.pp} vpp{self.vpp}]", progress and is_last_rank)
         for step in range(steps):

@@ -1,17 +1,21 @@
-"""A stand-in for TransformerEngine, for machines without a GPU.
+"""The ``transformer_engine`` Megatron imports where TransformerEngine cannot be: the module tree
+its ``TECudaGraphHelper`` reads, each name TE's own where TE's wheel gives it.
 
-TransformerEngine cannot be installed without CUDA, yet megatron-core's ``TECudaGraphHelper``
-needs it: it imports a handful of names from ``transformer_engine.pytorch`` and calls one of
-them, ``make_graphed_callables``. This package has exactly those names; its
-``make_graphed_callables`` is mhc_cg's on the ``tape`` backend (the CPU emulation of CUDA
-graphs), with TE's argument names. FP8 is refused. Load it with ``mhc_cg.megatron_harness.te_on_tape.load()`` after
-megatron is imported; on a GPU real TE is used and
-nothing of this package is.
+TransformerEngine's package cannot be imported here (its ``__init__`` loads TE's CUDA library
+and C extension, which neither the CPU machines nor the lent GPUs have), yet megatron-core's
+helper imports a handful of names from it and calls one, ``make_graphed_callables``. That one,
+and ``save_fp8_tensors``/``restore_fp8_tensors``/``set_capture_start``/``set_capture_end``,
+``FP8GlobalStateManager`` and ``make_weak_ref``, are TE's own from its wheel
+(:mod:`mhc_cg.runtime.graphs.te_wheel`), capturing over ``torch.cuda`` graphs on a GPU and over
+the tape on a CPU; ``__version__`` is the wheel's. What the wheel cannot give without TE's C
+extension is this package's: the module base class (an ``isinstance`` target: no module here is
+a TE module; the same class TE's graph code checks against) and
+``is_fp8_activation_recompute_enabled`` (FP8 is off). Load it with
+``mhc_cg.megatron_harness.te_on_tape.load()`` after megatron is imported.
 """
 
-# The newest TE release whose graph API this stand-in covers: ``_order``,
-# ``_num_layers_per_chunk`` (2.6) and ``_reuse_graph_input_output_buffers`` (2.7). TE 2.10 adds
-# ``reset()`` on each graphed callable, which the stand-in's callables do not have.
-__version__ = "2.9.0"
+from mhc_cg.megatron_harness.te_on_tape.wheel import GRAPH
 
-STANDIN = True  # how the loader tells this package from a real TransformerEngine
+__version__ = GRAPH.version
+
+STANDIN = True  # how the loader tells this package from an installed TransformerEngine

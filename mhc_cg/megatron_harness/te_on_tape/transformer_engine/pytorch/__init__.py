@@ -1,4 +1,4 @@
-"""``transformer_engine.pytorch`` of the stand-in: the graph API megatron-core's helper calls."""
+"""``transformer_engine.pytorch``: TE's graph API, from its wheel."""
 
 from transformer_engine.pytorch.graph import make_graphed_callables
 

@@ -1,13 +1,5 @@
-"""The FP8 state TE keeps; the stand-in never enables FP8."""
+"""``transformer_engine.pytorch.fp8``: TE's FP8 state, from its wheel."""
 
+from mhc_cg.megatron_harness.te_on_tape.wheel import GRAPH
 
-class FP8GlobalStateManager:
-    """Answers as TE does with FP8 off."""
-
-    @staticmethod
-    def is_fp8_enabled() -> bool:
-        return False
-
-    @staticmethod
-    def get_fp8_recipe():
-        return None
+FP8GlobalStateManager = GRAPH.module.FP8GlobalStateManager

@@ -1,7 +1,5 @@
-"""TE's utilities that megatron-core imports; only its local CUDA-graph path calls them."""
+"""``transformer_engine.pytorch.utils``: TE's ``make_weak_ref``, from its wheel."""
 
+from mhc_cg.megatron_harness.te_on_tape.wheel import GRAPH
 
-def make_weak_ref(x):
-    raise NotImplementedError("transformer_engine.pytorch.utils.make_weak_ref: megatron-core calls it "
-                              "for cuda_graph_impl='local', which the stand-in does not cover; use "
-                              "cuda_graph_impl='transformer_engine'")
+make_weak_ref = GRAPH.module.make_weak_ref
