@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -83,7 +84,7 @@ class BackendCUDAGraph:
     ``graph``: the backend's graph once captured."""
 
     backend: GraphBackend  # both set by the subclass :class:`CudaAPI` makes
-    captured: list["BackendCUDAGraph"]  # every graph of that API, in capture order
+    captured: list[weakref.ref]  # every graph of that API, in capture order (held by their users)
 
     def __init__(self, keep_graph: bool = False):
         self.graph = None
@@ -102,7 +103,7 @@ class BackendCUDAGraph:
             raise TypeError(f"CUDAGraph on the {self.backend.name} backend: pool must come from "
                             f"its torch.cuda.graph_pool_handle(), got {type(pool).__name__}")
         self.graph = self.backend.new_graph(pool=pool)
-        self.captured.append(self)
+        self.captured.append(weakref.ref(self))
         self._capture = self.graph.capture()
         self._capture.__enter__()
         self._host = _HostStaysOnHost()
@@ -184,7 +185,7 @@ class CudaAPI(types.ModuleType):
     def __init__(self, backend: GraphBackend):
         super().__init__("torch.cuda", f"torch.cuda over mhc_cg's {backend.name} backend")
         self.backend = backend
-        self.captured: list[BackendCUDAGraph] = []  # what code captured through this API
+        self.captured: list[weakref.ref] = []  # what code captured through this API
         self.CUDAGraph = type("CUDAGraph", (BackendCUDAGraph,),
                               {"backend": backend, "captured": self.captured})
         self.graph = _CaptureOn
@@ -212,7 +213,12 @@ class CudaAPI(types.ModuleType):
     def capturing(self) -> bool:
         """Whether a graph of this API is being captured (the recorder's own dispatch mode is
         not on the stack while an op it records runs, so the stack cannot tell)."""
-        return any(graph._capture is not None for graph in self.captured) or graph_capturing()
+        return any(g is not None and g._capture is not None for g in self.graphs()) \
+            or graph_capturing()
+
+    def graphs(self, since: int = 0) -> list[BackendCUDAGraph]:
+        """The graphs captured through this API (from the ``since``-th on) that are still held."""
+        return [g for g in (ref() for ref in self.captured[since:]) if g is not None]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)

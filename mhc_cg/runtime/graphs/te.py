@@ -105,8 +105,8 @@ class GraphAPI:
             return make_graphed_callables(modules, sample_args, pool=pool, options=options,
                                           **kwargs)
         cuda = self.te.module.torch.cuda
-        log = cuda.captured if isinstance(cuda, CudaAPI) else []  # off a GPU: TE's graphs seen
-        start = len(log)
+        ours = isinstance(cuda, CudaAPI)  # off a GPU: TE's graphs are seen
+        start = len(cuda.captured) if ours else 0
         capturing = cuda.capturing if isinstance(cuda, CudaAPI) else \
             torch.cuda.is_current_stream_capturing
         with _Allocations(capturing) as allocated:
@@ -118,7 +118,7 @@ class GraphAPI:
         inputs = [flat_tensors(a, k) for a, k in zip(sample_args, samples)]
         return GraphedCallables(result, backend="te", pool=pool, states=None,
                                 static_input_sets=_distinct_input_sets(inputs),
-                                captured=[cg.graph for cg in log[start:]],
+                                captured=[cg.graph for cg in cuda.graphs(start)] if ours else [],
                                 static_tensors=[t for ts in inputs for t in ts]
                                 + allocated.alive())
 
