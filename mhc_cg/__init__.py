@@ -5,4 +5,4 @@ from mhc_cg.model import MHCGPT, MHCGPTConfig
 
 __all__ = ["HyperConnection", "MHCGPT", "MHCGPTConfig", "contract_streams", "expand_streams",
            "sinkhorn_knopp"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -177,3 +177,136 @@ def test_generated_blocks_are_what_the_commands_make_now():
     step = row.split("|")[4].strip()
     banded = not reports(doc_tables.BENCH)["gpu"]["one_figure"]
     assert re.fullmatch(r"[\d.]+-[\d.]+ ms" if banded else r"[\d.]+ ms", step), step
+
+
+# ---- the first screen, and the outputs the docs quote ---------------------------------------------
+
+README_FIRST_SCREEN_LINES = 40
+
+
+def _readme() -> str:
+    return (ROOT / "README.md").read_text()
+
+
+def _columns(line: str) -> list[str]:
+    return re.split(r"\s{2,}", line.strip())
+
+
+def _quoted(text: str, command: str) -> list[str]:
+    """The lines a fenced block quotes after ``$ command``."""
+    lines = text.splitlines()
+    start = lines.index(f"$ {command}") + 1
+    return lines[start:lines.index("```", start)]
+
+
+def test_readme_opens_with_the_two_commands():
+    lines = _readme().splitlines()
+    at = lines.index("## Two commands") + 1
+    assert at <= README_FIRST_SCREEN_LINES, f"'## Two commands' at line {at}"
+    block = lines[at:lines.index("```", lines.index("```bash", at) + 1)]
+    assert any(line.startswith("make demo") for line in block)
+    assert any(line.startswith("make test") for line in block)
+
+
+def test_readme_quotes_the_table_make_demo_prints():
+    """The README's excerpt of ``make demo``: the header ``mhc-cg train --compare`` prints on the
+    CPU, and rows (mode, losses, verdict) as docs/configuration.md quotes the whole run."""
+    from mhc_cg.compare.modes import format_table
+
+    header = _columns(format_table({}, cpu=True).splitlines()[0])
+    lines = _readme().splitlines()
+    at = next(n for n, line in enumerate(lines) if _columns(line) == header)
+    rows = [_columns(line)[:3] for line in lines[at + 2:lines.index("```", at)]]
+    assert rows and all(row[2] in ("(reference)", "bit-identical") for row in rows)
+    whole = _quoted((ROOT / "docs" / "configuration.md").read_text(),
+                    "mhc-cg train --config configs/tiny_cpu.yaml --compare")
+    assert _columns(whole[1]) == header
+    assert all(row in [_columns(line)[:3] for line in whole] for row in rows), rows
+
+
+def test_readme_states_modelled_figures_only_in_its_generated_blocks():
+    from mhc_cg.cost import doc_tables
+
+    prose = doc_tables.BLOCK.sub("", _readme())
+    figures = re.findall(r"\d[\d.]*\s?(?:ms|GiB|TB/s|TFLOP/s|%)", prose)
+    assert not figures, f"README figures outside generated blocks: {figures}"
+
+
+def test_pipeline_doc_quotes_what_the_pipeline_compare_prints():
+    """docs/pipeline.md's run: the step table's header and the verdict as the code prints them,
+    every step equal."""
+    from types import SimpleNamespace
+
+    from mhc_cg.compare import pipeline
+
+    quoted = _quoted((ROOT / "docs" / "pipeline.md").read_text(),
+                     "mhc-cg train --config configs/tiny_pp2_vpp2.yaml --compare")
+    run = SimpleNamespace(losses=[1.0], grad_norms=[1.0])
+    header = _columns(pipeline.format_steps(run, run).splitlines()[0])
+    at = next(n for n, line in enumerate(quoted) if _columns(line) == header)
+    steps = [_columns(line) for line in quoted[at + 2:] if line[:1].isdigit()]
+    assert steps and all(step[-1] == "yes" for step in steps)
+    verdict = (f"per-step losses equal to pp_size 1 bit for bit, grad norms within "
+               f"{pipeline.NORM_RTOL:g}: yes")
+    assert quoted[-1] == verdict
+
+
+def test_pipeline_doc_quotes_the_schedule_sweep_as_it_prints_now(capsys):
+    import runpy
+
+    runpy.run_path(str(ROOT / "profiles" / "schedule" / "sweep_microbatches.py"), run_name="__main__")
+    printed = capsys.readouterr().out.splitlines()
+    assert _quoted((ROOT / "docs" / "pipeline.md").read_text(),
+                   "python profiles/schedule/sweep_microbatches.py") == printed
+
+
+# ---- what to set in Megatron: said once (docs/megatron.md), the configs' comments agree ----------
+
+_SETTING_FIELDS = ("mhc_num_residual_streams", "num_residual_streams", "mhc_recompute_layer_num",
+                   "recompute_granularity", "recompute_modules", "cuda_graph_impl",
+                   "cuda_graph_modules")
+
+
+def _comment_setting(path: Path) -> tuple[dict, set[str], bool]:
+    """``({field: value}, fields said absent, recompute_graphs)`` from a config's comment
+    ``In X's TransformerConfig (...): a, b: v, no c, ...; and make_te_graph_helper(...)``."""
+    import yaml
+
+    comment = " ".join(line.lstrip("# ").rstrip() for line in path.read_text().splitlines()
+                       if line.startswith("#"))
+    body = comment[comment.index("TransformerConfig (docs/megatron.md"):]
+    body, rest = body[body.index("):") + 2:].split("; and ", 1)
+    fields, absent = {}, set()
+    for item in (part.strip() for part in body.split(", ")):
+        if item.startswith("no "):
+            absent.add(item[3:])
+        elif ":" in item:
+            name, value = item.split(":", 1)
+            fields[name] = yaml.safe_load(value)
+        else:
+            fields[item] = True
+    return fields, absent, rest.startswith("make_te_graph_helper(..., recompute_graphs=True)")
+
+
+def test_megatron_configs_comments_state_the_setting_the_runs_use():
+    from megatron_integration.config.field_map import megatron_config_kwargs
+    from mhc_cg.config import load_config
+    from mhc_cg.megatron_harness.runs import OURS, run_kwargs
+
+    doc = (ROOT / "docs" / "megatron.md").read_text()
+    what_to_set = doc[doc.index("## What to set"):doc.index("\n## ", doc.index("## What to set") + 1)]
+    for name, branch in (("megatron_main_mhc.yaml", "main"), ("megatron_dev_tp2_pp2.yaml", "dev")):
+        path = ROOT / "configs" / name
+        kwargs, recompute_graphs = megatron_config_kwargs(load_config(str(path)), branch)
+        kwargs = run_kwargs(kwargs, OURS, branch)
+        fields, absent, helper_call = _comment_setting(path)
+        assert {k: kwargs.get(k) for k in fields} == fields, name
+        assert not absent & set(kwargs), name
+        assert recompute_graphs and helper_call, name
+        for field in set(fields) & set(_SETTING_FIELDS):
+            value = fields[field]
+            said = f"[{', '.join(value)}]" if isinstance(value, list) else str(value)
+            assert f"`{field}: {said}`" in what_to_set, (name, field)
+    assert "make_te_graph_helper(..., recompute_graphs=True)" in what_to_set
+    readme = _readme()
+    assert "docs/megatron.md#what-to-set" in readme and "recompute_modules:" not in readme
