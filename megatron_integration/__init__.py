@@ -12,8 +12,10 @@ imports nothing from megatron-core):
   replayable;
 * ``make_te_graph_helper``: megatron's ``TECudaGraphHelper`` with every decoder on mhc_cg's static
   runtime (every chunk of a rank sharing one arena and one pool of persistent slot sets) and the
-  recompute graphs captured along the helper's order; ``install_rank``,
-  ``install_static_recompute`` and ``StaticMHCBlock`` for the parts (``capture/``).
+  recompute graphs captured along the helper's order; ``mhc_te_graph_helper``, the same called
+  as Megatron-LM's ``train()`` calls its helper (``examples/megatron/``); ``install_rank``,
+  ``install_static_recompute`` and ``StaticMHCBlock`` for the parts (``capture/``);
+* ``megatron_integration.specs``: the layer specs for Megatron-LM's ``--spec`` flag.
 
 What runs Megatron-LM snapshots in child processes for ``mhc-cg megatron`` and the tests
 (training loop, measurements, CPU shims, TransformerEngine's graph API on the tape) lives with
@@ -35,6 +37,7 @@ _EXPORTS = {
     "dev_mhc_block_spec": "megatron_integration.layers.dev_layer",
     "use_counter_dropout": "megatron_integration.layers.counter_dropout",
     "make_te_graph_helper": "megatron_integration.capture.te_graph_helper",
+    "mhc_te_graph_helper": "megatron_integration.capture.te_graph_helper",
     "install_static_recompute": "megatron_integration.capture.install",
     "install_rank": "megatron_integration.capture.install",
     "StaticMHCBlock": "megatron_integration.capture.static_block",

@@ -307,6 +307,6 @@ def test_megatron_configs_comments_state_the_setting_the_runs_use():
             value = fields[field]
             said = f"[{', '.join(value)}]" if isinstance(value, list) else str(value)
             assert f"`{field}: {said}`" in what_to_set, (name, field)
-    assert "make_te_graph_helper(..., recompute_graphs=True)" in what_to_set
+    assert "on by default (`mhc_te_graph_helper`, `make_te_graph_helper`" in what_to_set
     readme = _readme()
     assert "docs/megatron.md#what-to-set" in readme and "recompute_modules:" not in readme

@@ -141,7 +141,9 @@ def test_cli_compare_json_on_the_shipped_config(main_snapshot):
     proc = _cli("--config", "configs/megatron_main_mhc.yaml", "--compare", "--json")
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
-    assert set(result) == {"bit_identical", "runs", "checked", "capturing_function"}
+    assert set(result) == {"bit_identical", "runs", "checked", "capturing_function", "cpu_changes"}
+    # a CPU run turns off the fusions whose kernels need CUDA, and says so with the reasons
+    assert result["cpu_changes"]["masked_softmax_fusion"].startswith("False (")
     assert result["bit_identical"] is True
     # megatron's helper called TE's own function, from its wheel
     assert result["capturing_function"]["file"].endswith(".whl/transformer_engine/pytorch/graph.py")

@@ -166,8 +166,19 @@ def install_static_runtime(chunks: list, config, seq_length: int, micro_batch_si
 _HELPERS: dict[type, type] = {}
 
 
+def mhc_te_graph_helper(model, config, seq_length: int, micro_batch_size: int,
+                        optimizers: Sequence = (), **helper_kwargs):
+    """What a training script names where Megatron-LM's ``train()`` looks ``TECudaGraphHelper``
+    up (``megatron.training.training.TECudaGraphHelper = mhc_te_graph_helper``,
+    ``examples/megatron/``): called as megatron calls its helper, it returns
+    :func:`make_te_graph_helper`'s, recompute graphs on unless the config says otherwise."""
+    return make_te_graph_helper(model, config, seq_length, micro_batch_size, optimizers,
+                                **helper_kwargs)
+
+
 def make_te_graph_helper(model, config, seq_length: int, micro_batch_size: int,
-                         optimizers: Sequence = (), *, recompute_graphs: bool | None = None):
+                         optimizers: Sequence = (), *, recompute_graphs: bool | None = None,
+                         **helper_kwargs):
     """megatron-core's ``TECudaGraphHelper`` over mHC layers on the static runtime.
 
     ``model``: megatron's list of model chunks of this rank (DDP-wrapped, as the helper expects).
@@ -175,7 +186,9 @@ def make_te_graph_helper(model, config, seq_length: int, micro_batch_size: int,
     one arena and one pool of persistent sets sized by the rank's order
     (:func:`rank_order`, checked against the helper's own when it captures).
     ``recompute_graphs``: capture the recompute graphs (default: ``config.mhc_recompute_graph``,
-    set by ``mhc_recompute`` in the scope of an ``MHCTransformerConfig``). Needs
+    set by ``mhc_recompute`` in the scope of an ``MHCTransformerConfig``; on with Megatron-LM's
+    own config, which has no such field). ``helper_kwargs``: the rest of what megatron's helper
+    takes (``pg_collection``, dev's ``thd_sequence_length_upper_bound``). Needs
     TransformerEngine (on the CPU, the stand-in in ``mhc_cg/megatron_harness/te_on_tape``);
     megatron-core's helper asserts its graph support.
     """
@@ -187,8 +200,8 @@ def make_te_graph_helper(model, config, seq_length: int, micro_batch_size: int,
         _HELPERS[TECudaGraphHelper] = type("MHCTECudaGraphHelper",
                                            (RecomputeCaptureMixin, TECudaGraphHelper), {})
     helper = _HELPERS[TECudaGraphHelper](chunks, config, seq_length, micro_batch_size,
-                                         list(optimizers))
-    helper.mhc_recompute_graph = (getattr(config, "mhc_recompute_graph", False)
+                                         list(optimizers), **helper_kwargs)
+    helper.mhc_recompute_graph = (getattr(config, "mhc_recompute_graph", True)
                                   if recompute_graphs is None else recompute_graphs)
     return helper
 

@@ -35,7 +35,9 @@ graph.backend                   cuda_graph_impl: ``te`` -> transformer_engine (m
                                 (mhc_cg's own graphed callables capture them)
 ==============================  =============================================================
 
-Normalisation is RMSNorm (as mhc_cg's model); fusions that need CUDA extensions are off.
+Normalisation is RMSNorm (as mhc_cg's model). What a CPU run changes, and only a CPU run
+(:data:`CPU_CHANGES`, each with its reason): the fusions whose kernels need CUDA off, and dev's
+fused mHC kernels (Triton, cuTile) off. On a GPU Megatron's fields keep their values.
 
 Megatron-LM main's and dev's spellings and settings, where they differ
 (:func:`megatron_config_kwargs`):
@@ -45,7 +47,7 @@ RunConfig                       Megatron-LM main's TransformerConfig
 ==============================  =============================================================
 model.num_streams               main: enable_mhc_connections, mhc_num_residual_streams;
                                 dev: enable_hyper_connections, num_residual_streams
-                                (use_fused_mhc off)
+                                (use_fused_mhc off on a CPU)
 parallel.tp_size                tensor_model_parallel_size
 parallel.sequence_parallel      sequence_parallel
 parallel.ep_size                expert_model_parallel_size (dev; MoE)
@@ -72,9 +74,23 @@ from mhc_cg.core.dtypes import TORCH_DTYPES
 # eager training steps before megatron's helper captures (its ``cuda_graph_warmup_steps``)
 from mhc_cg.config.rules import MEGATRON_WARMUP_STEPS as WARMUP_STEPS
 
-# fused kernels that need CUDA extensions; mhc_cg's bias-dropout-add is its own
-_NO_CUDA_FUSIONS = dict(bias_dropout_fusion=False, gradient_accumulation_fusion=False,
-                        masked_softmax_fusion=False, apply_rope_fusion=False)
+# what a CPU run sets, and why (a GPU run leaves these fields as Megatron has them)
+CPU_CHANGES = {
+    "bias_dropout_fusion": (False, "megatron's fused bias-dropout-add is a CUDA kernel"),
+    "gradient_accumulation_fusion": (False, "its fused weight-gradient kernel needs APEX or "
+                                            "TransformerEngine on CUDA"),
+    "masked_softmax_fusion": (False, "the fused softmax is a CUDA kernel"),
+    "apply_rope_fusion": (False, "the fused RoPE is TransformerEngine's or APEX's CUDA kernel"),
+}
+DEV_CPU_CHANGES = {"use_fused_mhc": (False, "dev's fused mHC kernels are Triton/cuTile on CUDA")}
+
+
+def cpu_changes(run_cfg: RunConfig, branch: str | None = None) -> dict[str, tuple[Any, str]]:
+    """``{field: (value, why)}`` the mapping sets because ``run_cfg`` runs on a CPU; none on a
+    GPU. ``branch``: ``"dev"`` adds dev's own fused mHC kernels."""
+    if run_cfg.train.device == "cuda":
+        return {}
+    return {**CPU_CHANGES, **(DEV_CPU_CHANGES if branch == "dev" else {})}
 
 
 # Megatron's MoE as its partial capture runs it: the all-to-all dispatcher (expert parallelism
@@ -95,7 +111,7 @@ def _shared_kwargs(run_cfg: RunConfig) -> dict[str, Any]:
                 init_method_std=m.init_std, normalization="RMSNorm",
                 mhc_sinkhorn_iterations=m.sinkhorn_iterations,
                 mhc_init_gating_factor=m.init_gating_factor, bf16=t.dtype == "bf16",
-                **_NO_CUDA_FUSIONS)
+                **{field: value for field, (value, _) in cpu_changes(run_cfg).items()})
 
 
 def transformer_config_kwargs(run_cfg: RunConfig) -> dict[str, Any]:
@@ -149,9 +165,9 @@ def megatron_config_kwargs(run_cfg: RunConfig, branch: str = "main") -> tuple[di
     kwargs = _shared_kwargs(run_cfg)
     if branch == "main":
         kwargs.update(enable_mhc_connections=m.num_streams > 1, mhc_num_residual_streams=m.num_streams)
-    else:  # dev's names; its cuTile/Triton mHC kernels off (the native ops, on any device)
+    else:  # dev's names; on a CPU its cuTile/Triton mHC kernels off (cpu_changes)
         kwargs.update(enable_hyper_connections=m.num_streams > 1, num_residual_streams=m.num_streams,
-                      use_fused_mhc=False)
+                      **{field: value for field, (value, _) in cpu_changes(run_cfg, "dev").items()})
     kwargs.update(
         recompute_granularity="selective", recompute_modules=["mhc"],
         mhc_recompute_layer_num=m.resolved_recompute_layers,

@@ -29,6 +29,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from mhc_cg.runtime.graphs.te_wheel import te_installed
+
 from megatron_integration.layers.main_layer import (MainLayerSteps, MainSublayerSteps,
                                                     graphed_layer_class)
 
@@ -43,23 +45,28 @@ def is_dev_config(config) -> bool:
     return hasattr(config, "num_residual_streams") and not hasattr(config, "mhc_num_residual_streams")
 
 
-def dev_mhc_layer_spec(*, cpu: bool = False, graphed: bool = False):
-    """``dev``'s own local GPT layer spec with mHC (``get_gpt_layer_local_spec(
-    enable_hyper_connection=True)``, RMSNorm), dense; see :func:`_on_runtime` for ``cpu`` and
-    ``graphed``."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def dev_mhc_layer_spec(*, cpu: bool = False, graphed: bool = False, use_te: bool | None = None):
+    """``dev``'s own GPT layer spec with mHC (``enable_hyper_connection=True``), dense: TE's
+    (``get_gpt_layer_with_transformer_engine_spec``) where TransformerEngine is installed, else
+    the local one with RMSNorm (``use_te`` decides instead where given); see :func:`_on_runtime`
+    for ``cpu`` and ``graphed``."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
-    return _on_runtime(get_gpt_layer_local_spec(normalization="RMSNorm",
-                                                enable_hyper_connection=True), cpu, graphed)
+    te = te_installed() if use_te is None else use_te
+    base = (get_gpt_layer_with_transformer_engine_spec(enable_hyper_connection=True) if te else
+            get_gpt_layer_local_spec(normalization="RMSNorm", enable_hyper_connection=True))
+    return _on_runtime(base, cpu, graphed)
 
 
 def dev_mhc_block_spec(config, vp_stage: int | None, *, cpu: bool = False, graphed: bool = False):
-    """``dev``'s own decoder spec of one model chunk (``get_gpt_decoder_block_spec``): dense and
-    MoE layers as ``config.moe_layer_freq`` places them, each adapted by :func:`_on_runtime`;
+    """``dev``'s own decoder spec of one model chunk (``get_gpt_decoder_block_spec``, on TE's
+    modules where TransformerEngine is installed): dense and MoE layers as
+    ``config.moe_layer_freq`` places them, each adapted by :func:`_on_runtime`;
     on the CPU the final norm is ``SequenceParallelRMSNorm``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=te_installed(),
                                        normalization="RMSNorm", vp_stage=vp_stage)
     block.layer_specs = [_on_runtime(spec, cpu, graphed) for spec in block.layer_specs]
     if cpu:

@@ -36,6 +36,8 @@ from mhc_cg.model import HyperConnectionSteps
 from mhc_cg.ops.dropout import dropout
 from mhc_cg.runtime.recompute.block_recompute import BlockRecomputeManager, run_recompute_blocks
 
+from mhc_cg.runtime.graphs.te_wheel import te_installed
+
 from megatron_integration.layers.counter_dropout import sublayer_stream
 from megatron_integration.layers.graphed_sublayer import GraphedSublayerMixin
 from megatron_integration.layers.steps import LayerSteps
@@ -55,18 +57,23 @@ def _main_modules():
 
 
 def main_mhc_layer_spec(normalization: str = "RMSNorm", *, cpu_attention: bool = False,
-                        graphed: bool = False):
-    """``main``'s ``get_gpt_layer_local_spec`` with ``HyperConnectionTransformerLayer`` and a
-    ``HyperConnectionModule`` around attention and MLP (``main`` builds no such spec in core).
+                        graphed: bool = False, use_te: bool | None = None):
+    """``main``'s GPT layer spec with ``HyperConnectionTransformerLayer`` and a
+    ``HyperConnectionModule`` around attention and MLP (``main`` builds no such spec in core):
+    on TE's spec (``get_gpt_layer_with_transformer_engine_spec``) where TransformerEngine is
+    installed, else the local one (``use_te`` decides instead where given).
 
     ``cpu_attention``: the core attention is ``SDPACoreAttention`` (``megatron_integration.
     sdpa_attention``). ``graphed``: the layer is ``main``'s with ``GraphedSublayerMixin``, for
     megatron's TE layer graphs on mhc_cg's static runtime (``graphed_sublayer``); same parameters.
     """
     hyper_connection, layer = _main_modules()
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
+    te = te_installed() if use_te is None else use_te
+    spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec() if te
+                         else get_gpt_layer_local_spec(normalization=normalization))
     spec.module = graphed_layer_class(layer) if graphed else layer
     spec.submodules.self_attention_hyper_connection = hyper_connection
     spec.submodules.mlp_hyper_connection = hyper_connection

@@ -33,7 +33,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                   get_gpt_layer_with_transformer_engine_spec)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -41,6 +42,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from mhc_cg.ops.hyper_connection import HyperConnection, contract_streams, expand_streams
 from mhc_cg.model import sublayer_forward
 from mhc_cg.runtime.recompute.block_recompute import run_recompute_blocks
+from mhc_cg.runtime.graphs.te_wheel import te_installed
 
 from megatron_integration.layers.graphed_sublayer import GraphedSublayerMixin
 from megatron_integration.layers.sdpa_attention import SDPACoreAttention
@@ -48,9 +50,14 @@ from megatron_integration.config.transformer_config import MHCTransformerConfig
 from megatron_integration.layers.steps import LayerSteps
 
 
-def get_mhc_layer_spec(*, cpu_attention: bool = False, normalization: str = "RMSNorm") -> ModuleSpec:
-    """megatron-core's local GPT layer spec, its layer replaced by ``MegatronMHCTransformerLayer``."""
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
+def get_mhc_layer_spec(*, cpu_attention: bool = False, normalization: str = "RMSNorm",
+                       use_te: bool | None = None) -> ModuleSpec:
+    """megatron-core's GPT layer spec, its layer replaced by ``MegatronMHCTransformerLayer``: TE's
+    (``get_gpt_layer_with_transformer_engine_spec``) where TransformerEngine is installed, else
+    the local one (``use_te`` decides instead where given)."""
+    te = (te_installed() and not cpu_attention) if use_te is None else use_te
+    spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec() if te
+                         else get_gpt_layer_local_spec(normalization=normalization))
     spec.module = MegatronMHCTransformerLayer
     if cpu_attention:  # and the norms: megatron's local norm refuses sequence parallelism
         from megatron_integration.layers.cpu_norm import SequenceParallelRMSNorm

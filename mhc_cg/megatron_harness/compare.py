@@ -16,7 +16,7 @@ from mhc_cg.config import RunConfig
 from mhc_cg.config.choices import split_recompute_scope
 from mhc_cg.config.rules import megatron_problems
 from mhc_cg.core.errors import ConfigError
-from megatron_integration.config.field_map import WARMUP_STEPS
+from megatron_integration.config.field_map import WARMUP_STEPS, cpu_changes
 from mhc_cg.megatron_harness.child_process import find_megatron, run_megatron_job
 from mhc_cg.megatron_harness.runs import (DEV_FULL, FULL_ITERATION, NO_DROPOUT,
                                                checked_runs, compare_ranks, ours, references,
@@ -72,8 +72,19 @@ def run(cfg: RunConfig, compare: bool, progress: bool = True, timeout: float | N
     result = compare_ranks([r["runs"] for r in per_rank], branch,
                            checked_runs(branch, impl, dropout))
     result.update(device=device, branch=branch, source=source, impl=impl, dropout=dropout,
-                  capturing_function=per_rank[0].get("capturing_function"))
+                  capturing_function=per_rank[0].get("capturing_function"),
+                  cpu_changes={field: f"{value} ({why})" for field, (value, why)
+                               in cpu_changes(cfg, branch).items()})
     return result
+
+
+def format_cpu_changes(result: dict) -> list[str]:
+    """One line of what the mapping set because the run is on a CPU, with the reasons."""
+    changes = result.get("cpu_changes") or {}
+    if not changes:
+        return []
+    return ["on the CPU the mapping set: " + "; ".join(f"{field} = {said}"
+                                                       for field, said in changes.items())]
 
 
 def to_json(result: dict) -> dict:
@@ -102,7 +113,8 @@ def to_json(result: dict) -> dict:
                            result.get("dropout", 0.0))
     return {"bit_identical": result["bit_identical"], "runs": runs,
             "checked": {run: list(refs) for run, refs in checked.items() if run in runs},
-            "capturing_function": result.get("capturing_function")}
+            "capturing_function": result.get("capturing_function"),
+            "cpu_changes": result.get("cpu_changes", {})}
 
 
 def _equal_to_reference(result: dict, name: str, reference: str, rank: int) -> str:
@@ -210,7 +222,8 @@ def format_full_iteration_table(cfg: RunConfig, result: dict) -> str:
              "capture allocated: every byte the iteration graph's capture allocated, each storage "
              "once at its largest (the tape keeps them all; a CUDA pool reuses freed blocks, so its "
              "high-water mark, not measured here, is lower); Python calls: sublayer F, norm and "
-             "mHC calls run as Python in the last step (a replay runs none)"]
+             "mHC calls run as Python in the last step (a replay runs none)",
+             *format_cpu_changes(result)]
     if result["bit_identical"] is not None:
         verdict = "bit for bit" if result["bit_identical"] else "NO: " + "; ".join(result["mismatches"])
         pairs = [f"{run} equals {' and '.join(refs)}" for run, refs in checked.items()
@@ -267,6 +280,7 @@ def format_table(cfg: RunConfig, result: dict) -> str:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
     lines.append("saved / layer: what a layer holds from its forward to its backward, per "
                  "microbatch; arena: the recompute's workspace, once per rank, shared by its chunks")
+    lines += format_cpu_changes(result)
     if result["bit_identical"] is not None:
         refs = [r for r in references(branch) if r in result["runs"]]
         verdict = "bit for bit" if result["bit_identical"] else "NO: " + "; ".join(result["mismatches"])

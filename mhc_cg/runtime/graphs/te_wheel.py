@@ -97,8 +97,10 @@ def te_missing_reason(repo: Path = ROOT) -> str:
 
 
 def te_installed() -> bool:
-    """A TransformerEngine distribution whose PyTorch extension can load (a GPU build)."""
-    return importlib.util.find_spec("transformer_engine") is not None
+    """An installed TransformerEngine (never imported here): one ``transformer_engine`` is
+    found that is not the harness's module tree for megatron (``te_on_tape``)."""
+    spec = importlib.util.find_spec("transformer_engine")
+    return spec is not None and "te_on_tape" not in str(spec.origin)
 
 
 # ---- the stand-ins ---------------------------------------------------------------------------

@@ -1,0 +1,128 @@
+"""Megatron-LM's own training entry (``pretrain_gpt.py``: its argument parser, ``pretrain()``,
+``train()``, its own TE graph helper construction at ``cuda_graph_warmup_steps``, mock data) runs
+with mhc_cg enabled only by what ``examples/megatron/`` documents: the lines of its diff in the
+user's copy of the script and Megatron's own flags. For main and dev, on the CPU
+(``mhc_cg.megatron_harness.entry_on_cpu``): four iterations, the last two replaying the graphs,
+losses bit for bit those of the same entry run by Megatron alone; mhc_cg's recompute graphs
+captured and replayed; Megatron's files unchanged."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mhc_cg.megatron_harness.child_process import (extract_snapshot, snapshot_archive,
+                                                   third_party_dirs)
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "megatron"
+ITERATIONS, WARMUP = 4, 2
+
+
+def flags(name: str) -> list[str]:
+    """The flags of ``examples/megatron/flags.NAME``, comments left out."""
+    return [word for line in (EXAMPLE / f"flags.{name}").read_text().splitlines()
+            if not line.startswith("#") for word in line.split()]
+
+
+def alone(branch_flags: list[str]) -> list[str]:
+    """The same flags for Megatron alone: mHC on, the branch's own layer without mhc_cg's hook,
+    no recompute, no graphs."""
+    keep = []
+    skip = 0
+    for i, word in enumerate(branch_flags):
+        if skip:
+            skip -= 1
+            continue
+        if word in ("--recompute-granularity", "--recompute-modules", "--mhc-recompute-layer-num",
+                    "--cuda-graph-impl", "--cuda-graph-modules", "--cuda-graph-warmup-steps"):
+            skip = 1
+            continue
+        keep.append("mhc" if word == "mhc_graphed" else word)
+    return keep
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and "__pycache__" not in p.parts
+            and p.suffix != ".so"}
+
+
+@pytest.fixture(scope="module", params=["main", "dev"])
+def checkout(request, tmp_path_factory):
+    """A Megatron-LM checkout of the branch (core plus entry snapshots), its files' hashes."""
+    branch = request.param
+    core = snapshot_archive(branch)
+    entry = next((Path(found) for d in third_party_dirs()
+                  for found in sorted(glob.glob(str(d / f"megatron-lm-entry-{branch}-*.tar.gz")))),
+                 None)
+    assert core is not None and entry is not None, f"Megatron-LM {branch}'s snapshots not found"
+    root = extract_snapshot(core, tmp_path_factory.mktemp(f"megatron_{branch}"))
+    extract_snapshot_entry(entry, root)
+    return branch, root, tree_hashes(root)
+
+
+def extract_snapshot_entry(archive: Path, root: Path) -> None:
+    import tarfile
+
+    with tarfile.open(archive) as tar:
+        tar.extractall(root, filter="data")
+
+
+def run_entry(root: Path, script: str, args: list[str], record: Path) -> dict:
+    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           # megatron compiles its dataset helpers with the python3 on the PATH (pybind11)
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+           "MHC_CG_ENTRY_RECORD": str(record)}
+    done = subprocess.run([sys.executable, "-m", "mhc_cg.megatron_harness.entry_on_cpu", script,
+                           *args], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return json.loads(record.read_text())
+
+
+def test_pretrain_gpt_with_the_documented_lines_trains_as_megatron_alone(checkout, tmp_path):
+    branch, root, hashes = checkout
+    script = root / "pretrain_gpt_mhc.py"  # the user's script: Megatron's, with the example's lines
+    patched = subprocess.run(["patch", "-o", str(script), str(root / "pretrain_gpt.py")],
+                             stdin=(EXAMPLE / f"pretrain_gpt.{branch}.diff").open(),
+                             capture_output=True, text=True)
+    assert patched.returncode == 0, patched.stdout + patched.stderr
+    tiny, cpu, mhc = flags("tiny"), flags("cpu"), flags(branch)
+    assert tiny[tiny.index("--train-iters") + 1] == str(ITERATIONS)
+    assert mhc[mhc.index("--cuda-graph-warmup-steps") + 1] == str(WARMUP)
+    ours = run_entry(root, script.name, tiny + cpu + mhc, tmp_path / "ours.json")
+    reference = run_entry(root, "pretrain_gpt.py", tiny + cpu + alone(mhc), tmp_path / "alone.json")
+    assert len(ours["losses"]) == ITERATIONS and ours["losses"] == reference["losses"]
+    # Megatron's train() built mhc_cg's helper; the graphs were captured at the warm-up's end
+    # and the recompute graphs replayed in the graphed iterations
+    assert ours["mhc_cg_helpers"] == 1 and reference["mhc_cg_helpers"] == 0
+    assert ours["recompute_graphs"] > 0
+    assert ours["recompute_graph_replays"] >= (ITERATIONS - WARMUP) * 1
+    assert tree_hashes(root).items() >= hashes.items()  # Megatron's own files as shipped
+
+
+def test_only_a_cpu_run_turns_megatrons_fusions_off():
+    """The fusions a Megatron config sets stay as set on a GPU; a CPU run turns off those whose
+    kernels need CUDA (and dev's fused mHC kernels), and says which and why."""
+    from megatron_integration.config.field_map import cpu_changes, megatron_config_kwargs
+    from mhc_cg.config import load_config
+
+    cfg = load_config(str(REPO / "configs" / "megatron_main_mhc.yaml"))
+    on_cpu, on_gpu = (cfg.replace(train={"device": device}) for device in ("cpu", "cuda"))
+    assert cpu_changes(on_gpu, "dev") == {}
+    assert set(cpu_changes(on_cpu, "dev")) == {"bias_dropout_fusion", "gradient_accumulation_fusion",
+                                               "masked_softmax_fusion", "apply_rope_fusion",
+                                               "use_fused_mhc"}
+    assert all(why for _, why in cpu_changes(on_cpu, "dev").values())
+    gpu_kwargs, _ = megatron_config_kwargs(on_gpu, "dev")
+    assert not set(cpu_changes(on_cpu, "dev")) & set(gpu_kwargs)
+    cpu_kwargs, _ = megatron_config_kwargs(on_cpu, "dev")
+    assert cpu_kwargs["masked_softmax_fusion"] is False and cpu_kwargs["use_fused_mhc"] is False
