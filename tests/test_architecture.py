@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 from pathlib import Path
+from typing import Iterable
 
 import pytest
 
@@ -26,8 +27,13 @@ LAYERS = {"mhc_cg.core": 0, "mhc_cg.ops": 1, "mhc_cg.config": 2, "mhc_cg.model":
           "mhc_cg.cost": 6, "mhc_cg.memory": 6, "mhc_cg.planning": 6, "mhc_cg.profiling": 6,
           "mhc_cg.benchmarks": 6, "mhc_cg.megatron_harness": 6, "mhc_cg.compare": 6,
           "mhc_cg.commands": 7, "mhc_cg.cli": 7, "mhc_cg.__main__": 7}
-TOOLS = ("mhc_cg.cost", "mhc_cg.memory", "mhc_cg.planning", "mhc_cg.profiling",
-         "mhc_cg.benchmarks", "mhc_cg.megatron_harness", "mhc_cg.compare")
+# inside the tools' layer, sub-layers: a tool package imports only tool packages on a lower one.
+# 0: the models and readers (cost, activation memory, traces) and the mode comparison, on the
+# product alone; 1: what builds on a model (the schedule planner on the memory model, the
+# Megatron harness on the allocator emulation); 2: the benches, which run and time it all.
+TOOL_LAYERS = {"mhc_cg.cost": 0, "mhc_cg.memory": 0, "mhc_cg.profiling": 0, "mhc_cg.compare": 0,
+               "mhc_cg.planning": 1, "mhc_cg.megatron_harness": 1, "mhc_cg.benchmarks": 2}
+TOOLS = tuple(TOOL_LAYERS)
 
 
 def modules() -> dict[str, Path]:
@@ -39,51 +45,66 @@ def modules() -> dict[str, Path]:
     return found
 
 
+def imported_modules(name: str, source: str, mods: Iterable[str], is_package: bool) -> set[str]:
+    """The project modules (of ``mods``) that module ``name`` imports, anywhere in its source:
+    at the top, inside functions (lazy imports) and in ``if TYPE_CHECKING:`` blocks (a type-only
+    import is a turn-back too); ``from package import submodule`` counts as the submodule."""
+    mods = set(mods)
+
+    def owner(target: str) -> str | None:
+        while target and target not in mods:
+            target = target.rpartition(".")[0]
+        return target or None
+
+    edges = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = name.split(".")[:len(name.split(".")) - node.level + is_package]
+                base = ".".join(parts + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base
+                       for a in node.names]
+        else:
+            continue
+        edges |= {owner(t) for t in targets if owner(t) not in (None, name)}
+    return edges
+
+
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the project modules it imports, function-level imports and ``if TYPE_CHECKING:``
-    blocks included (a type-only import is a turn-back too); ``from package import submodule``
-    edges to the package itself are not counted."""
+    """Module -> the project modules it imports (:func:`imported_modules`: lazy and type-only
+    imports included); ``from package import submodule`` edges to the package itself are not
+    counted."""
     mods = modules()
-
-    def owner(name: str) -> str | None:
-        while name and name not in mods:
-            name = name.rpartition(".")[0]
-        return name or None
-
-    graph = {}
-    for name, path in mods.items():
-        tree = ast.parse(path.read_text())
-        edges = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parts = name.split(".")[:len(name.split(".")) - node.level
-                                           + (path.name == "__init__.py")]
-                    base = ".".join(parts + ([base] if base else []))
-                # ``from package import submodule`` imports the submodule
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base
-                           for a in node.names]
-            else:
-                continue
-            edges |= {owner(t) for t in targets if owner(t) not in (None, name)}
-        graph[name] = edges
-    return graph
+    return {name: imported_modules(name, path.read_text(), mods, path.name == "__init__.py")
+            for name, path in mods.items()}
 
 
-def layer_of(name: str) -> int | None:
-    return next((rank for prefix, rank in sorted(LAYERS.items(), key=lambda kv: -len(kv[0]))
-                 if name == prefix or name.startswith(prefix + ".")), None)
+def package_graph(graph: dict[str, set[str]], packages: Iterable[str]) -> dict[str, set[str]]:
+    """``graph`` folded onto ``packages``: package -> the other packages its modules import
+    (modules outside every package are left out)."""
+    packages = sorted(packages, key=len, reverse=True)
+
+    def package_of(module: str) -> str | None:
+        return next((p for p in packages if module == p or module.startswith(p + ".")), None)
+
+    folded: dict[str, set[str]] = {p: set() for p in packages}
+    for module, targets in graph.items():
+        here = package_of(module)
+        if here is not None:
+            folded[here] |= {p for p in map(package_of, targets) if p not in (None, here)}
+    return folded
 
 
-def test_no_import_cycle():
-    graph, state, cycles = import_graph(), {}, []
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every cycle a depth-first walk of ``graph`` closes, each as the path that closes it."""
+    state, cycles = {}, []
 
     def visit(node, path):
         state[node] = "open"
-        for nxt in sorted(graph[node]):
+        for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == "open":
                 cycles.append(path[path.index(nxt):] + [nxt])
             elif nxt not in state:
@@ -93,7 +114,44 @@ def test_no_import_cycle():
     for node in sorted(graph):
         if node not in state:
             visit(node, [node])
+    return cycles
+
+
+def layer_of(name: str) -> int | None:
+    return next((rank for prefix, rank in sorted(LAYERS.items(), key=lambda kv: -len(kv[0]))
+                 if name == prefix or name.startswith(prefix + ".")), None)
+
+
+def test_no_import_cycle():
+    cycles = find_cycles(import_graph())
     assert not cycles, cycles
+
+
+def test_no_import_loop_among_the_tool_packages():
+    """Module by module there is no cycle; package by package there is none among the tools
+    either (lazy imports count: a function that imports a tool ties its package to that tool)."""
+    cycles = find_cycles(package_graph(import_graph(), TOOLS))
+    assert not cycles, cycles
+
+
+def test_the_package_loop_check_sees_a_loop_no_module_cycle_shows():
+    """Two packages importing each other through different modules: no module cycle, a package
+    loop; and an import inside a function is an edge like one at the top."""
+    lazy = "def f():\n    from tools_b.y import g\n"
+    mods = ("tools_a", "tools_a.x", "tools_a.z", "tools_b", "tools_b.y")
+    graph = {"tools_a.x": imported_modules("tools_a.x", lazy, mods, False),
+             "tools_b.y": {"tools_a.z"}, "tools_a.z": set()}
+    assert graph["tools_a.x"] == {"tools_b.y"}
+    assert find_cycles(graph) == []
+    assert find_cycles(package_graph(graph, ("tools_a", "tools_b"))) == \
+        [["tools_a", "tools_b", "tools_a"]]
+
+
+def test_tools_import_only_tools_on_a_lower_sub_layer():
+    assert set(TOOL_LAYERS) == {p for p, rank in LAYERS.items() if rank == LAYERS["mhc_cg.cost"]}
+    upward = sorted((a, b) for a, targets in package_graph(import_graph(), TOOLS).items()
+                    for b in targets if TOOL_LAYERS[b] >= TOOL_LAYERS[a])
+    assert not upward, upward
 
 
 def test_dependencies_run_one_way():

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mhc_cg.benchmarks import gpu_run
-from mhc_cg.profiling import probe
+from mhc_cg.benchmarks import gpu_probe as probe
 REPO = Path(__file__).resolve().parent.parent
 DRY_MODES = ["eager_none", "graphed_static", "graphed_full_static"]
 PARTS = ["peers", "bench", "te", "kernels", "megatron", "tests"]

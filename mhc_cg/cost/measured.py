@@ -67,7 +67,7 @@ def is_device_time(row: dict) -> bool:
 
 
 def probe_rows(probe: dict, code: str, kernels_sha256: str) -> list[dict]:
-    """Efficiency rows from a ``mhc_cg.profiling.probe`` JSON: its copy bandwidth and each fused
+    """Efficiency rows from a ``mhc_cg.benchmarks.gpu_probe`` JSON: its copy bandwidth and each fused
     kernel's time (CUDA events around eager calls: launch cost included)."""
     kernels = probe["parts"]["kernels"]
     copy = kernels["copy_bandwidth_bytes_per_s"]

@@ -1,2 +1,2 @@
 """Profiling and timelines: phase profiles of a step, nsys / torch.profiler exports aggregated by
-range name (``mhc-cg timeline``), and the GPU probe."""
+range name (``mhc-cg timeline``)."""

@@ -1,6 +1,6 @@
 """The GPU checklist's probe: graph pools, fused kernels and dropout masks, each part on its own.
 
-``python -m mhc_cg.profiling.probe --config F --out DIR [--parts pools,kernels,dropout]`` writes
+``python -m mhc_cg.benchmarks.gpu_probe --config F --out DIR [--parts pools,kernels,dropout]`` writes
 ``DIR/probe.json`` after every part, so a part that dies (out of memory, a kernel fault) loses
 nothing measured before it. A part whose ingredient is missing reports ``"status": "not
 available"`` with the reason instead of failing:
@@ -292,7 +292,7 @@ def run_probe(cfg: RunConfig, device: torch.device, out_dir: Path,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mhc_cg.profiling.probe", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m mhc_cg.benchmarks.gpu_probe", description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/bench_h100.yaml")
     parser.add_argument("--out", required=True, help="folder for probe.json")
     parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default=None)
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                           train={"device": device.type})
     except ConfigError as exc:
         for line in exc.problems:
-            print(f"mhc_cg.profiling.probe: error: {line}", file=sys.stderr)
+            print(f"mhc_cg.benchmarks.gpu_probe: error: {line}", file=sys.stderr)
         return 2
     report = run_probe(cfg, device, Path(args.out), parts)
     failed = [p for p, r in report["parts"].items() if r["status"] in ("error", "out of memory")]
