@@ -43,6 +43,49 @@ def test_help_opens_with_what_mhc_cg_does_for_its_user():
     assert "mhc_cg/commands" not in text
 
 
+def _imported(args: list[str]) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run ``python -X importtime ARGS``: the process, and the modules importtime saw imported."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", *args], capture_output=True,
+                          text=True)
+    names = {line.rpartition("|")[2].strip() for line in proc.stderr.splitlines()
+             if line.startswith("import time:") and "|" in line}
+    return proc, names
+
+
+def _torch(names) -> list[str]:
+    return sorted(n for n in names if n == "torch" or n.startswith("torch."))
+
+
+def test_help_imports_no_torch_and_the_package_still_exports_the_model():
+    """``mhc-cg --help`` reads each command's HELP only: no torch module is imported (a command's
+    arguments, and what it runs, import it when that command is parsed). The package's names
+    load on first use: ``from mhc_cg import MHCGPT`` imports the model then."""
+    proc, names = _imported(["-m", "mhc_cg.cli", "--help"])
+    assert proc.returncode == 0 and "usage: mhc-cg" in proc.stdout, proc.stderr[-2000:]
+    assert "mhc_cg.core.errors" in names  # importtime's lines were read
+    assert not _torch(names), _torch(names)[:10]
+    # importlib.import_module is not timed: sys.modules says what the command modules brought in
+    listed = subprocess.run([sys.executable, "-c", "import sys\nfrom mhc_cg.cli import main\n"
+                             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+                             "print(*sys.modules, file=sys.stderr)"],
+                            capture_output=True, text=True)
+    modules = set(listed.stderr.split())
+    assert "mhc_cg.commands.train" in modules and not _torch(modules), _torch(modules)[:10]
+    proc, names = _imported(["-c", "import sys\nimport mhc_cg\nassert 'torch' not in sys.modules\n"
+                                   "from mhc_cg import MHCGPT, MHCGPTConfig, HyperConnection\n"
+                                   "print(mhc_cg.__version__, MHCGPT.__name__, *mhc_cg.__all__)"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "torch" in names and proc.stdout.split()[1:3] == ["MHCGPT", "HyperConnection"]
+
+
+def test_a_command_adds_its_arguments_when_it_is_parsed():
+    from mhc_cg.cli import build_parser
+
+    args = build_parser().parse_args(["schedule", "--pp", "2", "--dtype", "fp32"])
+    assert (args.command, args.pp_size, args.dtype) == ("schedule", 2, "fp32")
+    assert args._run.__module__ == "mhc_cg.commands.schedule"
+
+
 def test_the_cpu_memory_probe_prints_nothing_of_torchs_profiler(capfd):
     """``held_bytes`` on the CPU runs torch's profiler, whose Kineto logs its start and stop on
     file descriptor 2 (``USDT: ... profiler_start``) whatever its log level: none reaches the

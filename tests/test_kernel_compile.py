@@ -134,13 +134,13 @@ def test_compiling_in_an_interpreting_process_is_refused():
 
 
 def test_command_prints_a_table_per_shape_and_exits_1_on_a_spill(report, monkeypatch, capsys):
-    monkeypatch.setattr("mhc_cg.commands.kernels.kernel_report", lambda *a, **k: report)
+    monkeypatch.setattr("mhc_cg.benchmarks.kernel_compile.kernel_report", lambda *a, **k: report)
     assert main(["kernels", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert out.count("sm_90a, hidden ") == 2 and "REG  STACK  LOCAL  SHARED" in out
     assert "_pre_bwd_x" in out and "SPILLS" not in out
     spilling = {**report, "spilled": ["hidden 7168: rms_norm_backward (_rms_bwd): 8 B local, 0 B stack"]}
-    monkeypatch.setattr("mhc_cg.commands.kernels.kernel_report", lambda *a, **k: spilling)
+    monkeypatch.setattr("mhc_cg.benchmarks.kernel_compile.kernel_report", lambda *a, **k: spilling)
     assert main(["kernels", "--no-progress"]) == 1
     assert "mhc-cg kernels: spills: hidden 7168: rms_norm_backward" in capsys.readouterr().err
 
@@ -201,7 +201,7 @@ def test_every_kernel_reports_its_warps_and_bytes_in_flight(report):
 
 
 def test_command_json_and_table_carry_the_in_flight_columns(report, monkeypatch, capsys):
-    monkeypatch.setattr("mhc_cg.commands.kernels.kernel_report", lambda *a, **k: report)
+    monkeypatch.setattr("mhc_cg.benchmarks.kernel_compile.kernel_report", lambda *a, **k: report)
     assert main(["kernels", "--no-progress", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     fields = {"resident_warps", "warp_limit", "loads", "load_bytes", "in_flight", "bandwidth_share"}

@@ -10,13 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mhc_cg.runtime.modes.registry import MODES
-from mhc_cg.benchmarks.runner import CPU_CAVEAT, BenchOptions, markdown, parse_modes, run_bench, \
-    write_results
-from mhc_cg.config import load_config
 from mhc_cg.core.errors import ConfigError
-from mhc_cg.config.choices import GRAPH_BACKENDS
-from mhc_cg.training.device import resolve_device
 
 HELP = ("benchmark every mode, each in its own process: peak memory, step time, GPU ms per phase, "
         "the fused ops' GB/s, recompute graph vs its bandwidth bound")
@@ -24,6 +18,9 @@ SHAPES = ("configs/bench_h100.yaml", "configs/bench_h100_memory.yaml")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from mhc_cg.config.choices import GRAPH_BACKENDS
+    from mhc_cg.runtime.modes.registry import MODES
+
     parser.add_argument("--config", action="append", default=None, metavar="YAML",
                         help="a shape to run (repeat for several; default: "
                              f"{' and '.join(SHAPES)}: the bench shape and a memory shape)")
@@ -50,6 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mhc_cg.benchmarks.runner import (CPU_CAVEAT, BenchOptions, markdown, parse_modes,
+                                          run_bench, write_results)
+    from mhc_cg.config import load_config
+    from mhc_cg.training.device import resolve_device
+
     modes = parse_modes(args.modes)  # before loading anything: a typo fails fast
     paths = args.config or list(SHAPES)
     stems = [Path(p).stem for p in paths]

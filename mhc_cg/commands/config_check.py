@@ -9,12 +9,12 @@ stderr, one line each, with exit status 2 (``mhc_cg.cli``).
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 import yaml
 
-from mhc_cg.config import RunConfig, load_config
-from mhc_cg.config.choices import RECOMPUTE_SCOPE
-from mhc_cg.runtime.modes.registry import capture_plan
+if TYPE_CHECKING:
+    from mhc_cg.config import RunConfig
 
 HELP = "validate a YAML run config and print it resolved (every field, defaults filled in)"
 
@@ -41,6 +41,9 @@ def resolved_yaml(cfg: RunConfig) -> str:
 
 def summary(cfg: RunConfig) -> str:
     """One comment line: what the config makes ``mhc-cg train`` do."""
+    from mhc_cg.config.choices import RECOMPUTE_SCOPE
+    from mhc_cg.runtime.modes.registry import capture_plan
+
     plan = capture_plan(cfg, on_this_machine=False)  # a config may be meant for another machine
     megatron = [s for s in cfg.graph.scopes if s != RECOMPUTE_SCOPE]
     line = (f"# ok: mode {plan.mode}, L_r={cfg.model.resolved_recompute_layers}, "
@@ -75,6 +78,8 @@ def _cuda() -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mhc_cg.config import load_config
+
     cfg = load_config(args.file)  # raises ConfigError with every problem
     print(summary(cfg))
     print(resolved_yaml(cfg), end="")

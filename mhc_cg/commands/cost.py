@@ -7,16 +7,16 @@ import json
 import os
 from pathlib import Path
 
-from mhc_cg.config import load_config
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.core.gpus import GPUS
 from mhc_cg.core.progress import log
-from mhc_cg.cost.report import DEVICES, cost_report, format_live, format_report
 
 HELP = "GPU cost without a GPU: kernels, bytes and capture-pool memory of every mode's step"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from mhc_cg.cost.report import DEVICES
+
     parser.add_argument("--config", default=None, help="YAML run config (default: embedded tiny model)")
     parser.add_argument("--device", choices=DEVICES, default="meta",
                         help="meta: nothing allocated, any size (attention as the GPU's fused "
@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mhc_cg.config import load_config
+    from mhc_cg.cost.report import cost_report, format_live, format_report
+
     cfg = load_config(args.config)
     if args.plot:
         _check_writable(Path(args.plot))

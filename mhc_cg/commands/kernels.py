@@ -11,9 +11,6 @@ import sys
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.core.gpus import DEFAULT_GPU, GPUS
 from mhc_cg.core.progress import log
-from mhc_cg.ops.kernels.dispatch import interpret_requested, triton_installed
-from mhc_cg.benchmarks.kernel_compile import (DEFAULT_HIDDEN, DEFAULT_TARGET, DEFAULT_TOKENS,
-                                         format_report, kernel_report)
 
 HELP = ("compile every fused Triton kernel for a GPU ahead of time (no GPU needed): registers, "
         "shared memory, spills, bytes in flight per SM")
@@ -23,6 +20,8 @@ BENCH_OUT = "bench/results/kernels"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from mhc_cg.benchmarks.kernel_compile import DEFAULT_HIDDEN, DEFAULT_TARGET, DEFAULT_TOKENS
+
     parser.add_argument("--target", default=DEFAULT_TARGET,
                         help=f"CUDA target, e.g. sm_80, sm_90a (H100), sm_100a (default {DEFAULT_TARGET})")
     parser.add_argument("--hidden", default=",".join(map(str, DEFAULT_HIDDEN)),
@@ -89,9 +88,10 @@ def _bench_argv(args: argparse.Namespace) -> list[str]:
 def run_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from mhc_cg.benchmarks import kernel_bench
     from mhc_cg.commands.bench import SHAPES
     from mhc_cg.config import load_config
-    from mhc_cg.benchmarks import kernel_bench
+    from mhc_cg.ops.kernels.dispatch import interpret_requested
     from mhc_cg.training.device import resolve_device
 
     if args.steps < 1:
@@ -122,9 +122,10 @@ def run_bench(args: argparse.Namespace) -> int:
 def run_peers(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from mhc_cg.benchmarks import kernel_peers
     from mhc_cg.commands.bench import SHAPES
     from mhc_cg.config import load_config
-    from mhc_cg.benchmarks import kernel_peers
+
     if args.bench or args.sweep:
         raise ConfigError("--peers runs apart from --bench and --sweep; give one of them")
     out = Path(args.out if args.out != BENCH_OUT else kernel_peers.OUT)
@@ -153,6 +154,9 @@ def run_peers(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mhc_cg.benchmarks.kernel_compile import DEFAULT_TOKENS, format_report, kernel_report
+    from mhc_cg.ops.kernels.dispatch import interpret_requested, triton_installed
+
     if args.peers:
         return run_peers(args)
     if args.bench:

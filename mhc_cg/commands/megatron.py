@@ -8,8 +8,6 @@ import argparse
 import json
 import sys
 
-from mhc_cg.config import load_config
-from mhc_cg.megatron_harness import compare as megatron_compare
 HELP = ("train Megatron's own mHC GPT (megatron.branch: main, dev, or core with mhc_cg's layer) "
         "under its TECudaGraphHelper with mhc_cg's recompute (or, with megatron.cuda_graph_impl: "
         "full_iteration, under dev's FullCudaGraphWrapper), one process per rank; --compare "
@@ -41,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mhc_cg.config import load_config
+    from mhc_cg.megatron_harness import compare as megatron_compare
+
     cfg = load_config(args.config)
     try:
         result = megatron_compare.run(cfg, args.compare, progress=not args.no_progress)

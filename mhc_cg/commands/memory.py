@@ -6,10 +6,7 @@ import argparse
 import json
 from dataclasses import replace
 
-from mhc_cg.config import load_config
 from mhc_cg.core.errors import ConfigError
-from mhc_cg.core.dtypes import TORCH_DTYPES
-from mhc_cg.memory.measure import measure_saved_bytes
 
 HELP = "measure activation bytes saved for backward per layer (recompute none vs block)"
 
@@ -19,6 +16,8 @@ _OVERRIDES = {"hidden": "hidden_size", "seq": "seq_length", "layers": "num_layer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from mhc_cg.core.dtypes import TORCH_DTYPES
+
     parser.add_argument("--config", default=None, help="YAML run config (default: embedded tiny model)")
     parser.add_argument("--hidden", type=int, help="override model.hidden_size")
     parser.add_argument("--heads", type=int, help="override model.num_heads")
@@ -78,6 +77,9 @@ def _activation_lines(r: dict) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mhc_cg.config import load_config
+    from mhc_cg.memory.measure import measure_saved_bytes
+
     cfg = load_config(args.config)
     overrides = {field: getattr(args, flag) for flag, field in _OVERRIDES.items()
                  if getattr(args, flag) is not None}

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from mhc_cg.config import load_config
 from mhc_cg.core.errors import ConfigError
-from mhc_cg.core.dtypes import DTYPE_BYTES
-from mhc_cg.planning.planner import ModelShape, RankPlan, layers_per_chunk, plan
 from mhc_cg.core.pipeline_order import schedule_problems
+
+if TYPE_CHECKING:
+    from mhc_cg.planning.planner import RankPlan
 
 HELP = "simulate the PP/VPP 1F1B order per rank and plan its static buffers (graphs, inputs, mHC sets)"
 
@@ -65,6 +66,8 @@ def output_problems(args: argparse.Namespace) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from mhc_cg.core.dtypes import DTYPE_BYTES
+
     parser.add_argument("--pp", type=int, dest="pp_size", help="pipeline-parallel size (default 1)")
     parser.add_argument("--vpp", type=int, dest="vpp_size", help="model chunks per rank (default 1)")
     parser.add_argument("--microbatches", type=int, dest="num_microbatches",
@@ -95,6 +98,8 @@ def resolve(args: argparse.Namespace) -> dict:
     """Flag, else --config, else DEFAULTS, for every planner argument."""
     values = dict(DEFAULTS)
     if args.config is not None:
+        from mhc_cg.config import load_config
+
         cfg = load_config(args.config)
         values.update(pp_size=cfg.parallel.pp_size, vpp_size=cfg.parallel.vpp_size,
                       microbatch_group_size=cfg.parallel.microbatch_group_size,
@@ -119,6 +124,8 @@ def _flag_errors(exc: ConfigError) -> ConfigError:
 
 def build_plans(values: dict, dtype: str) -> list[RankPlan]:
     """Plan every rank; all bad values are reported together, each naming its flag."""
+    from mhc_cg.planning.planner import ModelShape, layers_per_chunk, plan
+
     problems = schedule_problems(values["pp_size"], 0, values["num_microbatches"],
                                  values["vpp_size"], values["microbatch_group_size"])
     shape = None

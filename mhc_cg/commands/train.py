@@ -6,17 +6,12 @@ import argparse
 import json
 import sys
 
-from mhc_cg.config import load_config
-from mhc_cg.runtime.modes.registry import MODES, REFERENCE, configured_mode
-from mhc_cg.compare import pipeline as pipeline_compare
-from mhc_cg.compare import modes as compare
-from mhc_cg.training.device import use_cpu_threads
-from mhc_cg.training.session import train
-
 HELP = "train the mHC GPT of a config on a synthetic corpus; --compare runs every recompute mode"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from mhc_cg.runtime.modes.registry import MODES
+
     parser.add_argument("--config", default=None, help="YAML run config (default: embedded tiny CPU model)")
     parser.add_argument("--steps", type=int, default=None, help="override train.steps")
     parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default=None,
@@ -33,6 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mhc_cg.compare import modes as compare
+    from mhc_cg.compare import pipeline as pipeline_compare
+    from mhc_cg.config import load_config
+    from mhc_cg.runtime.modes.registry import REFERENCE, configured_mode
+    from mhc_cg.training.device import use_cpu_threads
+    from mhc_cg.training.session import train
+
     cfg = load_config(args.config)
     on_cpu = use_cpu_threads(cfg, args.device)
     if cfg.parallel.pp_size > 1:  # one process per pipeline rank
