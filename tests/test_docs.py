@@ -155,6 +155,55 @@ def test_every_relative_link_resolves():
     assert not missing, f"links to missing files: {missing}"
 
 
+# ---- every Note [name] is one search away ------------------------------------------------------
+
+# a note's name may hold one level of brackets: Note [x[mask] = scalar is a masked fill]
+NOTE = re.compile(r"Note \[((?:[^\[\]\n]|\[[^\[\]\n]*\])+)\]")
+# ``Note`` at a line's end (a string or comment broken there), its ``[`` on the next line
+NOTE_BROKEN_BEFORE_NAME = re.compile(r"\bNote[\"']?[ \t]*\n[ \t]*(?:#[ \t]*|[\"'])?\[")
+
+
+def split_notes(text: str) -> list[int]:
+    """The lines of ``text`` where a note's name is not on one line with its ``Note [``."""
+    lines = [n for n, line in enumerate(text.splitlines(), 1)
+             for m in re.finditer(r"Note \[", line) if not NOTE.match(line, m.start())]
+    return lines + [text.count("\n", 0, m.start()) + 1
+                    for m in NOTE_BROKEN_BEFORE_NAME.finditer(text)]
+
+
+def test_every_note_name_sits_on_one_line():
+    """``git grep "Note \\[name\\]"`` finds every place a note is kept or cited: no name is broken
+    across lines (or across a string break) in the code or the docs."""
+    split = [f"{path.relative_to(ROOT)}:{n}" for path in SOURCES + DOCS
+             for n in split_notes(path.read_text())]
+    assert not split, f"note names broken across lines: {split}"
+
+
+def test_the_split_note_check_sees_a_broken_name():
+    samples = {
+        "one line": "x = 1  # Note [x[mask] = scalar is a masked fill], then more\n",
+        "inside the name": '"""Note [the step is a band until the\n    kernels are measured]."""\n',
+        "at a string break": '("add (Note [grads accumulated inside "\n "the graph])")\n',
+        "after Note": '"""captured (Note\n    [recompute graphs in the sublayer pool])."""\n',
+        "after Note, a comment": "# see Note\n# [forward scratch]\n"}
+    assert {label: split_notes(text) for label, text in samples.items()} == {
+        "one line": [], "inside the name": [1], "at a string break": [1], "after Note": [1],
+        "after Note, a comment": [1]}
+
+
+def test_every_note_in_the_code_is_cited_by_a_doc():
+    """Each ``Note [name]`` the code keeps or cites is named in README.md or a page of docs/
+    (as ``[name]``, line breaks read as spaces), so a reader of the docs can find it."""
+    names = {}
+    for path in SOURCES:
+        for name in NOTE.findall(path.read_text()):
+            names.setdefault(name, str(path.relative_to(ROOT)))
+    assert "one concept, one home" in names
+    docs = " ".join(re.sub(r"\s+", " ", doc.read_text()) for doc in DOCS)
+    uncited = {name: where for name, where in names.items() if f"[{name}]" not in docs}
+    assert not uncited, f"notes no doc cites: {uncited}"
+
+
 # ---- the figures the README and docs/ quote are the commands' output -----------------------------
 
 def test_generated_blocks_are_what_the_commands_make_now():

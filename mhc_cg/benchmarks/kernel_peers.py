@@ -353,10 +353,12 @@ class Peer:
 
 
 class Ours(Peer):
-    """Ours, H_res applied as the peer beside it applies it. Note [the residual product in the
-    pre's backward]: our post hands x's gradient on as it came (``g``) and the pre's backward adds
-    ``H_res^T g`` in its pass over x, so the post alone gives no x gradient to compare: the
-    ``post.backward`` row compares y's, and ``sublayer`` compares x's whole gradient."""
+    """Ours, H_res applied as the peer beside it applies it.
+
+    Note [the residual product in the pre's backward]: our post hands x's gradient on as it came
+    (``g``) and the pre's backward adds ``H_res^T g`` in its pass over x, so the post alone gives
+    no x gradient to compare: the ``post.backward`` row compares y's, and ``sublayer`` compares
+    x's whole gradient."""
     name = "ours"
     post_grads_x = False
 

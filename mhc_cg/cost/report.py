@@ -396,8 +396,8 @@ def _gpu_column(report: dict) -> str:
 
 def format_frontier(report: dict) -> list[str]:
     """Memory against time, one row per mode: the device's peak over a step by what holds it,
-    the bytes the step moves and its modelled time (a band: Note [the step is a band until the
-    kernels are measured])."""
+    the bytes the step moves and its modelled time
+    (a band: Note [the step is a band until the kernels are measured])."""
     modes = report["modes"]
     reference = modes.get("eager_none")
     lines = ["memory and time per step: peak on the device (allocator emulation) = model state + "

@@ -117,9 +117,9 @@ def gpu_of(key_or_gpu: str | GPU | None) -> GPU:
 def step_model(gpu: str | GPU | None = None, rows: list[dict] | None = None,
                full_bandwidth: bool = False) -> StepModel:
     """The step model of ``gpu`` (a key of :data:`~mhc_cg.core.gpus.GPUS`) from the committed
-    measurements (``rows``: default ``bench/results/kernel_efficiency.json``), by Note [the step
-    is a band until the kernels are measured]; ``full_bandwidth``: every kernel at the HBM peak
-    instead, one figure."""
+    measurements (``rows``: default ``bench/results/kernel_efficiency.json``),
+    by Note [the step is a band until the kernels are measured]; ``full_bandwidth``: every kernel
+    at the HBM peak instead, one figure."""
     gpu = gpu_of(gpu)
     if full_bandwidth:
         return StepModel(gpu, Figure(gpu.hbm_bytes_per_s.value,

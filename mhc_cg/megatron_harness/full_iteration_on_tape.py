@@ -28,8 +28,8 @@ pool: Note [a capture runs nothing]), so dev's wrapper, which replays right afte
 counts the captured iteration once.
 
 (``x[mask] = scalar``, which megatron's cross entropy and vocab-parallel embedding use, the
-capture guard itself records as the masked fill ATen runs: Note [x[mask] = scalar is a masked
-fill], :mod:`mhc_cg.runtime.graphs.guard`.)
+capture guard itself records as the masked fill ATen runs:
+Note [x[mask] = scalar is a masked fill], :mod:`mhc_cg.runtime.graphs.guard`.)
 
 One of megatron's own functions is shimmed, and only while a tape capture runs:
 ``megatron.core.utils._kernel_make_viewless_tensor`` (``make_viewless_tensor``, which
