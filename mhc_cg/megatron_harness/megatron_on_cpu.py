@@ -51,7 +51,7 @@ def install_cpu_shims() -> None:
         torch.cuda.nvtx.range = lambda *args, **kwargs: contextlib.nullcontext()
         torch.cuda.current_device = lambda: "cpu"
         torch.cuda.current_stream = lambda device=None: _HOST_STREAM
-        torch.cuda.Stream = lambda *args, **kwargs: _HOST_STREAM
+        torch.cuda.Stream = _HostStreamType  # a type: megatron writes ``torch.cuda.Stream | None``
         torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
         from megatron.core.tensor_parallel import random as mrandom
 
@@ -92,6 +92,13 @@ _HOST_EVENT = types.SimpleNamespace(synchronize=lambda: None, wait=lambda stream
 _HOST_STREAM = types.SimpleNamespace(wait_event=lambda event: None, wait_stream=lambda stream: None,
                                      synchronize=lambda: None,
                                      record_event=lambda event=None: _HOST_EVENT)
+
+
+class _HostStreamType:
+    """``torch.cuda.Stream`` on the host: making one gives the one host stream."""
+
+    def __new__(cls, *args, **kwargs):
+        return _HOST_STREAM
 
 
 def _causal_mask_on_cpu(sq: int):
