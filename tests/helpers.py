@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from mhc_cg.runtime.recompute.recompute_captures import capture_recompute_graphs
 from mhc_cg.config import RunConfig
 from mhc_cg.runtime.graphs import GraphCaptureError, get_backend
 from mhc_cg.model import MHCGPT, MHCGPTConfig
 from mhc_cg.core.pipeline_order import peak_in_flight, pipeline_order
 from mhc_cg.runtime.modes.lifecycle import ModeModel
 from mhc_cg.runtime.modes.registry import build_model, prepare, resolve
-from mhc_cg.training.step_loop import microbatch_loop
+from mhc_cg.training.session import microbatch_loop
 from mhc_cg.runtime.recompute.arena import Arena
 from mhc_cg.runtime.recompute.persistent import PersistentSetPool, new_persistent_set
 from mhc_cg.runtime.recompute.static import build_static_recompute
@@ -146,7 +147,7 @@ def static_run(order, block_size, graphs: bool):
     if graphs:
         backend = get_backend("tape")
         for rt in runtimes.values():
-            rt.capture_recompute_graphs(backend)
+            rt.recompute_graphs.update(capture_recompute_graphs(rt, backend))
     acquired = []
     original_acquire = sets.acquire
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mhc_cg.runtime.recompute.recompute_captures import capture_recompute_graphs
 from mhc_cg.runtime.recompute.arena import ALIGN_BYTES
 from mhc_cg.cli import main
 from mhc_cg.config import RunConfig, load_config
@@ -114,10 +115,10 @@ def test_static_runtime_with_tape_recompute_graphs_bit_identical(block_size, lay
     model = make_model(recompute_activation=True, recompute_activation_layers=layers)
     runtime = build_static_recompute(list(model.layers), block_size, seq_length=SEQ,
                                      micro_batch_size=MBS, capacity=3, device="cpu")
-    runtime.capture_recompute_graphs(get_backend("tape"))
+    runtime.recompute_graphs.update(capture_recompute_graphs(runtime, get_backend("tape")))
     got = grads_after(model, static_forward(model, runtime), data)
     assert not mismatched(want, got), mismatched(want, got)
-    assert len(runtime.trace) == 3 * len(runtime.blocks)
+    assert len(runtime.trace) == 3 * len(runtime.layout.blocks)
     assert all(line.endswith("(graph)") for line in runtime.trace)
     assert all(graph.stats.violations == 0 for graph in runtime.recompute_graphs.values())
 
@@ -242,7 +243,7 @@ def test_a_graphed_mlp_with_more_than_one_persistent_set_is_refused():
                                      capacity=2, device="cpu")
     x = torch.zeros(SEQ, MBS, 4 * 32, requires_grad=True)
     with pytest.raises(StaticRecomputeError, match="capacity 1"):
-        runtime.sublayer(model.layers[0].mlp, 0, 1, x, torch.tensor(1))
+        runtime.sublayer(model.layers[0].mlp, 0, 1, x, torch.tensor(1), runtime.sets.fixed_set())
 
 
 # ---------------------------------------------------------------- memory report

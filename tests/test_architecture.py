@@ -242,7 +242,75 @@ def test_the_step_loop_is_written_once_and_no_mode_runs_a_backward_itself():
     assert calls == []
     users = {p.relative_to(ROOT).as_posix() for p in (ROOT / "mhc_cg").rglob("*.py")
              if "microbatch_loop(" in p.read_text()}
-    assert users == {"mhc_cg/training/step_loop.py"}  # the session hands it on, never rewrites it
+    # the session runs it; a full-iteration mode is made with it
+    assert users == {"mhc_cg/training/session.py"}
+
+
+# -- state passed, not ambient -------------------------------------------------------------------
+
+def context_variable_uses(sources: dict[str, str]) -> list[str]:
+    """``name:line`` of every ``contextvars`` import and every ``ContextVar`` named in ``sources``
+    (module name -> text)."""
+    found = []
+    for name, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            imported = (isinstance(node, ast.Import)
+                        and any(a.name == "contextvars" for a in node.names)
+                        or isinstance(node, ast.ImportFrom) and node.module == "contextvars")
+            named = (isinstance(node, ast.Name) and node.id == "ContextVar"
+                     or isinstance(node, ast.Attribute) and node.attr == "ContextVar")
+            if imported or named:
+                found.append(f"{name}:{node.lineno}")
+    return found
+
+
+def test_no_context_variable_carries_state_beside_the_calls():
+    """What a step needs travels as arguments (the persistent set, the scratch, F's output
+    buffer, the logits' memory): no context variable anywhere in the product."""
+    assert context_variable_uses({n: p.read_text() for n, p in modules().items()}) == []
+    toy = "import contextvars\nSCRATCH = contextvars.ContextVar('scratch', default=None)\n"
+    assert context_variable_uses({"toy": toy}) == ["toy:1", "toy:2"]
+
+
+class TensorAttributes:
+    """Every attribute a project module sets on a tensor (``t.name = value`` or ``setattr``)
+    that torch does not define (``data``, ``grad`` and ``requires_grad`` are torch's API):
+    ``(file, name)`` in ``found``, while ``torch.Tensor.__setattr__`` notes the caller."""
+
+    def __init__(self):
+        self.found: set[tuple[str, str]] = set()
+
+    def __enter__(self) -> "TensorAttributes":
+        import sys
+
+        import torch
+
+        found, roots = self.found, tuple(f"{ROOT / package}/" for package in PACKAGES)
+
+        def record(tensor, name, value):
+            if not hasattr(type(tensor), name):
+                caller = sys._getframe(1).f_code.co_filename
+                if caller.startswith(roots):
+                    found.add((Path(caller).relative_to(ROOT).as_posix(), name))
+            object.__setattr__(tensor, name, value)
+
+        torch.Tensor.__setattr__ = record
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        del torch.Tensor.__setattr__
+
+
+def test_the_tensor_attribute_check_sees_both_spellings_and_leaves_torchs_own_alone():
+    import torch
+
+    toy = "t.flag = True\nsetattr(t, 'note', 1)\nt.requires_grad = True\nt.grad = t.clone()\n"
+    with TensorAttributes() as seen:
+        exec(compile(toy, str(ROOT / "mhc_cg" / "toy.py"), "exec"), {"t": torch.zeros(2)})
+    assert seen.found == {("mhc_cg/toy.py", "flag"), ("mhc_cg/toy.py", "note")}
+    assert "__setattr__" not in torch.Tensor.__dict__
 
 
 # a training step calls down this order, never up (callbacks that reach back are closures handed
@@ -284,9 +352,10 @@ def upward_calls_in_a_step(session) -> set[tuple[str, str]]:
     return found
 
 
-def test_a_training_step_of_every_mode_never_calls_upward():
-    """One step of every mode on the tiny config (after the first, which captures): no call from
-    a product module into a higher layer, and no tool module on the step's path."""
+def test_a_training_step_of_every_mode_never_calls_upward_nor_marks_a_tensor():
+    """Every mode on the tiny config, built (captures included) and stepped twice: no call
+    from a product module into a higher layer and no tool module on the second step's path;
+    no attribute set on a tensor to steer later code, anywhere from build to the last step."""
     import torch
 
     from helpers import tiny_run_config
@@ -295,11 +364,60 @@ def test_a_training_step_of_every_mode_never_calls_upward():
 
     cfg = tiny_run_config()
     found = {}
-    for mode in MODES:
-        session = TrainSession.build(resolve(cfg, mode, torch.device("cpu")))
-        session.step()
-        found[mode] = upward_calls_in_a_step(session)
+    with TensorAttributes() as marks:
+        for mode in MODES:
+            session = TrainSession.build(resolve(cfg, mode, torch.device("cpu")))
+            session.step()
+            found[mode] = upward_calls_in_a_step(session)
     assert all(not calls for calls in found.values()), found
+    assert marks.found == set()
+
+
+def files_a_step_runs(session) -> list[str]:
+    """The project files whose code runs on the host in one training step (``sys.setprofile``).
+    A tape graph's replay counts as its file alone: what it replays is the device's work (a
+    GPU's replay runs no Python)."""
+    import sys
+
+    from mhc_cg.runtime.graphs.tape import TapeGraph
+
+    replay, roots, inside, files = TapeGraph._replay.__code__, \
+        tuple(f"{ROOT / package}/" for package in PACKAGES), [0], set()
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if code is replay and event in ("call", "return"):
+            inside[0] += 1 if event == "call" else -1
+        if event == "call" and (inside[0] == 0 or code is replay) \
+                and code.co_filename.startswith(roots):
+            files.add(Path(code.co_filename).relative_to(ROOT).as_posix())
+
+    sys.setprofile(profile)
+    try:
+        session.step()
+    finally:
+        sys.setprofile(None)
+    return sorted(files)
+
+
+def test_one_graphed_static_step_runs_few_files(capsys):
+    """A reader follows ``TrainSession.run_step`` down to the kernels: one graphed_static step
+    (every sublayer and the recompute graphed) runs in 24 of our files, each one concept on
+    the path (the session and its loop, data, optimizer; the mode and its lifecycle; the
+    runtime, arena and sets; replay, its static inputs and lent grads, the tape; the model's
+    embedding, head and loss; regions and their NVTX half; storage identity)."""
+    import torch
+
+    from helpers import tiny_run_config
+    from mhc_cg.runtime.modes.registry import resolve
+    from mhc_cg.training.session import TrainSession
+
+    session = TrainSession.build(resolve(tiny_run_config(), "graphed_static", torch.device("cpu")))
+    session.step()
+    files = files_a_step_runs(session)
+    with capsys.disabled():
+        print(f"\none graphed_static step runs {len(files)} files: {', '.join(files)}")
+    assert "mhc_cg/runtime/recompute/static.py" in files and len(files) <= 24, files
 
 
 def test_parts_by_role_no_file_name_twice_and_no_cost_table_under_ops():

@@ -231,7 +231,7 @@ def test_mixin_captures_recompute_graphs_in_order_before_megatron_finishes():
 
     helper = Helper()
     helper.create_cudagraphs()
-    keys = recompute_capture_order(order, [len(rt.layers) for rt in runtimes], 1)
+    keys = recompute_capture_order(order, [len(rt.layout.layers) for rt in runtimes], 1)
     assert len({key.slot_set for key in keys}) == peak_in_flight(order) > 1
     assert list(helper.mhc_recompute_graphs) == keys
     assert events == [("finish", len(keys))]  # all captured before megatron's phase ends
@@ -268,5 +268,5 @@ def test_block_on_static_buffers_equals_without_recompute(model_parallel, graphs
     other.sum().backward()  # the second microbatch's recompute still finds its own set
     assert static.runtime.sets.in_use == 0
     trace = static.runtime.trace
-    assert len(trace) == 2 * len(static.runtime.blocks)
+    assert len(trace) == 2 * len(static.runtime.layout.blocks)
     assert all(line.endswith("(graph)" if graphs else "(eager)") for line in trace)

@@ -1,5 +1,6 @@
-"""F's last Linear writing into a named buffer: the same bits as ``nn.Linear``, forward and
-backward, and the buffer really holds the output (the static runtime then copies nothing)."""
+"""F's last Linear writing into a buffer its caller passes: the same bits as ``nn.Linear``,
+forward and backward, and the buffer really holds the output (the static runtime then copies
+nothing)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from torch import nn
 
 from mhc_cg.core.storage import storage_id
-from mhc_cg.ops.output_linear import OutputLinear, output_into
+from mhc_cg.ops.output_linear import OutputLinear
 
 
 def _pair(bias: bool = True):
@@ -32,8 +33,7 @@ def test_writes_into_the_named_buffer_with_nn_linears_bits_forward_and_backward(
     assert xb.is_contiguous() == (layout == "contiguous")
     g = torch.randn(5, 3, 16)
     buffer = torch.full((5, 3, 16), float("nan"))
-    with output_into(buffer):
-        out = named(xb)
+    out = named(xb, buffer)
     want = plain(xa)
     assert storage_id(out) == storage_id(buffer) and torch.equal(buffer, want)
     assert torch.equal(out, want)
@@ -44,15 +44,13 @@ def test_writes_into_the_named_buffer_with_nn_linears_bits_forward_and_backward(
         assert torch.equal(p.grad, q.grad), name
 
 
-def test_one_call_only_and_a_buffer_that_does_not_fit_is_left_alone():
+def test_only_the_call_given_the_buffer_writes_it_and_one_that_does_not_fit_is_left_alone():
     _, named = _pair()
     x = torch.randn(5, 3, 24)
     buffer = torch.zeros(5, 3, 16)
-    with output_into(buffer):
-        first, second = named(x), named(x)
+    first, second = named(x, buffer), named(x)
     assert storage_id(first) == storage_id(buffer) and storage_id(second) != storage_id(buffer)
     wrong = torch.zeros(5, 3, 16, dtype=torch.float64)
-    with output_into(wrong):
-        out = named(x)
+    out = named(x, wrong)
     assert storage_id(out) != storage_id(wrong) and not wrong.any()
-    assert torch.equal(named(x), out)  # outside the context: a plain Linear
+    assert torch.equal(named(x), out)  # no buffer: a plain Linear

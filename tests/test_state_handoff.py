@@ -77,11 +77,11 @@ def test_a_stream_written_after_the_post_gets_a_state_of_its_own():
     x = torch.randn(8, 2, 64)
     with torch.no_grad():
         out = attn(x)
-        assert fused.handed_state(out, mlp.hc.mapping_proj.weight, mlp.hc.alpha_pre, mlp.hc.bias,
-                                  True, mlp.norm.eps)[0] is not None
+        assert model.ledger.handed(out, mlp.hc.mapping_proj.weight, mlp.hc.alpha_pre,
+                                   mlp.hc.bias, True, mlp.norm.eps)[0] is not None
         out.mul_(2.0)
-        assert fused.handed_state(out, mlp.hc.mapping_proj.weight, mlp.hc.alpha_pre, mlp.hc.bias,
-                                  True, mlp.norm.eps) == (None, None)
+        assert model.ledger.handed(out, mlp.hc.mapping_proj.weight, mlp.hc.alpha_pre,
+                                   mlp.hc.bias, True, mlp.norm.eps) == (None, None)
         fn_input, state, _ = mlp.pre(out)
         fn_input_own, state_own, _ = mlp.pre(out.clone())
     assert torch.equal(state, state_own) and torch.equal(fn_input, fn_input_own)

@@ -65,7 +65,9 @@ def test_graphed_sublayers_per_microbatch_along_the_order():
     """The full picture on one rank: every sublayer a graphed callable per (chunk, microbatch,
     layer), captured with the order (TE semantics, shared pool, static input reuse), the mHC ops
     inside them saving into the shared arena, recompute graphs per (chunk, block, set)."""
-    from mhc_cg.runtime.modes.graphed_static import SlotSublayer
+    from mhc_cg.runtime.recompute.graphable import SlotSublayer
+    from mhc_cg.runtime.recompute.static import SublayerGraph
+    from mhc_cg.runtime.recompute.recompute_captures import capture_recompute_graphs
     from mhc_cg.runtime.graphs.graphed_callables import GraphOptions, make_graphed_callables
 
     order = pipeline_order(4, 2, 4, vpp_size=2)
@@ -80,7 +82,7 @@ def test_graphed_sublayers_per_microbatch_along_the_order():
                                           arena=arena, sets=sets) for c in (1, 2)}
     backend = get_backend("tape")
     for rt in runtimes.values():
-        rt.capture_recompute_graphs(backend)
+        rt.recompute_graphs.update(capture_recompute_graphs(rt, backend))
     modules, keys = [], []
     for c in (1, 2):
         for position, layer in enumerate(chunk_layers(model, c)):
@@ -96,13 +98,15 @@ def test_graphed_sublayers_per_microbatch_along_the_order():
     graphed = make_graphed_callables(tuple(modules), sample_args, _order=order,
                                      _reuse_graph_input_output_buffers=True,
                                      _num_layers_per_chunk=per_chunk,
-                                     options=GraphOptions(backend=backend))
+                                     options=GraphOptions(backend=backend,
+                                                          stream_ledger=model.ledger))
 
     def forward(chunk, x, seed, counts={1: 0, 2: 0}):
         mb = counts[chunk]
         counts[chunk] += 1
         first = (chunk - 1) * microbatches * per_chunk + mb * per_chunk
-        fns = {keys[(chunk - 1) * per_chunk + j]: graphed[first + j] for j in range(per_chunk)}
+        fns = {keys[(chunk - 1) * per_chunk + j]: SublayerGraph(graphed[first + j], named=False)
+               for j in range(per_chunk)}
         return runtimes[chunk].forward(x, seed, fns)
 
     grads = execute(order, forward, width)

@@ -49,8 +49,9 @@ class StaticDecoderMixin:
 
 def graphed_sublayer_fns(layers, attention_mask: Tensor | None,
                          kwargs: dict) -> dict[tuple[int, int], Callable]:
-    """``{(layer number, 0): fn}`` for the layers that hold TE graphs: ``fn(x, seed)`` calls the
-    layer through megatron's ``__call__`` (which replays this microbatch's graph). Where the
+    """``{(layer number, 0): fn}`` for the layers that hold TE graphs: ``fn(x, seed, pset)`` calls
+    the layer through megatron's ``__call__`` (which replays this microbatch's graph; ``pset``
+    is the persistent set the runtime's forward took). Where the
     graph holds more of the layer, ``(layer number, 1)`` too: with the MLP in the layer graph one
     replay returns both sublayers' results, the attention's through the first fn (its output
     already the MLP's: the runtime passes it on to the second, which returns the MLP's part of
@@ -63,8 +64,10 @@ def graphed_sublayer_fns(layers, attention_mask: Tensor | None,
         site = layer.mhc_site
         replayed: list[tuple] = []  # what the second fn takes from the first's replay
 
-        def replay(x: Tensor, seed: Tensor | None, layer=layer, site=site, replayed=replayed):
-            site.check_replay(getattr(layer, "current_microbatch", 0) % len(layer.cuda_graphs))
+        def replay(x: Tensor, seed: Tensor | None, pset, layer=layer, site=site,
+                   replayed=replayed):
+            site.check_replay(getattr(layer, "current_microbatch", 0) % len(layer.cuda_graphs),
+                              pset)
             outputs = layer(hidden_states=x, attention_mask=attention_mask, **kwargs)
             out, ys, states, head = site.split_outputs(outputs)
             states = states + [None] * (len(ys) - len(states))  # hooked sublayers keep none
@@ -76,11 +79,11 @@ def graphed_sublayer_fns(layers, attention_mask: Tensor | None,
 
         fns[(layer.layer_number, 0)] = replay
         if site.with_mlp:
-            fns[(layer.layer_number, 1)] = lambda x, seed, replayed=replayed: replayed.pop()
+            fns[(layer.layer_number, 1)] = lambda x, seed, pset, replayed=replayed: replayed.pop()
         elif site.moe_step:
-            def tail(x: Tensor, seed: Tensor | None, site=site, replayed=replayed):
+            def tail(x: Tensor, seed: Tensor | None, pset, site=site, replayed=replayed):
                 return moe_tail(site.runtime, site.steps, site.position, site.moe_step,
-                                replayed.pop(), seed)
+                                replayed.pop(), seed, pset)
 
             fns[(layer.layer_number, 1)] = tail
     return fns
@@ -128,7 +131,7 @@ def install_static_recompute(decoder, static_type: type[StaticMHCBlock], *, seq_
     with_mlp = graphs_mlp(decoder.config)
     for index, (layer, steps) in enumerate(zip(decoder.layers, static.steps)):
         moe_step = moe_capture_step(layer)
-        layer.mhc_site = SublayerSite(runtime, steps, index % runtime.block_size,
+        layer.mhc_site = SublayerSite(runtime, steps, index % runtime.layout.block_size,
                                       static.seeded, list(graph_sets or [0]),
                                       with_mlp=with_mlp and not getattr(layer, "is_moe_layer", False),
                                       moe_step=moe_step)

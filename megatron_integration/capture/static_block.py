@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from mhc_cg.ops.dropout import stateful_dropout_problem
 from mhc_cg.core.errors import StaticRecomputeError
 
+from mhc_cg.runtime.recompute.recompute_captures import capture_recompute_graphs
 from mhc_cg.runtime.recompute.static import StaticRecompute, build_static_recompute
 
 from megatron_integration.layers.dev_layer import DevLayerSteps
@@ -72,7 +73,7 @@ class StaticMHCBlock:
         return draw(like) if draw is not None else None
 
     def capture_recompute_graphs(self, backend) -> None:
-        self.runtime.capture_recompute_graphs(backend)
+        self.runtime.recompute_graphs.update(capture_recompute_graphs(self.runtime, backend))
 
     def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None,
                 dropout_seed: Tensor | None = None, sublayer_fns: dict | None = None,

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from mhc_cg.core.pipeline_order import assign_persistent_slot_sets, decode_order, pipeline_order
 from mhc_cg.runtime.graphs import get_backend, resolve_backend_name
+from mhc_cg.runtime.recompute.recompute_captures import capture_recompute_graph, warm_up_recompute
 from mhc_cg.runtime.recompute.static import StaticRecompute
 
 
@@ -82,21 +83,22 @@ def capture_recompute_graphs(order: Sequence[int], runtimes: Sequence[StaticReco
     The graphs share one pool of independent graphs and are also kept by their runtimes, whose
     block hooks replay them.
     """
-    sizes = {rt.block_size for rt in runtimes}
+    sizes = {rt.layout.block_size for rt in runtimes}
     if len(sizes) != 1:
         raise ValueError(f"every model chunk needs the same recompute block size, got {sorted(sizes)}")
     if backend is None:
         device = runtimes[0].arena.buffer.device
         backend = get_backend(resolve_backend_name("auto", device))
     for runtime in runtimes:
-        runtime.warm_up_recompute(backend)
+        warm_up_recompute(runtime, backend)
     pool = backend.new_pool(independent=True)
     graphs = {}
-    for key in recompute_capture_order(order, [len(rt.layers) for rt in runtimes], sizes.pop()):
+    for key in recompute_capture_order(order, [len(rt.layout.layers) for rt in runtimes],
+                                       sizes.pop()):
         runtime = runtimes[key.chunk - 1]
-        runtime.capture_recompute_graph(backend, pool, key.block,
-                                        runtime.sets.all_sets()[key.slot_set])
-        graphs[key] = runtime.recompute_graphs[(key.block, key.slot_set)]
+        graphs[key] = runtime.recompute_graphs[(key.block, key.slot_set)] = \
+            capture_recompute_graph(runtime, backend, pool, key.block,
+                                    runtime.sets.all_sets()[key.slot_set])
     return graphs
 
 

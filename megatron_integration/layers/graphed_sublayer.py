@@ -64,11 +64,9 @@ class SublayerSite:
         its mHC ops in slots, then a MoE MLP's head (``moe_step``):
         ``(output, each F output, each fused sublayer's mapping state, *MoE head)`` (a graph's
         outputs are tensors); :meth:`split_outputs` reads it back."""
-        runtime = self.runtime
-        if runtime.active_set is not None or runtime.sets.capacity == 1:
-            return self._sublayers(x, attention_mask, kwargs)
-        with runtime.capturing_for(runtime.sets.all_sets()[self._capture_set()]):
-            return self._sublayers(x, attention_mask, kwargs)
+        sets = self.runtime.sets
+        pset = sets.fixed_set() if sets.capacity == 1 else sets.all_sets()[self._capture_set()]
+        return self._sublayers(x, attention_mask, kwargs, pset)
 
     def split_outputs(self, outputs) -> tuple[Tensor, list[Tensor], list[Tensor], tuple]:
         """A replay's outputs as ``(output, F outputs, mapping states, MoE head)``."""
@@ -90,30 +88,31 @@ class SublayerSite:
                                f"chunk; install the runtime with the helper's order")
         return self.graph_sets[k]
 
-    def check_replay(self, microbatch: int) -> None:
-        """The graph of ``microbatch`` writes the set the runtime's forward took for it."""
+    def check_replay(self, microbatch: int, pset) -> None:
+        """The graph of ``microbatch`` writes the set the runtime's forward took for it
+        (``pset``)."""
         if self.runtime.sets.capacity == 1:
             return
-        expected, taken = self.graph_sets[microbatch], self.runtime.active_set.index
+        expected, taken = self.graph_sets[microbatch], pset.index
         if expected != taken:
             raise RuntimeError(f"layer {self.steps.layer_number}: the graph of microbatch "
                                f"{microbatch} writes persistent set {expected}, but its forward "
                                f"took set {taken}; the schedule ran another order than the one "
                                f"the runtime was installed with")
 
-    def _sublayers(self, x: Tensor, attention_mask: Tensor | None, kwargs: dict) -> tuple:
+    def _sublayers(self, x: Tensor, attention_mask: Tensor | None, kwargs: dict, pset) -> tuple:
         self.steps.bind(attention_mask, **kwargs)
         # the seed of the set this capture writes (its microbatch's, along the order)
-        seed = self.runtime.writing_set().seed if self.seeded else None
+        seed = pset.seed if self.seeded else None
         sublayers = (self.steps.attention, self.steps.mlp) if self.with_mlp else (self.steps.attention,)
         fn_outputs, states = [], []
         for k, sub in enumerate(sublayers):
-            x, y, state = self.runtime.sublayer(sub, self.position, k, x, seed)
+            x, y, state = self.runtime.sublayer(sub, self.position, k, x, seed, pset)
             # F's output and the state only feed the persistent set
             fn_outputs.append(y.detach())
             if state is not None:
                 states.append(state.detach())
-        head = moe_head(self.runtime, self.steps, self.position, x) if self.moe_step else ()
+        head = moe_head(self.runtime, self.steps, self.position, x, pset) if self.moe_step else ()
         self.layout = (len(fn_outputs), len(states))
         return (x, *fn_outputs, *states, *head)
 

@@ -38,14 +38,13 @@ def moe_capture_step(layer) -> str | None:
     return "preprocess" if "moe_preprocess" in scopes else "route"
 
 
-def moe_head(runtime, steps, position: int, x: Tensor) -> tuple[Tensor, ...]:
-    """The graphed part of the MLP sublayer: its mHC ops before F, then the MoE layer up to the
-    signal. Returns ``(*carry, *early)``: what the mHC ops after F take, then megatron's early
-    outputs."""
+def moe_head(runtime, steps, position: int, x: Tensor, pset) -> tuple[Tensor, ...]:
+    """The graphed part of the MLP sublayer: its mHC ops before F (writing persistent set
+    ``pset``), then the MoE layer up to the signal. Returns ``(*carry, *early)``: what the mHC
+    ops after F take, then megatron's early outputs."""
     sub = steps.mlp
-    fn_input, carry = runtime.sublayer_pre(sub, position, 1, x)
-    with runtime.fn_region():
-        early = steps.layer.mlp(fn_input, **steps.mlp_kwargs)
+    fn_input, carry = runtime.sublayers.pre(sub, position, 1, x, pset)
+    early = steps.layer.mlp(fn_input, **steps.mlp_kwargs)
     if not isinstance(early, list):
         raise RuntimeError(f"layer {steps.layer_number}: the MoE layer ran to its end inside the "
                            f"layer graph; megatron's partial-capture signal fires only while its "
@@ -55,10 +54,11 @@ def moe_head(runtime, steps, position: int, x: Tensor) -> tuple[Tensor, ...]:
 
 
 def moe_tail(runtime, steps, position: int, step: str, head: tuple[Tensor, ...],
-             seed: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+             seed: Tensor | None, pset) -> tuple[Tensor, Tensor, Tensor | None]:
     """The eager rest of the MLP sublayer after a replay of its graph: the MoE layer from
-    megatron's early outputs (dispatch, experts, combine), then the mHC ops after F; returns
-    ``(output, F output as the persistent set keeps it, mapping state)``."""
+    megatron's early outputs (dispatch, experts, combine), then the mHC ops after F, writing the
+    forward's persistent set ``pset``; returns ``(output, F output as the persistent set keeps
+    it, mapping state)``."""
     sub, moe = steps.mlp, steps.layer.mlp
     carry, early = tuple(head[:2]), list(head[2:])
     if step == "preprocess":
@@ -75,9 +75,7 @@ def moe_tail(runtime, steps, position: int, step: str, head: tuple[Tensor, ...],
     moe.cudagraph_tensor_store.set(hidden_states=hidden, probs=probs, routing_map=routing_map,
                                    shared_expert_output=None)
     try:
-        with runtime.fn_region():
-            y, sub.bias = moe(hidden)  # as megatron's replay calls it: the store holds the rest
+        y, sub.bias = moe(hidden)  # as megatron's replay calls it: the store holds the rest
     finally:
         moe.cudagraph_tensor_store.clear()
-    out = runtime.sublayer_post(sub, position, 1, y, carry, seed)
-    return out, runtime.kept_fn_output(sub, 1, y), runtime.carried_state(carry)
+    return runtime.sublayer_post(sub, position, 1, y, carry, seed, pset)

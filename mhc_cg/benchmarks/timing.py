@@ -80,8 +80,8 @@ def recompute_traffic(mode_model, block: int = 0) -> dict[str, int]:
     """
     runtime = mode_model.runtime
     pset = runtime.sets.all_sets()[0]
-    first = block * runtime.block_size
-    layers = runtime.blocks[block]
+    first = block * runtime.layout.block_size
+    layers = runtime.layout.blocks[block]
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     inputs = nbytes(pset.block_inputs[block]) + nbytes(pset.seed) + sum(
         nbytes(pset.fn_outputs[(first + i, k)]) for i in range(len(layers)) for k in range(2))

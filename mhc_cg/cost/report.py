@@ -259,7 +259,7 @@ def _graph_entries(mode_model, backend: CostBackend, cfg: RunConfig) -> list[dic
                  "escaped_bytes": graph.peak.escaped_bytes, "pool": graph.pool.id}
         if kind == "recompute":
             block = int(name.split()[2])
-            layers = mode_model.runtime.blocks[block]
+            layers = mode_model.runtime.layout.blocks[block]
             bound = recompute_bound_bytes(cfg, len(layers), sum(
                 recomputes_activation(layer.mlp) for layer in layers))
             entry.update(bound_bytes=bound, over_bound=graph.cost.bytes / bound)

@@ -208,7 +208,7 @@ def recompute_runs(decoder: torch.nn.Module, since: Counter) -> Counter:
     for (block, how), n in (runtime.recomputes - since).items():
         how = "kept" if how == "kept" else "ran"
         runs[(how, "blocks")] += n
-        runs[(how, "sublayers")] += 2 * len(runtime.blocks[block]) * n
+        runs[(how, "sublayers")] += 2 * len(runtime.layout.blocks[block]) * n
     return runs
 
 

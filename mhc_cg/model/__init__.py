@@ -4,11 +4,12 @@ residual branch as named steps (:mod:`~mhc_cg.model.sublayer`) and the GPT
 
 from mhc_cg.config import MHCGPTConfig
 from mhc_cg.model.gpt import MHCGPT, MHCTransformerLayer, lm_loss, microbatch_loss
-from mhc_cg.model.layers import MLP, CausalSelfAttention, RMSNorm
+from mhc_cg.model.layers import MLP, CausalSelfAttention, RMSNorm, writes_output_into
 from mhc_cg.model.moe import MoEMLP
 from mhc_cg.model.sublayer import (HyperConnectionSteps, MHCSublayer, recomputes_activation,
                                    sublayer_forward)
 
 __all__ = ["CausalSelfAttention", "HyperConnectionSteps", "MHCGPT", "MHCGPTConfig",
            "MHCSublayer", "MHCTransformerLayer", "MLP", "MoEMLP", "RMSNorm",
-           "lm_loss", "microbatch_loss", "recomputes_activation", "sublayer_forward"]
+           "lm_loss", "microbatch_loss", "recomputes_activation", "sublayer_forward",
+           "writes_output_into"]

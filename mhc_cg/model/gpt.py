@@ -18,6 +18,7 @@ from mhc_cg.model.layers import MLP, CausalSelfAttention, RMSNorm
 from mhc_cg.model.moe import MoEMLP
 from mhc_cg.model.sublayer import MHCSublayer, PlainSublayer
 from mhc_cg.ops import kernels as fused
+from mhc_cg.ops.kernels import StreamLedger
 from mhc_cg.ops.hyper_connection import contract_streams, expand_streams
 from mhc_cg.ops.output_linear import OutputLinear
 
@@ -37,14 +38,15 @@ def microbatch_loss(logits: Tensor, targets: Tensor, kernels: str, num_microbatc
 
 
 class MHCTransformerLayer(nn.Module):
-    def __init__(self, cfg: MHCGPTConfig, layer_number: int):
+    def __init__(self, cfg: MHCGPTConfig, layer_number: int, ledger: StreamLedger | None = None):
         super().__init__()
         self.layer_number = layer_number
+        ledger = ledger if ledger is not None else StreamLedger()  # its sublayers share one
         sublayer = PlainSublayer if cfg.residual == "plain" else MHCSublayer
-        self.attention = sublayer(cfg, CausalSelfAttention(cfg), dropout_stream=2 * layer_number)
+        self.attention = sublayer(cfg, CausalSelfAttention(cfg), 2 * layer_number, ledger)
         mlp = MoEMLP(cfg) if cfg.is_moe else MLP(
             cfg, recompute_activation=cfg.recomputes_activation(layer_number))
-        self.mlp = sublayer(cfg, mlp, dropout_stream=2 * layer_number + 1)
+        self.mlp = sublayer(cfg, mlp, 2 * layer_number + 1, ledger)
 
     def forward(self, x: Tensor, seed: Tensor | None = None) -> Tensor:
         return self.mlp(self.attention(x, seed), seed)
@@ -58,12 +60,16 @@ class MHCGPT(nn.Module):
         self.cfg = cfg
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.position = nn.Embedding(cfg.seq_length, cfg.hidden_size)
-        self.layers = nn.ModuleList(MHCTransformerLayer(cfg, i) for i in range(cfg.num_layers))
+        # what the sublayers' fused ops hand each other beside the stream; graph capture takes
+        # it too (mhc_cg.ops.kernels.StreamLedger)
+        self.ledger = StreamLedger()
+        self.layers = nn.ModuleList(MHCTransformerLayer(cfg, i, self.ledger)
+                                    for i in range(cfg.num_layers))
         sublayers = self.sublayers()
         for sub, nxt in zip(sublayers, sublayers[1:]):
             sub.feeds(nxt)
         self.final_norm = RMSNorm(cfg.hidden_size, kernels=cfg.kernels)
-        # nn.Linear's parameters and bits; a mode may name where it writes the logits
+        # nn.Linear's parameters and bits; a mode may pass where it writes the logits
         self.head = OutputLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.apply(self._init_weights)
 
@@ -112,13 +118,14 @@ class MHCGPT(nn.Module):
             x = layer(x, seed)
         return x
 
-    def logits(self, x: Tensor, grad_into: Tensor | None = None) -> Tensor:
+    def logits(self, x: Tensor, grad_into: Tensor | None = None,
+               out: Tensor | None = None) -> Tensor:
         """``[s, b, n*C] -> [b, s, vocab]``; the backward writes x's gradient into ``grad_into``
-        when given."""
+        when given; the head writes the logits (``[s, b, vocab]``) into ``out`` when given."""
         if self.cfg.residual != "plain":
             x = contract_streams(x, self.cfg.num_streams, grad_into)
         h = self.final_norm(x)
-        return self.head(h).transpose(0, 1)
+        return self.head(h, out).transpose(0, 1)
 
     def dropout_seed_for(self, input_ids: Tensor, dropout_seed: Tensor | None) -> Tensor | None:
         """``dropout_seed``, or a new one when a training forward with dropout was given none."""

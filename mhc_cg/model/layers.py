@@ -27,7 +27,8 @@ class RMSNorm(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """``[s, b, C] -> [s, b, C]``."""
+    """``[s, b, C] -> [s, b, C]``; the output projection writes into ``out`` where given (and it
+    fits: :class:`~mhc_cg.ops.output_linear.OutputLinear`)."""
 
     def __init__(self, cfg: MHCGPTConfig):
         super().__init__()
@@ -35,15 +36,15 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
         self.proj = OutputLinear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         s, b, c = x.shape
         q, k, v = self.qkv(x).view(s, b, 3, self.num_heads, c // self.num_heads).permute(2, 1, 3, 0, 4)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, h, s, d]
-        return self.proj(out.permute(2, 0, 1, 3).reshape(s, b, c))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, h, s, d]
+        return self.proj(attended.permute(2, 0, 1, 3).reshape(s, b, c), out)
 
 
 class MLP(nn.Module):
-    """``[s, b, C] -> [s, b, C]``: fc1 -> gelu -> fc2.
+    """``[s, b, C] -> [s, b, C]``: fc1 -> gelu -> fc2, fc2 writing into ``out`` where given.
 
     ``recompute_activation`` asks the runtime not to keep the gelu output (``ffn`` per token, the
     MLP's largest tensor) from the forward to the backward. How is the runtime's: eager modes
@@ -64,8 +65,13 @@ class MLP(nn.Module):
         self.activation_recompute: Callable[["MLP", Tensor], Tensor] | None = None
         self.activation_checkpoint = None  # the last forward's gelu checkpoint (memory reports)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         if self.recompute_activation and self.activation_recompute is not None \
                 and torch.is_grad_enabled():
             return self.activation_recompute(self, x)
-        return self.fc2(F.gelu(self.fc1(x)))
+        return self.fc2(F.gelu(self.fc1(x)), out)
+
+
+def writes_output_into(fn: nn.Module) -> bool:
+    """Whether ``fn`` takes ``fn(x, out)``: F whose last Linear writes into a buffer given."""
+    return isinstance(fn, (CausalSelfAttention, MLP))

@@ -47,10 +47,10 @@ class MoEMLP(nn.Module):
     * ``preprocess``: per-expert token counts and order, on device, static shapes;
     * ``dispatch``: each expert runs on its tokens (data-dependent shapes: never graph-capturable).
 
-    ``partial_capture`` (``None``, ``"route"`` or ``"preprocess"``) makes the forward stop after
-    that step by raising megatron-core's ``MoECudaGraphPartialCaptureSignal``; it is set only while
-    a graph is being captured. ``forward(x, store)`` with a filled ``MoECudaGraphTensorStore``
-    resumes after the captured steps from the replayed graph's outputs.
+    ``forward(x, partial_capture="route" | "preprocess")`` stops after that step by raising
+    megatron-core's ``MoECudaGraphPartialCaptureSignal`` (what a graph's capture passes);
+    ``forward(x, store)`` with a filled ``MoECudaGraphTensorStore`` resumes after the captured
+    steps from the replayed graph's outputs.
     """
 
     def __init__(self, cfg: MHCGPTConfig):
@@ -60,7 +60,6 @@ class MoEMLP(nn.Module):
         self.experts = nn.ModuleList(
             MLP(cfg, ffn_hidden_size=cfg.moe_ffn_hidden_size) for _ in range(cfg.num_experts))
         self.token_dispatcher = MoEDispatchState()
-        self.partial_capture: str | None = None
 
     def route(self, x2d: Tensor) -> tuple[Tensor, Tensor]:
         scores = torch.softmax(self.router(x2d).float(), dim=-1)
@@ -85,7 +84,7 @@ class MoEMLP(nn.Module):
                 out = out.index_add(0, idx, expert(x2d[idx]) * probs[idx, e:e + 1])
         return out
 
-    def forward(self, x: Tensor, store=None) -> Tensor:
+    def forward(self, x: Tensor, store=None, partial_capture: str | None = None) -> Tensor:
         s, b, c = x.shape
         x2d = x.reshape(s * b, c)
         if store is not None and not store.is_empty():
@@ -94,11 +93,11 @@ class MoEMLP(nn.Module):
                 self.preprocess(store.routing_map)
         else:
             probs, routing_map = self.route(x2d)
-            if self.partial_capture == "route":
+            if partial_capture == "route":
                 raise MoECudaGraphPartialCaptureSignal(self, "route", probs=probs,
                                                        routing_map=routing_map)
             self.preprocess(routing_map)
-            if self.partial_capture == "preprocess":
+            if partial_capture == "preprocess":
                 raise MoECudaGraphPartialCaptureSignal(self, "preprocess", hidden_states=x2d,
                                                        probs=probs)
         return self.dispatch(x2d, probs).view(s, b, c)

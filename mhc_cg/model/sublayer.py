@@ -29,7 +29,7 @@ from mhc_cg.config import MHCGPTConfig
 from mhc_cg.model.layers import MLP, RMSNorm
 from mhc_cg.ops.dropout import dropout
 from mhc_cg.ops.hyper_connection import HyperConnection
-from mhc_cg.ops.kernels import PostLink, Target
+from mhc_cg.ops.kernels import PostLink, StreamLedger, Target
 
 
 class HyperConnectionSteps:
@@ -54,11 +54,12 @@ class MHCSublayer(nn.Module):
 
     fused = True
 
-    def __init__(self, cfg: MHCGPTConfig, fn: nn.Module, dropout_stream: int):
+    def __init__(self, cfg: MHCGPTConfig, fn: nn.Module, dropout_stream: int,
+                 ledger: StreamLedger | None = None):
         super().__init__()
         self.cfg = cfg
         self.hc = HyperConnection(cfg.hidden_size, cfg.num_streams, cfg.sinkhorn_iterations,
-                                  cfg.init_gating_factor, kernels=cfg.kernels)
+                                  cfg.init_gating_factor, kernels=cfg.kernels, ledger=ledger)
         self.norm = RMSNorm(cfg.hidden_size, kernels=cfg.kernels)
         self.fn = fn
         self.dropout_stream = dropout_stream  # unique per (layer, sublayer) within a microbatch
@@ -98,6 +99,10 @@ class MHCSublayer(nn.Module):
         return self.hc.post(x_on, state, y, seed, self.dropout_p, self.dropout_stream,
                             self.cfg.dropout_impl, out, next_pre, state_out)
 
+    def handed_link(self, out: Tensor) -> PostLink | None:
+        """The link :meth:`post` handed on with its output ``out`` (to the next pre's backward)."""
+        return self.hc.ledger.link(out)
+
     def forward(self, x: Tensor, seed: Tensor | None = None) -> Tensor:
         return sublayer_forward(self, x, seed)
 
@@ -109,7 +114,8 @@ class PlainSublayer(nn.Module):
 
     fused = None  # neither shape: no mHC steps for a runtime to drive
 
-    def __init__(self, cfg: MHCGPTConfig, fn: nn.Module, dropout_stream: int):
+    def __init__(self, cfg: MHCGPTConfig, fn: nn.Module, dropout_stream: int,
+                 ledger: StreamLedger | None = None):
         super().__init__()
         self.cfg = cfg
         self.norm = RMSNorm(cfg.hidden_size, kernels=cfg.kernels)

@@ -168,11 +168,15 @@ def contract_streams(x: Tensor, num_streams: int, grad_into: Tensor | None = Non
 
 
 class HyperConnection(nn.Module):
-    """The mHC mappings around one sublayer F: ``x' = H_res x + H_post^T F(H_pre x)``."""
+    """The mHC mappings around one sublayer F: ``x' = H_res x + H_post^T F(H_pre x)``.
+
+    ``ledger``: the :class:`~mhc_cg.ops.kernels.StreamLedger` its fused ops share with the
+    hyper-connections around it (a model gives them all one), through which a post hands the
+    next pre its state and a backward its gradient buffer; by default one of its own."""
 
     def __init__(self, hidden_size: int, num_streams: int = 4, sinkhorn_iterations: int = 20,
                  init_gating_factor: float = 0.01, kernels: str = "auto",
-                 h_res_transposed: bool = False):
+                 h_res_transposed: bool = False, ledger: fused.StreamLedger | None = None):
         super().__init__()
         if hidden_size < 1 or num_streams < 1:
             raise ValueError(f"HyperConnection: hidden_size and num_streams must be >= 1, "
@@ -182,6 +186,7 @@ class HyperConnection(nn.Module):
         self.sinkhorn_iterations = sinkhorn_iterations
         self.kernels = kernels  # mhc_cg.ops.kernels: "auto" | "torch" | "triton"
         self.h_res_transposed = bool(h_res_transposed)  # see the module docstring
+        self.ledger = ledger if ledger is not None else fused.StreamLedger()
         self.mapping_proj = nn.Linear(n * hidden_size, n * n + 2 * n, bias=False)
         self.alpha_pre = nn.Parameter(torch.full((1,), float(init_gating_factor)))
         self.alpha_post = nn.Parameter(torch.full((1,), float(init_gating_factor)))
@@ -247,7 +252,8 @@ class HyperConnection(nn.Module):
         return fused.pre(x, self.mapping_proj.weight, self.alpha_pre, self.alpha_post,
                          self.alpha_res, self.bias, norm_weight, self.num_streams,
                          self.sinkhorn_iterations, eps, self.kernels, fn_input_out, state_out,
-                         h_res_transposed=self.h_res_transposed, state=state, link=link)
+                         h_res_transposed=self.h_res_transposed, state=state, link=link,
+                         ledger=self.ledger)
 
     def next_pre(self, norm_weight: Tensor | None, eps: float) -> fused.NextPre:
         """This pre, as the post before it sees it (:meth:`post`'s ``next_pre``)."""
@@ -278,7 +284,7 @@ class HyperConnection(nn.Module):
         return fused.post(x_on, state, self.alpha_pre, self.alpha_post, self.alpha_res, self.bias,
                           y, seed, p, stream, self.num_streams, self.sinkhorn_iterations,
                           self.kernels, out, h_res_transposed=self.h_res_transposed,
-                          next_pre=next_pre, state_out=state_out)
+                          next_pre=next_pre, state_out=state_out, ledger=self.ledger)
 
 
 def _check_mapping(name: str, h: Tensor, lead: torch.Size, tail: tuple[int, ...]) -> None:

@@ -1,10 +1,10 @@
-"""F's last Linear, able to write its output straight into a buffer named for one call.
+"""F's last Linear, able to write its output straight into a buffer its caller passes.
 
 The static runtime keeps each sublayer's F output in the persistent set (the block recompute reads
 it there). Copying it in after F costs a read and a write of C per token and sublayer; instead the
-runtime names the slot around F's call (:func:`output_into`) and F's last Linear
-(:class:`OutputLinear`) computes into it with ``addmm(..., out=)``. Without a named buffer, or one
-that does not fit, it is a plain ``nn.Linear``.
+runtime passes the slot down F's call (``F(x, out=slot)``) and F's last Linear
+(:class:`OutputLinear`) computes into it with ``addmm(..., out=)``. Without a buffer, or one that
+does not fit, it is a plain ``nn.Linear``.
 
 Bit-identity with ``nn.Linear`` (training, the weight requiring grad): on a contiguous input
 ``F.linear`` is ``addmm`` on the flattened input; on another (attention's output, batch-major on a
@@ -15,28 +15,10 @@ bias grad summed over every dim but the last; :class:`_LinearInto` makes exactly
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from typing import Iterator
-
 import torch
 from torch import Tensor, nn
 
 from mhc_cg.core.storage import alias
-
-_NAMED: contextvars.ContextVar[Tensor | None] = contextvars.ContextVar("mhc_cg_output_into",
-                                                                        default=None)
-
-
-@contextlib.contextmanager
-def output_into(buffer: Tensor | None) -> Iterator[None]:
-    """The next :class:`OutputLinear` called in here writes its output into ``buffer``."""
-    token = _NAMED.set(buffer)
-    try:
-        yield
-    finally:
-        _NAMED.reset(token)
-
 
 class _LinearInto(torch.autograd.Function):
     @staticmethod
@@ -71,13 +53,11 @@ class _LinearInto(torch.autograd.Function):
 
 
 class OutputLinear(nn.Linear):
-    """``nn.Linear`` (same parameters and state dict) that honours :func:`output_into`."""
+    """``nn.Linear`` (same parameters and state dict) that writes into ``out`` where it fits."""
 
-    def forward(self, x: Tensor) -> Tensor:
-        out = _NAMED.get()
+    def forward(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         if out is None or not _fits(out, x, self):
             return super().forward(x)
-        _NAMED.set(None)  # one call only
         return _LinearInto.apply(x, self.weight, self.bias, out)
 
 

@@ -148,7 +148,7 @@ class MainParamAdamW:
         self.unit = torch.ones((), dtype=FP32, device=device)
         self.bucket_elements = min(max(bucket_bytes // FP32.itemsize, 1), self.main.numel())
         self.staging: Tensor | None = None  # the own bucket, when nothing is lent
-        self.reduce_norm = reduce_norm
+        self._reduce_norm = reduce_norm
         self.skipped_steps = 0
 
     # -- what it holds ---------------------------------------------------------------------------
@@ -193,9 +193,9 @@ class MainParamAdamW:
         non-finite gradient skips it on the device. ``workspace``: memory idle for the step's
         duration, used as the staging bucket when it holds one."""
         norm = torch.linalg.vector_norm(self.grads, 2, dtype=FP32)
-        if self.reduce_norm is not None:
+        if self._reduce_norm is not None:
             norm = norm.square()
-            self.reduce_norm(norm)
+            self._reduce_norm(norm)
             norm = norm.sqrt()
         if self.scaler is not None:
             self.grad_scale.fill_(self.scaler.scale)

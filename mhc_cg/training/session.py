@@ -39,8 +39,10 @@ from mhc_cg.runtime.modes.registry import (REFERENCE, Run, build_model, configur
                                            mode_unavailable, prepare, resolve)
 from mhc_cg.training.data import ProgressionCorpus
 from mhc_cg.training.device import check_fits, resolve_device
+from mhc_cg.runtime.recompute.arena import Arena
 from mhc_cg.training.optimizer import MainParamAdamW, StepResult
-from mhc_cg.training.step_loop import microbatch_loop
+
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (input ids [b, s], targets, seed [])
 
 
 @dataclass
@@ -135,6 +137,9 @@ class TrainSession:
     mode_model: ModeModel
     optimizer: MainParamAdamW
     data: Microbatches
+    # memory the mode leaves idle between steps, lent to the optimizer's temporaries: the static
+    # runtime's arena (Arena.lend); None without one
+    workspace: Arena | None = None
     last_skipped: bool = False  # the last step's gradients overflowed and it was skipped
     last_grad_digest: str | None = None  # set by step(digest=True)
     _eval_data: list | None = None
@@ -150,8 +155,9 @@ class TrainSession:
         step_loop = functools.partial(microbatch_loop, kernels=run.cfg.model.kernels,
                                       backward=optimizer.backward)
         mode_model = prepare(run, model, backend, step_loop=step_loop)
-        optimizer.reserve_staging(mode_model.idle_workspace())
-        return cls(run, mode_model, optimizer, Microbatches(run.cfg))
+        workspace = mode_model.runtime.arena if mode_model.runtime is not None else None
+        optimizer.reserve_staging(_lend(workspace))
+        return cls(run, mode_model, optimizer, Microbatches(run.cfg), workspace)
 
     @property
     def cfg(self) -> RunConfig:
@@ -217,13 +223,13 @@ class TrainSession:
         if digest:
             self.last_grad_digest = grad_digest(self.model)
         with region("optimizer"):
-            result = self.optimizer.step(self.mode_model.idle_workspace())
+            result = self.optimizer.step(_lend(self.workspace))
         return StepTensors(loss_sum, result.grad_norm, result.found_inf, held)
 
     def _microbatches(self, probe_memory: bool) -> tuple[torch.Tensor, int | None]:
-        """The step's microbatch loop, the one :meth:`build` gave the mode (a full-iteration
-        mode captures it), each forward eager (graphs inside where the mode has them); returns
-        the summed loss and what the first forward held (``probe_memory``)."""
+        """The step's microbatch loop (:func:`microbatch_loop`, the one a full-iteration mode
+        captures), each forward eager (graphs inside where the mode has them); returns the
+        summed loss and what the first forward held (``probe_memory``)."""
         train, dev = self.cfg.train, self.device
         held = None
 
@@ -232,9 +238,10 @@ class TrainSession:
             out, held = held_bytes(loss, dev)
             return out
 
-        loss_sum = self.mode_model.step_loop(self.mode_model, lambda index: self.data.next(dev),
-                                             train.num_microbatches,
-                                             first=probe if probe_memory else None)
+        loss_sum = microbatch_loop(self.mode_model, lambda index: self.data.next(dev),
+                                   train.num_microbatches, kernels=self.cfg.model.kernels,
+                                   backward=self.optimizer.backward,
+                                   first=probe if probe_memory else None)
         return loss_sum, held
 
     def _replayed_iteration(self) -> torch.Tensor:
@@ -255,6 +262,47 @@ class TrainSession:
         return loss, norm, out.held_bytes
 
 
+def microbatch_loop(model: ModeModel, batch: Callable[[int], Batch], count: int, *,
+                    kernels: str, backward: Callable[[torch.Tensor], None],
+                    first: Callable[[Callable[[], torch.Tensor]], torch.Tensor] | None = None
+                    ) -> torch.Tensor:
+    """The training step's microbatch loop, written once: the session runs it each step, and a
+    full-iteration mode, made with it, captures it over its static batches.
+
+    Each microbatch ``index``'s share of the step's loss, ``model.microbatch_loss`` of
+    ``batch(index)`` (drawn in its forward: loading counts with it), then ``backward`` of it, in
+    order; returns the summed loss (detached). ``first`` runs the first microbatch's loss (the
+    session's memory probe). Nothing here holds a microbatch's logits: its backward frees them, as
+    it must inside a captured iteration."""
+    loss_sum = None
+    for index in range(count):
+        with region("forward"):
+            loss = _microbatch_loss(model, batch(index), kernels, count,
+                                    first if index == 0 else None)
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        with region("backward"):
+            backward(loss)
+    return loss_sum
+
+
+def _microbatch_loss(model: ModeModel, batch: Batch, kernels: str, count: int,
+                     run: Callable[[Callable[[], torch.Tensor]], torch.Tensor] | None
+                     ) -> torch.Tensor:
+    """One microbatch's loss; its batch dies here, before its backward, as nothing reads it."""
+    inputs, targets, seed = batch
+    del batch
+
+    def loss() -> torch.Tensor:
+        return model.microbatch_loss(inputs, targets, seed, kernels, count)
+
+    return loss() if run is None else run(loss)
+
+
+def _lend(workspace: Arena | None) -> torch.Tensor | None:
+    """All of ``workspace``'s bytes for a temporary that dies before the next forward."""
+    return None if workspace is None else workspace.lend()
+
+
 @dataclass
 class StepTensors:
     """A step's results on the device: the loss summed over microbatches, the gradient norm and
@@ -266,10 +314,12 @@ class StepTensors:
     held_bytes: int | None = None
 
 
-def optimizer_for(cfg: RunConfig, params) -> MainParamAdamW:
-    """The training's optimizer over ``params`` (build it before anything captures them)."""
+def optimizer_for(cfg: RunConfig, params,
+                  reduce_norm: Callable[[torch.Tensor], None] | None = None) -> MainParamAdamW:
+    """The training's optimizer over ``params`` (build it before anything captures them);
+    ``reduce_norm``: :class:`MainParamAdamW`'s (pipeline ranks sum the norm over ranks)."""
     return MainParamAdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
-                          model_dtype=TORCH_DTYPES[cfg.train.dtype])
+                          model_dtype=TORCH_DTYPES[cfg.train.dtype], reduce_norm=reduce_norm)
 
 
 def grad_digest(model: torch.nn.Module) -> str:

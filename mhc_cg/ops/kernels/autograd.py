@@ -15,22 +15,22 @@ may read** ``x_on`` (another consumer's gradient would be summed into it). A pos
 instead of the ``x_on`` of the pre that made its state is refused.
 
 **One gradient buffer down the chain** (Note [the stream's gradient summed once, in place],
-docs/design.md, item 13). A gradient the pre's backward wrote is marked
-*overwritable* (:func:`overwritable`): its one reader is the next sublayer's post and pre. When
-``g`` arrives so marked (or a graph's static grad-output buffer, marked by the runtime), the pre's
-backward writes x's gradient over it in place (``pre_backward_into``): a chain of sublayers
-keeps one n*C gradient buffer instead of one per sublayer. Anything else (a user's gradient, an
-engine's sum) is never written.
+docs/design.md, item 13). A gradient the pre's backward wrote is entered in the model's
+:class:`StreamLedger` as *writable*: its one reader is the next sublayer's post and pre. When
+``g`` arrives so entered (or a graph's static grad-output buffer, which mhc_cg's
+``make_graphed_callables`` enters when given the ledger), the pre's backward writes x's gradient
+over it in place (``pre_backward_into``): a chain of sublayers keeps one n*C gradient buffer
+instead of one per sublayer. Anything else (a user's gradient, an engine's sum) is never written.
 
 ``state`` (``[proj | xnorm | rstd]`` per token) is what both ops derive the mappings from, so
 neither H_pre, H_post nor H_res is ever materialised or kept.
 
 **A post can compute the next pre's state** (``nxt``, a :class:`NextPre`) from the tiles it
 writes, so that pre reads its input once. The state is a non-differentiable output of the post:
-the pre takes it as computed (:func:`handed_state`, or a buffer the runtime names) and its
-backward differentiates the state as if it had computed it, the same bits either way. It is
-attached to the post's output with that tensor's version, so a stream written in place since
-gets a state of its own.
+the pre takes it as computed (from the ledger, :meth:`StreamLedger.handed`, or a buffer the
+runtime names) and its backward differentiates the state as if it had computed it, the same bits
+either way. The ledger keeps it beside the post's output with that tensor's version, so a stream
+written in place since gets a state of its own.
 
 **The post's backward is split between the pres around it.** Its reductions (``g . x_j`` through
 H_res, ``g . y`` through H_post, the Sinkhorn's backward) need x, which the pre that made its state
@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mhc_cg.core.storage import alias, is_buffer
 from mhc_cg.ops.kernels import custom_ops as ops
@@ -72,21 +73,6 @@ class Target:
 
     def view(self) -> Tensor:
         return alias(self.reader)
-
-
-OVERWRITABLE = "_mhc_overwritable"
-
-
-def overwritable(t: Tensor) -> Tensor:
-    """Mark ``t`` (a stream gradient whose one reader is the next fused backward) as a buffer
-    that backward may write x's gradient over; returns ``t``."""
-    setattr(t, OVERWRITABLE, True)
-    return t
-
-
-def is_overwritable(t: Tensor | None, like: Tensor) -> bool:
-    return (t is not None and getattr(t, OVERWRITABLE, False) and t.shape == like.shape
-            and t.dtype == like.dtype and t.is_contiguous() and not t.requires_grad)
 
 
 @dataclass(frozen=True, eq=False)
@@ -136,34 +122,64 @@ class PostLink:
         return g_y if ok else None
 
 
-HANDED = "_mhc_handed_state"
+class StreamLedger:
+    """What the fused ops tell each other about the tensors they make, kept beside those tensors:
 
+    * a post's output -> the state the pre that reads it next will need, and the post's link
+      (:meth:`hand`, :meth:`handed`, :meth:`link`);
+    * writable gradients (:meth:`grant`, :meth:`writable`): buffers whose one reader is the
+      fused backward that receives them, which may write x's gradient over them.
 
-def hand_state(out: Tensor, state: Tensor, nxt: NextPre, link: PostLink | None = None) -> Tensor:
-    """Attach to the post's output ``out`` the state ``nxt`` will need (and the post's link);
-    returns ``out``."""
-    setattr(out, HANDED, (state, nxt, out._version, link))
-    return out
+    Note [beside the tensor, not on it]: what the ledger says about a tensor holds for that very
+    tensor object and dies with it, so entries are weak and by identity (never ``==``); a handed
+    state holds only while the output is unwritten (its version at the post). The ledger is an
+    argument of the ops that read and write it (a model makes one and gives it to every
+    sublayer's hyper-connection; ``make_graphed_callables`` takes it to enter its static
+    grad-output buffers), never an attribute set on a tensor. A copy of its owner gets an empty
+    ledger of its own.
+    """
 
+    def __init__(self):
+        self._handed = WeakIdKeyDictionary()  # post output -> (state, NextPre, version, link)
+        self._writable = WeakIdKeyDictionary()  # gradient -> True
 
-def handed_state(x: Tensor, weight: Tensor, a_pre: Tensor, bias: Tensor, norm: bool,
-                 eps: float) -> tuple[Tensor | None, PostLink | None]:
-    """``(state, link)`` a post attached to ``x`` for this pre, if ``x`` is that post's output,
-    unwritten since, and the pre the one it was computed for; else ``(None, None)`` (the pre
-    computes its own state, and the post its F output's gradient)."""
-    handed = getattr(x, HANDED, None)
-    if handed is None:
+    def __deepcopy__(self, memo) -> "StreamLedger":
+        return StreamLedger()
+
+    def __reduce__(self):
+        return (StreamLedger, ())
+
+    def hand(self, out: Tensor, state: Tensor, nxt: NextPre, link: PostLink | None) -> None:
+        """The post's output ``out`` carries the state ``nxt`` will need (and the post's link)."""
+        self._handed[out] = (state, nxt, out._version, link)
+
+    def handed(self, x: Tensor, weight: Tensor, a_pre: Tensor, bias: Tensor, norm: bool,
+               eps: float) -> tuple[Tensor | None, PostLink | None]:
+        """``(state, link)`` a post handed on with ``x`` for this pre, if ``x`` is that post's
+        output, unwritten since, and the pre the one it was computed for; else ``(None, None)``
+        (the pre computes its own state, and the post its F output's gradient)."""
+        entry = self._handed.get(x)
+        if entry is None:
+            return None, None
+        state, nxt, version, link = entry
+        if x._version == version and nxt.is_for(weight, a_pre, bias, norm, eps):
+            return state, link
         return None, None
-    state, nxt, version, link = handed
-    if x._version == version and nxt.is_for(weight, a_pre, bias, norm, eps):
-        return state, link
-    return None, None
 
+    def link(self, out: Tensor) -> PostLink | None:
+        """The link of the post whose output is ``out``, if it handed one on."""
+        entry = self._handed.get(out)
+        return None if entry is None else entry[3]
 
-def handed_link(out: Tensor) -> PostLink | None:
-    """The link a post attached to its output ``out``, if any."""
-    handed = getattr(out, HANDED, None)
-    return None if handed is None else handed[3]
+    def grant(self, grad: Tensor) -> Tensor:
+        """``grad`` (a stream gradient whose one reader is the next fused backward) may have x's
+        gradient written over it; returns ``grad``."""
+        self._writable[grad] = True
+        return grad
+
+    def writable(self, t: Tensor | None, like: Tensor) -> bool:
+        return (t is not None and t in self._writable and t.shape == like.shape
+                and t.dtype == like.dtype and t.is_contiguous() and not t.requires_grad)
 
 
 @dataclass(frozen=True, eq=False)
@@ -204,7 +220,7 @@ class Pre(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, a_pre, a_post, a_res, bias, norm_weight, cfg: PreConfig,
                 fn_input_out: Target | None, state_out: Target | None, handed: Tensor | None,
-                link: PostLink | None):
+                link: PostLink | None, ledger: StreamLedger | None):
         lead, width = x.shape[:-1], x.shape[-1]
         c, sw = width // cfg.n, state_width(weight.shape[0])
         xf = x.reshape(-1, width)
@@ -225,6 +241,7 @@ class Pre(torch.autograd.Function):
         ctx.params = (a_pre, a_post, a_res, bias)  # the post that defers to this pre shares them
         ctx.link = link if link is not None and link.state.shape[0] == xf.shape[0] else None
         ctx.expects_post, ctx.post_tail = False, None
+        ctx.ledger = ledger
         ctx.set_materialize_grads(False)  # an output nobody used: None, not zeros
         return fn_input.view(*lead, c), state.view(*lead, sw), x.view_as(x)
 
@@ -240,7 +257,8 @@ class Pre(torch.autograd.Function):
         around = _around(ctx, g_post, xf)
         args = (weight, a_pre, a_post, a_res, bias, norm_weight, state, cfg.n, cfg.iterations,
                 cfg.eps, cfg.use_triton, cfg.h_res_transposed)
-        if is_overwritable(g_post, x):
+        ledger = ctx.ledger
+        if ledger is not None and ledger.writable(g_post, x):
             g_weight, g_params, g_w = ops.pre_backward_into(g_fn, g_st, g_post.view(-1, width),
                                                             xf, *args, **around)
             g_x = g_post
@@ -251,8 +269,10 @@ class Pre(torch.autograd.Function):
         if "g_y_out" in around:
             ctx.link.give(around["g_y_out"], g_x)
         ctx.link = None
-        return (overwritable(g_x), g_weight, *_alphas_and_bias(g_params, bias),
-                g_w if norm_weight is not None else None, None, None, None, None, None)
+        if ledger is not None:
+            ledger.grant(g_x)
+        return (g_x, g_weight, *_alphas_and_bias(g_params, bias),
+                g_w if norm_weight is not None else None, None, None, None, None, None, None)
 
 
 def _around(ctx, g_post: Tensor | None, xf: Tensor) -> dict:

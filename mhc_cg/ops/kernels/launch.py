@@ -60,8 +60,8 @@ def table_path() -> Path:
 
 def read_table(path: Path) -> list[dict]:
     """The rows of a table file (``{"rows": [{device, hidden, kernel, config, ...}]}``); none
-    where there is no file. Read once per path and process (Note [one configuration per
-    process]; a launch reads no file)."""
+    where there is no file. Read once per path and process
+    (Note [one configuration per process]; a launch reads no file)."""
     return _rows(str(path))
 
 

@@ -37,8 +37,8 @@ per-program shares that torch sums in a fixed order, so every result is determin
   x a third time.
 * ``_post_bwd``: ``BT`` tokens per program, one pass: x's and y's gradients, and the per-token
   reductions the mappings need; then Sinkhorn's backward, which keeps every iteration's input in
-  registers and takes them back in reverse (2T iterations for T, Note [Sinkhorn's iterates
-  kept]).
+  registers and takes them back in reverse (2T iterations for T,
+  Note [Sinkhorn's iterates kept]).
 * ``_rms_fwd`` / ``_rms_bwd``: the model's final RMSNorm.
 
 H_res's transposed layout (``HT``, a constexpr) swaps which of a pair of streams the kernels
@@ -885,8 +885,9 @@ def _pre_bwd_x(gout_ptr, gpost_ptr, x_ptr, w_ptr, norm_ptr, gproj_ptr, aux_ptr, 
                SCALE: tl.constexpr, AW: tl.constexpr, PREC: tl.constexpr):
     """The second pass, over (a feature chunk, a group of tokens): x's gradient, and the mapping
     weight's and the norm weight's gradients summed over the group (fixed order) from the same
-    reads of x: no GEMM reads x again for the weight. Stream by stream (Note [streams at their
-    own offsets]): each stream's weight rows, products and gradient tiles are its own.
+    reads of x: no GEMM reads x again for the weight. Stream by stream
+    (Note [streams at their own offsets]): each stream's weight rows, products and gradient
+    tiles are its own.
     ``PREV``: also the gradient of the F output of the post that wrote x, from x's gradient as
     stored (:func:`_grad_y`, the post's formula). The streamed tiles are loaded two steps ahead
     into registers: at the registers this pass needs one block fits on an SM, and two steps in

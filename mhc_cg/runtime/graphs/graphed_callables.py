@@ -62,18 +62,16 @@ values.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from mhc_cg.core.regions import region
 from mhc_cg.core.storage import storage_id
-from mhc_cg.ops.kernels import overwritable
+from mhc_cg.ops.kernels import StreamLedger
 from mhc_cg.runtime.graphs.autograd_graph import saved_storages
 from mhc_cg.runtime.graphs.backends import get_backend, resolve_backend_name
 from mhc_cg.runtime.graphs.capture import Graph, GraphBackend
@@ -84,36 +82,20 @@ from mhc_cg.runtime.graphs.replay_state import (GraphedState, graphed_forward, g
                                                 grad_output_buffer)
 from mhc_cg.runtime.graphs.static_inputs import buffer_layout, static_buffer
 
-__all__ = ["GraphOptions", "GraphedCallables", "GraphedState", "OrderLayout", "capture_scratch",
+__all__ = ["GraphOptions", "GraphedCallables", "GraphedState", "OrderLayout",
            "count_allocated_static_inputs", "grad_output_buffer", "make_graphed_callables",
            "order_layout"]
 
-# Note [forward scratch]: ``make_graphed_callables(scratch={i: numel})`` has sample i's forward
-# capture allocate ``numel`` elements of its pool before the callable runs, which may write an
-# output there (:func:`capture_scratch` names it during that capture only). The memory goes back
-# to the pool when that sample's backward is captured (``Graph.free_early``): the backward and
-# every later capture may take it. So what the forward wrote there, and anything the caller puts
-# there after the forward's replay (``GraphedCallables.scratch(i)``), lives until the pool's next
-# replay: a chain whose next graph is this sample's backward lends the caller that memory for
-# the work between the two, without a byte more of pool. An output there must not be one the
-# backward reads; the forward's static outputs are re-pointed at the returned memory.
-_SCRATCH: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
-    "mhc_cg_capture_scratch", default=None)
-
-
-def capture_scratch() -> torch.Tensor | None:
-    """The forward scratch of the capture running now (Note [forward scratch]); ``None`` outside
-    one, in warm-up and eagerly."""
-    return _SCRATCH.get()
-
-
-@contextlib.contextmanager
-def _scratch_named(t: torch.Tensor | None) -> Iterator[None]:
-    token = _SCRATCH.set(t)
-    try:
-        yield
-    finally:
-        _SCRATCH.reset(token)
+# Note [forward scratch]: ``GraphOptions(scratch={i: numel})`` has sample i's forward capture
+# allocate ``numel`` elements of its pool before the callable runs, and call the callable with
+# that memory as its keyword argument ``scratch`` (at capture only: warm-up calls pass none); it
+# may write an output there. The memory goes back to the pool when that sample's backward is
+# captured (``Graph.free_early``): the backward and every later capture may take it. So what the
+# forward wrote there, and anything the caller puts there after the forward's replay
+# (``GraphedCallables.scratch(i)``), lives until the pool's next replay: a chain whose next graph
+# is this sample's backward lends the caller that memory for the work between the two, without
+# a byte more of pool. An output there must not be one the backward reads; the forward's static
+# outputs are re-pointed at the returned memory.
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,12 +195,16 @@ def _check_callables(callables: tuple) -> bool:
 class GraphOptions:
     """What mhc_cg's ``make_graphed_callables`` does that TransformerEngine's does not, in one
     argument: ``backend`` (``"auto"``, ``"tape"``, ``"cuda"`` or a backend object: what captures),
-    ``lend_grads_to_eager`` (the module docstring) and ``scratch``, ``{sample index: elements}``
-    of pool memory lent from a forward's replay to the pool's next one (Note [forward scratch])."""
+    ``lend_grads_to_eager`` (the module docstring), ``scratch``, ``{sample index: elements}``
+    of pool memory lent from a forward's replay to the pool's next one (Note [forward scratch]),
+    and ``stream_ledger``, the fused ops' :class:`~mhc_cg.ops.kernels.StreamLedger`: every shared
+    grad-output buffer is entered there as the backward's to write over (its one reader), so a
+    fused mHC backward writes the stream's gradient in place."""
 
     backend: str | GraphBackend = "auto"
     lend_grads_to_eager: bool = False
     scratch: Mapping[int, int] | None = None
+    stream_ledger: StreamLedger | None = None
 
 
 def make_graphed_callables(
@@ -294,7 +280,7 @@ def make_graphed_callables(
     # warmup and capture draw nothing the caller should see: the generators are put back after
     with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
         _warm_up(backend, run, passes, num_warmup_iters, pre_warmup_hook, post_warmup_hook)
-        _capture(backend, pool, passes, run, options.scratch or {})
+        _capture(backend, pool, passes, run, options.scratch or {}, options.stream_ledger)
     results = _wrap(func_of, states, layout)
     if single:
         return results[0]
@@ -445,8 +431,11 @@ class _Passes:
                 raise RuntimeError(f"make_graphed_callables: capture_time_hooks {name} must not "
                                    f"return a value")
 
-    def forward(self, index: int) -> Any:
-        return self.func_of[index](*self.sample_args[index], **self.sample_kwargs[index])
+    def forward(self, index: int, scratch: torch.Tensor | None = None) -> Any:
+        """Sample ``index``'s forward; with its ``scratch`` (Note [forward scratch])."""
+        kwargs = self.sample_kwargs[index] if scratch is None else \
+            {**self.sample_kwargs[index], "scratch": scratch}
+        return self.func_of[index](*self.sample_args[index], **kwargs)
 
     def grads(self, outputs: list, index: int, grad_outputs: list | None) -> list:
         return _grads_of(outputs, self.states[index].surface, grad_outputs, self.allow_unused,
@@ -483,7 +472,8 @@ def _warm_up(backend: GraphBackend, run: _Passes, passes, iterations: int,
     backend.synchronize()
 
 
-def _capture(backend: GraphBackend, pool, passes, run: _Passes, scratch: Mapping[int, int]) -> None:
+def _capture(backend: GraphBackend, pool, passes, run: _Passes, scratch: Mapping[int, int],
+             ledger: StreamLedger | None) -> None:
     """Capture every forward and backward graph in ``passes``' order, all in ``pool``."""
     shared_grad_outputs: dict[tuple, torch.Tensor] = {}
     made_scratch: dict[int, torch.Tensor] = {}
@@ -496,8 +486,7 @@ def _capture(backend: GraphBackend, pool, passes, run: _Passes, scratch: Mapping
             with state.fwd_graph.capture(), region("forward"):
                 if index in scratch:  # the pool's first, before the callable allocates
                     made_scratch[index] = _new_scratch(scratch[index], sample_args[index])
-                with _scratch_named(made_scratch.get(index)):
-                    outputs = run.forward(index)
+                outputs = run.forward(index, made_scratch.get(index))
             run.hook(which, "forward_hooks", index)
             state.layouts = [buffer_layout(t) for t in state.surface]
             flat, state.output_spec = tree_flatten(outputs)
@@ -522,7 +511,7 @@ def _capture(backend: GraphBackend, pool, passes, run: _Passes, scratch: Mapping
             state.scratch = state.fwd_graph.free_early(made)
         diff_outputs = [o for o, d in zip(state.static_outputs, state.differentiable) if d]
         wanted = [t for t in state.surface if t.requires_grad]
-        state.static_grad_outputs = _grad_output_buffers(state, shared_grad_outputs)
+        state.static_grad_outputs = _grad_output_buffers(state, shared_grad_outputs, ledger)
         if not diff_outputs or not wanted:
             state.static_grad_inputs = [None] * len(state.surface)
         else:
@@ -596,7 +585,8 @@ def _grads_of(outputs: list, surface: list[torch.Tensor], grad_outputs: list | N
     return [next(grads) if t.requires_grad else None for t in surface]
 
 
-def _grad_output_buffers(state: GraphedState, shared: dict) -> list[torch.Tensor | None]:
+def _grad_output_buffers(state: GraphedState, shared: dict,
+                         ledger: StreamLedger | None) -> list[torch.Tensor | None]:
     """Static grad-output buffers of ``state``'s differentiable outputs, shared by every backward
     graph: a backward reads its buffers only while it replays, and each replay first copies its
     incoming grads in. The n-th output of a (shape, dtype, stride, device) in one graph gets the
@@ -610,8 +600,9 @@ def _grad_output_buffers(state: GraphedState, shared: dict) -> list[torch.Tensor
         slot = (key, seen[key])
         seen[key] += 1
         if slot not in shared:
-            # the backward graph is its one reader: a fused backward may write x's gradient over it
-            shared[slot] = static_buffer(overwritable(torch.empty_like(output)))
+            shared[slot] = static_buffer(torch.empty_like(output))
+            if ledger is not None:  # the backward graph is its one reader: it may write over it
+                ledger.grant(shared[slot])
         buffers.append(shared[slot])
     return buffers
 

@@ -7,8 +7,8 @@ refuses exactly what a real capture would refuse, with the op and the user's sou
 * **Static addresses.** A replay reads and writes exactly the storages the capture saw. Code that
   frees, resizes or re-points a storage the graph uses but did not allocate
   (``untyped_storage().resize_``, ``set_``, ``.data =``) is rejected (:class:`AddressBook`,
-  :class:`CaptureSafetyReport`); one it allocated may be freed and allocated again (Note [a
-  capture frees and re-allocates its own storages]).
+  :class:`CaptureSafetyReport`); one it allocated may be freed and allocated again
+  (Note [a capture frees and re-allocates its own storages]).
 * **No host synchronisation, no data-dependent shapes** (``.item()``, ``nonzero``, ``unique``,
   boolean-mask indexing but ``x[mask] = scalar``, which is a masked fill, device-to-host copies,
   ``torch.tensor([...])`` from Python data), and

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from mhc_cg.model import MHCGPT
+from mhc_cg.runtime.graphs.graphed_callables import GraphOptions
 from mhc_cg.runtime.modes.lifecycle import (CapturedState, ModeModel, one_microbatch, rewind_replay_order, warmups,
                                     runs_graphs)
 from mhc_cg.runtime.modes.plan import CapturePlan
@@ -64,7 +65,8 @@ class AttnSplitModel(ModeModel):
         api = self.capture_api()
         graphed = api.make_graphed_callables(modules, samples, num_warmup_iters=warmups(api),
                                              clone_param_grads_on_return=False,
-                                             **one_microbatch(api, len(modules)))
+                                             **one_microbatch(api, len(modules)),
+                                             options=GraphOptions(stream_ledger=self.model.ledger))
         self.graphed_callables = graphed
         self.graph_labels = [f"L{layer.layer_number}.attn.core" for layer in self.model.layers]
         self.consumers = list(graphed)

@@ -3,8 +3,8 @@
 Megatron's ``FullCudaGraphWrapper`` captures ``forward_backward_func``: every microbatch's
 forward, loss and backward in one CUDA graph. :class:`FullIterationModel` does the same around
 another mode's model: ``graphed_full`` around :class:`EagerModel` with eager block recompute (the
-capture swallows the recompute's frees and re-allocations, Note [a capture frees and
-re-allocates its own storages]), ``graphed_full_static`` around :class:`GraphedStaticModel` with
+capture swallows the recompute's frees and re-allocations,
+Note [a capture frees and re-allocates its own storages]), ``graphed_full_static`` around :class:`GraphedStaticModel` with
 nothing captured of its own (arena, persistent sets and recompute kernels, replayed whole).
 
 The optimizer stays apart, eager, as Megatron's ``OptimizerCudaGraphWrapper`` is opt-in: its step
@@ -18,13 +18,13 @@ parameters' ``.grad`` buffers, as eager accumulation leaves them.
 
 Note [warm-up, then capture]: before capture the iteration runs eagerly ``backend.warmup_iters``
 times (library handles, Triton's compiles; a CUDA capture may not allocate them), and the
-gradients it accumulated are zeroed; the capture itself leaves them as they were (Note [a capture
-runs nothing], in :mod:`~mhc_cg.runtime.graphs.tape`), so training starts from zero gradients.
+gradients it accumulated are zeroed; the capture itself leaves them as they were
+(Note [a capture runs nothing], in :mod:`~mhc_cg.runtime.graphs.tape`), so training starts from zero gradients.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -45,7 +45,9 @@ class FullIterationModel(ModeModel):
     """``inner_type``'s model, its training iteration captured whole (see the module docstring).
 
     ``run_iteration(batches)`` trains; ``forward`` runs the inner mode eagerly (evaluation, or a
-    forward outside the iteration).
+    forward outside the iteration). ``step_loop``: the training step's microbatch loop (the
+    session's, :func:`mhc_cg.training.session.microbatch_loop` with its optimizer's backward),
+    called as ``step_loop(model, batch, count)``: what the capture records.
     """
 
     graphed = True
@@ -53,8 +55,9 @@ class FullIterationModel(ModeModel):
     inner_type: type[ModeModel]
 
     def __init__(self, model, plan: CapturePlan, *, micro_batch_size: int,
-                 backend: GraphBackend | None = None):
+                 backend: GraphBackend | None = None, step_loop: Callable | None = None):
         super().__init__(model, plan, micro_batch_size=micro_batch_size, backend=backend)
+        self.step_loop = step_loop
         self.inner = self.inner_type(model, plan, micro_batch_size=micro_batch_size,
                                      backend=backend)
         self.graph: Graph | None = None
@@ -83,7 +86,7 @@ class FullIterationModel(ModeModel):
 
     def _iteration(self) -> Tensor:
         """Every microbatch's forward, loss and backward over the static batches: the training
-        step's own loop (:attr:`ModeModel.step_loop`, the session's); returns the summed loss."""
+        step's own loop (the one it was made with); returns the summed loss."""
         if self.step_loop is None:
             raise RuntimeError(f"{self.plan.mode}: a full-iteration mode captures the training "
                                f"step's loop; build it with TrainSession.build")

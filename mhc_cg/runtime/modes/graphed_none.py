@@ -60,7 +60,7 @@ class GraphedSublayersModel(ModeModel):
         self.graphed_callables = api.make_graphed_callables(
             tuple(captured), sample_args, num_warmup_iters=warmups(api),
             clone_param_grads_on_return=False, **one_microbatch(api, len(captured)),
-            options=GraphOptions(lend_grads_to_eager=True))
+            options=GraphOptions(lend_grads_to_eager=True, stream_ledger=self.model.ledger))
         self.graph_labels = labels
         graphed = dict(zip(map(id, captured), self.graphed_callables))
         self.sublayer_fns = [graphed.get(id(sub), sub) for sub in subs]  # MoE: the eager module

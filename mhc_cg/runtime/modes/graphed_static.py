@@ -20,96 +20,22 @@ combination of scopes computes the same numbers, bit for bit, as eager without r
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from mhc_cg.model.moe import MoECudaGraphPartialCaptureSignal
-from mhc_cg.model import MHCGPT, MoEMLP, microbatch_loss
-from mhc_cg.ops.output_linear import output_into
+from mhc_cg.model import MHCGPT, microbatch_loss
 from mhc_cg.config.choices import RECOMPUTE_SCOPE
 from mhc_cg.runtime.graphs.graphed_callables import GraphOptions
 from mhc_cg.runtime.graphs.replay_state import grad_output_buffer
 from mhc_cg.runtime.modes.lifecycle import CapturedState, ModeModel, one_microbatch, runs_graphs, warmups
 from mhc_cg.runtime.modes.plan import CapturePlan
 from mhc_cg.core.errors import StaticRecomputeError
+from mhc_cg.runtime.recompute.graphable import SlotSublayer, graphable_sublayers, sublayer_label
+from mhc_cg.runtime.recompute.recompute_captures import (RecomputeCaptures,
+                                                         capture_recompute_graphs,
+                                                         warm_up_recompute)
 from mhc_cg.runtime.recompute.static import (StaticRecompute, SublayerGraph,
                                              build_static_recompute)
-from mhc_cg.runtime.recompute.pool_captures import RecomputeCaptures
-from mhc_cg.runtime.recompute.sublayers import SUBLAYER_NAMES
 from mhc_cg.core.storage import own_version_alias
-
-class SlotSublayer(nn.Module):
-    """One whole mHC sublayer on the static runtime: ``(x, seed) -> (out, F output, state)``.
-
-    A module (its parameters are the sublayer's) so that graph capture computes their gradients.
-    F's output and the mapping state are returned detached: they only feed the persistent set.
-    The fused sublayer writes its output into the next sublayer's input buffer itself.
-    """
-
-    def __init__(self, runtime: StaticRecompute, sub: nn.Module, position: int, k: int):
-        super().__init__()
-        self.sub = sub
-        self.runtime, self.position, self.k = runtime, position, k
-
-    def forward(self, x: Tensor, seed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        out, y, state = self.runtime.sublayer(self.sub, self.position, self.k, x, seed)
-        return out, y.detach(), state.detach()
-
-
-class PartialMoESublayer(nn.Module):
-    """The captured head of a MoE MLP sublayer: the pre, then the router [+ preprocess].
-
-    Returns ``(state, x_on, *early)`` where ``early`` is what megatron-core's signal collects
-    (``get_early_return_outputs``): hidden states, probs and routing map after ``route``; hidden
-    states, probs and the dispatcher's tensors after ``preprocess``.
-    """
-
-    def __init__(self, runtime: StaticRecompute, sub: nn.Module, position: int, k: int, step: str):
-        super().__init__()
-        if not isinstance(sub.fn, MoEMLP):
-            raise StaticRecomputeError("moe_router / moe_preprocess scopes need a MoE MLP "
-                                       "(model.num_experts); this sublayer is dense")
-        self.sub = sub
-        self.runtime, self.position, self.k, self.step = runtime, position, k, step
-
-    def forward(self, x: Tensor, seed: Tensor) -> tuple[Tensor, ...]:
-        fn_input, (state, x_on) = self.runtime.sublayer_pre(self.sub, self.position, self.k, x)
-        moe: MoEMLP = self.sub.fn
-        moe.partial_capture = self.step
-        try:
-            with self.runtime.fn_region():
-                moe(fn_input)
-        except MoECudaGraphPartialCaptureSignal as signal:
-            early = signal.get_early_return_outputs(fn_input.reshape(-1, fn_input.shape[-1]), None)
-        else:
-            raise StaticRecomputeError("the MoE layer did not raise its partial-capture signal")
-        finally:
-            moe.partial_capture = None
-        return (state, x_on, *early)
-
-
-def slot_sublayers(plan: CapturePlan, runtime: StaticRecompute, layers, block_size: int
-                   ) -> tuple[list[nn.Module], list[tuple[int, int]]]:
-    """The modules a plan captures over ``layers`` on ``runtime``, and their ``(layer number,
-    sublayer)`` keys: whole sublayers (``attn``, ``mlp``) or a MoE sublayer's head."""
-    modules, keys = [], []
-    for index, layer in enumerate(layers):
-        position = index % block_size
-        if plan.attn:
-            modules.append(SlotSublayer(runtime, layer.attention, position, 0))
-            keys.append((layer.layer_number, 0))
-        if plan.moe_step is not None:
-            modules.append(PartialMoESublayer(runtime, layer.mlp, position, 1, plan.moe_step))
-            keys.append((layer.layer_number, 1))
-        elif plan.mlp:
-            modules.append(SlotSublayer(runtime, layer.mlp, position, 1))
-            keys.append((layer.layer_number, 1))
-    return modules, keys
-
-
-def sublayer_label(key: tuple[int, int], module: nn.Module) -> str:
-    """``L3.attn``, ``L3.mlp``, or ``L3.mlp.head`` for a MoE sublayer's captured head."""
-    layer, k = key
-    return f"L{layer}.{SUBLAYER_NAMES[k]}" + (".head" if isinstance(module, PartialMoESublayer) else "")
 
 
 def embed_buffers(model: MHCGPT, runtime: StaticRecompute,
@@ -159,15 +85,17 @@ class GraphedStaticModel(ModeModel):
             dtype=dtype)
         api = self.capture_api()
         backend = api.backend
-        modules, keys = slot_sublayers(self.plan, self.runtime, layers, self.block_size)
+        modules, keys = graphable_sublayers(self.runtime, layers, self.block_size,
+                                            attn=self.plan.attn, mlp=self.plan.mlp,
+                                            moe_step=self.plan.moe_step)
         self.model.no_state_across(module.sub for module in modules)
         recompute_in_sublayer_pool = False
         if modules:
             pool = api.new_pool()
             sample_args = self._static_inputs(keys)
-            hooks = armed = None
+            hooks = armed = captures = None
             if self._graphs_every_sublayer(modules, keys) and self.plan.recompute_graph:
-                self.runtime.warm_up_recompute(backend)
+                warm_up_recompute(self.runtime, backend)
                 captures = RecomputeCaptures(self.runtime, backend, pool,
                                              self.runtime.sets.all_sets()[0])
                 hooks, armed = captures.hooks(self._recompute_points(), len(modules)), captures.arm
@@ -180,21 +108,24 @@ class GraphedStaticModel(ModeModel):
                 clone_param_grads_on_return=False, pool=pool, post_warmup_hook=armed,
                 capture_time_hooks=hooks,
                 **one_microbatch(api, len(modules)),
-                options=GraphOptions(lend_grads_to_eager=True, scratch=scratch))
+                options=GraphOptions(lend_grads_to_eager=True, scratch=scratch,
+                                     stream_ledger=self.model.ledger))
+            if captures is not None:
+                self.runtime.recompute_graphs.update(captures.graphs)
             self.graphed_callables = graphed
             self.logits_memory = graphed.scratch(len(modules) - 1) if scratch else None
             self.graph_labels = [sublayer_label(key, module) for key, module in zip(keys, modules)]
             for key, module, fn in zip(keys, modules, graphed):
                 self.sublayer_fns[key] = SublayerGraph(fn, getattr(module, "step", None))
         if self.plan.recompute_graph and not recompute_in_sublayer_pool:
-            self.runtime.capture_recompute_graphs(backend)
+            self.runtime.recompute_graphs.update(capture_recompute_graphs(self.runtime, backend))
         self.captured = CapturedState.of(self.model)
         return self
 
     def _recompute_points(self) -> dict[int, int]:
         """``{sublayer graph: block}``: each block's recompute graph goes into the sublayer
-        graphs' pool just before the backward of the block's last sublayer is captured (Note
-        [recompute graphs in the sublayer pool]).
+        graphs' pool just before the backward of the block's last sublayer is captured
+        (Note [recompute graphs in the sublayer pool]).
 
         The last block has none: each forward is followed by its backward (one microbatch in
         flight), so the arena still holds what its forward wrote and the runtime skips its
@@ -202,7 +133,7 @@ class GraphedStaticModel(ModeModel):
         """
         layers = len(self.model.layers)
         return {2 * (min((block + 1) * self.block_size, layers) - 1) + 1: block
-                for block in range(len(self.runtime.blocks) - 1)}
+                for block in range(len(self.runtime.layout.blocks) - 1)}
 
     def _head_scratch(self, modules: list, keys: list, api) -> dict[int, int]:
         """Note [logits in the chunk output's scratch]: with one microbatch in flight and the
@@ -238,7 +169,8 @@ class GraphedStaticModel(ModeModel):
         for layer, k in keys:
             i = layer  # the model is one chunk: a layer's number is its index
             block, j = i // self.block_size, 2 * (i % self.block_size) + k
-            stream = self.runtime.stream_input(block, j, pset)
+            stream = pset.block_inputs[block] if j == 0 else \
+                self.runtime.sublayers.slots.stream(j).reader
             samples.append((own_version_alias(stream).requires_grad_(), seed))
         return tuple(samples)
 
@@ -253,8 +185,8 @@ class GraphedStaticModel(ModeModel):
 
     def microbatch_loss(self, input_ids: Tensor, targets: Tensor, dropout_seed: Tensor | None,
                         kernels: str, num_microbatches: int) -> Tensor:
-        """The loss over logits in the chunk output's scratch, where there is one (Note
-        [logits in the chunk output's scratch])."""
+        """The loss over logits in the chunk output's scratch, where there is one
+        (Note [logits in the chunk output's scratch])."""
         if self.logits_memory is None or not runs_graphs(self.model):
             return super().microbatch_loss(input_ids, targets, dropout_seed, kernels,
                                            num_microbatches)
@@ -262,8 +194,7 @@ class GraphedStaticModel(ModeModel):
         s, b = x.shape[0], x.shape[1]
         shape = (s, b, self.model.cfg.vocab_size)
         memory = self.logits_memory[:s * b * shape[2]].view(shape)
-        with output_into(memory):
-            logits = self.model.logits(x, grad_into)
+        logits = self.model.logits(x, grad_into, memory)
         return microbatch_loss(logits, targets, kernels, num_microbatches)
 
     def _streams(self, input_ids: Tensor, dropout_seed: Tensor) -> tuple[Tensor, Tensor | None]:

@@ -17,8 +17,6 @@ claims no persistent set and leaves every pool's replay order where it was.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
 from torch import Tensor
 
@@ -70,9 +68,6 @@ class ModeModel:
         self.graph_labels: list[str] = []  # what each graphed callable holds, e.g. "L3.attn"
         self.runtime: StaticRecompute | None = None
         self.captured: CapturedState | None = None
-        # the training step's microbatch loop, given by who runs the step (TrainSession: its
-        # optimizer's backward scales the loss for fp16); a full-iteration mode captures it
-        self.step_loop: Callable | None = None
 
     # -- running --------------------------------------------------------------------------------
     def prepare(self, device: torch.device | str) -> "ModeModel":
@@ -129,12 +124,6 @@ class ModeModel:
     def capture_backend(self) -> GraphBackend:
         """The primitive the graphs are captured on: the runtime's own graphs go through it."""
         return self.capture_api().backend
-
-    def idle_workspace(self) -> Tensor | None:
-        """Bytes the mode holds that nothing reads between training steps, for the optimizer's
-        temporaries: the static runtime's arena (:meth:`Arena.lend`); None without one. Valid
-        until the next forward."""
-        return self.runtime.arena.lend() if self.runtime is not None else None
 
     # -- what tools read ------------------------------------------------------------------------
     def named_graphs(self) -> list[tuple[str, str, Graph]]:
@@ -197,7 +186,7 @@ class ModeModel:
         info = {"scopes": list(self.plan.scopes), "graphs": len(self.graphs())}
         if self.runtime is not None:
             rt = self.runtime
-            info.update(block_size=rt.block_size, arena_bytes=rt.arena.nbytes,
+            info.update(block_size=rt.layout.block_size, arena_bytes=rt.arena.nbytes,
                         persistent_bytes_per_microbatch=rt.sets.nbytes_per_set,
                         persistent_sets=rt.sets.capacity,
                         recompute_graphs=len(rt.recompute_graphs))
@@ -258,5 +247,6 @@ class CapturedState:
                                                                         now.grad_ptrs)):
             raise StaleCaptureError(
                 "parameter gradients: set to None or replaced since the graphs were captured; "
-                "the backward graphs add into the old buffers (Note [grads accumulated inside "
-                "the graph]); zero them in place (optimizer.zero_grad()), " + rebuild)
+                "the backward graphs add into the old buffers "
+                "(Note [grads accumulated inside the graph]); zero them in place "
+                "(optimizer.zero_grad()), " + rebuild)

@@ -191,12 +191,12 @@ def prepare(run: Run, model: MHCGPT, backend: GraphBackend | None = None,
     """``model`` (from :func:`build_model`) as the run's mode runs it, graphs captured: after
     this, the parameters' addresses are baked into the graphs. ``backend``: a capture backend
     object instead of the plan's (the cost model's); ``step_loop``: the training step's
-    microbatch loop (:func:`mhc_cg.training.step_loop.microbatch_loop` with the optimizer's
-    backward), which a full-iteration mode captures."""
-    mode_model = run.mode.model_type(model, run.plan,
-                                     micro_batch_size=run.cfg.train.micro_batch_size,
-                                     backend=backend)
-    mode_model.step_loop = step_loop
+    microbatch loop (:func:`mhc_cg.training.session.microbatch_loop` with the optimizer's
+    backward), which a full-iteration mode is made with, to capture."""
+    model_type = run.mode.model_type
+    loop = {"step_loop": step_loop} if model_type.captures_iteration else {}
+    mode_model = model_type(model, run.plan, micro_batch_size=run.cfg.train.micro_batch_size,
+                            backend=backend, **loop)
     with torch.enable_grad():  # capture records the backward too, even if built under no_grad
         mode_model.prepare(run.device)
     return mode_model

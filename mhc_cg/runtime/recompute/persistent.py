@@ -69,6 +69,9 @@ class PersistentSetPool:
 
     ``capacity`` is how many microbatches may be in flight (the schedule planner's figure); asking
     for more is an error, since a graph captured on a set must never see its set reused early.
+    ``peak_in_use``: the most sets in use at once so far; ``last_round``: the set indices taken,
+    in order, from one time every set was free to the next (a training step's, on a pipeline
+    rank), to check against the planner's assignment.
     """
 
     def __init__(self, capacity: int, make_set: Callable[[int], PersistentSlotSet]):
@@ -78,6 +81,9 @@ class PersistentSetPool:
         self._sets = [make_set(i) for i in range(capacity)]
         self._free: deque[PersistentSlotSet] = deque(self._sets)
         self._in_use: list[PersistentSlotSet] = []
+        self._round: list[int] = []
+        self.last_round: list[int] = []
+        self.peak_in_use = 0
 
     def acquire(self) -> PersistentSlotSet:
         if not self._free:
@@ -88,6 +94,8 @@ class PersistentSetPool:
                 f"value with gradients on), call release_pending() on the model first")
         pset = self._free.popleft()
         self._in_use.append(pset)
+        self._round.append(pset.index)
+        self.peak_in_use = max(self.peak_in_use, len(self._in_use))
         return pset
 
     def next_set(self) -> PersistentSlotSet | None:
@@ -97,8 +105,7 @@ class PersistentSetPool:
     def fixed_set(self) -> PersistentSlotSet | None:
         """The set every forward takes, when the pool holds just one; else ``None``. Work outside
         a forward (a graph captured once and replayed for every microbatch, layout discovery)
-        may write that set; with more, only a capture bound to its microbatch's set may write
-        one (``StaticRecompute.capturing_for``)."""
+        may write that set; with more, only a capture for its microbatch's set may write one."""
         return self._sets[0] if len(self._sets) == 1 else None
 
     def release(self, pset: PersistentSlotSet) -> None:
@@ -110,6 +117,7 @@ class PersistentSetPool:
             # every step starts from index order, as assign_persistent_slot_sets assumes: a graph
             # captured for microbatch k of a step writes the set that k takes in every step
             self._free = deque(self._sets)
+            self.last_round, self._round = self._round, []
 
     def all_sets(self) -> list[PersistentSlotSet]:
         return list(self._sets)

@@ -43,10 +43,9 @@ from mhc_cg.core.regions import region
 from mhc_cg.core.storage import storage_id
 from mhc_cg.model import MLP, MHCSublayer, MHCTransformerLayer, MoEMLP, recomputes_activation
 from mhc_cg.model.moe import MoECudaGraphTensorStore
-from mhc_cg.ops.output_linear import output_into
 from mhc_cg.runtime.graphs.static_inputs import check_input
 from mhc_cg.runtime.recompute.arena import Arena
-from mhc_cg.runtime.recompute.chunk import ChunkLayout, SetBinding
+from mhc_cg.runtime.recompute.chunk import ChunkLayout
 from mhc_cg.runtime.recompute.persistent import PersistentSetPool, PersistentSlotSet, new_persistent_set
 from mhc_cg.runtime.recompute.store import RegionCursor, store_in, store_in_slot
 from mhc_cg.runtime.recompute.sublayers import SUBLAYER_NAMES, sublayers_for
@@ -57,134 +56,83 @@ class SublayerGraph:
     """What runs sublayer ``(layer number, k)`` instead of the eager one: its graphed callable
     ``fn(x, seed) -> (out, F output, state)``; with ``moe_step`` (``route`` / ``preprocess``) the
     graph is a MoE sublayer's head, and the runtime runs the rest from its outputs
-    (:meth:`StaticRecompute.moe_tail`)."""
+    (:meth:`StaticRecompute.moe_tail`). ``named``: the replay runs in the sublayer's ``fwd``
+    range, as the graphed modes name it."""
 
     fn: Callable
     moe_step: str | None = None
+    named: bool = True
 
 
 class StaticRecompute:
     """The static-buffer runtime for the layers of one model chunk.
 
-    ``layers`` are split into recompute blocks of ``block_size`` layers. ``arena`` and the persistent
-    set pool may be shared by several chunks of one pipeline rank (they have the same block shape).
-    ``make_sublayers(layout, binding)`` builds the strategy of
-    :mod:`mhc_cg.runtime.recompute.sublayers` for these layers: it reads the chunk's layout and
-    which set is written (:mod:`mhc_cg.runtime.recompute.chunk`), and never holds the runtime.
+    ``layout`` cuts the chunk's layers into recompute blocks. ``arena`` and the persistent set
+    pool may be shared by several chunks of one pipeline rank (they have the same block shape).
+    ``sublayers`` is the strategy of :mod:`mhc_cg.runtime.recompute.sublayers` for these layers:
+    it reads the layout and is told, call by call, which persistent set a sublayer writes
+    (``pset``: the forward's, or the one a graph's capture writes; ``None`` where a capture
+    serves several microbatches, and the forward copies what the set needs in after it).
+
+    ``recompute_graphs[(block, set)]`` replay a block's recompute where they were captured
+    (:mod:`mhc_cg.runtime.recompute.recompute_captures` makes them); without one the recompute
+    runs eagerly.
     """
 
-    def __init__(self, layers: list[MHCTransformerLayer], block_size: int, arena: Arena,
-                 sets: PersistentSetPool,
-                 make_sublayers: Callable[[ChunkLayout, SetBinding], object]):
-        cfg = layers[0].attention.cfg
+    def __init__(self, layout: ChunkLayout, arena: Arena, sets: PersistentSetPool, sublayers):
+        cfg = layout.layers[0].attention.cfg
         problem = stateful_dropout_problem(cfg.dropout_impl, cfg.hidden_dropout,
                                            "dropout_impl", "hidden_dropout")
         if problem is not None:
             raise StaticRecomputeError(f"static-buffer recompute: {problem}")
-        self.layout = ChunkLayout(layers, block_size)
-        self.binding = SetBinding(sets)
-        self.arena, self.sets = arena, sets
-        self.sublayers = make_sublayers(self.layout, self.binding)
+        self.layout, self.arena, self.sets, self.sublayers = layout, arena, sets, sublayers
         self.recompute_graphs: dict[tuple[int, int], object] = {}
-        self.recompute_pool = None  # the pool the recompute graphs were captured into
         # (arena generation, block, set) of the state this runtime's last forward left in the
         # arena; the last block's recompute is skipped while the generation is unchanged
         self._kept: tuple[int, int, int] | None = None
         # The last recomputes run, in order (for tests and debugging): a ring of two rounds of
         # every (block, set), so a long run keeps a fixed number; ``recomputes`` counts them all.
-        self.trace: deque[str] = deque(maxlen=2 * len(self.blocks) * sets.capacity)
+        self.trace: deque[str] = deque(maxlen=2 * len(layout.blocks) * sets.capacity)
         self.recomputes: Counter[tuple[int, str]] = Counter()  # (block, "graph" | "eager") -> runs
         # forwards whose backward has not finished: persistent set index -> its hooks' state
         self._pending: dict[int, dict] = {}
 
-    # -- the chunk's layout and the set being written (read by the sublayer strategy too) --------
-    @property
-    def layers(self) -> list[MHCTransformerLayer]:
-        return self.layout.layers
-
-    @property
-    def block_size(self) -> int:
-        return self.layout.block_size
-
-    @property
-    def blocks(self) -> list[list[MHCTransformerLayer]]:
-        return self.layout.blocks
-
-    def index(self, sub) -> int:
-        """The chunk index of the layer ``sub`` belongs to."""
-        return self.layout.index(sub)
-
-    @property
-    def active_set(self) -> PersistentSlotSet | None:
-        """The set of the forward in progress."""
-        return self.binding.active
-
-    def writing_set(self) -> PersistentSlotSet | None:
-        """The set a sublayer writes into (:meth:`SetBinding.writing_set`)."""
-        return self.binding.writing_set()
-
-    def required_set(self, what: str) -> PersistentSlotSet:
-        """:meth:`writing_set`, for a write that cannot be deferred to the forward."""
-        return self.binding.required_set(what)
-
-    def capturing_for(self, pset: PersistentSlotSet):
-        """Sublayers run in here (a graph's capture for one microbatch) write ``pset``: the set
-        that microbatch's forward will take along the schedule's order."""
-        return self.binding.capturing_for(pset)
-
-    def fn_region(self):
-        """F's own activations are kept by autograd as usual (F is not recomputed)."""
-        return self.binding.fn_region()
-
-    def stream_input(self, block: int, j: int, pset: PersistentSlotSet) -> Tensor:
-        """Where sublayer ``j`` of block ``block`` reads its stream: the block input in ``pset``
-        for ``j == 0``, else the arena slot the sublayer before wrote (fused sublayers)."""
-        return pset.block_inputs[block] if j == 0 else self.sublayers.slots.stream(j).reader
-
-    @property
-    def slots(self):
-        """The fused sublayers' named arena slots (``None`` for hooked sublayers)."""
-        return getattr(self.sublayers, "slots", None)
-
     # -- one sublayer ------------------------------------------------------------------------
-    def sublayer_pre(self, sub: MHCSublayer, position: int, k: int,
-                     x: Tensor) -> tuple[Tensor, tuple]:
-        """The mHC ops before F: returns (F's input, what :meth:`sublayer_post` takes)."""
-        return self.sublayers.pre(sub, position, k, x)
+    def sublayer(self, sub: MHCSublayer, position: int, k: int, x: Tensor, seed: Tensor | None,
+                 pset: PersistentSlotSet | None, scratch: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``MHCSublayer.forward`` on the static buffers, writing ``pset``; returns (output, F
+        output, mapping state or None for hooked sublayers). ``scratch``: where the chunk's
+        output may go (Note [forward scratch]), for the chunk's last sublayer.
+
+        Two halves around F (``self.sublayers.pre``, :meth:`sublayer_post`), because a graph may
+        end between them (MoE partial capture) and the eager remainder must find its buffers
+        without the Python state of the captured part.
+        """
+        fn_input, carry = self.sublayers.pre(sub, position, k, x, pset)
+        out = self.sublayers.fn_output_buffer(sub, k, pset)
+        if k == 1 and recomputes_activation(sub):
+            if pset is None:
+                raise StaticRecomputeError(
+                    f"an MLP with activation recompute (fc1's output) ran outside a forward with "
+                    f"{self.sets.capacity} persistent sets: a graph captured here would write one "
+                    f"set for every microbatch; capture it for its microbatch's set, or with "
+                    f"capacity 1")
+            y = self.mlp_with_activation_recompute(sub.fn, position, self.layout.index(sub),
+                                                   fn_input, pset, out)
+        elif out is not None:
+            y = sub.fn(fn_input, out)
+        else:
+            y = sub.fn(fn_input)
+        return self.sublayer_post(sub, position, k, y, carry, seed, pset, scratch)
 
     def sublayer_post(self, sub: MHCSublayer, position: int, k: int, y: Tensor, carry: tuple,
-                      seed: Tensor | None) -> Tensor:
-        """The mHC ops after F, ``carry`` what :meth:`sublayer_pre` returned."""
-        return self.sublayers.post(sub, position, k, y, carry, seed)
-
-    def kept_fn_output(self, sub, k: int, y: Tensor) -> Tensor:
-        """F's output ``y`` as the persistent set keeps it, where the sublayer put it there."""
-        return self.sublayers.kept_fn_output(sub, k, y)
-
-    def carried_state(self, carry: tuple) -> Tensor | None:
-        """The mapping state in ``carry`` (what :meth:`sublayer_pre` returned) that the
-        persistent set keeps; ``None`` for hooked sublayers, whose mHC ops save into slots."""
-        return self.sublayers.state(carry)
-
-    def sublayer(self, sub: MHCSublayer, position: int, k: int, x: Tensor,
-                 seed: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
-        """``MHCSublayer.forward`` on the static buffers; returns (output, F output, mapping
-        state or None for hooked sublayers).
-
-        Two halves, because a graph may end between them (MoE partial capture) and the eager
-        remainder must find its buffers without the Python state of the captured part.
-        """
-        fn_input, carry = self.sublayers.pre(sub, position, k, x)
-        with output_into(self.sublayers.fn_output_buffer(sub, k)):
-            if k == 1 and recomputes_activation(sub):
-                y = self.mlp_with_activation_recompute(
-                    sub.fn, position, self.index(sub), fn_input,
-                    self.required_set("an MLP with activation recompute (fc1's output)"))
-            else:
-                with self.fn_region():
-                    y = sub.fn(fn_input)
-        out = self.sublayers.post(sub, position, k, y, carry, seed)
-        return out, self.kept_fn_output(sub, k, y), self.carried_state(carry)
+                      seed: Tensor | None, pset: PersistentSlotSet | None,
+                      scratch: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The mHC ops after F (``carry`` what ``self.sublayers.pre`` returned): ``(output, F
+        output as the persistent set keeps it, mapping state or None)``."""
+        out = self.sublayers.post(sub, position, k, y, carry, seed, pset, scratch)
+        return out, self.sublayers.kept_fn_output(sub, k, y, pset), self.sublayers.state(carry)
 
     def _keep(self, pset: PersistentSlotSet, key: tuple[int, int], y: Tensor,
               state: Tensor | None) -> None:
@@ -202,86 +150,37 @@ class StaticRecompute:
         return RegionCursor(self.arena, self.arena.region(f"L{position}.mlp.act"))
 
     def mlp_with_activation_recompute(self, mlp: MLP, position: int, index: int, normed: Tensor,
-                                      pset: PersistentSlotSet) -> Tensor:
-        """``mlp(normed)`` (fc1 -> gelu -> fc2) with fc1's output in ``pset.fc1_outputs[index]``
-        and the gelu output in the arena slot of ``position``: a microbatch keeps neither the
-        activation nor a second copy of fc1's output; ``recompute_block`` refills the slot."""
+                                      pset: PersistentSlotSet, out: Tensor | None) -> Tensor:
+        """``mlp(normed)`` (fc1 -> gelu -> fc2, fc2 into ``out`` where given) with fc1's output
+        in ``pset.fc1_outputs[index]`` and the gelu output in the arena slot of ``position``: a
+        microbatch keeps neither the activation nor a second copy of fc1's output;
+        :meth:`recompute_block` refills the slot."""
         if index not in pset.fc1_outputs:
             raise StaticRecomputeError(
                 f"persistent set {pset.index} has no fc1 output slot for chunk layer {index} "
                 f"(it has {sorted(pset.fc1_outputs)}); build the sets from a chunk whose layers "
                 f"recompute their activation at least where this chunk's do")
-        with self.fn_region():
-            pre = store_in(mlp.fc1(normed), pset.fc1_outputs[index])
-            act = F.gelu(pre)  # saves ``pre``: a view of the persistent slot
+        pre = store_in(mlp.fc1(normed), pset.fc1_outputs[index])
+        act = F.gelu(pre)  # saves ``pre``: a view of the persistent slot
         act = store_in_slot(act, self._activation_cursor(position))
-        with self.fn_region():
-            return mlp.fc2(act)  # saves ``act``: a view of the arena slot
-
-    def recompute_activation_slot(self, position: int, pre: Tensor) -> None:
-        """Write ``gelu(pre)`` into the activation slot of ``position`` (part of the block recompute)."""
-        with torch.no_grad():
-            self._activation_cursor(position).save(F.gelu(pre))
-
-    def recompute_activation(self, block: int, position: int, pset: PersistentSlotSet) -> None:
-        """Part of the block recompute: the gelu output of the block's layer ``position``, if its
-        MLP recomputes its activation."""
-        layer = self.blocks[block][position]
-        if recomputes_activation(layer.mlp):
-            self.recompute_activation_slot(position,
-                                           pset.fc1_outputs[block * self.block_size + position])
+        return mlp.fc2(act, out)  # saves ``act``: a view of the arena slot
 
     # -- the block recompute ---------------------------------------------------------------------
     def recompute_block(self, block: int, pset: PersistentSlotSet) -> None:
-        """Re-run block ``block``'s mHC ops from ``pset`` into the arena (no F, nothing returned)."""
+        """Re-run block ``block``'s mHC ops from ``pset`` into the arena (no F, nothing returned),
+        and the gelu output of each of its MLPs that recomputes its activation."""
         self.arena.touch()
         self._kept = None
         self.sublayers.recompute_block(block, pset)
-        for position in range(len(self.blocks[block])):
-            self.recompute_activation(block, position, pset)
+        for position, layer in enumerate(self.layout.blocks[block]):
+            if recomputes_activation(layer.mlp):
+                self.recompute_activation_slot(
+                    position, pset.fc1_outputs[block * self.layout.block_size + position])
 
-    def warm_up_recompute(self, backend) -> None:
-        """Run every block's recompute once eagerly, in the backend's warmup context (a side stream
-        on CUDA), so that lazy library setup (cuBLAS handles, workspaces) never happens inside a
-        capture. It writes slots that the next forward overwrites anyway."""
-        with backend.warmup():
-            for block in range(len(self.blocks)):
-                self.recompute_block(block, self.sets.all_sets()[0])
-        backend.synchronize()
-
-    def capture_recompute_graph(self, backend, pool, block: int, pset: PersistentSlotSet) -> None:
-        """Capture block ``block``'s recompute from ``pset`` into ``pool``.
-
-        It must leave nothing of the pool allocated (it writes only arena slots, which are not the
-        pool's): its temporaries are dead when the block's backward starts, whatever shares the pool.
-        """
-        graph = backend.new_graph(pool=pool)
-        with graph.capture(), region("recompute"):
-            self.recompute_block(block, pset)
-        if graph.stats.escaped_bytes:
-            raise StaticRecomputeError(
-                f"recompute graph of block {block}: {graph.stats.escaped_bytes} bytes allocated by "
-                f"the capture are still alive after it; a later graph of the pool could overwrite them")
-        self.recompute_graphs[(block, pset.index)] = graph
-        self.recompute_pool = pool
-
-    def capture_recompute_graphs(self, backend) -> None:
-        """One recompute graph per (block, persistent set), all in one pool of their own.
-
-        The recompute graphs of a rank run one at a time, and each leaves nothing allocated when
-        it ends: the pool is *independent* (the backend checks at capture that no temporary
-        outlives it), sized by one recompute's live set rather than one pool per graph, and the
-        graphs may replay in any order. They are captured in the order a backward replays them
-        (last block first, sets in turn). When the sublayer graphs replay in a fixed order, the
-        graphed model captures the recompute graphs into their pool instead, each at the point
-        where it replays (``GraphedStaticModel``), and this is not called.
-        """
-        self.warm_up_recompute(backend)
-        pool = self.recompute_pool or backend.new_pool(independent=True)
-        for pset in self.sets.all_sets():
-            for block in reversed(range(len(self.blocks))):
-                if (block, pset.index) not in self.recompute_graphs:
-                    self.capture_recompute_graph(backend, pool, block, pset)
+    def recompute_activation_slot(self, position: int, pre: Tensor) -> None:
+        """Write ``gelu(pre)`` into the activation slot of ``position``."""
+        with torch.no_grad():
+            self._activation_cursor(position).save(F.gelu(pre))
 
     def run_recompute(self, block: int, pset: PersistentSlotSet) -> None:
         """Block ``block``'s recompute from ``pset`` (its graph where captured), unless the
@@ -312,7 +211,8 @@ class StaticRecompute:
                 sublayer_fns: dict[tuple[int, int], SublayerGraph] | None = None) -> Tensor:
         """Run the chunk; returns its output. ``sublayer_fns[(layer number, k)]`` runs that
         sublayer instead of the eager one: a :class:`SublayerGraph`, or a callable alone
-        ``fn(x, seed) -> (out, F output, state)``."""
+        ``fn(x, seed, pset) -> (out, F output, state)`` (``pset``: the forward's persistent
+        set)."""
         if not self.arena.allocated:
             raise StaticRecomputeError("call prepare() (layout discovery + allocation) before forward")
         if not torch.is_grad_enabled():
@@ -329,7 +229,6 @@ class StaticRecompute:
         if seed is not None:
             check_input("dropout seed", seed, self.sets.all_sets()[0].seed)
         pset = self.sets.acquire()
-        self.binding.active = pset
         self.arena.touch()  # this forward writes the slots
         handles = []
         state = {"released": False}
@@ -338,17 +237,17 @@ class StaticRecompute:
                 with region("copy", "persistent set"):
                     pset.seed.copy_(seed)
             seed_in = pset.seed if seed is not None else None
-            for b, block in enumerate(self.blocks):
-                x = self.sublayers.block_input(b, x, pset)
-                first = b * self.block_size
+            for b, block in enumerate(self.layout.blocks):
+                x = _kept_in(x, pset.block_inputs[b])
+                first = b * self.layout.block_size
                 for position, layer in enumerate(block):
                     for k, sub in enumerate((layer.attention, layer.mlp)):
                         graph = (sublayer_fns or {}).get((layer.layer_number, k))
                         if graph is not None:
                             x, y, mappings = self._graphed(graph, layer.layer_number, sub,
-                                                           position, k, x, seed_in)
+                                                           position, k, x, seed_in, pset)
                         else:
-                            x, y, mappings = self.sublayer(sub, position, k, x, seed_in)
+                            x, y, mappings = self.sublayer(sub, position, k, x, seed_in, pset)
                         self._keep(pset, (first + position, k), y, mappings)
                 if x.requires_grad:
                     handles.append(x.register_hook(self._make_block_hook(b, pset, state)))
@@ -360,32 +259,32 @@ class StaticRecompute:
                 handle.remove()
             self.sets.release(pset)
             raise
-        finally:
-            self.binding.active = None
         if handles:
             self._pending[pset.index] = state
             # its last block's state stays in the slots until something else writes them
-            self._kept = (self.arena.generation, len(self.blocks) - 1, pset.index)
+            self._kept = (self.arena.generation, len(self.layout.blocks) - 1, pset.index)
         else:  # no gradient will flow (e.g. a frozen chunk): nothing will run backward
             self.sets.release(pset)
         return x
 
     def _graphed(self, graph: SublayerGraph, layer: int, sub, position: int, k: int, x: Tensor,
-                 seed: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                 seed: Tensor | None, pset: PersistentSlotSet) -> tuple[Tensor, Tensor, Tensor]:
         """A sublayer through its graph (a :class:`SublayerGraph`, named as the graphed modes
         name it; a MoE head's graph then this runtime's eager tail), or a callable alone."""
         if not isinstance(graph, SublayerGraph):  # a callable alone names its own work
-            return graph(x, seed)
+            return graph(x, seed, pset)
+        if not graph.named:
+            return graph.fn(x, seed)
         if graph.moe_step is None:
             with region("fwd", 0, None, f"{layer}.{SUBLAYER_NAMES[k]}"):
                 return graph.fn(x, seed)
         with region("fwd", 0, None, f"{layer}.moe_head"):
             head = graph.fn(x, seed)
         with region("eager", 0, None, f"{layer}.moe_tail"):
-            return self.moe_tail(sub, position, k, graph.moe_step, head, seed)
+            return self.moe_tail(sub, position, k, graph.moe_step, head, seed, pset)
 
     def moe_tail(self, sub: MHCSublayer, position: int, k: int, step: str,
-                 head_outputs: Sequence[Tensor], seed: Tensor | None
+                 head_outputs: Sequence[Tensor], seed: Tensor | None, pset: PersistentSlotSet
                  ) -> tuple[Tensor, Tensor, Tensor]:
         """The eager rest of a MoE sublayer whose head was captured (megatron-core's partial
         capture: the router [and the dispatcher's preprocess]); returns (out, F output, state)."""
@@ -398,10 +297,8 @@ class StaticRecompute:
             store.set(hidden_states=hidden, probs=probs)
             for name, value in zip(moe.token_dispatcher.valid_cudagraph_attrs, rest):
                 setattr(moe.token_dispatcher, name, value)
-        with self.fn_region():
-            y = moe(x_on.narrow(-1, 0, hidden.shape[-1]), store)  # only its shape is read
-        out = self.sublayer_post(sub, position, k, y, (state, x_on), seed)
-        return out, self.kept_fn_output(sub, k, y), state
+        y = moe(x_on.narrow(-1, 0, hidden.shape[-1]), store)  # only its shape is read
+        return self.sublayer_post(sub, position, k, y, (state, x_on), seed, pset)
 
     def next_input_buffer(self, shape: tuple[int, ...]) -> Tensor | None:
         """Where the next training forward keeps its chunk input of ``shape`` (block 0's input
@@ -416,7 +313,7 @@ class StaticRecompute:
     def forward_only(self, x: Tensor, seed: Tensor | None) -> Tensor:
         """The chunk without a backward to come (evaluation, ``no_grad``): the plain layers,
         eagerly. Nothing is saved, so no slot, persistent set or graph is touched."""
-        for layer in self.layers:
+        for layer in self.layout.layers:
             x = layer(x, seed)
         return x
 
@@ -468,26 +365,31 @@ class StaticRecompute:
         """Run the first block once (layout discovery: slot sizes only, nothing written)."""
         if self.arena.allocated:
             return
-        self.binding.active = self.sets.all_sets()[0]  # nothing is written: any set has the layout
-        try:
-            with torch.enable_grad():
-                x = x.detach().requires_grad_()
-                for position, layer in enumerate(self.blocks[0]):
-                    for k, sub in enumerate((layer.attention, layer.mlp)):
-                        x = self.sublayer(sub, position, k, x, seed)[0]
-        finally:
-            self.binding.active = None
+        pset = self.sets.all_sets()[0]  # nothing is written: any set has the layout
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            for position, layer in enumerate(self.layout.blocks[0]):
+                for k, sub in enumerate((layer.attention, layer.mlp)):
+                    x = self.sublayer(sub, position, k, x, seed, pset)[0]
 
     def lay_out(self, seq_length: int, micro_batch_size: int, dtype: torch.dtype) -> None:
         """Name every arena slot (the strategy's, or what running the first block once on zeros
         saves), then allocate the arena; a no-op for an arena another chunk laid out."""
         self.sublayers.lay_out(seq_length, micro_batch_size, dtype)
         if self.sublayers.discovers_layout and not self.arena.allocated:
-            cfg, device = self.layers[0].attention.cfg, self.sets.all_sets()[0].seed.device
+            cfg, device = self.layout.layers[0].attention.cfg, self.sets.all_sets()[0].seed.device
             x = torch.zeros(seq_length, micro_batch_size, cfg.num_streams * cfg.hidden_size,
                             dtype=dtype, device=device)
             self.discover_layout(x, torch.zeros((), dtype=torch.int64, device=device))
         self.arena.allocate()
+
+
+def _kept_in(x: Tensor, dst: Tensor) -> Tensor:
+    """A block's input ``x`` as the persistent set keeps it (the recompute reads it there, and
+    the block's first sublayer saves it from there): ``dst``, written unless ``x`` is it."""
+    if storage_id(dst) == storage_id(x) and dst.storage_offset() == x.storage_offset():
+        return x
+    return store_in(x, dst)
 
 
 def build_static_recompute(layers: list[MHCTransformerLayer], block_size: int, *,
@@ -506,7 +408,8 @@ def build_static_recompute(layers: list[MHCTransformerLayer], block_size: int, *
     if sets is None:
         sets = PersistentSetPool(capacity, lambda i: new_persistent_set(
             i, layers, block_size, seq_length, micro_batch_size, device, dtype))
-    runtime = StaticRecompute(layers, block_size, arena, sets, lambda layout, binding: sublayers_for(
-        layout, binding, arena, seq_length, micro_batch_size, dtype))
+    layout = ChunkLayout(layers, block_size)
+    runtime = StaticRecompute(layout, arena, sets, sublayers_for(
+        layout, sets, arena, seq_length, micro_batch_size, dtype))
     runtime.lay_out(seq_length, micro_batch_size, dtype)
     return runtime

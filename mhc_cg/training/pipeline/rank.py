@@ -33,14 +33,16 @@ from mhc_cg.core.progress import ProgressBar
 from mhc_cg.core.pipeline_order import (assign_persistent_slot_sets, max_persistent_slot_sets,
                                   pipeline_order)
 from mhc_cg.model import MHCGPT, lm_loss
+from mhc_cg.runtime.graphs.graphed_callables import GraphOptions
 from mhc_cg.runtime.graphs.te import graph_api
 from mhc_cg.runtime.modes.lifecycle import warmups
 from mhc_cg.runtime.modes.graphed_none import sublayer_sample_args
-from mhc_cg.runtime.modes.graphed_static import slot_sublayers
 from mhc_cg.runtime.modes.registry import build_model, resolve
 from mhc_cg.runtime.recompute.arena import Arena
+from mhc_cg.runtime.recompute.graphable import graphable_sublayers
 from mhc_cg.runtime.recompute.persistent import PersistentSetPool, new_persistent_set
-from mhc_cg.runtime.recompute.static import build_static_recompute
+from mhc_cg.runtime.recompute.recompute_captures import capture_recompute_graphs
+from mhc_cg.runtime.recompute.static import SublayerGraph, build_static_recompute
 from mhc_cg.training.optimizer import MainParamAdamW
 from mhc_cg.training.pipeline.schedules_on_cpu import cpu_shim
 from mhc_cg.training.session import Microbatches, optimizer_for
@@ -165,7 +167,6 @@ class PipelineRank:
         self._build_runtimes()
         self.optimizer = self._build_optimizer()  # lays the parameters out: before any capture
         self._capture()
-        self._count_set_acquisitions()
         self._build_chunks()
         self.optimizer.reserve_staging(self.arena.lend())
         self.data = Microbatches(cfg)
@@ -181,9 +182,8 @@ class PipelineRank:
         if pp * vpp - 1 in self.stages:
             owned |= {id(p) for p in (*model.final_norm.parameters(), *model.head.parameters())}
         self.named = [(n, p) for n, p in model.named_parameters() if id(p) in owned]
-        optimizer = optimizer_for(self.cfg, [p for _, p in self.named])
-        optimizer.reduce_norm = dist.all_reduce  # a sum over every rank: the global norm
-        return optimizer
+        # the norm's square summed over every rank: the global norm
+        return optimizer_for(self.cfg, [p for _, p in self.named], reduce_norm=dist.all_reduce)
 
     def _build_runtimes(self) -> None:
         """One arena and one pool of slot sets for the rank, a static runtime per chunk."""
@@ -209,13 +209,14 @@ class PipelineRank:
         api = graph_api(plan.backend)
         self.capture_api = api.name
         for runtime in self.runtimes:
-            runtime.capture_recompute_graphs(api.backend)
+            runtime.recompute_graphs.update(capture_recompute_graphs(runtime, api.backend))
         self.sublayer_fns, self.graphed = [None] * self.vpp, None
         if not plan.graphed_sublayers:
             return
         modules, keys = [], []
         for runtime, layers in zip(self.runtimes, self.chunk_layers):
-            chunk_modules, chunk_keys = slot_sublayers(plan, runtime, layers, self.block)
+            chunk_modules, chunk_keys = graphable_sublayers(
+                runtime, layers, self.block, attn=plan.attn, mlp=plan.mlp, moe_step=plan.moe_step)
             modules += chunk_modules
             keys += chunk_keys
         per_chunk = len(modules) // self.vpp
@@ -226,29 +227,17 @@ class PipelineRank:
         self.graphed = api.make_graphed_callables(
             tuple(modules), list(samples), num_warmup_iters=warmups(api),
             _order=self.order, _num_layers_per_chunk=[per_chunk] * self.vpp,
-            _reuse_graph_input_output_buffers=True, clone_param_grads_on_return=False)
+            _reuse_graph_input_output_buffers=True, clone_param_grads_on_return=False,
+            options=GraphOptions(stream_ledger=self.model.ledger))
 
         def for_chunk(c):
             def fns(microbatch):
                 first = (c * self.m + microbatch) * per_chunk
-                return {keys[c * per_chunk + j]: self.graphed[first + j] for j in range(per_chunk)}
+                return {keys[c * per_chunk + j]: SublayerGraph(self.graphed[first + j], named=False)
+                        for j in range(per_chunk)}
             return fns
 
         self.sublayer_fns = [for_chunk(c) for c in range(self.vpp)]
-
-    def _count_set_acquisitions(self) -> None:
-        """Record which set each forward takes, and the most in use at once."""
-        self.acquired: list[int] = []
-        self.peak_sets = 0
-        acquire = self.sets.acquire
-
-        def counting_acquire():
-            pset = acquire()
-            self.acquired.append(pset.index)
-            self.peak_sets = max(self.peak_sets, self.sets.in_use)
-            return pset
-
-        self.sets.acquire = counting_acquire
 
     def _build_chunks(self) -> None:
         """The schedule's model chunks, and the optimizer over the parameters this rank owns."""
@@ -307,7 +296,7 @@ class PipelineRank:
             loss, norm, grads = self.step(collect_grads)
             if step == 0:
                 report.assignment_matches_planner = \
-                    self.acquired == assign_persistent_slot_sets(self.order)
+                    self.sets.last_round == assign_persistent_slot_sets(self.order)
             if collect_grads:
                 report.grads.append({n: g.cpu() for n, g in grads.items()})
             report.step_times.append(time.perf_counter() - start)
@@ -315,7 +304,7 @@ class PipelineRank:
             if is_last_rank:
                 report.losses.append(loss)
                 bar.update(step + 1, f"loss {loss:.4f}")
-        report.peak_sets_in_use = self.peak_sets
+        report.peak_sets_in_use = self.sets.peak_in_use
         runs = sum((runtime.recomputes for runtime in self.runtimes), Counter())
         report.recomputes_replayed = sum(n for (_, how), n in runs.items() if how == "graph")
         report.recomputes_eager = sum(n for (_, how), n in runs.items() if how == "eager")
