@@ -184,22 +184,20 @@ def markdown(result: dict) -> str:
     size = lambda b: "-" if b is None else f"{b / mib:.1f} MiB"  # noqa: E731
     lines = [f"{result['device']} ({result['gpu']} in the model), code {result['code']}: "
              f"{result['measured']}", ""]
-    if result["side_by_side"]:
-        lines += ["| mode | resident, modelled | measured | ratio | peak, modelled (at) | "
-                  "measured | ratio |", "|---|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| `{mode}` | {size(r['modelled_resident'])} | {size(r['measured_resident'])} | "
-                  f"{_ratio(r['modelled_resident'], r['measured_resident'])} | "
-                  f"{size(r['modelled_peak'])} ({r['peak_phase']}) | {size(r['measured_peak'])} "
-                  f"| {_ratio(r['modelled_peak'], r['measured_peak'])} |"
-                  for mode, r in result["modes"].items()]
-    else:
-        lines += ["| mode | max allocated, modelled (at) | measured | ratio | max reserved, "
-                  "modelled | measured | ratio |", "|---|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| `{mode}` | {size(r['modelled_peak'])} ({r['peak_phase']}) | "
-                  f"{size(r['measured_peak'])} | {_ratio(r['modelled_peak'], r['measured_peak'])} "
-                  f"| {size(r['modelled_reserved'])} | {size(r['measured_reserved'])} | "
-                  f"{_ratio(r['modelled_reserved'], r['measured_reserved'])} |"
-                  for mode, r in result["modes"].items()]
+    # (the column's title, the figure: modelled_<key> and measured_<key>, at the peak's phase)
+    pairs = ([("resident, modelled", "resident", False), ("peak, modelled (at)", "peak", True)]
+             if result["side_by_side"] else
+             [("max allocated, modelled (at)", "peak", True), ("max reserved, modelled", "reserved",
+                                                              False)])
+    lines += ["| mode | " + " | ".join(f"{title} | measured | ratio" for title, _, _ in pairs)
+              + " |", "|---|" + "---:|" * 3 * len(pairs)]
+    for mode, r in result["modes"].items():
+        cells = []
+        for _, key, at in pairs:
+            model, got = r[f"modelled_{key}"], r[f"measured_{key}"]
+            cells += [size(model) + (f" ({r['peak_phase']})" if at else ""), size(got),
+                      _ratio(model, got)]
+        lines.append(f"| `{mode}` | " + " | ".join(cells) + " |")
     lines += ["", "| mode | time | modelled ms (low-high) | measured ms | modelled / measured |",
               "|---|---|---:|---:|---:|"]
     for mode, r in result["modes"].items():
