@@ -821,3 +821,18 @@ def test_cost_prints_the_last_measured_step_of_the_shape_beside_the_modelled_one
     assert report["gpu"]["key"] == "h100" and "measured_steps" in report
     text = format_report(report, per_graph=False)
     assert "step model: NVIDIA H100 SXM5 80GB (--gpu h100)" in text
+
+
+def test_every_fused_op_has_a_kind_the_step_model_charges():
+    """Every op registered under ``torch.ops.mhc_cg`` (its in-place and ``_into`` variants too)
+    has a kind in ``FUSED_KINDS``: a variant left out would be charged the plain copy bandwidth
+    without a word."""
+    import torch
+
+    import mhc_cg.ops.kernels.custom_ops  # noqa: F401  (registers the ops)
+    from mhc_cg.cost.measured import FUSED_KINDS
+
+    registered = {f"mhc_cg::{name}" for name in dir(torch.ops.mhc_cg)
+                  if isinstance(getattr(torch.ops.mhc_cg, name), torch._ops.OpOverloadPacket)}
+    assert len(registered) >= 18
+    assert registered == set(FUSED_KINDS), registered ^ set(FUSED_KINDS)

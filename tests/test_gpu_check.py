@@ -129,9 +129,11 @@ def test_fold_merges_the_measurements_and_back_tests_each_bench_on_its_gpu(dry_o
 
 
 def test_device_names_and_slugs():
+    from mhc_cg.core.gpus import name_slug
+
     assert gpu_run.device_of("python 3.12\ngpu NVIDIA H200\ntriton: yes") == "NVIDIA H200"
     assert gpu_run.device_of("gpu none\n") == "cpu"
-    assert gpu_run.name_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert name_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
 
 
 @pytest.mark.slow

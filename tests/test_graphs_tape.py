@@ -233,10 +233,11 @@ def test_wrong_input_shape_at_call_is_rejected():
 def test_te_without_tes_python_says_how_to_get_it(tmp_path, monkeypatch):
     """``te`` is TransformerEngine's own function: where neither TE nor its wheel is at hand,
     one line says how to fetch the wheel."""
-    from mhc_cg.runtime.graphs.backends import resolve_backend_name, te_available
+    from mhc_cg.runtime.graphs.backends import resolve_backend_name
+    from mhc_cg.runtime.graphs.te_wheel import te_installed
     from mhc_cg.runtime.graphs.te import graph_api
 
-    if te_available() and torch.cuda.is_available():
+    if te_installed() and torch.cuda.is_available():
         pytest.skip("TransformerEngine is installed")
     monkeypatch.setenv("MHC_CG_TE_WHEEL", str(tmp_path / "nowhere"))
     with pytest.raises(ValueError, match="pip download --no-deps transformer-engine=="):

@@ -46,16 +46,18 @@ def test_the_comparison_catches_a_transposed_h_res():
 def test_the_te_wheel_is_found_and_read_without_installing(tmp_path, monkeypatch):
     """``$MHC_CG_TE_WHEEL`` (a wheel or a folder), else the repository's places; the two mHC
     files are extracted from the wheel into a folder of their own."""
-    wheel = tmp_path / "w" / kp.TE_WHEEL
+    from mhc_cg.runtime.graphs.te_wheel import TE_ENV, TE_WHEEL
+
+    wheel = tmp_path / "w" / TE_WHEEL
     wheel.parent.mkdir()
     with zipfile.ZipFile(wheel, "w") as z:
         for name in kp.TE_FILES:
             z.writestr(name, "# stand-in\n")
-    monkeypatch.setenv(kp.TE_ENV, str(wheel.parent))
+    monkeypatch.setenv(TE_ENV, str(wheel.parent))
     assert kp.find_te_wheel(tmp_path) == wheel
     folder = kp.te_folder(wheel, tmp_path / "scratch")
     assert all((folder / name).read_text() == "# stand-in\n" for name in kp.TE_FILES)
-    monkeypatch.setenv(kp.TE_ENV, str(tmp_path / "nowhere"))
+    monkeypatch.setenv(TE_ENV, str(tmp_path / "nowhere"))
     assert kp.find_te_wheel(tmp_path) is None
     assert "pip download --no-deps transformer-engine==" in kp.te_missing_reason(tmp_path)
 

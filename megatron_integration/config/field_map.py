@@ -102,8 +102,9 @@ _MOE_SETTINGS = dict(add_bias_linear=False, moe_token_dispatcher_type="alltoall"
                      moe_aux_loss_coeff=1e-2)
 
 
-def _shared_kwargs(run_cfg: RunConfig) -> dict[str, Any]:
-    """The fields both spellings share."""
+def _shared_kwargs(run_cfg: RunConfig, branch: str | None = None) -> dict[str, Any]:
+    """The fields both spellings share, and what a CPU run changes (``branch``: see
+    :func:`cpu_changes`)."""
     m, t = run_cfg.model, run_cfg.train
     return dict(num_layers=m.num_layers, hidden_size=m.hidden_size,
                 num_attention_heads=m.num_heads, ffn_hidden_size=m.ffn_hidden_size,
@@ -111,7 +112,7 @@ def _shared_kwargs(run_cfg: RunConfig) -> dict[str, Any]:
                 init_method_std=m.init_std, normalization="RMSNorm",
                 mhc_sinkhorn_iterations=m.sinkhorn_iterations,
                 mhc_init_gating_factor=m.init_gating_factor, bf16=t.dtype == "bf16",
-                **{field: value for field, (value, _) in cpu_changes(run_cfg).items()})
+                **{field: value for field, (value, _) in cpu_changes(run_cfg, branch).items()})
 
 
 def transformer_config_kwargs(run_cfg: RunConfig) -> dict[str, Any]:
@@ -162,12 +163,11 @@ def megatron_config_kwargs(run_cfg: RunConfig, branch: str = "main") -> tuple[di
     """
     m, t, p = run_cfg.model, run_cfg.train, run_cfg.parallel
     layer_scopes, recompute_graph = split_recompute_scope(run_cfg.graph.scopes)
-    kwargs = _shared_kwargs(run_cfg)
+    kwargs = _shared_kwargs(run_cfg, branch)
     if branch == "main":
         kwargs.update(enable_mhc_connections=m.num_streams > 1, mhc_num_residual_streams=m.num_streams)
-    else:  # dev's names; on a CPU its cuTile/Triton mHC kernels off (cpu_changes)
-        kwargs.update(enable_hyper_connections=m.num_streams > 1, num_residual_streams=m.num_streams,
-                      **{field: value for field, (value, _) in cpu_changes(run_cfg, "dev").items()})
+    else:  # dev's names (on a CPU its cuTile/Triton mHC kernels are off: cpu_changes)
+        kwargs.update(enable_hyper_connections=m.num_streams > 1, num_residual_streams=m.num_streams)
     kwargs.update(
         recompute_granularity="selective", recompute_modules=["mhc"],
         mhc_recompute_layer_num=m.resolved_recompute_layers,

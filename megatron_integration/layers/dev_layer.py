@@ -45,16 +45,15 @@ def is_dev_config(config) -> bool:
     return hasattr(config, "num_residual_streams") and not hasattr(config, "mhc_num_residual_streams")
 
 
-def dev_mhc_layer_spec(*, cpu: bool = False, graphed: bool = False, use_te: bool | None = None):
+def dev_mhc_layer_spec(*, cpu: bool = False, graphed: bool = False):
     """``dev``'s own GPT layer spec with mHC (``enable_hyper_connection=True``), dense: TE's
     (``get_gpt_layer_with_transformer_engine_spec``) where TransformerEngine is installed, else
-    the local one with RMSNorm (``use_te`` decides instead where given); see :func:`_on_runtime`
-    for ``cpu`` and ``graphed``."""
+    the local one with RMSNorm; see :func:`_on_runtime` for ``cpu`` and ``graphed``."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
-    te = te_installed() if use_te is None else use_te
-    base = (get_gpt_layer_with_transformer_engine_spec(enable_hyper_connection=True) if te else
+    base = (get_gpt_layer_with_transformer_engine_spec(enable_hyper_connection=True)
+            if te_installed() else
             get_gpt_layer_local_spec(normalization="RMSNorm", enable_hyper_connection=True))
     return _on_runtime(base, cpu, graphed)
 

@@ -57,11 +57,11 @@ def _main_modules():
 
 
 def main_mhc_layer_spec(normalization: str = "RMSNorm", *, cpu_attention: bool = False,
-                        graphed: bool = False, use_te: bool | None = None):
+                        graphed: bool = False):
     """``main``'s GPT layer spec with ``HyperConnectionTransformerLayer`` and a
     ``HyperConnectionModule`` around attention and MLP (``main`` builds no such spec in core):
     on TE's spec (``get_gpt_layer_with_transformer_engine_spec``) where TransformerEngine is
-    installed, else the local one (``use_te`` decides instead where given).
+    installed, else the local one.
 
     ``cpu_attention``: the core attention is ``SDPACoreAttention`` (``megatron_integration.
     sdpa_attention``). ``graphed``: the layer is ``main``'s with ``GraphedSublayerMixin``, for
@@ -71,8 +71,7 @@ def main_mhc_layer_spec(normalization: str = "RMSNorm", *, cpu_attention: bool =
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
-    te = te_installed() if use_te is None else use_te
-    spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec() if te
+    spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec() if te_installed()
                          else get_gpt_layer_local_spec(normalization=normalization))
     spec.module = graphed_layer_class(layer) if graphed else layer
     spec.submodules.self_attention_hyper_connection = hyper_connection

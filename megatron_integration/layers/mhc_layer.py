@@ -50,12 +50,12 @@ from megatron_integration.config.transformer_config import MHCTransformerConfig
 from megatron_integration.layers.steps import LayerSteps
 
 
-def get_mhc_layer_spec(*, cpu_attention: bool = False, normalization: str = "RMSNorm",
-                       use_te: bool | None = None) -> ModuleSpec:
+def get_mhc_layer_spec(*, cpu_attention: bool = False,
+                       normalization: str = "RMSNorm") -> ModuleSpec:
     """megatron-core's GPT layer spec, its layer replaced by ``MegatronMHCTransformerLayer``: TE's
-    (``get_gpt_layer_with_transformer_engine_spec``) where TransformerEngine is installed, else
-    the local one (``use_te`` decides instead where given)."""
-    te = (te_installed() and not cpu_attention) if use_te is None else use_te
+    (``get_gpt_layer_with_transformer_engine_spec``) where TransformerEngine is installed and the
+    attention is not the CPU's, else the local one."""
+    te = te_installed() and not cpu_attention
     spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec() if te
                          else get_gpt_layer_local_spec(normalization=normalization))
     spec.module = MegatronMHCTransformerLayer

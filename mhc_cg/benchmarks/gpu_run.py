@@ -20,19 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import tarfile
 from pathlib import Path
 
+from mhc_cg.core.gpus import name_slug
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 TOP_FILES = ("env.txt", "summary.tsv")
-
-
-def name_slug(name: str) -> str:
-    """A device name as a file name: ``NVIDIA H200`` -> ``nvidia-h200``."""
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "cuda"
 
 
 def device_of(env_text: str) -> str:
@@ -52,7 +48,7 @@ def unpack(src: Path, dest: Path | None = None, results: Path = RESULTS) -> Path
         raise FileNotFoundError(f"{src}/env.txt: not a bench/gpu_check.sh output folder")
     device = device_of((src / "env.txt").read_text())
     dest = Path(dest) if dest is not None else \
-        results / f"gpu_check_{'cpu' if device == 'cpu' else name_slug(device)}"
+        results / f"gpu_check_{name_slug(device)}"
     dest.mkdir(parents=True, exist_ok=True)
     for name in TOP_FILES:
         if (src / name).is_file():
@@ -70,8 +66,8 @@ def fold(src: Path, results: Path = RESULTS, launch_table: Path | None = None,
     ``results`` is the checkout's own)."""
     from mhc_cg.core.gpus import gpu_named
     from mhc_cg.cost.backtest import backtest, errors
-    from mhc_cg.cost.measured import efficiency_rows, merge
-    from mhc_cg.ops.kernels.launch import TABLE, merged, read_table
+    from mhc_cg.cost.measured import efficiency_rows, gpu_runs, merge
+    from mhc_cg.ops.kernels import launch
 
     dest = unpack(src, results=results)
     device = device_of((dest / "env.txt").read_text())
@@ -80,23 +76,22 @@ def fold(src: Path, results: Path = RESULTS, launch_table: Path | None = None,
     efficiency = results / "kernel_efficiency.json"
     if timed.is_file():
         new = json.loads(timed.read_text())["rows"]
-        said.append(f"{efficiency}: {len(merge(new, efficiency))} rows ({len(new)} merged)")
+        rows = merge(new, efficiency)
+        said.append(f"{efficiency}: {len(rows)} rows ({len(new)} merged)")
+    else:
+        rows = efficiency_rows(efficiency)
     swept = dest / "kernels" / "launch_configs.json"
     if swept.is_file():
-        table = launch_table or TABLE
+        table = launch_table or launch.TABLE
         new = json.loads(swept.read_text())["rows"]
-        rows = merged(read_table(table), new)
-        table.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
-        said.append(f"{table}: {len(rows)} rows ({len(new)} merged)")
+        said.append(f"{table}: {len(launch.merge(new, table))} rows ({len(new)} merged)")
     gpu = gpu_named(device)
-    benches = [path for path in sorted((dest / "bench").glob("*.json"))
-               if json.loads(path.read_text()).get("device_type") == "cuda"]
     if gpu is None:
         said.append(f"back-test: none ({device} is not a GPU of the step model, "
                     f"mhc_cg/core/gpus.py)")
-    for path in benches if gpu is not None else ():
-        result = backtest(path, rows=efficiency_rows(efficiency))
-        said += [f"back-test of {path.name} on the {gpu.name} model:", *errors(result)]
+    for run in gpu_runs(dest / "bench") if gpu is not None else ():
+        result = backtest(run["path"], rows=rows)
+        said += [f"back-test of {run['path'].name} on the {gpu.name} model:", *errors(result)]
     if docs and results == RESULTS:
         from mhc_cg.cost.doc_tables import main as doc_tables
 

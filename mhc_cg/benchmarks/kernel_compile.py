@@ -644,44 +644,6 @@ def _report(request: dict) -> dict:
     return report
 
 
-# the fused op -> the case (or cases, for an op whose arguments choose what it launches) that
-# launches what it launches
-OP_CASES: dict[str, str | tuple[str, ...]] = {
-    "mhc_cg::pre": "pre", "mhc_cg::pre_into": "pre",
-    # in a chain a pre's backward takes its posts' halves (in place or not); alone it does not
-    "mhc_cg::pre_backward": ("pre_backward", "pre_backward[no norm]", "pre_backward[fused]"),
-    "mhc_cg::pre_backward_into": ("pre_backward[in place]", "pre_backward[fused]"),
-    "mhc_cg::post_grad_y": "post_grad_y",
-    "mhc_cg::post_maps": "post_maps", "mhc_cg::post": "post", "mhc_cg::post_into": "post",
-    "mhc_cg::post_state": "post_state", "mhc_cg::post_state_into": "post_state",
-    "mhc_cg::pre_from_state": "fn_input", "mhc_cg::pre_from_state_into": "fn_input",
-    "mhc_cg::post_backward": "post_backward",
-    "mhc_cg::recompute": "recompute", "mhc_cg::rms_norm": "rms_norm",
-    "mhc_cg::rms_norm_backward": "rms_norm_backward", "mhc_cg::cross_entropy": "cross_entropy",
-    "mhc_cg::cross_entropy_backward": "cross_entropy_backward",
-}
-
-
-def kernel_shares(hidden: int, tokens: int, target: str = DEFAULT_TARGET,
-                  gpu: str = DEFAULT_GPU) -> dict[str, float]:
-    """``{fused op: in-flight share}`` at ``hidden`` and ``tokens``: the lowest share among the
-    kernels its cases launch, capped at 1. A compile-time check of whether a kernel can keep the
-    HBM busy, not what the step model charges (that is measured: ``mhc_cg.cost.step_model``)."""
-    report = kernel_report(hidden=(hidden,), tokens=tokens, target=target, gpu=gpu)
-    lowest: dict[str, float] = {}
-    for kernel in report["shapes"][0]["kernels"]:
-        share = kernel["bandwidth_share"]
-        if share is not None:
-            lowest[kernel["case"]] = min(lowest.get(kernel["case"], share), share)
-    shares = {}
-    for op, cases in OP_CASES.items():
-        found = [lowest[case] for case in ((cases,) if isinstance(cases, str) else cases)
-                 if case in lowest]
-        if found:
-            shares[op] = min(1.0, *found)
-    return shares
-
-
 def is_mhc_case(case: str) -> bool:
     """A case of a fused mHC op (not the model's final norm or its loss)."""
     return not case.startswith(("rms_norm", "cross_entropy"))

@@ -39,7 +39,6 @@ import contextlib
 import importlib.util
 import json
 import math
-import os
 import sys
 import tempfile
 import types
@@ -49,8 +48,7 @@ from pathlib import Path
 
 import torch
 
-from mhc_cg.runtime.graphs.te_wheel import (TE_ENV, TE_VERSION, TE_WHEEL, find_te_wheel,
-                                            te_missing_reason)
+from mhc_cg.runtime.graphs.te_wheel import TE_VERSION, find_te_wheel, te_missing_reason
 
 TE_FILES = ("transformer_engine/common/triton/mhc.py", "transformer_engine/pytorch/triton/mhc.py")
 PEERS = ("te", "dev", "torch")

@@ -36,7 +36,7 @@ import torch
 from mhc_cg.config import RunConfig
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.core.progress import log as _log
-from mhc_cg.benchmarks.gpu_run import name_slug
+from mhc_cg.core.gpus import name_slug
 from mhc_cg.runtime.modes.registry import MODES, PLAIN, REFERENCE, capture_plan, get_mode
 
 CPU_MEMORY_NOTE = ("null on CPU: CPU torch keeps no allocator peak counter "

@@ -9,6 +9,7 @@ its row, so a measurement is modelled on the GPU that took it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -60,3 +61,8 @@ def gpu_named(device_name: str) -> GPU | None:
     """The row of a device name (``NVIDIA H200``, ``NVIDIA H100 80GB HBM3``), or ``None`` for a
     GPU the model does not know (or a CPU)."""
     return next((gpu for gpu in GPUS.values() if any(n in device_name for n in gpu.names)), None)
+
+
+def name_slug(name: str) -> str:
+    """A device name as a file name: ``NVIDIA H200`` -> ``nvidia-h200``, ``cpu`` -> ``cpu``."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "cuda"

@@ -11,7 +11,6 @@ mhc_cg.cost.doc_tables KEY -->`` and ``<!-- end generated -->``; :data:`BLOCKS` 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Callable
 
 from mhc_cg.config import load_config
 from mhc_cg.core.gpus import gpu_named
-from mhc_cg.cost.measured import RESULTS
+from mhc_cg.cost.measured import RESULTS, gpu_runs
 from mhc_cg.runtime.modes.registry import MODES, PLAIN
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,20 +115,6 @@ def backtest_tables(reports: Reports) -> str:
 
     return "\n".join(["```", "$ python -m mhc_cg.cost.backtest", "```", "",
                       markdown(backtest()).replace(str(ROOT) + "/", "")])
-
-
-def gpu_runs(results: Path = RESULTS) -> list[dict]:
-    """Every committed ``mhc-cg bench`` JSON measured on a GPU, oldest first."""
-    runs = []
-    for path in sorted(results.rglob("*.json")):
-        try:
-            report = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(report, dict) and report.get("device_type") == "cuda" \
-                and "modes" in report and "config" in report:
-            runs.append({**report, "path": path})
-    return sorted(runs, key=lambda r: r.get("date", ""))
 
 
 def measured(reports: Reports, results: Path = RESULTS) -> str:

@@ -93,25 +93,32 @@ def _shape(cfg: dict) -> tuple:
             cfg.get("graph", {}).get("backend") == "te")
 
 
-def last_measured_steps(cfg: RunConfig, results: Path = RESULTS, gpu: str | None = None) -> dict:
-    """``{"source", "device", "code", "modes": {mode: step ms}}`` of the newest ``mhc-cg bench``
-    JSON under ``results`` measured on a GPU (the model's ``gpu``, a key of
-    :data:`~mhc_cg.core.gpus.GPUS`, when given) at ``cfg``'s shape; {} if there is none."""
-    shape, found = _shape(cfg.to_dict()), []
+def gpu_runs(results: Path = RESULTS) -> list[dict]:
+    """Every ``mhc-cg bench`` JSON under ``results`` measured on a GPU, oldest first, each with
+    its ``path``."""
+    runs = []
     for path in sorted(results.rglob("*.json")) if results.exists() else []:
         try:
             report = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if not isinstance(report, dict) or report.get("device_type") != "cuda" \
-                or "modes" not in report or "config" not in report:
-            continue
-        taken_on = gpu_named(report.get("device", ""))
-        if _shape(report["config"]) == shape and (gpu is None or (taken_on and taken_on.key == gpu)):
-            found.append((report.get("date", ""), path, report))
+        if isinstance(report, dict) and report.get("device_type") == "cuda" \
+                and "modes" in report and "config" in report:
+            runs.append({**report, "path": path})
+    return sorted(runs, key=lambda r: r.get("date", ""))
+
+
+def last_measured_steps(cfg: RunConfig, results: Path = RESULTS, gpu: str | None = None) -> dict:
+    """``{"source", "device", "code", "modes": {mode: step ms}}`` of the newest ``mhc-cg bench``
+    JSON under ``results`` measured on a GPU (the model's ``gpu``, a key of
+    :data:`~mhc_cg.core.gpus.GPUS`, when given) at ``cfg``'s shape; {} if there is none."""
+    shape = _shape(cfg.to_dict())
+    found = [report for report in gpu_runs(results) if _shape(report["config"]) == shape
+             and (gpu is None or getattr(gpu_named(report.get("device", "")), "key", None) == gpu)]
     if not found:
         return {}
-    _, path, report = max(found, key=lambda f: f[0])
+    report = max(found, key=lambda r: r.get("date", ""))
+    path = report["path"]
     return {"source": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path),
             "device": report["device"], "code": report.get("code", "unknown"),
             "modes": {m: e["step_ms_median"] for m, e in report["modes"].items()}}

@@ -54,10 +54,6 @@ class Band:
     def scaled(self, factor: float) -> "Band":
         return Band(self.low * factor, self.high * factor)
 
-    @property
-    def one_figure(self) -> bool:
-        return self.low == self.high
-
     def as_dict(self) -> dict[str, float]:
         return {"low": self.low, "high": self.high}
 
@@ -108,19 +104,13 @@ class StepModel:
                 "one_figure": all(c.low == c.high for c in self.fused.values())}
 
 
-def gpu_of(key_or_gpu: str | GPU | None) -> GPU:
-    if isinstance(key_or_gpu, GPU):
-        return key_or_gpu
-    return GPUS[key_or_gpu or DEFAULT_GPU]
-
-
-def step_model(gpu: str | GPU | None = None, rows: list[dict] | None = None,
+def step_model(gpu: str | None = None, rows: list[dict] | None = None,
                full_bandwidth: bool = False) -> StepModel:
     """The step model of ``gpu`` (a key of :data:`~mhc_cg.core.gpus.GPUS`) from the committed
     measurements (``rows``: default ``bench/results/kernel_efficiency.json``),
     by Note [the step is a band until the kernels are measured]; ``full_bandwidth``: every kernel
     at the HBM peak instead, one figure."""
-    gpu = gpu_of(gpu)
+    gpu = GPUS[gpu or DEFAULT_GPU]
     if full_bandwidth:
         return StepModel(gpu, Figure(gpu.hbm_bytes_per_s.value,
                                      f"every kernel at the HBM peak ({gpu.hbm_bytes_per_s.source})"))

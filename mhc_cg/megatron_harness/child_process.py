@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Iterator
 
 from mhc_cg.core.errors import ConfigError
-from mhc_cg.runtime.graphs.backends import te_available
+from mhc_cg.runtime.graphs.te_wheel import te_installed
 
 # the folder that holds ``megatron_integration`` (a checkout, or site-packages)
 REPO = Path(__file__).resolve().parents[2]
@@ -137,9 +137,10 @@ def find_megatron(branch: str = "main") -> MainSource:
 
 def te_standin_for(device: str) -> Path | None:
     """The stand-in folder the child loads in place of TransformerEngine, or ``None`` for real TE
-    (installed, on a GPU). Without TE the stand-in serves TE's graph API with mhc_cg's
-    ``make_graphed_callables``: on ``torch.cuda.CUDAGraph`` on a GPU, on the tape on a CPU."""
-    if device == "cuda" and te_available():
+    (installed, on a GPU). Without TE the stand-in serves TE's graph API with TE's own
+    ``make_graphed_callables`` from its wheel: over ``torch.cuda`` graphs on a GPU, over the tape
+    on a CPU (:mod:`mhc_cg.megatron_harness.te_on_tape`)."""
+    if device == "cuda" and te_installed():
         return None
     return STANDIN_DIR
 

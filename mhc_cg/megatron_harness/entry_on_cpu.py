@@ -48,28 +48,23 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
+from mhc_cg.training.pipeline.schedules_on_cpu import names_cuda
+
 RECORD_ENV = "MHC_CG_ENTRY_RECORD"
 
 
-def _on_cpu(device):
-    if device is None:
-        return None
-    if isinstance(device, int):
-        return torch.device("cpu")
-    return torch.device("cpu") if torch.device(device).type == "cuda" else device
-
-
 class CudaOnCpu(TorchFunctionMode):
-    """What asks for the CUDA device, on the CPU."""
+    """What asks for the CUDA device, on the CPU (a call that names no CUDA device runs as it
+    is)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if "device" in kwargs:
-            kwargs["device"] = _on_cpu(kwargs["device"])
+        kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if names_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
         if func is torch.Tensor.to:
-            args = tuple(_on_cpu(a) if isinstance(a, (str, torch.device)) else a for a in args)
+            args = tuple("cpu" if names_cuda(a) else a for a in args)
         return func(*args, **kwargs)
 
 

@@ -45,13 +45,15 @@ def install_cpu_shims() -> None:
     """See the module docstring; call it before megatron builds anything."""
     import torch
 
+    from mhc_cg.runtime.graphs.cuda_api import HOST_STREAM, HostStream
+
     os.environ["TORCH_COMPILE_DISABLE"] = "1"
     torch.set_num_threads(1)
     if not torch.cuda.is_available():
         torch.cuda.nvtx.range = lambda *args, **kwargs: contextlib.nullcontext()
         torch.cuda.current_device = lambda: "cpu"
-        torch.cuda.current_stream = lambda device=None: _HOST_STREAM
-        torch.cuda.Stream = _HostStreamType  # a type: megatron writes ``torch.cuda.Stream | None``
+        torch.cuda.current_stream = lambda device=None: HOST_STREAM
+        torch.cuda.Stream = HostStream
         torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
         from megatron.core.tensor_parallel import random as mrandom
 
@@ -85,20 +87,6 @@ def install_cpu_shims() -> None:
             is_fp8_enabled=lambda: False, get_fp8_recipe=lambda: None)
         mrandom.activation_recompute_forward = lambda **kwargs: contextlib.nullcontext()
         mrandom.fp8_autocast = lambda enabled, fp8_recipe=None: _no_fp8(enabled)
-
-
-# the CPU runs every op in order: nothing to wait for
-_HOST_EVENT = types.SimpleNamespace(synchronize=lambda: None, wait=lambda stream=None: None)
-_HOST_STREAM = types.SimpleNamespace(wait_event=lambda event: None, wait_stream=lambda stream: None,
-                                     synchronize=lambda: None,
-                                     record_event=lambda event=None: _HOST_EVENT)
-
-
-class _HostStreamType:
-    """``torch.cuda.Stream`` on the host: making one gives the one host stream."""
-
-    def __new__(cls, *args, **kwargs):
-        return _HOST_STREAM
 
 
 def _causal_mask_on_cpu(sq: int):

@@ -100,6 +100,13 @@ def merged(rows: list[dict], new: list[dict]) -> list[dict]:
     return [r for r in rows if key(r) not in replaced] + new
 
 
+def merge(new: list[dict], path: Path = TABLE) -> list[dict]:
+    """``new`` rows into the table file at ``path`` (:func:`merged`); returns its rows."""
+    rows = merged(read_table(path), new)
+    path.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m mhc_cg.ops.kernels.launch merge SWEPT.json``: a sweep's rows into the
     committed table (replacing those of the same device, hidden size and kernel)."""
@@ -110,9 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m mhc_cg.ops.kernels.launch merge SWEPT.json", file=sys.stderr)
         return 2
     new = json.loads(Path(args[1]).read_text())["rows"]
-    rows = merged(read_table(TABLE), new)
-    TABLE.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
-    print(f"{TABLE}: {len(rows)} rows ({len(new)} merged)")
+    print(f"{TABLE}: {len(merge(new))} rows ({len(new)} merged)")
     return 0
 
 

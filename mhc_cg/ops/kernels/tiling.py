@@ -34,8 +34,8 @@ STATE_TILE = 4096
 
 def state_rows(x_bytes: int, weight_bytes: int, rows: int | None = None) -> int:
     """Tokens per program of the state's first stage (``rows`` given: that).
-    Note [wide token tiles]: each program reads the mapping weight's m rows over its features once for its
-    tokens, so the weight's reads are ``m * size(w) / (rows * size(x))`` of x's: 64 tokens keep
+    Note [wide token tiles]: each program reads the mapping weight's m rows over its features
+    once for its tokens, so the weight's reads are ``m * size(w) / (rows * size(x))`` of x's: 64 tokens keep
     them at 0.375 of x for weights in x's dtype, 128 for fp32 weights beside bf16 x."""
     if rows is not None:
         return rows

@@ -17,11 +17,6 @@ from mhc_cg.runtime.graphs.capture import GraphBackend
 from mhc_cg.runtime.graphs.te_wheel import find_te_wheel, te_installed, te_missing_reason
 
 
-def te_available() -> bool:
-    """TransformerEngine's PyTorch extension is installed (never imported here)."""
-    return te_installed()
-
-
 def te_python() -> str | None:
     """Where TE's graph code would come from here: ``installed`` (on CUDA), ``wheel``, or None."""
     if torch.cuda.is_available() and te_installed():
@@ -45,7 +40,7 @@ def resolve_backend_name(name: str, device: "str | torch.device | None" = None, 
     known = device is not None and str(device) != "auto"
     on_cuda = torch.device(device).type == "cuda" if known else torch.cuda.is_available()
     if name == "auto":
-        return ("te" if te_available() else "cuda") if on_cuda else "tape"
+        return ("te" if te_installed() else "cuda") if on_cuda else "tape"
     if known and name == "cuda" and not on_cuda:
         raise ValueError("'cuda' captures CUDA graphs, but the model runs on the CPU; use 'tape' "
                          "(the CPU emulation), 'te' (TransformerEngine's function over it) or "

@@ -158,6 +158,21 @@ HOST_STREAM = types.SimpleNamespace(wait_event=lambda event: None,
                                     __enter__=lambda: None, __exit__=lambda *exc: None)
 
 
+class HostStream:
+    """``torch.cuda.Stream`` off a GPU: a type (code writes ``torch.cuda.Stream | None``), and
+    making one gives the one host stream."""
+
+    def __new__(cls, *args, **kwargs):
+        return HOST_STREAM
+
+
+class HostEvent:
+    """``torch.cuda.Event`` off a GPU: making one gives the one host event."""
+
+    def __new__(cls, *args, **kwargs):
+        return HOST_EVENT
+
+
 class _DeviceProperties:
     """What code asks of the device to choose a path: compute capability 9.0 (the H100 and the
     H200 this project runs on), so a choice made here is the one made there."""
@@ -190,8 +205,8 @@ class CudaAPI(types.ModuleType):
                               {"backend": backend, "captured": self.captured})
         self.graph = _CaptureOn
         self.graph_pool_handle = backend.new_pool
-        self.Stream = lambda *args, **kwargs: HOST_STREAM
-        self.Event = lambda *args, **kwargs: HOST_EVENT
+        self.Stream = HostStream
+        self.Event = HostEvent
         self.current_stream = lambda device=None: HOST_STREAM
         self.stream = lambda stream=None: contextlib.nullcontext()
         self.synchronize = lambda device=None: None

@@ -46,7 +46,7 @@ class LentGrads:
             reader, lender = self._by_storage[storage_id(buffer)]
             if reader is not state:
                 fix = ("an eager op shares grad buffers with the graphs only when one chain of "
-                       "graphs runs per backward: make them with lend_grads_to_eager=False and "
+                       "graphs runs per backward: make them with GraphOptions(lend_grads_to_eager=False) and "
                        "pass no grad_into" if EagerOp in (type(reader), type(lender)) else
                        "an output of a graphed callable that feeds another graphed callable must "
                        "feed only that one (clone it for any other use: out.clone())")

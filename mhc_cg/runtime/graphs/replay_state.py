@@ -44,8 +44,8 @@ class GraphedState:
     kept_grads: dict[int, torch.nn.Parameter] = field(default_factory=dict)
     # surface index -> the parameter whose gradient the backward graph adds into its ``.grad``
     grads_into: dict[int, torch.nn.Parameter] = field(default_factory=dict)
-    lend_to_eager: bool = False  # make_graphed_callables(lend_grads_to_eager=...)
-    # make_graphed_callables(scratch=...): pool memory the caller may use from this forward's
+    lend_to_eager: bool = False  # GraphOptions(lend_grads_to_eager=...)
+    # GraphOptions(scratch=...): pool memory the caller may use from this forward's
     # replay to the pool's next replay (Note [forward scratch])
     scratch: torch.Tensor | None = None
     # the grads lent uncloned among the graphed callables made together (one ledger for them all)

@@ -25,8 +25,8 @@ from torch import Tensor, nn
 
 from mhc_cg.model import MHCGPT
 from mhc_cg.runtime.graphs.graphed_callables import GraphOptions
-from mhc_cg.runtime.modes.lifecycle import (CapturedState, ModeModel, one_microbatch, rewind_replay_order, warmups,
-                                    runs_graphs)
+from mhc_cg.runtime.modes.lifecycle import (CapturedState, ModeModel, one_microbatch,
+                                            rewind_replay_order, runs_graphs, warmups)
 from mhc_cg.runtime.modes.plan import CapturePlan
 from mhc_cg.runtime.recompute.block_recompute import ARMED, BlockRecomputeManager, run_recompute_blocks
 from mhc_cg.runtime.recompute.split_attention import AttentionSplit

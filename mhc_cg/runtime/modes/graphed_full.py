@@ -2,10 +2,11 @@
 
 Megatron's ``FullCudaGraphWrapper`` captures ``forward_backward_func``: every microbatch's
 forward, loss and backward in one CUDA graph. :class:`FullIterationModel` does the same around
-another mode's model: ``graphed_full`` around :class:`EagerModel` with eager block recompute (the
-capture swallows the recompute's frees and re-allocations,
-Note [a capture frees and re-allocates its own storages]), ``graphed_full_static`` around :class:`GraphedStaticModel` with
-nothing captured of its own (arena, persistent sets and recompute kernels, replayed whole).
+another mode's model: ``graphed_full`` around :class:`EagerModel` with eager block recompute
+(the capture swallows the recompute's frees and re-allocations,
+Note [a capture frees and re-allocates its own storages]), ``graphed_full_static`` around
+:class:`GraphedStaticModel` with nothing captured of its own (arena, persistent sets and
+recompute kernels, replayed whole).
 
 The optimizer stays apart, eager, as Megatron's ``OptimizerCudaGraphWrapper`` is opt-in: its step
 is a few dozen fused launches (:mod:`mhc_cg.training.optimizer`), and captured it would keep the
@@ -19,7 +20,8 @@ parameters' ``.grad`` buffers, as eager accumulation leaves them.
 Note [warm-up, then capture]: before capture the iteration runs eagerly ``backend.warmup_iters``
 times (library handles, Triton's compiles; a CUDA capture may not allocate them), and the
 gradients it accumulated are zeroed; the capture itself leaves them as they were
-(Note [a capture runs nothing], in :mod:`~mhc_cg.runtime.graphs.tape`), so training starts from zero gradients.
+(Note [a capture runs nothing], in :mod:`~mhc_cg.runtime.graphs.tape`), so training starts from
+zero gradients.
 """
 
 from __future__ import annotations

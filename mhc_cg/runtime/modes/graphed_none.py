@@ -19,7 +19,8 @@ from torch import Tensor
 from mhc_cg.model import MHCGPT, MoEMLP
 from mhc_cg.runtime.graphs.graphed_callables import GraphOptions
 from mhc_cg.runtime.graphs.replay_state import grad_output_buffer
-from mhc_cg.runtime.modes.lifecycle import CapturedState, ModeModel, one_microbatch, runs_graphs, warmups
+from mhc_cg.runtime.modes.lifecycle import (CapturedState, ModeModel, one_microbatch,
+                                            runs_graphs, warmups)
 from mhc_cg.runtime.modes.plan import CapturePlan
 
 

@@ -26,7 +26,8 @@ from mhc_cg.model import MHCGPT, microbatch_loss
 from mhc_cg.config.choices import RECOMPUTE_SCOPE
 from mhc_cg.runtime.graphs.graphed_callables import GraphOptions
 from mhc_cg.runtime.graphs.replay_state import grad_output_buffer
-from mhc_cg.runtime.modes.lifecycle import CapturedState, ModeModel, one_microbatch, runs_graphs, warmups
+from mhc_cg.runtime.modes.lifecycle import (CapturedState, ModeModel, one_microbatch,
+                                            runs_graphs, warmups)
 from mhc_cg.runtime.modes.plan import CapturePlan
 from mhc_cg.core.errors import StaticRecomputeError
 from mhc_cg.runtime.recompute.graphable import SlotSublayer, graphable_sublayers, sublayer_label
@@ -137,8 +138,8 @@ class GraphedStaticModel(ModeModel):
 
     def _head_scratch(self, modules: list, keys: list, api) -> dict[int, int]:
         """Note [logits in the chunk output's scratch]: with one microbatch in flight and the
-        chunk's last sublayer a graph of mhc_cg's make_graphed_callables, that graph's forward scratch
-        (Note [forward scratch]) takes the chunk output, then the training step's logits: the
+        chunk's last sublayer a graph of mhc_cg's make_graphed_callables, that graph's forward
+        scratch (Note [forward scratch]) takes the chunk output, then the training step's logits: the
         head reads the output once (the streams' mean) before its Linear writes the logits over
         it, and the loss's backward is done before the last sublayer's backward graph, the
         pool's next replay, takes the memory back for its temporaries. The logits then cost the

@@ -95,4 +95,5 @@ def graphable_sublayers(runtime: StaticRecompute, layers, block_size: int, *, at
 def sublayer_label(key: tuple[int, int], module: nn.Module) -> str:
     """``L3.attn``, ``L3.mlp``, or ``L3.mlp.head`` for a MoE sublayer's captured head."""
     layer, k = key
-    return f"L{layer}.{SUBLAYER_NAMES[k]}" + (".head" if isinstance(module, PartialMoESublayer) else "")
+    head = ".head" if isinstance(module, PartialMoESublayer) else ""
+    return f"L{layer}.{SUBLAYER_NAMES[k]}{head}"

@@ -26,7 +26,8 @@ from torch.overrides import TorchFunctionMode
 _FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.tensor, torch.arange}
 
 
-def _is_cuda(device) -> bool:
+def names_cuda(device) -> bool:
+    """Whether ``device`` (a ``torch.device``, a string or an index) names a CUDA device."""
     if isinstance(device, torch.device):
         return device.type == "cuda"
     return isinstance(device, (str, int)) and not isinstance(device, bool) and (
@@ -38,7 +39,7 @@ class _FactoriesOnCPU(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _FACTORIES and _is_cuda(kwargs.get("device")):
+        if func in _FACTORIES and names_cuda(kwargs.get("device")):
             kwargs = {**kwargs, "device": "cpu"}
         return func(*args, **kwargs)
 
