@@ -352,10 +352,81 @@ def upward_calls_in_a_step(session) -> set[tuple[str, str]]:
     return found
 
 
+# what a run may write at module level (docs/design.md, item 17): the registers of what a GPU run
+# keeps in device memory, which the tape reads to tell a 0-dim device tensor from a CPU scalar,
+# and NVTX's memo of the names it registered (a string is registered once per process)
+PROCESS_WIDE = {"mhc_cg.runtime.graphs.static_inputs._STATIC_BUFFERS",
+                "mhc_cg.runtime.graphs.tape._CAPTURED", "mhc_cg.core.nvtx._attributes"}
+
+
+def module_state() -> dict[str, object]:
+    """What every loaded project module holds at module level, and its classes in their own
+    attributes, as identities: a global's object, and a container's (list, dict, set, their weak
+    kinds) entries, or a counter's next value. Rebinding a global, or adding to or taking from a
+    module's or a class's container, changes it."""
+    import collections
+    import itertools
+    import sys
+    import types
+    import weakref
+
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    containers = (list, dict, set, collections.deque, weakref.WeakSet, weakref.WeakKeyDictionary,
+                  weakref.WeakValueDictionary, WeakIdKeyDictionary)
+
+    def identity(value):
+        if isinstance(value, itertools.count):
+            return repr(value)
+        if not isinstance(value, containers):
+            return id(value)
+        entries = list(value.items()) if hasattr(value, "items") else list(value)
+        return id(value), tuple(id(x) for e in entries for x in (e if isinstance(e, tuple) else (e,)))
+
+    state = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(PACKAGES):
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, type) and value.__module__ == name:
+                state.update({f"{name}.{attr}.{k}": identity(v) for k, v in list(vars(value).items())
+                              if isinstance(v, (*containers, itertools.count))})
+            elif not isinstance(value, (type, types.ModuleType, types.FunctionType,
+                                        types.BuiltinFunctionType)):
+                state[f"{name}.{attr}"] = identity(value)
+    return state
+
+
+def changed(before: dict, after: dict) -> set[str]:
+    return {k for k in before.keys() & after.keys() if before[k] != after[k]}
+
+
+def test_the_module_state_check_sees_a_rebound_global_and_a_container_written():
+    import itertools
+    import sys
+    import types
+
+    toy = types.ModuleType("mhc_cg.toy_state")
+    toy.seen, toy.switch, toy.numbers = [], False, itertools.count()
+    toy.Kept = type("Kept", (), {"__module__": toy.__name__, "active": []})
+    sys.modules[toy.__name__] = toy
+    try:
+        before = module_state()
+        toy.seen.append(object())
+        toy.switch = True
+        next(toy.numbers)
+        toy.Kept.active.append(1)
+        assert changed(before, module_state()) == {f"mhc_cg.toy_state.{n}" for n in
+                                                   ("seen", "switch", "numbers", "Kept.active")}
+    finally:
+        del sys.modules[toy.__name__]
+
+
 def test_a_training_step_of_every_mode_never_calls_upward_nor_marks_a_tensor():
     """Every mode on the tiny config, built (captures included) and stepped twice: no call
     from a product module into a higher layer and no tool module on the second step's path;
-    no attribute set on a tensor to steer later code, anywhere from build to the last step."""
+    no attribute set on a tensor to steer later code, anywhere from build to the last step; no
+    module-level state written by a build or a step beyond the process-wide registers."""
     import torch
 
     from helpers import tiny_run_config
@@ -363,14 +434,19 @@ def test_a_training_step_of_every_mode_never_calls_upward_nor_marks_a_tensor():
     from mhc_cg.training.session import TrainSession
 
     cfg = tiny_run_config()
-    found = {}
+    found, by_build, by_step = {}, {}, {}
     with TensorAttributes() as marks:
         for mode in MODES:
+            before = module_state()
             session = TrainSession.build(resolve(cfg, mode, torch.device("cpu")))
             session.step()
+            built = module_state()
             found[mode] = upward_calls_in_a_step(session)
+            by_build[mode], by_step[mode] = changed(before, built) - PROCESS_WIDE, \
+                changed(built, module_state()) - PROCESS_WIDE
     assert all(not calls for calls in found.values()), found
     assert marks.found == set()
+    assert all(not c for c in (*by_build.values(), *by_step.values())), (by_build, by_step)
 
 
 def files_a_step_runs(session) -> list[str]:

@@ -43,8 +43,11 @@ def _env_flag(name: str) -> bool:
 _nvtx_on: bool = _env_flag("MHC_CG_NVTX")
 _record_function_on: bool = _nvtx_on and _env_flag("MHC_CG_RECORD_FUNCTION")
 _profiler_enabled = torch._C._autograd._profiler_enabled  # C call; true only while a profiler records
-_domain = None  # created on first use: nvtx decides at creation whether a tool is attached
-_attributes: dict[str, object] = {}  # name -> nvtx EventAttributes (registered string + colour)
+# made at import, while nothing runs: nvtx decides at creation whether a tool is attached (one is
+# attached when the process starts), and the domain keeps the strings it registered
+_domain = _nvtx.get_domain(DOMAIN) if _nvtx is not None else None
+# a memo, name -> EventAttributes: the domain registers a string each time it is asked for one
+_attributes: dict[str, object] = {}
 
 
 class _NoRange:
@@ -71,13 +74,6 @@ def range_name(phase: str, chunk: int | None = None, microbatch: int | None = No
     return "/".join("-" if p is None else str(p) for p in parts)
 
 
-def _nvtx_domain():
-    global _domain
-    if _domain is None and _nvtx is not None:
-        _domain = _nvtx.get_domain(DOMAIN)
-    return _domain
-
-
 class _Range:
     """An enabled range: an NVTX push/pop and, if a torch profiler records, a record_function."""
 
@@ -89,17 +85,14 @@ class _Range:
         self._pushed = None  # the nvtx domain pushed on, so exit pops exactly what enter pushed
 
     def __enter__(self) -> "_Range":
-        if _nvtx_on:
-            domain = _nvtx_domain()
-            if domain is not None:
-                attributes = _attributes.get(self.name)
-                if attributes is None:
-                    phase = self.name.split("/", 1)[0]
-                    attributes = domain.get_event_attributes(
-                        message=self.name, color=_PHASE_COLORS.get(phase, _OTHER_COLOR))
-                    _attributes[self.name] = attributes
-                domain.push_range(attributes)
-                self._pushed = domain
+        if _nvtx_on and _domain is not None:
+            attributes = _attributes.get(self.name)
+            if attributes is None:
+                phase = self.name.split("/", 1)[0]
+                attributes = _attributes[self.name] = _domain.get_event_attributes(
+                    message=self.name, color=_PHASE_COLORS.get(phase, _OTHER_COLOR))
+            _domain.push_range(attributes)
+            self._pushed = _domain
         if _record_function_on and _profiler_enabled():
             self._record = torch.autograd.profiler.record_function(self.name)
             self._record.__enter__()

@@ -14,7 +14,6 @@ costs graphs, it does not train with them.
 from __future__ import annotations
 
 import contextlib
-import itertools
 from typing import Iterator
 
 import torch
@@ -29,21 +28,20 @@ class CostPool(Pool):
     """A pool and its emulated allocator state; ``log`` receives its graphs in capture order."""
 
     kind = "cost"
-    _ids = itertools.count()
 
-    def __init__(self, private: bool = False, independent: bool = False):
-        super().__init__(private, independent)
+    def __init__(self, number: int, private: bool = False, independent: bool = False):
+        super().__init__(number, private, independent)
         self.state = PoolState()
         self.log: list["CostGraph"] = []
-        # set by the backend that registers the pool: what marks mHC traffic, what times a kernel
+        # set by the backend that registers the pool: what marks mHC traffic, what times a kernel,
+        # and the steps being recorded that a replay reports to
         self.streams: StreamTracker | None = None
         self.model: StepModel | None = None
+        self.steps: list[StepRecorder] = []
 
 
 class CostGraph(Graph):
     """A capture recorded for its cost; ``cost`` (kernels, bytes) and ``peak`` after capture."""
-
-    _ids = itertools.count()
 
     def __init__(self, pool: CostPool):
         super().__init__(pool)
@@ -62,7 +60,7 @@ class CostGraph(Graph):
         self.pool.log.append(self)
 
     def _replay(self) -> None:
-        for step in StepRecorder.active:
+        for step in self.pool.steps:
             step.replayed(self.cost)
 
     def _release(self, t: torch.Tensor) -> torch.Tensor:
@@ -85,14 +83,28 @@ class CostBackend(GraphBackend):
 
     def __init__(self, device: str = "meta", streams: StreamTracker | None = None,
                  model: StepModel | None = None):
+        super().__init__()
         self.device = str(device)
         self.streams = streams  # what marks an op's bytes as mHC traffic
         self.model = model
         self.captured: list[CostGraph] = []
         self.pools: list[CostPool] = []
+        self.steps: list[StepRecorder] = []  # the steps being recorded (:meth:`recording_step`)
+
+    @contextlib.contextmanager
+    def recording_step(self, device: torch.device | str | None = None) -> Iterator[StepRecorder]:
+        """A :class:`StepRecorder` of what runs inside: eager ops by dispatch, and each replay
+        of this backend's graphs."""
+        recorder = StepRecorder(self.streams, device, self.model)
+        self.steps.append(recorder)
+        try:
+            with recorder:
+                yield recorder
+        finally:
+            self.steps.remove(recorder)
 
     def _register(self, pool: CostPool) -> CostPool:
-        pool.streams, pool.model = self.streams, self.model
+        pool.streams, pool.model, pool.steps = self.streams, self.model, self.steps
         if pool not in self.pools:
             pool.log = self.captured
             self.pools.append(pool)

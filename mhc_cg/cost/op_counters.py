@@ -308,8 +308,6 @@ class StepRecorder(TorchDispatchMode):
     no kernel, no device memory (``host_ops`` counts those a CPU run would charge as kernels).
     """
 
-    active: list["StepRecorder"] = []
-
     def __init__(self, streams: StreamTracker | None = None,
                  device: torch.device | str | None = None, model: StepModel | None = None) -> None:
         super().__init__()
@@ -331,14 +329,6 @@ class StepRecorder(TorchDispatchMode):
         self.eager.add(func, args, kwargs, out, self.streams)
         self.live.after_op(args, kwargs, out, func)
         return out
-
-    def __enter__(self):
-        StepRecorder.active.append(self)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        StepRecorder.active.remove(self)
-        return super().__exit__(*exc)
 
     def replayed(self, cost: OpCounter) -> None:
         self.replays += 1

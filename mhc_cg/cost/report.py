@@ -87,8 +87,7 @@ def cost_mode(run: Run,
             stack.enter_context(fused_attention_on_meta())
         with torch.device(dev) if meta else contextlib.nullcontext():
             session = TrainSession.build(run, backend=backend, optimizer=laid_out)
-        recorder = StepRecorder(streams, dev, model)
-        with recorder:
+        with backend.recording_step(dev) as recorder:
             session.run_step()
     mode_model = session.mode_model
     graphs = _graph_entries(mode_model, backend, cfg)

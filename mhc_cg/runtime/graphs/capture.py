@@ -105,10 +105,10 @@ class Pool:
     """
 
     kind = "pool"  # the backend's name, for messages
-    _ids: itertools.count  # per subclass
 
-    def __init__(self, private: bool = False, independent: bool = False):
-        self.id = next(self._ids)
+    def __init__(self, number: int, private: bool = False, independent: bool = False):
+        self.id = number  # the backend numbers its pools, the pool its graphs
+        self.graph_numbers = itertools.count()
         self.private = private
         self.independent = independent
         self.order = PoolOrder(f"{self.kind} pool {self.id}", strict=not independent)
@@ -126,11 +126,9 @@ class Graph(ABC):
     ``_replay``.
     """
 
-    _ids: itertools.count  # per subclass
-
     def __init__(self, pool: Pool):
         self.pool = pool
-        self.name = f"{pool.kind} graph {next(self._ids)} (pool {pool.id})"
+        self.name = f"{pool.kind} graph {next(pool.graph_numbers)} (pool {pool.id})"
         self.stats = CaptureSafetyReport()
         self.made_storages: set[int] = set()  # storage ids allocated by the capture (set by _record)
         self.replays = 0
@@ -240,14 +238,17 @@ class GraphBackend(ABC):
     # eager iterations before a capture, for lazy library setup (cuBLAS handles, workspaces)
     warmup_iters: int = 3
 
+    def __init__(self) -> None:
+        self.pool_numbers = itertools.count()
+
     def new_pool(self, independent: bool = False) -> Pool:
         """A pool that graphs may share; ``independent``: see :class:`Pool`."""
-        return self.pool_type(independent=independent)
+        return self.pool_type(next(self.pool_numbers), independent=independent)
 
     def new_graph(self, pool: Pool | None = None) -> Graph:
         """A fresh graph; ``pool=None`` gives it a private pool."""
         if pool is None:
-            pool = self.pool_type(private=True)
+            pool = self.pool_type(next(self.pool_numbers), private=True)
         elif not isinstance(pool, self.pool_type):
             raise TypeError(f"{self.name} backend: new_graph(pool=...) takes a pool from "
                             f"new_pool() or None, got {type(pool).__name__}")

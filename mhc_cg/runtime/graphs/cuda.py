@@ -9,7 +9,6 @@ only checks; the driver records the kernels.
 from __future__ import annotations
 
 import contextlib
-import itertools
 from typing import Iterator
 
 import torch
@@ -52,19 +51,16 @@ class CudaPool(Pool):
     """A ``torch.cuda.graph_pool_handle()`` and the replay order of the graphs that share it."""
 
     kind = "cuda"
-    _ids = itertools.count()
 
-    def __init__(self, handle=None, private: bool = False, independent: bool = False):
+    def __init__(self, number: int, handle=None, private: bool = False, independent: bool = False):
         _require_cuda("a CUDA graph pool")
-        super().__init__(private, independent)
+        super().__init__(number, private, independent)
         # A private pool: let torch.cuda.graph make one for the graph (pool=None).
         self.handle = handle if handle is not None or private else torch.cuda.graph_pool_handle()
 
 
 class CudaGraph(Graph):
     """A ``torch.cuda.CUDAGraph`` captured on a side stream (``torch.cuda.graph`` does that)."""
-
-    _ids = itertools.count()
 
     def __init__(self, pool: CudaPool):
         super().__init__(pool)
@@ -119,6 +115,7 @@ class CudaBackend(GraphBackend):
 
     def __init__(self) -> None:
         _require_cuda("the 'cuda' graph backend")
+        super().__init__()
         warm_up_libraries()
 
     @contextlib.contextmanager

@@ -266,10 +266,9 @@ class TapePool(Pool):
     """
 
     kind = "tape"
-    _ids = itertools.count()
 
-    def __init__(self, private: bool = False, independent: bool = False):
-        super().__init__(private, independent)
+    def __init__(self, number: int, private: bool = False, independent: bool = False):
+        super().__init__(number, private, independent)
         self.released: dict["TapeGraph", list[torch.Tensor]] = {}
         self._fresh: "TapeGraph | None" = None  # the graph whose released outputs are unpoisoned
 
@@ -289,8 +288,6 @@ class TapePool(Pool):
 
 class TapeGraph(Graph):
     """A recorded op sequence; see the module docstring."""
-
-    _ids = itertools.count()
 
     def __init__(self, pool: TapePool):
         super().__init__(pool)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 
-import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -47,9 +46,6 @@ from mhc_cg.core.regions import region
 # Life cycle of one checkpoint; each step may only follow the one before it.
 FORWARD, DISCARDED, RECOMPUTED, CONSUMED, ABANDONED = (
     "forward", "discarded", "recomputed", "consumed", "abandoned")
-
-_anonymous = itertools.count()
-
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -155,7 +151,8 @@ class CheckpointWithoutOutput:
     def __init__(self, manager: "CheckpointOwner | None" = None, *, name: str | None = None,
                  debug: bool = False):
         self.manager = manager
-        self.name = name if name is not None else f"checkpoint{next(_anonymous)}"
+        # unnamed: its address, unique among the checkpoints alive with it (a block's)
+        self.name = name if name is not None else f"checkpoint@{id(self):#x}"
         self.debug = debug or bool(manager is not None and manager.debug)
         self.state = FORWARD
         self.fn: Callable[..., Any] | None = None
