@@ -449,16 +449,16 @@ def test_a_training_step_of_every_mode_never_calls_upward_nor_marks_a_tensor():
     assert all(not c for c in (*by_build.values(), *by_step.values())), (by_build, by_step)
 
 
-def files_a_step_runs(session) -> list[str]:
-    """The project files whose code runs on the host in one training step (``sys.setprofile``).
-    A tape graph's replay counts as its file alone: what it replays is the device's work (a
-    GPU's replay runs no Python)."""
+def files_a_step_runs(session) -> dict[str, set[str]]:
+    """The project files whose code runs on the host in one training step (``sys.setprofile``),
+    each with the functions of it that ran. A tape graph's replay counts as its file alone: what
+    it replays is the device's work (a GPU's replay runs no Python)."""
     import sys
 
     from mhc_cg.runtime.graphs.tape import TapeGraph
 
     replay, roots, inside, files = TapeGraph._replay.__code__, \
-        tuple(f"{ROOT / package}/" for package in PACKAGES), [0], set()
+        tuple(f"{ROOT / package}/" for package in PACKAGES), [0], {}
 
     def profile(frame, event, arg):
         code = frame.f_code
@@ -466,22 +466,27 @@ def files_a_step_runs(session) -> list[str]:
             inside[0] += 1 if event == "call" else -1
         if event == "call" and (inside[0] == 0 or code is replay) \
                 and code.co_filename.startswith(roots):
-            files.add(Path(code.co_filename).relative_to(ROOT).as_posix())
+            name = Path(code.co_filename).relative_to(ROOT).as_posix()
+            if not code.co_name.startswith("<"):  # comprehensions and lambdas: their function's
+                files.setdefault(name, set()).add(code.co_qualname)
+            files.setdefault(name, set())
 
     sys.setprofile(profile)
     try:
         session.step()
     finally:
         sys.setprofile(None)
-    return sorted(files)
+    return dict(sorted(files.items()))
 
 
 def test_one_graphed_static_step_runs_few_files(capsys):
     """A reader follows ``TrainSession.run_step`` down to the kernels: one graphed_static step
     (every sublayer and the recompute graphed) runs in 24 of our files, each one concept on
     the path (the session and its loop, data, optimizer; the mode and its lifecycle; the
-    runtime, arena and sets; replay, its static inputs and lent grads, the tape; the model's
-    embedding, head and loss; regions and their NVTX half; storage identity)."""
+    runtime, arena and sets; replay, its static inputs and lent grads, the graph and the tape;
+    the model's embedding, head, final norm and loss; the kernels' wrappers, their choice of
+    implementation, the registered ops and the torch reference; regions and their profiler half;
+    storage identity). It prints each file with the functions of it that ran."""
     import torch
 
     from helpers import tiny_run_config
@@ -492,7 +497,9 @@ def test_one_graphed_static_step_runs_few_files(capsys):
     session.step()
     files = files_a_step_runs(session)
     with capsys.disabled():
-        print(f"\none graphed_static step runs {len(files)} files: {', '.join(files)}")
+        print(f"\none graphed_static step runs {len(files)} files:")
+        for name, functions in files.items():
+            print(f"  {name}: {', '.join(sorted(functions))}")
     assert "mhc_cg/runtime/recompute/static.py" in files and len(files) <= 24, files
 
 
