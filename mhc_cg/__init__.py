@@ -19,8 +19,7 @@ _EXPORTS = {
     "MHCGPTConfig": "mhc_cg.model",
 }
 
-__all__ = ["HyperConnection", "MHCGPT", "MHCGPTConfig", "contract_streams", "expand_streams",
-           "sinkhorn_knopp"]
+__all__ = sorted(_EXPORTS)
 __version__ = "0.2.0"
 
 

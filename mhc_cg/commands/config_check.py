@@ -55,7 +55,7 @@ def summary(cfg: RunConfig) -> str:
 def te_line() -> str:
     """Which TransformerEngine's ``make_graphed_callables`` ``graph.backend: te`` runs here."""
     from mhc_cg.runtime.graphs.backends import te_python
-    from mhc_cg.runtime.graphs.te_wheel import find_te_wheel, te_missing_reason, te_wheel
+    from mhc_cg.runtime.graphs.te_wheel import GRAPH, find_te_wheel, te_missing_reason, te_wheel
 
     where = te_python()
     if where == "installed":
@@ -66,7 +66,7 @@ def te_line() -> str:
     if where == "wheel":
         wheel = te_wheel(str(find_te_wheel()))
         return (f"# te: TransformerEngine {wheel.version}'s make_graphed_callables from its wheel's "
-                f"source ({wheel.graph_source()[0]}), over "
+                f"source ({wheel.wheel}/{GRAPH}), over "
                 f"{'torch.cuda graphs' if _cuda() else 'the tape (this machine has no GPU)'}")
     return f"# te: not at hand on this machine: {te_missing_reason()}"
 

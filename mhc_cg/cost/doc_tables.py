@@ -178,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         made = regenerate(text, reports)
         if made != text:
+            now = blocks_of(made)
             stale += [f"{path.relative_to(ROOT)}: {key}" for key, body in blocks_of(text).items()
-                      if blocks_of(made)[key] != body]
+                      if now[key] != body]
             if args.action == "write":
                 path.write_text(made)
     verb = "made again" if args.action == "write" else "stale"

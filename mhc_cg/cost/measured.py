@@ -117,7 +117,7 @@ def last_measured_steps(cfg: RunConfig, results: Path = RESULTS, gpu: str | None
              and (gpu is None or getattr(gpu_named(report.get("device", "")), "key", None) == gpu)]
     if not found:
         return {}
-    report = max(found, key=lambda r: r.get("date", ""))
+    report = found[-1]  # gpu_runs is oldest first
     path = report["path"]
     return {"source": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path),
             "device": report["device"], "code": report.get("code", "unknown"),

@@ -52,11 +52,11 @@ class CudaPool(Pool):
 
     kind = "cuda"
 
-    def __init__(self, number: int, handle=None, private: bool = False, independent: bool = False):
+    def __init__(self, number: int, private: bool = False, independent: bool = False):
         _require_cuda("a CUDA graph pool")
         super().__init__(number, private, independent)
         # A private pool: let torch.cuda.graph make one for the graph (pool=None).
-        self.handle = handle if handle is not None or private else torch.cuda.graph_pool_handle()
+        self.handle = None if private else torch.cuda.graph_pool_handle()
 
 
 class CudaGraph(Graph):

@@ -3,23 +3,23 @@
 Note [graphed callables as TE's] (docs/design.md, item 5). What a caller relies on (the same as
 TE's ``make_graphed_callables``):
 
-* **Layout.** Without ``order``: one graphed callable per callable, forwards captured 1..N and
-  backwards N..1. With ``order`` (TE's ``_order``: ``+c`` forward of model chunk ``c``, ``-c`` its
+* **Layout.** Without ``_order``: one graphed callable per callable, forwards captured 1..N and
+  backwards N..1. With ``_order`` (TE's: ``+c`` forward of model chunk ``c``, ``-c`` its
   backward, 1-based, chunk ``c``'s microbatches in FIFO order), ``callables`` holds every chunk's
   layers back to back and ``sample_args`` one entry per (chunk, microbatch, layer) at index
   ``prefix[c] * M + m * L_c + l``; one graphed callable comes back per entry, and the forward and
   backward graphs are captured in the order's sequence, all in one pool.
 * **Static inputs.** Each graph reads its inputs from static buffers: the ``sample_args``
-  tensors. With ``order`` and ``reuse_input_buffers``, a chunk's backward releases the input
-  buffers of that chunk's oldest in-flight microbatch to a free queue keyed by (shape, dtype,
-  stride, device), and a later forward with the same key takes them: the number of buffers then
+  tensors. With ``_order`` and ``_reuse_graph_input_output_buffers``, a chunk's backward
+  releases the input buffers of that chunk's oldest in-flight microbatch to a free queue keyed
+  by (shape, dtype, stride, device), and a later forward with the same key takes them: the number of buffers then
   follows the pipeline depth, not the number of microbatches
   (:func:`count_allocated_static_inputs`). Backward graphs always share grad-output buffers (one
   per shape), and each backward graph's grad inputs go back to the pool once it is captured
   (:meth:`~mhc_cg.runtime.graphs.capture.Graph.release_outputs`): a later capture may reuse their memory,
-  since every replay clones them before any other graph runs. TE does the same with
-  ``_reuse_graph_input_output_buffers``; without it, every backward graph keeps its weight and
-  input gradients in the pool for good.
+  since every replay clones them before any other graph runs, as TE does; without
+  ``_reuse_graph_input_output_buffers``, every backward graph keeps its weight and input
+  gradients in the pool for good.
 * **A call** first refuses, in one line naming it, a static input or parameter re-laid-out in
   place or moved to another storage since capture (the graph would keep its captured layout and
   address, unseen: :func:`~mhc_cg.runtime.graphs.static_inputs.layout_problem`). It then copies
@@ -30,8 +30,8 @@ TE's ``make_graphed_callables``):
   grads it computed, those of the module's parameters included (parameters are inputs of the
   Function, so autograd accumulates them into ``.grad``).
 * **Replay order** must follow the capture order (pool rule); the backends raise otherwise.
-* Modules stay modules without ``order`` (their ``forward`` replays while their ``training``
-  flag equals the captured one); with ``order`` the entries are plain functions, as in TE.
+* Modules stay modules without ``_order`` (their ``forward`` replays while their ``training``
+  flag equals the captured one); with ``_order`` the entries are plain functions, as in TE.
 
 One deliberate difference from TE: the backward returns *clones* of the static grad inputs. TE
 returns the static buffers themselves, and autograd's ``AccumulateGrad`` adopts a lone incoming
@@ -45,12 +45,12 @@ and every backward graph shares those buffers), the buffer goes to autograd uncl
 producer reads it where it lies. A backward graph that would overwrite a lent buffer before its
 reader replays raises (:class:`~mhc_cg.runtime.graphs.grad_lending.LentGrads`). As with TE's static grads, a tensor hook that keeps
 the grad of such an input sees it change when the producer's backward replays: clone it there.
-With ``lend_grads_to_eager`` the same holds for an input made by an eager op that reads its grad
+With ``GraphOptions(lend_grads_to_eager=True)`` the same holds for an input made by an eager op that reads its grad
 once (the streams' expand at a chunk's start). The other way round, an eager consumer of a graphed
 output may write its grad straight into the buffer the backward graph reads it from
 (:func:`grad_output_buffer`; the streams' contraction at a chunk's end): no copy in either.
 
-With ``keep_param_grads`` a parameter's grad is not cloned either. Where the parameter has a
+With ``clone_param_grads_on_return=False`` a parameter's grad is not cloned either. Where the parameter has a
 ``.grad`` buffer when the graphs are captured (the training's optimizer keeps every gradient in
 one), the backward graph adds the grad into it (Note [grads accumulated inside the graph]).
 Otherwise it stays in the pool where its one backward graph writes it and is handed to ``.grad``

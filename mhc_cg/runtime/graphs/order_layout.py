@@ -1,5 +1,5 @@
 """The (chunk, microbatch, layer) layout of TransformerEngine's ``_order``, and the static input
-buffers forwards share along it (``make_graphed_callables(order=..., reuse_input_buffers=True)``).
+buffers forwards share along it (``make_graphed_callables(_order=..., _reuse_graph_input_output_buffers=True)``).
 """
 
 from __future__ import annotations

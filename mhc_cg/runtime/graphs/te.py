@@ -107,9 +107,7 @@ class GraphAPI:
         cuda = self.te.module.torch.cuda
         ours = isinstance(cuda, CudaAPI)  # off a GPU: TE's graphs are seen
         start = len(cuda.captured) if ours else 0
-        capturing = cuda.capturing if isinstance(cuda, CudaAPI) else \
-            torch.cuda.is_current_stream_capturing
-        with _Allocations(capturing) as allocated:
+        with _Allocations(cuda.is_current_stream_capturing) as allocated:
             result = self.function(modules, sample_args, pool=self.handle(pool), **kwargs)
         if not isinstance(modules, tuple):
             return result
@@ -158,7 +156,7 @@ class _Allocations(TorchDispatchMode):
 def graph_api(name: str, backend: GraphBackend | None = None) -> GraphAPI:
     """The API of a resolved backend ``name`` (``tape``, ``cuda`` or ``te``); ``backend``: the
     primitive to capture on instead of the name's own (the cost model's recording backend)."""
-    from mhc_cg.runtime.graphs.backends import get_backend, primitive_of
+    from mhc_cg.runtime.graphs.backends import get_backend
 
-    primitive = backend if backend is not None else get_backend(primitive_of(name))
+    primitive = backend if backend is not None else get_backend(name)
     return GraphAPI(primitive, te_graph(primitive) if name == "te" else None)

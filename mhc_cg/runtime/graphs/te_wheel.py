@@ -15,7 +15,7 @@ of ImportError, which breaks every ``try: import transformer_engine``, Megatron'
    dataclasses look their module up there).
 2. TE's files run as shipped, compiled from the wheel's bytes with the wheel's path as file name:
    ``make_graphed_callables.__code__.co_filename`` names the file in the wheel, whose sha256 the
-   runs record (:meth:`TEWheel.graph_source`). Packages are shells (their ``__init__.py`` loads
+   runs record (:func:`source_of`). Packages are shells (their ``__init__.py`` loads
    TE's CUDA library and C extension), except ``transformer_engine.common``, which loads nothing
    with ``NVTE_PROJECT_BUILDING`` set.
 3. What needs TE's C extension is stood in for by :data:`STAND_INS`, the smallest set that
@@ -283,10 +283,6 @@ class TEWheel:
             for name in ("utils", "quantization", "distributed"):  # what graph.py calls into
                 self.load(f"transformer_engine.pytorch.{name}").torch = torch_module
         return module
-
-    def graph_source(self) -> tuple[str, str]:
-        """``(file, sha256)`` of the wheel's ``graph.py``."""
-        return f"{self.wheel}/{GRAPH}", hashlib.sha256(self.zip.read(GRAPH)).hexdigest()
 
 
 @contextlib.contextmanager

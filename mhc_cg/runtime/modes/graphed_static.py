@@ -69,7 +69,7 @@ class GraphedStaticModel(ModeModel):
                 f"{[s for s in plan.scopes if s != RECOMPUTE_SCOPE]}: each sublayer has one graph "
                 f"here, valid for one microbatch at a time; for pipelined schedules capture one "
                 f"graph per (chunk, microbatch, layer) with make_graphed_callables(..., "
-                f"order=pipeline_order(...)), or graph only mhc_recompute")
+                f"_order=pipeline_order(...)), or graph only mhc_recompute")
         super().__init__(model, plan, micro_batch_size=micro_batch_size, backend=backend)
         self.capacity = capacity
         self.block_size = block_size or model.cfg.resolved_recompute_layers

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from mhc_cg.ops.dropout import stateful_dropout_problem
 from mhc_cg.core.errors import StaticRecomputeError
 from mhc_cg.core.regions import region
-from mhc_cg.core.storage import storage_id
+from mhc_cg.core.storage import is_buffer, storage_id
 from mhc_cg.model import MLP, MHCSublayer, MHCTransformerLayer, MoEMLP, recomputes_activation
 from mhc_cg.model.moe import MoECudaGraphTensorStore
 from mhc_cg.runtime.graphs.static_inputs import check_input
@@ -48,7 +48,7 @@ from mhc_cg.runtime.recompute.arena import Arena
 from mhc_cg.runtime.recompute.chunk import ChunkLayout
 from mhc_cg.runtime.recompute.persistent import PersistentSetPool, PersistentSlotSet, new_persistent_set
 from mhc_cg.runtime.recompute.store import RegionCursor, store_in, store_in_slot
-from mhc_cg.runtime.recompute.sublayers import SUBLAYER_NAMES, sublayers_for
+from mhc_cg.runtime.recompute.sublayers import SUBLAYER_NAMES, required_set, sublayers_for
 
 
 @dataclass(frozen=True)
@@ -112,14 +112,9 @@ class StaticRecompute:
         fn_input, carry = self.sublayers.pre(sub, position, k, x, pset)
         out = self.sublayers.fn_output_buffer(sub, k, pset)
         if k == 1 and recomputes_activation(sub):
-            if pset is None:
-                raise StaticRecomputeError(
-                    f"an MLP with activation recompute (fc1's output) ran outside a forward with "
-                    f"{self.sets.capacity} persistent sets: a graph captured here would write one "
-                    f"set for every microbatch; capture it for its microbatch's set, or with "
-                    f"capacity 1")
-            y = self.mlp_with_activation_recompute(sub.fn, position, self.layout.index(sub),
-                                                   fn_input, pset, out)
+            y = self.mlp_with_activation_recompute(
+                sub.fn, position, self.layout.index(sub), fn_input,
+                required_set(pset, "an MLP with activation recompute: fc1's output"), out)
         elif out is not None:
             y = sub.fn(fn_input, out)
         else:
@@ -387,9 +382,7 @@ class StaticRecompute:
 def _kept_in(x: Tensor, dst: Tensor) -> Tensor:
     """A block's input ``x`` as the persistent set keeps it (the recompute reads it there, and
     the block's first sublayer saves it from there): ``dst``, written unless ``x`` is it."""
-    if storage_id(dst) == storage_id(x) and dst.storage_offset() == x.storage_offset():
-        return x
-    return store_in(x, dst)
+    return x if is_buffer(dst, x) else store_in(x, dst)
 
 
 def build_static_recompute(layers: list[MHCTransformerLayer], block_size: int, *,

@@ -205,7 +205,7 @@ class HookedSublayers:
             # x_l0 to its set first (the runtime's forward put it there already; a graph's
             # capture of the sublayer alone did not): the block's mHC ops save it from there,
             # and the recompute reads it there
-            x = store_in(x, _required(pset, "the block input").block_inputs[
+            x = store_in(x, required_set(pset, "the block input").block_inputs[
                 self.layout.index(sub) // self.layout.block_size])
         with self.region(position, k, 0):
             h_pre, h_post, h_res = sub.mappings(x)
@@ -220,7 +220,7 @@ class HookedSublayers:
         goes where autograd puts it (``scratch`` is not taken)."""
         h_post, mixed = carry
         if storage_id(y) not in self._persistent:
-            y = store_in(y, _required(pset, "F's output").fn_outputs[self.layout.key(sub, k)])
+            y = store_in(y, required_set(pset, "F's output").fn_outputs[self.layout.key(sub, k)])
         with self.region(position, k, 1):
             return sub.post_bda(y, h_post, mixed, seed)
 
@@ -257,7 +257,7 @@ def _unpack(t: Tensor) -> Tensor:
     return t
 
 
-def _required(pset: PersistentSlotSet | None, what: str) -> PersistentSlotSet:
+def required_set(pset: PersistentSlotSet | None, what: str) -> PersistentSlotSet:
     """``pset``, for a hooked sublayer's write that cannot be deferred to the forward."""
     if pset is None:
         raise StaticRecomputeError(
