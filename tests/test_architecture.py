@@ -520,3 +520,57 @@ def test_parts_by_role_no_file_name_twice_and_no_cost_table_under_ops():
     tables = ("LAUNCHES", "READ_TWICE", "NOT_MHC", "def scratch_bytes")
     assert not [p.name for p in (root / "ops").rglob("*.py")
                 if any(t in p.read_text() for t in tables)]
+
+
+# -- a training step does what training needs ---------------------------------------------------
+
+def host_calls_in_training(cfg, mode: str, **hooks) -> set[str]:
+    """The names of every C function (builtins and torch's bound methods) that ``train`` calls
+    while its steps run (``sys.setprofile``'s ``c_call``): a gradient hashed on the host shows
+    as the tensor's ``numpy`` and ``tobytes`` and the hash's ``hexdigest``."""
+    import sys
+
+    from mhc_cg.training import session as session_module
+
+    seen: set[str] = set()
+    step = session_module.TrainSession.step
+
+    def watched_step(self, **kwargs):
+        def profile(frame, event, arg):
+            if event == "c_call":
+                seen.add(getattr(arg, "__name__", ""))
+
+        sys.setprofile(profile)
+        try:
+            return step(self, **kwargs)
+        finally:
+            sys.setprofile(None)
+
+    session_module.TrainSession.step = watched_step
+    try:
+        train(cfg, mode=mode, steps=2, progress=False, **hooks)
+    finally:
+        session_module.TrainSession.step = step
+    return seen
+
+
+HOST_COPIES = {"numpy", "tobytes", "hexdigest"}
+
+
+@pytest.mark.parametrize("mode", ["eager_none", "graphed_static"])
+def test_a_plain_training_step_hashes_nothing_and_copies_no_gradient_to_the_host(mode):
+    """``mhc-cg train`` without ``--compare``: its step makes no gradient digest and moves no
+    gradient to the host; the comparison's hooks (which do) show up in the same probe."""
+    import torch
+
+    from helpers import tiny_run_config
+    from mhc_cg.compare.watch import StepWatch
+
+    cfg = tiny_run_config()
+    plain = host_calls_in_training(cfg, mode)
+    assert not plain & HOST_COPIES, plain & HOST_COPIES
+    watch = StepWatch(torch.device("cpu"))
+    watched = host_calls_in_training(cfg, mode, after_backward=watch.after_backward,
+                                     first_microbatch=watch.first_microbatch)
+    assert HOST_COPIES <= watched and len(watch.grad_digests) == 2
+    assert watch.held_bytes_per_microbatch is not None

@@ -8,11 +8,10 @@ import pytest
 
 from mhc_cg.compare import modes as compare
 from mhc_cg.cli import main
-from mhc_cg.training.session import TrainResult
 
 
 def result(mode, digests, eval_losses=()):
-    return TrainResult(mode, losses=[4.0, 3.5], grad_norms=[1.0, 0.9], step_times=[0.1, 0.1],
+    return compare.Compared(mode, losses=[4.0, 3.5], grad_norms=[1.0, 0.9], step_times=[0.1, 0.1],
                        grad_digests=list(digests), eval_losses=list(eval_losses))
 
 

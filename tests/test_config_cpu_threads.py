@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mhc_cg.compare.modes import CPU_STEP_NOTE, format_table
+from mhc_cg.compare.modes import CPU_STEP_NOTE, Compared, format_table
 from mhc_cg.config import RunConfig
 from mhc_cg.training import device
 from mhc_cg.training.device import cpu_threads, use_cpu_threads
-from mhc_cg.training.session import TrainResult
 
 
 @pytest.mark.parametrize("hidden, omp, cores, threads", [
@@ -59,7 +58,7 @@ def test_a_pipeline_on_auto_is_a_cpu_run_without_a_gpu_per_rank(set_threads, mon
 
 
 def test_the_compare_table_says_cpu_step_times_are_the_hosts():
-    results = {"eager_none": TrainResult("eager_none", losses=[4.0, 3.0], grad_norms=[1.0, 1.0],
+    results = {"eager_none": Compared("eager_none", losses=[4.0, 3.0], grad_norms=[1.0, 1.0],
                                          step_times=[0.1, 0.1])}
     cpu = format_table(results, cpu=True).splitlines()
     assert cpu[0].rstrip().endswith("step ms (CPU host)") and cpu[-1] == CPU_STEP_NOTE

@@ -22,7 +22,8 @@ from mhc_cg.training.data import ProgressionCorpus
 from mhc_cg.core.errors import StaleCaptureError, StaticRecomputeError
 from mhc_cg.runtime.modes.registry import resolve
 from mhc_cg.compare.modes import compared_modes
-from mhc_cg.training.session import TrainSession, grad_digest
+from mhc_cg.compare.watch import grad_digest
+from mhc_cg.training.session import TrainSession
 
 CPU = torch.device("cpu")
 
@@ -45,8 +46,9 @@ def run(cfg, mode, *, interleave: bool):
     inputs, targets, seed = side_batch(cfg)
     steps, evals, side = [], [], []
     for _ in range(3):
-        loss, _, _ = session.step(digest=True)
-        steps.append((loss, session.last_grad_digest))
+        digests = []
+        loss, _ = session.step(after_backward=lambda model: digests.append(grad_digest(model)))
+        steps.append((loss, digests[0]))
         if interleave:
             evals.append(session.evaluate())
             with torch.no_grad():

@@ -9,6 +9,7 @@ import torch
 from mhc_cg.core.errors import ConfigError, StaleCaptureError
 from mhc_cg.runtime.modes.registry import resolve
 from mhc_cg.cost.report import cost_mode, mode_configs
+from mhc_cg.compare.modes import run_watched
 from mhc_cg.training.session import TrainSession, train
 
 from helpers import tiny_run_config
@@ -17,7 +18,7 @@ FULL = ("graphed_full", "graphed_full_static")
 
 
 def digests(cfg, mode):
-    result = train(cfg, mode=mode, progress=False)
+    result = run_watched(cfg, mode)
     return result.losses, result.grad_digests
 
 

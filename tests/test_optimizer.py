@@ -11,10 +11,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mhc_cg.config import load_config
-from mhc_cg.compare.modes import format_table, mismatches
+from mhc_cg.compare.modes import Compared, format_table, mismatches, run_watched
 from mhc_cg.training import optimizer as optimizer_module
 from mhc_cg.training.optimizer import DynamicLossScaler, MainParamAdamW
-from mhc_cg.training.session import TrainResult, train
+from mhc_cg.training.session import train
 from helpers import REPO, tiny_run_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -165,8 +165,8 @@ def test_tiny_config_trains_with_finite_falling_losses_identical_across_modes(dt
     cfg = load_config(REPO / "configs" / "tiny_cpu.yaml")
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype=dtype, steps=12,
                                                               device="cpu"))
-    eager = train(cfg, mode="eager_none", progress=False)
-    graphed = train(cfg, mode="graphed_static", progress=False)
+    eager = run_watched(cfg, "eager_none")
+    graphed = run_watched(cfg, "graphed_static")
     assert all(math.isfinite(v) for v in eager.losses)
     assert eager.losses[-1] < eager.losses[0] - 0.1, eager.losses
     assert eager.skipped_steps == []  # the initial fp16 scale fits this model
@@ -185,9 +185,9 @@ def test_skipped_steps_are_reported_by_train(monkeypatch):
 
 def test_nan_losses_are_not_shown_as_equal():
     nan = float("nan")
-    results = {"eager_none": TrainResult("eager_none", losses=[4.0, nan], grad_norms=[1.0, nan],
+    results = {"eager_none": Compared("eager_none", losses=[4.0, nan], grad_norms=[1.0, nan],
                                          step_times=[0.1, 0.1]),
-               "graphed_static": TrainResult("graphed_static", losses=[4.0, nan],
+               "graphed_static": Compared("graphed_static", losses=[4.0, nan],
                                              grad_norms=[1.0, nan], step_times=[0.1, 0.1])}
     table = format_table(results)
     assert "not finite" in table and "max diff 0" not in table

@@ -2,18 +2,30 @@
 
 Modes: every registered mode that trains the configured model (:mod:`mhc_cg.runtime.modes.registry`),
 against the reference, ``eager_none``. Same weights, same data, same dropout seeds; the losses,
-every gradient of every step (compared through :func:`mhc_cg.training.session.grad_digest`) and the
-evaluation losses must agree bit for bit, and every loss must be finite (:func:`mismatches`).
+every gradient of every step (hashed by the comparison's own hooks into each step,
+:class:`mhc_cg.compare.watch.StepWatch`) and the evaluation losses must agree bit for bit, and
+every loss must be finite (:func:`mismatches`).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
+from mhc_cg.compare.watch import StepWatch
 from mhc_cg.config import RunConfig
 from mhc_cg.runtime.modes.registry import MODES, REFERENCE, mode_config, mode_unavailable
 from mhc_cg.training.device import resolve_device
 from mhc_cg.training.session import TrainResult, train
+
+
+@dataclass
+class Compared(TrainResult):
+    """One mode's run as the comparison saw it: what training returned, and what its hooks
+    watched (:class:`StepWatch`)."""
+
+    grad_digests: list[str] = field(default_factory=list)  # per step: every gradient's bytes
+    held_bytes_per_microbatch: int | None = None  # allocated by a forward and held until backward
 
 
 def compared_modes() -> tuple[str, ...]:
@@ -32,19 +44,29 @@ def refused_modes(cfg: RunConfig, device: str | None = None,
 
 def run_modes(cfg: RunConfig, *, steps: int | None = None, device: str | None = None,
               progress: bool = True, modes: tuple[str, ...] | None = None,
-              refused: dict[str, str] | None = None) -> dict[str, TrainResult]:
+              refused: dict[str, str] | None = None) -> dict[str, Compared]:
     """Every compared mode that can train ``cfg``: not those of ``refused`` (default:
-    :func:`refused_modes`)."""
+    :func:`refused_modes`), each watched (:class:`StepWatch`)."""
     refused = refused_modes(cfg, device, modes) if refused is None else refused
-    return {mode: train(cfg, steps=steps, device=device, progress=progress, mode=mode)
+    return {mode: run_watched(cfg, mode, steps=steps, device=device, progress=progress)
             for mode in (modes or compared_modes()) if mode not in refused}
+
+
+def run_watched(cfg: RunConfig, mode: str, *, steps: int | None = None,
+                device: str | None = None, progress: bool = False) -> Compared:
+    """``mode`` trained on ``cfg`` with the comparison's hooks in every step."""
+    watch = StepWatch(resolve_device(device or cfg.train.device))
+    result = train(cfg, steps=steps, device=device, progress=progress, mode=mode,
+                   after_backward=watch.after_backward, first_microbatch=watch.first_microbatch)
+    return Compared(**vars(result), grad_digests=watch.grad_digests,
+                    held_bytes_per_microbatch=watch.held_bytes_per_microbatch)
 
 
 def _all_finite(values: list[float]) -> bool:
     return all(math.isfinite(v) for v in values)
 
 
-def mismatches(results: dict[str, TrainResult]) -> list[str]:
+def mismatches(results: dict[str, Compared]) -> list[str]:
     """Why the modes disagree with the reference (or are not finite), one line each; empty when
     every loss is finite and losses, gradients and evaluation losses are bit-identical."""
     reference = results.get(REFERENCE)
@@ -61,7 +83,7 @@ def mismatches(results: dict[str, TrainResult]) -> list[str]:
     return problems
 
 
-def to_json(results: dict[str, TrainResult]) -> dict:
+def to_json(results: dict[str, Compared]) -> dict:
     reference = results.get(REFERENCE)
     modes = {}
     for mode, r in results.items():
@@ -89,12 +111,16 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2 ** 20:.2f} MiB"
 
 
+# under the table: what a step's time includes here
+STEP_NOTE = ("step ms: median wall time of a step, with the comparison's hash of every gradient "
+             "(copied to the host) in it")
 # under the table of a CPU run: its step times are the host's, with graphs emulated by the tape
-CPU_STEP_NOTE = ("step ms (CPU host): median wall time of a step on this CPU, graphs on the tape; "
-                 "says nothing about a GPU's step time (mhc-cg bench measures that)")
+CPU_STEP_NOTE = ("step ms (CPU host): median wall time of a step on this CPU, graphs on the tape, "
+                 "with the comparison's hash of every gradient in it; says nothing about a GPU's "
+                 "step time (mhc-cg bench measures that)")
 
 
-def format_table(results: dict[str, TrainResult], *, cpu: bool = False) -> str:
+def format_table(results: dict[str, Compared], *, cpu: bool = False) -> str:
     """One row per mode; ``cpu``: the runs trained on the CPU, which the step column says."""
     reference = results.get(REFERENCE)
     header = ("mode", "loss first -> last", "loss == eager_none", "held / microbatch", "arena", "persistent / mb",
@@ -118,4 +144,4 @@ def format_table(results: dict[str, TrainResult], *, cpu: bool = False) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in (header, *rows)]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines + [CPU_STEP_NOTE] if cpu else lines)
+    return "\n".join(lines + [CPU_STEP_NOTE if cpu else STEP_NOTE])

@@ -13,11 +13,7 @@ with and without evaluation), under ``eval()`` and ``no_grad``: a forward-only p
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import hashlib
-import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Iterable
@@ -28,7 +24,6 @@ from mhc_cg.config.rules import megatron_only_refusal
 from mhc_cg.config import RunConfig
 from mhc_cg.core.dtypes import TORCH_DTYPES
 from mhc_cg.core.errors import ConfigError
-from mhc_cg.core.nvtx import profiler_recording
 from mhc_cg.core.regions import region
 from mhc_cg.core.progress import ProgressBar
 from mhc_cg.model import MHCGPT, lm_loss
@@ -43,6 +38,8 @@ from mhc_cg.runtime.recompute.arena import Arena
 from mhc_cg.training.optimizer import MainParamAdamW, StepResult
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (input ids [b, s], targets, seed [])
+# a tool's wrapper around the first microbatch's loss: ``first(loss)`` returns ``loss()``
+FirstMicrobatch = Callable[[Callable[[], torch.Tensor]], torch.Tensor]
 
 
 @dataclass
@@ -52,8 +49,6 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
-    held_bytes_per_microbatch: int | None = None  # allocated by a forward and held until backward
-    grad_digests: list[str] = field(default_factory=list)  # per step: every gradient's bytes
     skipped_steps: list[int] = field(default_factory=list)  # steps whose gradients overflowed
     eval_steps: list[int] = field(default_factory=list)  # after how many steps each evaluation ran
     eval_losses: list[float] = field(default_factory=list)
@@ -62,50 +57,6 @@ class TrainResult:
     def median_step_ms(self) -> float:
         times = sorted(self.step_times[1:] or self.step_times)  # the first step pays warm-up
         return 1000.0 * times[len(times) // 2]
-
-
-def held_bytes(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int | None]:
-    """Run ``fn``; return its result and the bytes it allocated that are still live afterwards.
-
-    On CUDA this is the allocator's counter; on CPU, the profiler's allocation events (CPU torch
-    keeps no counter), or ``None`` while an outer torch profiler records. Static buffers allocated
-    before ``fn`` (arena, slot sets, graph pools) are not counted: this is what each further
-    microbatch in flight would add.
-    """
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated(device)
-        out = fn()
-        torch.cuda.synchronize()
-        return out, torch.cuda.memory_allocated(device) - before
-    if profiler_recording():  # an inner profiler would end the outer one's session: no CPU probe
-        return fn(), None
-    from torch.autograd.profiler import profile
-
-    prof = profile(profile_memory=True)
-    with native_stderr_silenced():  # Kineto logs its start and stop there, whatever the level
-        prof.__enter__()
-    try:
-        out = fn()
-    finally:
-        with native_stderr_silenced():
-            prof.__exit__(None, None, None)
-    return out, int(sum(e.self_cpu_memory_usage for e in prof.function_events))
-
-
-@contextlib.contextmanager
-def native_stderr_silenced() -> Iterator[None]:
-    """Within: what native code writes to file descriptor 2 goes nowhere (Python's own stderr
-    is flushed first and back after)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 class Microbatches:
@@ -141,7 +92,6 @@ class TrainSession:
     # runtime's arena (Arena.lend); None without one
     workspace: Arena | None = None
     last_skipped: bool = False  # the last step's gradients overflowed and it was skipped
-    last_grad_digest: str | None = None  # set by step(digest=True)
     _eval_data: list | None = None
 
     @classmethod
@@ -203,76 +153,58 @@ class TrainSession:
             self.model.train(was_training)
         return total / len(self._eval_data)
 
-    def run_step(self, *, probe_memory: bool = False, digest: bool = False,
+    def run_step(self, *, first_microbatch: FirstMicrobatch | None = None,
                  after_backward: Callable[[MHCGPT], None] | None = None) -> StepTensors:
         """One optimizer step over ``num_microbatches``, read back nothing (see
         :class:`StepTensors`).
 
-        ``probe_memory`` measures what the first microbatch's forward holds until its backward
-        (:func:`held_bytes`). ``digest`` stores a hash of every gradient's bytes in
-        ``last_grad_digest``; ``after_backward(model)`` runs before the optimizer.
+        The hooks are a tool's, asked for by it: ``first_microbatch(loss)`` runs the first
+        microbatch's loss (``loss()``: a probe wraps it); ``after_backward(model)`` runs once
+        the gradients are complete, before the optimizer.
         """
         if self.release_pending():
             self.optimizer.zero_grad()  # what the aborted step's backwards accumulated
         if self.mode_model.captures_iteration:
-            loss_sum, held = self._replayed_iteration(), None
+            loss_sum = self._replayed_iteration()
         else:
-            loss_sum, held = self._microbatches(probe_memory)
+            loss_sum = microbatch_loop(self.mode_model, lambda index: self.data.next(self.device),
+                                       self.cfg.train.num_microbatches,
+                                       kernels=self.cfg.model.kernels,
+                                       backward=self.optimizer.backward, first=first_microbatch)
         if after_backward is not None:
             after_backward(self.model)
-        if digest:
-            self.last_grad_digest = grad_digest(self.model)
         with region("optimizer"):
             result = self.optimizer.step(_lend(self.workspace))
-        return StepTensors(loss_sum, result.grad_norm, result.found_inf, held)
-
-    def _microbatches(self, probe_memory: bool) -> tuple[torch.Tensor, int | None]:
-        """The step's microbatch loop (:func:`microbatch_loop`, the one a full-iteration mode
-        captures), each forward eager (graphs inside where the mode has them); returns the
-        summed loss and what the first forward held (``probe_memory``)."""
-        train, dev = self.cfg.train, self.device
-        held = None
-
-        def probe(loss: Callable[[], torch.Tensor]) -> torch.Tensor:
-            nonlocal held
-            out, held = held_bytes(loss, dev)
-            return out
-
-        loss_sum = microbatch_loop(self.mode_model, lambda index: self.data.next(dev),
-                                   train.num_microbatches, kernels=self.cfg.model.kernels,
-                                   backward=self.optimizer.backward,
-                                   first=probe if probe_memory else None)
-        return loss_sum, held
+        return StepTensors(loss_sum, result.grad_norm, result.found_inf)
 
     def _replayed_iteration(self) -> torch.Tensor:
         """Every microbatch's forward and backward as one replay (a full-iteration mode):
-        the batches are drawn as :meth:`_microbatches` draws them; returns the summed loss."""
+        the batches are drawn as :func:`microbatch_loop` draws them; returns the summed loss."""
         with region("forward"):
             batches = [self.data.next(self.device) for _ in range(self.cfg.train.num_microbatches)]
         return self.mode_model.run_iteration(batches)
 
-    def step(self, *, probe_memory: bool = False, digest: bool = False,
-             after_backward: Callable[[MHCGPT], None] | None = None) -> tuple[float, float, int | None]:
-        """:meth:`run_step`, then its one read back: ``(loss, grad norm, held bytes)``;
-        ``last_skipped`` tells whether the optimizer skipped the step (a non-finite gradient)."""
-        out = self.run_step(probe_memory=probe_memory, digest=digest,
-                            after_backward=after_backward)
+    def step(self, *, first_microbatch: FirstMicrobatch | None = None,
+             after_backward: Callable[[MHCGPT], None] | None = None) -> tuple[float, float]:
+        """:meth:`run_step`, then its one read back: ``(loss, grad norm)``; ``last_skipped``
+        tells whether the optimizer skipped the step (a non-finite gradient)."""
+        out = self.run_step(first_microbatch=first_microbatch, after_backward=after_backward)
         norm, self.last_skipped, (loss,) = self.optimizer.finish(
             StepResult(out.grad_norm, out.found_inf), out.loss)
-        return loss, norm, out.held_bytes
+        return loss, norm
 
 
 def microbatch_loop(model: ModeModel, batch: Callable[[int], Batch], count: int, *,
                     kernels: str, backward: Callable[[torch.Tensor], None],
-                    first: Callable[[Callable[[], torch.Tensor]], torch.Tensor] | None = None
+                    first: FirstMicrobatch | None = None
                     ) -> torch.Tensor:
     """The training step's microbatch loop, written once: the session runs it each step, and a
     full-iteration mode, made with it, captures it over its static batches.
 
     Each microbatch ``index``'s share of the step's loss, ``model.microbatch_loss`` of
     ``batch(index)`` (drawn in its forward: loading counts with it), then ``backward`` of it, in
-    order; returns the summed loss (detached). ``first`` runs the first microbatch's loss (the
-    session's memory probe). Nothing here holds a microbatch's logits: its backward frees them, as
+    order; returns the summed loss (detached). ``first`` runs the first microbatch's loss (a
+    tool's probe). Nothing here holds a microbatch's logits: its backward frees them, as
     it must inside a captured iteration."""
     loss_sum = None
     for index in range(count):
@@ -306,12 +238,11 @@ def _lend(workspace: Arena | None) -> torch.Tensor | None:
 @dataclass
 class StepTensors:
     """A step's results on the device: the loss summed over microbatches, the gradient norm and
-    the skip flag (fp32 scalars), and what the first forward held (``held_bytes``)."""
+    the skip flag (fp32 scalars)."""
 
     loss: torch.Tensor
     grad_norm: torch.Tensor
     found_inf: torch.Tensor
-    held_bytes: int | None = None
 
 
 def optimizer_for(cfg: RunConfig, params,
@@ -322,25 +253,18 @@ def optimizer_for(cfg: RunConfig, params,
                           model_dtype=TORCH_DTYPES[cfg.train.dtype], reduce_norm=reduce_norm)
 
 
-def grad_digest(model: torch.nn.Module) -> str:
-    """A hash of every parameter gradient's bytes, in parameter order (``-`` for no gradient):
-    two runs have bit-identical gradients exactly when their digests agree."""
-    h = hashlib.blake2b(digest_size=16)
-    for p in model.parameters():
-        if p.grad is None:
-            h.update(b"-")
-        else:
-            h.update(p.grad.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
-    return h.hexdigest()
-
-
 def train(cfg: RunConfig, *, steps: int | None = None, device: str | None = None,
           progress: bool = True, mode: str | None = None,
-          after_backward: Callable[[int, MHCGPT], None] | None = None) -> TrainResult:
+          after_backward: Callable[[int, MHCGPT], None] | None = None,
+          first_microbatch: Callable[[int, Callable[[], torch.Tensor]], torch.Tensor] | None = None,
+          ) -> TrainResult:
     """Train ``cfg.model`` on the synthetic corpus in ``mode`` (default: what the config asks).
 
-    ``after_backward(step, model)`` runs once per step before the optimizer (tests read the
-    gradients there). One process: a config with ``parallel.pp_size > 1`` runs on
+    A tool's hooks, each given the step's index: ``after_backward(step, model)`` runs once per
+    step before the optimizer (tests read the gradients there, the comparison hashes them);
+    ``first_microbatch(step, loss)`` runs each step's first microbatch's loss (``loss()``; a
+    memory probe wraps it). Without them a step does what training needs and nothing else.
+    One process: a config with ``parallel.pp_size > 1`` runs on
     :func:`mhc_cg.training.pipeline.driver.train_pipeline` (one process per pipeline rank).
     """
     if (refusal := megatron_only_refusal(cfg, "mhc-cg train")) is not None:
@@ -363,17 +287,15 @@ def train(cfg: RunConfig, *, steps: int | None = None, device: str | None = None
     bar = ProgressBar(steps, f"train[{mode}]", progress)
     for step in range(steps):
         start = time.perf_counter()
-        hook = None if after_backward is None else (lambda model, s=step: after_backward(s, model))
+        hooks = {"after_backward": None if after_backward is None
+                 else functools.partial(after_backward, step),
+                 "first_microbatch": None if first_microbatch is None
+                 else functools.partial(first_microbatch, step)}
         with region("step"):  # profiler ranges; one name per phase so runs aggregate by name
-            # the first step is excluded from the median time: probe memory there
-            loss, grad_norm, held = session.step(probe_memory=step == 0, digest=True,
-                                                 after_backward=hook)
-        if step == 0:
-            result.held_bytes_per_microbatch = held
+            loss, grad_norm = session.step(**hooks)
         result.step_times.append(time.perf_counter() - start)
         result.losses.append(loss)
         result.grad_norms.append(grad_norm)
-        result.grad_digests.append(session.last_grad_digest)
         if session.last_skipped:
             result.skipped_steps.append(step)
         interval = cfg.train.eval_interval
