@@ -20,7 +20,7 @@ from mhc_cg.runtime.graphs import GraphCaptureError, get_backend
 from mhc_cg.model import MHCGPT, MHCGPTConfig
 from mhc_cg.core.pipeline_order import peak_in_flight, pipeline_order
 from mhc_cg.runtime.modes.lifecycle import ModeModel
-from mhc_cg.runtime.modes.registry import build_model, prepare, resolve
+from mhc_cg.training.run import build_model, prepare, resolve
 from mhc_cg.training.session import microbatch_loop
 from mhc_cg.runtime.recompute.arena import Arena
 from mhc_cg.runtime.recompute.persistent import PersistentSetPool, new_persistent_set

@@ -430,7 +430,7 @@ def test_a_training_step_of_every_mode_never_calls_upward_nor_marks_a_tensor():
     import torch
 
     from helpers import tiny_run_config
-    from mhc_cg.runtime.modes.registry import resolve
+    from mhc_cg.training.run import resolve
     from mhc_cg.training.session import TrainSession
 
     cfg = tiny_run_config()
@@ -490,7 +490,7 @@ def test_one_graphed_static_step_runs_few_files(capsys):
     import torch
 
     from helpers import tiny_run_config
-    from mhc_cg.runtime.modes.registry import resolve
+    from mhc_cg.training.run import resolve
     from mhc_cg.training.session import TrainSession
 
     session = TrainSession.build(resolve(tiny_run_config(), "graphed_static", torch.device("cpu")))

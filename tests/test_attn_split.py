@@ -10,7 +10,7 @@ import torch
 
 from mhc_cg.runtime.recompute.split_attention import StaticInputCheckpoint
 from helpers import build_for_mode
-from mhc_cg.runtime.modes.registry import capture_plan
+from mhc_cg.training.run import resolve
 
 from helpers import assert_training_close, assert_training_identical, small_config
 
@@ -29,7 +29,7 @@ def test_five_steps_bit_identical_to_eager_without_recompute(experts):
 
 def test_plan_graphs_attention_only_whatever_the_scopes():
     cfg = small_config(["attn", "mlp", "mhc_recompute"])
-    plan = capture_plan(cfg, "attn_split", "cpu")
+    plan = resolve(cfg, "attn_split", "cpu").plan
     assert (plan.attn, plan.mlp, plan.recompute_graph, plan.scopes) == (True, False, False, ("attn",))
 
 

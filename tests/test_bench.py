@@ -14,7 +14,8 @@ import torch
 from mhc_cg.benchmarks import runner as bench, timing as bench_run
 from mhc_cg.cli import main
 from mhc_cg.config import load_config
-from mhc_cg.runtime.modes.registry import MODES, mode_config
+from mhc_cg.runtime.modes.registry import MODES
+from mhc_cg.training.run import resolve
 from helpers import build_for_mode
 from mhc_cg.training.session import train
 
@@ -166,8 +167,8 @@ def test_moe_partial_config_is_parameter_matched():
     """moe_partial is one thing everywhere: the MoE version of the model (experts together as wide
     as the dense MLP), partially captured; graphed_static trains the config as it is."""
     cfg = load_config(None)
-    moe_cfg = mode_config(cfg, "moe_partial", moe_experts=8, moe_top_k=2)
+    moe_cfg = resolve(cfg, "moe_partial", "cpu", moe_experts=8, moe_top_k=2).cfg
     assert moe_cfg.graph.cuda_graph_scope == ["attn", "moe_router", "moe_preprocess", "mhc_recompute"]
     assert moe_cfg.model.num_experts * moe_cfg.model.moe_ffn_hidden_size == cfg.model.ffn_hidden_size
     assert moe_cfg.model.recompute == "block" and not MODES["moe_partial"].same_model
-    assert mode_config(cfg, "graphed_static") is cfg
+    assert resolve(cfg, "graphed_static", "cpu").cfg is cfg

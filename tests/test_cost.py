@@ -14,7 +14,7 @@ from mhc_cg.cost.cost_backend import CostBackend
 from mhc_cg.cost.ops import launches_kernel
 from mhc_cg.cost.op_counters import StepRecorder
 from mhc_cg.cost.report import cost_mode, cost_report, format_report, mode_configs
-from mhc_cg.runtime.modes.registry import resolve
+from mhc_cg.training.run import resolve
 from mhc_cg.core.errors import GraphCaptureError
 from mhc_cg.runtime.graphs.guard import CaptureGuardMode
 from mhc_cg.runtime.graphs.tape import TapeBackend
@@ -322,7 +322,7 @@ def test_recompute_graphs_join_the_sublayer_pool_where_they_replay():
     assert [g.replays for g in recompute.values()] == [2]
     assert graphed.runtime.recomputes[(1, "kept")] == 2
     backend = CostBackend("cpu")
-    from mhc_cg.runtime.modes.registry import build, resolve
+    from mhc_cg.training.run import build, resolve
     costed = build(resolve(cfg, "graphed_static", "cpu"), backend=backend)
     assert all(g.peak.escaped_bytes == 0 for g in costed.runtime.recompute_graphs.values())
 
@@ -336,7 +336,7 @@ def test_recompute_graphs_alone_share_one_independent_pool():
     assert len(graphs) == 2 and len({id(g.pool) for g in graphs}) == 1
     assert graphs[0].pool.independent
     backend = CostBackend("cpu")
-    from mhc_cg.runtime.modes.registry import build, resolve
+    from mhc_cg.training.run import build, resolve
     graphed = build(resolve(cfg, "graphed_static", "cpu"), backend=backend)
     recompute = list(graphed.runtime.recompute_graphs.values())
     assert all(g.peak.escaped_bytes == 0 for g in recompute)
@@ -613,7 +613,7 @@ def _held_storages(root) -> dict[int, int]:
 def test_model_state_is_what_a_training_session_holds(dtype):
     """The cost model's model state is the bytes a CPU training session really holds between
     steps (everything reachable from it: model, optimizer, data), for the same model."""
-    from mhc_cg.runtime.modes.registry import resolve
+    from mhc_cg.training.run import resolve
     from mhc_cg.training.session import TrainSession
 
     cfg = tiny_config().replace(train={"dtype": dtype})

@@ -20,7 +20,7 @@ from helpers import tiny_run_config, write_config
 from mhc_cg.cli import main
 from mhc_cg.training.data import ProgressionCorpus
 from mhc_cg.core.errors import StaleCaptureError, StaticRecomputeError
-from mhc_cg.runtime.modes.registry import resolve
+from mhc_cg.training.run import resolve
 from mhc_cg.compare.modes import compared_modes
 from mhc_cg.compare.watch import grad_digest
 from mhc_cg.training.session import TrainSession

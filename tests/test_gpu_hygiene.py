@@ -13,7 +13,7 @@ import torch
 from helpers import tiny_run_config
 from mhc_cg.benchmarks import runner as bench
 from mhc_cg.runtime.graphs import get_backend
-from mhc_cg.runtime.modes.registry import capture_plan
+from mhc_cg.training.run import resolve
 
 
 @pytest.mark.parametrize("enabled_before", [True, False])
@@ -40,8 +40,8 @@ def test_backend_follows_the_device_not_the_machine(monkeypatch):
     and its replays would return stale outputs."""
     cfg = tiny_run_config()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
-    assert capture_plan(cfg, "graphed_static", "cpu").backend == "tape"
-    assert capture_plan(cfg, "graphed_none", "cpu").backend == "tape"
+    assert resolve(cfg, "graphed_static", "cpu").plan.backend == "tape"
+    assert resolve(cfg, "graphed_none", "cpu").plan.backend == "tape"
 
 
 def test_bench_loss_comparison_has_a_stated_tolerance_and_never_matches_nan():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mhc_cg.core.errors import ConfigError, StaleCaptureError
-from mhc_cg.runtime.modes.registry import resolve
+from mhc_cg.training.run import resolve
 from mhc_cg.cost.report import cost_mode, mode_configs
 from mhc_cg.compare.modes import run_watched
 from mhc_cg.training.session import TrainSession, train

@@ -36,7 +36,8 @@ from mhc_cg.core.dtypes import TORCH_DTYPES
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.ops import kernels
 from mhc_cg.ops.dropout import counter_dropout_mask
-from mhc_cg.runtime.modes.registry import MODES, resolve
+from mhc_cg.runtime.modes.registry import MODES
+from mhc_cg.training.run import resolve
 from mhc_cg.training.session import TrainSession
 from mhc_cg.benchmarks.runner import device_name
 from mhc_cg.benchmarks.timing import copy_bandwidth, synchronize, time_repeated

@@ -38,7 +38,7 @@ import torch
 from mhc_cg.config import RunConfig
 from mhc_cg.core.progress import log
 from mhc_cg.ops.kernels.launch import ENV, TUNABLE, candidates, device_name
-from mhc_cg.runtime.modes.registry import resolve
+from mhc_cg.training.run import resolve
 from mhc_cg.benchmarks.timing import copy_bandwidth, fused_op_table, modelled_fused_ops
 from mhc_cg.profiling.phases import fused_ops
 from mhc_cg.profiling.traces import KIND_CHROME_CPU, read_timeline, union_ns

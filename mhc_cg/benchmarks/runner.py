@@ -37,7 +37,8 @@ from mhc_cg.config import RunConfig
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.core.progress import log as _log
 from mhc_cg.core.gpus import name_slug
-from mhc_cg.runtime.modes.registry import MODES, PLAIN, REFERENCE, capture_plan, get_mode
+from mhc_cg.runtime.modes.registry import MODES, PLAIN, REFERENCE, get_mode
+from mhc_cg.training.run import resolve
 
 CPU_MEMORY_NOTE = ("null on CPU: CPU torch keeps no allocator peak counter "
                    "(torch.cuda.max_memory_allocated exists only for CUDA devices)")
@@ -174,7 +175,7 @@ def run_bench(shapes: list[tuple[str, RunConfig]], device: torch.device, opts: B
 
 
 def _report_head(shape: str, cfg: RunConfig, device: torch.device, opts: BenchOptions) -> dict:
-    backend = capture_plan(cfg, REFERENCE, str(device)).backend  # as every mode resolves it
+    backend = resolve(cfg, REFERENCE, device).plan.backend  # as every mode resolves it
     return {
         "device": device_name(device), "device_type": device.type,
         "device_slug": device_slug(device), "torch": torch.__version__,

@@ -32,7 +32,8 @@ import torch
 from mhc_cg.config import RunConfig
 from mhc_cg.core.regions import region
 from mhc_cg.core.progress import log
-from mhc_cg.runtime.modes.registry import get_mode, mode_unavailable, resolve
+from mhc_cg.runtime.modes.registry import get_mode
+from mhc_cg.training.run import refusal, resolve
 from mhc_cg.training.session import TrainSession
 
 
@@ -148,7 +149,7 @@ def modelled_fused_ops(cfg: RunConfig, mode: str) -> dict[str, dict] | None:
     from mhc_cg.cost.report import cost_mode
 
     cfg = cfg.replace(graph={"backend": "auto"})  # the cost model's backend records, anywhere
-    if mode_unavailable(cfg, mode, "meta") is not None:
+    if refusal(cfg, mode, "meta") is not None:
         return None
     return cost_mode(resolve(cfg, mode, "meta"))["fused_ops"]
 
@@ -191,7 +192,7 @@ def measure(spec: dict) -> dict:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         begin = time.perf_counter()
-        loss, _, _ = session.step()  # ends in its read back
+        loss, _ = session.step()  # ends in its read back
         wall = time.perf_counter() - begin
         if device.type == "cuda":
             end.record()

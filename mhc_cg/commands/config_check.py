@@ -42,9 +42,9 @@ def resolved_yaml(cfg: RunConfig) -> str:
 def summary(cfg: RunConfig) -> str:
     """One comment line: what the config makes ``mhc-cg train`` do."""
     from mhc_cg.config.choices import RECOMPUTE_SCOPE
-    from mhc_cg.runtime.modes.registry import capture_plan
+    from mhc_cg.training.run import resolve
 
-    plan = capture_plan(cfg, on_this_machine=False)  # a config may be meant for another machine
+    plan = resolve(cfg, on_this_machine=False).plan  # a config may be meant for another machine
     megatron = [s for s in cfg.graph.scopes if s != RECOMPUTE_SCOPE]
     line = (f"# ok: mode {plan.mode}, L_r={cfg.model.resolved_recompute_layers}, "
             f"graphs {list(plan.scopes) or 'none'} on {plan.backend} "

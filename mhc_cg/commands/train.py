@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from mhc_cg.compare import modes as compare
     from mhc_cg.compare import pipeline as pipeline_compare
     from mhc_cg.config import load_config
-    from mhc_cg.runtime.modes.registry import REFERENCE, configured_mode
+    from mhc_cg.runtime.modes.registry import REFERENCE
     from mhc_cg.training.device import use_cpu_threads
     from mhc_cg.training.session import train
 
@@ -58,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
         for line in problems:
             print(f"mhc-cg train: mismatch: {line}", file=sys.stderr)
         return 0 if not problems else 1
-    mode = args.mode or configured_mode(cfg)
-    result = train(cfg, steps=args.steps, device=args.device, progress=progress, mode=mode)
+    result = train(cfg, steps=args.steps, device=args.device, progress=progress, mode=args.mode)
+    mode = result.mode
     if args.json:
         print(json.dumps({"mode": mode, "losses": result.losses, "grad_norms": result.grad_norms,
                           "eval_steps": result.eval_steps, "eval_losses": result.eval_losses,

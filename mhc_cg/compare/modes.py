@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 from mhc_cg.compare.watch import StepWatch
 from mhc_cg.config import RunConfig
-from mhc_cg.runtime.modes.registry import MODES, REFERENCE, mode_config, mode_unavailable
+from mhc_cg.runtime.modes.registry import MODES, REFERENCE
 from mhc_cg.training.device import resolve_device
+from mhc_cg.training.run import refusal
 from mhc_cg.training.session import TrainResult, train
 
 
@@ -37,8 +38,7 @@ def refused_modes(cfg: RunConfig, device: str | None = None,
                   modes: tuple[str, ...] | None = None) -> dict[str, str]:
     """``{mode: why}`` for the compared modes that cannot train ``cfg`` (one line each)."""
     dev = resolve_device(device or cfg.train.device).type
-    reasons = {mode: mode_unavailable(mode_config(cfg, mode), mode, dev)
-               for mode in (modes or compared_modes())}
+    reasons = {mode: refusal(cfg, mode, dev) for mode in (modes or compared_modes())}
     return {mode: why for mode, why in reasons.items() if why is not None}
 
 

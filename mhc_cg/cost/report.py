@@ -27,7 +27,8 @@ from mhc_cg.core.errors import ConfigError
 from mhc_cg.core import regions
 from mhc_cg.core.progress import log
 from mhc_cg.model import recomputes_activation
-from mhc_cg.runtime.modes.registry import MODES, PLAIN, Run, resolve
+from mhc_cg.runtime.modes.registry import MODES, PLAIN
+from mhc_cg.training.run import Run, refusal, resolve
 from mhc_cg.cost.attention import fused_attention_on_meta
 from mhc_cg.cost.attribution import (REFERENCE_C, by_phase_and_part, copies, mhc_traffic_c,
                                      recompute_bound_bytes)
@@ -54,8 +55,7 @@ def mode_configs(cfg: RunConfig, device: str) -> tuple[list[tuple[str, Run]], di
     cfg = check(cfg.replace(graph={"backend": backend}))
     costed, skipped = [], {}
     for mode in MODES.values():
-        reason = mode.unavailable(cfg, device) if mode.unavailable is not None else None
-        if reason is not None:
+        if (reason := refusal(cfg, mode.name, device)) is not None:
             skipped[mode.name] = reason
         else:
             costed.append((mode.name, resolve(cfg, mode.name, device)))

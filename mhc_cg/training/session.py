@@ -20,7 +20,6 @@ from typing import Callable, Iterator, Iterable
 
 import torch
 
-from mhc_cg.config.rules import megatron_only_refusal
 from mhc_cg.config import RunConfig
 from mhc_cg.core.dtypes import TORCH_DTYPES
 from mhc_cg.core.errors import ConfigError
@@ -30,10 +29,9 @@ from mhc_cg.model import MHCGPT, lm_loss
 from mhc_cg.runtime.modes.lifecycle import ModeModel
 from mhc_cg.runtime.modes.plan import CapturePlan
 from mhc_cg.runtime.graphs import GraphBackend
-from mhc_cg.runtime.modes.registry import (REFERENCE, Run, build_model, configured_mode,
-                                           mode_unavailable, prepare, resolve)
+from mhc_cg.runtime.modes.registry import REFERENCE
 from mhc_cg.training.data import ProgressionCorpus
-from mhc_cg.training.device import check_fits, resolve_device
+from mhc_cg.training.run import Run, build_model, prepare, resolve
 from mhc_cg.runtime.recompute.arena import Arena
 from mhc_cg.training.optimizer import MainParamAdamW, StepResult
 
@@ -267,24 +265,17 @@ def train(cfg: RunConfig, *, steps: int | None = None, device: str | None = None
     One process: a config with ``parallel.pp_size > 1`` runs on
     :func:`mhc_cg.training.pipeline.driver.train_pipeline` (one process per pipeline rank).
     """
-    if (refusal := megatron_only_refusal(cfg, "mhc-cg train")) is not None:
-        raise ConfigError(refusal)
     if cfg.parallel.pp_size > 1:
         raise ConfigError(f"parallel.pp_size: train() runs one process; a pipeline of "
                           f"{cfg.parallel.pp_size} ranks runs on train_pipeline() (mhc-cg train "
                           f"starts it)")
-    mode = mode or configured_mode(cfg)
-    run = resolve(cfg, mode, resolve_device(device or cfg.train.device))
-    cfg, dev = run.cfg, run.device
-    if (reason := mode_unavailable(cfg, mode, dev.type)) is not None:
-        raise ConfigError(f"mode {mode}: {reason}")
-    steps = cfg.train.steps if steps is None else steps
+    run = resolve(cfg, mode, device)
+    steps = run.cfg.train.steps if steps is None else steps
     if steps < 1:
         raise ConfigError(f"--steps: must be a positive integer, got {steps}")
-    check_fits(cfg, dev)
     session = TrainSession.build(run)
-    result = TrainResult(mode=mode, info=session.mode_model.describe())
-    bar = ProgressBar(steps, f"train[{mode}]", progress)
+    result = TrainResult(mode=run.mode.name, info=session.mode_model.describe())
+    bar = ProgressBar(steps, f"train[{run.mode.name}]", progress)
     for step in range(steps):
         start = time.perf_counter()
         hooks = {"after_backward": None if after_backward is None
@@ -298,7 +289,7 @@ def train(cfg: RunConfig, *, steps: int | None = None, device: str | None = None
         result.grad_norms.append(grad_norm)
         if session.last_skipped:
             result.skipped_steps.append(step)
-        interval = cfg.train.eval_interval
+        interval = run.cfg.train.eval_interval
         if interval and ((step + 1) % interval == 0 or step + 1 == steps):
             result.eval_steps.append(step + 1)
             result.eval_losses.append(session.evaluate())

@@ -25,27 +25,20 @@ Built in, in this order:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
-from mhc_cg.config import MHCGPTConfig, RunConfig, check
+from mhc_cg.config import RunConfig
 from mhc_cg.config.choices import RECOMPUTE_SCOPE
-from mhc_cg.core.dtypes import TORCH_DTYPES
 from mhc_cg.core.errors import ConfigError
-from mhc_cg.model import MHCGPT
 from mhc_cg.ops.dropout import stateful_dropout_problem
-from mhc_cg.runtime.graphs import GraphBackend, resolve_backend_name
 from mhc_cg.runtime.modes.attn_split import AttnSplitModel
 from mhc_cg.runtime.modes.eager import EagerModel
 from mhc_cg.runtime.modes.graphed_full import FullEagerModel, FullStaticModel
 from mhc_cg.runtime.modes.graphed_none import GraphedSublayersModel
 from mhc_cg.runtime.modes.graphed_static import GraphedStaticModel
 from mhc_cg.runtime.modes.lifecycle import ModeModel
-from mhc_cg.runtime.modes.plan import CapturePlan, static_capture
-from mhc_cg.runtime.recompute.block_recompute import install_activation_recompute
+from mhc_cg.runtime.modes.plan import static_capture
 
 
 @dataclass(frozen=True)
@@ -106,106 +99,6 @@ def configured_mode(cfg: RunConfig) -> str:
     if RECOMPUTE_SCOPE in cfg.graph.scopes:
         return "graphed_static"
     return "eager_block" if cfg.model.recompute == "block" else REFERENCE
-
-
-def mode_config(cfg: RunConfig, name: str, **variant) -> RunConfig:
-    """The config mode ``name`` trains for ``cfg`` (``variant``: options of a variant mode, e.g.
-    ``moe_experts``, ``moe_top_k``)."""
-    mode = get_mode(name)
-    return check(mode.configure(cfg, **variant)) if mode.configure is not None else cfg
-
-
-def mode_unavailable(cfg: RunConfig, name: str, device: str) -> str | None:
-    """Why mode ``name`` cannot train ``cfg`` on ``device`` (one line naming the field), or
-    ``None``."""
-    mode = get_mode(name)
-    return mode.unavailable(cfg, device) if mode.unavailable is not None else None
-
-
-def capture_plan(cfg: RunConfig, mode: str | None = None, device: str | None = None, *,
-                 on_this_machine: bool = True) -> CapturePlan:
-    """The plan for ``cfg`` in ``mode`` (default: :func:`configured_mode`) on ``device``.
-
-    ``cfg`` must have passed :func:`mhc_cg.config.rules.check` (and be the mode's own config,
-    :func:`mode_config`). ``on_this_machine=False`` resolves the backend without asking whether
-    this machine has a GPU (``config check`` of a config meant for another machine).
-    """
-    spec = get_mode(mode or configured_mode(cfg))
-    try:
-        backend = resolve_backend_name(cfg.graph.backend, device or cfg.train.device,
-                                       on_this_machine=on_this_machine)
-    except ValueError as exc:
-        raise ConfigError(f"graph.backend: {exc}") from None
-    return CapturePlan(spec.name, backend=backend, **spec.capture(cfg))
-
-
-@dataclass(frozen=True)
-class Run:
-    """One run, resolved once at its entry (:func:`resolve`) and passed down: the mode's config
-    (its variant applied, checked), the model as the mode builds it, the capture plan and the
-    device. Nothing downstream derives any of it again."""
-
-    cfg: RunConfig
-    model: MHCGPTConfig
-    plan: CapturePlan
-    device: torch.device
-
-    @property
-    def mode(self) -> Mode:
-        return get_mode(self.plan.mode)
-
-
-def resolve(cfg: RunConfig, mode: str | None, device: torch.device | str, *,
-            on_this_machine: bool = True, **variant) -> Run:
-    """``cfg`` as mode ``mode`` (default: :func:`configured_mode`) trains it on ``device``: its
-    config (:func:`mode_config`, checked once), the model settings the mode implies, the plan."""
-    name = mode or configured_mode(cfg)
-    cfg = mode_config(cfg, name, **variant)
-    spec = get_mode(name)
-    keeps_activation = spec.activation_recompute
-    model = dataclasses.replace(
-        cfg.model, recompute=spec.recompute,
-        recompute_activation=cfg.model.recompute_activation and keeps_activation,
-        recompute_activation_layers=cfg.model.recompute_activation_layers if keeps_activation
-        else None)
-    device = torch.device(device)
-    plan = capture_plan(cfg, name, device.type, on_this_machine=on_this_machine)
-    return Run(cfg, model, plan, device)
-
-
-def build_model(run: Run) -> MHCGPT:
-    """The run's model, in ``train.dtype`` on its device.
-
-    The weights depend only on ``cfg.train.seed``, never on the mode, so modes can be compared.
-    """
-    torch.manual_seed(run.cfg.train.seed)
-    # weights are made in fp32 (same init for every dtype), then cast
-    model = MHCGPT(run.model).to(device=run.device,
-                                 dtype=TORCH_DTYPES[run.cfg.train.dtype]).train()
-    install_activation_recompute(model)
-    return model
-
-
-def prepare(run: Run, model: MHCGPT, backend: GraphBackend | None = None,
-            step_loop: Callable | None = None) -> ModeModel:
-    """``model`` (from :func:`build_model`) as the run's mode runs it, graphs captured: after
-    this, the parameters' addresses are baked into the graphs. ``backend``: a capture backend
-    object instead of the plan's (the cost model's); ``step_loop``: the training step's
-    microbatch loop (:func:`mhc_cg.training.session.microbatch_loop` with the optimizer's
-    backward), which a full-iteration mode is made with, to capture."""
-    model_type = run.mode.model_type
-    loop = {"step_loop": step_loop} if model_type.captures_iteration else {}
-    mode_model = model_type(model, run.plan, micro_batch_size=run.cfg.train.micro_batch_size,
-                            backend=backend, **loop)
-    with torch.enable_grad():  # capture records the backward too, even if built under no_grad
-        mode_model.prepare(run.device)
-    return mode_model
-
-
-def build(run: Run, backend: GraphBackend | None = None) -> ModeModel:
-    """The prepared :class:`ModeModel` of the run: model built, graphs captured (for a model
-    without an optimizer; training lays its parameters out in between)."""
-    return prepare(run, build_model(run), backend)
 
 
 # --------------------------------------------------------------------------------------------

@@ -30,10 +30,11 @@ import torch
 from torch import Tensor
 
 from mhc_cg.config import RunConfig
-from mhc_cg.config.rules import pipeline_driver_problems, megatron_only_refusal
+from mhc_cg.config.rules import pipeline_driver_problems
 from mhc_cg.core.errors import ConfigError
-from mhc_cg.runtime.modes.registry import MODES, configured_mode, get_mode
+from mhc_cg.runtime.modes.registry import MODES
 from mhc_cg.training.device import resolve_pipeline_device
+from mhc_cg.training.run import resolve
 from mhc_cg.training.pipeline.rank import rank_main
 
 
@@ -91,22 +92,21 @@ def train_pipeline(cfg: RunConfig, *, steps: int | None = None, device: str | No
     """
     import torch.multiprocessing as mp
 
-    mode = mode or configured_mode(cfg)
-    if not get_mode(mode).pipelines:
+    pp = cfg.parallel.pp_size
+    dev = resolve_pipeline_device(device or cfg.train.device, pp)
+    run = resolve(cfg, mode, torch.device(dev))  # each rank resolves it again, in its process
+    mode = run.mode.name
+    if not run.mode.pipelines:
         runs = [m.name for m in MODES.values() if m.pipelines]
-        raise ConfigError(f"--mode: a pipeline (parallel.pp_size={cfg.parallel.pp_size}) runs the "
+        raise ConfigError(f"--mode: a pipeline (parallel.pp_size={pp}) runs the "
                           f"static-buffer runtime on every rank, mode {' or '.join(runs)}, got "
                           f"{mode!r}; add mhc_recompute to graph.cuda_graph_scope or drop --mode")
     problems = pipeline_driver_problems(cfg)
-    if (refusal := megatron_only_refusal(cfg, "mhc-cg train")) is not None:
-        problems.append(refusal)
     if problems:
         raise ConfigError(problems)
     steps = cfg.train.steps if steps is None else steps
     if steps < 1:
         raise ConfigError(f"--steps: must be a positive integer, got {steps}")
-    pp = cfg.parallel.pp_size
-    dev = resolve_pipeline_device(device or cfg.train.device, pp)
     threads = max(1, torch.get_num_threads() // pp)
     # CPU ranks are forked from a fork server: a fresh single-threaded process that imports
     # megatron-core once (seconds per process otherwise) and forks each rank from there. Forking

@@ -1,7 +1,7 @@
 """One pipeline rank: its model chunks on the static-buffer runtime, driven by megatron-core's schedule.
 
 Every rank builds the whole model with ``train.seed`` exactly as the single-process run does
-(:func:`mhc_cg.runtime.modes.registry.build_model`, in the static-recompute mode it was given) and keeps its own
+(:func:`mhc_cg.training.run.build_model`, in the static-recompute mode it was given) and keeps its own
 layers: chunk ``c`` of rank ``r`` is virtual stage ``c * pp_size + r``; the first stage also embeds,
 the last one also computes the logits and the loss. The rank's chunks share one arena and one pool
 of persistent slot sets holding ``max_persistent_slot_sets(order)`` sets, the planner's figure for
@@ -37,7 +37,7 @@ from mhc_cg.runtime.graphs.graphed_callables import GraphOptions
 from mhc_cg.runtime.graphs.te import graph_api
 from mhc_cg.runtime.modes.lifecycle import warmups
 from mhc_cg.runtime.modes.graphed_none import sublayer_sample_args
-from mhc_cg.runtime.modes.registry import build_model, resolve
+from mhc_cg.training.run import build_model, resolve
 from mhc_cg.runtime.recompute.arena import Arena
 from mhc_cg.runtime.recompute.graphable import graphable_sublayers
 from mhc_cg.runtime.recompute.persistent import PersistentSetPool, new_persistent_set
