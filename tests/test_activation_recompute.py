@@ -26,6 +26,7 @@ from mhc_cg.runtime.modes.eager import EagerModel
 from mhc_cg.runtime.recompute.block_recompute import install_activation_recompute
 from mhc_cg.model import MHCGPT, MHCGPTConfig
 from mhc_cg.core.errors import StaticRecomputeError
+from mhc_cg.runtime.recompute.frame import Frame
 from mhc_cg.runtime.recompute.static import build_static_recompute
 from mhc_cg.training.session import train
 
@@ -118,7 +119,7 @@ def test_static_runtime_with_tape_recompute_graphs_bit_identical(block_size, lay
     runtime.recompute_graphs.update(capture_recompute_graphs(runtime, get_backend("tape")))
     got = grads_after(model, static_forward(model, runtime), data)
     assert not mismatched(want, got), mismatched(want, got)
-    assert len(runtime.trace) == 3 * len(runtime.layout.blocks)
+    assert len(runtime.trace) == 3 * runtime.layout.num_blocks
     assert all(line.endswith("(graph)") for line in runtime.trace)
     assert all(graph.stats.violations == 0 for graph in runtime.recompute_graphs.values())
 
@@ -131,7 +132,7 @@ def test_without_the_slot_refill_the_shared_activation_slot_gives_wrong_gradient
     model = make_model(recompute_activation=True)
     runtime = build_static_recompute(list(model.layers), 2, seq_length=SEQ, micro_batch_size=MBS,
                                      capacity=2, device="cpu")
-    runtime.recompute_activation_slot = lambda position, pre: None
+    runtime.recompute.activations.refill = lambda record, pset: None
     got = grads_after(model, static_forward(model, runtime), data)
     assert mismatched(want, got)
 
@@ -234,7 +235,7 @@ def test_pipeline_order_with_shared_arena_and_sets_bit_identical(monkeypatch, bl
            if ref_params[n].grad is not None and not torch.equal(p.grad, ref_params[n].grad)]
     assert not bad, bad
     assert all(layer.mlp.fn.recompute_activation for layer in model.layers)
-    assert sorted(runtimes[1].sets.all_sets()[0].fc1_outputs) == [0, 1]
+    assert sorted(runtimes[1].sets.template.fc1_outputs) == [0, 1]
 
 
 def test_a_graphed_mlp_with_more_than_one_persistent_set_is_refused():
@@ -243,7 +244,8 @@ def test_a_graphed_mlp_with_more_than_one_persistent_set_is_refused():
                                      capacity=2, device="cpu")
     x = torch.zeros(SEQ, MBS, 4 * 32, requires_grad=True)
     with pytest.raises(StaticRecomputeError, match="capacity 1"):
-        runtime.sublayer(model.layers[0].mlp, 0, 1, x, torch.tensor(1), runtime.sets.fixed_set())
+        runtime.path.run(runtime.layout.records[1], x,
+                         Frame(runtime.sets.fixed_set(), torch.tensor(1)))
 
 
 # ---------------------------------------------------------------- memory report

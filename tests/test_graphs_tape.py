@@ -370,13 +370,11 @@ def test_a_forward_scratch_holds_its_output_until_the_pools_next_replay():
 def _fused_sublayers(count: int):
     from mhc_cg.config import MHCGPTConfig
     from mhc_cg.model.sublayer import MHCSublayer
-    from mhc_cg.ops.kernels import StreamLedger
 
     cfg = MHCGPTConfig(vocab_size=32, seq_length=4, hidden_size=8, num_heads=2, num_layers=1,
                        hidden_dropout=0.0)
     torch.manual_seed(0)
-    ledger = StreamLedger()  # one chain: its sublayers' fused ops hand on through one ledger
-    return [MHCSublayer(cfg, torch.nn.Linear(8, 8), stream, ledger) for stream in range(count)]
+    return [MHCSublayer(cfg, torch.nn.Linear(8, 8), stream) for stream in range(count)]
 
 
 def _graphed_chain(subs):
@@ -384,8 +382,7 @@ def _graphed_chain(subs):
 
     samples = tuple((torch.randn(4, 2, 32, requires_grad=True),) for _ in subs)
     return make_graphed_callables(tuple(subs), samples, num_warmup_iters=1,
-                                  options=GraphOptions(backend="tape",
-                                                       stream_ledger=subs[0].hc.ledger))
+                                  options=GraphOptions(backend="tape", grads_owned=True))
 
 
 class StreamCopies(TorchDispatchMode):
@@ -433,7 +430,7 @@ def _lending_chain(subs, lend: bool):
     samples = tuple((torch.randn(4, 2, 32, requires_grad=True),) for _ in subs)
     return make_graphed_callables(tuple(subs), samples, num_warmup_iters=1,
                                   options=GraphOptions(backend="tape", lend_grads_to_eager=lend,
-                                                       stream_ledger=subs[0].hc.ledger))
+                                                       grads_owned=True))
 
 
 def test_a_chain_between_the_streams_expand_and_contraction_copies_no_stream_grad():

@@ -268,5 +268,5 @@ def test_block_on_static_buffers_equals_without_recompute(model_parallel, graphs
     other.sum().backward()  # the second microbatch's recompute still finds its own set
     assert static.runtime.sets.in_use == 0
     trace = static.runtime.trace
-    assert len(trace) == 2 * len(static.runtime.layout.blocks)
+    assert len(trace) == 2 * static.runtime.layout.num_blocks
     assert all(line.endswith("(graph)" if graphs else "(eager)") for line in trace)

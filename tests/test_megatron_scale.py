@@ -224,10 +224,10 @@ def test_bad_combinations_are_one_line_each_before_any_process(tmp_path):
     from mhc_cg.core.errors import ConfigError
     from mhc_cg.training.session import train
 
-    with pytest.raises(ConfigError, match=r"parallel\.tp_size: 2: mhc-cg train runs mhc_cg's own"):
+    with pytest.raises(ConfigError, match=r"parallel\.tp_size: 2: mhc_cg's own model \(mhc-cg train"):
         train(load_config(ROOT / CONFIGS["tp2_pp2"]), steps=1, progress=False)
     moe = load_config(ROOT / CONFIGS["moe_partial"])
-    with pytest.raises(ConfigError, match=r"parallel\.ep_size: 2: mhc-cg train runs mhc_cg's own"):
+    with pytest.raises(ConfigError, match=r"parallel\.ep_size: 2: mhc_cg's own model \(mhc-cg train"):
         train(moe.replace(parallel={"pp_size": 1}), steps=1, progress=False)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mhc_cg.model import MHCGPT, MHCGPTConfig
+from mhc_cg.model import MHCGPT, MHCGPTConfig, hands_state
 from mhc_cg.model.gpt import lm_loss
 from mhc_cg.ops import kernels as fused
 from mhc_cg.ops.kernels import reference
@@ -33,9 +33,17 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _step(model, ids, seed, kernels):
+def _alone(model, ids, seed):
+    """The model's logits with every sublayer run alone: no post hands a state on."""
+    x = model.embed(ids)
+    for sub in model.sublayers():
+        x = sub(x, seed)
+    return model.logits(x)
+
+
+def _step(model, ids, seed, kernels, forward=None):
     with OpCounter() as counter:
-        logits = model(ids, seed)
+        logits = model(ids, seed) if forward is None else forward(model, ids, seed)
         lm_loss(logits, ids, kernels).backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     return logits.detach(), grads, counter.ops
@@ -50,12 +58,11 @@ def test_model_hands_each_pre_its_state_and_keeps_every_bit():
                        num_streams=4, hidden_dropout=0.2, kernels="torch")
     handing = MHCGPT(cfg).train()
     own = copy.deepcopy(handing)
-    assert handing.layers[0].attention._next is handing.layers[0].mlp
-    assert own.layers[0].attention._next is own.layers[0].mlp  # deepcopy maps the link
-    own.no_state_across(own.sublayers())
+    subs = handing.sublayers()
+    assert all(hands_state(sub, nxt) for sub, nxt in zip(subs, subs[1:]))
     ids, seed = torch.randint(0, 32, (2, 8)), torch.tensor(5)
     logits, grads, ops = _step(handing, ids, seed, "torch")
-    logits_own, grads_own, ops_own = _step(own, ids, seed, "torch")
+    logits_own, grads_own, ops_own = _step(own, ids, seed, "torch", forward=_alone)
     assert torch.equal(logits, logits_own)
     assert grads.keys() == grads_own.keys()
     for name in grads:
@@ -67,7 +74,7 @@ def test_model_hands_each_pre_its_state_and_keeps_every_bit():
 
 
 def test_a_stream_written_after_the_post_gets_a_state_of_its_own():
-    """The state hangs on the post's output only while that tensor is unwritten: a pre given
+    """A handoff holds for the post's output only while that tensor is unwritten: a pre given
     the stream after an in-place write computes the state of what it reads."""
     torch.manual_seed(1)
     cfg = MHCGPTConfig(vocab_size=32, seq_length=8, hidden_size=16, num_heads=2, num_layers=1,
@@ -76,13 +83,14 @@ def test_a_stream_written_after_the_post_gets_a_state_of_its_own():
     attn, mlp = model.layers[0].attention, model.layers[0].mlp
     x = torch.randn(8, 2, 64)
     with torch.no_grad():
-        out = attn(x)
-        assert model.ledger.handed(out, mlp.hc.mapping_proj.weight, mlp.hc.alpha_pre,
-                                   mlp.hc.bias, True, mlp.norm.eps)[0] is not None
+        out, handoff = attn.step(x, None, None, mlp)
+        pre = (mlp.hc.mapping_proj.weight, mlp.hc.alpha_pre, mlp.hc.bias, True, mlp.norm.eps)
+        assert handoff.for_pre(out, *pre)[0] is not None
+        assert handoff.for_pre(out.clone(), *pre) == (None, None)  # another tensor
+        assert handoff.for_pre(out, attn.hc.mapping_proj.weight, *pre[1:]) == (None, None)
         out.mul_(2.0)
-        assert model.ledger.handed(out, mlp.hc.mapping_proj.weight, mlp.hc.alpha_pre,
-                                   mlp.hc.bias, True, mlp.norm.eps) == (None, None)
-        fn_input, state, _ = mlp.pre(out)
+        assert handoff.for_pre(out, *pre) == (None, None)
+        fn_input, state, _ = mlp.pre(out, handoff=handoff)
         fn_input_own, state_own, _ = mlp.pre(out.clone())
     assert torch.equal(state, state_own) and torch.equal(fn_input, fn_input_own)
 

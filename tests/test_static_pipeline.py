@@ -65,7 +65,7 @@ def test_graphed_sublayers_per_microbatch_along_the_order():
     """The full picture on one rank: every sublayer a graphed callable per (chunk, microbatch,
     layer), captured with the order (TE semantics, shared pool, static input reuse), the mHC ops
     inside them saving into the shared arena, recompute graphs per (chunk, block, set)."""
-    from mhc_cg.runtime.recompute.graphable import SlotSublayer
+    from mhc_cg.runtime.recompute.graphable import graphable_sublayers
     from mhc_cg.runtime.recompute.static import SublayerGraph
     from mhc_cg.runtime.recompute.recompute_captures import capture_recompute_graphs
     from mhc_cg.runtime.graphs.graphed_callables import GraphOptions, make_graphed_callables
@@ -83,12 +83,12 @@ def test_graphed_sublayers_per_microbatch_along_the_order():
     backend = get_backend("tape")
     for rt in runtimes.values():
         rt.recompute_graphs.update(capture_recompute_graphs(rt, backend))
-    modules, keys = [], []
+    modules, orders = [], []
     for c in (1, 2):
-        for position, layer in enumerate(chunk_layers(model, c)):
-            for k, sub in enumerate((layer.attention, layer.mlp)):
-                modules.append(SlotSublayer(runtimes[c], sub, 0, k))  # block size 1: position 0
-                keys.append((layer.layer_number, k))
+        chunk_modules, records = graphable_sublayers(runtimes[c], attn=True, mlp=True,
+                                                     moe_step=None)
+        modules += chunk_modules
+        orders += [record.order for record in records]
     per_chunk = 2 * PIPELINE_LAYERS_PER_CHUNK
     microbatches = len(order) // 4
     width = model.cfg.num_streams * model.cfg.hidden_size
@@ -98,14 +98,13 @@ def test_graphed_sublayers_per_microbatch_along_the_order():
     graphed = make_graphed_callables(tuple(modules), sample_args, _order=order,
                                      _reuse_graph_input_output_buffers=True,
                                      _num_layers_per_chunk=per_chunk,
-                                     options=GraphOptions(backend=backend,
-                                                          stream_ledger=model.ledger))
+                                     options=GraphOptions(backend=backend, grads_owned=True))
 
     def forward(chunk, x, seed, counts={1: 0, 2: 0}):
         mb = counts[chunk]
         counts[chunk] += 1
         first = (chunk - 1) * microbatches * per_chunk + mb * per_chunk
-        fns = {keys[(chunk - 1) * per_chunk + j]: SublayerGraph(graphed[first + j], named=False)
+        fns = {orders[(chunk - 1) * per_chunk + j]: SublayerGraph(graphed[first + j], named=False)
                for j in range(per_chunk)}
         return runtimes[chunk].forward(x, seed, fns)
 

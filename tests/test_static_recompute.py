@@ -64,8 +64,8 @@ def test_gradients_bit_identical_with_microbatches_in_flight(block_size, num_exp
         [n for n in expected if not torch.equal(got[n], expected[n])]
     # every block of every microbatch was recomputed exactly once, last block first: with three
     # forwards before the first backward, none found its last block still in the arena
-    assert len(runtime.trace) == 3 * len(runtime.layout.blocks)
-    assert runtime.trace[0].startswith(f"recompute block {len(runtime.layout.blocks) - 1} set 0")
+    assert len(runtime.trace) == 3 * runtime.layout.num_blocks
+    assert runtime.trace[0].startswith(f"recompute block {runtime.layout.num_blocks - 1} set 0")
     assert not any(how == "kept" for _, how in runtime.recomputes)
     assert runtime.sets.in_use == 0
 
@@ -102,7 +102,7 @@ def test_a_backward_right_after_its_forward_keeps_the_last_blocks_slots(block_si
                                      micro_batch_size=MBS, capacity=1, device="cpu")
     got = interleaved_grads(model, data, runtime.forward)
     assert all(torch.equal(got[n], expected[n]) for n in expected)
-    last = len(runtime.layout.blocks) - 1
+    last = runtime.layout.num_blocks - 1
     assert runtime.recomputes[(last, "kept")] == 3 and runtime.recomputes[(last, "eager")] == 0
     assert all(runtime.recomputes[(b, "eager")] == 3 for b in range(last))
 
@@ -117,7 +117,7 @@ def test_a_write_into_the_arena_after_the_forward_brings_the_recompute_back():
     got = interleaved_grads(model, data, runtime.forward,
                             between=lambda: runtime.arena.lend().fill_(7))
     assert all(torch.equal(got[n], expected[n]) for n in expected)
-    assert runtime.recomputes[(len(runtime.layout.blocks) - 1, "eager")] == 2
+    assert runtime.recomputes[(runtime.layout.num_blocks - 1, "eager")] == 2
     assert not any(how == "kept" for _, how in runtime.recomputes)
 
 
@@ -193,9 +193,10 @@ def test_exception_mid_forward_claims_nothing_and_next_step_is_correct():
     def explode(x, seed):
         raise Boom()
 
+    attention_of_layer_3 = runtime.layout.layer_records(3)[0]
     with pytest.raises(Boom):
         runtime.forward(model.embed(data[0][0]), data[0][2],
-                        sublayer_fns={(3, 0): SublayerGraph(explode)})
+                        sublayer_fns={attention_of_layer_3.order: SublayerGraph(explode)})
     assert runtime.sets.in_use == 0
     got = static_grads(model, runtime, data)
     assert all(torch.equal(got[n], expected[n]) for n in expected)

@@ -48,11 +48,11 @@ class StaticDecoderMixin:
 
 
 def graphed_sublayer_fns(layers, attention_mask: Tensor | None,
-                         kwargs: dict) -> dict[tuple[int, int], Callable]:
-    """``{(layer number, 0): fn}`` for the layers that hold TE graphs: ``fn(x, seed, pset)`` calls
-    the layer through megatron's ``__call__`` (which replays this microbatch's graph; ``pset``
-    is the persistent set the runtime's forward took). Where the
-    graph holds more of the layer, ``(layer number, 1)`` too: with the MLP in the layer graph one
+                         kwargs: dict) -> dict[int, Callable]:
+    """``{attention record's order: fn}`` for the layers that hold TE graphs: ``fn(x, frame)``
+    calls the layer through megatron's ``__call__`` (which replays this microbatch's graph;
+    ``frame`` is the runtime's forward's, with the persistent set it took). Where the
+    graph holds more of the layer, the MLP record's too: with the MLP in the layer graph one
     replay returns both sublayers' results, the attention's through the first fn (its output
     already the MLP's: the runtime passes it on to the second, which returns the MLP's part of
     the same replay); with a MoE MLP's head in it, the second runs the MoE's eager rest from the
@@ -64,10 +64,9 @@ def graphed_sublayer_fns(layers, attention_mask: Tensor | None,
         site = layer.mhc_site
         replayed: list[tuple] = []  # what the second fn takes from the first's replay
 
-        def replay(x: Tensor, seed: Tensor | None, pset, layer=layer, site=site,
-                   replayed=replayed):
+        def replay(x: Tensor, frame, layer=layer, site=site, replayed=replayed):
             site.check_replay(getattr(layer, "current_microbatch", 0) % len(layer.cuda_graphs),
-                              pset)
+                              frame)
             outputs = layer(hidden_states=x, attention_mask=attention_mask, **kwargs)
             out, ys, states, head = site.split_outputs(outputs)
             states = states + [None] * (len(ys) - len(states))  # hooked sublayers keep none
@@ -77,15 +76,16 @@ def graphed_sublayer_fns(layers, attention_mask: Tensor | None,
                 replayed.append(head)
             return out, ys[0], states[0]
 
-        fns[(layer.layer_number, 0)] = replay
+        attention, mlp = site.records
+        fns[attention.order] = replay
         if site.with_mlp:
-            fns[(layer.layer_number, 1)] = lambda x, seed, pset, replayed=replayed: replayed.pop()
+            fns[mlp.order] = lambda x, frame, replayed=replayed: replayed.pop()
         elif site.moe_step:
-            def tail(x: Tensor, seed: Tensor | None, pset, site=site, replayed=replayed):
-                return moe_tail(site.runtime, site.steps, site.position, site.moe_step,
-                                replayed.pop(), seed, pset)
+            def tail(x: Tensor, frame, site=site, replayed=replayed):
+                return moe_tail(site.runtime, site.steps, site.records[1], site.moe_step,
+                                replayed.pop(), frame)
 
-            fns[(layer.layer_number, 1)] = tail
+            fns[mlp.order] = tail
     return fns
 
 
@@ -131,7 +131,7 @@ def install_static_recompute(decoder, static_type: type[StaticMHCBlock], *, seq_
     with_mlp = graphs_mlp(decoder.config)
     for index, (layer, steps) in enumerate(zip(decoder.layers, static.steps)):
         moe_step = moe_capture_step(layer)
-        layer.mhc_site = SublayerSite(runtime, steps, index % runtime.layout.block_size,
+        layer.mhc_site = SublayerSite(runtime, steps, runtime.layout.layer_records(index),
                                       static.seeded, list(graph_sets or [0]),
                                       with_mlp=with_mlp and not getattr(layer, "is_moe_layer", False),
                                       moe_step=moe_step)

@@ -8,8 +8,8 @@ Note [Megatron drives it] (docs/design.md, item 12). megatron-core's ``TECudaGra
 layer class in the bases) makes both the *attention sublayer on the n*C stream* of the static
 runtime, mHC ops included:
 
-* capture: ``StaticRecompute.sublayer`` of the attention steps, so its mHC ops save into arena
-  slots and F's output and the block input go to the persistent slot set; the graph returns
+* capture: the runtime's sublayer path (``SublayerPath.run``) of the attention steps, so its
+  mHC ops save into arena slots and F's output and the block input go to the persistent slot set; the graph returns
   ``(output, F output)`` (and a fused sublayer's mapping state). With ``mlp`` in the graph scope
   (``SublayerSite.with_mlp``) the MLP sublayer follows inside the same graph, the same way, and
   the graph returns ``(output, attention's F output, MLP's F output)`` (and both states). In a
@@ -32,6 +32,8 @@ from torch import Tensor
 import torch
 
 from mhc_cg.runtime.graphs import graph_capturing
+from mhc_cg.runtime.recompute.chunk import SublayerRecord
+from mhc_cg.runtime.recompute.frame import Frame
 from mhc_cg.runtime.recompute.static import StaticRecompute
 
 from megatron_integration.layers.moe_partial import moe_head
@@ -40,7 +42,8 @@ from megatron_integration.layers.steps import LayerSteps
 
 @dataclass
 class SublayerSite:
-    """Where a layer's graphed sublayers run on the runtime: its steps and block position.
+    """Where a layer's graphed sublayers run on the runtime: its steps and its sublayers' records
+    (attention, MLP) in the runtime's chunk.
 
     ``graph_sets[k]``: the persistent set microbatch k of this layer's model chunk takes along
     the rank's order (first-in first-out, as the runtime's forward acquires them). megatron's
@@ -51,7 +54,7 @@ class SublayerSite:
 
     runtime: StaticRecompute
     steps: LayerSteps
-    position: int
+    records: list[SublayerRecord]
     seeded: bool  # dropout draws its mask from the persistent set's seed
     graph_sets: list[int] = field(default_factory=lambda: [0])
     captures: int = 0  # graphs of this layer captured so far
@@ -88,12 +91,12 @@ class SublayerSite:
                                f"chunk; install the runtime with the helper's order")
         return self.graph_sets[k]
 
-    def check_replay(self, microbatch: int, pset) -> None:
-        """The graph of ``microbatch`` writes the set the runtime's forward took for it
-        (``pset``)."""
+    def check_replay(self, microbatch: int, frame: Frame) -> None:
+        """The graph of ``microbatch`` writes the set the runtime's forward took for it (that
+        forward's ``frame``)."""
         if self.runtime.sets.capacity == 1:
             return
-        expected, taken = self.graph_sets[microbatch], pset.index
+        expected, taken = self.graph_sets[microbatch], frame.pset.index
         if expected != taken:
             raise RuntimeError(f"layer {self.steps.layer_number}: the graph of microbatch "
                                f"{microbatch} writes persistent set {expected}, but its forward "
@@ -103,16 +106,17 @@ class SublayerSite:
     def _sublayers(self, x: Tensor, attention_mask: Tensor | None, kwargs: dict, pset) -> tuple:
         self.steps.bind(attention_mask, **kwargs)
         # the seed of the set this capture writes (its microbatch's, along the order)
-        seed = pset.seed if self.seeded else None
-        sublayers = (self.steps.attention, self.steps.mlp) if self.with_mlp else (self.steps.attention,)
+        frame = Frame(pset, pset.seed if self.seeded else None)
+        records = self.records if self.with_mlp else self.records[:1]
         fn_outputs, states = [], []
-        for k, sub in enumerate(sublayers):
-            x, y, state = self.runtime.sublayer(sub, self.position, k, x, seed, pset)
+        for record in records:
+            x, y, state = self.runtime.path.run(record, x, frame)
             # F's output and the state only feed the persistent set
             fn_outputs.append(y.detach())
             if state is not None:
                 states.append(state.detach())
-        head = moe_head(self.runtime, self.steps, self.position, x, pset) if self.moe_step else ()
+        head = moe_head(self.runtime, self.steps, self.records[1], x, frame) if self.moe_step \
+            else ()
         self.layout = (len(fn_outputs), len(states))
         return (x, *fn_outputs, *states, *head)
 

@@ -38,12 +38,11 @@ def moe_capture_step(layer) -> str | None:
     return "preprocess" if "moe_preprocess" in scopes else "route"
 
 
-def moe_head(runtime, steps, position: int, x: Tensor, pset) -> tuple[Tensor, ...]:
-    """The graphed part of the MLP sublayer: its mHC ops before F (writing persistent set
-    ``pset``), then the MoE layer up to the signal. Returns ``(*carry, *early)``: what the mHC
-    ops after F take, then megatron's early outputs."""
-    sub = steps.mlp
-    fn_input, carry = runtime.sublayers.pre(sub, position, 1, x, pset)
+def moe_head(runtime, steps, record, x: Tensor, frame) -> tuple[Tensor, ...]:
+    """The graphed part of the MLP sublayer (``record``): its mHC ops before F (writing
+    ``frame``'s persistent set), then the MoE layer up to the signal. Returns
+    ``(*carry, *early)``: what the mHC ops after F take, then megatron's early outputs."""
+    fn_input, carry = runtime.sublayers.pre(record, x, frame)
     early = steps.layer.mlp(fn_input, **steps.mlp_kwargs)
     if not isinstance(early, list):
         raise RuntimeError(f"layer {steps.layer_number}: the MoE layer ran to its end inside the "
@@ -53,12 +52,12 @@ def moe_head(runtime, steps, position: int, x: Tensor, pset) -> tuple[Tensor, ..
     return (*carry, *early)
 
 
-def moe_tail(runtime, steps, position: int, step: str, head: tuple[Tensor, ...],
-             seed: Tensor | None, pset) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The eager rest of the MLP sublayer after a replay of its graph: the MoE layer from
-    megatron's early outputs (dispatch, experts, combine), then the mHC ops after F, writing the
-    forward's persistent set ``pset``; returns ``(output, F output as the persistent set keeps
-    it, mapping state)``."""
+def moe_tail(runtime, steps, record, step: str, head: tuple[Tensor, ...],
+             frame) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The eager rest of the MLP sublayer (``record``) after a replay of its graph: the MoE layer
+    from megatron's early outputs (dispatch, experts, combine), then the mHC ops after F, writing
+    the forward's persistent set (its ``frame``'s); returns ``(output, F output as the persistent
+    set keeps it, mapping state)``."""
     sub, moe = steps.mlp, steps.layer.mlp
     carry, early = tuple(head[:2]), list(head[2:])
     if step == "preprocess":
@@ -78,4 +77,4 @@ def moe_tail(runtime, steps, position: int, step: str, head: tuple[Tensor, ...],
         y, sub.bias = moe(hidden)  # as megatron's replay calls it: the store holds the rest
     finally:
         moe.cudagraph_tensor_store.clear()
-    return runtime.sublayer_post(sub, position, 1, y, carry, seed, pset)
+    return runtime.path.finish(record, y, carry, frame)

@@ -80,17 +80,16 @@ def recompute_traffic(mode_model, block: int = 0) -> dict[str, int]:
     ``write`` = the arena (one block's transient state; the arena is sized by the first block).
     """
     runtime = mode_model.runtime
-    pset = runtime.sets.all_sets()[0]
-    first = block * runtime.layout.block_size
-    layers = runtime.layout.blocks[block]
+    pset = runtime.sets.template
+    records = runtime.layout.blocks[block]
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     inputs = nbytes(pset.block_inputs[block]) + nbytes(pset.seed) + sum(
-        nbytes(pset.fn_outputs[(first + i, k)]) for i in range(len(layers)) for k in range(2))
+        nbytes(pset.fn_outputs[record.key]) for record in records)
     # with activation recompute the block also re-derives the gelu output from fc1's output
-    fc1 = pset.fc1_outputs
-    inputs += sum(nbytes(fc1[first + i]) for i in range(len(layers)) if first + i in fc1)
-    params = sum(nbytes(p) for layer in layers for sub in (layer.attention, layer.mlp)
-                 for module in (sub.hc, sub.norm) for p in module.parameters())
+    inputs += sum(nbytes(pset.fc1_outputs[record.index]) for record in records
+                  if record.recompute_activation)
+    params = sum(nbytes(p) for record in records for module in (record.sub.hc, record.sub.norm)
+                 for p in module.parameters())
     write = runtime.arena.nbytes
     return {"read_inputs": inputs, "read_params": params, "write_arena": write,
             "total": inputs + params + write}

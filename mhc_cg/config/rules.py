@@ -361,17 +361,18 @@ def _expert_parallel_problems(cfg) -> list[str]:
     return []
 
 
-def megatron_only_refusal(cfg, tool: str) -> str | None:
-    """The one line for a command that runs mhc_cg's own model: no tensor or expert parallelism,
-    every MLP MoE or none (Megatron's own layers have them: mhc-cg megatron)."""
+def megatron_only_refusal(cfg) -> str | None:
+    """The one line refusing a config to mhc_cg's own model (what ``mhc-cg train``, ``cost`` and
+    ``bench`` train): no tensor or expert parallelism, every MLP MoE or none (Megatron's own
+    layers have them: mhc-cg megatron)."""
     par, model = cfg.parallel, cfg.model
     for field, value, lacks in (("parallel.tp_size", par.tp_size, "no tensor parallelism"),
                                 ("parallel.ep_size", par.ep_size, "no expert parallelism"),
                                 ("model.moe_layer_freq", model.moe_layer_freq,
                                  "MoE in every layer or none")):
         if value != 1:
-            return (f"{field}: {value}: {tool} runs mhc_cg's own model, which has {lacks}; run "
-                    f"Megatron's own layers with mhc-cg megatron, or set {field}: 1")
+            return (f"{field}: {value}: mhc_cg's own model (mhc-cg train, cost, bench) has "
+                    f"{lacks}; run Megatron's own layers with mhc-cg megatron, or set {field}: 1")
     return None
 
 

@@ -26,7 +26,6 @@ from mhc_cg.config import RunConfig, check
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.core import regions
 from mhc_cg.core.progress import log
-from mhc_cg.model import recomputes_activation
 from mhc_cg.runtime.modes.registry import MODES, PLAIN
 from mhc_cg.training.run import Run, refusal, resolve
 from mhc_cg.cost.attention import fused_attention_on_meta
@@ -258,9 +257,9 @@ def _graph_entries(mode_model, backend: CostBackend, cfg: RunConfig) -> list[dic
                  "escaped_bytes": graph.peak.escaped_bytes, "pool": graph.pool.id}
         if kind == "recompute":
             block = int(name.split()[2])
-            layers = mode_model.runtime.layout.blocks[block]
-            bound = recompute_bound_bytes(cfg, len(layers), sum(
-                recomputes_activation(layer.mlp) for layer in layers))
+            records = mode_model.runtime.layout.blocks[block]
+            bound = recompute_bound_bytes(cfg, len(mode_model.runtime.layout.block_layers(block)),
+                                          sum(r.recompute_activation for r in records))
             entry.update(bound_bytes=bound, over_bound=graph.cost.bytes / bound)
         entries.append(entry)
     return entries

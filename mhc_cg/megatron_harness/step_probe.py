@@ -113,7 +113,7 @@ def held_bytes(decoder: torch.nn.Module, saved: list[Tensor]) -> int | None:
             storages.update(read)
     static = _static(decoder)
     if static is not None:
-        storages.update(storage_bytes(static.runtime.sets.all_sets()[0].tensors()))
+        storages.update(storage_bytes(static.runtime.sets.template.tensors()))
         excluded.add(storage_id(static.runtime.arena.buffer))
     return sum(nbytes for key, nbytes in storages.items() if key not in excluded)
 
@@ -208,7 +208,7 @@ def recompute_runs(decoder: torch.nn.Module, since: Counter) -> Counter:
     for (block, how), n in (runtime.recomputes - since).items():
         how = "kept" if how == "kept" else "ran"
         runs[(how, "blocks")] += n
-        runs[(how, "sublayers")] += 2 * len(runtime.layout.blocks[block]) * n
+        runs[(how, "sublayers")] += len(runtime.layout.blocks[block]) * n
     return runs
 
 

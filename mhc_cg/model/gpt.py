@@ -16,9 +16,8 @@ from torch import Tensor, nn
 from mhc_cg.config import MHCGPTConfig
 from mhc_cg.model.layers import MLP, CausalSelfAttention, RMSNorm
 from mhc_cg.model.moe import MoEMLP
-from mhc_cg.model.sublayer import MHCSublayer, PlainSublayer
+from mhc_cg.model.sublayer import MHCSublayer, PlainSublayer, run_chain
 from mhc_cg.ops import kernels as fused
-from mhc_cg.ops.kernels import StreamLedger
 from mhc_cg.ops.hyper_connection import contract_streams, expand_streams
 from mhc_cg.ops.output_linear import OutputLinear
 
@@ -38,18 +37,18 @@ def microbatch_loss(logits: Tensor, targets: Tensor, kernels: str, num_microbatc
 
 
 class MHCTransformerLayer(nn.Module):
-    def __init__(self, cfg: MHCGPTConfig, layer_number: int, ledger: StreamLedger | None = None):
+    def __init__(self, cfg: MHCGPTConfig, layer_number: int):
         super().__init__()
         self.layer_number = layer_number
-        ledger = ledger if ledger is not None else StreamLedger()  # its sublayers share one
         sublayer = PlainSublayer if cfg.residual == "plain" else MHCSublayer
-        self.attention = sublayer(cfg, CausalSelfAttention(cfg), 2 * layer_number, ledger)
+        # the dropout stream: the sublayer's number in the model, unique within a microbatch
+        self.attention = sublayer(cfg, CausalSelfAttention(cfg), 2 * layer_number)
         mlp = MoEMLP(cfg) if cfg.is_moe else MLP(
             cfg, recompute_activation=cfg.recomputes_activation(layer_number))
-        self.mlp = sublayer(cfg, mlp, 2 * layer_number + 1, ledger)
+        self.mlp = sublayer(cfg, mlp, 2 * layer_number + 1)
 
     def forward(self, x: Tensor, seed: Tensor | None = None) -> Tensor:
-        return self.mlp(self.attention(x, seed), seed)
+        return run_chain([self.attention, self.mlp], x, seed)
 
 
 class MHCGPT(nn.Module):
@@ -60,14 +59,7 @@ class MHCGPT(nn.Module):
         self.cfg = cfg
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.position = nn.Embedding(cfg.seq_length, cfg.hidden_size)
-        # what the sublayers' fused ops hand each other beside the stream; graph capture takes
-        # it too (mhc_cg.ops.kernels.StreamLedger)
-        self.ledger = StreamLedger()
-        self.layers = nn.ModuleList(MHCTransformerLayer(cfg, i, self.ledger)
-                                    for i in range(cfg.num_layers))
-        sublayers = self.sublayers()
-        for sub, nxt in zip(sublayers, sublayers[1:]):
-            sub.feeds(nxt)
+        self.layers = nn.ModuleList(MHCTransformerLayer(cfg, i) for i in range(cfg.num_layers))
         self.final_norm = RMSNorm(cfg.hidden_size, kernels=cfg.kernels)
         # nn.Linear's parameters and bits; a mode may pass where it writes the logits
         self.head = OutputLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -76,16 +68,6 @@ class MHCGPT(nn.Module):
     def sublayers(self) -> list[MHCSublayer]:
         """Every sublayer, in the order the stream runs through them."""
         return [sub for layer in self.layers for sub in (layer.attention, layer.mlp)]
-
-    def no_state_across(self, graphed) -> None:
-        """A post whose output crosses a graph's edge (its sublayer, or the next, is captured on
-        its own) hands the next pre no state: the edge copies the stream into a static input
-        and leaves what is attached to it behind, so the state would be computed for nothing."""
-        captured = {id(sub) for sub in graphed}
-        sublayers = self.sublayers()
-        for sub, nxt in zip(sublayers, sublayers[1:]):
-            if id(sub) in captured or id(nxt) in captured:
-                sub.feeds(None)
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -114,9 +96,8 @@ class MHCGPT(nn.Module):
         return expand_streams(h, self.cfg.num_streams, out, grad_into)
 
     def run_layers(self, x: Tensor, seed: Tensor | None) -> Tensor:
-        for layer in self.layers:
-            x = layer(x, seed)
-        return x
+        """Every sublayer in stream order, each post handing the next pre its state."""
+        return run_chain(self.sublayers(), x, seed)
 
     def logits(self, x: Tensor, grad_into: Tensor | None = None,
                out: Tensor | None = None) -> Tensor:

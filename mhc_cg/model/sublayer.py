@@ -6,11 +6,13 @@
     y   = fn(fn_input)                           # F: attention or MLP (never recomputed)
     out = post(x_on, state, y, seed)             # H_res x + dropout(H_post y), one pass
 
-``state`` (``[proj | xnorm | rstd]`` per token) is all the mappings are derived from. A sublayer
-that :meth:`MHCSublayer.feeds` the next computes that one's state in its post, from the tiles it
-writes, so every pre but the first reads its input once. ``pre`` and
-``post`` can write into buffers they are given (:class:`mhc_cg.ops.kernels.Target`), and a block's
-chain of residual updates can be recomputed in one op (:func:`mhc_cg.ops.kernels.recompute_block`).
+``state`` (``[proj | xnorm | rstd]`` per token) is all the mappings are derived from. A post
+that knows the sublayer after it (:meth:`MHCSublayer.post_feeding`) computes that one's state
+from the tiles it writes and returns it with a :class:`~mhc_cg.ops.kernels.Handoff`, which the
+caller gives the next pre: every pre but a chain's first then reads its input once. The chain is
+the caller's to walk (:func:`run_chain`); no sublayer holds its neighbour. ``pre`` and ``post``
+can write into buffers they are given (:class:`mhc_cg.ops.kernels.Target`), and a block's chain
+of residual updates can be recomputed in one op (:func:`mhc_cg.ops.kernels.recompute_block`).
 
 **Stepwise** (adapters of foreign layers, e.g. Megatron-LM main's, op for op): six named steps::
 
@@ -29,7 +31,7 @@ from mhc_cg.config import MHCGPTConfig
 from mhc_cg.model.layers import MLP, RMSNorm
 from mhc_cg.ops.dropout import dropout
 from mhc_cg.ops.hyper_connection import HyperConnection
-from mhc_cg.ops.kernels import PostLink, StreamLedger, Target
+from mhc_cg.ops.kernels import Handoff, PostLink, Target
 
 
 class HyperConnectionSteps:
@@ -54,26 +56,14 @@ class MHCSublayer(nn.Module):
 
     fused = True
 
-    def __init__(self, cfg: MHCGPTConfig, fn: nn.Module, dropout_stream: int,
-                 ledger: StreamLedger | None = None):
+    def __init__(self, cfg: MHCGPTConfig, fn: nn.Module, dropout_stream: int):
         super().__init__()
         self.cfg = cfg
         self.hc = HyperConnection(cfg.hidden_size, cfg.num_streams, cfg.sinkhorn_iterations,
-                                  cfg.init_gating_factor, kernels=cfg.kernels, ledger=ledger)
+                                  cfg.init_gating_factor, kernels=cfg.kernels)
         self.norm = RMSNorm(cfg.hidden_size, kernels=cfg.kernels)
         self.fn = fn
         self.dropout_stream = dropout_stream  # unique per (layer, sublayer) within a microbatch
-        self._next: MHCSublayer | None = None  # the sublayer whose pre reads this post's output
-
-    def feeds(self, nxt: "MHCSublayer | None") -> None:
-        """``nxt``'s pre reads this sublayer's output: the post computes that pre's state from
-        the tiles it writes, and the pre reads its input once (same bits as computing it).
-        None: the post computes no state (its output crosses a graph's edge, say)."""
-        same = nxt is not None and (nxt.hc.kernels == self.hc.kernels
-                                    and nxt.hc.num_streams == self.hc.num_streams
-                                    and nxt.hc.hidden_size == self.hc.hidden_size)
-        # a plain attribute, not a submodule: deepcopy maps it to the copy's sublayer
-        object.__setattr__(self, "_next", nxt if same else None)
 
     @property
     def dropout_p(self) -> float:
@@ -82,29 +72,68 @@ class MHCSublayer(nn.Module):
 
     def pre(self, x: Tensor, fn_input_out: Target | None = None,
             state_out: Target | None = None, state: Tensor | None = None,
-            link: PostLink | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """``(F's input, state, x_on)``; see the module docstring. ``state``: x's state as the
-        post before computed it (:meth:`post`'s ``state_out``); ``link``: that post's link."""
+            link: PostLink | None = None, handoff: Handoff | None = None, *,
+            grad_owned: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """``(F's input, state, x_on)``; see the module docstring. ``state``/``link``: x's state
+        as the post before computed it (:meth:`post_feeding`'s ``state_out``) and that post's
+        link; ``handoff``: both as that post returned them; ``grad_owned``: ``x_on`` is a graph's
+        output (:func:`mhc_cg.ops.kernels.pre`)."""
         return self.hc.pre(x, self.norm.weight, self.norm.eps, fn_input_out, state_out, state,
-                           link)
+                           link, handoff, grad_owned=grad_owned)
 
     def post(self, x_on: Tensor, state: Tensor, y: Tensor, seed: Tensor | None,
-             out: Target | None = None, *, nxt: "MHCSublayer | None" = None,
-             state_out: Target | None = None) -> Tensor:
-        """``H_res x + dropout(H_post y)`` (F's bias is inside ``y``); with a next sublayer (the
-        one this sublayer :meth:`feeds`, or ``nxt``) also its pre's state, into ``state_out``
-        when given."""
-        nxt = nxt or self._next
-        next_pre = None if nxt is None else nxt.hc.next_pre(nxt.norm.weight, nxt.norm.eps)
+             out: Target | None = None, *, grad_owned: bool = False) -> Tensor:
+        """``H_res x + dropout(H_post y)`` (F's bias is inside ``y``); ``grad_owned``: see
+        :func:`mhc_cg.ops.kernels.post`."""
         return self.hc.post(x_on, state, y, seed, self.dropout_p, self.dropout_stream,
-                            self.cfg.dropout_impl, out, next_pre, state_out)
+                            self.cfg.dropout_impl, out, grad_owned=grad_owned)
 
-    def handed_link(self, out: Tensor) -> PostLink | None:
-        """The link :meth:`post` handed on with its output ``out`` (to the next pre's backward)."""
-        return self.hc.ledger.link(out)
+    def post_feeding(self, nxt: "MHCSublayer", x_on: Tensor, state: Tensor, y: Tensor,
+                     seed: Tensor | None, out: Target | None = None,
+                     state_out: Target | None = None, *,
+                     grad_owned: bool = False) -> tuple[Tensor, Handoff | None]:
+        """:meth:`post`, and the state of ``nxt``'s pre (into ``state_out`` when given), with
+        the handoff for it: ``(output, handoff)``."""
+        return self.hc.post_feeding(nxt.hc.next_pre(nxt.norm.weight, nxt.norm.eps), x_on, state,
+                                    y, seed, self.dropout_p, self.dropout_stream,
+                                    self.cfg.dropout_impl, out, state_out,
+                                    grad_owned=grad_owned)
 
-    def forward(self, x: Tensor, seed: Tensor | None = None) -> Tensor:
-        return sublayer_forward(self, x, seed)
+    def step(self, x: Tensor, seed: Tensor | None = None, handoff: Handoff | None = None,
+             nxt: nn.Module | None = None) -> tuple[Tensor, Handoff | None]:
+        """The sublayer in a chain: its pre takes ``handoff`` (what the post before returned),
+        its post computes ``nxt``'s state when it can (:func:`hands_state`); ``(output,
+        handoff for nxt)``."""
+        fn_input, state, x_on = self.pre(x, handoff=handoff)
+        y = self.fn(fn_input)
+        if not hands_state(self, nxt):
+            return self.post(x_on, state, y, seed), None
+        return self.post_feeding(nxt, x_on, state, y, seed)
+
+    def forward(self, x: Tensor, seed: Tensor | None = None, *,
+                grad_owned: bool = False) -> Tensor:
+        """The sublayer alone. ``grad_owned``: a graph captures it, and its output's gradient
+        comes in the graph's own buffer (mhc_cg's ``make_graphed_callables`` says so at
+        capture)."""
+        fn_input, state, x_on = self.pre(x)
+        return self.post(x_on, state, self.fn(fn_input), seed, grad_owned=grad_owned)
+
+
+def hands_state(sub: nn.Module, nxt: nn.Module | None) -> bool:
+    """Whether ``sub``'s post can compute ``nxt``'s pre state: both fused mHC sublayers on the
+    same kernels and stream shape."""
+    return (nxt is not None and getattr(sub, "fused", None) is True
+            and getattr(nxt, "fused", None) is True and nxt.hc.kernels == sub.hc.kernels
+            and nxt.hc.num_streams == sub.hc.num_streams
+            and nxt.hc.hidden_size == sub.hc.hidden_size)
+
+
+def run_chain(sublayers, x: Tensor, seed: Tensor | None) -> Tensor:
+    """``sublayers`` one after the other, each post handing the next pre its state."""
+    handoff = None
+    for sub, nxt in zip(sublayers, [*sublayers[1:], None]):
+        x, handoff = sub.step(x, seed, handoff, nxt)
+    return x
 
 
 class PlainSublayer(nn.Module):
@@ -114,16 +143,17 @@ class PlainSublayer(nn.Module):
 
     fused = None  # neither shape: no mHC steps for a runtime to drive
 
-    def __init__(self, cfg: MHCGPTConfig, fn: nn.Module, dropout_stream: int,
-                 ledger: StreamLedger | None = None):
+    def __init__(self, cfg: MHCGPTConfig, fn: nn.Module, dropout_stream: int):
         super().__init__()
         self.cfg = cfg
         self.norm = RMSNorm(cfg.hidden_size, kernels=cfg.kernels)
         self.fn = fn
         self.dropout_stream = dropout_stream
 
-    def feeds(self, nxt) -> None:
-        """Nothing to hand on: there is no mapping state."""
+    def step(self, x: Tensor, seed: Tensor | None = None, handoff=None,
+             nxt: nn.Module | None = None) -> tuple[Tensor, None]:
+        """In a chain: nothing to hand on (there is no mapping state)."""
+        return self(x, seed), None
 
     def forward(self, x: Tensor, seed: Tensor | None = None) -> Tensor:
         p = self.cfg.hidden_dropout if self.training else 0.0

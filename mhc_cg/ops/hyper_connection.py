@@ -168,15 +168,11 @@ def contract_streams(x: Tensor, num_streams: int, grad_into: Tensor | None = Non
 
 
 class HyperConnection(nn.Module):
-    """The mHC mappings around one sublayer F: ``x' = H_res x + H_post^T F(H_pre x)``.
-
-    ``ledger``: the :class:`~mhc_cg.ops.kernels.StreamLedger` its fused ops share with the
-    hyper-connections around it (a model gives them all one), through which a post hands the
-    next pre its state and a backward its gradient buffer; by default one of its own."""
+    """The mHC mappings around one sublayer F: ``x' = H_res x + H_post^T F(H_pre x)``."""
 
     def __init__(self, hidden_size: int, num_streams: int = 4, sinkhorn_iterations: int = 20,
                  init_gating_factor: float = 0.01, kernels: str = "auto",
-                 h_res_transposed: bool = False, ledger: fused.StreamLedger | None = None):
+                 h_res_transposed: bool = False):
         super().__init__()
         if hidden_size < 1 or num_streams < 1:
             raise ValueError(f"HyperConnection: hidden_size and num_streams must be >= 1, "
@@ -186,7 +182,6 @@ class HyperConnection(nn.Module):
         self.sinkhorn_iterations = sinkhorn_iterations
         self.kernels = kernels  # mhc_cg.ops.kernels: "auto" | "torch" | "triton"
         self.h_res_transposed = bool(h_res_transposed)  # see the module docstring
-        self.ledger = ledger if ledger is not None else fused.StreamLedger()
         self.mapping_proj = nn.Linear(n * hidden_size, n * n + 2 * n, bias=False)
         self.alpha_pre = nn.Parameter(torch.full((1,), float(init_gating_factor)))
         self.alpha_post = nn.Parameter(torch.full((1,), float(init_gating_factor)))
@@ -244,30 +239,50 @@ class HyperConnection(nn.Module):
     # -- fused: what the model runs ---------------------------------------------------------------
     def pre(self, x: Tensor, norm_weight: Tensor | None, eps: float,
             fn_input_out: fused.Target | None = None, state_out: fused.Target | None = None,
-            state: Tensor | None = None,
-            link: fused.PostLink | None = None) -> tuple[Tensor, Tensor, Tensor]:
+            state: Tensor | None = None, link: fused.PostLink | None = None,
+            handoff: fused.Handoff | None = None, *,
+            grad_owned: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """``(F's input, state, x_on)``: the mappings' state, ``norm(aggregate(x, h_pre))`` from
-        one read of ``x``, and ``x`` handed on to :meth:`post` (:mod:`mhc_cg.ops.kernels`)."""
+        one read of ``x``, and ``x`` handed on to :meth:`post` (:mod:`mhc_cg.ops.kernels`).
+        ``state``/``link``: x's state as the post before computed it, and that post's link;
+        ``handoff``: both as that post handed them on (:meth:`post_feeding`), taken where it is
+        for ``x`` and this pre. ``grad_owned``: see :func:`mhc_cg.ops.kernels.pre`."""
         _check_streams("pre", x, self.num_streams, self.hidden_size)
+        if state is None and handoff is not None:
+            state, link = handoff.for_pre(x, self.mapping_proj.weight, self.alpha_pre, self.bias,
+                                          norm_weight is not None, eps)
         return fused.pre(x, self.mapping_proj.weight, self.alpha_pre, self.alpha_post,
                          self.alpha_res, self.bias, norm_weight, self.num_streams,
                          self.sinkhorn_iterations, eps, self.kernels, fn_input_out, state_out,
                          h_res_transposed=self.h_res_transposed, state=state, link=link,
-                         ledger=self.ledger)
+                         grad_owned=grad_owned)
 
     def next_pre(self, norm_weight: Tensor | None, eps: float) -> fused.NextPre:
-        """This pre, as the post before it sees it (:meth:`post`'s ``next_pre``)."""
+        """This pre, as the post before it sees it (:meth:`post_feeding`'s ``next_pre``)."""
         return fused.NextPre(self.mapping_proj.weight, self.alpha_pre, self.bias,
                              norm_weight is not None, float(eps))
 
     def post(self, x_on: Tensor, state: Tensor, y: Tensor, seed: Tensor | None, p: float,
-             stream: int, dropout_impl: str = "counter", out: fused.Target | None = None,
-             next_pre: fused.NextPre | None = None,
-             state_out: fused.Target | None = None) -> Tensor:
+             stream: int, dropout_impl: str = "counter", out: fused.Target | None = None, *,
+             grad_owned: bool = False) -> Tensor:
         """``H_res x + dropout(H_post y)`` (``H_res^T x`` with ``h_res_transposed``), the mappings
-        from :meth:`pre`'s state; with ``next_pre`` (:meth:`next_pre` of the hyper-connection
-        whose pre reads the result) also that pre's state (into ``state_out`` when given).
-        torch's stateful dropout (eager only) runs unfused from the same state."""
+        from :meth:`pre`'s state. torch's stateful dropout (eager only) runs unfused from the
+        same state. ``grad_owned``: see :func:`mhc_cg.ops.kernels.post`."""
+        return self._post(x_on, state, y, seed, p, stream, dropout_impl, out, None, None,
+                          grad_owned)[0]
+
+    def post_feeding(self, next_pre: fused.NextPre, x_on: Tensor, state: Tensor, y: Tensor,
+                     seed: Tensor | None, p: float, stream: int, dropout_impl: str = "counter",
+                     out: fused.Target | None = None, state_out: fused.Target | None = None, *,
+                     grad_owned: bool = False) -> tuple[Tensor, fused.Handoff | None]:
+        """:meth:`post`, and the state of ``next_pre`` (:meth:`next_pre` of the hyper-connection
+        whose pre reads the result; into ``state_out`` when given): ``(result, handoff)``, the
+        handoff ``None`` where the post runs unfused (torch's dropout)."""
+        return self._post(x_on, state, y, seed, p, stream, dropout_impl, out, next_pre, state_out,
+                          grad_owned)
+
+    def _post(self, x_on, state, y, seed, p, stream, dropout_impl, out, next_pre, state_out,
+              grad_owned) -> tuple[Tensor, fused.Handoff | None]:
         if p > 0 and dropout_impl == "torch":
             h, _, _, _ = reference.logits_of(state.flatten(0, -2), self.alpha_pre, self.alpha_post,
                                              self.alpha_res, self.bias, self.num_streams,
@@ -276,15 +291,18 @@ class HyperConnection(nn.Module):
             h = h.view(*state.shape[:-1], -1).to(x_on.dtype)
             h_res = sinkhorn_knopp(h[..., 2 * n:].unflatten(-1, (n, n)), self.sinkhorn_iterations)
             return self.post_bda(y, 2.0 * torch.sigmoid(h[..., n:2 * n]),
-                                 self.apply_h_res(h_res, x_on), None, p, stream, "torch")
+                                 self.apply_h_res(h_res, x_on), None, p, stream, "torch"), None
         if dropout_impl not in ("counter", "torch"):
             raise ValueError(f"dropout impl must be 'counter' or 'torch', got {dropout_impl!r}")
         if p > 0 and seed is None:
             raise ValueError("counter dropout needs a seed tensor (one int64 scalar per microbatch)")
-        return fused.post(x_on, state, self.alpha_pre, self.alpha_post, self.alpha_res, self.bias,
-                          y, seed, p, stream, self.num_streams, self.sinkhorn_iterations,
-                          self.kernels, out, h_res_transposed=self.h_res_transposed,
-                          next_pre=next_pre, state_out=state_out, ledger=self.ledger)
+        args = (x_on, state, self.alpha_pre, self.alpha_post, self.alpha_res, self.bias, y, seed,
+                p, stream, self.num_streams, self.sinkhorn_iterations)
+        if next_pre is None:
+            return fused.post(*args, self.kernels, out, h_res_transposed=self.h_res_transposed,
+                              grad_owned=grad_owned), None
+        return fused.post_feeding(*args, next_pre, self.kernels, out, state_out,
+                                  h_res_transposed=self.h_res_transposed, grad_owned=grad_owned)
 
 
 def _check_mapping(name: str, h: Tensor, lead: torch.Size, tail: tuple[int, ...]) -> None:

@@ -53,7 +53,9 @@ def resolve(cfg: RunConfig, mode: str | None = None, device: torch.device | str 
     named = device or cfg.train.device
     device = _device(named, on_this_machine)
     if on_this_machine:
-        if (reason := _refusal(spec, cfg, device.type)) is not None:
+        if (refused := megatron_only_refusal(cfg)) is not None:
+            raise ConfigError(refused)
+        if spec.unavailable is not None and (reason := spec.unavailable(cfg, device.type)):
             raise ConfigError(f"mode {spec.name}: {reason}")
         if device.type != "meta":  # the cost model's: nothing is allocated, no kernel runs
             check_fits(cfg, device)
@@ -91,13 +93,8 @@ def refusal(cfg: RunConfig, mode: str, device: str) -> str | None:
     modes it leaves out instead."""
     spec = get_mode(mode)
     cfg = check(spec.configure(cfg)) if spec.configure is not None else cfg
-    return _refusal(spec, cfg, device)
-
-
-def _refusal(spec: Mode, cfg: RunConfig, device: str) -> str | None:
-    """``spec``'s refusal of its own config ``cfg``: mhc_cg's own model's limits, then the mode's."""
-    if (problem := megatron_only_refusal(cfg, "mhc_cg's own model")) is not None:
-        return problem
+    if (refused := megatron_only_refusal(cfg)) is not None:
+        return refused
     return spec.unavailable(cfg, device) if spec.unavailable is not None else None
 
 

@@ -265,11 +265,11 @@ def train(cfg: RunConfig, *, steps: int | None = None, device: str | None = None
     One process: a config with ``parallel.pp_size > 1`` runs on
     :func:`mhc_cg.training.pipeline.driver.train_pipeline` (one process per pipeline rank).
     """
-    if cfg.parallel.pp_size > 1:
-        raise ConfigError(f"parallel.pp_size: train() runs one process; a pipeline of "
-                          f"{cfg.parallel.pp_size} ranks runs on train_pipeline() (mhc-cg train "
-                          f"starts it)")
     run = resolve(cfg, mode, device)
+    if run.cfg.parallel.pp_size > 1:
+        raise ConfigError(f"parallel.pp_size: train() runs one process; a pipeline of "
+                          f"{run.cfg.parallel.pp_size} ranks runs on train_pipeline() (mhc-cg "
+                          f"train starts it)")
     steps = run.cfg.train.steps if steps is None else steps
     if steps < 1:
         raise ConfigError(f"--steps: must be a positive integer, got {steps}")

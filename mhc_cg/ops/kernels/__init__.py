@@ -27,64 +27,75 @@ from __future__ import annotations
 from torch import Tensor
 
 from mhc_cg.ops.kernels import custom_ops as ops
-from mhc_cg.ops.kernels.autograd import (NextPre, Post, PostConfig, PostLink, Pre, PreConfig,
-                                         StreamLedger, Target)
+from mhc_cg.ops.kernels.autograd import (Handoff, NextPre, Post, PostConfig, PostLink, Pre,
+                                         PreConfig, Target)
 from mhc_cg.ops.kernels.dispatch import KERNELS, kernels_problem, use_triton
 
-__all__ = ["KERNELS", "NextPre", "PostLink", "StreamLedger", "Target", "kernels_problem",
-           "use_triton", "pre", "post", "recompute_block", "rms_norm", "cross_entropy"]
+__all__ = ["KERNELS", "Handoff", "NextPre", "PostLink", "Target", "kernels_problem",
+           "use_triton", "pre", "post", "post_feeding", "recompute_block", "rms_norm",
+           "cross_entropy"]
 
 
 def pre(x: Tensor, weight: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
         norm_weight: Tensor | None, n: int, iterations: int, eps: float, kernels: str = "auto",
         fn_input_out: Target | None = None, state_out: Target | None = None, *,
-        h_res_transposed: bool = False,
-        state: Tensor | None = None, link: PostLink | None = None,
-        ledger: StreamLedger | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        h_res_transposed: bool = False, state: Tensor | None = None,
+        link: PostLink | None = None, grad_owned: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """``x [*, nC] -> (F's input [*, C], state [*, m+2], x_on [*, nC])``. ``x_on`` (a view of
     ``x``) is for the sublayer's :func:`post` and nothing else (see
     :mod:`mhc_cg.ops.kernels.autograd`). ``norm_weight`` None: no RMSNorm. ``h_res_transposed``
     must be the post's: the pre's backward adds the post's residual path to x's gradient.
-    ``state``: x's state as the post before computed it (``post(..., next_pre=...)``; it may
-    lie in ``state_out`` already); else the one that post handed on with ``x`` in ``ledger``, if
-    any; else the pre computes it. Either way the same bits; a given state saves a read of x.
-    ``link``: that post's :class:`PostLink` (else the one in ``ledger``): this pre's backward
-    computes the post's F output gradient, so the post's does not read x's gradient again.
-    ``ledger`` (:class:`StreamLedger`): also where the backward learns that x's incoming
-    gradient is its to write over, and enters the gradient it writes."""
+    ``state``: x's state as the post before computed it (:func:`post_feeding`; it may lie in
+    ``state_out`` already); else the pre computes it: the same bits, a given state saves a read
+    of x. ``link``: that post's :class:`PostLink`: this pre's backward computes the post's F
+    output gradient, so the post's does not read x's gradient again. ``grad_owned``: ``x_on``
+    is a graph's output, whose gradient comes in the graph's own buffer (no post reads it in the
+    graph)."""
     cfg = PreConfig(n, iterations, float(eps), use_triton(kernels, x.device),
                     bool(h_res_transposed))
-    handed = state
-    if state is None and ledger is not None:
-        handed, attached = ledger.handed(x, weight, a_pre, bias, norm_weight is not None, eps)
-        link = link if link is not None else attached
     return Pre.apply(x, weight, a_pre, a_post, a_res, bias, norm_weight, cfg, fn_input_out,
-                     state_out, handed, link, ledger)
+                     state_out, state, link, bool(grad_owned))
 
 
 def post(x_on: Tensor, state: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
          y: Tensor, seed: Tensor | None, p: float, stream: int, n: int, iterations: int,
          kernels: str = "auto", out: Target | None = None, *,
-         h_res_transposed: bool = False, next_pre: NextPre | None = None,
-         state_out: Target | None = None, ledger: StreamLedger | None = None) -> Tensor:
+         h_res_transposed: bool = False, grad_owned: bool = False) -> Tensor:
     """``H_res x + dropout(H_post y)``: ``[*, nC], [*, m+2], [*, C] -> [*, nC]``. ``seed`` None
     or ``p == 0``: no dropout; the mask is the one ``mhc_cg.ops.dropout`` draws for a ``[*, nC]``
-    tensor with the same seed and stream. ``next_pre``: the pre that reads the result next; its
-    state is computed from the tiles written and handed on with the result in ``ledger``, for
-    :func:`pre` to take instead of reading the stream a second time (same bits either way);
-    written into ``state_out`` when given."""
+    tensor with the same seed and stream. ``grad_owned``: the result's gradient will come in a
+    buffer only this backward reads (a graph's static grad output), which the pre's backward may
+    write x's gradient over."""
+    return _post(x_on, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations,
+                 kernels, out, h_res_transposed, None, None, grad_owned)[0]
+
+
+def post_feeding(x_on: Tensor, state: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor,
+                 bias: Tensor, y: Tensor, seed: Tensor | None, p: float, stream: int, n: int,
+                 iterations: int, next_pre: NextPre, kernels: str = "auto",
+                 out: Target | None = None, state_out: Target | None = None, *,
+                 h_res_transposed: bool = False,
+                 grad_owned: bool = False) -> tuple[Tensor, Handoff]:
+    """:func:`post`, and the state of ``next_pre`` (the pre that reads the result next)
+    computed from the tiles written (into ``state_out`` when given): ``(result, handoff)``,
+    the :class:`Handoff` for the caller to give that pre (same bits as the pre computing it)."""
+    return _post(x_on, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations,
+                 kernels, out, h_res_transposed, next_pre, state_out, grad_owned)
+
+
+def _post(x_on, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, kernels,
+          out, h_res_transposed, next_pre, state_out, grad_owned) -> tuple[Tensor, Handoff | None]:
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-    if next_pre is not None and ledger is None:
-        raise ValueError("post: next_pre needs the ledger the next pre reads the state from")
     cfg = PostConfig(float(p), int(stream), n, iterations, use_triton(kernels, x_on.device),
                      bool(h_res_transposed))
     links: list = []
     result, state = Post.apply(x_on, state, a_pre, a_post, a_res, bias, y,
-                               seed if p > 0 else None, cfg, out, next_pre, state_out, links)
-    if state is not None:
-        ledger.hand(result, state, next_pre, links[0])
-    return result
+                               seed if p > 0 else None, cfg, out, next_pre, state_out, links,
+                               bool(grad_owned))
+    if state is None:
+        return result, None
+    return result, Handoff(result, result._version, state, next_pre, links[0])
 
 
 def recompute_block(x0: Tensor, ys: Tensor, states: Tensor, params: Tensor,

@@ -15,22 +15,29 @@ may read** ``x_on`` (another consumer's gradient would be summed into it). A pos
 instead of the ``x_on`` of the pre that made its state is refused.
 
 **One gradient buffer down the chain** (Note [the stream's gradient summed once, in place],
-docs/design.md, item 13). A gradient the pre's backward wrote is entered in the model's
-:class:`StreamLedger` as *writable*: its one reader is the next sublayer's post and pre. When
-``g`` arrives so entered (or a graph's static grad-output buffer, which mhc_cg's
-``make_graphed_callables`` enters when given the ledger), the pre's backward writes x's gradient
-over it in place (``pre_backward_into``): a chain of sublayers keeps one n*C gradient buffer
-instead of one per sublayer. Anything else (a user's gradient, an engine's sum) is never written.
+docs/design.md, item 13). The pre's backward writes x's gradient over the gradient it receives
+for ``x_on`` (``pre_backward_into``) when that gradient is the chain's own: the exact tensor the
+next sublayer's pre backward wrote (its :class:`PostLink`, which both backwards hold, says so:
+:meth:`PostLink.wrote`), or a graph's static grad-output buffer (the post was told at forward,
+``grad_owned``: mhc_cg's ``make_graphed_callables`` passes it at capture; a pre whose ``x_on``
+is itself a graph's output is told the same). A chain of sublayers
+then keeps one n*C gradient buffer instead of one per sublayer. Anything else (a user's
+gradient, an engine's sum) is never written.
 
 ``state`` (``[proj | xnorm | rstd]`` per token) is what both ops derive the mappings from, so
 neither H_pre, H_post nor H_res is ever materialised or kept.
 
 **A post can compute the next pre's state** (``nxt``, a :class:`NextPre`) from the tiles it
-writes, so that pre reads its input once. The state is a non-differentiable output of the post:
-the pre takes it as computed (from the ledger, :meth:`StreamLedger.handed`, or a buffer the
-runtime names) and its backward differentiates the state as if it had computed it, the same bits
-either way. The ledger keeps it beside the post's output with that tensor's version, so a stream
-written in place since gets a state of its own.
+writes, so that pre reads its input once. The state is a non-differentiable output of the post,
+handed to the pre on the call path (:class:`Handoff`, or a buffer the runtime names): the pre
+takes it as computed and its backward differentiates the state as if it had computed it, the
+same bits either way. A handoff holds for the very output tensor it came with, unwritten since.
+
+Note [state in the Function's own ctx]: what one backward tells another lives in an object
+both Functions' ctx hold, handed on the call path or found through the autograd graph: a pre and
+the post that reads its state share a :class:`SublayerPair` (the post finds the pre's node as its
+state's ``grad_fn``); a post and the next pre share the post's :class:`PostLink` (handed with the
+state). Nothing is kept in a table keyed by a tensor.
 
 **The post's backward is split between the pres around it.** Its reductions (``g . x_j`` through
 H_res, ``g . y`` through H_post, the Sinkhorn's backward) need x, which the pre that made its state
@@ -52,7 +59,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from mhc_cg.core.storage import alias, is_buffer
 from mhc_cg.ops.kernels import custom_ops as ops
@@ -98,7 +104,8 @@ class PostLink:
     the tile it writes (the post's formula, the same bits), so the post's backward does not read
     g again. ``g_y_out``: where to write it, a static buffer where the two backwards run in
     different graphs (the runtime names it); else the pre allocates it. The post takes it only
-    if the gradient it receives is the very tensor the pre wrote (:meth:`take`)."""
+    if the gradient it receives is the very tensor the pre wrote (:meth:`take`), and writes
+    over that gradient only then (:meth:`wrote`)."""
 
     state: Tensor
     a_post: Tensor
@@ -111,6 +118,8 @@ class PostLink:
     g_y: Tensor | None = None
     grad: Tensor | None = None
     version: int = -1
+    written: Tensor | None = None  # the gradient the next pre's backward wrote, and its version
+    written_version: int = -1
 
     def give(self, g_y: Tensor, grad: Tensor) -> None:
         self.g_y, self.grad, self.version = g_y, grad, grad._version
@@ -121,65 +130,49 @@ class PostLink:
         self.g_y = self.grad = None
         return g_y if ok else None
 
+    def write(self, grad: Tensor) -> None:
+        """The next pre's backward wrote ``grad``, the post's output's gradient: no one else
+        reads it."""
+        self.written, self.written_version = grad, grad._version
 
-class StreamLedger:
-    """What the fused ops tell each other about the tensors they make, kept beside those tensors:
+    def wrote(self, g: Tensor) -> bool:
+        """``g`` is the gradient the next pre's backward wrote, unchanged since; once."""
+        ok = self.written is g and g._version == self.written_version
+        self.written = None
+        return ok
 
-    * a post's output -> the state the pre that reads it next will need, and the post's link
-      (:meth:`hand`, :meth:`handed`, :meth:`link`);
-    * writable gradients (:meth:`grant`, :meth:`writable`): buffers whose one reader is the
-      fused backward that receives them, which may write x's gradient over them.
 
-    Note [beside the tensor, not on it]: what the ledger says about a tensor holds for that very
-    tensor object and dies with it, so entries are weak and by identity (never ``==``); a handed
-    state holds only while the output is unwritten (its version at the post). The ledger is an
-    argument of the ops that read and write it (a model makes one and gives it to every
-    sublayer's hyper-connection; ``make_graphed_callables`` takes it to enter its static
-    grad-output buffers), never an attribute set on a tensor. A copy of its owner gets an empty
-    ledger of its own.
-    """
+@dataclass(eq=False)
+class Handoff:
+    """What a post hands the pre that reads its output next, on the call path: that pre's
+    ``state`` (computed from the tiles the post wrote) and the post's ``link``. It holds for the
+    post's output ``out`` itself while it is unwritten, and for the pre ``nxt`` describes."""
 
-    def __init__(self):
-        self._handed = WeakIdKeyDictionary()  # post output -> (state, NextPre, version, link)
-        self._writable = WeakIdKeyDictionary()  # gradient -> True
+    out: Tensor
+    version: int
+    state: Tensor
+    nxt: NextPre
+    link: PostLink | None
 
-    def __deepcopy__(self, memo) -> "StreamLedger":
-        return StreamLedger()
-
-    def __reduce__(self):
-        return (StreamLedger, ())
-
-    def hand(self, out: Tensor, state: Tensor, nxt: NextPre, link: PostLink | None) -> None:
-        """The post's output ``out`` carries the state ``nxt`` will need (and the post's link)."""
-        self._handed[out] = (state, nxt, out._version, link)
-
-    def handed(self, x: Tensor, weight: Tensor, a_pre: Tensor, bias: Tensor, norm: bool,
-               eps: float) -> tuple[Tensor | None, PostLink | None]:
-        """``(state, link)`` a post handed on with ``x`` for this pre, if ``x`` is that post's
-        output, unwritten since, and the pre the one it was computed for; else ``(None, None)``
-        (the pre computes its own state, and the post its F output's gradient)."""
-        entry = self._handed.get(x)
-        if entry is None:
-            return None, None
-        state, nxt, version, link = entry
-        if x._version == version and nxt.is_for(weight, a_pre, bias, norm, eps):
-            return state, link
+    def for_pre(self, x: Tensor, weight: Tensor, a_pre: Tensor, bias: Tensor, norm: bool,
+                eps: float) -> tuple[Tensor | None, PostLink | None]:
+        """``(state, link)`` for the pre of ``weight`` ... reading ``x``, if this handoff is for
+        it; else ``(None, None)`` (the pre computes its own state, and the post its F output's
+        gradient)."""
+        if x is self.out and x._version == self.version \
+                and self.nxt.is_for(weight, a_pre, bias, norm, eps):
+            return self.state, self.link
         return None, None
 
-    def link(self, out: Tensor) -> PostLink | None:
-        """The link of the post whose output is ``out``, if it handed one on."""
-        entry = self._handed.get(out)
-        return None if entry is None else entry[3]
 
-    def grant(self, grad: Tensor) -> Tensor:
-        """``grad`` (a stream gradient whose one reader is the next fused backward) may have x's
-        gradient written over it; returns ``grad``."""
-        self._writable[grad] = True
-        return grad
+@dataclass(eq=False)
+class SublayerPair:
+    """What a pre's backward and the backward of the post that reads its state tell each other
+    (Note [state in the Function's own ctx]): the post defers its reductions to the pre
+    (``expects_post``) and hands them over with its gradient (``tail``)."""
 
-    def writable(self, t: Tensor | None, like: Tensor) -> bool:
-        return (t is not None and t in self._writable and t.shape == like.shape
-                and t.dtype == like.dtype and t.is_contiguous() and not t.requires_grad)
+    expects_post: bool = False
+    tail: "PostTail | None" = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -192,6 +185,7 @@ class PostTail:
     seed: Tensor | None
     p: float
     stream: int
+    writable: bool = False  # ``grad`` is the chain's own: the pre may write x's gradient over it
 
 
 @dataclass(frozen=True)
@@ -220,7 +214,7 @@ class Pre(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, a_pre, a_post, a_res, bias, norm_weight, cfg: PreConfig,
                 fn_input_out: Target | None, state_out: Target | None, handed: Tensor | None,
-                link: PostLink | None, ledger: StreamLedger | None):
+                link: PostLink | None, grad_owned: bool):
         lead, width = x.shape[:-1], x.shape[-1]
         c, sw = width // cfg.n, state_width(weight.shape[0])
         xf = x.reshape(-1, width)
@@ -240,8 +234,8 @@ class Pre(torch.autograd.Function):
         ctx.cfg = cfg
         ctx.params = (a_pre, a_post, a_res, bias)  # the post that defers to this pre shares them
         ctx.link = link if link is not None and link.state.shape[0] == xf.shape[0] else None
-        ctx.expects_post, ctx.post_tail = False, None
-        ctx.ledger = ledger
+        ctx.pair = SublayerPair()  # shared with the post that reads this state
+        ctx.grad_owned = grad_owned  # x_on is a graph's output: its gradient, the graph's buffer
         ctx.set_materialize_grads(False)  # an output nobody used: None, not zeros
         return fn_input.view(*lead, c), state.view(*lead, sw), x.view_as(x)
 
@@ -254,11 +248,10 @@ class Pre(torch.autograd.Function):
         g_fn = (torch.zeros(xf.shape[0], width // cfg.n, dtype=x.dtype, device=x.device)
                 if g_fn_input is None else g_fn_input.reshape(-1, width // cfg.n))
         g_st = None if g_state is None else g_state.reshape(state.shape)  # None: no zeros made
-        around = _around(ctx, g_post, xf)
+        around, writable = _around(ctx, g_post, xf)
         args = (weight, a_pre, a_post, a_res, bias, norm_weight, state, cfg.n, cfg.iterations,
                 cfg.eps, cfg.use_triton, cfg.h_res_transposed)
-        ledger = ctx.ledger
-        if ledger is not None and ledger.writable(g_post, x):
+        if writable and _fits(g_post, x):
             g_weight, g_params, g_w = ops.pre_backward_into(g_fn, g_st, g_post.view(-1, width),
                                                             xf, *args, **around)
             g_x = g_post
@@ -266,21 +259,30 @@ class Pre(torch.autograd.Function):
             g_x, g_weight, g_params, g_w = ops.pre_backward(g_fn, g_st, _flat(g_post, width), xf,
                                                             *args, **around)
             g_x = g_x.view(x.shape)
-        if "g_y_out" in around:
-            ctx.link.give(around["g_y_out"], g_x)
+        if ctx.link is not None:  # the previous post's output gradient, this backward's own
+            if "g_y_out" in around:
+                ctx.link.give(around["g_y_out"], g_x)
+            ctx.link.write(g_x)
         ctx.link = None
-        if ledger is not None:
-            ledger.grant(g_x)
         return (g_x, g_weight, *_alphas_and_bias(g_params, bias),
-                g_w if norm_weight is not None else None, None, None, None, None, None, None)
+                g_w if norm_weight is not None else None, None, None, None, None, None, None,
+                None)
 
 
-def _around(ctx, g_post: Tensor | None, xf: Tensor) -> dict:
+def _fits(g: Tensor | None, like: Tensor) -> bool:
+    """``g`` can take x's gradient in place: its shape, dtype and a dense layout."""
+    return (g is not None and g.shape == like.shape and g.dtype == like.dtype
+            and g.is_contiguous() and not g.requires_grad)
+
+
+def _around(ctx, g_post: Tensor | None, xf: Tensor) -> tuple[dict, bool]:
     """The pre backward's halves of the posts around it (:func:`ops.pre_backward`'s ``y`` ...
     ``g_y_out``): its own post's reductions where that post deferred them, the previous post's F
-    output gradient where it left a link."""
-    tail, ctx.post_tail = ctx.post_tail, None
-    if ctx.expects_post and g_post is not None and (tail is None or tail.grad is not g_post):
+    output gradient where it left a link; and whether ``g_post`` is the chain's own to write
+    over (the module docstring)."""
+    pair = ctx.pair
+    tail, pair.tail = pair.tail, None
+    if pair.expects_post and g_post is not None and (tail is None or tail.grad is not g_post):
         raise RuntimeError("mhc_cg pre: x_on's gradient is not the post's alone; nothing but "
                            "the post may read x_on (see mhc_cg.ops.kernels.autograd)")
     around = {}
@@ -293,7 +295,7 @@ def _around(ctx, g_post: Tensor | None, xf: Tensor) -> dict:
             else link.g_y_out.view(-1, c)
         around.update(seed=link.seed, p=link.p, prev_state=link.state, prev_a_post=link.a_post,
                       prev_bias=link.bias, prev_stream=link.stream, g_y_out=g_y_out)
-    return around
+    return around, tail.writable if tail is not None else ctx.grad_owned
 
 
 def _from_state(xf: Tensor, handed: Tensor, args: tuple, fn_input_out: Target | None,
@@ -333,7 +335,7 @@ class Post(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, state, a_pre, a_post, a_res, bias, y, seed, cfg: PostConfig,
                 out: Target | None, nxt: NextPre | None, state_out: Target | None,
-                link: list):
+                link: list, grad_owned: bool):
         pre_node = state.grad_fn
         if isinstance(pre_node, Pre._backward_cls) and x.grad_fn is not pre_node:
             raise ValueError("mhc_cg post: x must be the x_on that pre returned with this state, "
@@ -361,14 +363,15 @@ class Post(torch.autograd.Function):
         ctx.save_for_backward(x, state, a_pre, a_post, a_res, bias, y, seed)
         ctx.cfg = cfg
         # the pre that made the state takes the post's reductions into its first pass
-        ctx.pre_node = pre_node if _defers_to(pre_node, cfg, (a_pre, a_post, a_res, bias)) \
+        ctx.pair = pre_node.pair if _defers_to(pre_node, cfg, (a_pre, a_post, a_res, bias)) \
             else None
-        if ctx.pre_node is not None:
-            ctx.pre_node.expects_post = True
+        if ctx.pair is not None:
+            ctx.pair.expects_post = True
         ctx.link = None
-        if ctx.pre_node is not None and nxt is not None:  # the next pre computes g_y: link it
+        if ctx.pair is not None and nxt is not None:  # the next pre computes g_y: link it
             ctx.link = PostLink(sf, a_post, bias, seed, cfg.p, cfg.stream, y.dtype)
         link.append(ctx.link)
+        ctx.grad_owned = grad_owned  # the output's gradient comes in a graph's own buffer
         ctx.set_materialize_grads(False)  # no zeros for the next state's gradient, never used
         return result.view(x.shape), next_state
 
@@ -377,25 +380,28 @@ class Post(torch.autograd.Function):
         x, state, a_pre, a_post, a_res, bias, y, seed = ctx.saved_tensors
         cfg = ctx.cfg
         width = x.shape[-1]
+        # the chain's own gradient: the next pre's backward wrote it, or a graph's buffer holds it
+        writable = g is not None and (ctx.grad_owned
+                                      or (ctx.link is not None and ctx.link.wrote(g)))
         g = torch.zeros_like(x) if g is None else g
         gf, sf = g.reshape(-1, width), state.reshape(-1, state.shape[-1])
         yf = y.reshape(-1, y.shape[-1])
         # g goes on as x_on's: the pre's backward adds H_res^T g (see the module docstring)
-        if ctx.pre_node is None:
+        if ctx.pair is None:
             g_state, g_params, g_y = ops.post_backward(
                 gf, x.reshape(-1, width), sf, a_pre, a_post, a_res, bias, yf, seed, cfg.p,
                 cfg.stream, cfg.n, cfg.iterations, cfg.use_triton, cfg.h_res_transposed)
             return (g, g_state.view(state.shape), *_alphas_and_bias(g_params, bias),
-                    g_y.view(y.shape), None, None, None, None, None, None)
+                    g_y.view(y.shape), None, None, None, None, None, None, None)
         # deferred: the pre's backward reduces (its state and parameter gradients include ours)
-        ctx.pre_node.post_tail = PostTail(g, yf, seed, cfg.p, cfg.stream)
+        ctx.pair.tail = PostTail(g, yf, seed, cfg.p, cfg.stream, writable)
         g_y = ctx.link.take(g) if ctx.link is not None else None
         ctx.link = None
         if g_y is None:
             g_y = ops.post_grad_y(gf, sf, a_post, bias, seed, cfg.p, cfg.stream, cfg.n, y.dtype,
                                   cfg.use_triton)
         return (g, None, None, None, None, None, g_y.view(y.shape), None, None, None, None, None,
-                None)
+                None, None)
 
 
 def _defers_to(pre_node, cfg: PostConfig, params: tuple) -> bool:

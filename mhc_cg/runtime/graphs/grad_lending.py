@@ -2,10 +2,12 @@
 
 A backward graph may return a grad uncloned when the one who reads it next reads it where it
 lies (the graphed producer's backward, or an eager op that reads its grad once), and an eager
-consumer may write a graph's grad output in place. :class:`LentGrads` is the ledger of those
-buffers for one set of graphed callables (``make_graphed_callables`` makes one and each graphed
-callable's state holds it): a backward graph that would overwrite a buffer before its reader read
-it raises instead of feeding the reader another graph's gradient.
+consumer may write a graph's grad output in place. Each shared grad-output buffer of one set of
+graphed callables (``make_graphed_callables`` makes them; :class:`LentGrads` holds them, and each
+graphed callable's state holds its own) says to whom it is lent: a backward graph that would
+overwrite a buffer before its reader read it raises instead of feeding the reader another graph's
+gradient. The lending is held by the buffer object both parties refer to, never looked up by a
+tensor.
 """
 
 from __future__ import annotations
@@ -14,11 +16,24 @@ from typing import Any
 
 import torch
 
-from mhc_cg.core.storage import storage_id
+
+class GradBuffer:
+    """One static grad-output buffer shared by the backward graphs of one set of graphed
+    callables, and whom it is lent to: ``lent`` is ``(reader, lender)`` (a graphed callable's
+    state or an :class:`EagerOp`, each with a ``label``) until the reader's backward replays."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.lent: tuple[Any, Any] | None = None
+
+    def lend(self, reader: Any, lender: Any) -> None:
+        """``lender`` handed this buffer uncloned to ``reader``."""
+        self.lent = (reader, lender)
 
 
 class LentGrads:
-    """Grad buffers handed to autograd uncloned, each until its one reader's backward replays.
+    """The shared grad-output buffers of one set of graphed callables, each lent until its one
+    reader's backward replays.
 
     Autograd hands a lent buffer to the producer's backward next along the chain; if any other
     backward graph would overwrite the buffer first (two graphed consumers of one output, say),
@@ -26,24 +41,25 @@ class LentGrads:
     """
 
     def __init__(self):
-        self._by_storage: dict[int, tuple[Any, Any]] = {}
+        self.buffers: list[GradBuffer] = []
 
-    def lend(self, buffer: torch.Tensor, reader: Any, lender: Any) -> None:
-        """``lender`` handed ``buffer`` uncloned to ``reader`` (a graphed callable or an
-        :class:`EagerOp`; each has a ``label``)."""
-        self._by_storage[storage_id(buffer)] = (reader, lender)
+    def add(self, tensor: torch.Tensor) -> GradBuffer:
+        """A new shared buffer over ``tensor``."""
+        self.buffers.append(GradBuffer(tensor))
+        return self.buffers[-1]
 
     def forget(self, party: Any) -> None:
         """End every lending ``party`` is the reader or the lender of."""
-        for key in [k for k, (r, l) in self._by_storage.items() if party is r or party is l]:
-            del self._by_storage[key]
+        for buffer in self.buffers:
+            if buffer.lent is not None and any(p is party for p in buffer.lent):
+                buffer.lent = None
 
     def check_writer(self, state: Any) -> None:
         """Before ``state``'s backward replays (it writes its grad-output buffers)."""
-        for buffer in state.static_grad_outputs:
-            if buffer is None or storage_id(buffer) not in self._by_storage:
+        for buffer in state.grad_buffers:
+            if buffer is None or buffer.lent is None:
                 continue
-            reader, lender = self._by_storage[storage_id(buffer)]
+            reader, lender = buffer.lent
             if reader is not state:
                 fix = ("an eager op shares grad buffers with the graphs only when one chain of "
                        "graphs runs per backward: make them with GraphOptions(lend_grads_to_eager=False) and "
@@ -54,7 +70,7 @@ class LentGrads:
                     f"graphed callable {state.label}'s backward would overwrite the grad that "
                     f"{lender.label} handed uncloned to {reader.label} before {reader.label} "
                     f"read it; {fix}")
-            del self._by_storage[storage_id(buffer)]
+            buffer.lent = None
 
 
 def reads_grad_once(node) -> bool:
@@ -70,7 +86,7 @@ class EagerOp:
         self.label = label
 
     @classmethod
-    def reading(cls, node, ledger: LentGrads) -> "EagerOp":
+    def reading(cls, node, lent: LentGrads) -> "EagerOp":
         reader = cls(f"the eager {node.name()}")
-        node.register_prehook(lambda grad_outputs: ledger.forget(reader))
+        node.register_prehook(lambda grad_outputs: lent.forget(reader))
         return reader

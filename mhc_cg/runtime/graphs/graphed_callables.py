@@ -71,11 +71,10 @@ from torch.utils._pytree import tree_flatten
 
 from mhc_cg.core.regions import region
 from mhc_cg.core.storage import storage_id
-from mhc_cg.ops.kernels import StreamLedger
 from mhc_cg.runtime.graphs.autograd_graph import saved_storages
 from mhc_cg.runtime.graphs.backends import get_backend, resolve_backend_name
 from mhc_cg.runtime.graphs.capture import Graph, GraphBackend
-from mhc_cg.runtime.graphs.grad_lending import LentGrads
+from mhc_cg.runtime.graphs.grad_lending import GradBuffer, LentGrads
 from mhc_cg.runtime.graphs.order_layout import (OrderLayout, buffer_key, flat_tensors, label_of,
                                                 order_layout, share_static_inputs)
 from mhc_cg.runtime.graphs.replay_state import (GraphedState, graphed_forward, graphed_function,
@@ -197,14 +196,16 @@ class GraphOptions:
     argument: ``backend`` (``"auto"``, ``"tape"``, ``"cuda"`` or a backend object: what captures),
     ``lend_grads_to_eager`` (the module docstring), ``scratch``, ``{sample index: elements}``
     of pool memory lent from a forward's replay to the pool's next one (Note [forward scratch]),
-    and ``stream_ledger``, the fused ops' :class:`~mhc_cg.ops.kernels.StreamLedger`: every shared
-    grad-output buffer is entered there as the backward's to write over (its one reader), so a
-    fused mHC backward writes the stream's gradient in place."""
+    and ``grads_owned``: each callable's forward capture is called with the keyword
+    ``grad_owned=True`` (warm-up calls pass none), telling it that its outputs' gradients come
+    in the backward graph's own grad-output buffers, which that backward alone reads (each replay
+    copies its incoming grads in first): a fused mHC backward may then write the stream's
+    gradient over them in place."""
 
     backend: str | GraphBackend = "auto"
     lend_grads_to_eager: bool = False
     scratch: Mapping[int, int] | None = None
-    stream_ledger: StreamLedger | None = None
+    grads_owned: bool = False
 
 
 def make_graphed_callables(
@@ -280,7 +281,7 @@ def make_graphed_callables(
     # warmup and capture draw nothing the caller should see: the generators are put back after
     with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
         _warm_up(backend, run, passes, num_warmup_iters, pre_warmup_hook, post_warmup_hook)
-        _capture(backend, pool, passes, run, options.scratch or {}, options.stream_ledger)
+        _capture(backend, pool, passes, run, options.scratch or {}, options.grads_owned)
     results = _wrap(func_of, states, layout)
     if single:
         return results[0]
@@ -341,7 +342,7 @@ def _runners(func_of: dict, layout: OrderLayout | None, sample_args: list, sampl
              keep_param_grads: bool, lend_to_eager: bool = False) -> list[GraphedState]:
     """One :class:`GraphedState` per sample: its static inputs are the sample's tensors; with
     ``keep_param_grads``, the parameters whose grads it keeps (those no other state holds)."""
-    states, ledger = [], LentGrads()  # one ledger: grads are lent among these callables
+    states, lent = [], LentGrads()  # the grad buffers these callables share, lent among them
     for index in range(len(sample_args)):
         func = func_of[index]
         module = isinstance(func, torch.nn.Module)
@@ -351,7 +352,7 @@ def _runners(func_of: dict, layout: OrderLayout | None, sample_args: list, sampl
         for t in (*inputs, *params, *(func.buffers() if module else ())):
             static_buffer(t)
         states.append(GraphedState(label, list(sample_kwargs[index]), inputs, params,
-                                   lend_to_eager=lend_to_eager, ledger=ledger))
+                                   lend_to_eager=lend_to_eager, lent=lent))
     if keep_param_grads:
         holders = Counter(id(p) for state in states for p in state.params)
         for state in states:
@@ -431,10 +432,15 @@ class _Passes:
                 raise RuntimeError(f"make_graphed_callables: capture_time_hooks {name} must not "
                                    f"return a value")
 
-    def forward(self, index: int, scratch: torch.Tensor | None = None) -> Any:
-        """Sample ``index``'s forward; with its ``scratch`` (Note [forward scratch])."""
-        kwargs = self.sample_kwargs[index] if scratch is None else \
-            {**self.sample_kwargs[index], "scratch": scratch}
+    def forward(self, index: int, scratch: torch.Tensor | None = None,
+                grads_owned: bool = False) -> Any:
+        """Sample ``index``'s forward; with its ``scratch`` (Note [forward scratch]) and, at
+        capture, ``grad_owned`` (:class:`GraphOptions`)."""
+        kwargs = dict(self.sample_kwargs[index])
+        if scratch is not None:
+            kwargs["scratch"] = scratch
+        if grads_owned:
+            kwargs["grad_owned"] = True
         return self.func_of[index](*self.sample_args[index], **kwargs)
 
     def grads(self, outputs: list, index: int, grad_outputs: list | None) -> list:
@@ -473,7 +479,7 @@ def _warm_up(backend: GraphBackend, run: _Passes, passes, iterations: int,
 
 
 def _capture(backend: GraphBackend, pool, passes, run: _Passes, scratch: Mapping[int, int],
-             ledger: StreamLedger | None) -> None:
+             grads_owned: bool) -> None:
     """Capture every forward and backward graph in ``passes``' order, all in ``pool``."""
     shared_grad_outputs: dict[tuple, torch.Tensor] = {}
     made_scratch: dict[int, torch.Tensor] = {}
@@ -486,7 +492,7 @@ def _capture(backend: GraphBackend, pool, passes, run: _Passes, scratch: Mapping
             with state.fwd_graph.capture(), region("forward"):
                 if index in scratch:  # the pool's first, before the callable allocates
                     made_scratch[index] = _new_scratch(scratch[index], sample_args[index])
-                outputs = run.forward(index, made_scratch.get(index))
+                outputs = run.forward(index, made_scratch.get(index), grads_owned)
             run.hook(which, "forward_hooks", index)
             state.layouts = [buffer_layout(t) for t in state.surface]
             flat, state.output_spec = tree_flatten(outputs)
@@ -511,7 +517,8 @@ def _capture(backend: GraphBackend, pool, passes, run: _Passes, scratch: Mapping
             state.scratch = state.fwd_graph.free_early(made)
         diff_outputs = [o for o, d in zip(state.static_outputs, state.differentiable) if d]
         wanted = [t for t in state.surface if t.requires_grad]
-        state.static_grad_outputs = _grad_output_buffers(state, shared_grad_outputs, ledger)
+        state.grad_buffers = _grad_output_buffers(state, shared_grad_outputs)
+        state.static_grad_outputs = [None if b is None else b.tensor for b in state.grad_buffers]
         if not diff_outputs or not wanted:
             state.static_grad_inputs = [None] * len(state.surface)
         else:
@@ -585,8 +592,7 @@ def _grads_of(outputs: list, surface: list[torch.Tensor], grad_outputs: list | N
     return [next(grads) if t.requires_grad else None for t in surface]
 
 
-def _grad_output_buffers(state: GraphedState, shared: dict,
-                         ledger: StreamLedger | None) -> list[torch.Tensor | None]:
+def _grad_output_buffers(state: GraphedState, shared: dict) -> list[GradBuffer | None]:
     """Static grad-output buffers of ``state``'s differentiable outputs, shared by every backward
     graph: a backward reads its buffers only while it replays, and each replay first copies its
     incoming grads in. The n-th output of a (shape, dtype, stride, device) in one graph gets the
@@ -600,10 +606,6 @@ def _grad_output_buffers(state: GraphedState, shared: dict,
         slot = (key, seen[key])
         seen[key] += 1
         if slot not in shared:
-            shared[slot] = static_buffer(torch.empty_like(output))
-            if ledger is not None:  # the backward graph is its one reader: it may write over it
-                ledger.grant(shared[slot])
+            shared[slot] = state.lent.add(static_buffer(torch.empty_like(output)))
         buffers.append(shared[slot])
     return buffers
-
-

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from mhc_cg.core.regions import region
 from mhc_cg.core.storage import is_buffer, storage_id
 from mhc_cg.runtime.graphs.capture import Graph
-from mhc_cg.runtime.graphs.grad_lending import EagerOp, LentGrads, reads_grad_once
+from mhc_cg.runtime.graphs.grad_lending import EagerOp, GradBuffer, LentGrads, reads_grad_once
 from mhc_cg.runtime.graphs.static_inputs import (BufferLayout, buffer_layout, check_input, describe,
                                                   layout_problem, load_input)
 
@@ -38,6 +38,7 @@ class GraphedState:
     output_spec: Any = None
     differentiable: list[bool] = field(default_factory=list)
     static_grad_outputs: list[torch.Tensor | None] = field(default_factory=list)
+    grad_buffers: list[GradBuffer | None] = field(default_factory=list)  # the same, shared
     static_grad_inputs: list[torch.Tensor | None] = field(default_factory=list)
     saved_outputs: list[int] = field(default_factory=list)  # outputs the backward graph reads
     # surface index -> the parameter whose gradient stays where the backward graph writes it
@@ -48,8 +49,8 @@ class GraphedState:
     # GraphOptions(scratch=...): pool memory the caller may use from this forward's
     # replay to the pool's next replay (Note [forward scratch])
     scratch: torch.Tensor | None = None
-    # the grads lent uncloned among the graphed callables made together (one ledger for them all)
-    ledger: LentGrads = field(default_factory=LentGrads)
+    # the grad buffers the graphed callables made together share, and whom each is lent to
+    lent: LentGrads = field(default_factory=LentGrads)
 
     @property
     def surface(self) -> list[torch.Tensor]:
@@ -90,11 +91,12 @@ class GraphedState:
 
     def replay_forward(self) -> list[torch.Tensor]:
         self.fwd_graph.replay()
-        self.ledger.forget(self)  # a new forward: no backward of the last one reads or lends a grad
+        self.lent.forget(self)  # a new forward: no backward of the last one reads or lends a grad
         return [o.detach() for o in self.static_outputs]
 
-    def lendable_inputs(self, inputs: Sequence[torch.Tensor]) -> dict[int, Any]:
-        """Inputs whose grad this backward may return uncloned: {input index: reader}.
+    def lendable_inputs(self, inputs: Sequence[torch.Tensor]) -> dict[int, tuple[Any, GradBuffer]]:
+        """Inputs whose grad this backward may return uncloned: {input index: (reader, the
+        shared buffer it lies in)}.
 
         An input qualifies when it is an output of another graphed callable P whose static
         grad-output buffer for it is the very buffer this backward writes the input's grad into
@@ -112,18 +114,20 @@ class GraphedState:
                 continue
             producer, target = grad_output_of(given)
             if producer is not None:
-                if target is not None and is_buffer(target, grad):
-                    lend[i] = producer
-            elif self.lend_to_eager and reads_grad_once(given.grad_fn) \
-                    and any(b is not None and is_buffer(b, grad) for b in self.static_grad_outputs):
-                lend[i] = EagerOp.reading(given.grad_fn, self.ledger)
+                if target is not None and is_buffer(target.tensor, grad):
+                    lend[i] = (producer, target)
+            elif self.lend_to_eager and reads_grad_once(given.grad_fn):
+                mine = next((b for b in self.grad_buffers
+                             if b is not None and is_buffer(b.tensor, grad)), None)
+                if mine is not None:
+                    lend[i] = (EagerOp.reading(given.grad_fn, self.lent), mine)
         return lend
 
     def replay_backward(self, grads: Sequence[torch.Tensor | None],
-                        lend: Mapping[int, "GraphedState"] | None = None) -> tuple:
+                        lend: Mapping[int, tuple[Any, GradBuffer]] | None = None) -> tuple:
         if self.bwd_graph is None:
             return tuple(None for _ in self.surface)
-        self.ledger.check_writer(self)
+        self.lent.check_writer(self)
         self._reclaim_kept_grads()
         with region("copy", "grad outputs"):
             for static, grad in zip(self.static_grad_outputs, grads):
@@ -142,7 +146,8 @@ class GraphedState:
         out = []
         for i, g in enumerate(self.static_grad_inputs):
             if lend and i in lend:
-                self.ledger.lend(g, lend[i], self)
+                reader, buffer = lend[i]
+                buffer.lend(reader, self)
                 out.append(g)
             elif i in self.kept_grads and g is not None:
                 _hand_over(self.kept_grads[i], g)
@@ -176,14 +181,14 @@ def _hand_over(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
             param.grad.add_(grad)
 
 
-def grad_output_of(t: torch.Tensor) -> tuple[GraphedState | None, torch.Tensor | None]:
+def grad_output_of(t: torch.Tensor) -> tuple[GraphedState | None, GradBuffer | None]:
     """The graphed callable that produced ``t`` (``None`` if none did) and the static
     grad-output buffer its backward reads ``t``'s grad from (``None`` if it has none)."""
     state = getattr(t.grad_fn, "state", None)
     if not isinstance(state, GraphedState):
         return None, None
-    outputs = state.static_grad_outputs
-    return state, outputs[t.output_nr] if t.output_nr < len(outputs) else None
+    buffers = state.grad_buffers
+    return state, buffers[t.output_nr] if t.output_nr < len(buffers) else None
 
 
 def grad_output_buffer(t: torch.Tensor) -> torch.Tensor | None:
@@ -192,7 +197,8 @@ def grad_output_buffer(t: torch.Tensor) -> torch.Tensor | None:
     grad_into=)``): the replay then copies nothing in. ``None`` when ``t`` is no graphed
     callable's output. Until that backward replays, any other backward graph that would write
     the buffer raises (:class:`LentGrads`)."""
-    state, buffer = grad_output_of(t)
+    state, shared = grad_output_of(t)
+    buffer = None if shared is None else shared.tensor
     if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype \
             or not buffer.is_contiguous():
         return None
@@ -200,7 +206,7 @@ def grad_output_buffer(t: torch.Tensor) -> torch.Tensor | None:
 
     def lend(grad: torch.Tensor) -> None:
         if is_buffer(buffer, grad):
-            state.ledger.lend(buffer, state, writer)
+            shared.lend(state, writer)
 
     t.register_hook(lend)
     return buffer

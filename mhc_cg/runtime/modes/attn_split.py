@@ -66,7 +66,7 @@ class AttnSplitModel(ModeModel):
         graphed = api.make_graphed_callables(modules, samples, num_warmup_iters=warmups(api),
                                              clone_param_grads_on_return=False,
                                              **one_microbatch(api, len(modules)),
-                                             options=GraphOptions(stream_ledger=self.model.ledger))
+                                             options=GraphOptions())
         self.graphed_callables = graphed
         self.graph_labels = [f"L{layer.layer_number}.attn.core" for layer in self.model.layers]
         self.consumers = list(graphed)

@@ -55,13 +55,12 @@ class GraphedSublayersModel(ModeModel):
                 if on and not isinstance(sub.fn, MoEMLP):
                     captured.append(sub)
                     labels.append(f"L{layer.layer_number}.{name}")
-        self.model.no_state_across(captured)
         sample_args = sublayer_sample_args(self.model, self.micro_batch_size, len(captured), device)
         api = self.capture_api()
         self.graphed_callables = api.make_graphed_callables(
             tuple(captured), sample_args, num_warmup_iters=warmups(api),
             clone_param_grads_on_return=False, **one_microbatch(api, len(captured)),
-            options=GraphOptions(lend_grads_to_eager=True, stream_ledger=self.model.ledger))
+            options=GraphOptions(lend_grads_to_eager=True, grads_owned=True))
         self.graph_labels = labels
         graphed = dict(zip(map(id, captured), self.graphed_callables))
         self.sublayer_fns = [graphed.get(id(sub), sub) for sub in subs]  # MoE: the eager module

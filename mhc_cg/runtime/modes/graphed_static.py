@@ -19,6 +19,8 @@ combination of scopes computes the same numbers, bit for bit, as eager without r
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor
 
@@ -30,7 +32,8 @@ from mhc_cg.runtime.modes.lifecycle import (CapturedState, ModeModel, one_microb
                                             runs_graphs, warmups)
 from mhc_cg.runtime.modes.plan import CapturePlan
 from mhc_cg.core.errors import StaticRecomputeError
-from mhc_cg.runtime.recompute.graphable import SlotSublayer, graphable_sublayers, sublayer_label
+from mhc_cg.runtime.recompute.graphable import (SlotSublayer, graphable_sublayers, moe_tail,
+                                                sublayer_label)
 from mhc_cg.runtime.recompute.recompute_captures import (RecomputeCaptures,
                                                          capture_recompute_graphs,
                                                          warm_up_recompute)
@@ -73,7 +76,7 @@ class GraphedStaticModel(ModeModel):
         super().__init__(model, plan, micro_batch_size=micro_batch_size, backend=backend)
         self.capacity = capacity
         self.block_size = block_size or model.cfg.resolved_recompute_layers
-        self.sublayer_fns: dict[tuple[int, int], SublayerGraph] = {}
+        self.sublayer_fns: dict[int, SublayerGraph] = {}  # by the record's order
         self.logits_memory: Tensor | None = None  # Note [logits in the chunk output's scratch]
 
     def prepare(self, device: torch.device | str) -> "GraphedStaticModel":
@@ -86,22 +89,20 @@ class GraphedStaticModel(ModeModel):
             dtype=dtype)
         api = self.capture_api()
         backend = api.backend
-        modules, keys = graphable_sublayers(self.runtime, layers, self.block_size,
-                                            attn=self.plan.attn, mlp=self.plan.mlp,
-                                            moe_step=self.plan.moe_step)
-        self.model.no_state_across(module.sub for module in modules)
+        runtime = self.runtime
+        modules, records = graphable_sublayers(runtime, attn=self.plan.attn, mlp=self.plan.mlp,
+                                               moe_step=self.plan.moe_step)
         recompute_in_sublayer_pool = False
         if modules:
             pool = api.new_pool()
-            sample_args = self._static_inputs(keys)
+            sample_args = self._static_inputs(records)
             hooks = armed = captures = None
-            if self._graphs_every_sublayer(modules, keys) and self.plan.recompute_graph:
-                warm_up_recompute(self.runtime, backend)
-                captures = RecomputeCaptures(self.runtime, backend, pool,
-                                             self.runtime.sets.all_sets()[0])
-                hooks, armed = captures.hooks(self._recompute_points(), len(modules)), captures.arm
+            if self._graphs_every_sublayer(modules, records) and self.plan.recompute_graph:
+                warm_up_recompute(runtime, backend)
+                captures = RecomputeCaptures(runtime, backend, pool, runtime.sets.fixed_set())
+                hooks, armed = captures.hooks(_recompute_points(records), len(modules)), captures.arm
                 recompute_in_sublayer_pool = True
-            scratch = self._head_scratch(modules, keys, api)
+            scratch = self._head_scratch(modules, records, api)
             # a partially captured MoE sublayer leaves its experts' parameters to the eager tail
             graphed = api.make_graphed_callables(
                 tuple(modules), sample_args, num_warmup_iters=warmups(api),
@@ -110,33 +111,24 @@ class GraphedStaticModel(ModeModel):
                 capture_time_hooks=hooks,
                 **one_microbatch(api, len(modules)),
                 options=GraphOptions(lend_grads_to_eager=True, scratch=scratch,
-                                     stream_ledger=self.model.ledger))
+                                     grads_owned=True))
             if captures is not None:
-                self.runtime.recompute_graphs.update(captures.graphs)
+                runtime.recompute_graphs.update(captures.graphs)
             self.graphed_callables = graphed
             self.logits_memory = graphed.scratch(len(modules) - 1) if scratch else None
-            self.graph_labels = [sublayer_label(key, module) for key, module in zip(keys, modules)]
-            for key, module, fn in zip(keys, modules, graphed):
-                self.sublayer_fns[key] = SublayerGraph(fn, getattr(module, "step", None))
+            self.graph_labels = [sublayer_label(r, m) for r, m in zip(records, modules)]
+            tail = partial(moe_tail, runtime, self.plan.moe_step)
+            writes_set = runtime.sets.fixed_set() is not None  # what the captures wrote
+            for record, module, fn in zip(records, modules, graphed):
+                step = getattr(module, "step", None)
+                self.sublayer_fns[record.order] = SublayerGraph(
+                    fn, step, tail=tail if step is not None else None, writes_set=writes_set)
         if self.plan.recompute_graph and not recompute_in_sublayer_pool:
-            self.runtime.recompute_graphs.update(capture_recompute_graphs(self.runtime, backend))
+            runtime.recompute_graphs.update(capture_recompute_graphs(runtime, backend))
         self.captured = CapturedState.of(self.model)
         return self
 
-    def _recompute_points(self) -> dict[int, int]:
-        """``{sublayer graph: block}``: each block's recompute graph goes into the sublayer
-        graphs' pool just before the backward of the block's last sublayer is captured
-        (Note [recompute graphs in the sublayer pool]).
-
-        The last block has none: each forward is followed by its backward (one microbatch in
-        flight), so the arena still holds what its forward wrote and the runtime skips its
-        recompute (``StaticRecompute.run_recompute``).
-        """
-        layers = len(self.model.layers)
-        return {2 * (min((block + 1) * self.block_size, layers) - 1) + 1: block
-                for block in range(len(self.runtime.layout.blocks) - 1)}
-
-    def _head_scratch(self, modules: list, keys: list, api) -> dict[int, int]:
+    def _head_scratch(self, modules: list, records: list, api) -> dict[int, int]:
         """Note [logits in the chunk output's scratch]: with one microbatch in flight and the
         chunk's last sublayer a graph of mhc_cg's make_graphed_callables, that graph's forward
         scratch (Note [forward scratch]) takes the chunk output, then the training step's logits: the
@@ -148,30 +140,27 @@ class GraphedStaticModel(ModeModel):
         them eagerly. TransformerEngine's function has no forward scratch: under it the logits
         are an eager allocation (docs/design.md says what that costs)."""
         cfg = self.model.cfg
-        last = (self.model.layers[-1].layer_number, 1)
-        if self.capacity != 1 or api.te is not None or not keys or keys[-1] != last \
-                or type(modules[-1]) is not SlotSublayer:
+        if self.capacity != 1 or api.te is not None or not records \
+                or not records[-1].last_in_chunk or type(modules[-1]) is not SlotSublayer:
             return {}
         tokens = self.micro_batch_size * cfg.seq_length
         return {len(modules) - 1: tokens * max(cfg.num_streams * cfg.hidden_size, cfg.vocab_size)}
 
-    def _graphs_every_sublayer(self, modules: list, keys: list) -> bool:
+    def _graphs_every_sublayer(self, modules: list, records: list) -> bool:
         """Every sublayer is one graph, replayed in one fixed order per step."""
-        whole = [(layer.layer_number, k) for layer in self.model.layers for k in (0, 1)]
-        return keys == whole and all(type(m) is SlotSublayer for m in modules)
+        return (len(records) == len(self.runtime.layout.records)
+                and all(type(m) is SlotSublayer for m in modules))
 
-    def _static_inputs(self, keys: list) -> tuple:
+    def _static_inputs(self, records: list) -> tuple:
         """Each graph reads its stream input where the sublayer before it wrote it (the block's
         input in the persistent set, or an arena slot) and the seed from the set: aliases of those
         buffers are its static inputs, so a replay copies nothing in."""
-        pset = self.runtime.sets.all_sets()[0]
+        pset = self.runtime.sets.template
         seed = own_version_alias(pset.seed)
         samples = []
-        for layer, k in keys:
-            i = layer  # the model is one chunk: a layer's number is its index
-            block, j = i // self.block_size, 2 * (i % self.block_size) + k
-            stream = pset.block_inputs[block] if j == 0 else \
-                self.runtime.sublayers.slots.stream(j).reader
+        for record in records:
+            stream = pset.block_inputs[record.block] if record.first_in_block else \
+                self.runtime.sublayers.slots.stream(record).reader
             samples.append((own_version_alias(stream).requires_grad_(), seed))
         return tuple(samples)
 
@@ -206,3 +195,16 @@ class GraphedStaticModel(ModeModel):
         x = self.model.embed(input_ids, *embed_buffers(self.model, self.runtime, input_ids))
         x = self.runtime.forward(x, dropout_seed, self.sublayer_fns)
         return x, grad_output_buffer(x)
+
+
+def _recompute_points(records: list) -> dict[int, int]:
+    """``{sublayer graph: block}``: each block's recompute graph goes into the sublayer graphs'
+    pool just before the backward of the block's last sublayer is captured
+    (Note [recompute graphs in the sublayer pool]).
+
+    The chunk's last block has none: each forward is followed by its backward (one microbatch
+    in flight), so the arena still holds what its forward wrote and the runtime skips its
+    recompute (Note [recompute graphs]).
+    """
+    return {i: record.block for i, record in enumerate(records)
+            if record.last_in_block and not record.last_block}

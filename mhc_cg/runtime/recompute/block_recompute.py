@@ -31,6 +31,7 @@ from mhc_cg.core.regions import region
 from mhc_cg.model.layers import MLP
 from mhc_cg.runtime.recompute.checkpoint import CheckpointWithoutOutput, RNGState
 from mhc_cg.runtime.recompute.gradient_order import order_gradient_sums
+from mhc_cg.runtime.recompute.seam import Relay, handing_post, taking_pre
 from mhc_cg.runtime.recompute.split_attention import AttentionSplit, split_attention_sublayer
 from mhc_cg.core.storage import storage_id
 
@@ -186,35 +187,42 @@ class BlockRecomputeManager:
 
 
 def checkpoint_sublayer(steps, x: Tensor, seed: Tensor | None, manager: BlockRecomputeManager,
-                        name: str, x_source: str | None, block_end: bool) -> tuple[Tensor, str | None]:
+                        name: str, x_source: str | None, block_end: bool,
+                        seam: Relay | None = None, nxt=None) -> tuple[Tensor, str | None, Relay]:
     """One mHC sublayer with every step but F a checkpoint of ``manager``.
 
     ``steps`` is a fused or a stepwise sublayer (:mod:`mhc_cg.model.sublayer`). ``x_source`` names
-    the checkpoint that produced ``x`` (``None``: ``x`` is the block input, saved). Returns the
-    output and the checkpoint that produced it (``None`` for the block end, which is the manager's
-    hook tensor and so not checkpointed). The steps run in the plain sublayer's order, so RNG
-    draws and autograd order match the plain path.
+    the checkpoint that produced ``x`` (``None``: ``x`` is the block input, saved); ``seam``: what
+    the post before handed this pre; ``nxt``: the sublayer after. Returns the output, the
+    checkpoint that produced it (``None`` for the block end, which is the manager's hook tensor and
+    so not checkpointed) and the seam this post fills for ``nxt``. The steps run in the plain
+    sublayer's order, so RNG draws and autograd order match the plain path.
     """
-    checkpoint = _fused_checkpoints if steps.fused else _stepwise_checkpoints
-    return checkpoint(steps, x, seed, manager, name, x_source, block_end)
+    if steps.fused:
+        return _fused_checkpoints(steps, x, seed, manager, name, x_source, block_end,
+                                  seam or Relay(), nxt)
+    return (*_stepwise_checkpoints(steps, x, seed, manager, name, x_source, block_end), Relay())
 
 
-def _fused_checkpoints(steps, x, seed, manager, name, x_source, block_end):
+def _fused_checkpoints(steps, x, seed, manager, name, x_source, block_end, seam, nxt):
     """``pre`` and ``post`` checkpoints; ``pre`` hands ``x`` on as its pass-through ``x_on``, so
     the post's input is refilled from wherever ``x`` is (its own source, or the saved block input
     itself)."""
     x_refill = {} if x_source is None else {0: x_source}
     fn_input, state, x_on = CheckpointWithoutOutput(manager, name=f"{name}/pre").checkpoint(
-        steps.pre, x, refill=x_refill, output_keys=("fn_input", "state", "x_on"), passthrough=(2,))
+        taking_pre(steps.pre, seam), x, refill=x_refill,
+        output_keys=("fn_input", "state", "x_on"), passthrough=(2,))
     y = steps.fn(fn_input)  # F's output is a persistent input of the post: F is never re-run
+    after = Relay()
+    post = handing_post(steps, nxt, after)
     if block_end:
         # The block end is the manager's hook tensor, so it is not checkpointed: it saves x_on
         # (restored by the recompute before its backward), the state (likewise), y and the seed
-        return steps.post(x_on, state, y, seed), None
+        return post(x_on, state, y, seed), None, after
     out = CheckpointWithoutOutput(manager, name=f"{name}/post").checkpoint(
-        steps.post, x_on, state, y, seed,
+        post, x_on, state, y, seed,
         refill={0: f"{name}/pre.x_on", 1: f"{name}/pre.state"})
-    return out, f"{name}/post"
+    return out, f"{name}/post", after
 
 
 def _stepwise_checkpoints(steps, x, seed, manager, name, x_source, block_end):
@@ -254,6 +262,9 @@ def run_recompute_blocks(layers, x: Tensor, seed: Tensor | None, block_size: int
     saves and restores no generator state (Note [no generator state without a random op]).
     """
     layers = list(layers)
+    sublayers = [sub for layer in layers for sub in (layer.attention, layer.mlp)]
+    after = dict(zip(map(id, sublayers), [*sublayers[1:], None]))
+    seam = Relay()  # what the last post handed on
     for start in range(0, len(layers), block_size):
         block = layers[start:start + block_size]
         manager = BlockRecomputeManager(name=f"block{start // block_size}",
@@ -264,17 +275,17 @@ def run_recompute_blocks(layers, x: Tensor, seed: Tensor | None, block_size: int
             for i, layer in enumerate(block, start):
                 with _sublayer_range(ranges, f"{i}.attn"):
                     if split is None:
-                        x, x_source = checkpoint_sublayer(layer.attention, x, seed, manager,
-                                                          f"layer{i}/attention", x_source,
-                                                          block_end=False)
+                        x, x_source, seam = checkpoint_sublayer(
+                            layer.attention, x, seed, manager, f"layer{i}/attention", x_source,
+                            block_end=False, seam=seam, nxt=layer.mlp)
                     else:
-                        x, x_source = split_attention_sublayer(
+                        x, x_source, seam = split_attention_sublayer(
                             layer.attention, split.consumers[i], split.slots[i], x, seed, manager,
-                            f"layer{i}/attention", x_source)
+                            f"layer{i}/attention", x_source, seam, layer.mlp)
                 with _sublayer_range(ranges, f"{i}.mlp"):
-                    x, x_source = checkpoint_sublayer(layer.mlp, x, seed, manager,
-                                                      f"layer{i}/mlp", x_source,
-                                                      block_end=layer is block[-1])
+                    x, x_source, seam = checkpoint_sublayer(
+                        layer.mlp, x, seed, manager, f"layer{i}/mlp", x_source,
+                        block_end=layer is block[-1], seam=seam, nxt=after[id(layer.mlp)])
             manager.discard_all_outputs_and_register_unified_recompute(x)
     return x
 

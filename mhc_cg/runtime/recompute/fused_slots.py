@@ -1,6 +1,6 @@
 """Where a block of fused sublayers keeps its mHC tensors: every buffer named, nothing copied in.
 
-Sublayer ``j = 2 * position + k`` of a block of ``S`` (``k``: 0 attention, 1 MLP):
+Sublayer ``j`` of a block of ``S`` (its record's ``slot``, :mod:`~mhc_cg.runtime.recompute.chunk`):
 
 * its stream input is the block's input (persistent set) for ``j = 0``, else arena slot
   ``streams[j - 1]``; the pre saves it from there, and the previous sublayer's post writes it there;
@@ -20,6 +20,7 @@ from torch import Tensor
 
 from mhc_cg.ops.kernels import Target
 from mhc_cg.runtime.recompute.arena import Arena, Slot
+from mhc_cg.runtime.recompute.chunk import SublayerRecord
 
 
 class FusedSlots:
@@ -51,12 +52,13 @@ class FusedSlots:
         self.arena.track(name, j, writer)
         return Target(writer, self._stacked(slot, width, False)[j])
 
-    def stream(self, j: int) -> Target:
-        """Where sublayer ``j >= 1`` of a block reads its stream input from."""
-        return self._target(self._streams, self.width, j - 1)
+    def stream(self, record: SublayerRecord) -> Target:
+        """Where a sublayer past its block's first reads its stream input from."""
+        return self._target(self._streams, self.width, record.slot - 1)
 
-    def fn_input(self, j: int) -> Target:
-        return self._target(self._fn_inputs, self.hidden, j)
+    def fn_input(self, record: SublayerRecord) -> Target:
+        """Where a sublayer's pre writes F's input."""
+        return self._target(self._fn_inputs, self.hidden, record.slot)
 
     def recompute_outputs(self, sublayers: int) -> tuple[Tensor, Tensor]:
         """``(streams [S-1, ...], fn_inputs [S, ...])`` writers for a block of ``sublayers``."""

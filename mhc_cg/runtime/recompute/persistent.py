@@ -20,10 +20,11 @@ import torch
 from torch import Tensor
 
 from mhc_cg.core.errors import StaticRecomputeError
-from mhc_cg.model import MHCTransformerLayer, recomputes_activation
+from mhc_cg.model import MHCTransformerLayer
 from mhc_cg.ops.kernels.reference import state_dtype, state_width
 from mhc_cg.core.storage import own_version_alias
 from mhc_cg.runtime.graphs.static_inputs import static_buffer
+from mhc_cg.runtime.recompute.chunk import ChunkLayout
 
 
 @dataclass
@@ -123,6 +124,11 @@ class PersistentSetPool:
         return list(self._sets)
 
     @property
+    def template(self) -> PersistentSlotSet:
+        """A set to read the sets' shapes, dtypes and device from: they are all alike."""
+        return self._sets[0]
+
+    @property
     def in_use(self) -> int:
         return len(self._in_use)
 
@@ -134,35 +140,34 @@ class PersistentSetPool:
 def new_persistent_set(index: int, layers: list[MHCTransformerLayer], block_size: int,
                        seq_length: int, micro_batch_size: int, device: torch.device | str,
                        dtype: torch.dtype = torch.float32) -> PersistentSlotSet:
-    """Zeroed static buffers for one in-flight microbatch of ``layers`` (one model chunk)."""
+    """Zeroed static buffers for one in-flight microbatch of ``layers`` (one model chunk) in
+    blocks of ``block_size`` layers: an entry per sublayer record (:class:`ChunkLayout`)."""
+    layout = ChunkLayout(layers, block_size)
     cfg = layers[0].attention.cfg
     width = cfg.num_streams * cfg.hidden_size
-    num_blocks = -(-len(layers) // block_size)
     lead = (seq_length, micro_batch_size)
     pset = PersistentSlotSet(
         index=index,
         block_inputs=[torch.zeros(*lead, width, dtype=dtype, device=device)
-                      for _ in range(num_blocks)],
+                      for _ in range(layout.num_blocks)],
         fn_outputs={},
         seed=static_buffer(torch.zeros((), dtype=torch.int64, device=device)),  # 0-dim, on device
-        fc1_outputs={i: torch.zeros(*lead, layer.mlp.fn.fc1.out_features, dtype=dtype,
-                                    device=device)
-                     for i, layer in enumerate(layers) if recomputes_activation(layer.mlp)},
+        fc1_outputs={r.index: torch.zeros(*lead, r.sub.fn.fc1.out_features, dtype=dtype,
+                                          device=device)
+                     for r in layout.records if r.recompute_activation},
     )
     if not layers[0].attention.fused:
-        pset.fn_outputs = {(i, k): torch.zeros(*lead, cfg.hidden_size, dtype=dtype, device=device)
-                           for i in range(len(layers)) for k in range(2)}
+        pset.fn_outputs = {r.key: torch.zeros(*lead, cfg.hidden_size, dtype=dtype, device=device)
+                           for r in layout.records}
         return pset
     width = state_width(cfg.num_streams * (cfg.num_streams + 2))
-    for b in range(num_blocks):
-        first, count = b * block_size, min(block_size, len(layers) - b * block_size)
-        ys = torch.zeros(2 * count, *lead, cfg.hidden_size, dtype=dtype, device=device)
-        states = torch.zeros(2 * count, *lead, width, dtype=state_dtype(dtype), device=device)
+    for records in layout.blocks:
+        ys = torch.zeros(len(records), *lead, cfg.hidden_size, dtype=dtype, device=device)
+        states = torch.zeros(len(records), *lead, width, dtype=state_dtype(dtype), device=device)
         pset.block_fn_outputs.append(ys)
         pset.block_states.append(states)
-        for j in range(2 * count):
-            key = (first + j // 2, j % 2)
-            pset.fn_outputs[key], pset.states[key] = _entry(ys, j), _entry(states, j)
+        for r in records:
+            pset.fn_outputs[r.key], pset.states[r.key] = _entry(ys, r.slot), _entry(states, r.slot)
     return pset
 
 

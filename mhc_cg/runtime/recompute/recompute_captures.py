@@ -2,7 +2,7 @@
 
 A block's recompute is a pure function of its persistent set, writing arena slots only, so a
 graph of it serves every step (Note [recompute graphs], docs/design.md, item 4). These functions
-capture them; the runtime replays what it is given (``StaticRecompute.recompute_graphs``, keyed
+capture them; the runtime replays what it is given (``Recomputer.graphs``, keyed
 ``(block, set)``), and runs a block eagerly where it has none.
 
 * :func:`capture_recompute_graphs`: every (block, set) into one pool of independent graphs of
@@ -41,8 +41,8 @@ def warm_up_recompute(runtime: StaticRecompute, backend: GraphBackend) -> None:
     on CUDA), so that lazy library setup (cuBLAS handles, workspaces) never happens inside a
     capture. It writes slots that the next forward overwrites anyway."""
     with backend.warmup():
-        for block in range(len(runtime.layout.blocks)):
-            runtime.recompute_block(block, runtime.sets.all_sets()[0])
+        for block in range(runtime.layout.num_blocks):
+            runtime.recompute(block, runtime.sets.template)
     backend.synchronize()
 
 
@@ -55,7 +55,7 @@ def capture_recompute_graph(runtime: StaticRecompute, backend: GraphBackend, poo
     """
     graph = backend.new_graph(pool=pool)
     with graph.capture(), region("recompute"):
-        runtime.recompute_block(block, pset)
+        runtime.recompute(block, pset)
     if graph.stats.escaped_bytes:
         raise StaticRecomputeError(
             f"recompute graph of block {block}: {graph.stats.escaped_bytes} bytes allocated by "
@@ -72,7 +72,7 @@ def capture_recompute_graphs(runtime: StaticRecompute,
     pool = backend.new_pool(independent=True)
     graphs = {}
     for pset in runtime.sets.all_sets():
-        for block in reversed(range(len(runtime.layout.blocks))):
+        for block in reversed(range(runtime.layout.num_blocks)):
             graphs[(block, pset.index)] = capture_recompute_graph(runtime, backend, pool, block,
                                                                   pset)
     return graphs

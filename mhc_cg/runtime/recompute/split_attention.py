@@ -20,6 +20,7 @@ from torch import Tensor
 from mhc_cg.core.storage import own_version_alias
 from mhc_cg.ops.kernels import Target
 from mhc_cg.runtime.recompute.checkpoint import FORWARD, CheckpointWithoutOutput
+from mhc_cg.runtime.recompute.seam import Relay, handing_post, taking_pre
 
 
 @dataclass(frozen=True)
@@ -68,33 +69,36 @@ class StaticInputCheckpoint(CheckpointWithoutOutput):
             self.passthrough = kept
 
 
-def pre_into(steps, slot: Tensor) -> Callable[[Tensor], tuple[Tensor, Tensor, Tensor]]:
-    """``steps.pre`` writing F's input into ``slot`` when it runs without grad (the checkpoint's
+def pre_into(pre, slot: Tensor) -> Callable[[Tensor], tuple[Tensor, Tensor, Tensor]]:
+    """``pre`` writing F's input into ``slot`` when it runs without grad (the checkpoint's
     forward); with grad (the recompute) it returns the value and the checkpoint copies it into
     ``slot``."""
-    def pre(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def run(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if torch.is_grad_enabled():
-            return steps.pre(x)
-        return steps.pre(x, fn_input_out=Target(slot, static_view(slot)))
-    return pre
+            return pre(x)
+        return pre(x, fn_input_out=Target(slot, static_view(slot)))
+    return run
 
 
 def split_attention_sublayer(steps, consumer: Callable[[Tensor], Tensor], slot: Tensor, x: Tensor,
-                             seed: Tensor | None, manager, name: str,
-                             x_source: str | None) -> tuple[Tensor, str]:
+                             seed: Tensor | None, manager, name: str, x_source: str | None,
+                             seam: Relay, nxt) -> tuple[Tensor, str, Relay]:
     """An attention sublayer: eager checkpointed pre and post around the graphed ``consumer``.
 
-    The same checkpoints as :func:`mhc_cg.runtime.recompute.block_recompute.checkpoint_sublayer`, with F's
-    input written into ``slot`` (the consumer graph's static input). The attention sublayer never
-    ends a block (its layer's MLP follows), so its post is always a checkpoint.
+    The same checkpoints as :func:`mhc_cg.runtime.recompute.block_recompute.checkpoint_sublayer`
+    (``seam``, ``nxt`` and what it returns as there), with F's input written into ``slot`` (the
+    consumer graph's static input). The attention sublayer never ends a block (its layer's MLP
+    follows), so its post is always a checkpoint.
     """
     x_refill = {} if x_source is None else {0: x_source}
     fn_input, state, x_on = StaticInputCheckpoint(manager, slot, 0, name=f"{name}/pre").checkpoint(
-        pre_into(steps, slot), x, refill=x_refill, output_keys=("fn_input", "state", "x_on"),
-        passthrough=(2,))
+        pre_into(taking_pre(steps.pre, seam), slot), x, refill=x_refill,
+        output_keys=("fn_input", "state", "x_on"), passthrough=(2,))
     y = consumer(fn_input)
+    after = Relay()
     out = CheckpointWithoutOutput(manager, name=f"{name}/post").checkpoint(
-        steps.post, x_on, state, y, seed, refill={0: f"{name}/pre.x_on", 1: f"{name}/pre.state"})
-    return out, f"{name}/post"
+        handing_post(steps, nxt, after), x_on, state, y, seed,
+        refill={0: f"{name}/pre.x_on", 1: f"{name}/pre.state"})
+    return out, f"{name}/post", after
 
 

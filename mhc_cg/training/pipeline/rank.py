@@ -213,12 +213,12 @@ class PipelineRank:
         self.sublayer_fns, self.graphed = [None] * self.vpp, None
         if not plan.graphed_sublayers:
             return
-        modules, keys = [], []
-        for runtime, layers in zip(self.runtimes, self.chunk_layers):
-            chunk_modules, chunk_keys = graphable_sublayers(
-                runtime, layers, self.block, attn=plan.attn, mlp=plan.mlp, moe_step=plan.moe_step)
+        modules, records = [], []
+        for runtime in self.runtimes:
+            chunk_modules, chunk_records = graphable_sublayers(
+                runtime, attn=plan.attn, mlp=plan.mlp, moe_step=plan.moe_step)
             modules += chunk_modules
-            keys += chunk_keys
+            records += chunk_records
         per_chunk = len(modules) // self.vpp
         # TE's layout: the callables are the chunks' sublayers; graph i is sample i, chunk-major,
         # then microbatch, then the chunk's sublayers
@@ -228,12 +228,13 @@ class PipelineRank:
             tuple(modules), list(samples), num_warmup_iters=warmups(api),
             _order=self.order, _num_layers_per_chunk=[per_chunk] * self.vpp,
             _reuse_graph_input_output_buffers=True, clone_param_grads_on_return=False,
-            options=GraphOptions(stream_ledger=self.model.ledger))
+            options=GraphOptions(grads_owned=True))
 
         def for_chunk(c):
             def fns(microbatch):
                 first = (c * self.m + microbatch) * per_chunk
-                return {keys[c * per_chunk + j]: SublayerGraph(self.graphed[first + j], named=False)
+                return {records[c * per_chunk + j].order:
+                        SublayerGraph(self.graphed[first + j], named=False)
                         for j in range(per_chunk)}
             return fns
 
