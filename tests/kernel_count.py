@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mhc_cg.model import MHCGPT
 from mhc_cg.runtime.modes.eager import EagerModel
-from mhc_cg.runtime.recompute.block_recompute import install_activation_recompute
+from mhc_cg.runtime.recompute.block_recompute import recompute_activation_eagerly
 from mhc_cg.cost.ops import kernel_launches, launches_kernel
 
 class KernelCounter(TorchDispatchMode):
@@ -64,8 +64,7 @@ def kernels_per_layer(cfg, micro_batch_size: int = 2, device: str = "cpu") -> tu
         layer_cfg = dataclasses.replace(cfg, num_layers=layers, recompute_layers=block
                                         if cfg.recompute == "block" else cfg.recompute_layers)
         torch.manual_seed(0)
-        model = MHCGPT(layer_cfg).to(device).train()
-        install_activation_recompute(model)
+        model = MHCGPT(layer_cfg, recompute_activation_eagerly).to(device).train()
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, cfg.vocab_size, (micro_batch_size, cfg.seq_length), generator=gen)
         seed = torch.tensor(12345, dtype=torch.int64)

@@ -8,6 +8,8 @@ Every path must give gradients bit-identical to no recompute, with dropout on.
 
 from __future__ import annotations
 
+import functools
+
 import dataclasses
 
 import pytest
@@ -23,7 +25,7 @@ from mhc_cg.core.storage import distinct_storage_bytes, storage_id
 from mhc_cg.runtime.graphs import get_backend
 from mhc_cg.memory.measure import measure_saved_bytes
 from mhc_cg.runtime.modes.eager import EagerModel
-from mhc_cg.runtime.recompute.block_recompute import install_activation_recompute
+from mhc_cg.runtime.recompute.block_recompute import recompute_activation_eagerly
 from mhc_cg.model import MHCGPT, MHCGPTConfig
 from mhc_cg.core.errors import StaticRecomputeError
 from mhc_cg.runtime.recompute.frame import Frame
@@ -39,15 +41,16 @@ SHAPE = dict(vocab_size=32, seq_length=SEQ, hidden_size=32, num_heads=4, num_str
 ACT_BYTES = SEQ * MBS * FFN * 4  # one gelu output, [s, b, ffn] fp32
 
 
-def make_model(num_layers: int = 4, **overrides) -> MHCGPT:
+def make_model(num_layers: int = 4, made: list | None = None, **overrides) -> MHCGPT:
+    """The model, its MLPs that ask for it recomputing the gelu eagerly (each checkpoint made
+    appended to ``made``), as the modes build it."""
     torch.manual_seed(0)  # the same weights whatever the recompute options
-    return MHCGPT(MHCGPTConfig(**SHAPE, num_layers=num_layers, **overrides)).train()
+    return MHCGPT(MHCGPTConfig(**SHAPE, num_layers=num_layers, **overrides),
+                  functools.partial(recompute_activation_eagerly, made=made)).train()
 
 
 def eager(model: MHCGPT) -> EagerModel:
-    """``model`` as the eager modes run it: block recompute as its config says, and the gelu
-    recomputed eagerly in the MLPs that ask for it."""
-    install_activation_recompute(model)
+    """``model`` as the eager modes run it: block recompute as its config says."""
     return EagerModel(model)
 
 
@@ -80,31 +83,30 @@ def test_eager_gradients_bit_identical_to_no_recompute(recompute, layers):
     data = batches(2)
     plain = make_model()
     want = grads_after(plain, plain, data)
-    model = make_model(recompute=recompute, recompute_layers=2, recompute_activation=True,
-                       recompute_activation_layers=layers)
+    made = []
+    model = make_model(made=made, recompute=recompute, recompute_layers=2,
+                       recompute_activation=True, recompute_activation_layers=layers)
     got = grads_after(model, eager(model), data)
     assert not mismatched(want, got), mismatched(want, got)
     flags = [layer.mlp.fn.recompute_activation for layer in model.layers]
     assert flags == [True] * 4 if layers is None else flags == [i < layers for i in range(4)]
-    # every gelu checkpoint was recomputed and consumed by its backward
-    states = {layer.mlp.fn.activation_checkpoint.state for layer in model.layers
-              if layer.mlp.fn.recompute_activation}
-    assert states == {"consumed"}
+    # one gelu checkpoint per microbatch and MLP that asks, each recomputed and consumed
+    assert len(made) == 2 * sum(flags) and {c.state for c in made} == {"consumed"}
 
 
 def test_eager_forward_frees_the_gelu_output_until_fc2_backward():
-    model = make_model(recompute_activation=True)
+    ckpts = []
+    model = make_model(made=ckpts, recompute_activation=True)
     ids, _, seed = batches(1)[0]
     out = eager(model)(ids, seed)
-    ckpts = [layer.mlp.fn.activation_checkpoint for layer in model.layers]
+    assert len(ckpts) == len(model.layers)
     assert all(c.state == "discarded" for c in ckpts)
     assert all(c.outputs[0].untyped_storage().nbytes() == 0 for c in ckpts)
     out.sum().backward()
     assert all(c.state == "consumed" for c in ckpts)
     with torch.no_grad():  # no backward to come: the plain MLP, nothing checkpointed
-        model.layers[0].mlp.fn.activation_checkpoint = None
         model(ids, seed)
-    assert model.layers[0].mlp.fn.activation_checkpoint is None
+    assert len(ckpts) == len(model.layers)
 
 
 # ---------------------------------------------------------------- static runtime
@@ -292,4 +294,4 @@ def test_valid_combinations_load(tmp_path):
                     "recompute_activation_layers: 4}\n"
                     "graph: {backend: tape, cuda_graph_scope: [attn, mlp, mhc_recompute]}\n")
     cfg = load_config(path)
-    assert [cfg.model.recomputes_activation(i) for i in range(4)] == [True] * 4
+    assert [cfg.model.recompute_activation_of(i) for i in range(4)] == [True] * 4

@@ -212,7 +212,7 @@ TINY = {"model": {"vocab_size": 16, "seq_length": 8, "hidden_size": 16, "num_hea
 def toy_mode():
     """A mode registered in one place: eager without recompute, under its own name."""
     mode = register(Mode("toy_eager", "eager, no recompute, registered by a test", EagerModel,
-                         activation_recompute=False))
+                         recompute_activation=False))
     yield mode
     unregister(mode.name)
 

@@ -5,6 +5,8 @@ cannot hold, static addresses, and make_graphed_callables along a pipeline order
 
 from __future__ import annotations
 
+from mhc_cg.runtime.graphs import get_backend
+
 import functools
 import re
 
@@ -184,7 +186,7 @@ def test_pipeline_matches_eager(backend):
     graphed = make_graphed_callables(tuple(layers), sample_args, _order=order,
                                      _reuse_graph_input_output_buffers=True,
                                      _num_layers_per_chunk=2,
-                                     options=GraphOptions(backend=backend_name))
+                                     options=GraphOptions(backend=get_backend(backend_name)))
     assert len(graphed) == len(sample_args)
     assert all(g.stats.violations == 0 for g in graphed.graphs())
     assert count_allocated_static_inputs(graphed) == planner_prediction(order, [2, 2], True)
@@ -223,7 +225,7 @@ def test_module_stays_module_and_python_does_not_rerun(backend):
     module = CountingScale(5).to(device)
     sample = torch.randn(3, 5, device=device, requires_grad=True)
     graphed = make_graphed_callables(module, (sample,), num_warmup_iters=2,
-                                     options=GraphOptions(backend=backend_name))
+                                     options=GraphOptions(backend=get_backend(backend_name)))
     assert graphed is module and isinstance(graphed, torch.nn.Module)
     calls_at_capture = module.calls
     assert calls_at_capture == 2 + 1  # warmup iterations, then the capture

@@ -181,7 +181,7 @@ def test_the_arena_is_idle_wherever_it_is_lent(case):
     microbatch_loss = graphed.microbatch_loss
 
     def poisoned_microbatch(*args):
-        arena.lend().fill_(255)  # 0xff..: NaN in every float dtype
+        arena.borrow().fill_(255)  # 0xff..: NaN in every float dtype
         return microbatch_loss(*args)
 
     graphed.microbatch_loss = poisoned_microbatch
@@ -190,13 +190,13 @@ def test_the_arena_is_idle_wherever_it_is_lent(case):
 
         def poison_after_digest(model, mode):
             digests[mode] = grad_digest(model)
-            arena.lend().fill_(255)
+            arena.borrow().fill_(255)
 
         losses = {mode: s.step(after_backward=lambda model, m=mode: poison_after_digest(model, m))[0]
                   for mode, s in sessions.items()}
         assert losses["graphed_static"] == losses["eager_none"], step
         assert digests["graphed_static"] == digests["eager_none"], step
-        assert (arena.lend() != 255).any()  # the step's cast gradients
+        assert (arena.borrow() != 255).any()  # the step's cast gradients
     assert all(torch.equal(p, q) for p, q in zip(sessions["eager_none"].model.parameters(),
                                                  sessions["graphed_static"].model.parameters()))
 

@@ -26,7 +26,7 @@ def test_graphed_callables_replay_order_on_cuda():
     layers = (layer, torch.nn.Linear(4, 4).cuda())
     samples = [(torch.randn(2, 4, device="cuda", requires_grad=True),) for _ in range(2)]
     _, second = make_graphed_callables(layers, samples, num_warmup_iters=1,
-                                       options=GraphOptions(backend="cuda"))
+                                       options=GraphOptions(backend=get_backend("cuda")))
     with pytest.raises(GraphReplayError, match="replay order differs"):
         second(torch.randn(2, 4, device="cuda"))
 

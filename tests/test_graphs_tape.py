@@ -177,12 +177,12 @@ def test_static_inputs_without_reuse_one_set_per_sample():
     order = [1, 1, 2, -2, 2, -1, -2, -1]  # pp-style: 2 chunks x 2 microbatches, 1 layer each
     samples = [(torch.randn(2, 4, requires_grad=True),) for _ in range(4)]
     graphed = make_graphed_callables(layers, samples, num_warmup_iters=1, _order=order,
-                                     options=GraphOptions(backend="tape"))
+                                     options=GraphOptions(backend=get_backend("tape")))
     assert count_allocated_static_inputs(graphed) == 4 == planner_prediction(order, [1, 1], False)
     samples = [(torch.randn(2, 4, requires_grad=True),) for _ in range(4)]
     graphed = make_graphed_callables(layers, samples, num_warmup_iters=1, _order=order,
                                      _reuse_graph_input_output_buffers=True,
-                                     options=GraphOptions(backend="tape"))
+                                     options=GraphOptions(backend=get_backend("tape")))
     assert count_allocated_static_inputs(graphed) == planner_prediction(order, [1, 1], True) == 3
 
 
@@ -190,7 +190,7 @@ def test_graphed_callables_must_replay_in_capture_order():
     layers = tuple(CountingScale(4) for _ in range(2))
     samples = [(torch.randn(2, 4, requires_grad=True),) for _ in range(2)]
     first, second = make_graphed_callables(layers, samples, num_warmup_iters=1,
-                                           options=GraphOptions(backend="tape"))
+                                           options=GraphOptions(backend=get_backend("tape")))
     with pytest.raises(GraphReplayError, match="replay order differs from capture order"):
         second(torch.randn(2, 4))  # captured order: forward 1, forward 2, backward 2, backward 1
 
@@ -206,7 +206,7 @@ def test_invalid_order_is_rejected(order, match):
     with pytest.raises(ValueError, match=match):
         make_graphed_callables((layer,), [(torch.randn(2, 4),)], _order=order,
                                _reuse_graph_input_output_buffers=True,
-                               options=GraphOptions(backend="tape"))
+                               options=GraphOptions(backend=get_backend("tape")))
 
 
 def test_module_hooks_are_rejected():
@@ -214,18 +214,18 @@ def test_module_hooks_are_rejected():
     layer.register_forward_hook(lambda *a: None)
     with pytest.raises(ValueError, match="hooks run once at capture and never at replay"):
         make_graphed_callables((layer,), [(torch.randn(2, 4),)],
-                               options=GraphOptions(backend="tape"))
+                               options=GraphOptions(backend=get_backend("tape")))
 
 
 def test_non_tensor_sample_args_are_rejected():
     with pytest.raises(TypeError, match="only tensors"):
         make_graphed_callables((CountingScale(4),), [(torch.randn(2, 4), 3)],
-                               options=GraphOptions(backend="tape"))
+                               options=GraphOptions(backend=get_backend("tape")))
 
 
 def test_wrong_input_shape_at_call_is_rejected():
     graphed = make_graphed_callables(CountingScale(4), (torch.randn(2, 4),), num_warmup_iters=1,
-                                     options=GraphOptions(backend="tape"))
+                                     options=GraphOptions(backend=get_backend("tape")))
     with pytest.raises(ValueError, match="captured with \\[2, 4\\]"):
         graphed(torch.randn(3, 4))
 
@@ -250,7 +250,7 @@ def test_gradients_accumulate_over_microbatches_replaying_one_graph():
     """Without an order one graph serves every microbatch; ``.grad`` must sum them all."""
     module = CountingScale(5)
     graphed = make_graphed_callables(module, (torch.randn(3, 5, requires_grad=True),),
-                                     num_warmup_iters=1, options=GraphOptions(backend="tape"))
+                                     num_warmup_iters=1, options=GraphOptions(backend=get_backend("tape")))
     reference = module.weight.detach().clone().requires_grad_()
     for _ in range(3):
         x = torch.randn(3, 5)
@@ -272,7 +272,7 @@ def test_a_kept_param_grad_becomes_grad_uncopied_and_accumulates_as_autograd_doe
     module = CountingScale(5)
     graphed = make_graphed_callables(module, (torch.randn(3, 5, requires_grad=True),),
                                      num_warmup_iters=1, clone_param_grads_on_return=False,
-                                     options=GraphOptions(backend="tape"))
+                                     options=GraphOptions(backend=get_backend("tape")))
     buffer = _kept_grad_buffer(graphed)
     reference = module.weight.detach().clone().requires_grad_()
     for step in range(2):
@@ -297,7 +297,7 @@ def test_a_param_shared_by_two_graphed_callables_gets_clones():
     samples = [(torch.randn(3, 5, requires_grad=True),) for _ in range(2)]
     graphed = make_graphed_callables((first, second), samples, num_warmup_iters=1,
                                      clone_param_grads_on_return=False,
-                                     options=GraphOptions(backend="tape"))
+                                     options=GraphOptions(backend=get_backend("tape")))
     assert all(not state.kept_grads for state in graphed.states)
     reference = first.weight.detach().clone().requires_grad_()
     for _ in range(2):
@@ -353,7 +353,7 @@ def test_a_forward_scratch_holds_its_output_until_the_pools_next_replay():
 
     module, sample = _IntoScratch(), torch.randn(4, requires_grad=True)
     graphed = make_graphed_callables((module,), ((sample,),), num_warmup_iters=1,
-                                     options=GraphOptions(backend="tape", scratch={0: 8}))
+                                     options=GraphOptions(backend=get_backend("tape"), scratch={0: 8}))
     memory = graphed.scratch(0)
     assert memory is not None and memory.numel() == 8
     x = torch.randn(4, requires_grad=True)
@@ -382,7 +382,7 @@ def _graphed_chain(subs):
 
     samples = tuple((torch.randn(4, 2, 32, requires_grad=True),) for _ in subs)
     return make_graphed_callables(tuple(subs), samples, num_warmup_iters=1,
-                                  options=GraphOptions(backend="tape", grads_owned=True))
+                                  options=GraphOptions(backend=get_backend("tape"), grads_owned=True))
 
 
 class StreamCopies(TorchDispatchMode):
@@ -429,7 +429,7 @@ def _lending_chain(subs, lend: bool):
 
     samples = tuple((torch.randn(4, 2, 32, requires_grad=True),) for _ in subs)
     return make_graphed_callables(tuple(subs), samples, num_warmup_iters=1,
-                                  options=GraphOptions(backend="tape", lend_grads_to_eager=lend,
+                                  options=GraphOptions(backend=get_backend("tape"), lend_grads_to_eager=lend,
                                                        grads_owned=True))
 
 

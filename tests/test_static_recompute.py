@@ -115,7 +115,7 @@ def test_a_write_into_the_arena_after_the_forward_brings_the_recompute_back():
     runtime = build_static_recompute(list(model.layers), 2, seq_length=SEQ,
                                      micro_batch_size=MBS, capacity=1, device="cpu")
     got = interleaved_grads(model, data, runtime.forward,
-                            between=lambda: runtime.arena.lend().fill_(7))
+                            between=lambda: runtime.arena.borrow().fill_(7))
     assert all(torch.equal(got[n], expected[n]) for n in expected)
     assert runtime.recomputes[(runtime.layout.num_blocks - 1, "eager")] == 2
     assert not any(how == "kept" for _, how in runtime.recomputes)

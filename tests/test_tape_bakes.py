@@ -66,7 +66,7 @@ def test_device_scalars_are_read_at_replay(tape):
     assert torch.equal(y, torch.full((3,), 4.0 / 3.0))
 
     scaled = make_graphed_callables(lambda v, s: v * s, (torch.ones(3), torch.tensor(1.0)),
-                                    options=GraphOptions(backend="tape"))
+                                    options=GraphOptions(backend=get_backend("tape")))
     for s in (2.0, 7.0):
         assert torch.equal(scaled(torch.ones(3), torch.tensor(s)), torch.full((3,), s))
 
@@ -129,7 +129,7 @@ def test_a_tensor_moved_to_another_storage_after_capture_is_refused_at_replay(ta
 def test_graphed_callables_refuse_an_input_whose_geometry_changed_in_one_line(change):
     x = torch.arange(12.0)[:9].view(3, 3)
     layer = torch.nn.Linear(3, 3)
-    graphed = make_graphed_callables(layer, (x,), options=GraphOptions(backend="tape"))
+    graphed = make_graphed_callables(layer, (x,), options=GraphOptions(backend=get_backend("tape")))
     GEOMETRY_CHANGES[change](x)
     with pytest.raises(ValueError) as info:
         graphed(x)

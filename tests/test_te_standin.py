@@ -7,6 +7,8 @@ over it in a child process)."""
 
 from __future__ import annotations
 
+from mhc_cg.runtime.graphs import get_backend
+
 import importlib.util
 import inspect
 from pathlib import Path
@@ -79,7 +81,7 @@ def test_hooks_run_as_te_runs_them(which):
 def test_fp8_is_refused_by_ours(fp8):
     with pytest.raises(NotImplementedError, match="FP8"):
         make_graphed_callables(_layers(), [(torch.randn(3, 4),)] * 2,
-                               options=GraphOptions(backend="tape"), **fp8)
+                               options=GraphOptions(backend=get_backend("tape")), **fp8)
 
 
 def _tree_module(relative: str, name: str):

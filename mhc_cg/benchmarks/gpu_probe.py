@@ -106,13 +106,13 @@ def probe_pools(cfg: RunConfig, device: torch.device, modes: Sequence[str] = POO
     for mode in modes:
         run = resolve(cfg, mode, device)
         plan = run.plan
-        if plan.backend not in ("tape", "cuda"):
-            result["modes"][mode] = not_available(f"backend {plan.backend}: its pools are TE's")
+        if plan.api not in ("tape", "cuda"):
+            result["modes"][mode] = not_available(f"backend {plan.api}: its pools are TE's")
             continue
         graphed = TrainSession.build(run).mode_model  # a full-iteration mode needs its step loop
         synchronize(device)
-        rows = measure_pools(graphed.graphs(), plan.backend)
-        entry: dict[str, Any] = {"backend": plan.backend, "pools": rows,
+        rows = measure_pools(graphed.graphs(), plan.api)
+        entry: dict[str, Any] = {"backend": plan.api, "pools": rows,
                                  "total_bytes": sum(r["bytes"] for r in rows)}
         try:
             cost = cost_mode(resolve(cfg.replace(graph={"backend": "auto"}), mode, "meta"))

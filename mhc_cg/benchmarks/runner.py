@@ -175,7 +175,7 @@ def run_bench(shapes: list[tuple[str, RunConfig]], device: torch.device, opts: B
 
 
 def _report_head(shape: str, cfg: RunConfig, device: torch.device, opts: BenchOptions) -> dict:
-    backend = resolve(cfg, REFERENCE, device).plan.backend  # as every mode resolves it
+    backend = resolve(cfg, REFERENCE, device).plan.api  # as every mode resolves it
     return {
         "device": device_name(device), "device_type": device.type,
         "device_slug": device_slug(device), "torch": torch.__version__,

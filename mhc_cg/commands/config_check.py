@@ -47,9 +47,9 @@ def summary(cfg: RunConfig) -> str:
     plan = resolve(cfg, on_this_machine=False).plan  # a config may be meant for another machine
     megatron = [s for s in cfg.graph.scopes if s != RECOMPUTE_SCOPE]
     line = (f"# ok: mode {plan.mode}, L_r={cfg.model.resolved_recompute_layers}, "
-            f"graphs {list(plan.scopes) or 'none'} on {plan.backend} "
+            f"graphs {list(plan.scopes) or 'none'} on {plan.api} "
             f"(megatron-core gets {megatron or 'none'})")
-    return line if plan.backend != "te" else f"{line}\n{te_line()}"
+    return line if plan.api != "te" else f"{line}\n{te_line()}"
 
 
 def te_line() -> str:

@@ -98,7 +98,7 @@ class MHCGPTConfig:
             return min(self.recompute_layers, self.num_layers)
         return paper_block_size(self.num_streams, self.num_layers)
 
-    def recomputes_activation(self, layer_number: int) -> bool:
+    def recompute_activation_of(self, layer_number: int) -> bool:
         """Whether layer ``layer_number`` (0-based, of the whole model) recomputes its gelu."""
         if not self.recompute_activation:
             return False

@@ -30,7 +30,6 @@ try:
 except ImportError:  # a declared dependency; without it only the torch.profiler half works
     _nvtx = None
 
-PHASES = ("fwd", "bwd", "recompute", "eager")
 DOMAIN = "mhc_cg"
 _PHASE_COLORS = {"fwd": 0xFF4C72B0, "bwd": 0xFFDD8452, "recompute": 0xFFC44E52, "eager": 0xFF55A868}
 _OTHER_COLOR = 0xFF8C8C8C

@@ -35,8 +35,8 @@ MEASURED = RESULTS / "nvidia-h100-80gb-hbm3.json"
 # the same run's profiles: GPU ms per range name, graphed_static (A) against eager_none (B)
 TIMELINE = RESULTS / "gpu_check_h100" / "timeline" / "graphed_static_vs_eager_none.txt"
 MODES = ("eager_none", "eager_block", "graphed_none", "graphed_static", "attn_split")
-PHASES = ("forward", "optimizer")  # the ranges the profiles attribute (autograd's thread: not the
-                                   # backward)
+# the ranges the measured profiles attribute (autograd's thread: not the backward)
+MEASURED_PHASES = ("forward", "optimizer")
 
 
 class PerTensorCopyAdamW:
@@ -148,7 +148,7 @@ def backtest(measured_path: Path = MEASURED, modes: tuple[str, ...] | None = Non
 
 
 def profiled_phases(timeline: Path = TIMELINE) -> dict[str, dict[str, float]]:
-    """GPU ms per step of each phase in :data:`PHASES`, per mode, from a ``mhc-cg timeline
+    """GPU ms per step of each phase in :data:`MEASURED_PHASES`, per mode, from a ``mhc-cg timeline
     compare`` table (``range n_A n_B gpu_ms_A gpu_ms_B ...``); {} without the file."""
     if not timeline.exists():
         return {}
@@ -157,7 +157,7 @@ def profiled_phases(timeline: Path = TIMELINE) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {mode: {} for mode in modes}
     for line in lines:
         cells = line.split()
-        if cells and cells[0] in PHASES:
+        if cells and cells[0] in MEASURED_PHASES:
             for mode, n, ms in zip(modes, cells[1:3], cells[3:5]):
                 out[mode][cells[0]] = float(ms) / int(n)
     return out

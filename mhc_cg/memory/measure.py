@@ -16,9 +16,8 @@ are left out; so are tensors saved by the embedding and the head (reported separ
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
-
-from torch import nn
 
 import torch
 from torch import Tensor
@@ -26,9 +25,10 @@ from torch import Tensor
 from mhc_cg.core.dtypes import TORCH_DTYPES
 from mhc_cg.memory.analytical import (block_persistent_elements, mlp_activation_elements,
                            no_recompute_elements_per_layer, saved_elements_per_layer)
-from mhc_cg.model import MLP, MHCGPT, MHCGPTConfig
+from mhc_cg.model import MHCGPT, MHCGPTConfig
 from mhc_cg.core.storage import storage_bytes, storage_id
-from mhc_cg.runtime.recompute.block_recompute import install_activation_recompute, run_recompute_blocks
+from mhc_cg.runtime.recompute.block_recompute import (recompute_activation_eagerly,
+                                                      run_recompute_blocks)
 
 
 
@@ -39,10 +39,11 @@ def _unique_storage_bytes(tensors: list[Tensor], exclude: set[int]) -> tuple[int
 
 def _forward_saved(model_cfg: MHCGPTConfig, micro_batch_size: int, device: str,
                    dtype: torch.dtype) -> dict:
+    gelu_checkpoints: list = []  # what each eager activation recompute keeps
     with torch.device(device):
-        model = MHCGPT(model_cfg)
+        model = MHCGPT(model_cfg, functools.partial(recompute_activation_eagerly,
+                                                    made=gelu_checkpoints))
     model.to(dtype).train()
-    install_activation_recompute(model)
     ids = torch.zeros(micro_batch_size, model_cfg.seq_length, dtype=torch.long, device=device)
     seed = torch.tensor(1234, dtype=torch.int64, device=device)
     saved: list[Tensor] = []
@@ -68,15 +69,11 @@ def _forward_saved(model_cfg: MHCGPTConfig, micro_batch_size: int, device: str,
     head_bytes, _ = _unique_storage_bytes(saved[after_layers:], params | embed_keys | layer_keys)
     manager_bytes = sum(m.held_bytes() for m in managers)
     # each gelu checkpoint (activation recompute) holds an RNG state until its backward
-    manager_bytes += sum(_activation_checkpoint_bytes(m) for m in model.modules())
+    manager_bytes += sum(c.rng_state.nbytes() for c in gelu_checkpoints
+                         if c.rng_state is not None)
     return {"layers_saved_bytes": layer_bytes, "manager_bytes": manager_bytes,
             "embedding_saved_bytes": embed_bytes, "head_saved_bytes": head_bytes,
             "num_blocks": len(managers)}
-
-
-def _activation_checkpoint_bytes(module: nn.Module) -> int:
-    ckpt = module.activation_checkpoint if isinstance(module, MLP) else None
-    return 0 if ckpt is None or ckpt.rng_state is None else ckpt.rng_state.nbytes()
 
 
 def recompute_blocks(model_cfg: MHCGPTConfig) -> list[int]:

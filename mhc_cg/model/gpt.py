@@ -10,6 +10,8 @@ calls ``embed``, ``run_layers`` or the layers themselves, and ``logits``.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -37,14 +39,19 @@ def microbatch_loss(logits: Tensor, targets: Tensor, kernels: str, num_microbatc
 
 
 class MHCTransformerLayer(nn.Module):
-    def __init__(self, cfg: MHCGPTConfig, layer_number: int):
+    """``eager_recompute``: how an eager forward recomputes an MLP's gelu where the config asks
+    for it (:class:`~mhc_cg.model.layers.MLP`); ``None``: the activation is kept there."""
+
+    def __init__(self, cfg: MHCGPTConfig, layer_number: int,
+                 eager_recompute: Callable | None = None):
         super().__init__()
         self.layer_number = layer_number
         sublayer = PlainSublayer if cfg.residual == "plain" else MHCSublayer
         # the dropout stream: the sublayer's number in the model, unique within a microbatch
         self.attention = sublayer(cfg, CausalSelfAttention(cfg), 2 * layer_number)
         mlp = MoEMLP(cfg) if cfg.is_moe else MLP(
-            cfg, recompute_activation=cfg.recomputes_activation(layer_number))
+            cfg, recompute_activation=cfg.recompute_activation_of(layer_number),
+            eager_recompute=eager_recompute)
         self.mlp = sublayer(cfg, mlp, 2 * layer_number + 1)
 
     def forward(self, x: Tensor, seed: Tensor | None = None) -> Tensor:
@@ -52,14 +59,16 @@ class MHCTransformerLayer(nn.Module):
 
 
 class MHCGPT(nn.Module):
-    """``model(input_ids [b, s]) -> logits [b, s, vocab]``."""
+    """``model(input_ids [b, s]) -> logits [b, s, vocab]``; ``eager_recompute``: how an eager
+    forward recomputes the gelu of the MLPs that ask for it (:class:`MHCTransformerLayer`)."""
 
-    def __init__(self, cfg: MHCGPTConfig):
+    def __init__(self, cfg: MHCGPTConfig, eager_recompute: Callable | None = None):
         super().__init__()
         self.cfg = cfg
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.position = nn.Embedding(cfg.seq_length, cfg.hidden_size)
-        self.layers = nn.ModuleList(MHCTransformerLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(MHCTransformerLayer(cfg, i, eager_recompute)
+                                    for i in range(cfg.num_layers))
         self.final_norm = RMSNorm(cfg.hidden_size, kernels=cfg.kernels)
         # nn.Linear's parameters and bits; a mode may pass where it writes the logits
         self.head = OutputLinear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -47,28 +47,27 @@ class MLP(nn.Module):
     """``[s, b, C] -> [s, b, C]``: fc1 -> gelu -> fc2, fc2 writing into ``out`` where given.
 
     ``recompute_activation`` asks the runtime not to keep the gelu output (``ffn`` per token, the
-    MLP's largest tensor) from the forward to the backward. How is the runtime's: eager modes
-    install ``activation_recompute`` (:func:`mhc_cg.runtime.recompute.block_recompute.
-    install_activation_recompute`: a checkpoint whose output is freed and recomputed before fc2's
-    backward); the static-buffer runtime keeps the gelu output in an arena slot instead and never
-    calls this forward for such an MLP. Without a runtime the MLP keeps its activation.
+    MLP's largest tensor) from the forward to the backward. How is the runtime's: an eager forward
+    runs ``eager_recompute(mlp, x)``, given at construction
+    (:func:`mhc_cg.runtime.recompute.block_recompute.recompute_activation_eagerly`: a checkpoint
+    whose output is freed and recomputed before fc2's backward); the static-buffer runtime keeps
+    the gelu output in an arena slot instead and never calls this forward for such an MLP.
+    Without either the MLP keeps its activation.
     """
 
     def __init__(self, cfg: MHCGPTConfig, ffn_hidden_size: int | None = None,
-                 recompute_activation: bool = False):
+                 recompute_activation: bool = False,
+                 eager_recompute: Callable[["MLP", Tensor], Tensor] | None = None):
         super().__init__()
         ffn_hidden_size = ffn_hidden_size or cfg.ffn_hidden_size
         self.fc1 = nn.Linear(cfg.hidden_size, ffn_hidden_size)
         self.fc2 = OutputLinear(ffn_hidden_size, cfg.hidden_size)
         self.recompute_activation = recompute_activation
-        # (mlp, x) -> output, installed by a runtime; None: keep the activation
-        self.activation_recompute: Callable[["MLP", Tensor], Tensor] | None = None
-        self.activation_checkpoint = None  # the last forward's gelu checkpoint (memory reports)
+        self.eager_recompute = eager_recompute if recompute_activation else None
 
     def forward(self, x: Tensor, out: Tensor | None = None) -> Tensor:
-        if self.recompute_activation and self.activation_recompute is not None \
-                and torch.is_grad_enabled():
-            return self.activation_recompute(self, x)
+        if self.eager_recompute is not None and torch.is_grad_enabled():
+            return self.eager_recompute(self, x)
         return self.fc2(F.gelu(self.fc1(x)), out)
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from mhc_cg.config import MHCGPTConfig
-from mhc_cg.model.layers import MLP, RMSNorm
+from mhc_cg.model.layers import RMSNorm
 from mhc_cg.ops.dropout import dropout
 from mhc_cg.ops.hyper_connection import HyperConnection
 from mhc_cg.ops.kernels import Handoff, PostLink, Target
@@ -169,8 +169,3 @@ def sublayer_forward(steps, x: Tensor, seed: Tensor | None) -> Tensor:
     h_pre, h_post, h_res = steps.mappings(x)
     y = steps.fn(steps.norm(steps.aggregate(x, h_pre)))
     return steps.post_bda(y, h_post, steps.h_res_step(h_res, x), seed)
-
-
-def recomputes_activation(sub) -> bool:
-    """Whether ``sub`` is a dense MLP sublayer whose gelu output is recomputed."""
-    return isinstance(sub.fn, MLP) and sub.fn.recompute_activation

@@ -26,15 +26,16 @@ from pathlib import Path
 from mhc_cg.profiling.traces import (KIND_CHROME_CPU, _load_chrome_json, read_timeline,
                                              union_ns)
 
-# "iteration": a captured iteration's replay, its forward, recompute and backward in one launch
-PHASES = ("forward", "backward", "recompute", "iteration", "optimizer")
+# the phases a profile's device time is told by: a step's (mhc_cg.core.regions.PHASES) and
+# "iteration", a captured iteration's replay, its forward, recompute and backward in one launch
+PROFILED_PHASES = ("forward", "backward", "recompute", "iteration", "optimizer")
 NS_PER_MS = 1e6
 
 
 def _phase_of(name: str) -> str | None:
     if name.startswith("recompute"):
         return "recompute"
-    return name if name in PHASES else None
+    return name if name in PROFILED_PHASES else None
 
 
 def step_profile(trace: str | Path, steps: int) -> dict:
@@ -58,7 +59,7 @@ def step_profile(trace: str | Path, steps: int) -> dict:
         "device": "cpu" if timeline.kind == KIND_CHROME_CPU else "cuda",
         "steps": steps,
         "phases": {p: {"gpu_ms": union_ns(by_phase[p]) / NS_PER_MS / per,
-                       "kernels": len(by_phase[p]) / per} for p in PHASES if by_phase[p]},
+                       "kernels": len(by_phase[p]) / per} for p in PROFILED_PHASES if by_phase[p]},
         "step_wall_ms": wall / NS_PER_MS / per,
         "busy_share": union_ns(in_steps) / wall if wall else None,
         "fused_ops": fused_ops(Path(trace), timeline, per),

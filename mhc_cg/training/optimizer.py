@@ -168,10 +168,10 @@ class MainParamAdamW:
     def reserve_staging(self, workspace: Tensor | None = None) -> None:
         """Allocate the own staging bucket now unless ``workspace`` (what :meth:`step` will be
         lent) holds one; so that no step allocates it."""
-        if self.low_precision and self._lent(workspace) is None and self.staging is None:
+        if self.low_precision and self._staging(workspace) is None and self.staging is None:
             self.staging = torch.empty(self.bucket_elements, dtype=FP32, device=self.device)
 
-    def _lent(self, workspace: Tensor | None) -> Tensor | None:
+    def _staging(self, workspace: Tensor | None) -> Tensor | None:
         need = self.bucket_elements * FP32.itemsize
         if workspace is None or workspace.device != self.device or \
                 workspace.numel() * workspace.element_size() < need:
@@ -204,7 +204,7 @@ class MainParamAdamW:
         inv_scale = self.unit if self.scaler is None else self.grad_scale.reciprocal()
         torch._amp_foreach_non_finite_check_and_unscale_([norm.view(1)], self.found_inf, inv_scale)
         self.step_count.add_(1)
-        staging = self._lent(workspace)
+        staging = self._staging(workspace)
         if staging is None and self.low_precision:
             self.reserve_staging()
             staging = self.staging

@@ -20,7 +20,7 @@ from mhc_cg.runtime.graphs import GraphBackend, resolve_backend_name
 from mhc_cg.runtime.modes.lifecycle import ModeModel
 from mhc_cg.runtime.modes.plan import CapturePlan
 from mhc_cg.runtime.modes.registry import Mode, configured_mode, get_mode
-from mhc_cg.runtime.recompute.block_recompute import install_activation_recompute
+from mhc_cg.runtime.recompute.block_recompute import recompute_activation_eagerly
 from mhc_cg.training.device import check_fits, resolve_device
 
 
@@ -59,20 +59,18 @@ def resolve(cfg: RunConfig, mode: str | None = None, device: torch.device | str 
             raise ConfigError(f"mode {spec.name}: {reason}")
         if device.type != "meta":  # the cost model's: nothing is allocated, no kernel runs
             check_fits(cfg, device)
-    keeps_activation = spec.activation_recompute
+    keeps_activation = spec.recompute_activation
     model = dataclasses.replace(
         cfg.model, recompute=spec.recompute,
         recompute_activation=cfg.model.recompute_activation and keeps_activation,
         recompute_activation_layers=cfg.model.recompute_activation_layers if keeps_activation
         else None)
     try:
-        backend = resolve_backend_name(cfg.graph.backend,
-                                       device.type if on_this_machine else named,
-                                       on_this_machine=on_this_machine)
+        api = resolve_backend_name(cfg.graph.backend, device.type if on_this_machine else named,
+                                   on_this_machine=on_this_machine)
     except ValueError as exc:
         raise ConfigError(f"graph.backend: {exc}") from None
-    return Run(cfg, spec, model, CapturePlan(spec.name, backend=backend, **spec.capture(cfg)),
-               device)
+    return Run(cfg, spec, model, CapturePlan(spec.name, api=api, **spec.capture(cfg)), device)
 
 
 def _device(named: torch.device | str, on_this_machine: bool) -> torch.device:
@@ -105,9 +103,8 @@ def build_model(run: Run) -> MHCGPT:
     """
     torch.manual_seed(run.cfg.train.seed)
     # weights are made in fp32 (same init for every dtype), then cast
-    model = MHCGPT(run.model).to(device=run.device,
-                                 dtype=TORCH_DTYPES[run.cfg.train.dtype]).train()
-    install_activation_recompute(model)
+    model = MHCGPT(run.model, recompute_activation_eagerly).to(
+        device=run.device, dtype=TORCH_DTYPES[run.cfg.train.dtype]).train()
     return model
 
 

@@ -87,7 +87,7 @@ class TrainSession:
     optimizer: MainParamAdamW
     data: Microbatches
     # memory the mode leaves idle between steps, lent to the optimizer's temporaries: the static
-    # runtime's arena (Arena.lend); None without one
+    # runtime's arena (Arena.borrow); None without one
     workspace: Arena | None = None
     last_skipped: bool = False  # the last step's gradients overflowed and it was skipped
     _eval_data: list | None = None
@@ -104,7 +104,7 @@ class TrainSession:
                                       backward=optimizer.backward)
         mode_model = prepare(run, model, backend, step_loop=step_loop)
         workspace = mode_model.runtime.arena if mode_model.runtime is not None else None
-        optimizer.reserve_staging(_lend(workspace))
+        optimizer.reserve_staging(_borrow(workspace))
         return cls(run, mode_model, optimizer, Microbatches(run.cfg), workspace)
 
     @property
@@ -172,7 +172,7 @@ class TrainSession:
         if after_backward is not None:
             after_backward(self.model)
         with region("optimizer"):
-            result = self.optimizer.step(_lend(self.workspace))
+            result = self.optimizer.step(_borrow(self.workspace))
         return StepTensors(loss_sum, result.grad_norm, result.found_inf)
 
     def _replayed_iteration(self) -> torch.Tensor:
@@ -228,9 +228,9 @@ def _microbatch_loss(model: ModeModel, batch: Batch, kernels: str, count: int,
     return loss() if run is None else run(loss)
 
 
-def _lend(workspace: Arena | None) -> torch.Tensor | None:
+def _borrow(workspace: Arena | None) -> torch.Tensor | None:
     """All of ``workspace``'s bytes for a temporary that dies before the next forward."""
-    return None if workspace is None else workspace.lend()
+    return None if workspace is None else workspace.borrow()
 
 
 @dataclass

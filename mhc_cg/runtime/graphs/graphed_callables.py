@@ -193,7 +193,8 @@ def _check_callables(callables: tuple) -> bool:
 @dataclass(frozen=True)
 class GraphOptions:
     """What mhc_cg's ``make_graphed_callables`` does that TransformerEngine's does not, in one
-    argument: ``backend`` (``"auto"``, ``"tape"``, ``"cuda"`` or a backend object: what captures),
+    argument: ``backend``, the backend object that captures (:func:`mhc_cg.runtime.graphs.get_backend`;
+    ``None``: the one the inputs' device asks for, the tape for CPU tensors),
     ``lend_grads_to_eager`` (the module docstring), ``scratch``, ``{sample index: elements}``
     of pool memory lent from a forward's replay to the pool's next one (Note [forward scratch]),
     and ``grads_owned``: each callable's forward capture is called with the keyword
@@ -202,7 +203,7 @@ class GraphOptions:
     copies its incoming grads in first): a fused mHC backward may then write the stream's
     gradient over them in place."""
 
-    backend: str | GraphBackend = "auto"
+    backend: GraphBackend | None = None
     lend_grads_to_eager: bool = False
     scratch: Mapping[int, int] | None = None
     grads_owned: bool = False
@@ -266,8 +267,8 @@ def make_graphed_callables(
     hooks = _capture_time_hooks(capture_time_hooks, len(modules))
     layout = _layout(_order, _num_layers_per_chunk, len(modules), len(sample_args))
     reuse = bool(_reuse_graph_input_output_buffers and layout is not None and training)
-    backend = options.backend if isinstance(options.backend, GraphBackend) else get_backend(
-        _backend_name(options.backend, sample_args, sample_kwargs))
+    backend = options.backend if options.backend is not None else get_backend(
+        _backend_name(sample_args, sample_kwargs))
     if reuse:
         share_static_inputs(layout, sample_args, sample_kwargs)
     if pool is None:
@@ -328,14 +329,11 @@ def _refuse_fp8(*values) -> None:
                                   "mhc_cg's has none: leave them off")
 
 
-def _backend_name(backend: str | GraphBackend, sample_args: list, sample_kwargs: list) -> str:
-    """The backend's name; ``auto`` follows the inputs' device: CPU tensors on a GPU machine are
-    graphed on the tape (a CUDA graph would record no kernel and its replays would return stale
-    outputs)."""
-    if isinstance(backend, GraphBackend):
-        return backend.name
+def _backend_name(sample_args: list, sample_kwargs: list) -> str:
+    """The backend the inputs' device asks for: CPU tensors on a GPU machine are graphed on the
+    tape (a CUDA graph would record no kernel and its replays would return stale outputs)."""
     first = next((t for a, k in zip(sample_args, sample_kwargs) for t in flat_tensors(a, k)), None)
-    return resolve_backend_name(backend, first.device if first is not None else None)
+    return resolve_backend_name("auto", first.device if first is not None else None)
 
 
 def _runners(func_of: dict, layout: OrderLayout | None, sample_args: list, sample_kwargs: list,

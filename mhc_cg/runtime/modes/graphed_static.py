@@ -46,10 +46,10 @@ def embed_buffers(model: MHCGPT, runtime: StaticRecompute,
                   input_ids: Tensor) -> tuple[Tensor | None, Tensor | None]:
     """Where the embedding's stream expand writes the chunk input (the persistent set the first
     graph reads), and its backward the embeddings' gradient: the arena, idle once block 0's
-    backward is done (:meth:`Arena.lend`)."""
+    backward is done (:meth:`Arena.borrow`)."""
     lead, c = tuple(input_ids.shape[::-1]), model.cfg.hidden_size
     return (runtime.next_input_buffer((*lead, model.cfg.num_streams * c)),
-            runtime.arena.lend((*lead, c), model.embedding.weight.dtype))
+            runtime.arena.borrow((*lead, c), model.embedding.weight.dtype))
 
 
 class GraphedStaticModel(ModeModel):

@@ -118,7 +118,7 @@ class ModeModel:
         """What captures go through: the plan's ``make_graphed_callables`` (TE's for ``te``,
         else mhc_cg's) over the backend given (the cost model's recording one), else the plan's."""
         if self._api is None:
-            self._api = graph_api(self.plan.backend, self.backend)
+            self._api = graph_api(self.plan.api, self.backend)
         return self._api
 
     def capture_backend(self) -> GraphBackend:

@@ -32,7 +32,8 @@ class CapturePlan:
     (``route`` or ``preprocess``), ``None`` without MoE partial capture. ``recompute_graph``: the
     block recompute is captured as its own graph. ``iteration_microbatches``: that many
     microbatches' forward, loss and backward are one graph (full-iteration capture; 0: none).
-    ``backend`` is the resolved capture backend (``tape``, ``cuda`` or ``te``;
+    ``api`` is what captures, resolved from ``graph.backend``: ``te`` (TransformerEngine's
+    ``make_graphed_callables``), ``tape`` or ``cuda`` (mhc_cg's, over that backend;
     :func:`mhc_cg.runtime.graphs.resolve_backend_name`).
     """
 
@@ -42,7 +43,7 @@ class CapturePlan:
     moe_step: str | None = None
     recompute_graph: bool = False
     iteration_microbatches: int = 0
-    backend: str = "tape"
+    api: str = "tape"
 
     @property
     def graphed_sublayers(self) -> bool:

@@ -46,8 +46,8 @@ class Mode:
     """One training mode.
 
     ``recompute``: the ``model.recompute`` the model is built with (``block``: the mode runs eager
-    block recompute itself); ``activation_recompute``: whether ``model.recompute_activation``
-    applies. ``capture(cfg)``: the :class:`CapturePlan` fields beyond mode and backend.
+    block recompute itself); ``recompute_activation``: whether ``model.recompute_activation``
+    applies. ``capture(cfg)``: the :class:`CapturePlan` fields beyond mode and api.
     ``model_type`` runs it. ``same_model``: it trains the configured model, so ``--compare`` holds
     it to the reference bit for bit. ``pipelines``: the multi-process pipeline driver runs it.
     ``configure(cfg, **variant)``: the config it trains (a variant of the given one), ``None``:
@@ -58,7 +58,7 @@ class Mode:
     summary: str
     model_type: type[ModeModel]
     recompute: str = "none"
-    activation_recompute: bool = True
+    recompute_activation: bool = True
     capture: Callable[[RunConfig], dict] = lambda cfg: {}
     same_model: bool = True
     pipelines: bool = False
@@ -163,12 +163,12 @@ def _moe_unavailable(cfg: RunConfig, device: str) -> str | None:
 
 for _mode in (
     Mode("eager_none", "eager, no recompute (the reference)", EagerModel,
-         activation_recompute=False),
+         recompute_activation=False),
     Mode("eager_block", "eager block recompute (frees and re-allocates)", EagerModel,
          recompute="block"),
     # Activation recompute frees a storage, which no graph can hold
     Mode("graphed_none", "every sublayer a graph, no recompute", GraphedSublayersModel,
-         activation_recompute=False,
+         recompute_activation=False,
          capture=lambda cfg: dict(attn=True, mlp=not cfg.model.is_moe), unavailable=_replays_dropout),
     Mode("graphed_static", "static-buffer recompute, sublayers and recompute in graphs",
          GraphedStaticModel, capture=static_capture, pipelines=True, unavailable=_replays_dropout),
@@ -183,6 +183,6 @@ for _mode in (
          GraphedStaticModel, capture=static_capture, same_model=False, configure=_moe_variant,
          unavailable=_moe_unavailable),
     Mode(PLAIN, "the same F on a plain residual, eager: the baseline of mHC's overhead",
-         EagerModel, activation_recompute=False, same_model=False, configure=_plain_variant),
+         EagerModel, recompute_activation=False, same_model=False, configure=_plain_variant),
 ):
     register(_mode)

@@ -120,8 +120,8 @@ class Arena:
                                                 device=self.device))
         self._writer = own_version_alias(self.buffer)
 
-    def lend(self, shape: tuple[int, ...] | None = None,
-             dtype: torch.dtype = torch.uint8) -> Tensor | None:
+    def borrow(self, shape: tuple[int, ...] | None = None,
+               dtype: torch.dtype = torch.uint8) -> Tensor | None:
         """The arena's first bytes as a ``shape`` tensor of ``dtype`` (through the writer alias;
         no shape: all its bytes), for a temporary that dies before the next forward or recompute;
         None before :meth:`allocate` or if it does not fit.

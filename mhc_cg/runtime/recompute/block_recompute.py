@@ -294,8 +294,11 @@ def _sublayer_range(named: bool, label: str):
     return region("fwd", 0, None, label) if named else contextlib.nullcontext()
 
 
-def recompute_activation_eagerly(mlp: MLP, x: Tensor) -> Tensor:
-    """``mlp(x)`` (fc1 -> gelu -> fc2) keeping fc1's output but not the gelu output.
+def recompute_activation_eagerly(mlp: MLP, x: Tensor,
+                                 made: list[CheckpointWithoutOutput] | None = None) -> Tensor:
+    """``mlp(x)`` (fc1 -> gelu -> fc2) keeping fc1's output but not the gelu output: the MLP's
+    ``eager_recompute`` (the model is built with it). ``made``: a list the checkpoint is
+    appended to (a memory report reads what it holds).
 
     fc2's backward needs the gelu output before gelu's own backward runs, so a recompute bound to
     gelu's backward would come too late. The gelu runs in a ``CheckpointWithoutOutput`` (which keeps
@@ -307,13 +310,6 @@ def recompute_activation_eagerly(mlp: MLP, x: Tensor) -> Tensor:
     out = mlp.fc2(act)
     if out.requires_grad:  # otherwise no backward will ever need act
         ckpt.discard_output_and_register_recompute(out)
-    mlp.activation_checkpoint = ckpt
+    if made is not None:
+        made.append(ckpt)
     return out
-
-
-def install_activation_recompute(model: nn.Module) -> None:
-    """Every MLP of ``model`` that asks for activation recompute recomputes its gelu eagerly
-    (:func:`recompute_activation_eagerly`)."""
-    for module in model.modules():
-        if isinstance(module, MLP) and module.recompute_activation:
-            module.activation_recompute = recompute_activation_eagerly

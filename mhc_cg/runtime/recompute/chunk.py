@@ -16,7 +16,7 @@ from typing import Any
 
 from mhc_cg.core.errors import StaticRecomputeError
 from mhc_cg.core.storage import storage_id
-from mhc_cg.model import recomputes_activation
+from mhc_cg.model import MLP
 
 SUBLAYER_NAMES = ("attn", "mlp")
 
@@ -75,7 +75,8 @@ class ChunkLayout:
                     regions=(f"L{position}.{name}.0", f"L{position}.{name}.1"),
                     activation_region=f"L{position}.mlp.act",
                     dropout_stream=getattr(sub, "dropout_stream", None),
-                    recompute_activation=k == 1 and recomputes_activation(sub)))
+                    recompute_activation=k == 1 and isinstance(sub.fn, MLP)
+                    and sub.fn.recompute_activation))
         self.blocks = [[r for r in self.records if r.block == b] for b in range(self.num_blocks)]
         # Parameters (and views of them, e.g. a transposed weight) are saved as they are: they do
         # not change between a forward and its backward, so copying them into slots is waste.

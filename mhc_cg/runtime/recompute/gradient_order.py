@@ -83,9 +83,9 @@ def order_gradient_sums(checkpoints: Sequence[GradientConsumer], hook_tensor: Te
     adds its own uses of an input first, inside its backward (``mappings`` uses x twice, then
     ``aggregate`` and ``h_res`` once each): ``(a + b) + (c + d)`` instead of
     ``((a + b) + c) + d``, a different rounding. For each such tensor whose every use is a
-    checkpoint of this block, the checkpoints send their per-use terms to a ledger as they
+    checkpoint of this block, the checkpoints send their per-use terms to a list as they
     are made, and a pre-hook on the tensor's gradient node replaces autograd's sum with the
-    ledger's left fold, which is the plain graph's order. A tensor with other consumers
+    list's left fold, which is the plain graph's order. A tensor with other consumers
     keeps autograd's sum (correct, maybe not bit-identical).
     """
     uses: dict[tuple[int, int], list[tuple[GradientConsumer, int]]] = {}
@@ -103,11 +103,11 @@ def order_gradient_sums(checkpoints: Sequence[GradientConsumer], hook_tensor: Te
     for key in shared:
         if edges.get(key, 0) != len(uses[key]):
             continue  # some consumer is not a checkpoint: leave autograd's sum alone
-        ledger: list[Tensor] = []
+        terms: list[Tensor] = []
         for ckpt, i in uses[key]:
-            ckpt.edge_sinks[i] = ledger.append
+            ckpt.edge_sinks[i] = terms.append
         node, slot = nodes[key]
-        handles.append(node.register_prehook(_LedgerSum(ledger, slot)))
+        handles.append(node.register_prehook(_TermSum(terms, slot)))
     return handles
 
 
@@ -135,19 +135,19 @@ def _count_edges_into(root, targets: set[tuple[int, int]], first_seq: int) -> di
     return counts
 
 
-class _LedgerSum:
-    """Node pre-hook: replace the gradient of output ``slot`` by the left fold of ``ledger``."""
+class _TermSum:
+    """Node pre-hook: replace the gradient of output ``slot`` by the left fold of ``terms``."""
 
-    def __init__(self, ledger: list[Tensor], slot: int):
-        self.ledger, self.slot = ledger, slot
+    def __init__(self, terms: list[Tensor], slot: int):
+        self.terms, self.slot = terms, slot
 
     def __call__(self, grad_outputs):
-        if not self.ledger:
+        if not self.terms:
             return None
-        total = self.ledger[0]
-        for term in self.ledger[1:]:
+        total = self.terms[0]
+        for term in self.terms[1:]:
             total = total + term
-        self.ledger.clear()
+        self.terms.clear()
         grads = list(grad_outputs)
         grads[self.slot] = total
         return tuple(grads)

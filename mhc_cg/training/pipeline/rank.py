@@ -168,7 +168,7 @@ class PipelineRank:
         self.optimizer = self._build_optimizer()  # lays the parameters out: before any capture
         self._capture()
         self._build_chunks()
-        self.optimizer.reserve_staging(self.arena.lend())
+        self.optimizer.reserve_staging(self.arena.borrow())
         self.data = Microbatches(cfg)
 
     def _build_optimizer(self) -> MainParamAdamW:
@@ -206,7 +206,7 @@ class PipelineRank:
         callable per (chunk, microbatch, sublayer) along the rank's order (TE's
         ``make_graphed_callables`` semantics: one pool, static inputs reused)."""
         plan = self.run.plan
-        api = graph_api(plan.backend)
+        api = graph_api(plan.api)
         self.capture_api = api.name
         for runtime in self.runtimes:
             runtime.recompute_graphs.update(capture_recompute_graphs(runtime, api.backend))
@@ -273,7 +273,7 @@ class PipelineRank:
                 model=self.chunks, num_microbatches=m, seq_length=self.cfg.model.seq_length,
                 micro_batch_size=self.cfg.train.micro_batch_size, forward_only=False)
         grads = {n: p.grad.detach().clone() for n, p in self.named} if collect_grads else {}
-        result = self.optimizer.step(self.arena.lend())  # the gradients are zero afterwards
+        result = self.optimizer.step(self.arena.borrow())  # the gradients are zero afterwards
         total = []
         if self.rank == self.pp - 1:  # summed in fp32 in microbatch order, as TrainSession sums
             total = [store[0]["loss"]]
