@@ -84,7 +84,8 @@ class AttnSplitModel(ModeModel):
         self.recompute_managers = []
         x = run_recompute_blocks(self.model.layers, self.model.embed(input_ids), dropout_seed,
                                  self.block_size, self.recompute_managers,
-                                 split=AttentionSplit(self.consumers, self.slots), ranges=True,
+                                 attention_sublayer=AttentionSplit(self.consumers, self.slots),
+                                 ranges=True,
                                  draws_random=self.model.cfg.draws_random)
         return self.model.logits(x)
 

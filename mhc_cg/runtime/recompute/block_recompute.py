@@ -32,7 +32,6 @@ from mhc_cg.model.layers import MLP
 from mhc_cg.runtime.recompute.checkpoint import CheckpointWithoutOutput, RNGState
 from mhc_cg.runtime.recompute.gradient_order import order_gradient_sums
 from mhc_cg.runtime.recompute.seam import Relay, handing_post, taking_pre
-from mhc_cg.runtime.recompute.split_attention import AttentionSplit, split_attention_sublayer
 from mhc_cg.core.storage import storage_id
 
 IDLE, ARMED, RECOMPUTED = "idle", "armed", "recomputed"
@@ -248,15 +247,16 @@ def _stepwise_checkpoints(steps, x, seed, manager, name, x_source, block_end):
 
 def run_recompute_blocks(layers, x: Tensor, seed: Tensor | None, block_size: int,
                          managers: list[BlockRecomputeManager], *,
-                         split: AttentionSplit | None = None, ranges: bool = False,
+                         attention_sublayer=None, ranges: bool = False,
                          draws_random: bool = True) -> Tensor:
     """Eager block recompute over ``layers`` (each with ``.attention`` / ``.mlp`` steps).
 
     One manager per block of ``block_size`` layers, appended to ``managers`` as it starts (so the
     caller still sees it, empty, if an exception unwinds its forward): each block keeps its input
     x_l0 and every F output; its hook tensor is the block's last bias-dropout-add output.
-    ``split``: the attention's core is layer ``i``'s graph of the split, its checkpoints around it
-    (Megatron-LM dev's split, :mod:`~mhc_cg.runtime.recompute.split_attention`); ``ranges`` names each
+    ``attention_sublayer(i, steps, x, seed, manager, name, x_source, seam, nxt)``: what runs layer
+    ``i``'s attention sublayer instead of :func:`checkpoint_sublayer` (its return as that one's:
+    Megatron-LM dev's split, the attention's core a graph, :mod:`mhc_cg.lab.references.split_attention`); ``ranges`` names each
     sublayer's NVTX range as the graphed modes do (``fwd``, ``{i}.attn`` / ``{i}.mlp``).
     ``draws_random=False``: the layers draw nothing from torch's generators, so the recompute
     saves and restores no generator state (Note [no generator state without a random op]).
@@ -274,14 +274,14 @@ def run_recompute_blocks(layers, x: Tensor, seed: Tensor | None, block_size: int
             x_source = None  # the block input is persistent, not refilled
             for i, layer in enumerate(block, start):
                 with _sublayer_range(ranges, f"{i}.attn"):
-                    if split is None:
+                    if attention_sublayer is None:
                         x, x_source, seam = checkpoint_sublayer(
                             layer.attention, x, seed, manager, f"layer{i}/attention", x_source,
                             block_end=False, seam=seam, nxt=layer.mlp)
                     else:
-                        x, x_source, seam = split_attention_sublayer(
-                            layer.attention, split.consumers[i], split.slots[i], x, seed, manager,
-                            f"layer{i}/attention", x_source, seam, layer.mlp)
+                        x, x_source, seam = attention_sublayer(
+                            i, layer.attention, x, seed, manager, f"layer{i}/attention",
+                            x_source, seam, layer.mlp)
                 with _sublayer_range(ranges, f"{i}.mlp"):
                     x, x_source, seam = checkpoint_sublayer(
                         layer.mlp, x, seed, manager, f"layer{i}/mlp", x_source,

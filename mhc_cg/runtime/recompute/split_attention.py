@@ -26,10 +26,16 @@ from mhc_cg.runtime.recompute.seam import Relay, handing_post, taking_pre
 @dataclass(frozen=True)
 class AttentionSplit:
     """Per layer, the attention's graphed core (``F's input [s, b, C] -> fn``) and that graph's
-    static input, where F's input is written."""
+    static input, where F's input is written; called as eager block recompute's
+    ``attention_sublayer`` (:func:`split_attention_sublayer` of layer ``i``)."""
 
     consumers: list[Callable[[Tensor], Tensor]]
     slots: list[Tensor]
+
+    def __call__(self, i: int, steps, x: Tensor, seed: Tensor | None, manager, name: str,
+                 x_source: str | None, seam: Relay, nxt):
+        return split_attention_sublayer(steps, self.consumers[i], self.slots[i], x, seed,
+                                        manager, name, x_source, seam, nxt)
 
 
 def static_view(buffer: Tensor) -> Tensor:
