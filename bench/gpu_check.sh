@@ -22,8 +22,8 @@
 # ends whatever its status (a run cut short keeps every part that finished). Each part works in a
 # scratch folder (GPU_CHECK_WORK, default a new folder under $TMPDIR); an archive over 16 MiB is
 # remade without its largest files, which <part>/LEFT_OUT.txt then names.
-#   python -m mhc_cg.benchmarks.gpu_run unpack OUT_DIR     the parts' files, under bench/results/
-#   python -m mhc_cg.benchmarks.gpu_run fold OUT_DIR       that, the measurements merged, the back-test
+#   python -m mhc_cg.lab.benchmarks.gpu_run unpack OUT_DIR     the parts' files, under bench/results/
+#   python -m mhc_cg.lab.benchmarks.gpu_run fold OUT_DIR       that, the measurements merged, the back-test
 # The limits add up to GPU_CHECK_BUDGET_S (default 540 s); a part that would start with less than
 # 15 s left is skipped and says so. GPU_CHECK_PARTS (space-separated) runs a subset.
 #
@@ -58,7 +58,7 @@ START=$(date +%s)
 if [ -z "${MHC_CG_THIRD_PARTY:-}" ] && ls bench/carry/megatron-lm-main-*.tar.gz >/dev/null 2>&1; then
     export MHC_CG_THIRD_PARTY="$PWD/bench/carry"
 fi
-# the TE wheel the peers part loads by path (mhc_cg/benchmarks/kernel_peers.py looks there too)
+# the TE wheel the peers part loads by path (mhc_cg/lab/benchmarks/kernel_peers.py looks there too)
 if [ -z "${MHC_CG_TE_WHEEL:-}" ] && ls bench/carry/peers/transformer_engine-*.whl >/dev/null 2>&1; then
     export MHC_CG_TE_WHEEL="$PWD/bench/carry/peers"
 fi

@@ -19,7 +19,7 @@ imports nothing from megatron-core):
 
 What runs Megatron-LM snapshots in child processes for ``mhc-cg megatron`` and the tests
 (training loop, measurements, CPU shims, TransformerEngine's graph API on the tape) lives with
-that tool, in :mod:`mhc_cg.megatron_harness`; importing this package loads none of it.
+that tool, in :mod:`mhc_cg.lab.megatron_harness`; importing this package loads none of it.
 """
 
 from __future__ import annotations

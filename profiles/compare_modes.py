@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from mhc_cg.profiling.traces import compare, comparison_json, format_comparison, read_timeline
+from mhc_cg.lab.profiling.traces import compare, comparison_json, format_comparison, read_timeline
 
 SUFFIX = ".json.gz"
 

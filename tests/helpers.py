@@ -14,18 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from mhc_cg.runtime.recompute.recompute_captures import capture_recompute_graphs
+from mhc_cg.runtime.recompute_captures import capture_recompute_graphs
 from mhc_cg.config import RunConfig
-from mhc_cg.runtime.graphs import GraphCaptureError, get_backend
+from mhc_cg.graphs import GraphCaptureError
+from mhc_cg.lab.emulation.backends import get_backend
 from mhc_cg.model import MHCGPT, MHCGPTConfig
 from mhc_cg.core.pipeline_order import peak_in_flight, pipeline_order
-from mhc_cg.runtime.modes.lifecycle import ModeModel
-from mhc_cg.training.run import build_model, prepare, resolve
+from mhc_cg.modes.lifecycle import ModeModel
+from mhc_cg.training.run import build_model, prepare
+from mhc_cg.lab.resolve import resolve
 from mhc_cg.training.session import microbatch_loop
-from mhc_cg.runtime.recompute.arena import Arena
-from mhc_cg.runtime.recompute.persistent import PersistentSetPool, new_persistent_set
-from mhc_cg.runtime.recompute.static import build_static_recompute
-from mhc_cg.training.session import train
+from mhc_cg.runtime.arena import Arena
+from mhc_cg.runtime.persistent import PersistentSetPool, new_persistent_set
+from mhc_cg.runtime.static import build_static_recompute
+from mhc_cg.lab.resolve import train_config
 
 
 SCOPE_CASES = {
@@ -49,7 +51,7 @@ def small_config(scopes, num_experts=None) -> RunConfig:
 
 def grads_per_step(cfg, mode, steps):
     grads = []
-    result = train(cfg, steps=steps, mode=mode, progress=False,
+    result = train_config(cfg, steps=steps, mode=mode, progress=False,
                    after_backward=lambda step, model: grads.append(
                        {n: p.grad.clone() for n, p in model.named_parameters()
                         if p.grad is not None}))
@@ -205,7 +207,7 @@ def planner_prediction(order: list[int], layers_per_chunk: list[int], reuse: boo
     """The schedule planner's figure, which must agree with the independent walk."""
     walked = expected_static_input_sets(order, layers_per_chunk, reuse)
     try:
-        from mhc_cg.planning.planner import count_static_input_buffers
+        from mhc_cg.lab.planning.planner import count_static_input_buffers
     except ImportError:  # a checkout without the planner
         return walked
     planned = count_static_input_buffers(order, layers_per_chunk, reuse)

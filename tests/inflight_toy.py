@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mhc_cg.benchmarks.kernel_compile import STREAM_LOADS, Case, tile
+from mhc_cg.lab.benchmarks.kernel_compile import STREAM_LOADS, Case, tile
 
 
 @triton.jit

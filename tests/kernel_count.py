@@ -2,7 +2,7 @@
 
 Every aten op (and every ``mhc_cg`` custom op, which the mode sees as one op) that reaches the
 dispatcher is counted when it launches device work, as the cost model decides it
-(:func:`mhc_cg.cost.ops.launches_kernel`: views, metadata changes and uninitialised allocations
+(:func:`mhc_cg.lab.cost.ops.launches_kernel`: views, metadata changes and uninitialised allocations
 are free). The per-layer figure is the difference between a model of two recompute blocks and
 one of one block, divided by the layers that differ, so embedding, head and loss cancel out.
 """
@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mhc_cg.model import MHCGPT
-from mhc_cg.runtime.modes.eager import EagerModel
-from mhc_cg.runtime.recompute.block_recompute import recompute_activation_eagerly
-from mhc_cg.cost.ops import kernel_launches, launches_kernel
+from mhc_cg.lab.references.eager import EagerModel
+from mhc_cg.recompute.block_recompute import recompute_activation_eagerly
+from mhc_cg.lab.cost.ops import kernel_launches, launches_kernel
 
 class KernelCounter(TorchDispatchMode):
     """``counts[op name]``: kernel-launching ops dispatched while the mode is active."""

@@ -7,14 +7,14 @@ and imported by a *separate* Python process whose ``PYTHONPATH`` puts it first: 
 ``import megatron.core`` is ``main``'s, while the pinned megatron-core of the test process is
 untouched (``../shared/third_party/megatron-lm-dev-*.tar.gz`` likewise for ``dev``, through
 ``snapshot_archive("dev")``). Finding the snapshot and running the child are the shipped
-:mod:`mhc_cg.megatron_harness.child_process`'s (``mhc-cg megatron`` uses the same).
+:mod:`mhc_cg.lab.megatron_harness.child_process`'s (``mhc-cg megatron`` uses the same).
 
 The parent side (``snapshot_archive``, ``extract_snapshot``, ``run_job``) is imported by the tests.
 The child side is this file run as a script: ``python megatron_main_oracle.py JOB OUT.json ARGS``
-installs the CPU shims (:mod:`mhc_cg.megatron_harness.megatron_on_cpu`), runs one job (a function of this
+installs the CPU shims (:mod:`mhc_cg.lab.megatron_harness.megatron_on_cpu`), runs one job (a function of this
 module named in ``JOBS``) and writes its JSON result to ``OUT.json``. The jobs measure; the tests
 assert. ``run_job(None, ...)`` runs a job on the pinned megatron-core instead of ``main``; jobs
-that use megatron's TE graph helper load the TransformerEngine stand-in (``mhc_cg/megatron_harness/te_on_tape``)
+that use megatron's TE graph helper load the TransformerEngine stand-in (``mhc_cg/lab/megatron_harness/te_on_tape``)
 after megatron.
 """
 
@@ -25,12 +25,12 @@ import os
 import sys
 from pathlib import Path
 
-from mhc_cg.megatron_harness.child_process import (ARCHIVE_GLOB, archive_glob,  # noqa: F401
+from mhc_cg.lab.megatron_harness.child_process import (ARCHIVE_GLOB, archive_glob,  # noqa: F401
                                                extract_snapshot, load_te_standin, run_child,
                                                snapshot_archive, third_party_dirs)
 
 HERE = Path(__file__).resolve().parent
-STANDIN = HERE.parent / "mhc_cg" / "megatron_harness" / "te_on_tape"
+STANDIN = HERE.parent / "mhc_cg" / "lab" / "megatron_harness" / "te_on_tape"
 CHILD_TIMEOUT_S = 300
 HELPER_JOBS = ("main_helper", "core_helper")  # jobs that run megatron's TE graph helper
 
@@ -331,7 +331,7 @@ LAYER_SHAPE = dict(num_layers=4, num_attention_heads=4, use_cpu_initialization=T
 
 def _init_model_parallel() -> None:
     """One gloo process, tensor/pipeline sizes 1: megatron's parallel state on CPU."""
-    from mhc_cg.megatron_harness.training import init_ranks
+    from mhc_cg.lab.megatron_harness.training import init_ranks
 
     init_ranks(cpu=True, seed=0)
 
@@ -413,7 +413,7 @@ def main_layer_job(seq: int = 8, batch: int = 2, hidden: int = 32, block_size: i
     from megatron_integration.capture.static_block import StaticMainBlock
     from megatron_integration.layers.main_layer import MainBlock
     from mhc_cg.core.errors import StaticRecomputeError
-    from mhc_cg.runtime.graphs import get_backend
+    from mhc_cg.lab.emulation.backends import get_backend
     from mhc_cg.core.storage import storage_id
 
     _init_model_parallel()
@@ -502,11 +502,11 @@ def _shaped(base, shape: dict):
 
 def main_helper_job(shapes: list[dict]) -> dict:
     """Megatron-LM main's GPT under its TE graph helper, for each shape: main's three runs and
-    mhc_cg's (``mhc_cg.megatron_harness.runs.rank_runs``, what ``mhc-cg megatron --compare``
+    mhc_cg's (``mhc_cg.lab.megatron_harness.runs.rank_runs``, what ``mhc-cg megatron --compare``
     runs), from the shipped config with the shape's layers, block size and microbatches: per run,
     the one rank's measurements."""
     from mhc_cg.config import load_config
-    from mhc_cg.megatron_harness.runs import compare_ranks, rank_runs, runs_of
+    from mhc_cg.lab.megatron_harness.runs import compare_ranks, rank_runs, runs_of
 
     _init_model_parallel()
     base = load_config(MAIN_CONFIG).replace(train={"device": "cpu"})
@@ -530,8 +530,9 @@ def _core_gpt(run: str, shape: dict, setup):
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from megatron_integration.capture.te_graph_helper import make_te_graph_helper
+    from mhc_cg.lab.emulation.backends import get_backend
     from megatron_integration.layers.mhc_layer import MHCTransformerBlock, get_mhc_layer_spec
-    from mhc_cg.megatron_harness.training import wrap_for_training
+    from mhc_cg.lab.megatron_harness.training import wrap_for_training
     from megatron_integration.config.transformer_config import MHCTransformerConfig
 
     graphed = run == "mhc_cg"
@@ -551,8 +552,8 @@ def _core_gpt(run: str, shape: dict, setup):
                      max_sequence_length=setup.seq_length)
     model.decoder = MHCTransformerBlock(config, spec, pre_process=True, post_process=True)
     chunk = wrap_for_training(model, config)
-    helper = (make_te_graph_helper([chunk], config, setup.seq_length, setup.micro_batch_size)
-              if graphed else None)
+    helper = (make_te_graph_helper([chunk], config, setup.seq_length, setup.micro_batch_size,
+                                   backend=get_backend("tape")) if graphed else None)
     return chunk, helper
 
 
@@ -560,8 +561,8 @@ def core_helper_job(shapes: list[dict]) -> dict:
     """megatron-core 0.16.1 (pinned) with our own mHC layer: eager without recompute, eager block
     recompute, and mhc_cg under megatron-core's TE graph helper, for each shape."""
     from megatron_integration.capture.te_graph_helper import chunk_decoder
-    from mhc_cg.megatron_harness.step_probe import graph_states
-    from mhc_cg.megatron_harness.training import TrainSetup, train_run, use_microbatches
+    from mhc_cg.lab.megatron_harness.step_probe import graph_states
+    from mhc_cg.lab.megatron_harness.training import TrainSetup, train_run, use_microbatches
 
     _init_model_parallel()
     cases = []
@@ -591,7 +592,7 @@ JOBS = {"hyper_connection": hyper_connection_job, "dev_hyper_connection": dev_hy
 
 def _child(argv: list[str]) -> None:
     job, out, kwargs, snapshot = argv[0], Path(argv[1]), json.loads(argv[2]), argv[3]
-    from mhc_cg.megatron_harness.megatron_on_cpu import install_cpu_shims
+    from mhc_cg.lab.megatron_harness.megatron_on_cpu import install_cpu_shims
 
     install_cpu_shims()
     import megatron.core

@@ -16,21 +16,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mhc_cg.runtime.recompute.recompute_captures import capture_recompute_graphs
-from mhc_cg.runtime.recompute.arena import ALIGN_BYTES
+from mhc_cg.runtime.recompute_captures import capture_recompute_graphs
+from mhc_cg.runtime.arena import ALIGN_BYTES
 from mhc_cg.cli import main
 from mhc_cg.config import RunConfig, load_config
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.core.storage import distinct_storage_bytes, storage_id
-from mhc_cg.runtime.graphs import get_backend
-from mhc_cg.memory.measure import measure_saved_bytes
-from mhc_cg.runtime.modes.eager import EagerModel
-from mhc_cg.runtime.recompute.block_recompute import recompute_activation_eagerly
+from mhc_cg.lab.emulation.backends import get_backend
+from mhc_cg.lab.memory.measure import measure_saved_bytes
+from mhc_cg.lab.references.eager import EagerModel
+from mhc_cg.recompute.block_recompute import recompute_activation_eagerly
 from mhc_cg.model import MHCGPT, MHCGPTConfig
 from mhc_cg.core.errors import StaticRecomputeError
-from mhc_cg.runtime.recompute.frame import Frame
-from mhc_cg.runtime.recompute.static import build_static_recompute
-from mhc_cg.training.session import train
+from mhc_cg.runtime.frame import Frame
+from mhc_cg.runtime.static import build_static_recompute
+from mhc_cg.lab.resolve import train_config
 
 import helpers
 from helpers import eager_run, rank_model, static_run
@@ -200,7 +200,7 @@ def test_graphed_static_training_bit_identical_with_mlp_scope_on_tape():
 
     def run(config, mode):
         grads = []
-        result = train(config, steps=3, mode=mode, progress=False,
+        result = train_config(config, steps=3, mode=mode, progress=False,
                        after_backward=lambda step, model: grads.append(
                            {n: p.grad.clone() for n, p in model.named_parameters()}))
         return result, grads

@@ -1,5 +1,6 @@
-"""The house's shape, checked: packages by role with dependencies one way, no import cycle, short
-functions, and a mode defined in one place that every tool picks up."""
+"""The house's shape, checked: the product apart from the lab, packages by role with dependencies
+one way, no import cycle, short functions, and a mode defined in one place that every tool picks
+up."""
 
 from __future__ import annotations
 
@@ -12,28 +13,36 @@ import pytest
 
 from mhc_cg.cli import main
 from mhc_cg.config import RunConfig
-from mhc_cg.runtime.modes.eager import EagerModel
-from mhc_cg.runtime.modes.registry import MODES, Mode, register, unregister
-from mhc_cg.compare.modes import run_modes, mismatches
-from mhc_cg.cost.report import cost_report
-from mhc_cg.training.session import train
+from mhc_cg.lab.references.eager import EagerModel
+from mhc_cg.lab.registry import MODES, register, unregister
+from mhc_cg.training.run import Mode
+from mhc_cg.lab.compare.modes import run_modes, mismatches
+from mhc_cg.lab.cost.report import cost_report
+from mhc_cg.lab.resolve import train_config
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("mhc_cg", "megatron_integration")
-# lower layers never import higher ones: basics <- ops <- config <- model <- runtime <- training
-# (and the megatron glue) <- tools <- cli
+# lower layers never import higher ones. The product: basics <- ops <- config <- model <- graph
+# capture <- eager block recompute <- the static runtime <- modes <- training (and the megatron
+# glue); then the lab, which measures and emulates it; then the commands
 LAYERS = {"mhc_cg.core": 0, "mhc_cg.ops": 1, "mhc_cg.config": 2, "mhc_cg.model": 3,
-          "mhc_cg.runtime": 4, "mhc_cg.training": 5, "megatron_integration": 5,
-          "mhc_cg.cost": 6, "mhc_cg.memory": 6, "mhc_cg.planning": 6, "mhc_cg.profiling": 6,
-          "mhc_cg.benchmarks": 6, "mhc_cg.megatron_harness": 6, "mhc_cg.compare": 6,
-          "mhc_cg.commands": 7, "mhc_cg.cli": 7, "mhc_cg.__main__": 7}
-# inside the tools' layer, sub-layers: a tool package imports only tool packages on a lower one.
-# 0: the models and readers (cost, activation memory, traces) and the mode comparison, on the
-# product alone; 1: what builds on a model (the schedule planner on the memory model, the
-# Megatron harness on the allocator emulation); 2: the benches, which run and time it all.
-TOOL_LAYERS = {"mhc_cg.cost": 0, "mhc_cg.memory": 0, "mhc_cg.profiling": 0, "mhc_cg.compare": 0,
-               "mhc_cg.planning": 1, "mhc_cg.megatron_harness": 1, "mhc_cg.benchmarks": 2}
-TOOLS = tuple(TOOL_LAYERS)
+          "mhc_cg.graphs": 4, "mhc_cg.recompute": 5, "mhc_cg.runtime": 6, "mhc_cg.modes": 7,
+          "mhc_cg.training": 8, "megatron_integration": 8,
+          "mhc_cg.lab": 9,
+          "mhc_cg.commands": 10, "mhc_cg.cli": 10, "mhc_cg.__main__": 10}
+PRODUCT = tuple(p for p, rank in LAYERS.items() if rank < LAYERS["mhc_cg.lab"])
+# inside the lab, sub-layers: a lab package imports only lab packages on a lower one.
+# 0: the CPU stand-ins (the tape, torch.cuda over a backend, TE's wheel), the reference modes and
+# the readers on the product alone (activation memory, traces); 1: every mode, in one registry;
+# 2: a run resolved from it; 3: what builds on a run (the pipeline driver, the cost model) or on
+# a model (the schedule planner on the memory model); 4: the comparisons and the Megatron
+# harness; 5: the benches, which run and time it all.
+LAB_LAYERS = {"mhc_cg.lab.emulation": 0, "mhc_cg.lab.references": 0, "mhc_cg.lab.memory": 0,
+              "mhc_cg.lab.profiling": 0, "mhc_cg.lab.registry": 1, "mhc_cg.lab.resolve": 2,
+              "mhc_cg.lab.pipeline": 3, "mhc_cg.lab.cost": 3, "mhc_cg.lab.planning": 3,
+              "mhc_cg.lab.compare": 4, "mhc_cg.lab.megatron_harness": 4,
+              "mhc_cg.lab.benchmarks": 5}
+LAB = tuple(LAB_LAYERS)
 
 
 def modules() -> dict[str, Path]:
@@ -130,7 +139,7 @@ def test_no_import_cycle():
 def test_no_import_loop_among_the_tool_packages():
     """Module by module there is no cycle; package by package there is none among the tools
     either (lazy imports count: a function that imports a tool ties its package to that tool)."""
-    cycles = find_cycles(package_graph(import_graph(), TOOLS))
+    cycles = find_cycles(package_graph(import_graph(), LAB))
     assert not cycles, cycles
 
 
@@ -147,11 +156,36 @@ def test_the_package_loop_check_sees_a_loop_no_module_cycle_shows():
         [["tools_a", "tools_b", "tools_a"]]
 
 
-def test_tools_import_only_tools_on_a_lower_sub_layer():
-    assert set(TOOL_LAYERS) == {p for p, rank in LAYERS.items() if rank == LAYERS["mhc_cg.cost"]}
-    upward = sorted((a, b) for a, targets in package_graph(import_graph(), TOOLS).items()
-                    for b in targets if TOOL_LAYERS[b] >= TOOL_LAYERS[a])
+def test_the_lab_imports_only_lab_parts_on_a_lower_sub_layer():
+    """Every part of the lab has its sub-layer, and imports only parts below it."""
+    parts = {f"mhc_cg.lab.{p.stem}" for p in (ROOT / "mhc_cg" / "lab").iterdir()
+             if p.name != "__init__.py" and (p.suffix == ".py" or (p / "__init__.py").exists())}
+    assert set(LAB_LAYERS) == parts, parts ^ set(LAB_LAYERS)
+    upward = sorted((a, b) for a, targets in package_graph(import_graph(), LAB).items()
+                    for b in targets if LAB_LAYERS[b] >= LAB_LAYERS[a])
     assert not upward, upward
+
+
+def product_imports_of_the_lab(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """``(product module, lab module)`` for every import of the lab from the product (lazy and
+    type-only imports included: :func:`imported_modules`)."""
+    def in_product(name: str) -> bool:
+        return name.startswith(tuple(f"{p}." for p in PRODUCT)) or name in PRODUCT
+
+    return sorted((a, b) for a, targets in graph.items() if in_product(a)
+                  for b in targets if b == "mhc_cg.lab" or b.startswith("mhc_cg.lab."))
+
+
+def test_the_product_imports_nothing_of_the_lab():
+    """What a user imports to train (ops and kernels, the model, graph capture, eager and static
+    recompute, the modes, training, megatron_integration) never imports the lab: the references
+    it is measured against, the CPU stand-ins, the tools. The check sees a lazy import."""
+    assert product_imports_of_the_lab(import_graph()) == []
+    lazy = "def f():\n    from mhc_cg.lab.emulation.tape import TapeBackend\n"
+    mods = ("mhc_cg.runtime.toy", "mhc_cg.lab.emulation.tape")
+    graph = {"mhc_cg.runtime.toy": imported_modules("mhc_cg.runtime.toy", lazy, mods, False)}
+    assert product_imports_of_the_lab(graph) == [("mhc_cg.runtime.toy",
+                                                   "mhc_cg.lab.emulation.tape")]
 
 
 def test_dependencies_run_one_way():
@@ -163,19 +197,20 @@ def test_dependencies_run_one_way():
 def test_no_back_pointer_and_no_module_state_in_the_runtime():
     """The static runtime hands its strategies what they read (no ``.rt = self``); the runtime
     keeps no ``global`` state; its recompute, graphs and the model ask no config rule; the
-    Megatron package holds what users import (the harness lives with its tool)."""
+    Megatron package holds what users import (the harness lives in the lab)."""
     runtime = [p for name, p in modules().items() if name.startswith("mhc_cg.runtime.")]
     assert not [str(p) for p in modules().values() if ".rt = " in p.read_text()]
     assert not [str(p) for p in runtime
                 if any(line.lstrip().startswith("global ") for line in p.read_text().splitlines())]
     graph = import_graph()
     asks = [name for name, targets in graph.items()
-            if name.startswith(("mhc_cg.runtime.recompute", "mhc_cg.runtime.graphs", "mhc_cg.model"))
+            if name.startswith(("mhc_cg.runtime", "mhc_cg.recompute", "mhc_cg.graphs",
+                                "mhc_cg.model"))
             and "mhc_cg.config.rules" in targets]
     assert not asks, asks
     assert not (ROOT / "megatron_integration" / "harness").exists()
     assert not [name for name, targets in graph.items() if name.startswith("megatron_integration")
-                and any(t.startswith(TOOLS) for t in targets)]
+                and any(t.startswith("mhc_cg.lab") for t in targets)]
 
 
 def test_every_module_has_a_role():
@@ -220,8 +255,8 @@ def toy_mode():
 def test_a_toy_mode_registered_in_one_place_reaches_train_compare_and_cost(toy_mode, tmp_path,
                                                                           capsys):
     cfg = RunConfig.from_dict(TINY)
-    assert train(cfg, mode="toy_eager", progress=False).losses == \
-        train(cfg, mode="eager_none", progress=False).losses
+    assert train_config(cfg, mode="toy_eager", progress=False).losses == \
+        train_config(cfg, mode="eager_none", progress=False).losses
     results = run_modes(cfg, progress=False)
     assert "toy_eager" in results and not mismatches(results)
     assert "toy_eager" in cost_report(cfg, "meta")["modes"]
@@ -236,8 +271,9 @@ def test_the_step_loop_is_written_once_and_no_mode_runs_a_backward_itself():
     """The microbatch loop lives in one function (``microbatch_loop``, in training): the session
     runs it and a full-iteration mode captures it, given at prepare; a mode backpropagates only
     in that loop, never by calling ``.backward(`` itself."""
-    modes = ROOT / "mhc_cg" / "runtime" / "modes"
-    calls = [f"{p.name}:{n}" for p in modes.glob("*.py")
+    modes = [*(ROOT / "mhc_cg" / "modes").glob("*.py"),
+             *(ROOT / "mhc_cg" / "lab" / "references").glob("*.py")]
+    calls = [f"{p.name}:{n}" for p in modes
              for n, line in enumerate(p.read_text().splitlines(), 1) if ".backward(" in line]
     assert calls == []
     users = {p.relative_to(ROOT).as_posix() for p in (ROOT / "mhc_cg").rglob("*.py")
@@ -315,9 +351,12 @@ def test_the_tensor_attribute_check_sees_both_spellings_and_leaves_torchs_own_al
 
 # a training step calls down this order, never up (callbacks that reach back are closures handed
 # down; the modes hand the runtime data and graphed callables instead)
+# (the lab's CPU stand-in for a graph's replay stands where the graph does, its reference modes
+# where the product's modes do: a step calls them through those interfaces)
 STEP_LAYERS = {"mhc_cg.core": 0, "mhc_cg.ops": 1, "mhc_cg.config": 2, "mhc_cg.model": 3,
-               "mhc_cg.runtime.graphs": 4, "mhc_cg.runtime.recompute": 5,
-               "mhc_cg.runtime.modes": 6, "mhc_cg.training": 7}
+               "mhc_cg.graphs": 4, "mhc_cg.lab.emulation": 4, "mhc_cg.recompute": 5,
+               "mhc_cg.runtime": 6, "mhc_cg.modes": 7, "mhc_cg.lab.references": 7,
+               "mhc_cg.training": 8}
 
 
 def step_layer_of(name: str) -> int | None:
@@ -325,10 +364,27 @@ def step_layer_of(name: str) -> int | None:
                  if name == prefix or name.startswith(prefix + ".")), None)
 
 
+def handed_down(frame) -> bool:
+    """Whether the function running in ``frame`` was handed to its caller: it, or the object it
+    is a method of, is one of the caller's locals or an attribute of one (a callback such as a
+    checkpoint's ``fn`` or an overridden method, which a lower layer runs without importing)."""
+    code, back = frame.f_code, frame.f_back
+    owner = frame.f_locals.get("self") if code.co_argcount else None
+
+    def runs_it(value) -> bool:
+        func = getattr(value, "__func__", value)
+        return getattr(func, "__code__", None) is code or (owner is not None and value is owner)
+
+    held = list(back.f_locals.values())
+    held += [v for obj in held if hasattr(obj, "__dict__") for v in vars(obj).values()]
+    return any(runs_it(v) for v in held)
+
+
 def upward_calls_in_a_step(session) -> set[tuple[str, str]]:
     """``(caller module.function, callee module.function)`` of every Python call, from one
-    mhc_cg module into another, that goes up :data:`STEP_LAYERS` or into a module outside it
-    (a tool), over one training step (``sys.setprofile``)."""
+    mhc_cg module into another, that goes up :data:`STEP_LAYERS` other than into a callback the
+    caller was handed, or into a module outside it (a tool), over one training step
+    (``sys.setprofile``)."""
     import sys
 
     found = set()
@@ -341,7 +397,7 @@ def upward_calls_in_a_step(session) -> set[tuple[str, str]]:
         if not (callee.startswith("mhc_cg.") and caller.startswith("mhc_cg.")):
             return
         low, high = step_layer_of(caller), step_layer_of(callee)
-        if high is None or (low is not None and high > low):
+        if high is None or (low is not None and high > low and not handed_down(frame)):
             found.add((f"{caller}.{back.f_code.co_name}", f"{callee}.{frame.f_code.co_name}"))
 
     sys.setprofile(profile)
@@ -355,8 +411,8 @@ def upward_calls_in_a_step(session) -> set[tuple[str, str]]:
 # what a run may write at module level (docs/design.md, item 17): the registers of what a GPU run
 # keeps in device memory, which the tape reads to tell a 0-dim device tensor from a CPU scalar,
 # and NVTX's memo of the names it registered (a string is registered once per process)
-PROCESS_WIDE = {"mhc_cg.runtime.graphs.static_inputs._STATIC_BUFFERS",
-                "mhc_cg.runtime.graphs.tape._CAPTURED", "mhc_cg.core.nvtx._attributes"}
+PROCESS_WIDE = {"mhc_cg.graphs.static_inputs._STATIC_BUFFERS",
+                "mhc_cg.lab.emulation.tape._CAPTURED", "mhc_cg.core.nvtx._attributes"}
 
 
 def module_state() -> dict[str, object]:
@@ -422,6 +478,26 @@ def test_the_module_state_check_sees_a_rebound_global_and_a_container_written():
         del sys.modules[toy.__name__]
 
 
+def test_the_step_probe_tells_an_upward_call_from_a_callback_handed_down():
+    """Self-test: a lower layer's module calling a higher one's function by name is found; the
+    same function handed to it as an argument, or as an object's method, is a callback."""
+    low, high = {"__name__": "mhc_cg.recompute.probe"}, {"__name__": "mhc_cg.modes.probe"}
+    exec("def work():\n    return 1\n"
+         "class Part:\n    def __call__(self):\n        return 2\n", high)
+    exec("def by_name():\n    return work()\n"
+         "def handed(fn, part):\n    return fn() + part()\n", low)
+    low["work"] = high["work"]
+
+    class Step:
+        def __init__(self, run):
+            self.step = run
+
+    assert upward_calls_in_a_step(Step(low["by_name"])) == {
+        ("mhc_cg.recompute.probe.by_name", "mhc_cg.modes.probe.work")}
+    assert upward_calls_in_a_step(
+        Step(lambda: low["handed"](high["work"], high["Part"]()))) == set()
+
+
 def test_a_training_step_of_every_mode_never_calls_upward_nor_marks_a_tensor():
     """Every mode on the tiny config, built (captures included) and stepped twice: no call
     from a product module into a higher layer and no tool module on the second step's path;
@@ -430,7 +506,7 @@ def test_a_training_step_of_every_mode_never_calls_upward_nor_marks_a_tensor():
     import torch
 
     from helpers import tiny_run_config
-    from mhc_cg.training.run import resolve
+    from mhc_cg.lab.resolve import resolve
     from mhc_cg.training.session import TrainSession
 
     cfg = tiny_run_config()
@@ -455,7 +531,7 @@ def files_a_step_runs(session) -> dict[str, set[str]]:
     it replays is the device's work (a GPU's replay runs no Python)."""
     import sys
 
-    from mhc_cg.runtime.graphs.tape import TapeGraph
+    from mhc_cg.lab.emulation.tape import TapeGraph
 
     replay, roots, inside, files = TapeGraph._replay.__code__, \
         tuple(f"{ROOT / package}/" for package in PACKAGES), [0], {}
@@ -490,7 +566,7 @@ def test_one_graphed_static_step_runs_few_files(capsys):
     import torch
 
     from helpers import tiny_run_config
-    from mhc_cg.training.run import resolve
+    from mhc_cg.lab.resolve import resolve
     from mhc_cg.training.session import TrainSession
 
     session = TrainSession.build(resolve(tiny_run_config(), "graphed_static", torch.device("cpu")))
@@ -500,18 +576,20 @@ def test_one_graphed_static_step_runs_few_files(capsys):
         print(f"\none graphed_static step runs {len(files)} files:")
         for name, functions in files.items():
             print(f"  {name}: {', '.join(sorted(functions))}")
-    assert "mhc_cg/runtime/recompute/static.py" in files and len(files) <= 24, files
+    assert "mhc_cg/runtime/static.py" in files and len(files) <= 24, files
 
 
 def test_parts_by_role_no_file_name_twice_and_no_cost_table_under_ops():
-    """The tools are top-level parts named for what they are (no ``tools`` folder holding a third
-    of the code): no part holds more than a third of the lines, no file name appears twice, and
-    the cost model's per-op tables live with the cost model, not beside the ops."""
+    """The product's parts and the lab's are rooms named for what they are (no ``tools`` folder,
+    and the lab a folder of rooms, not one): no room holds more than a third of the lines, no
+    file name appears twice, and the cost model's per-op tables live with the cost model, not
+    beside the ops."""
     root = ROOT / "mhc_cg"
     files = [p for p in root.rglob("*.py") if "te_on_tape" not in p.parts]
     lines = {}
     for p in files:
-        part = p.relative_to(root).parts[0]
+        parts = p.relative_to(root).parts
+        part = "/".join(parts[:2]) if parts[0] == "lab" and len(parts) > 2 else parts[0]
         lines[part] = lines.get(part, 0) + len(p.read_text().splitlines())
     assert not (root / "tools").exists()
     assert max(lines.values()) < sum(lines.values()) / 3, lines
@@ -548,7 +626,7 @@ def host_calls_in_training(cfg, mode: str, **hooks) -> set[str]:
 
     session_module.TrainSession.step = watched_step
     try:
-        train(cfg, mode=mode, steps=2, progress=False, **hooks)
+        train_config(cfg, mode=mode, steps=2, progress=False, **hooks)
     finally:
         session_module.TrainSession.step = step
     return seen
@@ -564,7 +642,7 @@ def test_a_plain_training_step_hashes_nothing_and_copies_no_gradient_to_the_host
     import torch
 
     from helpers import tiny_run_config
-    from mhc_cg.compare.watch import StepWatch
+    from mhc_cg.lab.compare.watch import StepWatch
 
     cfg = tiny_run_config()
     plain = host_calls_in_training(cfg, mode)

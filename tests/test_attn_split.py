@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from mhc_cg.runtime.recompute.split_attention import StaticInputCheckpoint
+from mhc_cg.lab.references.split_attention import StaticInputCheckpoint
 from helpers import build_for_mode
-from mhc_cg.training.run import resolve
+from mhc_cg.lab.resolve import resolve
 
 from helpers import assert_training_close, assert_training_identical, small_config
 
@@ -67,7 +67,7 @@ def test_fn_input_lives_in_the_static_input_and_the_recompute_rewrites_it():
 
 
 def test_discard_refuses_an_fn_input_that_left_the_slot():
-    from mhc_cg.runtime.recompute.block_recompute import BlockRecomputeManager
+    from mhc_cg.recompute.block_recompute import BlockRecomputeManager
 
     manager = BlockRecomputeManager()
     slot = torch.zeros(3)

@@ -11,13 +11,13 @@ import os
 import pytest
 import torch
 
-from mhc_cg.benchmarks import runner as bench, timing as bench_run
+from mhc_cg.lab.benchmarks import runner as bench, timing as bench_run
 from mhc_cg.cli import main
 from mhc_cg.config import load_config
-from mhc_cg.runtime.modes.registry import MODES
-from mhc_cg.training.run import resolve
+from mhc_cg.lab.registry import MODES
+from mhc_cg.lab.resolve import resolve
 from helpers import build_for_mode
-from mhc_cg.training.session import train
+from mhc_cg.lab.resolve import train_config
 
 TINY = """\
 model: {vocab_size: 32, seq_length: 8, hidden_size: 16, num_heads: 2, num_layers: 2,

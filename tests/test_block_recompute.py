@@ -4,11 +4,11 @@ import functools
 import pytest
 import torch
 
-from mhc_cg.runtime.recompute.checkpoint import CheckpointWithoutOutput
+from mhc_cg.recompute.checkpoint import CheckpointWithoutOutput
 from mhc_cg.model.moe import MoECudaGraphPartialCaptureSignal
-from mhc_cg.runtime.modes.eager import EagerModel
+from mhc_cg.lab.references.eager import EagerModel
 from mhc_cg.model import MHCGPT, MHCGPTConfig
-from mhc_cg.runtime.recompute.block_recompute import BlockRecomputeManager
+from mhc_cg.recompute.block_recompute import BlockRecomputeManager
 
 TINY = dict(vocab_size=32, seq_length=8, hidden_size=16, num_heads=2, num_layers=4, num_streams=4,
             hidden_dropout=0.2)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mhc_cg.core.errors import GraphCaptureError
-from mhc_cg.runtime.graphs import get_backend
-from mhc_cg.runtime.graphs.guard import illegal_op_reason
+from mhc_cg.lab.emulation.backends import get_backend
+from mhc_cg.graphs.guard import illegal_op_reason
 
 X = torch.arange(6.0) - 2.5  # three positive: more than one value selected
 MASK = X > 0

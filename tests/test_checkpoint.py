@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mhc_cg.runtime.recompute.checkpoint import CheckpointWithoutOutput
+from mhc_cg.recompute.checkpoint import CheckpointWithoutOutput
 
 
 def _mlp(x, w):

@@ -92,7 +92,7 @@ def test_the_cpu_memory_probe_prints_nothing_of_torchs_profiler(capfd):
     user, and the probe still counts what the function left allocated."""
     import torch
 
-    from mhc_cg.compare.watch import held_bytes
+    from mhc_cg.lab.compare.watch import held_bytes
 
     kept = []
     out, held = held_bytes(lambda: kept.append(torch.ones(1 << 16)) or kept[0],

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mhc_cg.compare import modes as compare
+from mhc_cg.lab.compare import modes as compare
 from mhc_cg.cli import main
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mhc_cg.compare.modes import CPU_STEP_NOTE, Compared, format_table
+from mhc_cg.lab.compare.modes import CPU_STEP_NOTE, Compared, format_table
 from mhc_cg.config import RunConfig
 from mhc_cg.training import device
 from mhc_cg.training.device import cpu_threads, use_cpu_threads

@@ -1,4 +1,4 @@
-"""The cost model: kernels, bytes and capture-pool memory of recorded graphs (mhc_cg.cost)."""
+"""The cost model: kernels, bytes and capture-pool memory of recorded graphs (mhc_cg.lab.cost)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from mhc_cg.config import RunConfig
-from mhc_cg.cost.allocator import BLOCK_BYTES, rounded
-from mhc_cg.cost.cost_backend import CostBackend
-from mhc_cg.cost.ops import launches_kernel
-from mhc_cg.cost.op_counters import StepRecorder
-from mhc_cg.cost.report import cost_mode, cost_report, format_report, mode_configs
-from mhc_cg.training.run import resolve
+from mhc_cg.lab.cost.allocator import BLOCK_BYTES, rounded
+from mhc_cg.lab.cost.cost_backend import CostBackend
+from mhc_cg.lab.cost.ops import launches_kernel
+from mhc_cg.lab.cost.op_counters import StepRecorder
+from mhc_cg.lab.cost.report import cost_mode, cost_report, format_report, mode_configs
+from mhc_cg.lab.resolve import resolve
 from mhc_cg.core.errors import GraphCaptureError
-from mhc_cg.runtime.graphs.guard import CaptureGuardMode
-from mhc_cg.runtime.graphs.tape import TapeBackend
+from mhc_cg.graphs.guard import CaptureGuardMode
+from mhc_cg.lab.emulation.tape import TapeBackend
 from mhc_cg.model import MHCGPTConfig
 from helpers import build_for_mode
 
@@ -78,7 +78,7 @@ def test_multi_tensor_ops_launch_as_cuda_chunks_their_lists():
     """CUDA's multi_tensor_apply: a block per 65536 elements, a launch per 320 blocks or per
     36 tensors of a 4-list op (fused AdamW: params, grads, exp_avgs, exp_avg_sqs; the step
     counts are not chunked); a foreach norm adds its cleanup kernel."""
-    from mhc_cg.cost.ops import kernel_launches, multi_tensor_launches
+    from mhc_cg.lab.cost.ops import kernel_launches, multi_tensor_launches
 
     assert multi_tensor_launches([320 * 65536], depth=4) == 1
     assert multi_tensor_launches([320 * 65536 + 1], depth=4) == 2
@@ -284,7 +284,7 @@ def test_backward_graphs_give_their_gradients_back_to_the_pool():
     """Every replay clones a backward graph's input and weight gradients at once, so once captured
     they go back to the pool: after N layers only the forward outputs (tanh saves its output) are
     live in it, not N sets of gradients."""
-    from mhc_cg.runtime.graphs.graphed_callables import GraphOptions, make_graphed_callables
+    from mhc_cg.graphs.graphed_callables import GraphOptions, make_graphed_callables
 
     batch, width, layers = 16, 32, 4
     modules = tuple(torch.nn.Sequential(torch.nn.Linear(width, width, bias=False), torch.nn.Tanh())
@@ -322,7 +322,8 @@ def test_recompute_graphs_join_the_sublayer_pool_where_they_replay():
     assert [g.replays for g in recompute.values()] == [2]
     assert graphed.runtime.recomputes[(1, "kept")] == 2
     backend = CostBackend("cpu")
-    from mhc_cg.training.run import build, resolve
+    from mhc_cg.training.run import build
+    from mhc_cg.lab.resolve import resolve
     costed = build(resolve(cfg, "graphed_static", "cpu"), backend=backend)
     assert all(g.peak.escaped_bytes == 0 for g in costed.runtime.recompute_graphs.values())
 
@@ -336,7 +337,8 @@ def test_recompute_graphs_alone_share_one_independent_pool():
     assert len(graphs) == 2 and len({id(g.pool) for g in graphs}) == 1
     assert graphs[0].pool.independent
     backend = CostBackend("cpu")
-    from mhc_cg.training.run import build, resolve
+    from mhc_cg.training.run import build
+    from mhc_cg.lab.resolve import resolve
     graphed = build(resolve(cfg, "graphed_static", "cpu"), backend=backend)
     recompute = list(graphed.runtime.recompute_graphs.values())
     assert all(g.peak.escaped_bytes == 0 for g in recompute)
@@ -613,7 +615,7 @@ def _held_storages(root) -> dict[int, int]:
 def test_model_state_is_what_a_training_session_holds(dtype):
     """The cost model's model state is the bytes a CPU training session really holds between
     steps (everything reachable from it: model, optimizer, data), for the same model."""
-    from mhc_cg.training.run import resolve
+    from mhc_cg.lab.resolve import resolve
     from mhc_cg.training.session import TrainSession
 
     cfg = tiny_config().replace(train={"dtype": dtype})
@@ -674,7 +676,7 @@ def test_the_loss_holds_no_fp32_copy_of_the_logits():
 def test_the_losss_and_the_final_norms_ops_are_no_mhc_traffic():
     """Every registered op of the loss and of the model's final norm (their in-place variants
     too) is left out of the mHC traffic."""
-    from mhc_cg.cost import fused as fused_ops
+    from mhc_cg.lab.cost import fused as fused_ops
 
     names = [n for n in dir(torch.ops.mhc_cg) if n.startswith(("cross_entropy", "rms_norm"))]
     assert len(names) >= 5
@@ -740,7 +742,7 @@ def test_the_cost_model_predicts_the_h100_runs_eager_peaks_within_5_percent():
     gradient copies, foreach AdamW), the model predicts that run's measured peak of each eager
     mode (in the optimizer step, where they were) within 5 %, and its resident bytes (the
     parameters' and the optimizer's alone) too."""
-    from mhc_cg.cost.backtest import backtest
+    from mhc_cg.lab.cost.backtest import backtest
 
     rows = backtest(modes=("eager_none", "eager_block"))["modes"]
     assert set(rows) == {"eager_none", "eager_block"}
@@ -755,9 +757,9 @@ def test_a_kernel_measurement_counts_only_at_the_code_and_on_the_gpu_it_measured
     calls (at any code) sets only the band's high end; one timed as device time at this kernel
     source on the modelled GPU sets one figure; on another GPU it counts for nothing. Bytes go
     at the copy bandwidth measured on the GPU modelled, else its table figure."""
-    from mhc_cg.core.gpus import GPUS
-    from mhc_cg.cost.measured import kernel_source_sha256
-    from mhc_cg.cost.step_model import step_model
+    from mhc_cg.lab.cost.gpus import GPUS
+    from mhc_cg.lab.cost.measured import kernel_source_sha256
+    from mhc_cg.lab.cost.step_model import step_model
 
     h100 = "NVIDIA H100 80GB HBM3"
     rows = [{"device": h100, "code": "old", "class": "copy", "kernel": "copy_",
@@ -803,7 +805,7 @@ def test_the_h200_moves_bytes_faster_by_its_copy_bandwidth():
 def test_cost_prints_the_last_measured_step_of_the_shape_beside_the_modelled_one(tmp_path):
     import json
 
-    from mhc_cg.cost.measured import last_measured_steps
+    from mhc_cg.lab.cost.measured import last_measured_steps
 
     cfg = tiny_config()
     for date, step in (("2026-01-01", 50.0), ("2026-02-01", 40.0)):
@@ -830,7 +832,7 @@ def test_every_fused_op_has_a_kind_the_step_model_charges():
     import torch
 
     import mhc_cg.ops.kernels.custom_ops  # noqa: F401  (registers the ops)
-    from mhc_cg.cost.measured import FUSED_KINDS
+    from mhc_cg.lab.cost.measured import FUSED_KINDS
 
     registered = {f"mhc_cg::{name}" for name in dir(torch.ops.mhc_cg)
                   if isinstance(getattr(torch.ops.mhc_cg, name), torch._ops.OpOverloadPacket)}

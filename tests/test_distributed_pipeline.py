@@ -20,11 +20,11 @@ import yaml
 from mhc_cg.cli import main
 from mhc_cg.config import RunConfig, load_config
 from mhc_cg.core.errors import ConfigError
-from mhc_cg.training.pipeline.driver import train_pipeline
+from mhc_cg.lab.pipeline.driver import train_pipeline
 from mhc_cg.core.pipeline_order import max_persistent_slot_sets, recomputes_kept
-from mhc_cg.compare.pipeline import norms_agree, single_process_config
+from mhc_cg.lab.compare.pipeline import norms_agree, single_process_config
 from mhc_cg.core.pipeline_order import pipeline_order
-from mhc_cg.training.session import train
+from mhc_cg.lab.resolve import train_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 STEPS = 2
@@ -32,7 +32,7 @@ STEPS = 2
 
 def single_process_run(cfg):
     grads = []
-    result = train(single_process_config(cfg), steps=STEPS, progress=False,
+    result = train_config(single_process_config(cfg), steps=STEPS, progress=False,
                    after_backward=lambda step, model: grads.append(
                        {n: p.grad.clone() for n, p in model.named_parameters()
                         if p.grad is not None}))

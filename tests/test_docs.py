@@ -208,9 +208,9 @@ def test_every_note_in_the_code_is_cited_by_a_doc():
 
 def test_generated_blocks_are_what_the_commands_make_now():
     """README's modelled and measured tables, and docs/cost.md's costed output, frontier and
-    back-test, equal what ``python -m mhc_cg.cost.doc_tables write`` makes at this code (run it
+    back-test, equal what ``python -m mhc_cg.lab.cost.doc_tables write`` makes at this code (run it
     after a change that moves a figure)."""
-    from mhc_cg.cost import doc_tables
+    from mhc_cg.lab.cost import doc_tables
 
     reports = doc_tables.Reports()
     readme = (ROOT / "README.md").read_text()
@@ -219,7 +219,7 @@ def test_generated_blocks_are_what_the_commands_make_now():
         text = doc.read_text()
         made = doc_tables.blocks_of(doc_tables.regenerate(text, reports))
         stale = [key for key, body in doc_tables.blocks_of(text).items() if made[key] != body]
-        assert not stale, f"{doc.relative_to(ROOT)}: stale {stale}; python -m mhc_cg.cost.doc_tables write"
+        assert not stale, f"{doc.relative_to(ROOT)}: stale {stale}; python -m mhc_cg.lab.cost.doc_tables write"
     # the step is a band until the fused kernels are measured at this code, then one figure
     row = next(line for line in doc_tables.blocks_of(readme)["modelled"].splitlines()
                if line.startswith("| `eager_none`"))
@@ -260,7 +260,7 @@ def test_readme_opens_with_the_two_commands():
 def test_readme_quotes_the_table_make_demo_prints():
     """The README's excerpt of ``make demo``: the header ``mhc-cg train --compare`` prints on the
     CPU, and rows (mode, losses, verdict) as docs/configuration.md quotes the whole run."""
-    from mhc_cg.compare.modes import format_table
+    from mhc_cg.lab.compare.modes import format_table
 
     header = _columns(format_table({}, cpu=True).splitlines()[0])
     lines = _readme().splitlines()
@@ -274,7 +274,7 @@ def test_readme_quotes_the_table_make_demo_prints():
 
 
 def test_readme_states_modelled_figures_only_in_its_generated_blocks():
-    from mhc_cg.cost import doc_tables
+    from mhc_cg.lab.cost import doc_tables
 
     prose = doc_tables.BLOCK.sub("", _readme())
     figures = re.findall(r"\d[\d.]*\s?(?:ms|GiB|TB/s|TFLOP/s|%)", prose)
@@ -286,7 +286,7 @@ def test_pipeline_doc_quotes_what_the_pipeline_compare_prints():
     every step equal."""
     from types import SimpleNamespace
 
-    from mhc_cg.compare import pipeline
+    from mhc_cg.lab.compare import pipeline
 
     quoted = _quoted((ROOT / "docs" / "pipeline.md").read_text(),
                      "mhc-cg train --config configs/tiny_pp2_vpp2.yaml --compare")
@@ -340,7 +340,7 @@ def _comment_setting(path: Path) -> tuple[dict, set[str], bool]:
 def test_megatron_configs_comments_state_the_setting_the_runs_use():
     from megatron_integration.config.field_map import megatron_config_kwargs
     from mhc_cg.config import load_config
-    from mhc_cg.megatron_harness.runs import OURS, run_kwargs
+    from mhc_cg.lab.megatron_harness.runs import OURS, run_kwargs
 
     doc = (ROOT / "docs" / "megatron.md").read_text()
     what_to_set = doc[doc.index("## What to set"):doc.index("\n## ", doc.index("## What to set") + 1)]

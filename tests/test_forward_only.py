@@ -20,9 +20,9 @@ from helpers import tiny_run_config, write_config
 from mhc_cg.cli import main
 from mhc_cg.training.data import ProgressionCorpus
 from mhc_cg.core.errors import StaleCaptureError, StaticRecomputeError
-from mhc_cg.training.run import resolve
-from mhc_cg.compare.modes import compared_modes
-from mhc_cg.compare.watch import grad_digest
+from mhc_cg.lab.resolve import resolve
+from mhc_cg.lab.compare.modes import compared_modes
+from mhc_cg.lab.compare.watch import grad_digest
 from mhc_cg.training.session import TrainSession
 
 CPU = torch.device("cpu")

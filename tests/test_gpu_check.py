@@ -1,6 +1,6 @@
 """``bench/gpu_check.sh --dry-run``: every part of the GPU checklist on the CPU (tape backend, tiny
 config), each packed into its archive, all of it within what a device call brings back and unpacked
-by ``python -m mhc_cg.benchmarks.gpu_run unpack``; and the probe's pieces on hand-made inputs."""
+by ``python -m mhc_cg.lab.benchmarks.gpu_run unpack``; and the probe's pieces on hand-made inputs."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mhc_cg.benchmarks import gpu_run
-from mhc_cg.benchmarks import gpu_probe as probe
+from mhc_cg.lab.benchmarks import gpu_run
+from mhc_cg.lab.benchmarks import gpu_probe as probe
 REPO = Path(__file__).resolve().parent.parent
 DRY_MODES = ["eager_none", "graphed_static", "graphed_full_static"]
 PARTS = ["peers", "bench", "te", "kernels", "megatron", "tests"]
@@ -102,7 +102,7 @@ def test_fold_merges_the_measurements_and_back_tests_each_bench_on_its_gpu(dry_o
     time) merged into what the step model reads, its sweep into what the launchers read; a
     bench JSON taken on a GPU back-tested on that GPU's model, the error printed per mode (the
     dry run's, relabelled as an H200's: the CPU is no GPU of the model, and says so)."""
-    from mhc_cg.cost.backtest import backtest, errors
+    from mhc_cg.lab.cost.backtest import backtest, errors
 
     results, table = tmp_path / "results", tmp_path / "launch_configs.json"
     said = gpu_run.fold(dry_out, results=results, launch_table=table, docs=False)
@@ -129,7 +129,7 @@ def test_fold_merges_the_measurements_and_back_tests_each_bench_on_its_gpu(dry_o
 
 
 def test_device_names_and_slugs():
-    from mhc_cg.core.gpus import name_slug
+    from mhc_cg.lab.cost.gpus import name_slug
 
     assert gpu_run.device_of("python 3.12\ngpu NVIDIA H200\ntriton: yes") == "NVIDIA H200"
     assert gpu_run.device_of("gpu none\n") == "cpu"
@@ -163,8 +163,8 @@ def test_peers_part_compares_every_op_with_every_peer(dry_run):
     """``mhc-cg kernels --peers --dry-run``: every op family beside TransformerEngine's,
     Megatron-LM dev's and torch's (main's module), at fp32 and bf16, every row within its
     tolerance; what cannot run says why (the TE wheel missing, the interpreter's bf16 dot)."""
-    from mhc_cg.benchmarks import kernel_peers
-    from mhc_cg.megatron_harness.child_process import snapshot_archive
+    from mhc_cg.lab.benchmarks import kernel_peers
+    from mhc_cg.lab.megatron_harness.child_process import snapshot_archive
 
     report = json.loads((dry_run / "peers" / "peers.json").read_text())
     printed = (dry_run / "peers" / "peers.log").read_text()  # --json: the same report on stdout
@@ -208,8 +208,9 @@ def test_bench_runs_both_shapes_each_mode_in_its_own_process(dry_run):
 def test_te_part_runs_graphed_static_under_tes_own_function(dry_run):
     """One bench row whose graphs TE's own ``make_graphed_callables`` captured, from its wheel:
     the JSON names the capturing function's file and sha256; its losses equal eager's."""
-    from mhc_cg.runtime.graphs.te_wheel import find_te_wheel, source_of
-    from mhc_cg.runtime.graphs.te import graph_api
+    from mhc_cg.graphs.te import source_of
+    from mhc_cg.lab.emulation.te_wheel import find_te_wheel
+    from mhc_cg.lab.emulation.backends import graph_api
 
     report = json.loads((dry_run / "te" / "cpu.dry_te.json").read_text())
     assert list(report["modes"]) == ["graphed_static"]
@@ -236,8 +237,8 @@ def test_the_kernel_part_writes_the_tables_the_launchers_and_the_cost_model_read
     fastest become rows the launchers read, the op timings rows ``mhc-cg cost`` charges as
     measured at this kernel source (once they are an H100's)."""
     from mhc_cg.ops.kernels.launch import DEFAULTS, ENV, TUNABLE, launch_config
-    from mhc_cg.cost.measured import kernel_source_sha256
-    from mhc_cg.cost.step_model import step_model
+    from mhc_cg.lab.cost.measured import kernel_source_sha256
+    from mhc_cg.lab.cost.step_model import step_model
 
     report = json.loads((dry_run / "kernels" / "kernel_bench.json").read_text())
     assert [s["shape"] for s in report["shapes"]] == ["dry_bench", "dry_memory"]

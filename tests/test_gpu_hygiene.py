@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from helpers import tiny_run_config
-from mhc_cg.benchmarks import runner as bench
-from mhc_cg.runtime.graphs import get_backend
-from mhc_cg.training.run import resolve
+from mhc_cg.lab.benchmarks import runner as bench
+from mhc_cg.lab.emulation.backends import get_backend
+from mhc_cg.lab.resolve import resolve
 
 
 @pytest.mark.parametrize("enabled_before", [True, False])
@@ -56,7 +56,7 @@ def test_bench_loss_comparison_has_a_stated_tolerance_and_never_matches_nan():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_backend_warms_cublas_before_the_first_capture():
-    from mhc_cg.runtime.graphs import cuda as cuda_backend
+    from mhc_cg.graphs import cuda as cuda_backend
 
     backend = get_backend("cuda")
     assert torch.cuda.current_device() in cuda_backend._LIBRARIES_WARM
@@ -83,11 +83,17 @@ def test_bench_peak_reserved_counts_graph_pools():
     assert entry["profile"]["device"] == "cuda" and entry["profile"]["phases"]["forward"]["gpu_ms"] > 0
 
 
-def test_make_graphed_callables_auto_follows_the_inputs_device(monkeypatch):
-    from mhc_cg.runtime.graphs import GraphOptions, make_graphed_callables
+def test_make_graphed_callables_without_a_backend_follows_the_inputs_device(monkeypatch):
+    """No backend given: the inputs' device decides, not whether a GPU is present. CPU inputs
+    are refused with the backend to give (a CUDA graph of them would record no kernel)."""
+    from mhc_cg.graphs import GraphOptions, make_graphed_callables
+    from mhc_cg.lab.emulation.backends import get_backend
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
-    graphed = make_graphed_callables((torch.nn.Linear(3, 3),),
-                                     ((torch.randn(2, 3, requires_grad=True),),),
-                                     num_warmup_iters=1, options=GraphOptions())
-    assert graphed.backend == "tape"  # no backend given: the inputs' device decides
+    args = ((torch.randn(2, 3, requires_grad=True),),)
+    with pytest.raises(ValueError, match=r"inputs off a GPU and no backend.*TapeBackend"):
+        make_graphed_callables((torch.nn.Linear(3, 3),), args, num_warmup_iters=1,
+                               options=GraphOptions())
+    graphed = make_graphed_callables((torch.nn.Linear(3, 3),), args, num_warmup_iters=1,
+                                     options=GraphOptions(backend=get_backend("tape")))
+    assert graphed.backend == "tape"

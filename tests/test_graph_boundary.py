@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from mhc_cg.model import lm_loss
-from mhc_cg.runtime.graphs import GraphOptions, get_backend, make_graphed_callables
-from mhc_cg.runtime.modes.registry import MODES
+from mhc_cg.graphs import GraphOptions, make_graphed_callables
+from mhc_cg.lab.emulation.backends import get_backend
+from mhc_cg.lab.registry import MODES
 
 from helpers import build_for_mode, small_config
 

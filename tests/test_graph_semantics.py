@@ -5,7 +5,7 @@ cannot hold, static addresses, and make_graphed_callables along a pipeline order
 
 from __future__ import annotations
 
-from mhc_cg.runtime.graphs import get_backend
+from mhc_cg.lab.emulation.backends import get_backend
 
 import functools
 import re
@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mhc_cg.runtime.graphs import (GraphOptions, GraphReplayError, count_allocated_static_inputs,
-                                   get_backend, make_graphed_callables)
-from mhc_cg.runtime.graphs.graphed_callables import order_layout
+from mhc_cg.graphs import (GraphOptions, GraphReplayError, count_allocated_static_inputs,
+                           make_graphed_callables)
+from mhc_cg.graphs.graphed_callables import order_layout
+from mhc_cg.lab.emulation.backends import get_backend
 from mhc_cg.model import MHCTransformerLayer
 
 from helpers import (LAYER_BATCH, LAYER_SEQ, CountingScale, capture_error, drive_pipeline,

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from mhc_cg.core.errors import ConfigError, StaleCaptureError
-from mhc_cg.training.run import resolve
-from mhc_cg.cost.report import cost_mode, mode_configs
-from mhc_cg.compare.modes import run_watched
-from mhc_cg.training.session import TrainSession, train
+from mhc_cg.lab.resolve import resolve
+from mhc_cg.lab.cost.report import cost_mode, mode_configs
+from mhc_cg.lab.compare.modes import run_watched
+from mhc_cg.training.session import TrainSession
+from mhc_cg.lab.resolve import train_config
 
 from helpers import tiny_run_config
 
@@ -43,7 +44,7 @@ def test_what_an_iteration_cannot_hold_is_refused_by_name(change, field):
     cfg = tiny_run_config(scopes=("attn",)).replace(**change)
     for mode in FULL:
         with pytest.raises(ConfigError) as info:
-            train(cfg, mode=mode, progress=False)
+            train_config(cfg, mode=mode, progress=False)
         assert str(info.value).startswith(f"mode {mode}: {field}") and "\n" not in str(info.value)
 
 

@@ -14,8 +14,8 @@ import gc
 import pytest
 import torch
 
-from mhc_cg.planning.planner import ModelShape
-from mhc_cg.compare.watch import grad_digest
+from mhc_cg.lab.planning.planner import ModelShape
+from mhc_cg.lab.compare.watch import grad_digest
 from mhc_cg.training.data import ProgressionCorpus
 from helpers import build_for_mode
 
@@ -127,8 +127,8 @@ def test_bf16_graphed_static_bit_identical_to_eager_bf16():
 def test_graphed_sublayers_with_several_microbatches_in_flight_are_refused():
     from mhc_cg.core.errors import StaticRecomputeError
     from mhc_cg.model import MHCGPT
-    from mhc_cg.runtime.modes.graphed_static import GraphedStaticModel
-    from mhc_cg.training.run import resolve
+    from mhc_cg.modes.graphed_static import GraphedStaticModel
+    from mhc_cg.lab.resolve import resolve
 
     cfg = small_config(["attn", "mhc_recompute"])
     with pytest.raises(StaticRecomputeError, match="order=pipeline_order"):
@@ -161,7 +161,7 @@ def test_the_arena_is_idle_wherever_it_is_lent(case):
     recompute, so nothing reads a slot there before writing it. The lending is live: the
     optimizer allocates no bucket of its own, and its last cast gradients are found in the arena
     after a step."""
-    from mhc_cg.training.run import resolve
+    from mhc_cg.lab.resolve import resolve
     from mhc_cg.training.optimizer import MainParamAdamW
     from mhc_cg.training.session import TrainSession
 
@@ -208,7 +208,7 @@ def test_training_logits_live_in_the_chunk_outputs_scratch_until_the_backward_ta
     back once another graph of its pool replays), so the memory is lent and not kept. A
     forward's logits, which its caller keeps, are its own storage and survive the next step."""
     from mhc_cg.core.storage import storage_id
-    from mhc_cg.training.run import resolve
+    from mhc_cg.lab.resolve import resolve
     from mhc_cg.training.session import TrainSession
 
     cfg = small_config(["attn", "mlp", "mhc_recompute"])

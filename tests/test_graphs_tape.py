@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mhc_cg.runtime.graphs import GraphCaptureError, GraphReplayError, get_backend
+from mhc_cg.graphs import GraphCaptureError, GraphReplayError
+from mhc_cg.lab.emulation.backends import get_backend
 
 from helpers import CountingScale, capture_error, planner_prediction
 
@@ -169,7 +170,7 @@ def test_freeing_an_input_after_capture_is_caught_at_replay(backend):
 # ---------------------------------------------------------------------------------------------
 # make_graphed_callables over a real pipeline order, on a small mHC layer with counter dropout.
 
-from mhc_cg.runtime.graphs import GraphOptions, count_allocated_static_inputs, make_graphed_callables  # noqa: E402
+from mhc_cg.graphs import GraphOptions, count_allocated_static_inputs, make_graphed_callables  # noqa: E402
 
 
 def test_static_inputs_without_reuse_one_set_per_sample():
@@ -233,9 +234,9 @@ def test_wrong_input_shape_at_call_is_rejected():
 def test_te_without_tes_python_says_how_to_get_it(tmp_path, monkeypatch):
     """``te`` is TransformerEngine's own function: where neither TE nor its wheel is at hand,
     one line says how to fetch the wheel."""
-    from mhc_cg.runtime.graphs.backends import resolve_backend_name
-    from mhc_cg.runtime.graphs.te_wheel import te_installed
-    from mhc_cg.runtime.graphs.te import graph_api
+    from mhc_cg.lab.emulation.backends import resolve_backend_name
+    from mhc_cg.graphs.te import te_installed
+    from mhc_cg.lab.emulation.backends import graph_api
 
     if te_installed() and torch.cuda.is_available():
         pytest.skip("TransformerEngine is installed")
@@ -378,7 +379,7 @@ def _fused_sublayers(count: int):
 
 
 def _graphed_chain(subs):
-    from mhc_cg.runtime.graphs import make_graphed_callables
+    from mhc_cg.graphs import make_graphed_callables
 
     samples = tuple((torch.randn(4, 2, 32, requires_grad=True),) for _ in subs)
     return make_graphed_callables(tuple(subs), samples, num_warmup_iters=1,
@@ -425,7 +426,7 @@ def test_a_chain_of_graphed_sublayers_lends_the_stream_grad_and_matches_eager():
 
 
 def _lending_chain(subs, lend: bool):
-    from mhc_cg.runtime.graphs import make_graphed_callables
+    from mhc_cg.graphs import make_graphed_callables
 
     samples = tuple((torch.randn(4, 2, 32, requires_grad=True),) for _ in subs)
     return make_graphed_callables(tuple(subs), samples, num_warmup_iters=1,
@@ -438,7 +439,7 @@ def test_a_chain_between_the_streams_expand_and_contraction_copies_no_stream_gra
     wrote it, and the contraction writes the last graph's grad where its backward reads it: the
     stream's grad is neither copied in nor cloned, and every gradient equals eager's."""
     from mhc_cg.ops.hyper_connection import contract_streams, expand_streams
-    from mhc_cg.runtime.graphs.graphed_callables import grad_output_buffer
+    from mhc_cg.graphs.graphed_callables import grad_output_buffer
 
     eager, subs = _fused_sublayers(3), _fused_sublayers(3)
     graphed = _lending_chain(subs, lend=True)

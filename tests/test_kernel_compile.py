@@ -12,11 +12,11 @@ import pytest
 
 from mhc_cg.cli import main
 from mhc_cg.ops.kernels.dispatch import interpret_requested
-from mhc_cg.benchmarks import kernel_compile
-from mhc_cg.benchmarks.kernel_compile import (CASES, H100, in_flight, kernel_report, parse_resource_usage,
+from mhc_cg.lab.benchmarks import kernel_compile
+from mhc_cg.lab.benchmarks.kernel_compile import (CASES, H100, in_flight, kernel_report, parse_resource_usage,
                                          is_mhc_case, resident_warps)
 
-KERNELS = Path(kernel_compile.__file__).resolve().parents[1] / "ops" / "kernels"
+KERNELS = Path(kernel_compile.__file__).resolve().parents[2] / "ops" / "kernels"
 BENCH_HIDDEN = 2048  # configs/bench_h100.yaml: seq 2048 x micro-batch 2 = 4096 tokens, n = 4, bf16
 LARGE_HIDDEN = 7168
 
@@ -99,7 +99,7 @@ def test_every_launcher_the_ops_call_has_a_case():
     used = _calls_on_impl(ast.parse((KERNELS / "custom_ops.py").read_text()))
     assert len(used) >= 7
     assert used == {case.launcher for case in CASES}, \
-        "add a Case for each launcher to CASES in mhc_cg/benchmarks/kernel_compile.py"
+        "add a Case for each launcher to CASES in mhc_cg/lab/benchmarks/kernel_compile.py"
 
 
 def test_every_kernel_launched_is_compiled(report):
@@ -134,13 +134,13 @@ def test_compiling_in_an_interpreting_process_is_refused():
 
 
 def test_command_prints_a_table_per_shape_and_exits_1_on_a_spill(report, monkeypatch, capsys):
-    monkeypatch.setattr("mhc_cg.benchmarks.kernel_compile.kernel_report", lambda *a, **k: report)
+    monkeypatch.setattr("mhc_cg.lab.benchmarks.kernel_compile.kernel_report", lambda *a, **k: report)
     assert main(["kernels", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert out.count("sm_90a, hidden ") == 2 and "REG  STACK  LOCAL  SHARED" in out
     assert "_pre_bwd_x" in out and "SPILLS" not in out
     spilling = {**report, "spilled": ["hidden 7168: rms_norm_backward (_rms_bwd): 8 B local, 0 B stack"]}
-    monkeypatch.setattr("mhc_cg.benchmarks.kernel_compile.kernel_report", lambda *a, **k: spilling)
+    monkeypatch.setattr("mhc_cg.lab.benchmarks.kernel_compile.kernel_report", lambda *a, **k: spilling)
     assert main(["kernels", "--no-progress"]) == 1
     assert "mhc-cg kernels: spills: hidden 7168: rms_norm_backward" in capsys.readouterr().err
 
@@ -201,7 +201,7 @@ def test_every_kernel_reports_its_warps_and_bytes_in_flight(report):
 
 
 def test_command_json_and_table_carry_the_in_flight_columns(report, monkeypatch, capsys):
-    monkeypatch.setattr("mhc_cg.benchmarks.kernel_compile.kernel_report", lambda *a, **k: report)
+    monkeypatch.setattr("mhc_cg.lab.benchmarks.kernel_compile.kernel_report", lambda *a, **k: report)
     assert main(["kernels", "--no-progress", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     fields = {"resident_warps", "warp_limit", "loads", "load_bytes", "in_flight", "bandwidth_share"}
@@ -243,8 +243,8 @@ OP_CASES: dict[str, str | tuple[str, ...]] = {
 def kernel_shares(hidden: int, tokens: int, gpu: str = "h100") -> dict[str, float]:
     """``{fused op: in-flight share}`` at ``hidden`` and ``tokens``: the lowest share among the
     kernels its cases launch, capped at 1. A compile-time check of whether a kernel can keep the
-    HBM busy, not what the step model charges (that is measured: ``mhc_cg.cost.step_model``)."""
-    from mhc_cg.benchmarks.kernel_compile import kernel_report
+    HBM busy, not what the step model charges (that is measured: ``mhc_cg.lab.cost.step_model``)."""
+    from mhc_cg.lab.benchmarks.kernel_compile import kernel_report
 
     report = kernel_report(hidden=(hidden,), tokens=tokens, gpu=gpu)
     lowest: dict[str, float] = {}
@@ -268,9 +268,9 @@ def test_the_in_flight_estimate_is_a_check_and_the_step_model_charges_measuremen
     eager-measured share (high) until this code's kernels are timed, never a figure without a
     source; a step then takes longer at the high end on the same bytes."""
     from mhc_cg.config import load_config
-    from mhc_cg.cost.measured import FUSED_KINDS
-    from mhc_cg.cost.report import cost_report
-    from mhc_cg.cost.step_model import step_model
+    from mhc_cg.lab.cost.measured import FUSED_KINDS
+    from mhc_cg.lab.cost.report import cost_report
+    from mhc_cg.lab.cost.step_model import step_model
 
     shares = kernel_shares(BENCH_HIDDEN, 4096)
     assert set(shares) == set(OP_CASES) and all(0 < s <= 1 for s in shares.values())

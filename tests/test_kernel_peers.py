@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mhc_cg.ops.kernels import reference as R
-from mhc_cg.benchmarks import kernel_peers as kp
+from mhc_cg.lab.benchmarks import kernel_peers as kp
 
 
 def test_te_layout_round_trips_and_matches_its_feature_order():
@@ -46,7 +46,7 @@ def test_the_comparison_catches_a_transposed_h_res():
 def test_the_te_wheel_is_found_and_read_without_installing(tmp_path, monkeypatch):
     """``$MHC_CG_TE_WHEEL`` (a wheel or a folder), else the repository's places; the two mHC
     files are extracted from the wheel into a folder of their own."""
-    from mhc_cg.runtime.graphs.te_wheel import TE_ENV, TE_WHEEL
+    from mhc_cg.lab.emulation.te_wheel import TE_ENV, TE_WHEEL
 
     wheel = tmp_path / "w" / TE_WHEEL
     wheel.parent.mkdir()

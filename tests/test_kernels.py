@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mhc_cg.benchmarks.timing import time_repeated
+from mhc_cg.lab.benchmarks.timing import time_repeated
 from mhc_cg.config import RunConfig, check
 from mhc_cg.config.rules import device_fit_problems
 from mhc_cg.core.errors import ConfigError
@@ -26,7 +26,7 @@ from mhc_cg.ops.dropout import counter_dropout_mask
 from mhc_cg.ops.hyper_connection import HyperConnection, sinkhorn_knopp
 from mhc_cg.ops.kernels import reference
 from mhc_cg.ops.kernels.dispatch import triton_installed
-from mhc_cg.compare.modes import compared_modes
+from mhc_cg.lab.compare.modes import compared_modes
 from kernel_count import KernelCounter, kernels_per_layer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -620,7 +620,7 @@ def test_transposed_h_res_block_recompute_reproduces_the_forward_bit_for_bit(req
 # ---- one op per step: what the graph tape records ----------------------------------------------
 
 def test_tape_records_each_fused_op_as_one_op_and_replays_it():
-    from mhc_cg.runtime.graphs import get_backend
+    from mhc_cg.lab.emulation.backends import get_backend
 
     backend = get_backend("tape")
     n, c = 4, 6

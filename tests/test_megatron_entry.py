@@ -2,7 +2,7 @@
 ``train()``, its own TE graph helper construction at ``cuda_graph_warmup_steps``, mock data) runs
 with mhc_cg enabled only by what ``examples/megatron/`` documents: the lines of its diff in the
 user's copy of the script and Megatron's own flags. For main and dev, on the CPU
-(``mhc_cg.megatron_harness.entry_on_cpu``): four iterations, the last two replaying the graphs,
+(``mhc_cg.lab.megatron_harness.entry_on_cpu``): four iterations, the last two replaying the graphs,
 losses bit for bit those of the same entry run by Megatron alone; mhc_cg's recompute graphs
 captured and replayed; Megatron's files unchanged."""
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from mhc_cg.megatron_harness.child_process import (extract_snapshot, snapshot_archive,
+from mhc_cg.lab.megatron_harness.child_process import (extract_snapshot, snapshot_archive,
                                                    third_party_dirs)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,7 +82,7 @@ def run_entry(root: Path, script: str, args: list[str], record: Path) -> dict:
            # megatron compiles its dataset helpers with the python3 on the PATH (pybind11)
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
            "MHC_CG_ENTRY_RECORD": str(record)}
-    done = subprocess.run([sys.executable, "-m", "mhc_cg.megatron_harness.entry_on_cpu", script,
+    done = subprocess.run([sys.executable, "-m", "mhc_cg.lab.megatron_harness.entry_on_cpu", script,
                            *args], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return json.loads(record.read_text())

@@ -3,7 +3,7 @@
 ``mhc-cg megatron --compare --json`` on the two shipped configs (tp 1 x pp 1, and pp 2 with one
 process per rank) trains dev's GPT through dev's wrapper, imported from the snapshot, whose
 ``torch.cuda.CUDAGraph`` / ``torch.cuda.graph`` / ``graph_pool_handle`` / ``Tensor.cuda`` the
-harness serves with the tape (``mhc_cg/megatron_harness/full_iteration_on_tape.py``):
+harness serves with the tape (``mhc_cg/lab/megatron_harness/full_iteration_on_tape.py``):
 
 * ``dev_full_iteration_mhc`` (dev's own ``[mhc]`` recompute inside the graph, dropout 0) and
   ``mhc_cg_full_iteration`` (dev's layers on mhc_cg's static runtime, counter dropout 0.1) are

@@ -1,5 +1,5 @@
 """megatron-core's TECudaGraphHelper drives mhc_cg's static runtime, on the CPU (tape graphs through
-the TransformerEngine stand-in in ``mhc_cg/megatron_harness/te_on_tape``).
+the TransformerEngine stand-in in ``mhc_cg/lab/megatron_harness/te_on_tape``).
 
 * Megatron-LM main (the snapshot; ``tests/megatron_main_oracle.py``): main's GPT of
   ``HyperConnectionTransformerLayer``s, trained with megatron's ``forward_backward_func`` under
@@ -203,8 +203,8 @@ def test_main_layer_with_counter_dropout_is_bit_identical_to_main(main_snapshot)
     (``use_counter_dropout``, ``model.dropout_impl: counter``): main's eager run, main's own
     ``[mhc]`` recompute and mhc_cg's layer and recompute graphs draw the same masks, bit for
     bit."""
-    from mhc_cg.megatron_harness.child_process import run_megatron_job
-    from mhc_cg.megatron_harness.runs import compare_ranks
+    from mhc_cg.lab.megatron_harness.child_process import run_megatron_job
+    from mhc_cg.lab.megatron_harness.runs import compare_ranks
     from mhc_cg.config import load_config
 
     cfg = load_config(ROOT / "configs/megatron_main_mhc.yaml").replace(

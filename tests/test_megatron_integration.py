@@ -11,8 +11,8 @@ from megatron.core.transformer.enums import CudaGraphScope  # noqa: E402
 
 from mhc_cg.config import load_config  # noqa: E402
 from mhc_cg.core.errors import ConfigError  # noqa: E402
-from mhc_cg.training.pipeline.driver import free_port  # noqa: E402
-from mhc_cg.planning.planner import plan  # noqa: E402
+from mhc_cg.lab.pipeline.driver import free_port  # noqa: E402
+from mhc_cg.lab.planning.planner import plan  # noqa: E402
 from mhc_cg.core.pipeline_order import pipeline_order  # noqa: E402
 from megatron_integration.config.transformer_config import MHCTransformerConfig  # noqa: E402
 from megatron_integration.capture.te_graph_helper import (RecomputeCaptureMixin, RecomputeGraphKey,  # noqa: E402
@@ -200,7 +200,8 @@ def test_mixin_captures_recompute_graphs_in_order_before_megatron_finishes():
     the runtimes whose block hooks replay them (the real helper: tests/test_megatron_helper.py)."""
     from helpers import PIPELINE_MBS, PIPELINE_SEQ, chunk_layers, rank_model
     from mhc_cg.core.pipeline_order import peak_in_flight
-    from mhc_cg.runtime.recompute.static import build_static_recompute
+    from mhc_cg.lab.emulation.backends import get_backend
+    from mhc_cg.runtime.static import build_static_recompute
 
     order = pipeline_order(2, 0, 4, 2)  # rank 0 of pp 2, 2 chunks, 4 microbatches
     model, shape = rank_model(), dict(seq_length=PIPELINE_SEQ, micro_batch_size=PIPELINE_MBS,
@@ -223,6 +224,8 @@ def test_mixin_captures_recompute_graphs_in_order_before_megatron_finishes():
             self._finish_capturing(0.0)
 
     class Helper(RecomputeCaptureMixin, HelperWithoutTE):
+        mhc_backend = get_backend("tape")  # the CPU's: make_te_graph_helper(..., backend=)
+
         def mhc_decoders(self):
             return []  # no megatron decoders here: the runtimes stand alone
 
@@ -243,7 +246,7 @@ def test_mixin_captures_recompute_graphs_in_order_before_megatron_finishes():
 def test_block_on_static_buffers_equals_without_recompute(model_parallel, graphs):
     """megatron-core's mHC block through mhc_cg's static runtime (arena slots, persistent sets,
     tape recompute graphs), two microbatches in flight: outputs and every gradient bit-identical."""
-    from mhc_cg.runtime.graphs import get_backend
+    from mhc_cg.lab.emulation.backends import get_backend
     from megatron_integration.layers.mhc_layer import MHCTransformerBlock, get_mhc_layer_spec
     from megatron_integration.capture.static_block import StaticMHCBlock
 

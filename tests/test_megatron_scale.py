@@ -139,8 +139,8 @@ def test_another_shape_with_the_mlp_graphed_and_counter_dropout():
     the graphed forward, the recompute graphs, dev's eager run and dev's own ``[mhc]``
     recompute draw the same masks."""
     require_snapshot("dev")
-    from mhc_cg.megatron_harness.child_process import run_megatron_job
-    from mhc_cg.megatron_harness.runs import compare_ranks
+    from mhc_cg.lab.megatron_harness.child_process import run_megatron_job
+    from mhc_cg.lab.megatron_harness.runs import compare_ranks
 
     cfg = load_config(ROOT / "configs/megatron_dev_dense_mlp.yaml").replace(
         model={"num_layers": 6, "recompute_layers": 3, "hidden_dropout": 0.1,
@@ -177,8 +177,8 @@ def test_moe_layers_end_their_graphs_at_megatron_signal_at_ep1_with_counter_drop
     recompute; in a replayed step nothing of either sublayer runs as Python but the MoE layer's
     eager rest, and the recompute graphs replay once per block and microbatch."""
     require_snapshot("dev")
-    from mhc_cg.megatron_harness.child_process import run_megatron_job
-    from mhc_cg.megatron_harness.runs import compare_ranks
+    from mhc_cg.lab.megatron_harness.child_process import run_megatron_job
+    from mhc_cg.lab.megatron_harness.runs import compare_ranks
 
     m, layers = 2, 4
     cfg = load_config(ROOT / CONFIGS["moe_partial"]).replace(
@@ -222,13 +222,13 @@ def test_bad_combinations_are_one_line_each_before_any_process(tmp_path):
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert "MHC_CG_MEGATRON_LM_DEV" in missing.stderr.strip()
     from mhc_cg.core.errors import ConfigError
-    from mhc_cg.training.session import train
+    from mhc_cg.lab.resolve import train_config
 
     with pytest.raises(ConfigError, match=r"parallel\.tp_size: 2: mhc_cg's own model \(mhc-cg train"):
-        train(load_config(ROOT / CONFIGS["tp2_pp2"]), steps=1, progress=False)
+        train_config(load_config(ROOT / CONFIGS["tp2_pp2"]), steps=1, progress=False)
     moe = load_config(ROOT / CONFIGS["moe_partial"])
     with pytest.raises(ConfigError, match=r"parallel\.ep_size: 2: mhc_cg's own model \(mhc-cg train"):
-        train(moe.replace(parallel={"pp_size": 1}), steps=1, progress=False)
+        train_config(moe.replace(parallel={"pp_size": 1}), steps=1, progress=False)
 
 
 @pytest.mark.parametrize("change, field, fix", [
@@ -271,8 +271,8 @@ def test_our_layer_on_megatron_core_0_16_at_scale_is_bit_identical(shape):
     its TE graph helper, counter dropout 0.1: bit-identical to the same model without recompute on
     every rank; under sequence parallelism the mHC parameters' gradients are summed over the
     tensor-parallel ranks like the norms'."""
-    from mhc_cg.megatron_harness.child_process import run_megatron_job
-    from mhc_cg.megatron_harness.runs import compare_ranks
+    from mhc_cg.lab.megatron_harness.child_process import run_megatron_job
+    from mhc_cg.lab.megatron_harness.runs import compare_ranks
 
     s = CORE_SHAPES[shape]
     cfg = load_config(ROOT / CONFIGS["pp2_vpp2"]).replace(

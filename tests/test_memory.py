@@ -4,7 +4,7 @@ import json
 
 import pytest
 from mhc_cg.cli import main
-from mhc_cg.memory.measure import measure_saved_bytes
+from mhc_cg.lab.memory.measure import measure_saved_bytes
 from mhc_cg.model import MHCGPTConfig
 
 SMALL = dict(vocab_size=32, seq_length=16, hidden_size=32, num_heads=2, num_layers=4, num_streams=4,

@@ -8,7 +8,7 @@ from mhc_cg.ops.dropout import counter_dropout_mask, dropout
 from mhc_cg.ops.kernels.hash import counter_bits
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.model import MHCGPT, MHCGPTConfig
-from mhc_cg.training.session import train
+from mhc_cg.lab.resolve import train_config
 
 TINY = dict(vocab_size=32, seq_length=8, hidden_size=16, num_heads=2, num_layers=2, num_streams=4)
 
@@ -67,7 +67,7 @@ def test_same_seed_same_loss_different_seed_different_loss():
 def test_tiny_model_learns_the_synthetic_corpus():
     cfg = RunConfig.from_dict({"model": dict(TINY, vocab_size=16, seq_length=12, hidden_size=32),
                                "train": {"steps": 40, "micro_batch_size": 16, "lr": 0.01}})
-    result = train(cfg, progress=False)
+    result = train_config(cfg, progress=False)
     assert len(result.losses) == 40
     first = sum(result.losses[:3]) / 3
     last = sum(result.losses[-3:]) / 3

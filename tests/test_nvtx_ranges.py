@@ -10,7 +10,7 @@ from mhc_cg.core import nvtx as nvtx_ranges
 from mhc_cg.config import RunConfig
 from mhc_cg.core.nvtx import (NO_RANGE, enable, enabled_parts, nvtx_range, profiler_recording,
                                  range_name)
-from mhc_cg.training.session import train
+from mhc_cg.lab.resolve import train_config
 
 
 @pytest.fixture(autouse=True)
@@ -129,7 +129,7 @@ def test_train_loop_names_step_forward_backward_optimizer():
                                          "seq_length": 8, "vocab_size": 16},
                                "train": {"micro_batch_size": 2, "num_microbatches": 2}})
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        train(cfg, steps=2, device="cpu", progress=False)
+        train_config(cfg, steps=2, device="cpu", progress=False)
     names = _annotation_names(prof)
     assert {n: names.count(n) for n in set(names)} == {"step": 2, "forward": 4, "backward": 4,
                                                         "optimizer": 2}

@@ -11,10 +11,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mhc_cg.config import load_config
-from mhc_cg.compare.modes import Compared, format_table, mismatches, run_watched
+from mhc_cg.lab.compare.modes import Compared, format_table, mismatches, run_watched
 from mhc_cg.training import optimizer as optimizer_module
 from mhc_cg.training.optimizer import DynamicLossScaler, MainParamAdamW
-from mhc_cg.training.session import train
+from mhc_cg.lab.resolve import train_config
 from helpers import REPO, tiny_run_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -178,7 +178,7 @@ def test_skipped_steps_are_reported_by_train(monkeypatch):
     initial scale that overflows fp16 at once)."""
     monkeypatch.setattr(optimizer_module, "DynamicLossScaler",
                         lambda: DynamicLossScaler(scale=2.0 ** 40))
-    result = train(tiny_run_config(dtype="fp16", steps=3), mode="eager_none", progress=False)
+    result = train_config(tiny_run_config(dtype="fp16", steps=3), mode="eager_none", progress=False)
     assert result.skipped_steps == [0, 1, 2]
     assert all(math.isfinite(v) for v in result.losses)
 

@@ -9,11 +9,11 @@ from hypothesis import strategies as st
 
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.model import MHCGPTConfig, MHCTransformerLayer
-from mhc_cg.planning.planner import (ModelShape, assign_persistent_slot_sets, count_static_input_buffers,
+from mhc_cg.lab.planning.planner import (ModelShape, assign_persistent_slot_sets, count_static_input_buffers,
                             first_conflict, max_persistent_slot_sets, peak_in_flight, plan,
                             plan_order, plan_rank, static_input_uses)
 from mhc_cg.core.pipeline_order import pipeline_order, schedule_problems
-from mhc_cg.runtime.recompute.persistent import PersistentSetPool, new_persistent_set
+from mhc_cg.runtime.persistent import PersistentSetPool, new_persistent_set
 
 SMALL = ModelShape(hidden_size=8, seq_length=4, micro_batch_size=2, num_streams=4, dtype="fp32")
 

@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 
 from mhc_cg.cli import main
 from mhc_cg.core.errors import ConfigError
-from mhc_cg.planning.planner import plan
+from mhc_cg.lab.planning.planner import plan
 from mhc_cg.core.pipeline_order import (decode_order, pass_windows, pipeline_order, recomputes_kept,
                                   schedule_problems)
-from mhc_cg.planning.plot import chrome_trace, simulate_timeline
+from mhc_cg.lab.planning.plot import chrome_trace, simulate_timeline
 
 schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 cuda_graphs = pytest.importorskip("megatron.core.transformer.cuda_graphs")

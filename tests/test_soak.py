@@ -19,8 +19,8 @@ import torch
 
 from helpers import small_config
 
-from mhc_cg.runtime.modes.registry import MODES
-from mhc_cg.training.run import resolve
+from mhc_cg.lab.registry import MODES
+from mhc_cg.lab.resolve import resolve
 from mhc_cg.training.session import TrainSession
 
 GRAPHED_MODES = [name for name, mode in MODES.items() if mode.graphed]

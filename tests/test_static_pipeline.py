@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mhc_cg.runtime.recompute.arena import Arena
-from mhc_cg.runtime.graphs import get_backend
+from mhc_cg.runtime.arena import Arena
+from mhc_cg.lab.emulation.backends import get_backend
 from mhc_cg.core.pipeline_order import peak_in_flight, pipeline_order, recomputes_kept
-from mhc_cg.runtime.recompute.persistent import PersistentSetPool, new_persistent_set
-from mhc_cg.runtime.recompute.static import build_static_recompute
+from mhc_cg.runtime.persistent import PersistentSetPool, new_persistent_set
+from mhc_cg.runtime.static import build_static_recompute
 
 from helpers import (PIPELINE_LAYERS_PER_CHUNK, PIPELINE_MBS, PIPELINE_SEQ, chunk_layers, eager_run,
                      execute, rank_model, static_run)
@@ -65,10 +65,10 @@ def test_graphed_sublayers_per_microbatch_along_the_order():
     """The full picture on one rank: every sublayer a graphed callable per (chunk, microbatch,
     layer), captured with the order (TE semantics, shared pool, static input reuse), the mHC ops
     inside them saving into the shared arena, recompute graphs per (chunk, block, set)."""
-    from mhc_cg.runtime.recompute.graphable import graphable_sublayers
-    from mhc_cg.runtime.recompute.static import SublayerGraph
-    from mhc_cg.runtime.recompute.recompute_captures import capture_recompute_graphs
-    from mhc_cg.runtime.graphs.graphed_callables import GraphOptions, make_graphed_callables
+    from mhc_cg.runtime.graphable import graphable_sublayers
+    from mhc_cg.runtime.static import SublayerGraph
+    from mhc_cg.runtime.recompute_captures import capture_recompute_graphs
+    from mhc_cg.graphs.graphed_callables import GraphOptions, make_graphed_callables
 
     order = pipeline_order(4, 2, 4, vpp_size=2)
     ref_model, ref_grads = eager_run(order)

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mhc_cg.runtime.recompute.arena import ArenaLayoutError
+from mhc_cg.runtime.arena import ArenaLayoutError
 from mhc_cg.model import MHCGPT, MHCGPTConfig
 from mhc_cg.core.errors import StaticRecomputeError
-from mhc_cg.runtime.recompute.static import SublayerGraph, build_static_recompute
+from mhc_cg.runtime.static import SublayerGraph, build_static_recompute
 
 SEQ, MBS = 16, 2
 
@@ -203,7 +203,7 @@ def test_exception_mid_forward_claims_nothing_and_next_step_is_correct():
 
 
 def test_arena_layout_is_fixed_once_allocated():
-    from mhc_cg.runtime.recompute.arena import Arena
+    from mhc_cg.runtime.arena import Arena
     arena = Arena("cpu")
     region = arena.region("L0.attn.0")
     arena.claim(region, 0, 256, torch.float32)
@@ -243,8 +243,8 @@ def test_arena_holds_one_block_of_what_the_backward_reads(block_size, dropout):
     """The arena is what the backward reads of one block besides the persistent set, nothing
     more: each sublayer's stream input but the block's first (saved from the set), and each F
     input: (2L - 1) n C + 2L C per token (analytical.arena_elements), up to alignment."""
-    from mhc_cg.runtime.recompute.arena import ALIGN_BYTES
-    from mhc_cg.memory.analytical import arena_elements
+    from mhc_cg.runtime.arena import ALIGN_BYTES
+    from mhc_cg.lab.memory.analytical import arena_elements
 
     model = tiny_model(dropout=dropout)
     runtime = build_static_recompute(list(model.layers), block_size, seq_length=SEQ,

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mhc_cg.runtime.graphs import GraphOptions, GraphReplayError, get_backend, make_graphed_callables
+from mhc_cg.graphs import GraphOptions, GraphReplayError, make_graphed_callables
+from mhc_cg.lab.emulation.backends import get_backend
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mhc_cg.runtime.graphs import get_backend
-from mhc_cg.training.pipeline.driver import free_port
+from mhc_cg.lab.emulation.backends import get_backend
+from mhc_cg.lab.pipeline.driver import free_port
 
 
 def _collectives(x, gathered, scattered, summed):

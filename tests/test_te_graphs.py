@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from helpers import SCOPE_CASES, assert_training_identical, small_config
-from mhc_cg.runtime.graphs import cuda_api
-from mhc_cg.runtime.graphs.te import graph_api
-from mhc_cg.runtime.graphs.te_wheel import GRAPH, TE_VERSION, find_te_wheel, te_missing_reason
+from mhc_cg.lab.emulation import cuda_api
+from mhc_cg.lab.emulation.backends import graph_api
+from mhc_cg.lab.emulation.te_wheel import GRAPH, TE_VERSION, find_te_wheel, te_missing_reason
 
 STEPS = 2
 
@@ -86,7 +86,7 @@ def test_pp2_vpp2_ranks_capture_along_their_order_with_tes_function():
     from test_distributed_pipeline import (CONFIGS, STEPS as PIPELINE_STEPS,
                                            check_against_single_process, check_planned_sets)
     from mhc_cg.config import load_config
-    from mhc_cg.training.pipeline.driver import train_pipeline
+    from mhc_cg.lab.pipeline.driver import train_pipeline
 
     cfg = load_config(CONFIGS / "tiny_pp2_vpp2.yaml")
     cfg = cfg.replace(graph={"backend": "te"})
@@ -117,7 +117,7 @@ def test_the_cost_model_records_tes_own_function_on_its_backend():
     recording backend: the same graphs as under ours (a forward and a backward per sublayer, the
     recompute graphs in the same pool), and what TE keeps outside its pool (one grad-output
     buffer per shape) counted as static buffers."""
-    from mhc_cg.cost.report import cost_mode, mode_configs
+    from mhc_cg.lab.cost.report import cost_mode, mode_configs
 
     cfg = small_config(SCOPE_CASES["attn_mlp"][0]).replace(model={"recompute": "block"})
     costed = {}

@@ -7,7 +7,7 @@ over it in a child process)."""
 
 from __future__ import annotations
 
-from mhc_cg.runtime.graphs import get_backend
+from mhc_cg.lab.emulation.backends import get_backend
 
 import importlib.util
 import inspect
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mhc_cg.runtime.graphs import GraphOptions, graph_capturing, make_graphed_callables
-from mhc_cg.runtime.graphs.te import graph_api
+from mhc_cg.graphs import GraphOptions, graph_capturing, make_graphed_callables
+from mhc_cg.lab.emulation.backends import graph_api
 
-TREE = Path(__file__).resolve().parents[1] / "mhc_cg" / "megatron_harness" / "te_on_tape" / \
+TREE = Path(__file__).resolve().parents[1] / "mhc_cg" / "lab" / "megatron_harness" / "te_on_tape" / \
     "transformer_engine"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mhc_cg.benchmarks import tf32_error as te
+from mhc_cg.lab.benchmarks import tf32_error as te
 def test_tf32_keeps_ten_mantissa_bits_and_bf16_whole():
     x = torch.tensor([1.0 + 2.0 ** -10, 1.0 + 2.0 ** -11, -3.0 - 2.0 ** -12])
     assert te.tf32(x).tolist() == [1.0 + 2.0 ** -10, 1.0, -3.0]

@@ -12,8 +12,8 @@ from torch.profiler import ProfilerActivity, profile
 from mhc_cg.cli import main
 from mhc_cg.config import RunConfig
 from mhc_cg.core.nvtx import enable, enabled_parts
-from mhc_cg.profiling.traces import range_stats, read_timeline, total_stats
-from mhc_cg.training.session import train
+from mhc_cg.lab.profiling.traces import range_stats, read_timeline, total_stats
+from mhc_cg.lab.resolve import train_config
 
 TID = (100 << 24) | 7  # nsys globalTid: process 100, thread 7
 OTHER_TID = (100 << 24) | 8
@@ -205,7 +205,7 @@ def real_cpu_traces(tmp_path_factory):
                           "vocab_size": 16},
                 "train": {"micro_batch_size": 2, "num_microbatches": microbatches}})
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                train(cfg, steps=2, device="cpu", progress=False)
+                train_config(cfg, steps=2, device="cpu", progress=False)
             paths.append(folder / f"mb{microbatches}.json")
             prof.export_chrome_trace(str(paths[-1]))
     finally:

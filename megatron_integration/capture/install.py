@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from mhc_cg.core.pipeline_order import assign_persistent_slot_sets, max_persistent_slot_sets
-from mhc_cg.runtime.recompute.static import StaticRecompute
+from mhc_cg.runtime.static import StaticRecompute
 
 from megatron_integration.capture.static_block import StaticMHCBlock
 from megatron_integration.layers.graphed_sublayer import (GraphedSublayerMixin, SublayerSite,

@@ -1,7 +1,7 @@
 """megatron's mHC blocks on mhc_cg's static-buffer runtime (arena slots, recompute graphs).
 
 ``StaticMHCBlock(block, ...)`` runs an ``MHCTransformerBlock``'s layers through
-``mhc_cg.runtime.recompute.static.StaticRecompute``: the mHC ops of each sublayer save into arena slots,
+``mhc_cg.runtime.static.StaticRecompute``: the mHC ops of each sublayer save into arena slots,
 the block input and every F output go to a persistent slot set, and a hook on each recompute
 block's output re-runs (or, after ``capture_recompute_graphs``, replays) the block's mHC ops
 before its backward. Megatron's modules are used as they are, through the step adapters of
@@ -15,8 +15,8 @@ from torch import Tensor, nn
 from mhc_cg.ops.dropout import stateful_dropout_problem
 from mhc_cg.core.errors import StaticRecomputeError
 
-from mhc_cg.runtime.recompute.recompute_captures import capture_recompute_graphs
-from mhc_cg.runtime.recompute.static import StaticRecompute, build_static_recompute
+from mhc_cg.runtime.recompute_captures import capture_recompute_graphs
+from mhc_cg.runtime.static import StaticRecompute, build_static_recompute
 
 from megatron_integration.layers.dev_layer import DevLayerSteps
 from megatron_integration.layers.main_layer import MainBlock, MainLayerSteps

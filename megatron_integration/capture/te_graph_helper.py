@@ -34,9 +34,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mhc_cg.core.pipeline_order import assign_persistent_slot_sets, decode_order, pipeline_order
-from mhc_cg.runtime.graphs import get_backend, resolve_backend_name
-from mhc_cg.runtime.recompute.recompute_captures import capture_recompute_graph, warm_up_recompute
-from mhc_cg.runtime.recompute.static import StaticRecompute
+from mhc_cg.graphs import CudaBackend, GraphBackend
+from mhc_cg.runtime.recompute_captures import capture_recompute_graph, warm_up_recompute
+from mhc_cg.runtime.static import StaticRecompute
 
 
 @dataclass(frozen=True)
@@ -79,16 +79,18 @@ def capture_recompute_graphs(order: Sequence[int], runtimes: Sequence[StaticReco
                              backend=None) -> dict[RecomputeGraphKey, object]:
     """Capture every recompute graph of a rank along ``order``; ``runtimes[c - 1]`` is chunk c's.
 
-    ``backend``: a graph backend (default: the one for the runtimes' device, ``tape`` on the CPU).
-    The graphs share one pool of independent graphs and are also kept by their runtimes, whose
-    block hooks replay them.
+    ``backend``: a graph backend (default: CUDA graphs, for runtimes on a GPU; off one the caller
+    gives its backend, the lab's tape on a CPU). The graphs share one pool of independent graphs
+    and are also kept by their runtimes, whose block hooks replay them.
     """
     sizes = {rt.layout.block_size for rt in runtimes}
     if len(sizes) != 1:
         raise ValueError(f"every model chunk needs the same recompute block size, got {sorted(sizes)}")
     if backend is None:
-        device = runtimes[0].arena.buffer.device
-        backend = get_backend(resolve_backend_name("auto", device))
+        if runtimes[0].arena.buffer.device.type != "cuda":
+            raise ValueError("capture_recompute_graphs: the runtimes are off a GPU; give the "
+                             "backend to capture on (make_te_graph_helper(..., backend=...))")
+        backend = CudaBackend()
     for runtime in runtimes:
         warm_up_recompute(runtime, backend)
     pool = backend.new_pool(independent=True)
@@ -111,6 +113,7 @@ class RecomputeCaptureMixin:
     """
 
     mhc_recompute_graph: bool = True
+    mhc_backend: GraphBackend | None = None  # what the recompute graphs capture on (None: CUDA)
 
     def _get_cuda_graph_input_data(self):
         sample_args, kwargs = super()._get_cuda_graph_input_data()
@@ -129,7 +132,8 @@ class RecomputeCaptureMixin:
     def _finish_capturing(self, start_time):
         self.mhc_recompute_graphs = {}
         if self.mhc_recompute_graph:
-            self.mhc_recompute_graphs = capture_recompute_graphs(self.mhc_order, self.mhc_runtimes())
+            self.mhc_recompute_graphs = capture_recompute_graphs(self.mhc_order, self.mhc_runtimes(),
+                                                                 self.mhc_backend)
         return super()._finish_capturing(start_time)
 
     def mhc_decoders(self) -> list:
@@ -180,7 +184,7 @@ def mhc_te_graph_helper(model, config, seq_length: int, micro_batch_size: int,
 
 def make_te_graph_helper(model, config, seq_length: int, micro_batch_size: int,
                          optimizers: Sequence = (), *, recompute_graphs: bool | None = None,
-                         **helper_kwargs):
+                         backend: GraphBackend | None = None, **helper_kwargs):
     """megatron-core's ``TECudaGraphHelper`` over mHC layers on the static runtime.
 
     ``model``: megatron's list of model chunks of this rank (DDP-wrapped, as the helper expects).
@@ -189,9 +193,11 @@ def make_te_graph_helper(model, config, seq_length: int, micro_batch_size: int,
     (:func:`rank_order`, checked against the helper's own when it captures).
     ``recompute_graphs``: capture the recompute graphs (default: ``config.mhc_recompute_graph``,
     set by ``mhc_recompute`` in the scope of an ``MHCTransformerConfig``; on with Megatron-LM's
-    own config, which has no such field). ``helper_kwargs``: the rest of what megatron's helper
+    own config, which has no such field). ``backend``: what the recompute graphs capture on
+    (default: CUDA graphs; the CPU harness gives the tape). ``helper_kwargs``: the rest of what
+    megatron's helper
     takes (``pg_collection``, dev's ``thd_sequence_length_upper_bound``). Needs
-    TransformerEngine (on the CPU, the stand-in in ``mhc_cg/megatron_harness/te_on_tape``);
+    TransformerEngine (on the CPU, the stand-in in ``mhc_cg/lab/megatron_harness/te_on_tape``);
     megatron-core's helper asserts its graph support.
     """
     from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
@@ -205,6 +211,7 @@ def make_te_graph_helper(model, config, seq_length: int, micro_batch_size: int,
                                          list(optimizers), **helper_kwargs)
     helper.mhc_recompute_graph = (getattr(config, "mhc_recompute_graph", True)
                                   if recompute_graphs is None else recompute_graphs)
+    helper.mhc_backend = backend
     return helper
 
 

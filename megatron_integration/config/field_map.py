@@ -159,7 +159,7 @@ def megatron_config_kwargs(run_cfg: RunConfig, branch: str = "main") -> tuple[di
     recompute graphs)``.
 
     Types are plain (dtype as a string, ``"bf16"``): the arguments cross a process boundary as
-    JSON; :func:`mhc_cg.megatron_harness.runs.transformer_config` builds the config.
+    JSON; :func:`mhc_cg.lab.megatron_harness.runs.transformer_config` builds the config.
     """
     m, t, p = run_cfg.model, run_cfg.train, run_cfg.parallel
     layer_scopes, recompute_graph = split_recompute_scope(run_cfg.graph.scopes)

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from mhc_cg.runtime.graphs.te_wheel import te_installed
+from mhc_cg.graphs.te import te_installed
 
 from megatron_integration.layers.main_layer import (MainLayerSteps, MainSublayerSteps,
                                                     graphed_layer_class)

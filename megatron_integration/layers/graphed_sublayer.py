@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from torch import Tensor
 import torch
 
-from mhc_cg.runtime.graphs import graph_capturing
-from mhc_cg.runtime.recompute.chunk import SublayerRecord
-from mhc_cg.runtime.recompute.frame import Frame
-from mhc_cg.runtime.recompute.static import StaticRecompute
+from mhc_cg.graphs import graph_capturing
+from mhc_cg.runtime.chunk import SublayerRecord
+from mhc_cg.runtime.frame import Frame
+from mhc_cg.runtime.static import StaticRecompute
 
 from megatron_integration.layers.moe_partial import moe_head
 from megatron_integration.layers.steps import LayerSteps

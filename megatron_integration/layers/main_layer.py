@@ -34,9 +34,9 @@ from torch import Tensor
 
 from mhc_cg.model import HyperConnectionSteps
 from mhc_cg.ops.dropout import dropout
-from mhc_cg.runtime.recompute.block_recompute import BlockRecomputeManager, run_recompute_blocks
+from mhc_cg.recompute.block_recompute import BlockRecomputeManager, run_recompute_blocks
 
-from mhc_cg.runtime.graphs.te_wheel import te_installed
+from mhc_cg.graphs.te import te_installed
 
 from megatron_integration.layers.counter_dropout import sublayer_stream
 from megatron_integration.layers.graphed_sublayer import GraphedSublayerMixin

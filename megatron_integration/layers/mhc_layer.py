@@ -8,7 +8,7 @@
 * ``MHCTransformerBlock`` (a ``TransformerBlock``): expands ``[s, b, C]`` to n streams on the first
   pipeline stage, contracts them (mean) before the final layernorm on the last. With
   ``config.mhc_recompute_layer_num = L_r`` it runs groups of L_r layers under one
-  ``mhc_cg.runtime.recompute.block_recompute.BlockRecomputeManager`` (``run_recompute_blocks``, the same code as mhc_cg's
+  ``mhc_cg.recompute.block_recompute.BlockRecomputeManager`` (``run_recompute_blocks``, the same code as mhc_cg's
   own model, over the step adapters of ``megatron_integration.layers.steps``): every mHC step (mappings, aggregate, norm, H_post,
   H_res, bias-dropout-add) is a ``CheckpointWithoutOutput`` whose output is freed after the block;
   the block input and each F output stay; one hook on the block's last output recomputes the rest.
@@ -41,8 +41,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from mhc_cg.ops.hyper_connection import HyperConnection, contract_streams, expand_streams
 from mhc_cg.model import sublayer_forward
-from mhc_cg.runtime.recompute.block_recompute import run_recompute_blocks
-from mhc_cg.runtime.graphs.te_wheel import te_installed
+from mhc_cg.recompute.block_recompute import run_recompute_blocks
+from mhc_cg.graphs.te import te_installed
 
 from megatron_integration.layers.graphed_sublayer import GraphedSublayerMixin
 from megatron_integration.layers.sdpa_attention import SDPACoreAttention

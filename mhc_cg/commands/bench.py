@@ -2,7 +2,7 @@
 shape and one markdown under bench/results/.
 
 Prints the markdown tables and the targets check on stdout, progress on stderr. See
-``mhc_cg/benchmarks/runner.py`` for what is measured and ``bench/README.md`` for running it on a GPU.
+``mhc_cg/lab/benchmarks/runner.py`` for what is measured and ``bench/README.md`` for running it on a GPU.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ SHAPES = ("configs/bench_h100.yaml", "configs/bench_h100_memory.yaml")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from mhc_cg.config.choices import GRAPH_BACKENDS
-    from mhc_cg.runtime.modes.registry import MODES
+    from mhc_cg.lab.registry import MODES
 
     parser.add_argument("--config", action="append", default=None, metavar="YAML",
                         help="a shape to run (repeat for several; default: "
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mhc_cg.benchmarks.runner import (CPU_CAVEAT, BenchOptions, markdown, parse_modes,
+    from mhc_cg.lab.benchmarks.runner import (CPU_CAVEAT, BenchOptions, markdown, parse_modes,
                                           run_bench, write_results)
     from mhc_cg.config import load_config
     from mhc_cg.training.device import resolve_device

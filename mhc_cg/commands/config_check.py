@@ -42,7 +42,7 @@ def resolved_yaml(cfg: RunConfig) -> str:
 def summary(cfg: RunConfig) -> str:
     """One comment line: what the config makes ``mhc-cg train`` do."""
     from mhc_cg.config.choices import RECOMPUTE_SCOPE
-    from mhc_cg.training.run import resolve
+    from mhc_cg.lab.resolve import resolve
 
     plan = resolve(cfg, on_this_machine=False).plan  # a config may be meant for another machine
     megatron = [s for s in cfg.graph.scopes if s != RECOMPUTE_SCOPE]
@@ -54,8 +54,8 @@ def summary(cfg: RunConfig) -> str:
 
 def te_line() -> str:
     """Which TransformerEngine's ``make_graphed_callables`` ``graph.backend: te`` runs here."""
-    from mhc_cg.runtime.graphs.backends import te_python
-    from mhc_cg.runtime.graphs.te_wheel import GRAPH, find_te_wheel, te_missing_reason, te_wheel
+    from mhc_cg.lab.emulation.backends import te_python
+    from mhc_cg.lab.emulation.te_wheel import GRAPH, find_te_wheel, te_missing_reason, te_wheel
 
     where = te_python()
     if where == "installed":

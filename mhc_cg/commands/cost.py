@@ -8,14 +8,14 @@ import os
 from pathlib import Path
 
 from mhc_cg.core.errors import ConfigError
-from mhc_cg.core.gpus import GPUS
+from mhc_cg.lab.cost.gpus import GPUS
 from mhc_cg.core.progress import log
 
 HELP = "GPU cost without a GPU: kernels, bytes and capture-pool memory of every mode's step"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from mhc_cg.cost.report import DEVICES
+    from mhc_cg.lab.cost.report import DEVICES
 
     parser.add_argument("--config", default=None, help="YAML run config (default: embedded tiny model)")
     parser.add_argument("--device", choices=DEVICES, default="meta",
@@ -29,9 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "tensors live then) and the step's eager storages, by what made "
                              "them")
     parser.add_argument("--gpu", choices=sorted(GPUS), default=None,
-                        help="the GPU the step is modelled on (default: the config's train.gpu, "
-                             "h100 unless set); mhc_cg/core/gpus.py says where each figure comes "
-                             "from")
+                        help="the GPU the step is modelled on (default: h100); "
+                             "mhc_cg/lab/cost/gpus.py says where each figure comes from")
     parser.add_argument("--full-bandwidth", action="store_true",
                         help="time every kernel at the HBM peak, one figure (default: a band, "
                              "bytes at the copy bandwidth the GPU measured, each fused op from "
@@ -43,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from mhc_cg.config import load_config
-    from mhc_cg.cost.report import cost_report, format_live, format_report
+    from mhc_cg.lab.cost.report import cost_report, format_live, format_report
 
     cfg = load_config(args.config)
     if args.plot:
@@ -57,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         if args.live:
             print("\n".join(format_live(report)))
     if args.plot:
-        from mhc_cg.cost.frontier_plot import plot_frontier
+        from mhc_cg.lab.cost.frontier_plot import plot_frontier
 
         log("cost", f"frontier written to {plot_frontier(report, args.plot)}")
     return 0

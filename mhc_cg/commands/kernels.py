@@ -9,7 +9,7 @@ import json
 import sys
 
 from mhc_cg.core.errors import ConfigError
-from mhc_cg.core.gpus import DEFAULT_GPU, GPUS
+from mhc_cg.lab.cost.gpus import DEFAULT_GPU, GPUS
 from mhc_cg.core.progress import log
 
 HELP = ("compile every fused Triton kernel for a GPU ahead of time (no GPU needed): registers, "
@@ -20,7 +20,7 @@ BENCH_OUT = "bench/results/kernels"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from mhc_cg.benchmarks.kernel_compile import DEFAULT_HIDDEN, DEFAULT_TARGET, DEFAULT_TOKENS
+    from mhc_cg.lab.benchmarks.kernel_compile import DEFAULT_HIDDEN, DEFAULT_TARGET, DEFAULT_TOKENS
 
     parser.add_argument("--target", default=DEFAULT_TARGET,
                         help=f"CUDA target, e.g. sm_80, sm_90a (H100), sm_100a (default {DEFAULT_TARGET})")
@@ -88,7 +88,7 @@ def _bench_argv(args: argparse.Namespace) -> list[str]:
 def run_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from mhc_cg.benchmarks import kernel_bench
+    from mhc_cg.lab.benchmarks import kernel_bench
     from mhc_cg.commands.bench import SHAPES
     from mhc_cg.config import load_config
     from mhc_cg.ops.kernels.dispatch import interpret_requested
@@ -122,7 +122,7 @@ def run_bench(args: argparse.Namespace) -> int:
 def run_peers(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from mhc_cg.benchmarks import kernel_peers
+    from mhc_cg.lab.benchmarks import kernel_peers
     from mhc_cg.commands.bench import SHAPES
     from mhc_cg.config import load_config
 
@@ -154,7 +154,7 @@ def run_peers(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mhc_cg.benchmarks.kernel_compile import DEFAULT_TOKENS, format_report, kernel_report
+    from mhc_cg.lab.benchmarks.kernel_compile import DEFAULT_TOKENS, format_report, kernel_report
     from mhc_cg.ops.kernels.dispatch import interpret_requested, triton_installed
 
     if args.peers:

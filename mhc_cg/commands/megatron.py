@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from mhc_cg.config import load_config
-    from mhc_cg.megatron_harness import compare as megatron_compare
+    from mhc_cg.lab.megatron_harness import compare as megatron_compare
 
     cfg = load_config(args.config)
     try:

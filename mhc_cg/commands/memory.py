@@ -78,7 +78,7 @@ def _activation_lines(r: dict) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from mhc_cg.config import load_config
-    from mhc_cg.memory.measure import measure_saved_bytes
+    from mhc_cg.lab.memory.measure import measure_saved_bytes
 
     cfg = load_config(args.config)
     overrides = {field: getattr(args, flag) for flag, field in _OVERRIDES.items()

@@ -11,7 +11,7 @@ from mhc_cg.core.errors import ConfigError
 from mhc_cg.core.pipeline_order import schedule_problems
 
 if TYPE_CHECKING:
-    from mhc_cg.planning.planner import RankPlan
+    from mhc_cg.lab.planning.planner import RankPlan
 
 HELP = "simulate the PP/VPP 1F1B order per rank and plan its static buffers (graphs, inputs, mHC sets)"
 
@@ -124,7 +124,7 @@ def _flag_errors(exc: ConfigError) -> ConfigError:
 
 def build_plans(values: dict, dtype: str) -> list[RankPlan]:
     """Plan every rank; all bad values are reported together, each naming its flag."""
-    from mhc_cg.planning.planner import ModelShape, layers_per_chunk, plan
+    from mhc_cg.lab.planning.planner import ModelShape, layers_per_chunk, plan
 
     problems = schedule_problems(values["pp_size"], 0, values["num_microbatches"],
                                  values["vpp_size"], values["microbatch_group_size"])
@@ -200,11 +200,11 @@ def run(args: argparse.Namespace) -> int:
         print(format_plans(plans, values, args.dtype))
     written = []
     if args.trace:
-        from mhc_cg.planning.plot import write_trace
+        from mhc_cg.lab.planning.plot import write_trace
 
         written.append(write_trace(plans, args.trace))
     if args.png:
-        from mhc_cg.planning.plot import plot_schedule  # matplotlib only when a PNG is asked for
+        from mhc_cg.lab.planning.plot import plot_schedule  # matplotlib only when a PNG is asked for
 
         group = values["microbatch_group_size"] or values["pp_size"]
         title = (f"mhc-cg schedule: pp {values['pp_size']}, vpp {values['vpp_size']}, "

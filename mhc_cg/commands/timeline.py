@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from mhc_cg.profiling.traces import compare, comparison_json, format_comparison, read_timeline
+from mhc_cg.lab.profiling.traces import compare, comparison_json, format_comparison, read_timeline
 
 HELP = "compare two profiles (nsys .sqlite exports or torch.profiler Chrome traces) per NVTX range"
 
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_comparison(comparison))
     if args.png:
-        from mhc_cg.profiling.traces_plot import plot_comparison  # matplotlib only when a PNG is asked for
+        from mhc_cg.lab.profiling.traces_plot import plot_comparison  # matplotlib only when a PNG is asked for
 
         written = plot_comparison(comparison, args.png)
         if not args.json:

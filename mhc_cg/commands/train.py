@@ -10,7 +10,7 @@ HELP = "train the mHC GPT of a config on a synthetic corpus; --compare runs ever
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from mhc_cg.runtime.modes.registry import MODES
+    from mhc_cg.lab.registry import MODES
 
     parser.add_argument("--config", default=None, help="YAML run config (default: embedded tiny CPU model)")
     parser.add_argument("--steps", type=int, default=None, help="override train.steps")
@@ -28,12 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mhc_cg.compare import modes as compare
-    from mhc_cg.compare import pipeline as pipeline_compare
+    from mhc_cg.lab.compare import modes as compare
+    from mhc_cg.lab.compare import pipeline as pipeline_compare
     from mhc_cg.config import load_config
-    from mhc_cg.runtime.modes.registry import REFERENCE
+    from mhc_cg.lab.registry import REFERENCE
     from mhc_cg.training.device import use_cpu_threads
-    from mhc_cg.training.session import train
+    from mhc_cg.lab.resolve import train_config
 
     cfg = load_config(args.config)
     on_cpu = use_cpu_threads(cfg, args.device)
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         for line in problems:
             print(f"mhc-cg train: mismatch: {line}", file=sys.stderr)
         return 0 if not problems else 1
-    result = train(cfg, steps=args.steps, device=args.device, progress=progress, mode=args.mode)
+    result = train_config(cfg, steps=args.steps, device=args.device, progress=progress, mode=args.mode)
     mode = result.mode
     if args.json:
         print(json.dumps({"mode": mode, "losses": result.losses, "grad_norms": result.grad_norms,

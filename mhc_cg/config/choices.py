@@ -7,7 +7,7 @@ DROPOUT_IMPLS = ("counter", "torch")  # counter: mask = hash(seed, index); torch
 DEVICES = ("cpu", "cuda", "auto")
 GRAPH_BACKENDS = ("auto", "cuda", "te", "tape")
 
-# graph.cuda_graph_scope: what is captured (mhc_cg.runtime.modes.plan says what each one means)
+# graph.cuda_graph_scope: what is captured (mhc_cg.modes.plan says what each one means)
 SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mhc_recompute")
 MOE_SCOPES = ("moe", "moe_router", "moe_preprocess")
 RECOMPUTE_SCOPE = "mhc_recompute"

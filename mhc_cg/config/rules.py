@@ -10,7 +10,7 @@
   per pipeline rank), :func:`recompute_graph_problems` (shared with megatron's config, under its
   field names).
 
-What the scopes mean, and the capture plan they resolve to: :mod:`mhc_cg.runtime.modes.plan`.
+What the scopes mean, and the capture plan they resolve to: :mod:`mhc_cg.modes.plan`.
 
 The sections these rules read are :mod:`mhc_cg.config.schema`'s (``cfg`` a ``RunConfig``,
 ``model`` an ``MHCGPTConfig``, ``train`` a ``TrainConfig``), named here and not imported: the
@@ -27,7 +27,6 @@ from mhc_cg.config.choices import (DEVICES, DROPOUT_IMPLS, GRAPH_BACKENDS, MIN_V
                                    SCOPES, split_recompute_scope)
 from mhc_cg.core.dtypes import DTYPE_BYTES, TRAIN_DTYPES
 from mhc_cg.core.errors import ConfigError, did_you_mean, is_positive_int
-from mhc_cg.core.gpus import GPUS
 from mhc_cg.core.pipeline_order import schedule_problems
 from mhc_cg.ops.dropout import stateful_dropout_problem
 from mhc_cg.ops.kernels import KERNELS, kernels_problem
@@ -124,8 +123,7 @@ def train_problems(train) -> list[str]:
         problems.append(f"train.weight_decay: must be a finite number >= 0 (0 turns it off), "
                         f"got {train.weight_decay!r}")
     return problems + choice_problems(("train.device", train.device, DEVICES),
-                                      ("train.dtype", train.dtype, TRAIN_DTYPES),
-                                      ("train.gpu", train.gpu, tuple(GPUS)))
+                                      ("train.dtype", train.dtype, TRAIN_DTYPES))
 
 
 def choice_problems(*fields: tuple[str, object, tuple]) -> list[str]:

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 
 from mhc_cg.config import rules
 from mhc_cg.core.errors import ConfigError, did_you_mean
-from mhc_cg.core.gpus import DEFAULT_GPU
 from mhc_cg.ops.dropout import draws_from_generator
 
 def paper_block_size(num_streams: int, num_layers: int) -> int:
@@ -117,7 +116,6 @@ class TrainConfig:
     seed: int = 1234
     device: str = "cpu"  # "cpu" | "cuda" | "auto"
     dtype: str = "fp32"  # "fp32" | "bf16" | "fp16": parameters and activations (megatron mapping)
-    gpu: str = DEFAULT_GPU  # the GPU `mhc-cg cost` models the step on: "h100" | "h200" (core/gpus.py)
     eval_interval: int = 0  # evaluate every N steps (and after the last); 0: never
     eval_batches: int = 2  # held-out batches per evaluation
 

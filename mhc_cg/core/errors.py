@@ -30,7 +30,7 @@ class StaticRecomputeError(RuntimeError):
 
 class GraphCaptureError(RuntimeError):
     """Code inside a capture did something a replayed graph cannot reproduce; ``report`` is the
-    capture's :class:`~mhc_cg.runtime.graphs.guard.CaptureSafetyReport`, when there is one."""
+    capture's :class:`~mhc_cg.graphs.guard.CaptureSafetyReport`, when there is one."""
 
     def __init__(self, message: str, report=None):
         super().__init__(message)

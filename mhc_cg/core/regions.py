@@ -19,7 +19,7 @@ forward's and the backward's; ``eager``, ``step``, ``iteration`` and ``eval`` na
 ``copy`` (the second part says what for) and ``mhc``. The innermost region of a kind wins.
 
 Open regions are a process-wide stack (the autograd engine may run backward on another thread, so
-not a context variable); nothing reads it unless the cost model records (:mod:`mhc_cg.cost`),
+not a context variable); nothing reads it unless the cost model records (:mod:`mhc_cg.lab.cost`),
 which reads it when it records an op: at dispatch for eager work, at capture for a graph's work.
 The profiler half is :func:`mhc_cg.core.nvtx.nvtx_range` (off: nothing but the stack).
 """

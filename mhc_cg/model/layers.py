@@ -49,7 +49,7 @@ class MLP(nn.Module):
     ``recompute_activation`` asks the runtime not to keep the gelu output (``ffn`` per token, the
     MLP's largest tensor) from the forward to the backward. How is the runtime's: an eager forward
     runs ``eager_recompute(mlp, x)``, given at construction
-    (:func:`mhc_cg.runtime.recompute.block_recompute.recompute_activation_eagerly`: a checkpoint
+    (:func:`mhc_cg.recompute.block_recompute.recompute_activation_eagerly`: a checkpoint
     whose output is freed and recomputed before fc2's backward); the static-buffer runtime keeps
     the gelu output in an arena slot instead and never calls this forward for such an MLP.
     Without either the MLP keeps its activation.

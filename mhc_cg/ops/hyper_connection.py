@@ -88,7 +88,7 @@ class _ExpandStreams(torch.autograd.Function):
 
     Its backward reads the incoming gradient once and keeps nothing of it (``reads_grad_once``):
     a graphed consumer may hand it a static grad buffer uncloned
-    (:mod:`mhc_cg.runtime.graphs.graphed_callables`).
+    (:mod:`mhc_cg.graphs.graphed_callables`).
     """
 
     reads_grad_once = True

@@ -1,99 +1,70 @@
-"""One run, resolved once at its entry: :func:`resolve` decides the mode, its config, what refuses
-it, whether it fits the device and its capture plan, in one place, into one :class:`Run` that
-the session and every tool take; :func:`build_model` and :func:`prepare` make the run's model
-and its mode's captures from it."""
+"""A training mode (:class:`Mode`) and one run of it (:class:`Run`), resolved once at its entry
+(the lab's :func:`mhc_cg.lab.resolve.resolve`, which knows every mode) into one object that the
+session and every tool take; :func:`build_model` and :func:`prepare` make the run's model and its
+mode's captures from it."""
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from mhc_cg.config import MHCGPTConfig, RunConfig, check
-from mhc_cg.config.rules import megatron_only_refusal
+from mhc_cg.config import MHCGPTConfig, RunConfig
 from mhc_cg.core.dtypes import TORCH_DTYPES
-from mhc_cg.core.errors import ConfigError
+from mhc_cg.graphs import GraphBackend
+from mhc_cg.graphs.te import GraphAPI
 from mhc_cg.model import MHCGPT
-from mhc_cg.runtime.graphs import GraphBackend, resolve_backend_name
-from mhc_cg.runtime.modes.lifecycle import ModeModel
-from mhc_cg.runtime.modes.plan import CapturePlan
-from mhc_cg.runtime.modes.registry import Mode, configured_mode, get_mode
-from mhc_cg.runtime.recompute.block_recompute import recompute_activation_eagerly
-from mhc_cg.training.device import check_fits, resolve_device
+from mhc_cg.modes.lifecycle import ModeModel
+from mhc_cg.modes.plan import CapturePlan
+from mhc_cg.recompute.block_recompute import recompute_activation_eagerly
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One training mode.
+
+    ``recompute``: the ``model.recompute`` the model is built with (``block``: the mode runs eager
+    block recompute itself); ``recompute_activation``: whether ``model.recompute_activation``
+    applies. ``capture(cfg)``: the :class:`CapturePlan` fields beyond mode and api.
+    ``model_type`` runs it. ``same_model``: it trains the configured model, so ``--compare`` holds
+    it to the reference bit for bit. ``pipelines``: the multi-process pipeline driver runs it.
+    ``configure(cfg, **variant)``: the config it trains (a variant of the given one), ``None``:
+    the given one. ``unavailable(cfg, device)``: why it cannot run there, or ``None``.
+    """
+
+    name: str
+    summary: str
+    model_type: type[ModeModel]
+    recompute: str = "none"
+    recompute_activation: bool = True
+    capture: Callable[[RunConfig], dict] = lambda cfg: {}
+    same_model: bool = True
+    pipelines: bool = False
+    configure: Callable[..., RunConfig] | None = None
+    unavailable: Callable[[RunConfig, str], str | None] | None = None
+
+    @property
+    def graphed(self) -> bool:
+        return self.model_type.graphed
 
 
 @dataclass(frozen=True)
 class Run:
-    """One run, resolved once at its entry (:func:`resolve`) and passed down: the mode, its
-    config (its variant applied, checked), the model as the mode builds it, the capture plan and
-    the device. Nothing downstream looks any of it up again."""
+    """One run, resolved once at its entry and passed down: the mode, its config (its variant
+    applied, checked), the model as the mode builds it, the capture plan, the device, and
+    ``graph_api(backend)``: the capture API of the plan's ``api`` over ``backend`` (``None``: its
+    own), which the resolution picked (CUDA graphs and an installed TE are the product's
+    :func:`mhc_cg.graphs.te.graph_api`; the tape and TE's wheel, the lab's). Nothing downstream
+    looks any of it up again."""
 
     cfg: RunConfig
     mode: Mode
     model: MHCGPTConfig
     plan: CapturePlan
     device: torch.device
-
-
-def resolve(cfg: RunConfig, mode: str | None = None, device: torch.device | str | None = None,
-            *, on_this_machine: bool = True, **variant) -> Run:
-    """``cfg`` as mode ``mode`` (default: :func:`configured_mode`) trains it on ``device``
-    (default: ``train.device``; ``auto`` resolved here), decided in this one place: the mode's
-    config (``variant``: options of a variant mode, e.g. ``moe_experts``; checked once), what
-    refuses it (:func:`refusal`: one line naming the field, raised as ``ConfigError``), whether
-    it fits the device, the model settings the mode implies and the capture plan.
-
-    ``on_this_machine=False`` resolves a config meant for another machine (``config check``):
-    the device is taken as named and neither the GPU nor the fit is asked.
-    """
-    spec = get_mode(mode or configured_mode(cfg))
-    cfg = check(spec.configure(cfg, **variant)) if spec.configure is not None else cfg
-    named = device or cfg.train.device
-    device = _device(named, on_this_machine)
-    if on_this_machine:
-        if (refused := megatron_only_refusal(cfg)) is not None:
-            raise ConfigError(refused)
-        if spec.unavailable is not None and (reason := spec.unavailable(cfg, device.type)):
-            raise ConfigError(f"mode {spec.name}: {reason}")
-        if device.type != "meta":  # the cost model's: nothing is allocated, no kernel runs
-            check_fits(cfg, device)
-    keeps_activation = spec.recompute_activation
-    model = dataclasses.replace(
-        cfg.model, recompute=spec.recompute,
-        recompute_activation=cfg.model.recompute_activation and keeps_activation,
-        recompute_activation_layers=cfg.model.recompute_activation_layers if keeps_activation
-        else None)
-    try:
-        api = resolve_backend_name(cfg.graph.backend, device.type if on_this_machine else named,
-                                   on_this_machine=on_this_machine)
-    except ValueError as exc:
-        raise ConfigError(f"graph.backend: {exc}") from None
-    return Run(cfg, spec, model, CapturePlan(spec.name, api=api, **spec.capture(cfg)), device)
-
-
-def _device(named: torch.device | str, on_this_machine: bool) -> torch.device:
-    """The device a run names: ``meta`` is the cost model's; ``auto`` and ``cuda`` are asked of
-    this machine, unless the run is meant for another (``auto`` then stands for the CPU)."""
-    if isinstance(named, torch.device):
-        return named
-    if named == "meta":
-        return torch.device("meta")
-    if not on_this_machine:
-        return torch.device("cpu" if named == "auto" else named)
-    return resolve_device(named)
-
-
-def refusal(cfg: RunConfig, mode: str, device: str) -> str | None:
-    """Why mode ``mode`` cannot train ``cfg`` on a ``device`` (``meta``, ``cpu``, ``cuda``): one
-    line naming the field, or ``None``; what :func:`resolve` raises, for a tool that lists the
-    modes it leaves out instead."""
-    spec = get_mode(mode)
-    cfg = check(spec.configure(cfg)) if spec.configure is not None else cfg
-    if (refused := megatron_only_refusal(cfg)) is not None:
-        return refused
-    return spec.unavailable(cfg, device) if spec.unavailable is not None else None
+    graph_api: Callable[[GraphBackend | None], GraphAPI]
 
 
 def build_model(run: Run) -> MHCGPT:
@@ -118,7 +89,7 @@ def prepare(run: Run, model: MHCGPT, backend: GraphBackend | None = None,
     model_type = run.mode.model_type
     loop = {"step_loop": step_loop} if model_type.captures_iteration else {}
     mode_model = model_type(model, run.plan, micro_batch_size=run.cfg.train.micro_batch_size,
-                            backend=backend, **loop)
+                            new_api=functools.partial(run.graph_api, backend), **loop)
     with torch.enable_grad():  # capture records the backward too, even if built under no_grad
         mode_model.prepare(run.device)
     return mode_model

@@ -26,13 +26,12 @@ from mhc_cg.core.errors import ConfigError
 from mhc_cg.core.regions import region
 from mhc_cg.core.progress import ProgressBar
 from mhc_cg.model import MHCGPT, lm_loss
-from mhc_cg.runtime.modes.lifecycle import ModeModel
-from mhc_cg.runtime.modes.plan import CapturePlan
-from mhc_cg.runtime.graphs import GraphBackend
-from mhc_cg.runtime.modes.registry import REFERENCE
+from mhc_cg.modes.lifecycle import ModeModel
+from mhc_cg.modes.plan import CapturePlan
+from mhc_cg.graphs import GraphBackend
 from mhc_cg.training.data import ProgressionCorpus
-from mhc_cg.training.run import Run, build_model, prepare, resolve
-from mhc_cg.runtime.recompute.arena import Arena
+from mhc_cg.training.run import Run, build_model, prepare
+from mhc_cg.runtime.arena import Arena
 from mhc_cg.training.optimizer import MainParamAdamW, StepResult
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (input ids [b, s], targets, seed [])
@@ -42,7 +41,7 @@ FirstMicrobatch = Callable[[Callable[[], torch.Tensor]], torch.Tensor]
 
 @dataclass
 class TrainResult:
-    mode: str = REFERENCE
+    mode: str
     info: dict = field(default_factory=dict)  # the graphed runtime's sizes (arena, sets, graphs)
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
@@ -251,25 +250,17 @@ def optimizer_for(cfg: RunConfig, params,
                           model_dtype=TORCH_DTYPES[cfg.train.dtype], reduce_norm=reduce_norm)
 
 
-def train(cfg: RunConfig, *, steps: int | None = None, device: str | None = None,
-          progress: bool = True, mode: str | None = None,
+def train(run: Run, *, steps: int | None = None, progress: bool = True,
           after_backward: Callable[[int, MHCGPT], None] | None = None,
           first_microbatch: Callable[[int, Callable[[], torch.Tensor]], torch.Tensor] | None = None,
           ) -> TrainResult:
-    """Train ``cfg.model`` on the synthetic corpus in ``mode`` (default: what the config asks).
+    """Train ``run``'s model on the synthetic corpus for ``steps`` (default ``train.steps``).
 
     A tool's hooks, each given the step's index: ``after_backward(step, model)`` runs once per
     step before the optimizer (tests read the gradients there, the comparison hashes them);
     ``first_microbatch(step, loss)`` runs each step's first microbatch's loss (``loss()``; a
     memory probe wraps it). Without them a step does what training needs and nothing else.
-    One process: a config with ``parallel.pp_size > 1`` runs on
-    :func:`mhc_cg.training.pipeline.driver.train_pipeline` (one process per pipeline rank).
     """
-    run = resolve(cfg, mode, device)
-    if run.cfg.parallel.pp_size > 1:
-        raise ConfigError(f"parallel.pp_size: train() runs one process; a pipeline of "
-                          f"{run.cfg.parallel.pp_size} ranks runs on train_pipeline() (mhc-cg "
-                          f"train starts it)")
     steps = run.cfg.train.steps if steps is None else steps
     if steps < 1:
         raise ConfigError(f"--steps: must be a positive integer, got {steps}")

@@ -5,7 +5,7 @@ Per-rank figures are printed as rank0/rank1/rank2/rank3; bytes are rank 0's (the
 default shape of `mhc-cg schedule` (hidden 4096, seq 4096, mbs 1, n = 4, bf16).
 """
 
-from mhc_cg.planning.planner import plan
+from mhc_cg.lab.planning.planner import plan
 
 
 def per_rank(plans, name):

@@ -1,9 +1,0 @@
-"""TE's graph code for the ``transformer_engine`` stand-in: the wheel's, capturing on this
-machine's primitive (``torch.cuda`` graphs on a GPU, the tape on a CPU)."""
-
-from __future__ import annotations
-
-from mhc_cg.runtime.graphs import get_backend
-from mhc_cg.runtime.graphs.te import te_graph
-
-GRAPH = te_graph(get_backend("auto"))
