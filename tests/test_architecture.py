@@ -472,8 +472,9 @@ def test_the_module_state_check_sees_a_rebound_global_and_a_container_written():
         toy.switch = True
         next(toy.numbers)
         toy.Kept.active.append(1)
-        assert changed(before, module_state()) == {f"mhc_cg.toy_state.{n}" for n in
-                                                   ("seen", "switch", "numbers", "Kept.active")}
+        # the process-wide weak registers drop what an earlier test left as the collector frees it
+        assert changed(before, module_state()) - PROCESS_WIDE == {
+            f"mhc_cg.toy_state.{n}" for n in ("seen", "switch", "numbers", "Kept.active")}
     finally:
         del sys.modules[toy.__name__]
 
