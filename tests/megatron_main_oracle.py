@@ -319,7 +319,39 @@ def dev_hyper_connection_job(streams: list[int], dtypes: list[str], seq: int = 5
             "step_grad_scale": max(g.abs().max().item() for g in step_grads_d.values()),
             "sublayer": compared, "step": step_diffs,
         })
-    return {"cases": cases}
+    return {"cases": cases, "sinkhorn": _dev_sinkhorn_cases(dtypes, streams)}
+
+
+def _dev_sinkhorn_cases(dtypes: list[str], streams: list[int], tokens: int = 7) -> list[dict]:
+    """Dev's own Sinkhorn (``native_sinkhorn``: its ``SinkhornKnopp`` Function, eps as dev sets
+    it) beside the reference's explicit forward and backward in either arithmetic, on logits
+    spread as trained ones get; largest absolute differences, and the scales."""
+    import torch
+    from megatron.core.transformer.hyper_connection import native_sinkhorn
+
+    from mhc_cg.ops.kernels import reference
+
+    cases = []
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        for n in streams:
+            for iterations in (1, 2, 20):
+                generator = torch.Generator().manual_seed(n * 100 + iterations)
+                logits = 3.0 * torch.randn(tokens, n, n, dtype=dtype, generator=generator)
+                grad = torch.randn(tokens, n, n, dtype=dtype, generator=generator)
+                leaf = logits.clone().requires_grad_()
+                theirs = native_sinkhorn(leaf, iterations)
+                theirs.backward(grad)
+                diffs = {}
+                for arithmetic in ("dev", "main"):
+                    out = reference.sinkhorn(logits, iterations, arithmetic)
+                    back = reference.sinkhorn_backward(logits, grad, iterations, arithmetic)
+                    diffs[arithmetic] = {"out": max_abs_diff(theirs.detach(), out),
+                                         "grad": max_abs_diff(leaf.grad, back)}
+                cases.append({"dtype": dtype_name, "n": n, "iterations": iterations,
+                              "out_scale": theirs.abs().max().item(),
+                              "grad_scale": leaf.grad.abs().max().item(), **diffs})
+    return cases
 
 
 # ------------------------------------------------------------- main's layer on our runtimes

@@ -4,7 +4,9 @@ in a subprocess): ``dev``'s ``HyperConnectionModule`` applies ``H_res^T`` to the
 
 * ``HyperConnection(h_res_transposed=True)``, non-fused and fused (the torch reference), equals
   ``dev``'s module on the same ``state_dict`` and input: values, input and parameter gradients;
-* ``HyperConnection()`` (main's layout) does not, by orders of magnitude more than the bound.
+* ``HyperConnection()`` (main's layout) does not, by orders of magnitude more than the bound;
+* the reference's dev arithmetic Sinkhorn (``arithmetic="dev"``) equals dev's own, forward and
+  backward, and main's arithmetic does not.
 
 n = 3 and 4 only: every doubly stochastic 2 x 2 matrix is symmetric, where the layouts agree. The
 snapshot is ``../shared/third_party/megatron-lm-dev-*.tar.gz``; the job is
@@ -32,17 +34,47 @@ AS_IS_TOLERANCE = 2e-6
 LAYOUT_GAP = 1000
 
 
+# dev's Sinkhorn (Note [dev's Sinkhorn]) against its own SinkhornKnopp, relative to the largest
+# value or gradient: the values are dev's ops in dev's order (measured 0), the gradients the
+# explicit backward's rounding (measured <= 4.3e-16 in fp64, 2.5e-7 in fp32)
+SINKHORN_TOLERANCE = {"float64": 1e-14, "float32": 2e-6}
+# main's Sinkhorn misses dev's by its eps terms (measured >= 2.3e-5 in values, 1.4e-5 in
+# gradients, either dtype): the comparison tells the arithmetics apart
+SINKHORN_GAP = 5e-6
+
+
 @pytest.fixture(scope="module")
 def dev_snapshot(tmp_path_factory):
     return extracted_snapshot("dev", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def dev_cases(dev_snapshot):
+def dev_result(dev_snapshot):
     result = run_job(dev_snapshot, "dev_hyper_connection", streams=list(STREAMS),
                      dtypes=list(DTYPES))
     assert "megatron-lm-dev" in result["megatron_core"]
-    return {(c["n"], c["dtype"]): c for c in result["cases"]}
+    return result
+
+
+@pytest.fixture(scope="module")
+def dev_cases(dev_result):
+    return {(c["n"], c["dtype"]): c for c in dev_result["cases"]}
+
+
+def test_the_dev_arithmetic_sinkhorn_equals_megatron_devs_forward_and_backward(dev_result):
+    """The reference's dev Sinkhorn, an explicit forward and backward, equals dev's own
+    ``native_sinkhorn`` (autograd through its iterations) at 1, 2 and 20 iterations; main's
+    arithmetic does not, by more than the bound in either dtype."""
+    cases = dev_result["sinkhorn"]
+    assert {(c["dtype"], c["n"], c["iterations"]) for c in cases} == {
+        (d, n, t) for d in DTYPES for n in STREAMS for t in (1, 2, 20)}
+    for case in cases:
+        bound = SINKHORN_TOLERANCE[case["dtype"]]
+        what = f"n={case['n']} {case['dtype']} T={case['iterations']}"
+        assert case["dev"]["out"] <= bound * case["out_scale"], (what, case)
+        assert case["dev"]["grad"] <= bound * case["grad_scale"], (what, case)
+        assert case["main"]["out"] >= SINKHORN_GAP * case["out_scale"] > bound * case["out_scale"]
+        assert case["main"]["grad"] >= SINKHORN_GAP * case["grad_scale"], (what, case)
 
 
 def _assert_within(diffs: dict, bound: float, what: str) -> None:

@@ -69,8 +69,12 @@ def _normalise_backward(g: Tensor, out: Tensor, s: Tensor, dim: int) -> Tensor:
     return g - out * (g.sum(dim=dim, keepdim=True) * (s >= SINKHORN_EPS))
 
 
-def sinkhorn(logits: Tensor, iterations: int) -> Tensor:
-    """Row then column normalisation, ``iterations`` times, from ``exp(L - rowmax)``."""
+def sinkhorn(logits: Tensor, iterations: int, arithmetic: str = "main") -> Tensor:
+    """Megatron-LM main's: row then column normalisation, ``iterations`` times, from
+    ``exp(L - rowmax)``, each sum clamped at eps. ``arithmetic="dev"``: Megatron-LM dev's
+    (DeepSeek-V4's) :func:`sinkhorn_dev`."""
+    if arithmetic == "dev":
+        return sinkhorn_dev(logits, iterations)
     m = sinkhorn_init(logits)
     for _ in range(iterations):
         m = _normalise(m, -1)[0]
@@ -78,8 +82,43 @@ def sinkhorn(logits: Tensor, iterations: int) -> Tensor:
     return m
 
 
-def sinkhorn_backward(logits: Tensor, grad: Tensor, iterations: int) -> Tensor:
+# Note [dev's Sinkhorn]: Megatron-LM dev (DeepSeek-V4's hc_split_sinkhorn) starts from
+# softmax(L) + eps, normalises the columns, then runs iterations - 1 row and column rounds, every
+# sum + eps (not clamped): T row and T column normalisations in all, the first row one the
+# softmax's. Each step out = m / (s + eps) has the derivative (g - sum(g out)) / (s + eps), whose
+# denominator is never below eps, so no log-space trick is needed (every m >= eps / (n + eps)).
+
+def _dev_steps(logits: Tensor, iterations: int):
+    """``(softmax, [(m, out, s, dim)] of every normalisation after it)`` of dev's Sinkhorn."""
+    p = torch.softmax(logits, dim=-1)
+    m, steps = p + SINKHORN_EPS, []
+    for dim in (-2, *((-1, -2) * (iterations - 1))):
+        s = m.sum(dim=dim, keepdim=True)
+        out = m / (s + SINKHORN_EPS)
+        steps.append((out, s, dim))
+        m = out
+    return p, steps
+
+
+def sinkhorn_dev(logits: Tensor, iterations: int) -> Tensor:
+    """Megatron-LM dev's Sinkhorn (Note [dev's Sinkhorn])."""
+    return _dev_steps(logits, iterations)[1][-1][0]
+
+
+def sinkhorn_dev_backward(logits: Tensor, grad: Tensor, iterations: int) -> Tensor:
+    """d :func:`sinkhorn_dev` / d logits, recomputing the iterates from the logits."""
+    p, steps = _dev_steps(logits, iterations)
+    g = grad
+    for out, s, dim in reversed(steps):
+        g = (g - (g * out).sum(dim=dim, keepdim=True)) / (s + SINKHORN_EPS)
+    return p * (g - (g * p).sum(dim=-1, keepdim=True))
+
+
+def sinkhorn_backward(logits: Tensor, grad: Tensor, iterations: int,
+                      arithmetic: str = "main") -> Tensor:
     """d sinkhorn / d logits, recomputing the iterates from the logits (kept only inside this call)."""
+    if arithmetic == "dev":
+        return sinkhorn_dev_backward(logits, grad, iterations)
     m0 = sinkhorn_init(logits)
     steps = []  # (out, s, dim) of every half-step, in order
     m = m0
