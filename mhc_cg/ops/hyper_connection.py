@@ -9,6 +9,9 @@ Layout and conventions (kept identical to Megatron-LM ``main`` so weights intero
   of every input stream ``j`` flows into output stream ``i`` (Megatron-LM ``main``). With
   ``h_res_transposed=True`` it is ``sum_j h_res[j, i] * x[j]``, ``H_res^T x`` (Megatron-LM
   ``dev``): the same parameters and the same ``h_res``, applied as its transpose.
+* ``arithmetic``: ``main``, the paper's as Megatron-LM main computes it; ``dev``, DeepSeek-V4's
+  as Megatron-LM dev does (``h_pre = sigmoid + 1e-6``, dev's Sinkhorn: Note [dev's Sinkhorn] in
+  :mod:`mhc_cg.ops.kernels.reference`).
 """
 
 from __future__ import annotations
@@ -167,26 +170,19 @@ def contract_streams(x: Tensor, num_streams: int, grad_into: Tensor | None = Non
         return _ContractStreams.apply(x, num_streams, grad_into)
 
 
-class HyperConnection(nn.Module):
-    """The mHC mappings around one sublayer F: ``x' = H_res x + H_post^T F(H_pre x)``."""
+class HyperConnectionOps:
+    """The mHC ops of one hyper-connection, unfused and fused, over parameters named as
+    Megatron-LM names them (``mapping_proj.weight``, ``alpha_pre``, ``alpha_post``,
+    ``alpha_res``, ``bias``) and the settings ``hidden_size``, ``num_streams``,
+    ``sinkhorn_iterations``, ``kernels``, ``h_res_transposed``, ``arithmetic``: the owner of
+    the parameters is :class:`HyperConnection` or, for a Megatron module, :class:`KernelsOver`."""
 
-    def __init__(self, hidden_size: int, num_streams: int = 4, sinkhorn_iterations: int = 20,
-                 init_gating_factor: float = 0.01, kernels: str = "auto",
-                 h_res_transposed: bool = False):
-        super().__init__()
-        if hidden_size < 1 or num_streams < 1:
-            raise ValueError(f"HyperConnection: hidden_size and num_streams must be >= 1, "
-                             f"got {hidden_size} and {num_streams}")
-        self.hidden_size = hidden_size
-        self.num_streams = n = num_streams
-        self.sinkhorn_iterations = sinkhorn_iterations
-        self.kernels = kernels  # mhc_cg.ops.kernels: "auto" | "torch" | "triton"
-        self.h_res_transposed = bool(h_res_transposed)  # see the module docstring
-        self.mapping_proj = nn.Linear(n * hidden_size, n * n + 2 * n, bias=False)
-        self.alpha_pre = nn.Parameter(torch.full((1,), float(init_gating_factor)))
-        self.alpha_post = nn.Parameter(torch.full((1,), float(init_gating_factor)))
-        self.alpha_res = nn.Parameter(torch.full((1,), float(init_gating_factor)))
-        self.bias = nn.Parameter(torch.zeros(n * n + 2 * n))
+    hidden_size: int
+    num_streams: int
+    sinkhorn_iterations: int
+    kernels: str
+    h_res_transposed: bool
+    arithmetic: str
 
     def _gating_scale(self) -> Tensor:
         n = self.num_streams
@@ -200,8 +196,17 @@ class HyperConnection(nn.Module):
         with region("mhc"):
             rms = x.norm(dim=-1, keepdim=True) / math.sqrt(x.shape[-1])
             h = self.mapping_proj(x) * self._gating_scale() / (rms + RMS_EPS) + self.bias
-            return (torch.sigmoid(h[..., :n]), 2.0 * torch.sigmoid(h[..., n:2 * n]),
-                    sinkhorn_knopp(h[..., 2 * n:].unflatten(-1, (n, n)), self.sinkhorn_iterations))
+            h_pre = torch.sigmoid(h[..., :n])
+            if self.arithmetic == "dev":
+                h_pre = h_pre + reference.H_PRE_EPS
+            return (h_pre, 2.0 * torch.sigmoid(h[..., n:2 * n]),
+                    self._sinkhorn(h[..., 2 * n:].unflatten(-1, (n, n))))
+
+    def _sinkhorn(self, logits: Tensor) -> Tensor:
+        """H_res from its logits, differentiable: main's Sinkhorn or dev's."""
+        if self.arithmetic == "dev":
+            return reference.sinkhorn_dev(logits, self.sinkhorn_iterations)
+        return sinkhorn_knopp(logits, self.sinkhorn_iterations)
 
     def aggregate(self, x: Tensor, h_pre: Tensor) -> Tensor:
         """``sum_i h_pre[i] * x[i]``: ``[s, b, n*C], [s, b, n] -> [s, b, C]``."""
@@ -250,17 +255,17 @@ class HyperConnection(nn.Module):
         _check_streams("pre", x, self.num_streams, self.hidden_size)
         if state is None and handoff is not None:
             state, link = handoff.for_pre(x, self.mapping_proj.weight, self.alpha_pre, self.bias,
-                                          norm_weight is not None, eps)
+                                          norm_weight is not None, eps, self.arithmetic)
         return fused.pre(x, self.mapping_proj.weight, self.alpha_pre, self.alpha_post,
                          self.alpha_res, self.bias, norm_weight, self.num_streams,
                          self.sinkhorn_iterations, eps, self.kernels, fn_input_out, state_out,
                          h_res_transposed=self.h_res_transposed, state=state, link=link,
-                         grad_owned=grad_owned)
+                         grad_owned=grad_owned, arithmetic=self.arithmetic)
 
     def next_pre(self, norm_weight: Tensor | None, eps: float) -> fused.NextPre:
         """This pre, as the post before it sees it (:meth:`post_feeding`'s ``next_pre``)."""
         return fused.NextPre(self.mapping_proj.weight, self.alpha_pre, self.bias,
-                             norm_weight is not None, float(eps))
+                             norm_weight is not None, float(eps), self.arithmetic)
 
     def post(self, x_on: Tensor, state: Tensor, y: Tensor, seed: Tensor | None, p: float,
              stream: int, dropout_impl: str = "counter", out: fused.Target | None = None, *,
@@ -289,7 +294,7 @@ class HyperConnection(nn.Module):
                                              math.sqrt(x_on.shape[-1]))
             n = self.num_streams
             h = h.view(*state.shape[:-1], -1).to(x_on.dtype)
-            h_res = sinkhorn_knopp(h[..., 2 * n:].unflatten(-1, (n, n)), self.sinkhorn_iterations)
+            h_res = self._sinkhorn(h[..., 2 * n:].unflatten(-1, (n, n)))
             return self.post_bda(y, 2.0 * torch.sigmoid(h[..., n:2 * n]),
                                  self.apply_h_res(h_res, x_on), None, p, stream, "torch"), None
         if dropout_impl not in ("counter", "torch"):
@@ -300,9 +305,76 @@ class HyperConnection(nn.Module):
                 p, stream, self.num_streams, self.sinkhorn_iterations)
         if next_pre is None:
             return fused.post(*args, self.kernels, out, h_res_transposed=self.h_res_transposed,
-                              grad_owned=grad_owned), None
+                              grad_owned=grad_owned, arithmetic=self.arithmetic), None
         return fused.post_feeding(*args, next_pre, self.kernels, out, state_out,
-                                  h_res_transposed=self.h_res_transposed, grad_owned=grad_owned)
+                                  h_res_transposed=self.h_res_transposed, grad_owned=grad_owned,
+                                  arithmetic=self.arithmetic)
+
+
+class HyperConnection(HyperConnectionOps, nn.Module):
+    """The mHC mappings around one sublayer F: ``x' = H_res x + H_post^T F(H_pre x)``, with
+    their parameters."""
+
+    def __init__(self, hidden_size: int, num_streams: int = 4, sinkhorn_iterations: int = 20,
+                 init_gating_factor: float = 0.01, kernels: str = "auto",
+                 h_res_transposed: bool = False, arithmetic: str = "main"):
+        super().__init__()
+        _check_arithmetic(arithmetic)
+        if hidden_size < 1 or num_streams < 1:
+            raise ValueError(f"HyperConnection: hidden_size and num_streams must be >= 1, "
+                             f"got {hidden_size} and {num_streams}")
+        self.hidden_size = hidden_size
+        self.num_streams = n = num_streams
+        self.sinkhorn_iterations = sinkhorn_iterations
+        self.kernels = kernels  # mhc_cg.ops.kernels: "auto" | "torch" | "triton"
+        self.h_res_transposed = bool(h_res_transposed)  # see the module docstring
+        self.arithmetic = arithmetic  # see the module docstring
+        self.mapping_proj = nn.Linear(n * hidden_size, n * n + 2 * n, bias=False)
+        self.alpha_pre = nn.Parameter(torch.full((1,), float(init_gating_factor)))
+        self.alpha_post = nn.Parameter(torch.full((1,), float(init_gating_factor)))
+        self.alpha_res = nn.Parameter(torch.full((1,), float(init_gating_factor)))
+        self.bias = nn.Parameter(torch.zeros(n * n + 2 * n))
+
+
+class KernelsOver(HyperConnectionOps):
+    """mhc_cg's mHC ops on the parameters of another hyper-connection module (Megatron-LM's
+    ``HyperConnectionModule``, main's or dev's: the same parameter names), read from it at every
+    call, so its optimizer, checkpoint and device moves stay the module's own."""
+
+    def __init__(self, module: nn.Module, hidden_size: int, num_streams: int,
+                 sinkhorn_iterations: int, kernels: str = "auto", h_res_transposed: bool = False,
+                 arithmetic: str = "main"):
+        _check_arithmetic(arithmetic)
+        self.module = module
+        self.hidden_size, self.num_streams = hidden_size, num_streams
+        self.sinkhorn_iterations, self.kernels = sinkhorn_iterations, kernels
+        self.h_res_transposed, self.arithmetic = bool(h_res_transposed), arithmetic
+
+    @property
+    def mapping_proj(self) -> nn.Module:
+        return self.module.mapping_proj
+
+    @property
+    def alpha_pre(self) -> Tensor:
+        return self.module.alpha_pre
+
+    @property
+    def alpha_post(self) -> Tensor:
+        return self.module.alpha_post
+
+    @property
+    def alpha_res(self) -> Tensor:
+        return self.module.alpha_res
+
+    @property
+    def bias(self) -> Tensor:
+        return self.module.bias
+
+
+def _check_arithmetic(arithmetic: str) -> None:
+    if arithmetic not in reference.ARITHMETICS:
+        raise ValueError(f"HyperConnection: arithmetic must be one of {list(reference.ARITHMETICS)}, "
+                         f"got {arithmetic!r}")
 
 
 def _check_mapping(name: str, h: Tensor, lead: torch.Size, tail: tuple[int, ...]) -> None:

@@ -40,7 +40,8 @@ def pre(x: Tensor, weight: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor,
         norm_weight: Tensor | None, n: int, iterations: int, eps: float, kernels: str = "auto",
         fn_input_out: Target | None = None, state_out: Target | None = None, *,
         h_res_transposed: bool = False, state: Tensor | None = None,
-        link: PostLink | None = None, grad_owned: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        link: PostLink | None = None, grad_owned: bool = False,
+        arithmetic: str = "main") -> tuple[Tensor, Tensor, Tensor]:
     """``x [*, nC] -> (F's input [*, C], state [*, m+2], x_on [*, nC])``. ``x_on`` (a view of
     ``x``) is for the sublayer's :func:`post` and nothing else (see
     :mod:`mhc_cg.ops.kernels.autograd`). ``norm_weight`` None: no RMSNorm. ``h_res_transposed``
@@ -50,9 +51,9 @@ def pre(x: Tensor, weight: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor,
     of x. ``link``: that post's :class:`PostLink`: this pre's backward computes the post's F
     output gradient, so the post's does not read x's gradient again. ``grad_owned``: ``x_on``
     is a graph's output, whose gradient comes in the graph's own buffer (no post reads it in the
-    graph)."""
+    graph). ``arithmetic``: main's or dev's mHC (``reference.ARITHMETICS``), the post's too."""
     cfg = PreConfig(n, iterations, float(eps), use_triton(kernels, x.device),
-                    bool(h_res_transposed))
+                    bool(h_res_transposed), arithmetic)
     return Pre.apply(x, weight, a_pre, a_post, a_res, bias, norm_weight, cfg, fn_input_out,
                      state_out, state, link, bool(grad_owned))
 
@@ -60,35 +61,37 @@ def pre(x: Tensor, weight: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor,
 def post(x_on: Tensor, state: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
          y: Tensor, seed: Tensor | None, p: float, stream: int, n: int, iterations: int,
          kernels: str = "auto", out: Target | None = None, *,
-         h_res_transposed: bool = False, grad_owned: bool = False) -> Tensor:
+         h_res_transposed: bool = False, grad_owned: bool = False,
+         arithmetic: str = "main") -> Tensor:
     """``H_res x + dropout(H_post y)``: ``[*, nC], [*, m+2], [*, C] -> [*, nC]``. ``seed`` None
     or ``p == 0``: no dropout; the mask is the one ``mhc_cg.ops.dropout`` draws for a ``[*, nC]``
     tensor with the same seed and stream. ``grad_owned``: the result's gradient will come in a
     buffer only this backward reads (a graph's static grad output), which the pre's backward may
     write x's gradient over."""
     return _post(x_on, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations,
-                 kernels, out, h_res_transposed, None, None, grad_owned)[0]
+                 kernels, out, h_res_transposed, None, None, grad_owned, arithmetic)[0]
 
 
 def post_feeding(x_on: Tensor, state: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor,
                  bias: Tensor, y: Tensor, seed: Tensor | None, p: float, stream: int, n: int,
                  iterations: int, next_pre: NextPre, kernels: str = "auto",
                  out: Target | None = None, state_out: Target | None = None, *,
-                 h_res_transposed: bool = False,
-                 grad_owned: bool = False) -> tuple[Tensor, Handoff]:
+                 h_res_transposed: bool = False, grad_owned: bool = False,
+                 arithmetic: str = "main") -> tuple[Tensor, Handoff]:
     """:func:`post`, and the state of ``next_pre`` (the pre that reads the result next)
     computed from the tiles written (into ``state_out`` when given): ``(result, handoff)``,
     the :class:`Handoff` for the caller to give that pre (same bits as the pre computing it)."""
     return _post(x_on, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations,
-                 kernels, out, h_res_transposed, next_pre, state_out, grad_owned)
+                 kernels, out, h_res_transposed, next_pre, state_out, grad_owned, arithmetic)
 
 
 def _post(x_on, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, kernels,
-          out, h_res_transposed, next_pre, state_out, grad_owned) -> tuple[Tensor, Handoff | None]:
+          out, h_res_transposed, next_pre, state_out, grad_owned,
+          arithmetic) -> tuple[Tensor, Handoff | None]:
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     cfg = PostConfig(float(p), int(stream), n, iterations, use_triton(kernels, x_on.device),
-                     bool(h_res_transposed))
+                     bool(h_res_transposed), arithmetic)
     links: list = []
     result, state = Post.apply(x_on, state, a_pre, a_post, a_res, bias, y,
                                seed if p > 0 else None, cfg, out, next_pre, state_out, links,
@@ -102,7 +105,7 @@ def recompute_block(x0: Tensor, ys: Tensor, states: Tensor, params: Tensor,
                     norm_weights: Tensor | None, seed: Tensor | None, p: float,
                     streams: list[int], n: int, iterations: int, eps: float, x_out: Tensor,
                     fn_input_out: Tensor, kernels: str = "auto", *,
-                    h_res_transposed: bool = False) -> None:
+                    h_res_transposed: bool = False, arithmetic: str = "main") -> None:
     """A block's recompute into ``x_out [S-1, *, nC]`` and ``fn_input_out [S, *, C]`` (writers):
     ``x0 [*, nC]`` its input, ``ys [S, *, C]`` F's outputs, ``states [S, *, m+2]``,
     ``params [S, m+3]`` (``bias | a_pre, a_post, a_res`` per sublayer), ``norm_weights [S, C]``."""
@@ -110,11 +113,11 @@ def recompute_block(x0: Tensor, ys: Tensor, states: Tensor, params: Tensor,
     states = states.reshape(s, -1, states.shape[-1])
     m, use = n * n + 2 * n, use_triton(kernels, x0.device)
     maps = ops.post_maps(states[:-1], params[:-1, :m], params[:-1, m + 1], params[:-1, m + 2],
-                         width, n, iterations, use)
+                         width, n, iterations, use, arithmetic)
     ops.recompute(x0.reshape(-1, width), ys.reshape(s, -1, ys.shape[-1]), states, maps, params,
                   norm_weights, seed if p > 0 else None, float(p), list(streams), n, iterations,
                   float(eps), use, x_out.view(max(s - 1, 0), -1, width),
-                  fn_input_out.view(s, -1, ys.shape[-1]), bool(h_res_transposed))
+                  fn_input_out.view(s, -1, ys.shape[-1]), bool(h_res_transposed), arithmetic)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, kernels: str = "auto") -> Tensor:

@@ -91,10 +91,13 @@ class NextPre:
     bias: Tensor
     norm: bool
     eps: float
+    arithmetic: str = "main"
 
-    def is_for(self, weight: Tensor, a_pre: Tensor, bias: Tensor, norm: bool, eps: float) -> bool:
+    def is_for(self, weight: Tensor, a_pre: Tensor, bias: Tensor, norm: bool, eps: float,
+               arithmetic: str = "main") -> bool:
         return (self.weight is weight and self.a_pre is a_pre and self.bias is bias
-                and self.norm == norm and self.eps == float(eps))
+                and self.norm == norm and self.eps == float(eps)
+                and self.arithmetic == arithmetic)
 
 
 @dataclass(eq=False)
@@ -155,12 +158,12 @@ class Handoff:
     link: PostLink | None
 
     def for_pre(self, x: Tensor, weight: Tensor, a_pre: Tensor, bias: Tensor, norm: bool,
-                eps: float) -> tuple[Tensor | None, PostLink | None]:
+                eps: float, arithmetic: str = "main") -> tuple[Tensor | None, PostLink | None]:
         """``(state, link)`` for the pre of ``weight`` ... reading ``x``, if this handoff is for
         it; else ``(None, None)`` (the pre computes its own state, and the post its F output's
         gradient)."""
         if x is self.out and x._version == self.version \
-                and self.nxt.is_for(weight, a_pre, bias, norm, eps):
+                and self.nxt.is_for(weight, a_pre, bias, norm, eps, arithmetic):
             return self.state, self.link
         return None, None
 
@@ -195,6 +198,7 @@ class PreConfig:
     eps: float
     use_triton: bool
     h_res_transposed: bool = False  # the backward adds the post's H_res path to x's gradient
+    arithmetic: str = "main"  # main's or dev's mHC (reference.ARITHMETICS)
 
 
 def _flat(t: Tensor | None, width: int) -> Tensor | None:
@@ -221,14 +225,15 @@ class Pre(torch.autograd.Function):
         args = (xf, weight, a_pre, a_post, a_res, bias, norm_weight, cfg.n, cfg.iterations,
                 cfg.eps, cfg.use_triton)
         if handed is not None:
-            fn_input, state = _from_state(xf, handed, args, fn_input_out, state_out, c)
+            fn_input, state = _from_state(xf, handed, args, fn_input_out, state_out, c,
+                                          cfg.arithmetic)
         elif fn_input_out is None:
-            fn_input, state = ops.pre(*args)
+            fn_input, state = ops.pre(*args, cfg.arithmetic)
         else:
             if state_out is None:  # a state of its own: where it lives is no buffer's concern
                 state_out = Target.of(x.new_empty(xf.shape[0], sw, dtype=state_dtype(x.dtype)))
             fn_out, st_out = _flat_target(fn_input_out, c), _flat_target(state_out, sw)
-            ops.pre_into(*args, fn_out.writer, st_out.writer)
+            ops.pre_into(*args, fn_out.writer, st_out.writer, cfg.arithmetic)
             fn_input, state = fn_out.view(), st_out.view()
         ctx.save_for_backward(x, weight, a_pre, a_post, a_res, bias, norm_weight, state)
         ctx.cfg = cfg
@@ -253,11 +258,13 @@ class Pre(torch.autograd.Function):
                 cfg.eps, cfg.use_triton, cfg.h_res_transposed)
         if writable and _fits(g_post, x):
             g_weight, g_params, g_w = ops.pre_backward_into(g_fn, g_st, g_post.view(-1, width),
-                                                            xf, *args, **around)
+                                                            xf, *args, **around,
+                                                            arithmetic=cfg.arithmetic)
             g_x = g_post
         else:
             g_x, g_weight, g_params, g_w = ops.pre_backward(g_fn, g_st, _flat(g_post, width), xf,
-                                                            *args, **around)
+                                                            *args, **around,
+                                                            arithmetic=cfg.arithmetic)
             g_x = g_x.view(x.shape)
         if ctx.link is not None:  # the previous post's output gradient, this backward's own
             if "g_y_out" in around:
@@ -299,17 +306,17 @@ def _around(ctx, g_post: Tensor | None, xf: Tensor) -> tuple[dict, bool]:
 
 
 def _from_state(xf: Tensor, handed: Tensor, args: tuple, fn_input_out: Target | None,
-                state_out: Target | None, c: int) -> tuple[Tensor, Tensor]:
+                state_out: Target | None, c: int, arithmetic: str) -> tuple[Tensor, Tensor]:
     """The pre given the state the previous post computed: F's input from one read of x; the
     state is the one handed over (copied where the pre was asked to keep it)."""
     xf, weight, a_pre, a_post, a_res, bias, norm_weight, n, _, _, use_triton = args
     handed = handed.reshape(-1, handed.shape[-1])
     fn_args = (xf, handed, a_pre, a_post, a_res, bias, norm_weight, n, use_triton)
     if fn_input_out is None:
-        fn_input = ops.pre_from_state(*fn_args)
+        fn_input = ops.pre_from_state(*fn_args, arithmetic)
     else:
         fn_out = _flat_target(fn_input_out, c)
-        ops.pre_from_state_into(*fn_args, fn_out.writer)
+        ops.pre_from_state_into(*fn_args, fn_out.writer, arithmetic)
         fn_input = fn_out.view()
     if state_out is None:
         return fn_input, alias(handed)
@@ -327,6 +334,7 @@ class PostConfig:
     iterations: int
     use_triton: bool
     h_res_transposed: bool = False
+    arithmetic: str = "main"
 
 
 class Post(torch.autograd.Function):
@@ -344,10 +352,14 @@ class Post(torch.autograd.Function):
                 pre_node.cfg.h_res_transposed != cfg.h_res_transposed:
             raise ValueError("mhc_cg post: h_res_transposed must be the pre's: the pre's backward "
                              "applies H_res to the post's gradient")
+        if isinstance(pre_node, Pre._backward_cls) and \
+                pre_node.cfg.arithmetic != cfg.arithmetic:
+            raise ValueError("mhc_cg post: the arithmetic must be the pre's: the pre's backward "
+                             "differentiates the post's mappings")
         width = x.shape[-1]
         xf, sf, yf = x.reshape(-1, width), state.reshape(-1, state.shape[-1]), y.reshape(-1, y.shape[-1])
         maps = ops.post_maps(sf[None], bias[None], a_post, a_res, width, cfg.n, cfg.iterations,
-                             cfg.use_triton)[0]
+                             cfg.use_triton, cfg.arithmetic)[0]
         next_state = None
         args = (xf, sf, maps, a_pre, a_post, a_res, bias, yf, seed, cfg.p, cfg.stream, cfg.n,
                 cfg.iterations, cfg.use_triton)
@@ -390,7 +402,8 @@ class Post(torch.autograd.Function):
         if ctx.pair is None:
             g_state, g_params, g_y = ops.post_backward(
                 gf, x.reshape(-1, width), sf, a_pre, a_post, a_res, bias, yf, seed, cfg.p,
-                cfg.stream, cfg.n, cfg.iterations, cfg.use_triton, cfg.h_res_transposed)
+                cfg.stream, cfg.n, cfg.iterations, cfg.use_triton, cfg.h_res_transposed,
+                cfg.arithmetic)
             return (g, g_state.view(state.shape), *_alphas_and_bias(g_params, bias),
                     g_y.view(y.shape), None, None, None, None, None, None, None)
         # deferred: the pre's backward reduces (its state and parameter gradients include ours)
@@ -409,6 +422,7 @@ def _defers_to(pre_node, cfg: PostConfig, params: tuple) -> bool:
     ``pre_node`` (the one that made its state, on the same kernels, with the same parameters)."""
     return (isinstance(pre_node, Pre._backward_cls) and pre_node.cfg.use_triton == cfg.use_triton
             and pre_node.cfg.n == cfg.n and pre_node.cfg.iterations == cfg.iterations
+            and pre_node.cfg.arithmetic == cfg.arithmetic
             and all(a is b for a, b in zip(pre_node.params, params)))
 
 
@@ -420,12 +434,12 @@ def _post_state(xf: Tensor, maps: Tensor, yf: Tensor, seed: Tensor | None, cfg: 
     args = (xf, maps, yf, seed, cfg.p, cfg.stream, cfg.n, nxt.weight, nxt.a_pre, nxt.bias,
             nxt.norm, nxt.eps, cfg.use_triton)
     if out is None and state_out is None:
-        return ops.post_state(*args, cfg.h_res_transposed)
+        return ops.post_state(*args, cfg.h_res_transposed, nxt.arithmetic)
     width, sw = xf.shape[-1], state_width(nxt.weight.shape[0])
     out = _flat_target(out or Target.of(torch.empty_like(xf)), width)
     state_out = _flat_target(state_out or Target.of(
         xf.new_empty(xf.shape[0], sw, dtype=state_dtype(xf.dtype))), sw)
-    ops.post_state_into(*args, out.writer, state_out.writer, cfg.h_res_transposed)
+    ops.post_state_into(*args, out.writer, state_out.writer, cfg.h_res_transposed, nxt.arithmetic)
     return out.view(), state_out.view()
 
 

@@ -20,7 +20,10 @@ from mhc_cg.ops.kernels.reference import state_dtype, state_width
 from mhc_cg.ops.kernels.tiling import post_maps_shape
 
 
-def _impl(use_triton: bool):
+def _impl(use_triton: bool, arithmetic: str = "main"):
+    if arithmetic not in reference.ARITHMETICS:
+        raise ValueError(f"mhc_cg kernels: arithmetic must be one of {list(reference.ARITHMETICS)}, "
+                         f"got {arithmetic!r}")
     if use_triton:
         from mhc_cg.ops.kernels.dispatch import triton_kernels
 
@@ -33,14 +36,15 @@ def _impl(use_triton: bool):
 @torch.library.custom_op("mhc_cg::pre", mutates_args=())
 def pre(x: Tensor, weight: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor, bias: Tensor,
         norm_weight: Tensor | None, n: int, iterations: int, eps: float,
-        use_triton: bool) -> tuple[Tensor, Tensor]:
+        use_triton: bool, arithmetic: str = "main") -> tuple[Tensor, Tensor]:
     """``(F's input [T, C], state [T, m+2])``; see ``reference.pre``."""
-    return _impl(use_triton).pre(x, weight, a_pre, a_post, a_res, bias, norm_weight, n,
-                                 iterations, eps)
+    return _impl(use_triton, arithmetic).pre(x, weight, a_pre, a_post, a_res, bias, norm_weight,
+                                             n, iterations, eps, arithmetic=arithmetic)
 
 
 @pre.register_fake
-def _(x, weight, a_pre, a_post, a_res, bias, norm_weight, n, iterations, eps, use_triton):
+def _(x, weight, a_pre, a_post, a_res, bias, norm_weight, n, iterations, eps, use_triton,
+      arithmetic="main"):
     return (x.new_empty(x.shape[0], x.shape[1] // n),
             x.new_empty(x.shape[0], state_width(weight.shape[0]), dtype=state_dtype(x.dtype)))
 
@@ -48,15 +52,17 @@ def _(x, weight, a_pre, a_post, a_res, bias, norm_weight, n, iterations, eps, us
 @torch.library.custom_op("mhc_cg::pre_into", mutates_args=("fn_input_out", "state_out"))
 def pre_into(x: Tensor, weight: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor,
              bias: Tensor, norm_weight: Tensor | None, n: int, iterations: int, eps: float,
-             use_triton: bool, fn_input_out: Tensor, state_out: Tensor) -> None:
+             use_triton: bool, fn_input_out: Tensor, state_out: Tensor,
+             arithmetic: str = "main") -> None:
     """:func:`pre` writing into buffers it is given (an arena slot, the persistent set)."""
-    _impl(use_triton).pre(x, weight, a_pre, a_post, a_res, bias, norm_weight, n, iterations, eps,
-                          fn_input_out, state_out)
+    _impl(use_triton, arithmetic).pre(x, weight, a_pre, a_post, a_res, bias, norm_weight, n,
+                                      iterations, eps, fn_input_out, state_out,
+                                      arithmetic=arithmetic)
 
 
 @pre_into.register_fake
 def _(x, weight, a_pre, a_post, a_res, bias, norm_weight, n, iterations, eps, use_triton,
-      fn_input_out, state_out):
+      fn_input_out, state_out, arithmetic="main"):
     return None
 
 
@@ -77,16 +83,18 @@ def pre_backward(g_out: Tensor, g_state: Tensor | None, g_post: Tensor | None, x
                  seed: Tensor | None = None, p: float = 0.0, stream: int = 0,
                  prev_state: Tensor | None = None, prev_a_post: Tensor | None = None,
                  prev_bias: Tensor | None = None, prev_stream: int = 0,
-                 g_y_out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                 g_y_out: Tensor | None = None,
+                 arithmetic: str = "main") -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(g_x, g_weight, g_params [m+3], g_norm_weight)``, ``g_x`` with the post's residual path
     ``H_res^T g_post`` (``H_res g_post`` transposed); the mapping weight's gradient from the
     same reads of x; the parameters' gradients summed over the tokens in a fixed order.
     ``y`` given: the post's reductions too (dropout ``seed``, ``p``, ``stream``), its shares in
     ``g_params``; ``prev_state`` given: the F output's gradient of the post that wrote x (its
     ``prev_*``, the same seed and rate) into ``g_y_out``."""
-    g_x, g_weight, shares, g_w = _impl(use_triton).pre_backward(
+    g_x, g_weight, shares, g_w = _impl(use_triton, arithmetic).pre_backward(
         g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight, state, n,
         iterations, eps, h_res_transposed=h_res_transposed, g_y_out=g_y_out,
+        arithmetic=arithmetic,
         **_around(y, seed, p, stream, prev_state, prev_a_post, prev_bias, prev_stream))
     return g_x, g_weight, *_summed(shares, g_w, bias, x, norm_weight)
 
@@ -94,7 +102,8 @@ def pre_backward(g_out: Tensor, g_state: Tensor | None, g_post: Tensor | None, x
 @pre_backward.register_fake
 def _(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight, state, n,
       iterations, eps, use_triton, h_res_transposed=False, y=None, seed=None, p=0.0, stream=0,
-      prev_state=None, prev_a_post=None, prev_bias=None, prev_stream=0, g_y_out=None):
+      prev_state=None, prev_a_post=None, prev_bias=None, prev_stream=0, g_y_out=None,
+      arithmetic="main"):
     return (x.new_empty(x.shape), *_pre_backward_fakes(x, weight, bias, norm_weight))
 
 
@@ -107,12 +116,14 @@ def pre_backward_into(g_out: Tensor, g_state: Tensor | None, g_post: Tensor, x: 
                       stream: int = 0, prev_state: Tensor | None = None,
                       prev_a_post: Tensor | None = None, prev_bias: Tensor | None = None,
                       prev_stream: int = 0,
-                      g_y_out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                      g_y_out: Tensor | None = None,
+                      arithmetic: str = "main") -> tuple[Tensor, Tensor, Tensor]:
     """:func:`pre_backward` writing x's gradient over ``g_post``, which it reads first: the
     stream's gradient keeps one buffer down a chain of sublayers."""
-    _, g_weight, shares, g_w = _impl(use_triton).pre_backward(
+    _, g_weight, shares, g_w = _impl(use_triton, arithmetic).pre_backward(
         g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight, state, n,
         iterations, eps, g_post, h_res_transposed=h_res_transposed, g_y_out=g_y_out,
+        arithmetic=arithmetic,
         **_around(y, seed, p, stream, prev_state, prev_a_post, prev_bias, prev_stream))
     return g_weight, *_summed(shares, g_w, bias, x, norm_weight)
 
@@ -120,33 +131,38 @@ def pre_backward_into(g_out: Tensor, g_state: Tensor | None, g_post: Tensor, x: 
 @pre_backward_into.register_fake
 def _(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight, state, n,
       iterations, eps, use_triton, h_res_transposed=False, y=None, seed=None, p=0.0, stream=0,
-      prev_state=None, prev_a_post=None, prev_bias=None, prev_stream=0, g_y_out=None):
+      prev_state=None, prev_a_post=None, prev_bias=None, prev_stream=0, g_y_out=None,
+      arithmetic="main"):
     return _pre_backward_fakes(x, weight, bias, norm_weight)
 
 
 @torch.library.custom_op("mhc_cg::pre_from_state", mutates_args=())
 def pre_from_state(x: Tensor, state: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor,
-                   bias: Tensor, norm_weight: Tensor | None, n: int, use_triton: bool) -> Tensor:
+                   bias: Tensor, norm_weight: Tensor | None, n: int, use_triton: bool,
+                   arithmetic: str = "main") -> Tensor:
     """F's input [T, C] from ``x`` and the state the previous post computed
     (:func:`post_state`): the pre's second pass alone, one read of x."""
-    return _impl(use_triton).fn_input(x, state, a_pre, a_post, a_res, bias, norm_weight, n)
+    return _impl(use_triton, arithmetic).fn_input(x, state, a_pre, a_post, a_res, bias,
+                                                  norm_weight, n, arithmetic=arithmetic)
 
 
 @pre_from_state.register_fake
-def _(x, state, a_pre, a_post, a_res, bias, norm_weight, n, use_triton):
+def _(x, state, a_pre, a_post, a_res, bias, norm_weight, n, use_triton, arithmetic="main"):
     return x.new_empty(x.shape[0], x.shape[1] // n)
 
 
 @torch.library.custom_op("mhc_cg::pre_from_state_into", mutates_args=("fn_input_out",))
 def pre_from_state_into(x: Tensor, state: Tensor, a_pre: Tensor, a_post: Tensor, a_res: Tensor,
                         bias: Tensor, norm_weight: Tensor | None, n: int, use_triton: bool,
-                        fn_input_out: Tensor) -> None:
+                        fn_input_out: Tensor, arithmetic: str = "main") -> None:
     """:func:`pre_from_state` writing into the buffer it is given."""
-    _impl(use_triton).fn_input(x, state, a_pre, a_post, a_res, bias, norm_weight, n, fn_input_out)
+    _impl(use_triton, arithmetic).fn_input(x, state, a_pre, a_post, a_res, bias, norm_weight, n,
+                                           fn_input_out, arithmetic=arithmetic)
 
 
 @pre_from_state_into.register_fake
-def _(x, state, a_pre, a_post, a_res, bias, norm_weight, n, use_triton, fn_input_out):
+def _(x, state, a_pre, a_post, a_res, bias, norm_weight, n, use_triton, fn_input_out,
+      arithmetic="main"):
     return None
 
 
@@ -165,15 +181,16 @@ def _pre_backward_fakes(x, weight, bias, norm_weight):
 
 @torch.library.custom_op("mhc_cg::post_maps", mutates_args=())
 def post_maps(states: Tensor, bias: Tensor, a_post: Tensor, a_res: Tensor, width: int, n: int,
-              iterations: int, use_triton: bool) -> Tensor:
+              iterations: int, use_triton: bool, arithmetic: str = "main") -> Tensor:
     """``[H_post / 2 | H_res]`` per post and token (:func:`post_maps_shape`) from ``states
     [P, T, m+2]``, ``bias [P, m]``, ``a_post``/``a_res [P]`` (``width`` = nC): Sinkhorn once
     per token, for the post's and the recompute's feature blocks to read the same bits."""
-    return _impl(use_triton).post_maps(states, bias, a_post, a_res, width, n, iterations)
+    return _impl(use_triton, arithmetic).post_maps(states, bias, a_post, a_res, width, n,
+                                                   iterations, arithmetic=arithmetic)
 
 
 @post_maps.register_fake
-def _(states, bias, a_post, a_res, width, n, iterations, use_triton):
+def _(states, bias, a_post, a_res, width, n, iterations, use_triton, arithmetic="main"):
     return states.new_empty(post_maps_shape(states.shape[1], n, states.shape[0]))
 
 
@@ -212,17 +229,20 @@ def _(x, state, maps, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterati
 @torch.library.custom_op("mhc_cg::post_state", mutates_args=())
 def post_state(x: Tensor, maps: Tensor, y: Tensor, seed: Tensor | None, p: float, stream: int,
                n: int, weight: Tensor, a_pre: Tensor, bias: Tensor, norm: bool, eps: float,
-               use_triton: bool, h_res_transposed: bool = False) -> tuple[Tensor, Tensor]:
+               use_triton: bool, h_res_transposed: bool = False,
+               arithmetic: str = "main") -> tuple[Tensor, Tensor]:
     """``(H_res x + dropout(H_post y) [T, nC], its state [T, m+2])``: the post and, from the
     tiles it writes, the state the next pre (``weight``, ``a_pre``, ``bias``, ``norm``, ``eps``)
     needs, so that pre reads its input once (:func:`pre_from_state`)."""
-    return _impl(use_triton).post_state(x, maps, y, seed, p, stream, n, weight, a_pre, bias, norm,
-                                        eps, h_res_transposed=h_res_transposed)
+    return _impl(use_triton, arithmetic).post_state(x, maps, y, seed, p, stream, n, weight, a_pre,
+                                                    bias, norm, eps,
+                                                    h_res_transposed=h_res_transposed,
+                                                    arithmetic=arithmetic)
 
 
 @post_state.register_fake
 def _(x, maps, y, seed, p, stream, n, weight, a_pre, bias, norm, eps, use_triton,
-      h_res_transposed=False):
+      h_res_transposed=False, arithmetic="main"):
     return (x.new_empty(x.shape), x.new_empty(x.shape[0], state_width(weight.shape[0]),
                                               dtype=state_dtype(x.dtype)))
 
@@ -231,16 +251,18 @@ def _(x, maps, y, seed, p, stream, n, weight, a_pre, bias, norm, eps, use_triton
 def post_state_into(x: Tensor, maps: Tensor, y: Tensor, seed: Tensor | None, p: float,
                     stream: int, n: int, weight: Tensor, a_pre: Tensor, bias: Tensor, norm: bool,
                     eps: float, use_triton: bool, out: Tensor, state_out: Tensor,
-                    h_res_transposed: bool = False) -> None:
+                    h_res_transposed: bool = False, arithmetic: str = "main") -> None:
     """:func:`post_state` writing into the buffers it is given (the next sublayer's input slot
     and its state in the persistent set)."""
-    _impl(use_triton).post_state(x, maps, y, seed, p, stream, n, weight, a_pre, bias, norm, eps,
-                                 out, state_out, h_res_transposed=h_res_transposed)
+    _impl(use_triton, arithmetic).post_state(x, maps, y, seed, p, stream, n, weight, a_pre, bias,
+                                             norm, eps, out, state_out,
+                                             h_res_transposed=h_res_transposed,
+                                             arithmetic=arithmetic)
 
 
 @post_state_into.register_fake
 def _(x, maps, y, seed, p, stream, n, weight, a_pre, bias, norm, eps, use_triton, out, state_out,
-      h_res_transposed=False):
+      h_res_transposed=False, arithmetic="main"):
     return None
 
 
@@ -248,18 +270,19 @@ def _(x, maps, y, seed, p, stream, n, weight, a_pre, bias, norm, eps, use_triton
 def post_backward(g: Tensor, x: Tensor, state: Tensor, a_pre: Tensor, a_post: Tensor,
                   a_res: Tensor, bias: Tensor, y: Tensor, seed: Tensor | None, p: float,
                   stream: int, n: int, iterations: int, use_triton: bool,
-                  h_res_transposed: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                  h_res_transposed: bool = False,
+                  arithmetic: str = "main") -> tuple[Tensor, Tensor, Tensor]:
     """``(g_state, g_params [m+3], g_y)``; the mask regenerated from ``seed``. x's gradient is
     :func:`pre_backward`'s (``g_post``)."""
-    g_state, shares, g_y = _impl(use_triton).post_backward(
+    g_state, shares, g_y = _impl(use_triton, arithmetic).post_backward(
         g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations,
-        h_res_transposed=h_res_transposed)
+        h_res_transposed=h_res_transposed, arithmetic=arithmetic)
     return g_state, shares.sum(0).to(bias.dtype), g_y
 
 
 @post_backward.register_fake
 def _(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, use_triton,
-      h_res_transposed=False):
+      h_res_transposed=False, arithmetic="main"):
     return state.new_empty(state.shape), bias.new_empty(bias.shape[0] + 3), y.new_empty(y.shape)
 
 
@@ -282,18 +305,20 @@ def _(g, state, a_post, bias, seed, p, stream, n, y_dtype, use_triton):
 def recompute(x0: Tensor, ys: Tensor, states: Tensor, maps: Tensor, params: Tensor,
               norm_weights: Tensor | None, seed: Tensor | None, p: float, streams: list[int],
               n: int, iterations: int, eps: float, use_triton: bool, x_out: Tensor,
-              fn_input_out: Tensor, h_res_transposed: bool = False) -> None:
+              fn_input_out: Tensor, h_res_transposed: bool = False,
+              arithmetic: str = "main") -> None:
     """A block's sublayer inputs (``x_out [S-1, T, nC]``) and F inputs (``fn_input_out [S, T, C]``)
     from its input, F's outputs, the states and the posts' ``maps [S-1, T, n + n*n]``
     (:func:`post_maps`); see ``reference.recompute``."""
-    _impl(use_triton).recompute(x0, ys, states, params, norm_weights, seed, p, streams, n,
-                                iterations, eps, x_out, fn_input_out,
-                                h_res_transposed=h_res_transposed, maps=maps)
+    _impl(use_triton, arithmetic).recompute(x0, ys, states, params, norm_weights, seed, p,
+                                            streams, n, iterations, eps, x_out, fn_input_out,
+                                            h_res_transposed=h_res_transposed, maps=maps,
+                                            arithmetic=arithmetic)
 
 
 @recompute.register_fake
 def _(x0, ys, states, maps, params, norm_weights, seed, p, streams, n, iterations, eps, use_triton,
-      x_out, fn_input_out, h_res_transposed=False):
+      x_out, fn_input_out, h_res_transposed=False, arithmetic="main"):
     return None
 
 

@@ -26,6 +26,9 @@ from mhc_cg.ops.kernels.hash import counter_hash, keep_bits, keep_threshold, kee
 
 SINKHORN_EPS = 1e-6
 RMS_EPS = 1e-6
+H_PRE_EPS = 1e-6  # dev's h_pre floor (DeepSeek-V4's pre = sigmoid + eps)
+# main: the paper's, as Megatron-LM main computes it; dev: DeepSeek-V4's, as Megatron-LM dev does
+ARITHMETICS = ("main", "dev")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -50,6 +53,13 @@ def _logits(proj: Tensor, xnorm: Tensor, a_pre, a_post, a_res, bias, n: int, sqr
     r = 1.0 / (xnorm.to(acc) / sqrt_d + RMS_EPS)
     scale = _scale(a_pre, a_post, a_res, n, acc)
     return r[:, None] * p * scale + bias.to(acc), r, p, scale
+
+
+def h_pre_of(h: Tensor, n: int, arithmetic: str = "main") -> Tensor:
+    """H_pre from the logits ``h [T, m]``: ``sigmoid``, and dev's ``+ 1e-6`` (its derivative is
+    the sigmoid's either way)."""
+    s = torch.sigmoid(h[:, :n])
+    return s + H_PRE_EPS if arithmetic == "dev" else s
 
 
 def sinkhorn_init(logits: Tensor) -> Tensor:
@@ -174,7 +184,7 @@ def logits_of(state: Tensor, a_pre, a_post, a_res, bias, n: int, sqrt_d: float):
 
 
 def mapping_state(x: Tensor, weight: Tensor, a_pre, a_post, a_res, bias, n: int, eps: float,
-                  norm: bool) -> Tensor:
+                  norm: bool, arithmetic: str = "main") -> Tensor:
     """The state ``[proj | xnorm | rstd]`` of every token (``rstd`` is 1 without a norm)."""
     acc = compute_dtype(x.dtype)
     xa = x.to(acc)
@@ -185,7 +195,7 @@ def mapping_state(x: Tensor, weight: Tensor, a_pre, a_post, a_res, bias, n: int,
     rstd = torch.ones_like(xnorm)
     if norm:
         h, _, _, _ = _logits(proj, xnorm, a_pre, a_post, a_res, bias, n, math.sqrt(x.shape[1]))
-        s = torch.sigmoid(h[:, :n])
+        s = h_pre_of(h, n, arithmetic)
         mean_sq = (s[:, None, :] @ gram @ s[:, :, None]).view(-1) / xv.shape[2]
         rstd = torch.rsqrt(mean_sq.clamp_min(0.0) + eps)
     return torch.cat([proj, xnorm[:, None], rstd[:, None]], dim=1)
@@ -203,12 +213,12 @@ def _into(value: Tensor, out: Tensor | None) -> Tensor:
 
 
 def fn_input(x: Tensor, state: Tensor, a_pre, a_post, a_res, bias, norm_weight: Tensor | None,
-             n: int, fn_input_out: Tensor | None = None) -> Tensor:
+             n: int, fn_input_out: Tensor | None = None, arithmetic: str = "main") -> Tensor:
     """F's input ``rstd * norm_weight * sum_i h_pre[i] x[i]`` (no norm when ``norm_weight`` is
     None), h_pre and rstd from the state: the forward and the recompute compute it the same way."""
     acc = compute_dtype(x.dtype)
     h, _, _, _ = logits_of(state, a_pre, a_post, a_res, bias, n, math.sqrt(x.shape[1]))
-    agg = _aggregate(x.to(acc).unflatten(1, (n, -1)), torch.sigmoid(h[:, :n]))
+    agg = _aggregate(x.to(acc).unflatten(1, (n, -1)), h_pre_of(h, n, arithmetic))
     if norm_weight is not None:
         agg = agg * state[:, -1:].to(acc) * norm_weight.to(acc)
     return _into(agg.to(x.dtype), fn_input_out)
@@ -216,11 +226,12 @@ def fn_input(x: Tensor, state: Tensor, a_pre, a_post, a_res, bias, norm_weight: 
 
 def pre(x: Tensor, weight: Tensor, a_pre, a_post, a_res, bias, norm_weight: Tensor | None, n: int,
         iterations: int, eps: float, fn_input_out: Tensor | None = None,
-        state_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        state_out: Tensor | None = None, arithmetic: str = "main") -> tuple[Tensor, Tensor]:
     """``(F's input, state)`` (written into the ``*_out`` buffers when given)."""
     state = _into(mapping_state(x, weight, a_pre, a_post, a_res, bias, n, eps,
-                                norm_weight is not None), state_out)
-    return _into(fn_input(x, state, a_pre, a_post, a_res, bias, norm_weight, n), fn_input_out), state
+                                norm_weight is not None, arithmetic), state_out)
+    return _into(fn_input(x, state, a_pre, a_post, a_res, bias, norm_weight, n,
+                          arithmetic=arithmetic), fn_input_out), state
 
 
 def _state_backward(g_h: Tensor, h, r, proj, scale, n: int, sqrt_d: float):
@@ -238,7 +249,8 @@ def pre_backward(g_out: Tensor, g_state: Tensor | None, g_post: Tensor | None, x
                  weight: Tensor, a_pre, a_post, a_res, bias, norm_weight: Tensor | None,
                  state: Tensor, n: int, iterations: int, eps: float, g_x_out: Tensor | None = None,
                  *, h_res_transposed: bool = False, post: tuple | None = None,
-                 prev: tuple | None = None, g_y_out: Tensor | None = None):
+                 prev: tuple | None = None, g_y_out: Tensor | None = None,
+                 arithmetic: str = "main"):
     """``(g_x, g_weight, param shares [T, m+3], norm weight shares [T, C])`` of :func:`pre`, and of
     the post's residual path: ``g_x`` includes ``H_res^T g_post`` (``H_res g_post`` for the
     transposed layout).
@@ -264,7 +276,7 @@ def pre_backward(g_out: Tensor, g_state: Tensor | None, g_post: Tensor | None, x
     c = xv.shape[2]
     h, r, proj, scale = logits_of(state, a_pre, a_post, a_res, bias, n, sqrt_d)
     s_pre = torch.sigmoid(h[:, :n])
-    agg = _aggregate(xv, s_pre)
+    agg = _aggregate(xv, h_pre_of(h, n, arithmetic))
     g = g_out.to(acc)
     g_state = None if g_state is None else g_state.to(acc)
     shares_post = None
@@ -272,7 +284,7 @@ def pre_backward(g_out: Tensor, g_state: Tensor | None, g_post: Tensor | None, x
         y, seed, p, stream = post
         g_state_post, shares_post = post_reductions(
             g_post, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations,
-            h_res_transposed=h_res_transposed)
+            h_res_transposed=h_res_transposed, arithmetic=arithmetic)
         g_state = g_state_post if g_state is None else g_state + g_state_post
     elif g_state is None:
         g_state = torch.zeros_like(state, dtype=acc)
@@ -292,10 +304,10 @@ def pre_backward(g_out: Tensor, g_state: Tensor | None, g_post: Tensor | None, x
     g_proj, g_xnorm, _ = _split_state(g_own + g_state)
     xnorm = state[:, -2].to(acc)
     coef = torch.where(xnorm > 0, g_xnorm / xnorm.clamp_min(torch.finfo(acc).tiny), 0.0)
-    g_xa = (s_pre[:, :, None] * g_agg[:, None, :]).flatten(1) + g_proj @ weight.to(acc) \
-        + coef[:, None] * xa
+    g_xa = (h_pre_of(h, n, arithmetic)[:, :, None] * g_agg[:, None, :]).flatten(1) \
+        + g_proj @ weight.to(acc) + coef[:, None] * xa
     if g_post is not None:
-        h_res = sinkhorn(h[:, 2 * n:].unflatten(-1, (n, n)), iterations)
+        h_res = sinkhorn(h[:, 2 * n:].unflatten(-1, (n, n)), iterations, arithmetic)
         g_xa = g_xa + torch.matmul(h_res if h_res_transposed else h_res.transpose(1, 2),
                                    g_post.to(acc).unflatten(1, (n, -1))).flatten(1)
     g_weight = (g_proj.t() @ xa).to(weight.dtype)
@@ -309,35 +321,38 @@ def pre_backward(g_out: Tensor, g_state: Tensor | None, g_post: Tensor | None, x
     return _into(g_x, g_x_out), g_weight, shares, g_w
 
 
-def _post_mappings(state, a_pre, a_post, a_res, bias, n: int, iterations: int, sqrt_d: float):
+def _post_mappings(state, a_pre, a_post, a_res, bias, n: int, iterations: int, sqrt_d: float,
+                   arithmetic: str = "main"):
     h, r, proj, scale = logits_of(state, a_pre, a_post, a_res, bias, n, sqrt_d)
     s_post = torch.sigmoid(h[:, n:2 * n])
-    h_res = sinkhorn(h[:, 2 * n:].unflatten(-1, (n, n)), iterations)
+    h_res = sinkhorn(h[:, 2 * n:].unflatten(-1, (n, n)), iterations, arithmetic)
     return h, r, proj, scale, s_post, h_res
 
 
 def post_maps(states: Tensor, bias: Tensor, a_post: Tensor, a_res: Tensor, width: int, n: int,
-              iterations: int) -> Tensor:
+              iterations: int, arithmetic: str = "main") -> Tensor:
     """``[s_post | H_res]`` (``[P, T, n + n*n]``, ``s_post = H_post / 2``) of every post ``k``
     from ``states[k]``, ``bias[k]``, ``a_post[k]``, ``a_res[k]``."""
     maps = states.new_empty(states.shape[0], states.shape[1], n + n * n)
     for k in range(states.shape[0]):
         a_post_k = a_post[k:k + 1]  # the pre's logits go unused: a_post stands in for a_pre
         *_, s_post, h_res = _post_mappings(states[k], a_post_k, a_post_k, a_res[k:k + 1], bias[k],
-                                           n, iterations, math.sqrt(width))
+                                           n, iterations, math.sqrt(width), arithmetic)
         maps[k] = torch.cat([s_post, h_res.flatten(1)], 1)
     return maps
 
 
 def post(x: Tensor, state: Tensor, a_pre, a_post, a_res, bias, y: Tensor, seed: Tensor | None,
          p: float, stream: int, n: int, iterations: int, out: Tensor | None = None, *,
-         h_res_transposed: bool = False, maps: Tensor | None = None) -> Tensor:
+         h_res_transposed: bool = False, maps: Tensor | None = None,
+         arithmetic: str = "main") -> Tensor:
     """``out[i] = sum_j h_res[i, j] x[j] + dropout(h_post[i] y)`` (``h_res[j, i]`` transposed),
     the mappings from ``maps`` (:func:`post_maps`), or from the state."""
     acc = compute_dtype(x.dtype)
     t = x.shape[0]
     if maps is None:
-        maps = post_maps(state[None], bias[None], a_post, a_res, x.shape[1], n, iterations)[0]
+        maps = post_maps(state[None], bias[None], a_post, a_res, x.shape[1], n, iterations,
+                         arithmetic)[0]
     s_post, h_res = maps[:, :n].to(acc), maps[:, n:].unflatten(-1, (n, n)).to(acc)
     mixed = torch.matmul(h_res.transpose(1, 2) if h_res_transposed else h_res,
                          x.to(acc).unflatten(1, (n, -1))).flatten(1)
@@ -351,25 +366,26 @@ def post(x: Tensor, state: Tensor, a_pre, a_post, a_res, bias, y: Tensor, seed: 
 def post_state(x: Tensor, maps: Tensor, y: Tensor, seed: Tensor | None, p: float, stream: int,
                n: int, weight: Tensor, a_pre, bias, norm: bool, eps: float,
                out: Tensor | None = None, state_out: Tensor | None = None, *,
-               h_res_transposed: bool = False) -> tuple[Tensor, Tensor]:
+               h_res_transposed: bool = False, arithmetic: str = "main") -> tuple[Tensor, Tensor]:
     """``(post's output, the next pre's state)``: :func:`post` with ``maps``, then the state of
     what it wrote as the next pre (``weight``, ``a_pre``, ``bias``) would compute it."""
     result = post(x, None, None, None, None, None, y, seed, p, stream, n, 0, out,
                   h_res_transposed=h_res_transposed, maps=maps)
     # only the pre's columns of the logits feed the state (rstd): a_pre stands in for the rest
-    state = mapping_state(result, weight, a_pre, a_pre, a_pre, bias, n, eps, norm)
+    state = mapping_state(result, weight, a_pre, a_pre, a_pre, bias, n, eps, norm, arithmetic)
     return result, _into(state, state_out)
 
 
 def post_reductions(g: Tensor, x: Tensor, state: Tensor, a_pre, a_post, a_res, bias, y: Tensor,
                     seed: Tensor | None, p: float, stream: int, n: int, iterations: int, *,
-                    h_res_transposed: bool = False) -> tuple[Tensor, Tensor]:
+                    h_res_transposed: bool = False,
+                    arithmetic: str = "main") -> tuple[Tensor, Tensor]:
     """``(g_state, param shares [T, m+3])`` of :func:`post`: its per-token reductions (``g . x``
     through H_res, ``g . y`` through H_post), the half of its backward that reads x and y."""
     acc = compute_dtype(x.dtype)
     sqrt_d = math.sqrt(x.shape[1])
     h, r, proj, scale, s_post, h_res = _post_mappings(state, a_pre, a_post, a_res, bias, n,
-                                                      iterations, sqrt_d)
+                                                      iterations, sqrt_d, arithmetic)
     gv = g.to(acc).unflatten(1, (n, -1))
     xv = x.to(acc).unflatten(1, (n, -1))
     # d out[i] / d h_res[i, j] = x[j]; transposed, d out[j] / d h_res[i, j] = x[i]
@@ -379,7 +395,7 @@ def post_reductions(g: Tensor, x: Tensor, state: Tensor, a_pre, a_post, a_res, b
     g_h = torch.zeros_like(h)
     g_h[:, n:2 * n] = (gm * y.to(acc)[:, None, :]).sum(-1) * 2.0 * s_post * (1.0 - s_post)
     g_h[:, 2 * n:] = sinkhorn_backward(h[:, 2 * n:].unflatten(-1, (n, n)), g_h_res,
-                                       iterations).flatten(1)
+                                       iterations, arithmetic).flatten(1)
     return _state_backward(g_h, h, r, proj, scale, n, sqrt_d)
 
 
@@ -403,19 +419,21 @@ def _masked(gv: Tensor, seed: Tensor | None, stream: int, p: float) -> Tensor:
 
 def post_backward(g: Tensor, x: Tensor, state: Tensor, a_pre, a_post, a_res, bias, y: Tensor,
                   seed: Tensor | None, p: float, stream: int, n: int, iterations: int, *,
-                  h_res_transposed: bool = False):
+                  h_res_transposed: bool = False, arithmetic: str = "main"):
     """``(g_state, param shares [T, m+3], g_y)`` of :func:`post` (the state's rstd column, which
     the post does not read, gets 0). x's gradient ``H_res^T g`` is left to :func:`pre_backward`,
     which writes the stream's whole gradient at once."""
     g_state, shares = post_reductions(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream,
-                                      n, iterations, h_res_transposed=h_res_transposed)
+                                      n, iterations, h_res_transposed=h_res_transposed,
+                                      arithmetic=arithmetic)
     return g_state, shares, post_grad_y(g, state, a_post, bias, seed, p, stream, n, y.dtype)
 
 
 def recompute(x0: Tensor, ys: Tensor, states: Tensor, params: Tensor, norm_weights: Tensor | None,
               seed: Tensor | None, p: float, streams: list[int], n: int, iterations: int,
               eps: float, x_out: Tensor, fn_input_out: Tensor, *,
-              h_res_transposed: bool = False, maps: Tensor | None = None) -> None:
+              h_res_transposed: bool = False, maps: Tensor | None = None,
+              arithmetic: str = "main") -> None:
     """A block's mHC chain from its input: per sublayer k, F's input into ``fn_input_out[k]``
     and, but for the last, its output (the next sublayer's input) into ``x_out[k]``.
     ``ys [S, T, C]`` are F's outputs, ``states [S, T, m+2]``, ``params [S, m+3]``
@@ -426,11 +444,12 @@ def recompute(x0: Tensor, ys: Tensor, states: Tensor, params: Tensor, norm_weigh
     for k in range(ys.shape[0]):
         bias, a = params[k, :m], params[k, m:]
         fn_input_out[k].copy_(fn_input(x, states[k], a[0:1], a[1:2], a[2:3], bias,
-                                       None if norm_weights is None else norm_weights[k], n))
+                                       None if norm_weights is None else norm_weights[k], n,
+                                       arithmetic=arithmetic))
         if k + 1 < ys.shape[0]:
             x = post(x, states[k], a[0:1], a[1:2], a[2:3], bias, ys[k], seed, p, streams[k], n,
                      iterations, x_out[k], h_res_transposed=h_res_transposed,
-                     maps=None if maps is None else maps[k])
+                     maps=None if maps is None else maps[k], arithmetic=arithmetic)
 
 
 # ---- RMSNorm (the sublayer's norm) ----------------------------------------------------------------

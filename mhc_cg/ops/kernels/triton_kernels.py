@@ -59,6 +59,7 @@ try:
 except ImportError:  # a Triton without grid dependency control: the ``pdl`` option stays off
     gdc_launch_dependents = gdc_wait = None
 
+from mhc_cg.core.errors import ConfigError
 from mhc_cg.ops.kernels.hash import MAX_ELEMENTS, counter_hash, keep_scale, keep_threshold
 from mhc_cg.ops.kernels.launch import launch_config
 from mhc_cg.ops.kernels.tiling import (DOT_ROWS, SUM_ROWS, block_c, mapping_columns, next_pow2,
@@ -78,6 +79,13 @@ CHAIN_ROWS = 4  # tokens per program elsewhere: n x n per-token sums stay in reg
 # the pre backward's first pass without a post: elements per feature step over the streams
 # ([CHAIN_ROWS, n, BC] tiles)
 COEF_BUDGET = 256
+
+
+def _main_only(arithmetic: str) -> None:
+    if arithmetic != "main":
+        raise ConfigError(f"mhc_cg kernels: the Triton kernels compute main's mHC arithmetic, not "
+                          f"{arithmetic!r}; run {arithmetic}'s on the torch reference "
+                          f"(model.kernels: torch)")
 
 
 def _indexable(*tensors: torch.Tensor) -> None:
@@ -592,9 +600,10 @@ def _chain(x_ptr, y_ptr, state_ptr, maps_ptr, bias_ptr, apre_ptr, apost_ptr, are
             xs = _rounded(xs, xo_ptr, N)  # the next sublayer reads what the forward stored
 
 
-def post_maps(states, bias, a_post, a_res, width, n, iterations):
+def post_maps(states, bias, a_post, a_res, width, n, iterations, *, arithmetic="main"):
     """``[s_post | H_res]`` per post and token; the parameters may be strided views of one
     ``[P, m+3]`` block (the recompute's), so they are read in place, not made contiguous."""
+    _main_only(arithmetic)
     states = _prepared(states)[0]
     posts, t = states.shape[0], states.shape[1]
     maps = states.new_empty(post_maps_shape(t, n, posts), dtype=torch.float32)
@@ -660,8 +669,10 @@ def _launch_state(x, weight, bias, a_pre, norm: bool, eps, n, state_out, post=No
     return _deliver(state, state_out)
 
 
-def fn_input(x, state, a_pre, a_post, a_res, bias, norm_weight, n, fn_input_out=None):
+def fn_input(x, state, a_pre, a_post, a_res, bias, norm_weight, n, fn_input_out=None, *,
+             arithmetic="main"):
     """The pre's second pass alone: F's input from ``x`` and its state."""
+    _main_only(arithmetic)
     x, state = _prepared(x, state)
     fn = _written(fn_input_out, lambda: x.new_empty(x.shape[0], x.shape[1] // n))
     _launch_chain(x, x, state, None, bias, a_pre, a_post, a_res, 0, norm_weight, 0, None, 0.0, [0],
@@ -670,17 +681,19 @@ def fn_input(x, state, a_pre, a_post, a_res, bias, norm_weight, n, fn_input_out=
 
 
 def pre(x, weight, a_pre, a_post, a_res, bias, norm_weight, n, iterations, eps,
-        fn_input_out=None, state_out=None):
+        fn_input_out=None, state_out=None, *, arithmetic="main"):
+    _main_only(arithmetic)
     x, weight = _prepared(x, weight)
     state = _launch_state(x, weight, bias, a_pre, norm_weight is not None, eps, n, state_out)
     return fn_input(x, state, a_pre, a_post, a_res, bias, norm_weight, n, fn_input_out), state
 
 
 def post_state(x, maps, y, seed, p, stream, n, weight, a_pre, bias, norm, eps, out=None,
-               state_out=None, *, h_res_transposed=False):
+               state_out=None, *, h_res_transposed=False, arithmetic="main"):
     """``(post's output, the next pre's state)``: the post (mappings ``maps``) and the state of
     what it writes, for the next pre (``weight``, ``a_pre``, ``bias``, ``norm``, ``eps``), in
     one pass: the next pre reads its input once."""
+    _main_only(arithmetic)
     x, maps, y, weight = _prepared(x, maps, y, weight)
     result = _written(out, lambda: torch.empty_like(x))
     state = _launch_state(x, weight, bias, a_pre, norm, eps, n, state_out,
@@ -689,7 +702,8 @@ def post_state(x, maps, y, seed, p, stream, n, weight, a_pre, bias, norm, eps, o
 
 
 def post(x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, out=None, *,
-         h_res_transposed=False, maps=None):
+         h_res_transposed=False, maps=None, arithmetic="main"):
+    _main_only(arithmetic)
     x, state, y = _prepared(x, state, y)
     if maps is None:
         maps = post_maps(state[None], bias[None], a_post, a_res, x.shape[1], n, iterations)
@@ -701,7 +715,8 @@ def post(x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations
 
 
 def recompute(x0, ys, states, params, norm_weights, seed, p, streams, n, iterations, eps, x_out,
-              fn_input_out, *, h_res_transposed=False, maps=None):
+              fn_input_out, *, h_res_transposed=False, maps=None, arithmetic="main"):
+    _main_only(arithmetic)
     x0, ys, states, params = _prepared(x0, ys, states, params)
     m = n * n + 2 * n
     if maps is None:
@@ -960,7 +975,8 @@ def _pre_bwd_x(gout_ptr, gpost_ptr, x_ptr, w_ptr, norm_ptr, gproj_ptr, aux_ptr, 
 
 def pre_backward(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight,
                  state, n, iterations, eps, g_x_out=None, *, h_res_transposed=False, post=None,
-                 prev=None, g_y_out=None):
+                 prev=None, g_y_out=None, arithmetic="main"):
+    _main_only(arithmetic)
     if g_state is None and post is None:  # nothing reached the state: its gradient is zero
         g_state = state.new_zeros(state.shape, dtype=torch.float32)
     g_out, x, weight, state = _prepared(g_out, x, weight, state)
@@ -1143,7 +1159,8 @@ def _post_bwd(g_ptr, x_ptr, state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, 
 
 
 def post_backward(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, *,
-                  h_res_transposed=False):
+                  h_res_transposed=False, arithmetic="main"):
+    _main_only(arithmetic)
     g, x, state, y = _prepared(g, x, state, y)
     t, width = x.shape
     m = n * n + 2 * n
