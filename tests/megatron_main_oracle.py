@@ -65,6 +65,33 @@ def extracted_snapshot(branch: str, tmp_path_factory) -> Path:
     return extract_snapshot(archive, tmp_path_factory.mktemp(f"megatron_{branch}"))
 
 
+# fused_block_job, judged: per parameter kind (the name less its layer), mhc_cg's fused fp32
+# error against the fp64 truth, relative to the kind's largest truth, is at most FUSED_FACTOR
+# times Megatron's own fp32 error there, or FUSED_FLOOR. Megatron's native fp32 path itself is
+# up to 3e-3 off the truth on alpha_res, a sum over tokens with cancellation (measured, both
+# branches); the fused path's worst is 2.1e-4 (dev, alpha_pre), 5.8 times native's worst ratio.
+FUSED_FACTOR = 8.0
+FUSED_FLOOR = 1e-4
+
+
+def fused_block_verdict(result: dict) -> tuple[list[str], dict]:
+    """``(kinds off the bound, {kind: (fused, native) relative errors})`` of a fused_block
+    result (see the comment above)."""
+    import re
+
+    worst: dict[str, list[float]] = {}
+    for name, e in result["errors"].items():
+        kind = re.sub(r"layers\.\d+\.", "", name)
+        w = worst.setdefault(kind, [0.0, 0.0, 0.0])
+        w[0] = max(w[0], e["fused_error"])
+        w[1] = max(w[1], e["native_error"])
+        w[2] = max(w[2], e["truth_max"])
+    figures = {k: (f / s, n / s) for k, (f, n, s) in worst.items() if s > 0}
+    off = [f"{k}: fused {f:.2g}, native {n:.2g}" for k, (f, n) in figures.items()
+           if f > max(FUSED_FACTOR * n, FUSED_FLOOR)]
+    return off, figures
+
+
 def run_job(snapshot_root: Path | None, job: str, **kwargs) -> dict:
     """Run ``job(**kwargs)`` in a fresh process that imports the snapshot's megatron.core (the
     pinned megatron-core when ``snapshot_root`` is ``None``); its result."""
@@ -521,6 +548,129 @@ def main_layer_job(seq: int = 8, batch: int = 2, hidden: int = 32, block_size: i
     return result
 
 
+def _branch_block(branch: str, hidden: int, dtype, block_size: int):
+    """The branch's own TransformerBlock of mHC layers (its spec, its config names), dropout 0,
+    its mHC parameters moved off their init and the res logits spread (H_res far from
+    symmetric)."""
+    import torch
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    shape = dict(LAYER_SHAPE, hidden_size=hidden, ffn_hidden_size=2 * hidden, hidden_dropout=0.0,
+                 params_dtype=dtype, mhc_recompute_layer_num=block_size)
+    if branch == "dev":
+        from megatron_integration.layers.dev_layer import dev_mhc_layer_spec
+
+        del shape["enable_mhc_connections"], shape["mhc_num_residual_streams"]
+        shape.update(enable_hyper_connections=True, num_residual_streams=4)
+        spec = dev_mhc_layer_spec(cpu=True)
+    else:
+        from megatron_integration.layers.main_layer import main_mhc_layer_spec
+
+        spec = main_mhc_layer_spec()
+    torch.manual_seed(0)
+    block = TransformerBlock(TransformerConfig(**shape), spec).to(dtype).train()
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            if "hyper_connection" in name:
+                p.add_(0.3 * torch.randn_like(p))
+                if name.endswith(".bias") and p.numel() == 24:
+                    p[8:].add_(1.5 * torch.randn_like(p[8:]))
+    return block
+
+
+def _in_fp64_projection(block) -> None:
+    """Dev's mapping projection in the stream's own dtype (dev casts it to fp32 whatever the
+    dtype): dev's arithmetic, all in fp64, as the truth fp32 runs are measured against."""
+    import math
+
+    for name, module in block.named_modules():
+        if name.endswith("hyper_connection") and hasattr(module, "_projection_and_get_norm"):
+            def projection(x, module=module):
+                r = 1.0 / (x.norm(dim=-1, keepdim=True) / math.sqrt(x.shape[-1]) + module.norm_eps)
+                return module.mapping_proj(x), r
+
+            module._projection_and_get_norm = projection
+
+
+def fused_block_job(branch: str, seq: int = 8, batch: int = 2, hidden: int = 32,
+                    block_size: int = 2) -> dict:
+    """The branch's own mHC block with mhc_cg's fused kernels (the torch reference here) beside
+    its native ops, on the same weights and input, in fp32.
+
+    Runs: ``native`` (the block's own forward, no recompute); ``fused_eager`` (each layer's
+    sublayers through the fused step adapters, no recompute); ``fused_block_recompute`` (mhc_cg's
+    eager block recompute of those adapters) and ``fused_static`` (the static runtime with tape
+    recompute graphs); and ``truth``, the native block in fp64 (dev's projection in fp64 too).
+    Measured per tensor (output, input gradient, every parameter gradient): the largest
+    difference of ``native`` and of ``fused_eager`` from the truth, the truth's largest
+    magnitude, and the difference between the two fp32 runs; whether the recompute runs equal
+    ``fused_eager`` bit for bit.
+    """
+    import torch
+
+    from mhc_cg.lab.emulation.backends import get_backend
+    from mhc_cg.model.sublayer import sublayer_forward
+    from mhc_cg.recompute.block_recompute import run_recompute_blocks
+    from megatron_integration.capture.static_block import StaticDevBlock, StaticMainBlock
+    from megatron_integration.layers.dev_layer import dev_layer_steps
+    from megatron_integration.layers.main_layer import MainBlock, main_layer_steps
+
+    _init_model_parallel()
+    block = _branch_block(branch, hidden, torch.float32, block_size)
+    truth_block = _branch_block(branch, hidden, torch.float64, block_size)
+    truth_block.load_state_dict(block.state_dict(), strict=True)
+    _in_fp64_projection(truth_block)
+    steps_type = (dev_layer_steps if branch == "dev" else main_layer_steps)(True)
+    if branch == "dev":
+        streams_in, streams_out = block.preprocess_for_layer_schedule, block.postprocess_for_layer_schedule
+    else:
+        main = MainBlock(block)
+        streams_in, streams_out = main.streams_in, main.streams_out
+    torch.manual_seed(1)
+    x0 = torch.randn(seq, batch, hidden)
+    mask = torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(diagonal=1)
+
+    def fused_eager(x):
+        x = streams_in(x)
+        for layer in block.layers:
+            steps = steps_type(layer, mask)
+            x = sublayer_forward(steps.mlp, sublayer_forward(steps.attention, x, None), None)
+        return streams_out(x)
+
+    def fused_block_recompute(x):
+        steps = [steps_type(layer, mask) for layer in block.layers]
+        return streams_out(run_recompute_blocks(steps, streams_in(x), None, block_size, []))
+
+    static_type = StaticDevBlock if branch == "dev" else StaticMainBlock
+    static = static_type(block, seq_length=seq, micro_batch_size=batch, fused_mhc=True)
+    static.capture_recompute_graphs(get_backend("tape"))
+    truth = _train_step(truth_block, lambda x: truth_block(x, attention_mask=mask), x0.double(),
+                        seed=7)
+    runs = {"native": _train_step(block, lambda x: block(x, attention_mask=mask), x0, seed=7),
+            "fused_eager": _train_step(block, fused_eager, x0, seed=7),
+            "fused_block_recompute": _train_step(block, fused_block_recompute, x0, seed=7),
+            "fused_static": _train_step(block, lambda x: static(x, attention_mask=mask), x0,
+                                        seed=7)}
+
+    def tensors(run):
+        out, dx, grads, _ = run
+        return {"output": out, "input_grad": dx, **grads}
+
+    exact, native, fused = (tensors(r) for r in (truth, runs["native"], runs["fused_eager"]))
+    errors = {name: {"truth_max": t.abs().max().item(),
+                     "native_error": max_abs_diff(native[name], t),
+                     "fused_error": max_abs_diff(fused[name], t),
+                     "fused_vs_native": max_abs_diff(fused[name], native[name])}
+              for name, t in exact.items() if name in fused}
+    return {"errors": errors, "missing_grads": sorted(set(exact) - set(fused)),
+            "fused_sublayers": sum(s.fused is True for st in static.steps
+                                   for s in (st.attention, st.mlp)),
+            "arithmetic": static.steps[0].attention.hc.arithmetic,
+            "recompute_vs_eager": {name: _compare(runs["fused_eager"], runs[name])
+                                   for name in ("fused_block_recompute", "fused_static")}}
+
+
 # ------------------------------------------- megatron's TE graph helper drives the runtime
 MAIN_CONFIG = HERE.parent / "configs" / "megatron_main_mhc.yaml"
 
@@ -618,7 +768,7 @@ def core_helper_job(shapes: list[dict]) -> dict:
 
 
 JOBS = {"hyper_connection": hyper_connection_job, "dev_hyper_connection": dev_hyper_connection_job,
-        "main_layer": main_layer_job,
+        "main_layer": main_layer_job, "fused_block": fused_block_job,
         "main_helper": main_helper_job, "core_helper": core_helper_job}
 
 

@@ -101,7 +101,8 @@ def _static_decoder_class(cls: type) -> type:
 def install_static_recompute(decoder, static_type: type[StaticMHCBlock], *, seq_length: int,
                              micro_batch_size: int, slot_sets: int = 1,
                              shared: StaticRecompute | None = None,
-                             graph_sets: list[int] | None = None) -> StaticMHCBlock:
+                             graph_sets: list[int] | None = None,
+                             fused_mhc: bool | None = None) -> StaticMHCBlock:
     """Put ``decoder``'s training forward on a ``static_type`` runtime (see the module docstring).
 
     ``slot_sets``: persistent slot sets, the most microbatches in flight on this rank
@@ -109,7 +110,8 @@ def install_static_recompute(decoder, static_type: type[StaticMHCBlock], *, seq_
     pipeline parallelism). ``shared``: a runtime of another chunk of this rank whose arena and
     sets this one shares. ``graph_sets``: the set each microbatch of this chunk takes along the
     order (see :class:`SublayerSite`). ``seq_length`` is the rank's own (divided by the tensor
-    parallel size under sequence parallelism).
+    parallel size under sequence parallelism). ``fused_mhc``: Megatron-LM's layers on mhc_cg's
+    fused kernels (``None``: the config's ``use_fused_mhc``; see :class:`StaticMHCBlock`).
 
     The decoder keeps its parameters and submodules; its class becomes a subclass of its own
     with the static forward (as ``torch.nn.utils.parametrize`` does). Every layer must be a
@@ -124,7 +126,7 @@ def install_static_recompute(decoder, static_type: type[StaticMHCBlock], *, seq_
                             f"GraphedSublayerMixin layers; build the model from the graphed layer "
                             f"spec (main_mhc_layer_spec(graphed=True) for Megatron-LM main)")
     static = static_type(decoder, seq_length=seq_length, micro_batch_size=micro_batch_size,
-                         capacity=slot_sets, shared=shared)
+                         capacity=slot_sets, shared=shared, fused_mhc=fused_mhc)
     decoder.mhc_static = static
     decoder.__class__ = _static_decoder_class(type(decoder))
     runtime = static.runtime
@@ -139,7 +141,8 @@ def install_static_recompute(decoder, static_type: type[StaticMHCBlock], *, seq_
 
 
 def install_rank(decoders: list, static_type: type[StaticMHCBlock], *, seq_length: int,
-                 micro_batch_size: int, order: list[int]) -> list[StaticMHCBlock]:
+                 micro_batch_size: int, order: list[int],
+                 fused_mhc: bool | None = None) -> list[StaticMHCBlock]:
     """Every model chunk of one rank on one arena and one pool of persistent sets, sized by the
     rank's ``order`` (megatron's, as its TE graph helper computes it: ``+c`` forward, ``-c``
     backward of chunk c); see the module docstring."""
@@ -155,7 +158,8 @@ def install_rank(decoders: list, static_type: type[StaticMHCBlock], *, seq_lengt
         graph_sets = [s for code, s in zip(forwards, taken) if code == chunk]
         static = install_static_recompute(decoder, static_type, seq_length=seq_length,
                                           micro_batch_size=micro_batch_size, slot_sets=slot_sets,
-                                          shared=shared, graph_sets=graph_sets)
+                                          shared=shared, graph_sets=graph_sets,
+                                          fused_mhc=fused_mhc)
         static.order = list(order)
         shared = shared or static.runtime
         statics.append(static)

@@ -18,8 +18,9 @@ from mhc_cg.core.errors import StaticRecomputeError
 from mhc_cg.runtime.recompute_captures import capture_recompute_graphs
 from mhc_cg.runtime.static import StaticRecompute, build_static_recompute
 
-from megatron_integration.layers.dev_layer import DevLayerSteps
-from megatron_integration.layers.main_layer import MainBlock, MainLayerSteps
+from megatron_integration.layers.dev_layer import dev_layer_steps
+from megatron_integration.layers.fused_sublayer import uses_fused_mhc
+from megatron_integration.layers.main_layer import MainBlock, main_layer_steps
 from megatron_integration.layers.steps import LayerSteps
 
 
@@ -30,20 +31,23 @@ class StaticMHCBlock:
     own forward (expand on the first stage, contract + final norm on the last); shapes are fixed
     at construction (``seq_length``, ``micro_batch_size``); ``capacity`` microbatches may be in
     flight. Blocks of ``config.mhc_recompute_layer_num`` layers (all layers when unset).
-    Subclasses for another layer type override ``steps_type``, ``mhc_enabled`` and the stream
-    boundaries (``StaticMainBlock`` below).
+    ``fused_mhc``: Megatron-LM's own layers run mhc_cg's fused kernels (``None``: the config's
+    ``use_fused_mhc``, dev's field; main has none). Subclasses for another layer type override
+    ``layer_steps``, ``mhc_enabled`` and the stream boundaries (``StaticMainBlock`` below).
     """
 
     steps_type = LayerSteps
 
     def __init__(self, block: nn.Module, *, seq_length: int, micro_batch_size: int,
-                 capacity: int = 1, shared: StaticRecompute | None = None):
+                 capacity: int = 1, shared: StaticRecompute | None = None,
+                 fused_mhc: bool | None = None):
         config = block.config
         if not self.mhc_enabled(config):
             raise ValueError(f"{type(self).__name__}: the block's config has mHC off")
         self.block = block
         self.order: list[int] | None = None  # the rank's schedule order it was sized for
-        self.steps = [self.steps_type(layer) for layer in block.layers]
+        steps_type = self.layer_steps(uses_fused_mhc(config, fused_mhc))
+        self.steps = [steps_type(layer) for layer in block.layers]
         size = config.mhc_recompute_layer_num or len(self.steps)
         dtype = config.params_dtype  # the stream's; mHC parameters may be kept in fp32
         self.runtime: StaticRecompute = build_static_recompute(
@@ -53,6 +57,10 @@ class StaticMHCBlock:
 
     def mhc_enabled(self, config) -> bool:
         return bool(getattr(config, "enable_hyper_connections", False))
+
+    def layer_steps(self, fused_mhc: bool) -> type[LayerSteps]:
+        """The step adapters of the block's layers (mhc_cg's own layer: always its own ops)."""
+        return self.steps_type
 
     def streams_in(self, hidden_states: Tensor) -> Tensor:
         return self.block.streams_in(hidden_states)
@@ -96,7 +104,7 @@ class StaticMegatronBlock(StaticMHCBlock):
     (:func:`megatron_integration.layers.counter_dropout.use_counter_dropout`)."""
 
     def __init__(self, block, *, seq_length: int, micro_batch_size: int, capacity: int = 1,
-                 shared: StaticRecompute | None = None):
+                 shared: StaticRecompute | None = None, fused_mhc: bool | None = None):
         impl = "counter" if getattr(block, "mhc_counter_dropout", False) else "torch"
         problem = stateful_dropout_problem(impl, block.config.hidden_dropout, None,
                                            "hidden_dropout")
@@ -104,7 +112,7 @@ class StaticMegatronBlock(StaticMHCBlock):
             raise StaticRecomputeError(f"{type(self).__name__}: {problem}; or call "
                                        f"megatron_integration.use_counter_dropout on the decoder")
         super().__init__(block, seq_length=seq_length, micro_batch_size=micro_batch_size,
-                         capacity=capacity, shared=shared)
+                         capacity=capacity, shared=shared, fused_mhc=fused_mhc)
 
     @property
     def seeded(self) -> bool:
@@ -114,13 +122,14 @@ class StaticMegatronBlock(StaticMHCBlock):
 class StaticMainBlock(StaticMegatronBlock):
     """``main``'s mHC block on static buffers (arena slots, persistent sets, recompute graphs)."""
 
-    steps_type = MainLayerSteps
-
     def __init__(self, block, *, seq_length: int, micro_batch_size: int, capacity: int = 1,
-                 shared: StaticRecompute | None = None):
+                 shared: StaticRecompute | None = None, fused_mhc: bool | None = None):
         self.main = MainBlock(block)
         super().__init__(block, seq_length=seq_length, micro_batch_size=micro_batch_size,
-                         capacity=capacity, shared=shared)
+                         capacity=capacity, shared=shared, fused_mhc=fused_mhc)
+
+    def layer_steps(self, fused_mhc: bool) -> type[LayerSteps]:
+        return main_layer_steps(fused_mhc)
 
     def mhc_enabled(self, config) -> bool:
         return bool(getattr(config, "enable_mhc_connections", False))
@@ -136,16 +145,8 @@ class StaticDevBlock(StaticMegatronBlock):
     """Megatron-LM ``dev``'s mHC block on static buffers; its stream boundaries are ``dev``'s own
     block methods (the pipeline's received tensor, expand, learned contraction, final norm)."""
 
-    steps_type = DevLayerSteps
-
-    def __init__(self, block, *, seq_length: int, micro_batch_size: int, capacity: int = 1,
-                 shared: StaticRecompute | None = None):
-        if getattr(block.config, "use_fused_mhc", False):
-            raise StaticRecomputeError("StaticDevBlock: use_fused_mhc runs dev's cuTile/Triton "
-                                       "kernels, which the step adapters do not call; set "
-                                       "use_fused_mhc=False")
-        super().__init__(block, seq_length=seq_length, micro_batch_size=micro_batch_size,
-                         capacity=capacity, shared=shared)
+    def layer_steps(self, fused_mhc: bool) -> type[LayerSteps]:
+        return dev_layer_steps(fused_mhc)
 
     def streams_in(self, hidden_states: Tensor) -> Tensor:
         return self.block.preprocess_for_layer_schedule(hidden_states)

@@ -153,10 +153,13 @@ def chunk_decoder(model_chunk):
                                   ).decoder
 
 
-def install_static_runtime(chunks: list, config, seq_length: int, micro_batch_size: int) -> None:
+def install_static_runtime(chunks: list, config, seq_length: int, micro_batch_size: int,
+                           fused_mhc: bool | None = None) -> None:
     """Every chunk's decoder of this rank on one static runtime (:func:`install_rank`: one arena,
     one pool of persistent slot sets for the rank's order); a no-op where it is installed. What
-    :func:`make_te_graph_helper` does before the helper, and all a full-iteration capture needs."""
+    :func:`make_te_graph_helper` does before the helper, and all a full-iteration capture needs.
+    ``fused_mhc``: Megatron-LM's layers on mhc_cg's fused kernels (``None``: the config's
+    ``use_fused_mhc``)."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
     from megatron_integration.capture.install import install_rank
@@ -166,7 +169,8 @@ def install_static_runtime(chunks: list, config, seq_length: int, micro_batch_si
         install_rank(decoders, static_block_type(decoders[0]),
                      seq_length=rank_seq_length(config, seq_length),
                      micro_batch_size=micro_batch_size,
-                     order=rank_order(config, len(chunks), get_num_microbatches()))
+                     order=rank_order(config, len(chunks), get_num_microbatches()),
+                     fused_mhc=fused_mhc)
 
 
 _HELPERS: dict[type, type] = {}
@@ -184,7 +188,8 @@ def mhc_te_graph_helper(model, config, seq_length: int, micro_batch_size: int,
 
 def make_te_graph_helper(model, config, seq_length: int, micro_batch_size: int,
                          optimizers: Sequence = (), *, recompute_graphs: bool | None = None,
-                         backend: GraphBackend | None = None, **helper_kwargs):
+                         backend: GraphBackend | None = None, fused_mhc: bool | None = None,
+                         **helper_kwargs):
     """megatron-core's ``TECudaGraphHelper`` over mHC layers on the static runtime.
 
     ``model``: megatron's list of model chunks of this rank (DDP-wrapped, as the helper expects).
@@ -194,7 +199,9 @@ def make_te_graph_helper(model, config, seq_length: int, micro_batch_size: int,
     ``recompute_graphs``: capture the recompute graphs (default: ``config.mhc_recompute_graph``,
     set by ``mhc_recompute`` in the scope of an ``MHCTransformerConfig``; on with Megatron-LM's
     own config, which has no such field). ``backend``: what the recompute graphs capture on
-    (default: CUDA graphs; the CPU harness gives the tape). ``helper_kwargs``: the rest of what
+    (default: CUDA graphs; the CPU harness gives the tape). ``fused_mhc``: the layers' mHC on
+    mhc_cg's fused kernels (default: the config's ``use_fused_mhc``, Megatron-LM dev's
+    ``--use-fused-mhc``; main has no such field: pass True). ``helper_kwargs``: the rest of what
     megatron's helper
     takes (``pg_collection``, dev's ``thd_sequence_length_upper_bound``). Needs
     TransformerEngine (on the CPU, the stand-in in ``mhc_cg/lab/megatron_harness/te_on_tape``);
@@ -203,7 +210,7 @@ def make_te_graph_helper(model, config, seq_length: int, micro_batch_size: int,
     from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
 
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    install_static_runtime(chunks, config, seq_length, micro_batch_size)
+    install_static_runtime(chunks, config, seq_length, micro_batch_size, fused_mhc)
     if TECudaGraphHelper not in _HELPERS:  # looked up per call: loading TE re-imports the module
         _HELPERS[TECudaGraphHelper] = type("MHCTECudaGraphHelper",
                                            (RecomputeCaptureMixin, TECudaGraphHelper), {})

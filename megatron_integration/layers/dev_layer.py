@@ -31,6 +31,7 @@ from torch import Tensor
 
 from mhc_cg.graphs.te import te_installed
 
+from megatron_integration.layers.fused_sublayer import MegatronFusedSublayer
 from megatron_integration.layers.main_layer import (MainLayerSteps, MainSublayerSteps,
                                                     graphed_layer_class)
 
@@ -162,3 +163,23 @@ class DevLayerSteps(MainLayerSteps):
         for name in _BLOCK_ONLY_KWARGS:
             kwargs.pop(name, None)
         return super().bind(attention_mask, **kwargs)
+
+
+class DevFusedSublayer(MegatronFusedSublayer):
+    """A sublayer of dev's layer on mhc_cg's fused kernels, in dev's (DeepSeek-V4's) arithmetic:
+    ``h_pre = sigmoid + 1e-6``, dev's Sinkhorn, H_res applied transposed."""
+
+    streams_field = "num_residual_streams"
+    arithmetic = "dev"
+    h_res_transposed = True
+
+
+class DevFusedLayerSteps(DevLayerSteps):
+    """Both sublayers of dev's layer on mhc_cg's fused kernels (dev's ``use_fused_mhc``)."""
+
+    sublayer_type = DevFusedSublayer
+
+
+def dev_layer_steps(fused_mhc: bool) -> type[DevLayerSteps]:
+    """The step adapters of dev's layer: mhc_cg's fused kernels, or dev's own ops op for op."""
+    return DevFusedLayerSteps if fused_mhc else DevLayerSteps

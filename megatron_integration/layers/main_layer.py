@@ -39,6 +39,7 @@ from mhc_cg.recompute.block_recompute import BlockRecomputeManager, run_recomput
 from mhc_cg.graphs.te import te_installed
 
 from megatron_integration.layers.counter_dropout import sublayer_stream
+from megatron_integration.layers.fused_sublayer import MegatronFusedSublayer
 from megatron_integration.layers.graphed_sublayer import GraphedSublayerMixin
 from megatron_integration.layers.steps import LayerSteps
 
@@ -116,6 +117,11 @@ class MainSublayerSteps(HyperConnectionSteps):
         self.fn: Callable[[Tensor], Tensor] | None = None  # bound per forward (MainLayerSteps.bind)
         self.bias: Tensor | None = None  # F's skipped bias, set by fn
 
+    def take_output(self, out: Tensor, bias: Tensor | None) -> Tensor:
+        """F's result as the steps take it: the output, the bias kept for ``h_post_step``."""
+        self.bias = bias
+        return out
+
     def h_post_step(self, y: Tensor, h_post: Tensor) -> Tensor:
         """``H_post^T y (+ H_post^T bias)``: the input of main's bias-dropout-add, ``x + bias``."""
         out = self.hc._apply_h_post(y, h_post)
@@ -158,16 +164,26 @@ class MainLayerSteps(LayerSteps):
         layer, attention, mlp = self.layer, self.attention, self.mlp
 
         def attention_fn(normed: Tensor) -> Tensor:
-            out, attention.bias = layer.self_attention(normed, attention_mask=attention_mask, **kwargs)
-            return out
+            return attention.take_output(*layer.self_attention(normed, attention_mask=attention_mask,
+                                                               **kwargs))
 
         def mlp_fn(normed: Tensor) -> Tensor:
-            out, mlp.bias = layer.mlp(normed, padding_mask=padding_mask)
-            return out
+            return mlp.take_output(*layer.mlp(normed, padding_mask=padding_mask))
 
         self.mlp_kwargs = {"padding_mask": padding_mask}  # the MLP's keywords beside its input
         attention.fn, mlp.fn = attention_fn, mlp_fn
         return self
+
+
+class MainFusedLayerSteps(MainLayerSteps):
+    """Both sublayers of main's layer on mhc_cg's fused kernels (``use_fused_mhc``)."""
+
+    sublayer_type = MegatronFusedSublayer
+
+
+def main_layer_steps(fused_mhc: bool) -> type[MainLayerSteps]:
+    """The step adapters of main's layer: mhc_cg's fused kernels, or main's own ops op for op."""
+    return MainFusedLayerSteps if fused_mhc else MainLayerSteps
 
 
 class MainBlock:
@@ -177,7 +193,7 @@ class MainBlock:
     first pipeline stage, contract (mean) and the final norm on the last.
     """
 
-    def __init__(self, block):
+    def __init__(self, block, fused_mhc: bool = False):
         if not getattr(block.config, "enable_mhc_connections", False):
             raise ValueError("MainBlock: the block's config has enable_mhc_connections off; "
                              "set enable_mhc_connections=True")
@@ -185,6 +201,7 @@ class MainBlock:
         self.config = block.config
         self.layers = block.layers
         self.managers: list[BlockRecomputeManager] = []
+        self.steps_type = main_layer_steps(fused_mhc)
         self.steps: list[MainLayerSteps] = []
 
     def streams_in(self, hidden_states: Tensor) -> Tensor:
@@ -208,7 +225,7 @@ class MainBlock:
         """The block's forward with ``mhc_cg``'s eager block recompute: blocks of ``block_size``
         layers (default ``config.mhc_recompute_layer_num``, else all), one manager each
         (``self.managers``); every mHC step is checkpointed and freed, F's outputs are kept."""
-        self.steps = [MainLayerSteps(layer, attention_mask, **kwargs) for layer in self.layers]
+        self.steps = [self.steps_type(layer, attention_mask, **kwargs) for layer in self.layers]
         size = block_size or self.config.mhc_recompute_layer_num or len(self.steps)
         self.managers = []
         x = run_recompute_blocks(self.steps, self.streams_in(hidden_states), None, size,

@@ -51,24 +51,12 @@ class HyperConnectionSteps:
         return self.hc.apply_h_res(h_res, x)
 
 
-class MHCSublayer(nn.Module):
-    """One residual branch: mHC around F (attention or MLP), fused."""
+class FusedSteps:
+    """The fused sublayer's steps over its parts: ``hc`` (a :class:`HyperConnectionOps`),
+    ``norm`` (``weight`` and ``eps``), ``fn``, ``dropout_p``, ``dropout_stream`` and ``cfg``
+    (``dropout_impl``): mhc_cg's :class:`MHCSublayer`, or an adapter of a Megatron layer."""
 
     fused = True
-
-    def __init__(self, cfg: MHCGPTConfig, fn: nn.Module, dropout_stream: int):
-        super().__init__()
-        self.cfg = cfg
-        self.hc = HyperConnection(cfg.hidden_size, cfg.num_streams, cfg.sinkhorn_iterations,
-                                  cfg.init_gating_factor, kernels=cfg.kernels)
-        self.norm = RMSNorm(cfg.hidden_size, kernels=cfg.kernels)
-        self.fn = fn
-        self.dropout_stream = dropout_stream  # unique per (layer, sublayer) within a microbatch
-
-    @property
-    def dropout_p(self) -> float:
-        """The dropout rate in effect: 0 in eval."""
-        return self.cfg.hidden_dropout if self.training else 0.0
 
     def pre(self, x: Tensor, fn_input_out: Target | None = None,
             state_out: Target | None = None, state: Tensor | None = None,
@@ -110,6 +98,24 @@ class MHCSublayer(nn.Module):
             return self.post(x_on, state, y, seed), None
         return self.post_feeding(nxt, x_on, state, y, seed)
 
+
+class MHCSublayer(FusedSteps, nn.Module):
+    """One residual branch: mHC around F (attention or MLP), fused."""
+
+    def __init__(self, cfg: MHCGPTConfig, fn: nn.Module, dropout_stream: int):
+        super().__init__()
+        self.cfg = cfg
+        self.hc = HyperConnection(cfg.hidden_size, cfg.num_streams, cfg.sinkhorn_iterations,
+                                  cfg.init_gating_factor, kernels=cfg.kernels)
+        self.norm = RMSNorm(cfg.hidden_size, kernels=cfg.kernels)
+        self.fn = fn
+        self.dropout_stream = dropout_stream  # unique per (layer, sublayer) within a microbatch
+
+    @property
+    def dropout_p(self) -> float:
+        """The dropout rate in effect: 0 in eval."""
+        return self.cfg.hidden_dropout if self.training else 0.0
+
     def forward(self, x: Tensor, seed: Tensor | None = None, *,
                 grad_owned: bool = False) -> Tensor:
         """The sublayer alone. ``grad_owned``: a graph captures it, and its output's gradient
@@ -124,6 +130,7 @@ def hands_state(sub: nn.Module, nxt: nn.Module | None) -> bool:
     same kernels and stream shape."""
     return (nxt is not None and getattr(sub, "fused", None) is True
             and getattr(nxt, "fused", None) is True and nxt.hc.kernels == sub.hc.kernels
+            and nxt.hc.arithmetic == sub.hc.arithmetic
             and nxt.hc.num_streams == sub.hc.num_streams
             and nxt.hc.hidden_size == sub.hc.hidden_size)
 

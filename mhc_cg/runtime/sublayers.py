@@ -133,13 +133,16 @@ class FusedSublayers:
         with torch.no_grad():
             params = torch.stack([torch.cat([s.hc.bias, s.hc.alpha_pre, s.hc.alpha_post,
                                              s.hc.alpha_res]) for s in subs])
-            norms = torch.stack([s.norm.weight for s in subs])
+            # no norm weight: F normalises its input itself (TE's norm fused into its linear)
+            norms = (None if subs[0].norm.weight is None
+                     else torch.stack([s.norm.weight for s in subs]))
             x_out, fn_input_out = self.slots.recompute_outputs(len(subs))
             recompute_block(pset.block_inputs[block], pset.block_fn_outputs[block],
                             pset.block_states[block], params, norms, pset.seed,
                             subs[0].dropout_p, [record.dropout_stream for record in records],
                             hc.num_streams, hc.sinkhorn_iterations, subs[0].norm.eps, x_out,
-                            fn_input_out, hc.kernels, h_res_transposed=hc.h_res_transposed)
+                            fn_input_out, hc.kernels, h_res_transposed=hc.h_res_transposed,
+                            arithmetic=hc.arithmetic)
 
     def _output_target(self, record: SublayerRecord, nxt: SublayerRecord | None, pset,
                        x_on: Tensor, scratch: Tensor | None) -> Target | None:
