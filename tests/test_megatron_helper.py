@@ -141,7 +141,9 @@ def test_cli_compare_json_on_the_shipped_config(main_snapshot):
     proc = _cli("--config", "configs/megatron_main_mhc.yaml", "--compare", "--json")
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
-    assert set(result) == {"bit_identical", "runs", "checked", "capturing_function", "cpu_changes"}
+    assert set(result) == {"bit_identical", "runs", "checked", "capturing_function", "cpu_changes",
+                           "use_fused_mhc", "largest_loss_difference_vs_native"}
+    assert result["use_fused_mhc"] is False
     # a CPU run turns off the fusions whose kernels need CUDA, and says so with the reasons
     assert result["cpu_changes"]["masked_softmax_fusion"].startswith("False (")
     assert result["bit_identical"] is True
@@ -157,8 +159,10 @@ def test_cli_compare_json_on_the_shipped_config(main_snapshot):
                                    "persistent_slot_sets", "arena_bytes",
                                    "layer_graph_replays_per_step",
                                    "recompute_graph_replays_per_step",
-                                   "recompute_blocks_kept_per_step"}
+                                   "recompute_blocks_kept_per_step", "fused_op_calls_per_step",
+                                   "fused_kernel_launches_per_step"}
     ours = rank["mhc_cg"]
+    assert ours["fused_op_calls_per_step"] == 0  # main's own ops, stepwise
     assert ours["layer_graph_replays_per_step"] > 0 and ours["recompute_graph_replays_per_step"] > 0
     assert ours["persistent_slot_sets"] == 1 and ours["arena_bytes"] > 0
     assert ours["saved_bytes_per_layer"] <= rank["main_eager_mhc"]["saved_bytes_per_layer"]

@@ -82,7 +82,9 @@ CPU_CHANGES = {
     "masked_softmax_fusion": (False, "the fused softmax is a CUDA kernel"),
     "apply_rope_fusion": (False, "the fused RoPE is TransformerEngine's or APEX's CUDA kernel"),
 }
-DEV_CPU_CHANGES = {"use_fused_mhc": (False, "dev's fused mHC kernels are Triton/cuTile on CUDA")}
+DEV_CPU_CHANGES = {"use_fused_mhc": (False, "dev's own fused mHC kernels are Triton/cuTile on "
+                                             "CUDA; megatron.use_fused_mhc puts mhc_cg's in "
+                                             "mhc_cg's runs")}
 
 
 def cpu_changes(run_cfg: RunConfig, branch: str | None = None) -> dict[str, tuple[Any, str]]:

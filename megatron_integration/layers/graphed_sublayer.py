@@ -58,6 +58,7 @@ class SublayerSite:
     seeded: bool  # dropout draws its mask from the persistent set's seed
     graph_sets: list[int] = field(default_factory=lambda: [0])
     captures: int = 0  # graphs of this layer captured so far
+    warmups: int = 0  # warm-up calls of the graph body so far (TE's, before it captures)
     with_mlp: bool = False  # the layer graph holds the MLP sublayer too (``mlp`` in scope)
     moe_step: str | None = None  # the graph ends in the MoE MLP: after "route" or "preprocess"
     layout: tuple[int, int] | None = None  # F outputs and states a graph returns, from its capture
@@ -81,9 +82,13 @@ class SublayerSite:
 
     def _capture_set(self) -> int:
         """The set this call writes outside a forward: a capture's microbatch's, in capture
-        order; a warm-up run (no microbatch in flight) writes set 0."""
+        order. TE's warm-up walks the same order before it captures (its ``_order``; without
+        one, a single set), several microbatches in flight: each warm-up call writes its
+        microbatch's set too, so no call overwrites what an earlier one's backward still
+        reads."""
         if not graph_capturing():
-            return 0
+            k, self.warmups = self.warmups, self.warmups + 1
+            return self.graph_sets[k % len(self.graph_sets)]
         k, self.captures = self.captures, self.captures + 1
         if k >= len(self.graph_sets):
             raise RuntimeError(f"layer {self.steps.layer_number}: graph capture {k + 1} but the "

@@ -497,6 +497,10 @@ def megatron_problems(cfg) -> list[str]:
     if all(isinstance(v, int) for v in sizes) and math.prod(sizes) > MEGATRON_MAX_RANKS:
         problems.append(f"parallel.tp_size x pp_size x ep_size: {math.prod(sizes)} processes; one "
                         f"machine runs at most {MEGATRON_MAX_RANKS} ranks here")
+    if cfg.megatron.use_fused_mhc and branch == "core":
+        problems.append("megatron.use_fused_mhc: mhc_cg's own layer on megatron-core runs its own "
+                        "ops; use_fused_mhc is for Megatron-LM main's and dev's layers: set "
+                        "megatron.branch: main or dev, or megatron.use_fused_mhc: false")
     if cfg.megatron.cuda_graph_impl == FULL_ITERATION:
         return problems + _full_iteration_problems(cfg)
     if g.backend not in MEGATRON_BACKENDS:

@@ -174,6 +174,9 @@ class MegatronConfig:
     # TECudaGraphHelper, per layer, graph.cuda_graph_modules) | "full_iteration" (dev's
     # FullCudaGraphWrapper: every microbatch's forward and backward in one graph)
     cuda_graph_impl: str = "transformer_engine"
+    # the layers' mHC on mhc_cg's fused kernels, in the branch's arithmetic (dev's field
+    # use_fused_mhc / --use-fused-mhc; main's layers take it too): false, Megatron's own ops
+    use_fused_mhc: bool = False
 
     def __post_init__(self):
         _raise_problems(rules.choice_problems(

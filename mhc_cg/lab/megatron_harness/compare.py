@@ -24,7 +24,8 @@ from mhc_cg.lab.megatron_harness.runs import (DEV_FULL, FULL_ITERATION, NO_DROPO
 
 RANK_FIELDS = ("rank", "pp_rank", "tp_rank", "ep_rank", "saved_bytes_per_layer", "persistent_slot_sets",
                "arena_bytes", "layer_graph_replays_per_step", "recompute_graph_replays_per_step",
-               "recompute_blocks_kept_per_step")
+               "recompute_blocks_kept_per_step", "fused_op_calls_per_step",
+               "fused_kernel_launches_per_step")
 # a run under dev's FullCudaGraphWrapper adds these (see to_json)
 FULL_ITERATION_FIELDS = ("iteration_graph_replays", "iteration_graph_replays_per_step",
                          "iteration_graph_bytes", "iteration_graph_collectives",
@@ -62,7 +63,8 @@ def run(cfg: RunConfig, compare: bool, progress: bool = True, timeout: float | N
                           f"train.device: cpu")
     cfg = cfg.replace(train={"device": device})
     impl, dropout = cfg.megatron.cuda_graph_impl, cfg.model.hidden_dropout
-    runs = list(runs_of(branch, impl, dropout)) if compare else [ours(impl)]
+    fused = cfg.megatron.use_fused_mhc
+    runs = list(runs_of(branch, impl, dropout, fused)) if compare else [ours(impl)]
     p = cfg.parallel  # megatron's rank order is tp, then dp (= ep here), then pp
     last_stage = (p.pp_size - 1) * p.tp_size * p.ep_size  # tp and dp rank 0 of the last stage
     per_rank = run_megatron_job({"config": cfg.to_dict(), "runs": runs, "device": device,
@@ -70,12 +72,26 @@ def run(cfg: RunConfig, compare: bool, progress: bool = True, timeout: float | N
                                 forward_rank=last_stage,
                                 progress_prefix=PROGRESS if progress else None, timeout=timeout)
     result = compare_ranks([r["runs"] for r in per_rank], branch,
-                           checked_runs(branch, impl, dropout))
+                           checked_runs(branch, impl, dropout, fused))
     result.update(device=device, branch=branch, source=source, impl=impl, dropout=dropout,
+                  fused=fused, native_loss_difference=native_loss_difference(result, branch),
                   capturing_function=per_rank[0].get("capturing_function"),
                   cpu_changes={field: f"{value} ({why})" for field, (value, why)
                                in cpu_changes(cfg, branch).items()})
     return result
+
+
+def native_loss_difference(result: dict, branch: str) -> dict[str, float]:
+    """``{run: the largest |loss - native loss| over the steps}`` of every run beside the
+    branch's run without recompute, Megatron's native ops (the figure a fused run is judged
+    by: its rounding is not Megatron's)."""
+    runs = result["runs"]
+    native = runs.get(f"{branch}_eager_none")
+    if native is None or "refused" in native or not native["losses"]:
+        return {}
+    return {name: max(abs(a - b) for a, b in zip(run["losses"], native["losses"]))
+            for name, run in runs.items()
+            if name != f"{branch}_eager_none" and "refused" not in run and run["losses"]}
 
 
 def format_cpu_changes(result: dict) -> list[str]:
@@ -110,8 +126,10 @@ def to_json(result: dict) -> dict:
                           FULL_ITERATION_FIELDS if "iteration_graph_replays" in rank else ())}
                                 for rank in run["ranks"]]}
     checked = checked_runs(result["branch"], result.get("impl", "transformer_engine"),
-                           result.get("dropout", 0.0))
+                           result.get("dropout", 0.0), result.get("fused", False))
     return {"bit_identical": result["bit_identical"], "runs": runs,
+            "use_fused_mhc": result.get("fused", False),
+            "largest_loss_difference_vs_native": result.get("native_loss_difference", {}),
             "checked": {run: list(refs) for run, refs in checked.items() if run in runs},
             "capturing_function": result.get("capturing_function"),
             "cpu_changes": result.get("cpu_changes", {})}
@@ -186,7 +204,8 @@ def format_full_iteration_table(cfg: RunConfig, result: dict) -> str:
     its reference, and the iteration graph's replays, size and the Python left in a replayed
     step."""
     m = cfg.model
-    checked = checked_runs(result["branch"], result["impl"], result["dropout"])
+    checked = checked_runs(result["branch"], result["impl"], result["dropout"],
+                           result.get("fused", False))
     graph = "the tape" if result["device"] == "cpu" else "torch.cuda.CUDAGraph"
     model = "Megatron-LM dev's GPT of HyperConnectionTransformerLayer"
     head = (f"{_shape(cfg, model, result)}; "
@@ -238,7 +257,9 @@ def format_table(cfg: RunConfig, result: dict) -> str:
         return format_full_iteration_table(cfg, result)
     m, t, p = cfg.model, cfg.train, cfg.parallel
     branch = result["branch"]
-    reference = references(branch)[0]
+    fused = result.get("fused", False)
+    refs = list(checked_runs(branch, fused=fused).values())[0] if fused else references(branch)
+    reference = refs[0]
     scopes, recompute_graphs = split_recompute_scope(cfg.graph.scopes)
     model = ("megatron-core's GPT of mhc_cg's mHC layer" if branch == "core"
              else f"Megatron-LM {branch}'s GPT of HyperConnectionTransformerLayer")
@@ -248,16 +269,18 @@ def format_table(cfg: RunConfig, result: dict) -> str:
             f"pp {p.pp_size} x vpp {p.vpp_size}{f' x ep {p.ep_size}' if p.ep_size > 1 else ''}"
             f"{_moe(m)}; {t.steps} steps x {t.num_microbatches} "
             f"microbatches on {result['device']}; megatron's TECudaGraphHelper graphs "
-            f"[{', '.join(scopes)}]{', mhc_cg the recompute' if recompute_graphs else ''} "
+            f"[{', '.join(scopes)}]{', mhc_cg the recompute' if recompute_graphs else ''}"
+            f"{'; the layers on mhc_cg fused kernels (use_fused_mhc)' if fused else ''} "
             f"({branch}: {result['source']})")
     header = ("run", "rank (pp, tp, ep)", "loss first -> last", f"vs {reference}", "saved / layer",
               "slot sets", "arena", "layer graphs / step", "recompute graphs / step",
-              "mHC recomputed / step")
+              "mHC recomputed / step", "fused ops (launches) / step", "|loss - native| max")
+    differences = result.get("native_loss_difference", {})
     rows = []
     for name, run in result["runs"].items():
         if "refused" in run:
             rows.append((name, "all", f"refused by {branch}: {run['refused']}", "", "", "", "",
-                         "", "", ""))
+                         "", "", "", "", ""))
             continue
         for index, rank in enumerate(run["ranks"]):
             saved = rank["saved_bytes_per_layer"]
@@ -268,7 +291,10 @@ def format_table(cfg: RunConfig, result: dict) -> str:
                          str(rank["persistent_slot_sets"] or "-"),
                          f"{rank['arena_bytes']} B" if rank["arena_bytes"] else "-",
                          str(rank["layer_graph_replays_per_step"]),
-                         str(rank["recompute_graph_replays_per_step"]), _recomputed(rank)))
+                         str(rank["recompute_graph_replays_per_step"]), _recomputed(rank),
+                         f"{rank['fused_op_calls_per_step']} "
+                         f"({rank['fused_kernel_launches_per_step']})",
+                         f"{differences[name]:.3g}" if name in differences else "-"))
     widths = [max(len(r[i]) for r in [header, *rows] if not r[2].startswith("refused"))
               for i in range(len(header))]
     lines = [head, "  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip(),
@@ -280,9 +306,12 @@ def format_table(cfg: RunConfig, result: dict) -> str:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
     lines.append("saved / layer: what a layer holds from its forward to its backward, per "
                  "microbatch; arena: the recompute's workspace, once per rank, shared by its chunks")
+    lines.append("fused ops: mhc_cg's mHC ops the last step ran, eager or replayed on the tape (on a "
+                 "GPU a graph replay dispatches none: the eager ones only), and the Triton kernel "
+                 "launches they stand for")
     lines += format_cpu_changes(result)
     if result["bit_identical"] is not None:
-        refs = [r for r in references(branch) if r in result["runs"]]
+        refs = [r for r in refs if r in result["runs"]]
         verdict = "bit for bit" if result["bit_identical"] else "NO: " + "; ".join(result["mismatches"])
         lines.append(f"mhc_cg's losses and gradients on every rank equal {' and '.join(refs)}: "
                      f"{verdict}")

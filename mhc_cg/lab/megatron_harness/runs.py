@@ -17,6 +17,12 @@ weights, data and update (:mod:`mhc_cg.lab.megatron_harness.training`), ``{branc
   (:func:`megatron_integration.capture.te_graph_helper.make_te_graph_helper`) and the recompute
   graphs along the same order.
 
+With ``megatron.use_fused_mhc`` the layers' mHC runs on mhc_cg's fused kernels, whose rounding is
+not Megatron's: the runs are ``{branch}_eager_none`` (Megatron's native ops, the figure to be
+close to), ``mhc_cg_fused_eager`` (the fused kernels, eager, no recompute:
+:mod:`mhc_cg.lab.megatron_harness.fused_eager`) and ``mhc_cg`` (or ``mhc_cg_full_iteration``),
+which must equal ``mhc_cg_fused_eager`` bit for bit.
+
 With ``megatron.cuda_graph_impl: full_iteration`` (``dev`` only) the runs are, every one
 trained through dev's own ``FullCudaGraphWrapper`` but the references
 (:func:`mhc_cg.lab.megatron_harness.training.train_run`; on the CPU the wrapper's CUDA graph is
@@ -60,6 +66,7 @@ OURS = "mhc_cg"
 DEV_FULL = "dev_full_iteration_mhc"
 OURS_FULL = "mhc_cg_full_iteration"
 NO_DROPOUT = "dev_eager_none_dropout0"
+FUSED_EAGER = "mhc_cg_fused_eager"
 # what each run under dev's FullCudaGraphWrapper is trained as: dev's own [mhc] recompute
 # (dropout 0), or mhc_cg's static runtime
 _FULL_ITERATION_RUNS = (DEV_FULL, OURS_FULL)
@@ -68,9 +75,13 @@ _MEGATRON_RECOMPUTE = ("recompute_granularity", "recompute_modules")
 _RECOMPUTE_FIELDS = (*_MEGATRON_RECOMPUTE, "mhc_recompute_layer_num")
 
 
-def runs_of(branch: str, impl: str = "transformer_engine", dropout: float = 0.0) -> tuple[str, ...]:
+def runs_of(branch: str, impl: str = "transformer_engine", dropout: float = 0.0,
+            fused: bool = False) -> tuple[str, ...]:
     """Every run of a comparison on ``branch``, references first; ``impl``: the config's
-    ``megatron.cuda_graph_impl``, ``dropout`` its ``model.hidden_dropout``."""
+    ``megatron.cuda_graph_impl``, ``dropout`` its ``model.hidden_dropout``, ``fused`` its
+    ``megatron.use_fused_mhc``."""
+    if fused:
+        return (f"{branch}_eager_none", FUSED_EAGER, ours(impl))
     if impl == FULL_ITERATION:
         return ("dev_eager_none", *((NO_DROPOUT,) if dropout > 0 else ()), DEV_FULL, OURS_FULL)
     if branch == "core":
@@ -83,11 +94,13 @@ def ours(impl: str = "transformer_engine") -> str:
     return OURS_FULL if impl == FULL_ITERATION else OURS
 
 
-def checked_runs(branch: str, impl: str = "transformer_engine",
-                 dropout: float = 0.0) -> dict[str, tuple[str, ...]]:
+def checked_runs(branch: str, impl: str = "transformer_engine", dropout: float = 0.0,
+                 fused: bool = False) -> dict[str, tuple[str, ...]]:
     """``{run: the runs it must equal bit for bit}``: ``mhc_cg`` and the branch's
     :func:`references`; under ``full_iteration`` both graphed runs, each against dev without
-    recompute at its own dropout."""
+    recompute at its own dropout; with ``fused``, mhc_cg's run against its fused eager run."""
+    if fused:
+        return {ours(impl): (FUSED_EAGER,)}
     if impl == FULL_ITERATION:
         return {DEV_FULL: (NO_DROPOUT if dropout > 0 else "dev_eager_none",),
                 OURS_FULL: ("dev_eager_none",)}
@@ -114,10 +127,10 @@ def run_kwargs(kwargs: dict, run: str, branch: str) -> dict:
                 kwargs.pop(name)
         kwargs.update(cuda_graph_impl=FULL_ITERATION, cuda_graph_modules=[])
         return kwargs
-    if run.endswith("_eager_none") or run == NO_DROPOUT:
+    if run.endswith("_eager_none") or run in (NO_DROPOUT, FUSED_EAGER):
         for name in _RECOMPUTE_FIELDS:
             kwargs.pop(name)
-    elif run == OURS and branch == "dev":
+    elif run in (OURS, FUSED_EAGER) and branch == "dev":
         # dev's own mHC recompute off: the runtime recomputes, in blocks of
         # mhc_recompute_layer_num layers (and dev refuses [mhc] with layer graphs beyond its
         # attention split)
@@ -256,10 +269,18 @@ def build_run(run: str, cfg: RunConfig, branch: str, cpu: bool):
                 use_counter_embedding_dropout(
                     get_attr_wrapped_model(chunk, "decoder", return_model_obj=True))
     helper = None
-    if run == OURS_FULL:  # the static runtime, no layer graphs: the whole iteration is one graph
+    fused_mhc = cfg.megatron.use_fused_mhc if branch != "core" else None
+    if run == FUSED_EAGER:
+        from megatron_integration.capture.te_graph_helper import chunk_decoder
+        from mhc_cg.lab.megatron_harness.fused_eager import use_fused_eager
+
+        for chunk in chunks:
+            use_fused_eager(chunk_decoder(chunk))
+    elif run == OURS_FULL:  # the static runtime, no layer graphs: the whole iteration is one graph
         from megatron_integration.capture.te_graph_helper import install_static_runtime
 
-        install_static_runtime(chunks, config, setup.seq_length, setup.micro_batch_size)
+        install_static_runtime(chunks, config, setup.seq_length, setup.micro_batch_size,
+                               fused_mhc)
     elif run.endswith("_graphed_mhc"):
         helper = TECudaGraphHelper(chunks, config, setup.seq_length, setup.micro_batch_size)
     elif run == OURS:
@@ -267,7 +288,8 @@ def build_run(run: str, cfg: RunConfig, branch: str, cpu: bool):
                             else megatron_config_kwargs(cfg, branch)[1])
         helper = make_te_graph_helper(chunks, config, setup.seq_length, setup.micro_batch_size,
                                       recompute_graphs=recompute_graphs,
-                                      backend=get_backend("tape") if cpu else None)
+                                      backend=get_backend("tape") if cpu else None,
+                                      fused_mhc=fused_mhc)
     return chunks, helper
 
 

@@ -17,7 +17,11 @@
   puts in the layer graph;
 * **mHC checkpoints per step**: the ``CheckpointWithoutOutput`` objects megatron's mHC recompute
   managers register (counted by wrapping ``CheckpointWithoutOutputManager.add_checkpoint`` for
-  the step), and the sublayers mhc_cg's runtime recomputes (and those it kept from the forward).
+  the step), and the sublayers mhc_cg's runtime recomputes (and those it kept from the forward);
+* **fused ops per step**: mhc_cg's fused mHC ops (``mhc_cg::*``) the step ran, eagerly or in a
+  graph replay (counted at dispatch: a tape replay dispatches what it recorded; a CUDA graph's
+  replay dispatches nothing, so on a GPU the figure is the eager ones only), and the Triton
+  kernel launches they stand for (:data:`mhc_cg.lab.cost.fused.LAUNCHES`).
 
 Layer graphs expose what their backward reads only on the ``tape`` backend (the CPU emulation),
 whether mhc_cg's ``make_graphed_callables`` or TE's own captured them; elsewhere the saved bytes
@@ -33,9 +37,11 @@ from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mhc_cg.core.storage import storage_bytes, storage_id
 from mhc_cg.graphs.graphed_callables import GraphedState
+from mhc_cg.lab.cost.fused import LAUNCHES
 
 
 def _count_checkpoints() -> tuple[Callable[[], int], Callable[[], None]]:
@@ -227,8 +233,10 @@ def measuring(decoders: list[torch.nn.Module], into: dict) -> Iterator[None]:
     per_graph = [layer_graph_replays(decoder) for decoder in decoders]
     checkpoints, undo = _count_checkpoints()
     eager_calls, undo_calls = _count_eager_sublayer_calls(decoders)
+    fused = FusedOpCounter()
     try:
-        yield
+        with fused:
+            yield
     finally:
         undo()
         undo_calls()
@@ -250,8 +258,24 @@ def measuring(decoders: list[torch.nn.Module], into: dict) -> Iterator[None]:
         recomputed_sublayers_per_step=done[("ran", "sublayers")],
         kept_sublayers_per_step=done[("kept", "sublayers")],
         recompute_blocks_kept_per_step=done[("kept", "blocks")],
+        fused_op_calls_per_step=sum(fused.calls.values()),
+        fused_kernel_launches_per_step=sum(LAUNCHES.get(op, 1) * n
+                                           for op, n in fused.calls.items()),
         arena_bytes=arena_bytes(decoders[0]),  # one arena per rank, shared by its chunks
         persistent_slot_sets=static.runtime.sets.capacity if static is not None else 0)
+
+
+class FusedOpCounter(TorchDispatchMode):
+    """Counts the ``mhc_cg::*`` ops dispatched while it is on (``calls``: ``{op: count}``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "mhc_cg":
+            self.calls[func._schema.name] += 1
+        return func(*args, **(kwargs or {}))
 
 
 # per sublayer: its F and norm (modules), its hyper-connection (attribute names of main's and dev's
