@@ -195,8 +195,9 @@ def test_counter_hash_is_murmur3_fmix_in_32_bits():
 # ---- Triton (interpreter) against the torch reference ------------------------------------------
 
 def op_cases(device, dtype, n: int, c: int, t: int, norm: bool = True, p: float = 0.2,
-             h_res_transposed: bool = False) -> dict:
-    """Every op, forward and backward, on the same random inputs; ``case(use_triton)`` runs one."""
+             h_res_transposed: bool = False, arithmetic: str = "main") -> dict:
+    """Every op, forward and backward, on the same random inputs; ``case(use_triton)`` runs one.
+    ``arithmetic``: main's, or dev's (given only then: the default calls omit it)."""
     from mhc_cg.ops.kernels import custom_ops as ops
 
     g = torch.Generator().manual_seed(0)
@@ -210,8 +211,9 @@ def op_cases(device, dtype, n: int, c: int, t: int, norm: bool = True, p: float 
     bias, nw = rand(m), rand(c, lo=0.5) if norm else None
     alphas = [torch.full((1,), v, device=device, dtype=dtype) for v in (0.7, -0.4, 1.3)]
     seed = torch.tensor(3, device=device)
-    state = reference.pre(x, w, *alphas, bias, nw, n, 20, EPS)[1]  # one state for the downstream ops
-    prev_state = reference.pre(y.repeat(1, n), w, *alphas, bias, nw, n, 20, EPS)[1]
+    ar = {"arithmetic": arithmetic} if arithmetic != "main" else {}
+    state = reference.pre(x, w, *alphas, bias, nw, n, 20, EPS, **ar)[1]  # the downstream ops'
+    prev_state = reference.pre(y.repeat(1, n), w, *alphas, bias, nw, n, 20, EPS, **ar)[1]
     g_state = torch.randn(t, m + 2, generator=g).to(device)
     g_out, g_x, g_post = rand(t, c), rand(t, n * c), rand(t, n * c)
     logits = rand(t, n * c + 7) * 4  # a vocabulary that no block size divides
@@ -220,24 +222,25 @@ def op_cases(device, dtype, n: int, c: int, t: int, norm: bool = True, p: float 
     g_loss = torch.rand(t, generator=g).to(device=device, dtype=lse.dtype)
     ht = (True,) if h_res_transposed else ()  # the default layout: calls without the argument
     return {
-        "pre": lambda tri: ops.pre(x, w, *alphas, bias, nw, n, 20, EPS, tri),
+        "pre": lambda tri: ops.pre(x, w, *alphas, bias, nw, n, 20, EPS, tri, **ar),
         "pre_backward": lambda tri: ops.pre_backward(g_out, g_state, g_x, x, w, *alphas, bias, nw,
-                                                     state, n, 20, EPS, tri, *ht),
+                                                     state, n, 20, EPS, tri, *ht, **ar),
         "pre_backward_into": lambda tri: (*ops.pre_backward_into(
             g_out, g_state, g_post := g_x.clone(), x, w, *alphas, bias, nw, state, n, 20, EPS, tri,
-            *ht), g_post),
+            *ht, **ar), g_post),
         "post_maps": lambda tri: ops.post_maps(state[None], bias[None], alphas[1], alphas[2],
-                                               n * c, n, 20, tri),
+                                               n * c, n, 20, tri, **ar),
         "post": lambda tri: ops.post(x, state, ops.post_maps(state[None], bias[None], alphas[1],
-                                                             alphas[2], n * c, n, 20, tri)[0],
+                                                             alphas[2], n * c, n, 20, tri,
+                                                             **ar)[0],
                                      *alphas, bias, y, seed, p, 3, n, 20, tri, *ht),
         "post_backward": lambda tri: ops.post_backward(g_post, x, state, *alphas, bias, y, seed, p,
-                                                       3, n, 20, tri, *ht),
+                                                       3, n, 20, tri, *ht, **ar),
         # the pre's backward with its post's reductions and the previous post's g_y
         "pre_backward_fused": lambda tri: (*ops.pre_backward_into(
             g_out, g_state, g_post := g_x.clone(), x, w, *alphas, bias, nw, state, n, 20, EPS, tri,
             h_res_transposed, y, seed, p, 3, prev_state, alphas[1] * 0.5, bias.flip(0), 5,
-            g_y := torch.empty_like(y)), g_post, g_y),
+            g_y := torch.empty_like(y), **ar), g_post, g_y),
         "post_grad_y": lambda tri: ops.post_grad_y(g_post, state, alphas[1], bias, seed, p, 3, n,
                                                    dtype, tri),
         "rms_norm": lambda tri: ops.rms_norm(y, w[0, :c].abs() + 0.5, EPS, tri),
@@ -255,8 +258,10 @@ def _as_tuple(out):
     return out if isinstance(out, tuple) else (out,)
 
 
-def assert_ops_match(dtype, n, c, t, norm, rtol, atol, h_res_transposed=False, only=None):
-    cases = op_cases("cpu", dtype, n, c, t, norm, h_res_transposed=h_res_transposed)
+def assert_ops_match(dtype, n, c, t, norm, rtol, atol, h_res_transposed=False, only=None,
+                     arithmetic="main"):
+    cases = op_cases("cpu", dtype, n, c, t, norm, h_res_transposed=h_res_transposed,
+                     arithmetic=arithmetic)
     for name, run in cases.items():
         if only is not None and name not in only:
             continue
@@ -292,7 +297,8 @@ def test_triton_matches_reference_bf16(interpret, n, c, norm):
     assert_ops_match(torch.bfloat16, n, c, 6, norm, rtol=2e-2, atol=2e-2)
 
 
-def block_chain(impl, x0, ws, params, norms, seed, p, n, iterations, h_res_transposed=False):
+def block_chain(impl, x0, ws, params, norms, seed, p, n, iterations, h_res_transposed=False,
+                arithmetic="main"):
     """A block's forward through ``impl``'s pre and post, sublayer by sublayer: the sublayer
     inputs after the first, F's inputs, F's outputs and states (F is ``fn``)."""
     xs, fn_inputs, ys, states = [], [], [], []
@@ -300,12 +306,13 @@ def block_chain(impl, x0, ws, params, norms, seed, p, n, iterations, h_res_trans
     for k, (w, prm) in enumerate(zip(ws, params)):
         bias, a = prm[:m], [prm[m + j:m + j + 1] for j in range(3)]
         f_in, state = impl.pre(x, w, *a, bias, None if norms is None else norms[k], n, iterations,
-                               EPS)
+                               EPS, arithmetic=arithmetic)
         y = fn(f_in)
         fn_inputs.append(f_in), ys.append(y), states.append(state)
         if k + 1 < len(ws):
             x = impl.post(x, state, *a, bias, y, seed, p, 10 + 2 * k, n, iterations,
-                          **({"h_res_transposed": True} if h_res_transposed else {}))
+                          **({"h_res_transposed": True} if h_res_transposed else {}),
+                          arithmetic=arithmetic)
             xs.append(x)
     return xs, fn_inputs, ys, states
 
@@ -773,3 +780,84 @@ def test_pre_backward_with_the_posts_halves_is_bit_identical_to_them_apart(reque
         assert torch.equal(w_fused, w_apart) and torch.equal(nw_fused, nw_apart)
         assert torch.equal(params_fused, params_apart + params_post)
     assert not torch.equal(g_y, torch.zeros_like(g_y))
+
+
+# ---- dev's (DeepSeek-V4's) arithmetic: h_pre = sigmoid + 1e-6, dev's Sinkhorn -------------------
+
+# every op whose results dev's arithmetic changes, and the output that shows it
+DEV_OPS = {"pre": 0, "pre_backward": 0, "pre_backward_into": -1, "post_maps": 0,
+           "post_backward": 0, "pre_backward_fused": 1}
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,n,c,t,norm,tol", [(torch.float32, 4, 24, 6, True, 1e-5),
+                                                  (torch.float32, 3, 10, 5, False, 1e-5),
+                                                  (torch.bfloat16, 4, 24, 7, True, 2e-2)])
+def test_dev_arithmetic_triton_ops_match_reference(interpret, dtype, n, c, t, norm, tol):
+    """Every op, Triton (a compile-time variant of the same kernels) against the reference, in
+    dev's arithmetic with dev's H_res layout; ragged token counts, padded streams (n = 3); and
+    the arithmetic matters: main's results differ from dev's where it enters."""
+    assert_ops_match(dtype, n, c, t, norm, tol, tol, h_res_transposed=True, arithmetic="dev")
+    main, dev = (op_cases("cpu", torch.float32, n, c, t, norm, h_res_transposed=True,
+                          arithmetic=a) for a in ("main", "dev"))
+    for name, k in DEV_OPS.items():
+        a, b = _as_tuple(main[name](False))[k], _as_tuple(dev[name](False))[k]
+        assert (a - b).abs().max() > 1e-6, name
+
+
+@pytest.mark.parametrize("use_triton", [False, pytest.param(True, marks=needs_triton)])
+def test_dev_arithmetic_block_recompute_reproduces_the_forward_bit_for_bit(request, use_triton):
+    """In dev's arithmetic the recompute rebuilds the block's inputs as dev's pre and post
+    computed them, bit for bit; main's arithmetic does not."""
+    if use_triton:
+        request.getfixturevalue("interpret")
+    impl = fused.dispatch.triton_kernels() if use_triton else reference
+    n, c, t, sublayers, p = BLOCK_SHAPE
+    x0, ws, params, norms = _block_case(5, logit_scale=2.0)
+    seed, streams = torch.tensor(99), [10 + 2 * k for k in range(sublayers)]
+    xs, fn_inputs, ys, states = block_chain(impl, x0, ws, params, norms, seed, p, n, 5,
+                                            h_res_transposed=True, arithmetic="dev")
+
+    def recompute(arithmetic):
+        x_out = torch.full((sublayers - 1, t, n * c), float("nan"))
+        fn_out = torch.full((sublayers, t, c), float("nan"))
+        impl.recompute(x0, torch.stack(ys), torch.stack(states), params, norms, seed, p, streams,
+                       n, 5, EPS, x_out, fn_out, h_res_transposed=True, arithmetic=arithmetic)
+        return x_out, fn_out
+
+    x_out, fn_out = recompute("dev")
+    assert torch.equal(x_out, torch.stack(xs))
+    assert torch.equal(fn_out, torch.stack(fn_inputs))
+    x_main, _ = recompute("main")
+    assert (x_main - x_out).abs().max() > 1e-6
+
+
+def test_dev_arithmetic_fused_sublayer_matches_its_unfused_math_and_gradients():
+    """The reference's fused pre and post in dev's arithmetic against HyperConnection's unfused
+    ops in dev's arithmetic (autograd through dev's Sinkhorn), fp64: values and every gradient."""
+    n, c = 4, 8
+    hc = make_hc(n, c, torch.float64, h_res_transposed=True, arithmetic="dev")
+    norm_w = torch.rand(c, dtype=torch.float64) + 0.5
+    x = torch.randn(5, 3, n * c, dtype=torch.float64, requires_grad=True)
+    f = torch.nn.Linear(c, c).double()
+
+    def composed(x):
+        h_pre, h_post, h_res = hc.compute_mappings(x)
+        agg = hc.aggregate(x, h_pre)
+        normed = agg * torch.rsqrt(agg.pow(2).mean(-1, keepdim=True) + EPS) * norm_w
+        return hc.apply_h_res(h_res, x) + hc.apply_h_post(f(normed), h_post)
+
+    def fused_path(x):
+        fn_input, state, x_on = hc.pre(x, norm_w, EPS)
+        return hc.post(x_on, state, f(fn_input), None, 0.0, 0)
+
+    probe = torch.randn(5, 3, n * c, dtype=torch.float64)
+    results = []
+    for run in (composed, fused_path):
+        params = [x, *hc.parameters(), *f.parameters()]
+        out = run(x)
+        results.append((out.detach(), torch.autograd.grad((out * probe).sum(), params)))
+    (a, ga), (b, gb) = results
+    torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
+    for u, v in zip(gb, ga):
+        torch.testing.assert_close(u, v, rtol=1e-9, atol=1e-10)

@@ -106,13 +106,19 @@ def _alphas(s: Shape) -> tuple:
     return s.t(1), s.t(1), s.t(1)
 
 
-def _pre(k, s: Shape, norm: bool = True, weight_dtype: torch.dtype | None = None):
+# Megatron-LM dev's layer: dev's (DeepSeek-V4's) arithmetic, H_res applied transposed
+DEV = {"arithmetic": "dev", "h_res_transposed": True}
+
+
+def _pre(k, s: Shape, norm: bool = True, weight_dtype: torch.dtype | None = None,
+         arithmetic: str = "main"):
     return k.pre(s.t(s.T, s.n * s.C), s.t(s.M, s.n * s.C, dtype=weight_dtype), *_alphas(s),
-                 s.t(s.M), s.t(s.C) if norm else None, s.n, s.iterations, 1e-5)
+                 s.t(s.M), s.t(s.C) if norm else None, s.n, s.iterations, 1e-5,
+                 arithmetic=arithmetic)
 
 
 def _pre_backward(k, s: Shape, in_place: bool = False, norm: bool = True, fused: bool = False,
-                  weight_dtype: torch.dtype | None = None):
+                  weight_dtype: torch.dtype | None = None, **variant):
     g_post = s.t(s.T, s.n * s.C)
     # fused: with its post's reductions and the previous post's F output gradient, as the model
     # runs it inside a chain of sublayers, where the state's one consumer is that post
@@ -125,7 +131,7 @@ def _pre_backward(k, s: Shape, in_place: bool = False, norm: bool = True, fused:
                           s.t(s.T, s.n * s.C), s.t(s.M, s.n * s.C, dtype=weight_dtype),
                           *_alphas(s), s.t(s.M),
                           s.t(s.C) if norm else None, s.t(s.T, s.M + 2, dtype=torch.float32), s.n,
-                          s.iterations, 1e-5, g_post if in_place else None, **around)
+                          s.iterations, 1e-5, g_post if in_place else None, **around, **variant)
 
 
 @contextlib.contextmanager
@@ -160,10 +166,11 @@ def _maps(s: Shape, posts: int = 1) -> torch.Tensor:
     return s.t(posts, s.T, s.n + s.n * s.n, dtype=torch.float32)
 
 
-def _post_maps(k, s: Shape, posts: int = 1):
+def _post_maps(k, s: Shape, posts: int = 1, arithmetic: str = "main"):
     params = s.t(posts, s.M + 3)  # the recompute's layout: strided views of one block
     return k.post_maps(s.t(posts, s.T, s.M + 2, dtype=torch.float32), params[:, :s.M],
-                       params[:, s.M + 1], params[:, s.M + 2], s.n * s.C, s.n, s.iterations)
+                       params[:, s.M + 1], params[:, s.M + 2], s.n * s.C, s.n, s.iterations,
+                       arithmetic=arithmetic)
 
 
 def _post(k, s: Shape, stream: int, dropout: bool = True):
@@ -172,27 +179,27 @@ def _post(k, s: Shape, stream: int, dropout: bool = True):
                   s.dropout if dropout else 0.0, stream, s.n, s.iterations, maps=_maps(s)[0])
 
 
-def _post_state(k, s: Shape, stream: int, dropout: bool = True):
+def _post_state(k, s: Shape, stream: int, dropout: bool = True, **variant):
     return k.post_state(s.t(s.T, s.n * s.C), _maps(s)[0], s.t(s.T, s.C),
                         s.seed if dropout else None, s.dropout if dropout else 0.0, stream, s.n,
-                        s.t(s.M, s.n * s.C), s.t(1), s.t(s.M), True, 1e-5)
+                        s.t(s.M, s.n * s.C), s.t(1), s.t(s.M), True, 1e-5, **variant)
 
 
-def _post_backward(k, s: Shape, stream: int, dropout: bool = True):
+def _post_backward(k, s: Shape, stream: int, dropout: bool = True, **variant):
     return k.post_backward(s.t(s.T, s.n * s.C), s.t(s.T, s.n * s.C),
                            s.t(s.T, s.M + 2, dtype=torch.float32), *_alphas(s), s.t(s.M),
                            s.t(s.T, s.C), s.seed if dropout else None,
-                           s.dropout if dropout else 0.0, stream, s.n, s.iterations)
+                           s.dropout if dropout else 0.0, stream, s.n, s.iterations, **variant)
 
 
-def _recompute(k, s: Shape, steps: int = 4, dropout: bool = True):
+def _recompute(k, s: Shape, steps: int = 4, dropout: bool = True, **variant):
     # a block of `steps` sublayers, its streams evenly spaced as the model numbers them
     return k.recompute(s.t(s.T, s.n * s.C), s.t(steps, s.T, s.C),
                        s.t(steps, s.T, s.M + 2, dtype=torch.float32), s.t(steps, s.M + 3),
                        s.t(steps, s.C), s.seed if dropout else None, s.dropout if dropout else 0.0,
                        list(range(2, 2 + steps)), s.n, s.iterations, 1e-5,
                        s.t(steps - 1, s.T, s.n * s.C), s.t(steps, s.T, s.C),
-                       maps=_maps(s, steps - 1))
+                       maps=_maps(s, steps - 1), **variant)
 
 
 # The arguments are those the model passes: parameters in the shape's dtype, dropout on in
@@ -236,6 +243,14 @@ CASES = (
                                                    torch.bfloat16)),
     Case("recompute", lambda k, s: _recompute(k, s)),
     Case("recompute[no dropout]", lambda k, s: _recompute(k, s, dropout=False)),
+    # Megatron-LM dev's layer (use_fused_mhc): every kernel dev's arithmetic compiles otherwise
+    Case("pre[dev]", lambda k, s: _pre(k, s, arithmetic="dev")),
+    Case("pre_backward[dev fused]",
+         lambda k, s: _pre_backward(k, s, in_place=True, fused=True, **DEV)),
+    Case("post_maps[dev]", lambda k, s: _post_maps(k, s, arithmetic="dev")),
+    Case("post_state[dev]", lambda k, s: _post_state(k, s, 2, **DEV)),
+    Case("post_backward[dev]", lambda k, s: _post_backward(k, s, 2, **DEV)),
+    Case("recompute[dev]", lambda k, s: _recompute(k, s, **DEV)),
     Case("rms_norm", lambda k, s: k.rms_norm(s.t(s.T, s.C), s.t(s.C), 1e-5)),
     Case("rms_norm_backward", lambda k, s: k.rms_norm_backward(s.t(s.T, s.C), s.t(s.T, s.C),
                                                                 s.t(s.C), 1e-5)),

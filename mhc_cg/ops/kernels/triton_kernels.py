@@ -59,16 +59,16 @@ try:
 except ImportError:  # a Triton without grid dependency control: the ``pdl`` option stays off
     gdc_launch_dependents = gdc_wait = None
 
-from mhc_cg.core.errors import ConfigError
 from mhc_cg.ops.kernels.hash import MAX_ELEMENTS, counter_hash, keep_scale, keep_threshold
 from mhc_cg.ops.kernels.launch import launch_config
 from mhc_cg.ops.kernels.tiling import (DOT_ROWS, SUM_ROWS, block_c, mapping_columns, next_pow2,
                                     post_backward_scratch, post_maps_shape, pre_backward_scratch,
                                     state_rows, state_splits, state_tiling,
                                     weight_grad_groups)
-from mhc_cg.ops.kernels.reference import RMS_EPS, SINKHORN_EPS, state_width
+from mhc_cg.ops.kernels.reference import H_PRE_EPS, RMS_EPS, SINKHORN_EPS, state_width
 
 INTERPRETED = bool(knobs.runtime.interpret)
+_H_PRE_FLOOR = tl.constexpr(H_PRE_EPS)  # dev's h_pre = sigmoid + this
 
 # The very function torch runs for mhc_cg.ops.dropout, jitted from its source. Triton's interpreter
 # wants triton.language among the function's globals; the hash itself reads no global.
@@ -79,13 +79,6 @@ CHAIN_ROWS = 4  # tokens per program elsewhere: n x n per-token sums stay in reg
 # the pre backward's first pass without a post: elements per feature step over the streams
 # ([CHAIN_ROWS, n, BC] tiles)
 COEF_BUDGET = 256
-
-
-def _main_only(arithmetic: str) -> None:
-    if arithmetic != "main":
-        raise ConfigError(f"mhc_cg kernels: the Triton kernels compute main's mHC arithmetic, not "
-                          f"{arithmetic!r}; run {arithmetic}'s on the torch reference "
-                          f"(model.kernels: torch)")
 
 
 def _indexable(*tensors: torch.Tensor) -> None:
@@ -193,6 +186,17 @@ def _gates(state_ptr, bias_ptr, a_ptr, r, t, tmask, FIRST: tl.constexpr, N: tl.c
         b = tl.load(bias_ptr + i).to(tl.float32)
         gates = gates + (_sigmoid(r * p * a + b),)
     return gates
+
+
+@triton.jit
+def _floored(gates, N: tl.constexpr, DEV: tl.constexpr):
+    """H_pre from the pre's gates: the gates themselves (main), or dev's ``sigmoid + 1e-6``."""
+    out = gates
+    if DEV:
+        out = ()
+        for i in tl.static_range(N):
+            out = out + (gates[i] + _H_PRE_FLOOR,)
+    return out
 
 
 @triton.jit
@@ -343,11 +347,71 @@ def _sk_iteration(m, EPS: tl.constexpr):
 
 
 @triton.jit
-def _sinkhorn(logits, mask, iterations, EPS: tl.constexpr):
+def _sinkhorn(logits, mask, iterations, EPS: tl.constexpr, DEV: tl.constexpr):
+    """H_res from its logits: main's Sinkhorn, or with ``DEV`` dev's."""
+    if DEV:
+        m = _sinkhorn_dev(logits, mask, iterations, EPS)
+    else:
+        m = _sinkhorn_main(logits, mask, iterations, EPS)
+    return m
+
+
+@triton.jit
+def _sinkhorn_main(logits, mask, iterations, EPS: tl.constexpr):
     m = _sk_init(logits, mask)
     for _ in range(iterations):
         m = _sk_iteration(m, EPS)
     return m
+
+
+@triton.jit
+def _sk_softmax(logits, mask):
+    """The rows' softmax on valid entries, 0 on padding."""
+    m = _sk_init(logits, mask)
+    s = tl.sum(m, axis=2)
+    return m / tl.where(s > 0, s, 1.0)[:, :, None]
+
+
+@triton.jit
+def _sk_dev_round(m, k, EPS: tl.constexpr):
+    """Round ``k`` of dev's Sinkhorn (Note [dev's Sinkhorn], ``mhc_cg/ops/kernels/reference.py``):
+    the rows but in round 0, then the columns, each sum ``+ eps``; ``(row sums, after the rows,
+    column sums, after the columns)``."""
+    s_row = tl.sum(m, axis=2)
+    mid = tl.where(k > 0, m / (s_row + EPS)[:, :, None], m)
+    s_col = tl.sum(mid, axis=1)
+    return s_row, mid, s_col, mid / (s_col + EPS)[:, None, :]
+
+
+@triton.jit
+def _sinkhorn_dev(logits, mask, iterations, EPS: tl.constexpr):
+    m = tl.where(mask, _sk_softmax(logits, mask) + EPS, 0.0)
+    for k in range(iterations):
+        m = _sk_dev_round(m, k, EPS)[3]
+    return m
+
+
+@triton.jit
+def _sinkhorn_dev_bwd(logits, mask, g, iterations, EPS: tl.constexpr, IP: tl.constexpr):
+    """d :func:`_sinkhorn_dev` / d logits for ``g`` (0 on padding): the iterates kept as in
+    Note [Sinkhorn's iterates kept]; each step ``out = m / (s + eps)`` has the derivative
+    ``(g - sum(g out)) / (s + eps)``, never divided by less than eps; then the softmax's."""
+    p = _sk_softmax(logits, mask)
+    m = tl.where(mask, p + EPS, 0.0)
+    k_ids = tl.arange(0, IP)[None, None, None, :]
+    kept = m[:, :, :, None] * (k_ids * 0.0)
+    for k in range(iterations):
+        kept = tl.where(k_ids == k, m[:, :, :, None], kept)
+        m = _sk_dev_round(m, k, EPS)[3]
+    for back in range(iterations):
+        k = iterations - 1 - back
+        m = tl.sum(tl.where(k_ids == k, kept, 0.0), axis=3)
+        s_row, mid, s_col, out = _sk_dev_round(m, k, EPS)
+        g = (g - tl.sum(g * out, axis=1)[:, None, :]) / (s_col + EPS)[:, None, :]
+        g = tl.where(k > 0, (g - tl.sum(g * mid, axis=2)[:, :, None]) / (s_row + EPS)[:, :, None],
+                     g)
+        g = tl.where(mask, g, 0.0)  # padding stays 0
+    return p * (g - tl.sum(g * p, axis=2)[:, :, None])
 
 
 @triton.jit
@@ -361,8 +425,19 @@ def _sk_parts(m, EPS: tl.constexpr):
 
 
 @triton.jit
-def _sinkhorn_bwd(logits, mask, g, iterations, EPS: tl.constexpr, IP: tl.constexpr):
-    """d sinkhorn / d logits for ``g`` (0 on padding). ``g`` runs as the gradient with respect
+def _sinkhorn_bwd(logits, mask, g, iterations, EPS: tl.constexpr, IP: tl.constexpr,
+                  DEV: tl.constexpr):
+    """d :func:`_sinkhorn` / d logits for ``g`` (0 on padding)."""
+    if DEV:
+        g_l = _sinkhorn_dev_bwd(logits, mask, g, iterations, EPS, IP)
+    else:
+        g_l = _sinkhorn_main_bwd(logits, mask, g, iterations, EPS, IP)
+    return g_l
+
+
+@triton.jit
+def _sinkhorn_main_bwd(logits, mask, g, iterations, EPS: tl.constexpr, IP: tl.constexpr):
+    """d main's sinkhorn / d logits for ``g`` (0 on padding). ``g`` runs as the gradient with respect
     to log m (``g_m * m``), as the reference's does: m's own grows as 1/m and overflows where the
     logits spread past exp's range.
 
@@ -494,7 +569,7 @@ def _state_part(x_ptr, w_ptr, part_ptr, y_ptr, maps_ptr, seed_ptr, xo_ptr, strea
 @triton.jit
 def _state_sum(part_ptr, bias_ptr, apre_ptr, state_ptr, T, C, splits, sqrt_d, eps,
                N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr,
-               NORM: tl.constexpr, RMS: tl.constexpr, PDL: tl.constexpr):
+               NORM: tl.constexpr, RMS: tl.constexpr, PDL: tl.constexpr, DEV: tl.constexpr):
     """The state ``[proj | xnorm | rstd]`` of ``BT`` tokens from :func:`_state_part`'s rows,
     summed over the splits in order (deterministic): the norm of x from the Gram matrix's
     trace, F's input's RMSNorm scale from the pre gates and the whole matrix."""
@@ -527,7 +602,10 @@ def _state_sum(part_ptr, bias_ptr, apre_ptr, state_ptr, T, C, splits, sqrt_d, ep
     rstd = tl.full([BT], 1.0, tl.float32)
     if NORM:
         r = 1.0 / (xnorm / sqrt_d + RMS)
-        s = tl.where((i < N)[None, :], _sigmoid(_gate_logits(p_pre, r, apre_ptr, bias_ptr, i, N)), 0.0)
+        s = _sigmoid(_gate_logits(p_pre, r, apre_ptr, bias_ptr, i, N))
+        if DEV:  # dev's h_pre = sigmoid + 1e-6
+            s = s + _H_PRE_FLOOR
+        s = tl.where((i < N)[None, :], s, 0.0)
         mean_sq = tl.sum(tl.sum(s[:, :, None] * gram * s[:, None, :], axis=2), axis=1) / C
         rstd = 1.0 / tl.sqrt(tl.maximum(mean_sq, 0.0) + eps)
     tl.store(state_ptr + t * SW + M + 1, rstd, mask=tmask)
@@ -538,7 +616,7 @@ def _state_sum(part_ptr, bias_ptr, apre_ptr, state_ptr, T, C, splits, sqrt_d, ep
 @triton.jit
 def _post_maps(state_ptr, bias_ptr, apost_ptr, ares_ptr, maps_ptr, T, p_stride, sqrt_d, iterations,
                N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, EPS: tl.constexpr,
-               RMS: tl.constexpr):
+               RMS: tl.constexpr, DEV: tl.constexpr):
     """``maps [steps, T, n + n*n] = [H_post / 2 | H_res]`` of BT tokens for step
     ``program_id(1)``: Sinkhorn once per token, for every feature block of the chain to read."""
     M: tl.constexpr = N * N + 2 * N
@@ -555,7 +633,7 @@ def _post_maps(state_ptr, bias_ptr, apost_ptr, ares_ptr, maps_ptr, T, p_stride, 
     mp = maps_ptr + k * T * MW
     tl.store(mp + t[:, None] * MW + i[None, :], _sigmoid(l_post), mask=vmask)
     tl.store(mp + t[:, None, None] * MW + N + i[None, :, None] * N + i[None, None, :],
-             _sinkhorn(l_res, rmask, iterations, EPS), mask=rmask)
+             _sinkhorn(l_res, rmask, iterations, EPS, DEV), mask=rmask)
 
 
 # ---- the chain: F's input and the post, for one sublayer or a whole block ------------------------
@@ -566,7 +644,7 @@ def _chain(x_ptr, y_ptr, state_ptr, maps_ptr, bias_ptr, apre_ptr, apost_ptr, are
            sqrt_d, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
            FN: tl.constexpr, POSTS: tl.constexpr, NORM: tl.constexpr, DROPOUT: tl.constexpr,
            THRESHOLD: tl.constexpr, SCALE: tl.constexpr, RMS: tl.constexpr, HT: tl.constexpr,
-           PDL: tl.constexpr):
+           PDL: tl.constexpr, DEV: tl.constexpr):
     if PDL:  # Note [programmatic dependent launch]
         gdc_wait()
     M: tl.constexpr = N * N + 2 * N
@@ -582,8 +660,8 @@ def _chain(x_ptr, y_ptr, state_ptr, maps_ptr, bias_ptr, apre_ptr, apost_ptr, are
         if FN:  # F's input: sum_i h_pre[i] x[i], streams in a fixed order
             st = state_ptr + k * T * SW
             po = k * p_stride
-            s_pre = _gates(st, bias_ptr + po, apre_ptr + po,
-                           _inv_rms(st, t, tmask, sqrt_d, N, RMS), t, tmask, 0, N)
+            s_pre = _floored(_gates(st, bias_ptr + po, apre_ptr + po,
+                                    _inv_rms(st, t, tmask, sqrt_d, N, RMS), t, tmask, 0, N), N, DEV)
             fn = tl.zeros([BT, BC], dtype=tl.float32)
             for i in tl.static_range(N):
                 fn += s_pre[i][:, None] * xs[i]
@@ -603,7 +681,6 @@ def _chain(x_ptr, y_ptr, state_ptr, maps_ptr, bias_ptr, apre_ptr, apost_ptr, are
 def post_maps(states, bias, a_post, a_res, width, n, iterations, *, arithmetic="main"):
     """``[s_post | H_res]`` per post and token; the parameters may be strided views of one
     ``[P, m+3]`` block (the recompute's), so they are read in place, not made contiguous."""
-    _main_only(arithmetic)
     states = _prepared(states)[0]
     posts, t = states.shape[0], states.shape[1]
     maps = states.new_empty(post_maps_shape(t, n, posts), dtype=torch.float32)
@@ -615,13 +692,13 @@ def post_maps(states, bias, a_post, a_res, width, n, iterations, *, arithmetic="
         _post_maps[(triton.cdiv(t, config["rows"]), posts)](
             states, bias, a_post, a_res, maps, t, p_stride, float(width) ** 0.5, iterations, N=n,
             NP=next_pow2(n), BT=config["rows"], EPS=SINKHORN_EPS, RMS=RMS_EPS,
-            num_warps=config["warps"])
+            DEV=arithmetic == "dev", num_warps=config["warps"])
     return maps
 
 
 def _launch_chain(x, ys, states, maps, bias, a_pre, a_post, a_res, p_stride, norm, n_stride, seed,
                   p, streams, n, x_out, fn_out, fn: bool, steps: int, posts: int,
-                  h_res_transposed: bool = False):
+                  h_res_transposed: bool = False, arithmetic: str = "main"):
     t, width = x.shape
     c = width // n
     nb = next_pow2(n)
@@ -638,10 +715,12 @@ def _launch_chain(x, ys, states, maps, bias, a_pre, a_post, a_res, p_stride, nor
         norm if norm is not None else x, seed_arg, x_out, fn_out, t, c, steps, posts, stream0,
         step, p_stride, n_stride, float(width) ** 0.5, N=n, BT=config["rows"], BC=bc, FN=fn,
         POSTS=posts > 0, NORM=norm is not None, RMS=RMS_EPS, HT=h_res_transposed,
-        **_dropout_args(seed, p), **_pdl(config), num_warps=config["warps"])
+        DEV=arithmetic == "dev", **_dropout_args(seed, p), **_pdl(config),
+        num_warps=config["warps"])
 
 
-def _launch_state(x, weight, bias, a_pre, norm: bool, eps, n, state_out, post=None):
+def _launch_state(x, weight, bias, a_pre, norm: bool, eps, n, state_out, post=None,
+                  arithmetic: str = "main"):
     """The state of ``x``, or with ``post = (maps, y, seed, p, stream, out, h_res_transposed)``
     of the post's output, which it writes into ``out``: sums over feature splits enough to fill
     the GPU (:func:`_state_part`), then summed in order (:func:`_state_sum`). One pair of kernels
@@ -665,27 +744,27 @@ def _launch_state(x, weight, bias, a_pre, norm: bool, eps, n, state_out, post=No
         PDL=pdl["PDL"], num_warps=config["warps"], num_stages=config["stages"])
     _state_sum[(triton.cdiv(t, SUM_ROWS),)](
         part, bias, a_pre, state, t, c, splits, float(width) ** 0.5, float(eps), N=n, NP=nb,
-        MP=mp, BT=SUM_ROWS, NORM=norm, RMS=RMS_EPS, **pdl)
+        MP=mp, BT=SUM_ROWS, NORM=norm, RMS=RMS_EPS, DEV=arithmetic == "dev", **pdl)
     return _deliver(state, state_out)
 
 
 def fn_input(x, state, a_pre, a_post, a_res, bias, norm_weight, n, fn_input_out=None, *,
              arithmetic="main"):
     """The pre's second pass alone: F's input from ``x`` and its state."""
-    _main_only(arithmetic)
     x, state = _prepared(x, state)
     fn = _written(fn_input_out, lambda: x.new_empty(x.shape[0], x.shape[1] // n))
     _launch_chain(x, x, state, None, bias, a_pre, a_post, a_res, 0, norm_weight, 0, None, 0.0, [0],
-                  n, x, fn, fn=True, steps=1, posts=0)
+                  n, x, fn, fn=True, steps=1, posts=0, arithmetic=arithmetic)
     return _deliver(fn, fn_input_out)
 
 
 def pre(x, weight, a_pre, a_post, a_res, bias, norm_weight, n, iterations, eps,
         fn_input_out=None, state_out=None, *, arithmetic="main"):
-    _main_only(arithmetic)
     x, weight = _prepared(x, weight)
-    state = _launch_state(x, weight, bias, a_pre, norm_weight is not None, eps, n, state_out)
-    return fn_input(x, state, a_pre, a_post, a_res, bias, norm_weight, n, fn_input_out), state
+    state = _launch_state(x, weight, bias, a_pre, norm_weight is not None, eps, n, state_out,
+                          arithmetic=arithmetic)
+    return fn_input(x, state, a_pre, a_post, a_res, bias, norm_weight, n, fn_input_out,
+                    arithmetic=arithmetic), state
 
 
 def post_state(x, maps, y, seed, p, stream, n, weight, a_pre, bias, norm, eps, out=None,
@@ -693,20 +772,19 @@ def post_state(x, maps, y, seed, p, stream, n, weight, a_pre, bias, norm, eps, o
     """``(post's output, the next pre's state)``: the post (mappings ``maps``) and the state of
     what it writes, for the next pre (``weight``, ``a_pre``, ``bias``, ``norm``, ``eps``), in
     one pass: the next pre reads its input once."""
-    _main_only(arithmetic)
     x, maps, y, weight = _prepared(x, maps, y, weight)
     result = _written(out, lambda: torch.empty_like(x))
     state = _launch_state(x, weight, bias, a_pre, norm, eps, n, state_out,
-                          (maps, y, seed, p, stream, result, h_res_transposed))
+                          (maps, y, seed, p, stream, result, h_res_transposed), arithmetic)
     return _deliver(result, out), state
 
 
 def post(x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, out=None, *,
          h_res_transposed=False, maps=None, arithmetic="main"):
-    _main_only(arithmetic)
     x, state, y = _prepared(x, state, y)
     if maps is None:
-        maps = post_maps(state[None], bias[None], a_post, a_res, x.shape[1], n, iterations)
+        maps = post_maps(state[None], bias[None], a_post, a_res, x.shape[1], n, iterations,
+                         arithmetic=arithmetic)
     maps = _prepared(maps)[0]
     result = _written(out, lambda: torch.empty_like(x))
     _launch_chain(x, y, state, maps, bias, a_pre, a_post, a_res, 0, None, 0, seed, p, [stream], n,
@@ -716,12 +794,11 @@ def post(x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations
 
 def recompute(x0, ys, states, params, norm_weights, seed, p, streams, n, iterations, eps, x_out,
               fn_input_out, *, h_res_transposed=False, maps=None, arithmetic="main"):
-    _main_only(arithmetic)
     x0, ys, states, params = _prepared(x0, ys, states, params)
     m = n * n + 2 * n
     if maps is None:
         maps = post_maps(states[:-1], params[:-1, :m], params[:-1, m + 1], params[:-1, m + 2],
-                         x0.shape[1], n, iterations)
+                         x0.shape[1], n, iterations, arithmetic=arithmetic)
     maps = _prepared(maps)[0]
     norm = None if norm_weights is None else _prepared(norm_weights)[0]
     _indexable(x_out, fn_input_out)  # (S-1) x T x nC outgrows the inputs, and wraps in int32
@@ -731,7 +808,8 @@ def recompute(x0, ys, states, params, norm_weights, seed, p, streams, n, iterati
     _launch_chain(x0, ys, states, maps, params, params[:, m], params[:, m + 1], params[:, m + 2],
                   params.stride(0), norm, 0 if norm is None else norm.stride(0), seed, p,
                   list(streams), n, xo if steps > 1 else x0, fo, fn=True,
-                  steps=steps, posts=steps - 1, h_res_transposed=h_res_transposed)
+                  steps=steps, posts=steps - 1, h_res_transposed=h_res_transposed,
+                  arithmetic=arithmetic)
     _deliver(xo, x_out)
     _deliver(fo, fn_input_out)
 
@@ -781,7 +859,8 @@ def _pre_bwd_coef(gout_ptr, gin_ptr, gstate_ptr, x_ptr, bias_ptr, apre_ptr, apos
                   BT: tl.constexpr, BC: tl.constexpr, NORM: tl.constexpr, GPOST: tl.constexpr,
                   EPS: tl.constexpr, RMS: tl.constexpr, POST: tl.constexpr, PREV: tl.constexpr,
                   GIN: tl.constexpr, DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr,
-                  SCALE: tl.constexpr, HT: tl.constexpr, AW: tl.constexpr, IP: tl.constexpr):
+                  SCALE: tl.constexpr, HT: tl.constexpr, AW: tl.constexpr, IP: tl.constexpr,
+                  DEV: tl.constexpr):
     """The first pass: what x's gradient needs per token, from one read of x and g_out: the
     projection's gradient, the parameters' shares and ``aux = [kappa, coef, rstd, s | H_res |
     s_prev]``. ``POST``: the sublayer's post's reductions too, from the same read of x and one
@@ -796,8 +875,10 @@ def _pre_bwd_coef(gout_ptr, gin_ptr, gstate_ptr, x_ptr, bias_ptr, apre_ptr, apos
     i = tl.arange(0, NP)
     r, p_pre, l_pre, p_post, l_post, p_res, l_res, vmask, rmask = _mapping_logits(
         state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, t, tmask, sqrt_d, N, NP, RMS)
-    s_i = _gates(state_ptr, bias_ptr, apre_ptr, r, t, tmask, 0, N)
+    g_i = _gates(state_ptr, bias_ptr, apre_ptr, r, t, tmask, 0, N)  # the sigmoids
+    s_i = _floored(g_i, N, DEV)  # H_pre
     s = _as_tile(s_i, BT, N, NP)
+    sig = _as_tile(g_i, BT, N, NP)
     xnorm = tl.load(state_ptr + t * SW + M, mask=tmask, other=0.0)
     rstd = tl.load(state_ptr + t * SW + M + 1, mask=tmask, other=0.0)
     # u[i] = x[i] . (g w) and v[i] = x[i] . agg, what the mappings' gradient needs
@@ -829,7 +910,7 @@ def _pre_bwd_coef(gout_ptr, gin_ptr, gstate_ptr, x_ptr, bias_ptr, apre_ptr, apos
         _post_state_grads(gin_ptr, gstate_ptr, share_ptr, _as_square(g_hres, BT, N, NP),
                           _as_tile(g_spost, BT, N, NP), s_post, r, p_post, l_res, p_res,
                           apost_ptr, ares_ptr, t, tmask, vmask, rmask, sqrt_d, iterations, N, NP,
-                          BT, EPS, GIN, IP)
+                          BT, EPS, GIN, IP, DEV)
         tl.debug_barrier()
     if NORM:
         g_rstd = tl.load(gstate_ptr + t * SW + M + 1, mask=tmask, other=0.0)
@@ -838,7 +919,7 @@ def _pre_bwd_coef(gout_ptr, gin_ptr, gstate_ptr, x_ptr, bias_ptr, apre_ptr, apos
     else:
         kappa = tl.zeros([BT], dtype=tl.float32)
         g_s = u
-    gh = g_s * s * (1.0 - s)
+    gh = g_s * sig * (1.0 - sig)
     g_proj, coef = _pre_state_grads(gstate_ptr, gproj_ptr, share_ptr, apre_ptr, gh, r, p_pre, xnorm,
                                     t, tmask, vmask, sqrt_d, N, NP, MP, PP, POST)
     tl.store(aux_ptr + t * AW, kappa, mask=tmask)
@@ -846,7 +927,7 @@ def _pre_bwd_coef(gout_ptr, gin_ptr, gstate_ptr, x_ptr, bias_ptr, apre_ptr, apos
     tl.store(aux_ptr + t * AW + 2, rstd, mask=tmask)
     tl.store(aux_ptr + t[:, None] * AW + 3 + i[None, :], s, mask=vmask)
     if GPOST:
-        h_res = _sinkhorn(l_res, rmask, iterations, EPS)
+        h_res = _sinkhorn(l_res, rmask, iterations, EPS, DEV)
         tl.store(aux_ptr + t[:, None, None] * AW + 3 + N + i[None, :, None] * N + i[None, None, :],
                  h_res, mask=rmask)
     if PREV:  # the previous post's H_post / 2, as its own backward computes it
@@ -976,7 +1057,6 @@ def _pre_bwd_x(gout_ptr, gpost_ptr, x_ptr, w_ptr, norm_ptr, gproj_ptr, aux_ptr, 
 def pre_backward(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, norm_weight,
                  state, n, iterations, eps, g_x_out=None, *, h_res_transposed=False, post=None,
                  prev=None, g_y_out=None, arithmetic="main"):
-    _main_only(arithmetic)
     if g_state is None and post is None:  # nothing reached the state: its gradient is zero
         g_state = state.new_zeros(state.shape, dtype=torch.float32)
     g_out, x, weight, state = _prepared(g_out, x, weight, state)
@@ -1012,8 +1092,8 @@ def pre_backward(g_out, g_state, g_post, x, weight, a_pre, a_post, a_res, bias, 
         float(width) ** 0.5, iterations, N=n, NP=nb, MP=mapping_columns(n), PP=triton.next_power_of_2(m + 3),
         BT=bt, BC=bc1, NORM=norm_weight is not None, GPOST=g_post is not None, EPS=SINKHORN_EPS,
         RMS=RMS_EPS, POST=post is not None, PREV=prev is not None, GIN=g_in is not None,
-        HT=h_res_transposed, AW=aux.shape[1], IP=_kept(iterations), **_dropout_args(seed, p),
-        num_warps=4)
+        HT=h_res_transposed, AW=aux.shape[1], IP=_kept(iterations), DEV=arithmetic == "dev",
+        **_dropout_args(seed, p), num_warps=4)
     groups, per_group = weight_grad_groups(t, c, m, n)
     g_w = x.new_empty(groups if norm_weight is not None else 0, c, dtype=torch.float32)
     g_y = None if prev is None else _written(g_y_out, lambda: x.new_empty(t, c))
@@ -1083,7 +1163,7 @@ def _post_sums(gs, gms, xs, y, g_hres, g_spost, N: tl.constexpr, HT: tl.constexp
 def _post_state_grads(gin_ptr, gstate_ptr, share_ptr, g_hres, g_spost, s_post, r, p_post, l_res,
                       p_res, apost_ptr, ares_ptr, t, tmask, vmask, rmask, sqrt_d, iterations,
                       N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, EPS: tl.constexpr,
-                      ADD: tl.constexpr, IP: tl.constexpr):
+                      ADD: tl.constexpr, IP: tl.constexpr, DEV: tl.constexpr):
     """A post's state gradient ``[0 | post | res | xnorm | 0]`` and parameter shares from its
     reductions, stored by columns; ``ADD``: added to the state gradient ``gin`` (the pre's
     backward's input), every column of the sum stored."""
@@ -1092,7 +1172,7 @@ def _post_state_grads(gin_ptr, gstate_ptr, share_ptr, g_hres, g_spost, s_post, r
     P: tl.constexpr = M + 3
     i = tl.arange(0, NP)
     gh_post = g_spost * 2.0 * s_post * (1.0 - s_post)
-    gh_res = _sinkhorn_bwd(l_res, rmask, g_hres, iterations, EPS, IP)
+    gh_res = _sinkhorn_bwd(l_res, rmask, g_hres, iterations, EPS, IP, DEV)
     a_post = tl.load(apost_ptr).to(tl.float32)
     a_res = tl.load(ares_ptr).to(tl.float32)
     col = 2 * N + i[:, None] * N + i[None, :]
@@ -1130,7 +1210,7 @@ def _post_bwd(g_ptr, x_ptr, state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, 
               N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
               DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr, SCALE: tl.constexpr,
               EPS: tl.constexpr, RMS: tl.constexpr, HT: tl.constexpr, REDUCE: tl.constexpr,
-              IP: tl.constexpr):
+              IP: tl.constexpr, DEV: tl.constexpr):
     """The post's backward from its output's gradient g: F's output's gradient, and with
     ``REDUCE`` its reductions (the state's gradient and the shares); without, g_y alone."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -1155,12 +1235,11 @@ def _post_bwd(g_ptr, x_ptr, state_ptr, bias_ptr, apre_ptr, apost_ptr, ares_ptr, 
         _post_state_grads(gstate_ptr, gstate_ptr, share_ptr, _as_square(g_hres, BT, N, NP),
                           _as_tile(g_spost, BT, N, NP), _as_tile(s_post, BT, N, NP), r, p_post,
                           l_res, p_res, apost_ptr, ares_ptr, t, tmask, vmask, rmask, sqrt_d,
-                          iterations, N, NP, BT, EPS, False, IP)
+                          iterations, N, NP, BT, EPS, False, IP, DEV)
 
 
 def post_backward(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations, *,
                   h_res_transposed=False, arithmetic="main"):
-    _main_only(arithmetic)
     g, x, state, y = _prepared(g, x, state, y)
     t, width = x.shape
     m = n * n + 2 * n
@@ -1168,7 +1247,8 @@ def post_backward(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n
     g_state = x.new_empty(t, m + 2, dtype=torch.float32)
     shares = x.new_empty(post_backward_scratch(t, width // n, n, m)["shares"], dtype=torch.float32)
     _launch_post_bwd(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations,
-                     g_state, shares, g_y, h_res_transposed, reduce=True)
+                     g_state, shares, g_y, h_res_transposed, reduce=True,
+                     dev=arithmetic == "dev")
     return g_state, shares, g_y
 
 
@@ -1182,7 +1262,7 @@ def post_grad_y(g, state, a_post, bias, seed, p, stream, n, y_dtype):
 
 
 def _launch_post_bwd(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream, n, iterations,
-                     g_state, shares, g_y, h_res_transposed, reduce):
+                     g_state, shares, g_y, h_res_transposed, reduce, dev=False):
     t, width = g.shape
     nb = next_pow2(n)
     # g_y alone holds no [n, n] tile: a wider step keeps as many bytes in flight as the grid needs
@@ -1191,7 +1271,8 @@ def _launch_post_bwd(g, x, state, a_pre, a_post, a_res, bias, y, seed, p, stream
         g, x, state, bias, a_pre, a_post, a_res, y, seed if seed is not None else g, g_state,
         shares, g_y, stream, t, width // n, float(width) ** 0.5, iterations, N=n, NP=nb,
         BT=CHAIN_ROWS, BC=bc, EPS=SINKHORN_EPS, RMS=RMS_EPS,
-        HT=h_res_transposed, REDUCE=reduce, IP=_kept(iterations), **_dropout_args(seed, p))
+        HT=h_res_transposed, REDUCE=reduce, IP=_kept(iterations), DEV=dev,
+        **_dropout_args(seed, p))
 
 
 # ---- RMSNorm --------------------------------------------------------------------------------------
