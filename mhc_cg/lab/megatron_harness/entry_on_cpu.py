@@ -126,10 +126,12 @@ def install() -> None:
 
 
 class Record:
-    """What the tests read of a run (``MHC_CG_ENTRY_RECORD``): losses and graph counts."""
+    """What the tests read of a run (``MHC_CG_ENTRY_RECORD``): losses, graph counts and the
+    fused mHC ops each iteration dispatched."""
 
     def __init__(self) -> None:
         self.losses: list[dict[str, str]] = []
+        self.fused_ops: list[int] = []
         self.helpers: list = []
 
     def watch(self) -> None:
@@ -137,12 +139,15 @@ class Record:
         from megatron_integration.capture import te_graph_helper
 
         from mhc_cg.lab.emulation.backends import get_backend
+        from mhc_cg.lab.megatron_harness.step_probe import FusedOpCounter
 
         train_step, make = training.train_step, te_graph_helper.make_te_graph_helper
 
         def recorded_step(*args, **kwargs):
-            result = train_step(*args, **kwargs)
+            with FusedOpCounter() as fused:
+                result = train_step(*args, **kwargs)
             self.losses.append({k: float(v).hex() for k, v in result[0].items()})
+            self.fused_ops.append(sum(fused.calls.values()))
             return result
 
         def recorded_helper(*args, backend=None, **kwargs):
@@ -157,7 +162,8 @@ class Record:
     def as_json(self) -> dict:
         graphs = [graph for helper in self.helpers
                   for graph in getattr(helper, "mhc_recompute_graphs", {}).values()]
-        return {"losses": self.losses, "mhc_cg_helpers": len(self.helpers),
+        return {"losses": self.losses, "fused_ops": self.fused_ops,
+                "mhc_cg_helpers": len(self.helpers),
                 "recompute_graphs": len(graphs),
                 "recompute_graph_replays": sum(g.replays for g in graphs)}
 
