@@ -161,8 +161,10 @@ def test_the_gpu_run_fits_nine_minutes():
 @pytest.mark.slow
 def test_peers_part_compares_every_op_with_every_peer(dry_run):
     """``mhc-cg kernels --peers --dry-run``: every op family beside TransformerEngine's,
-    Megatron-LM dev's and torch's (main's module), at fp32 and bf16, every row within its
-    tolerance; what cannot run says why (the TE wheel missing, the interpreter's bf16 dot)."""
+    Megatron-LM dev's and torch's (main's module), at fp32 and bf16, ours in each peer's own mHC
+    arithmetic and (fp32) in the other, every row within its tolerance; what cannot run says
+    why (the TE wheel missing, the interpreter's bf16 dot). Dev's arithmetic beside dev's own
+    fused module is closer than main's there."""
     from mhc_cg.lab.benchmarks import kernel_peers
     from mhc_cg.lab.megatron_harness.child_process import snapshot_archive
 
@@ -179,13 +181,19 @@ def test_peers_part_compares_every_op_with_every_peer(dry_run):
     assert set(report["peers"]) == expected and not set(report["skipped"]) & expected
     gaps = {(g["peer"], g["dtype"], op) for g in report["not_run"] for op in g["ops"]}
     assert all("interpreter" in g["why"] for g in report["not_run"])
-    rows = {(r["peer"], r["dtype"], r["op"]): r for r in report["rows"]}
-    want = {(p, d, op) for p in expected for d in kernel_peers.DRY_DTYPES
-            for op in kernel_peers.OPS} - gaps
+    rows = {(r["peer"], r["dtype"], r["op"], r["arithmetic"]): r for r in report["rows"]}
+    # ours in the peer's own arithmetic at both dtypes, in the other at fp32
+    want = {(p, d, op, a) for p in expected for d in kernel_peers.DRY_DTYPES
+            for op in kernel_peers.OPS for a in kernel_peers.ARITHMETICS
+            if (p, d, op) not in gaps and (a == kernel_peers.ARITHMETIC_OF[p] or d == "float32")}
     assert set(rows) == want
     assert [key for key, r in rows.items() if not r["ok"]] == []
     assert all(r["rtol"] == kernel_peers.RTOL[r["dtype"]] for r in rows.values())
     assert all(r["h_res_transposed"] == (r["peer"] != "torch") for r in rows.values())
+    if "dev" in expected:
+        for op in kernel_peers.OPS:
+            closer, farther = (rows[("dev", "float32", op, a)]["max_abs_diff"] for a in ("dev", "main"))
+            assert closer <= farther, op
 
 
 @pytest.mark.slow

@@ -81,3 +81,31 @@ def test_devs_pipeline_and_moe_partial_capture_with_fused_kernels_are_bit_identi
     for rank in result["runs"]["mhc_cg"]["ranks"]:
         assert rank["fused_op_calls_per_step"] > 0
         assert rank["layer_graph_replays_per_step"] > 0
+
+
+def test_layer_cost_counts_fewer_kernels_and_bytes_with_the_fused_kernels():
+    """``mhc-cg megatron --layer-cost``: one step of dev's layer on meta tensors, counted at
+    dispatch: the fused kernels make fewer kernels and move fewer bytes than dev's native ops
+    (attention and MLP alike in both); the native run calls none of mhc_cg's ops."""
+    require_snapshot("dev")
+    from mhc_cg.lab.megatron_harness.compare import format_layer_cost, layer_cost
+
+    cost = layer_cost(load_config(ROOT / "configs" / "megatron_dev_fused.yaml"))
+    native, fused = cost["native"], cost["fused"]
+    assert native["fused_op_kernels"] == 0 < fused["fused_op_kernels"]
+    assert fused["kernels"] < native["kernels"] / 4
+    bytes_of = {name: r["bytes_read"] + r["bytes_written"] for name, r in cost.items()
+                if name in ("native", "fused")}
+    assert bytes_of["fused"] < bytes_of["native"]
+    assert cost["shape"] == {"seq": 16, "micro_batch": 2, "hidden": 32, "streams": 4,
+                             "dtype": "bfloat16"}
+    assert f"{native['kernels'] - fused['kernels']} kernels" in format_layer_cost(cost)
+
+
+def test_shape_without_layer_cost_is_one_line_and_exit_2():
+    proc = subprocess.run([sys.executable, "-m", "mhc_cg", "megatron", "--config",
+                           "configs/megatron_dev_fused.yaml", "--shape", "configs/bench_h100.yaml"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--shape is for --layer-cost" in lines[0]

@@ -36,6 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              '"iteration_graph_bytes", "iteration_graph_collectives", '
                              '"eager_sublayer_calls_per_step"]}, ...]}}, "checked": {run: [references]}}')
     parser.add_argument("--no-progress", action="store_true", help="no per-step lines on stderr")
+    parser.add_argument("--layer-cost", action="store_true",
+                        help="count the kernels and bytes of one step of the branch's mHC layer, "
+                             "Megatron's native ops against mhc_cg's fused kernels (on meta "
+                             "tensors, no training)")
+    parser.add_argument("--shape", metavar="YAML",
+                        help="with --layer-cost: the model shape (hidden, heads, FFN, sequence, "
+                             "micro-batch) of this config, e.g. configs/bench_h100.yaml")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,6 +50,14 @@ def run(args: argparse.Namespace) -> int:
     from mhc_cg.lab.megatron_harness import compare as megatron_compare
 
     cfg = load_config(args.config)
+    if args.shape and not args.layer_cost:
+        print("mhc-cg megatron: error: --shape is for --layer-cost; add --layer-cost or drop "
+              "--shape", file=sys.stderr)
+        return 2
+    if args.layer_cost:
+        cost = megatron_compare.layer_cost(cfg, load_config(args.shape) if args.shape else None)
+        print(json.dumps(cost, indent=1) if args.json else megatron_compare.format_layer_cost(cost))
+        return 0
     try:
         result = megatron_compare.run(cfg, args.compare, progress=not args.no_progress)
     except RuntimeError as exc:  # the child process failed: its own output says why

@@ -21,8 +21,9 @@ Families (F outside: its output ``y`` is an input): ``pre`` (projection, Sinkhor
 F's input, H_post, H_res), ``post`` (``H_res x + H_post y``), ``post.backward`` (x's and y's
 gradients of the post alone), ``pre.backward`` (the gradients of x and the mapping parameters
 through F's input alone), ``sublayer`` (the whole mHC forward and backward of one sublayer). Ours
-runs with H_res applied as each peer applies it (``h_res_transposed``). Layout conversions happen
-before the timed calls.
+runs with H_res applied as each peer applies it (``h_res_transposed``), in both mHC arithmetics
+(main's, the paper's; dev's, DeepSeek-V4's): timed in the peer's own (:data:`ARITHMETIC_OF`),
+compared in the other at fp32 only (its eps terms are far below bf16's rounding). Layout conversions happen before the timed calls.
 
 On a GPU each row also has device time (the profiler's kernel durations per call, launch cost
 apart), the host wall time per synchronised call, and GB/s against the family's bytes (every
@@ -52,6 +53,9 @@ from mhc_cg.lab.emulation.te_wheel import TE_VERSION, find_te_wheel, te_missing_
 
 TE_FILES = ("transformer_engine/common/triton/mhc.py", "transformer_engine/pytorch/triton/mhc.py")
 PEERS = ("te", "dev", "torch")
+ARITHMETICS = ("main", "dev")
+# the arithmetic each peer computes: ours is timed beside it in that one
+ARITHMETIC_OF = {"te": "main", "dev": "dev", "torch": "main"}
 OPS = ("pre", "post", "post.backward", "pre.backward", "sublayer")
 N = 4  # TE asserts n = 4
 ITERATIONS = 20  # TE's mix-and-aggregate runs 20 Sinkhorn iterations
@@ -157,17 +161,19 @@ def format_report(report: dict) -> str:
         lines.append(f"{gap['peer']} at {gap['dtype']}: {', '.join(gap['ops'])} not run: "
                      f"{gap['why']}")
     timed = any(r.get("ms") is not None for r in report["rows"])
-    head = f"{'shape':8} {'dtype':9} {'op':14} {'peer':6} {'max abs diff':>13} {'rtol':>8} ok"
+    head = (f"{'shape':8} {'dtype':9} {'op':14} {'peer':6} {'ours in':8} {'max abs diff':>13} "
+            f"{'rtol':>8} ok")
     if timed:
         head += f" {'ours ms':>9} {'peer ms':>9} {'x ours':>7} {'GB/s':>7}"
     lines += ["", head]
     for r in report["rows"]:
         diff = "-" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.3e}"
-        line = (f"{r['shape']:8} {r['dtype']:9} {r['op']:14} {r['peer']:6} {diff:>13} "
+        line = (f"{r['shape']:8} {r['dtype']:9} {r['op']:14} {r['peer']:6} "
+                f"{r.get('arithmetic', 'main'):8} {diff:>13} "
                 f"{r['rtol']:>8.1e} {'yes' if r['ok'] else 'NO'}")
         if timed:
-            line += (f" {_fig(r['ours_ms'], '.4f'):>9} {_fig(r['ms'], '.4f'):>9} "
-                     f"{_fig(r['over_ours'], '.2f'):>7} {_fig(r['gb_per_s'], '.0f'):>7}")
+            line += (f" {_fig(r.get('ours_ms'), '.4f'):>9} {_fig(r.get('ms'), '.4f'):>9} "
+                     f"{_fig(r.get('over_ours'), '.2f'):>7} {_fig(r.get('gb_per_s'), '.0f'):>7}")
         if r.get("worst"):
             line += f"  ({r['worst']})"
         lines.append(line)
@@ -186,15 +192,15 @@ def markdown(report: dict) -> str:
            f"torch {report['torch']}, code {report['code']}. Device ms per call (the profiler's "
            f"kernel durations, launch cost apart); GB/s against the family's bytes (every input "
            f"read once, every output written once); wall ms per synchronised call.", "",
-           "| shape | dtype | op | peer | ours ms | peer ms | peer / ours | ours GB/s | "
+           "| shape | dtype | op | peer | ours in | ours ms | peer ms | peer / ours | ours GB/s | "
            "peer GB/s | ours wall ms | peer wall ms | max abs diff | ok |",
-           "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         figures = [_fig(r[k], f) for k, f in (
             ("ours_ms", ".4f"), ("ms", ".4f"), ("over_ours", ".2f"), ("ours_gb_per_s", ".0f"),
             ("gb_per_s", ".0f"), ("ours_wall_ms", ".4f"), ("wall_ms", ".4f"))]
         out.append(f"| {r['shape']} | {r['dtype']} | {r['op']} | {r['peer']} | "
-                   + " | ".join(figures)
+                   f"{r.get('arithmetic', 'main')} | " + " | ".join(figures)
                    + f" | {r['max_abs_diff']:.2e} | {'yes' if r['ok'] else 'NO'} |")
     return "\n".join(out) + "\n"
 
@@ -360,15 +366,15 @@ class Ours(Peer):
     name = "ours"
     post_grads_x = False
 
-    def __init__(self, transposed: bool):
-        self.transposed = transposed
+    def __init__(self, transposed: bool, arithmetic: str = "main"):
+        self.transposed, self.arithmetic = transposed, arithmetic
 
     def pre(self, t, x):
         from mhc_cg.ops import kernels as k
 
         fn, state, x_on = k.pre(x, t["weight"], t["a_pre"], t["a_post"], t["a_res"], t["bias"],
                                 None, N, ITERATIONS, 1e-6, "triton",
-                                h_res_transposed=self.transposed)
+                                h_res_transposed=self.transposed, arithmetic=self.arithmetic)
         return fn, None, None, (x_on, state)
 
     def mappings(self, t, h_post, h_res, maps):
@@ -381,7 +387,7 @@ class Ours(Peer):
         with torch.no_grad():
             *_, s_post, h_res = _post_mappings(
                 state.reshape(s * b, -1), t["a_pre"], t["a_post"], t["a_res"], t["bias"], N,
-                ITERATIONS, math.sqrt(t["x"].shape[-1]))
+                ITERATIONS, math.sqrt(t["x"].shape[-1]), self.arithmetic)
         return (2 * s_post).view(s, b, N), h_res.view(s, b, N, N)
 
     def post(self, t, x, maps, y):
@@ -389,7 +395,8 @@ class Ours(Peer):
 
         x_on, state = maps if maps[0] is not None else (x, maps[1])
         return k.post(x_on, state, t["a_pre"], t["a_post"], t["a_res"], t["bias"], y, None, 0.0,
-                      0, N, ITERATIONS, "triton", h_res_transposed=self.transposed)
+                      0, N, ITERATIONS, "triton", h_res_transposed=self.transposed,
+                      arithmetic=self.arithmetic)
 
     def detached(self, maps):
         return (None, maps[1].detach())  # the post alone reads x from its own input
@@ -673,8 +680,12 @@ def child(spec_path: str, out_path: str) -> int:
             for peer in peers:
                 say(f"{shape['name']} {dtype_name}: {peer.name}")
                 skip = unchecked if (peer.name, dtype_name) == ("te", "bfloat16") else ()
-                report["rows"] += _rows(peer, Ours(peer.transposed), inp, shape, dtype_name,
-                                        timed, spec["reps"], skip)
+                for arithmetic in ARITHMETICS:  # timed in the peer's own only
+                    own = arithmetic == ARITHMETIC_OF[peer.name]
+                    if not own and dtype_name != "float32":
+                        continue  # the arithmetics' eps terms are far below bf16's rounding
+                    report["rows"] += _rows(peer, Ours(peer.transposed, arithmetic), inp, shape,
+                                            dtype_name, timed and own, spec["reps"], skip)
                 Path(out_path).write_text(json.dumps(report, indent=1))
     Path(out_path).write_text(json.dumps(report, indent=1) + "\n")
     return 0
@@ -702,7 +713,8 @@ def _rows(peer: Peer, ours: Ours, inp: Inputs, shape: dict, dtype: str, timed: b
         got = work[op](peer, t_peer, maps_peer)
         diff, ok, note = _compare(ref, got, rtol)
         row = {"shape": shape["name"], "tokens": s * b, "hidden": c, "dtype": dtype, "op": op,
-               "peer": peer.name, "h_res_transposed": peer.transposed, "max_abs_diff": diff,
+               "peer": peer.name, "h_res_transposed": peer.transposed,
+               "arithmetic": ours.arithmetic, "max_abs_diff": diff,
                "rtol": rtol, "ok": ok, "worst": note}
         if timed:  # ours timed beside each peer, in the peer's H_res orientation
             for prefix, p, t, m in (("ours_", ours, t_ours, maps_ours),

@@ -81,6 +81,45 @@ def run(cfg: RunConfig, compare: bool, progress: bool = True, timeout: float | N
     return result
 
 
+def layer_cost(cfg: RunConfig, shape: RunConfig | None = None) -> dict:
+    """Kernels and bytes of one step of the branch's mHC layer, native against mhc_cg's fused
+    kernels (:mod:`mhc_cg.lab.megatron_harness.layer_cost`), at ``shape``'s model (hidden, heads,
+    FFN, sequence, micro-batch) or ``cfg``'s; one child process, on meta tensors."""
+    branch = cfg.megatron.branch
+    if branch == "core":
+        raise ConfigError("megatron.branch: --layer-cost compares Megatron-LM's own layer's ops "
+                          "with mhc_cg's fused kernels; set megatron.branch: main or dev")
+    if shape is not None:
+        m, t = shape.model, shape.train
+        cfg = cfg.replace(model={"hidden_size": m.hidden_size, "num_heads": m.num_heads,
+                                 "ffn_hidden_size": m.ffn_hidden_size,
+                                 "seq_length": m.seq_length},
+                          train={"micro_batch_size": t.micro_batch_size})
+    cfg = cfg.replace(train={"device": "cpu"}, parallel={"tp_size": 1, "pp_size": 1, "vpp_size": 1,
+                                                         "ep_size": 1, "sequence_parallel": False})
+    source = find_megatron(branch).describe()
+    per_rank = run_megatron_job({"config": cfg.to_dict(), "runs": [], "device": "cpu",
+                                 "branch": branch, "layer_cost": True}, world_size=1)
+    return {"branch": branch, "source": source, **per_rank[0]["runs"]["layer_cost"]}
+
+
+def format_layer_cost(result: dict) -> str:
+    s = result["shape"]
+    head = (f"one {result['branch']} HyperConnectionTransformerLayer, forward and backward: seq "
+            f"{s['seq']} x micro-batch {s['micro_batch']}, hidden {s['hidden']}, n = "
+            f"{s['streams']}, {s['dtype']} (counted at dispatch on meta tensors; every native op "
+            f"one kernel, as eager: torch.compile fuses some on a GPU)")
+    rows = [(name, str(r["kernels"]), f"{r['bytes_read'] / 2**20:.1f}",
+             f"{r['bytes_written'] / 2**20:.1f}", str(r["fused_op_kernels"]))
+            for name, r in ((k, result[k]) for k in ("native", "fused"))]
+    native, fused = result["native"], result["fused"]
+    saved = (f"fused: {native['kernels'] - fused['kernels']} kernels and "
+             f"{(native['bytes_read'] + native['bytes_written'] - fused['bytes_read'] - fused['bytes_written']) / 2**20:.1f} MiB "
+             f"fewer per layer step (attention and MLP alike in both)")
+    header = ("mHC ops", "kernels", "MiB read", "MiB written", "of them fused-op kernels")
+    return "\n".join([head, *_columns(header, rows), saved])
+
+
 def native_loss_difference(result: dict, branch: str) -> dict[str, float]:
     """``{run: the largest |loss - native loss| over the steps}`` of every run beside the
     branch's run without recompute, Megatron's native ops (the figure a fused run is judged

@@ -293,6 +293,23 @@ def build_run(run: str, cfg: RunConfig, branch: str, cpu: bool):
     return chunks, helper
 
 
+def branch_layer_cost(cfg: RunConfig, branch: str) -> dict:
+    """One layer's step, native against fused (:mod:`mhc_cg.lab.megatron_harness.layer_cost`),
+    at ``cfg``'s shape, the branch's config as its run without recompute has it, dropout 0 (the
+    same mask op in either)."""
+    from mhc_cg.lab.megatron_harness.layer_cost import layer_cost
+
+    if branch == "dev":
+        from megatron_integration.layers.dev_layer import dev_layer_steps as steps_of
+    else:
+        from megatron_integration.layers.main_layer import main_layer_steps as steps_of
+    kwargs = run_kwargs(megatron_config_kwargs(cfg, branch)[0], f"{branch}_eager_none", branch)
+    config = transformer_config({**kwargs, "hidden_dropout": 0.0})  # the mHC ops alone
+    spec = decoder_spec(branch, config, None, cpu=True, graphed=False)
+    return layer_cost(config, spec, cfg.model.seq_length, cfg.train.micro_batch_size,
+                      steps_of(True))
+
+
 def rank_runs(cfg: RunConfig, runs: list[str], branch: str, cpu: bool) -> dict:
     """Train each of ``runs`` on this rank; ``{name: this rank's measurements}``, or
     ``{name: {"refused": Megatron's message}}`` for a run the branch's config refuses."""
@@ -400,7 +417,10 @@ def child_main(argv: list[str]) -> None:
     p = cfg.parallel
     init_ranks(cpu, cfg.train.seed, rank=rank, world_size=world, port=port, tp_size=p.tp_size,
                pp_size=p.pp_size, vpp_size=p.vpp_size, ep_size=p.ep_size)
-    result = rank_runs(cfg, spec["runs"], spec["branch"], cpu)
+    if spec.get("layer_cost"):
+        result = {"layer_cost": branch_layer_cost(cfg, spec["branch"])}
+    else:
+        result = rank_runs(cfg, spec["runs"], spec["branch"], cpu)
     out = {"runs": result, "megatron_core": megatron.core.__file__,
            "capturing_function": capturing_function()}
     Path(argv[1], f"rank{rank}.json").write_text(json.dumps(out))
