@@ -13,6 +13,10 @@
 #             TransformerEngine's own make_graphed_callables (its wheel's graph.py)
 #   kernels   mhc-cg kernels --bench --sweep: each fused op's device time apart from its launch
 #             cost, GB/s against the cost model's bytes; the launch-configuration sweep
+#   layer     mhc-cg megatron --layer-time: one step of Megatron-LM dev's mHC layer at the bench
+#             shape, native (torch.compile on, as a user runs it), on mhc_cg's fused kernels and
+#             with dev's own fused module, one process; and --layer-cost, its kernels and bytes
+#             (its files go into megatron.tar.gz: a device call brings back 8 files)
 #   megatron  Megatron-LM main's mHC GPT under main's own TECudaGraphHelper (calling TE's own
 #             make_graphed_callables from its wheel) against main eager
 #   tests     the cuda-marked tests
@@ -51,7 +55,7 @@ else
     trap 'rm -rf "$WORK"' EXIT
 fi
 SUMMARY="$OUT_DIR/summary.tsv"
-PARTS=${GPU_CHECK_PARTS:-peers bench te kernels megatron tests}
+PARTS=${GPU_CHECK_PARTS:-peers bench te kernels layer megatron tests}
 [ -s "$SUMMARY" ] && [ -n "${GPU_CHECK_PARTS:-}" ] || printf 'part\tstatus\texit_code\tseconds\tlimit_s\n' > "$SUMMARY"
 START=$(date +%s)
 # the Megatron-LM snapshot brought along (bench/carry), where the harness looks for it
@@ -86,8 +90,9 @@ EOF
     TE_BENCH_ARGS=(--config "$TE_SHAPE" --steps 2 --warmup 1 --profile-steps 1
                    --recompute-replays 2)
     KERNEL_ARGS=(--dry-run)
+    export LAYER_SHAPE="" LAYER_STEPS=1  # the config's own tiny shape
     BUDGET=${GPU_CHECK_BUDGET_S:-900}  # generous: CI machines are small and shared
-    LIMITS=(peers=200 bench=400 te=120 kernels=200 megatron=300 tests=120)
+    LIMITS=(peers=200 bench=400 te=120 kernels=200 layer=120 megatron=300 tests=120)
 else
     DEVICE=(--device cuda)
     # the modules with cuda-marked tests: collecting the rest would import what the GPU machine lacks
@@ -97,8 +102,9 @@ else
                 --mode-timeout 90)
     TE_BENCH_ARGS=(--config configs/bench_h100_te.yaml --mode-timeout 40)
     KERNEL_ARGS=()
+    export LAYER_SHAPE=configs/bench_h100.yaml LAYER_STEPS=10
     BUDGET=${GPU_CHECK_BUDGET_S:-540}
-    LIMITS=(peers=105 bench=235 te=40 kernels=50 megatron=75 tests=35)
+    LIMITS=(peers=105 bench=205 te=40 kernels=50 layer=40 megatron=65 tests=35)
 fi
 limit_of() { local kv; for kv in "${LIMITS[@]}"; do [ "${kv%%=*}" = "$1" ] && echo "${kv#*=}"; done; }
 
@@ -120,6 +126,9 @@ EOF
     echo "megatron-lm snapshots: ${MHC_CG_THIRD_PARTY:-../shared/third_party (default)}"
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
 } >> "$OUT_DIR/env.txt" 2>&1
+
+# the archive a part's files go into: its own, but the layer part's join megatron's
+archive_of() { [ "$1" = layer ] && echo megatron || echo "$1"; }
 
 # pack NAME: the part's scratch folder as OUT_DIR/NAME.tar.gz; over MAX_ARCHIVE_BYTES, made again
 # without its largest file, one at a time until it fits, each named in NAME/LEFT_OUT.txt
@@ -161,8 +170,8 @@ part() {
         *) status=failed ;;
     esac
     printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$(( $(date +%s) - begin ))" "$limit" >> "$SUMMARY"
-    pack "$name"
-    echo "[gpu_check] $name: $status (exit $rc) -> $OUT_DIR/$name.tar.gz" >&2
+    pack "$(archive_of "$name")"
+    echo "[gpu_check] $name: $status (exit $rc) -> $OUT_DIR/$(archive_of "$name").tar.gz" >&2
 }
 
 # its stdout, the report as JSON, is the log (peers.json beside it is the same report)
@@ -181,6 +190,15 @@ part te "$(limit_of te)" "$WORK/te/bench.log" \
 part kernels "$(limit_of kernels)" "$WORK/kernels/kernels.log" \
     "$PY" -m mhc_cg.cli kernels --bench --sweep --no-progress --out "$WORK/kernels" \
     "${KERNEL_ARGS[@]}"
+
+# dev's layer: its step timed three ways (layer_time.json), its kernels and bytes (layer_cost.json)
+part layer "$(limit_of layer)" "$WORK/megatron/layer.log" \
+    bash -c 'for what in time cost; do
+                 "$0" -m mhc_cg.cli megatron --config configs/megatron_dev_fused.yaml \
+                     --layer-$what --json ${LAYER_SHAPE:+--shape "$LAYER_SHAPE"} \
+                     $([ $what = time ] && echo --steps "$LAYER_STEPS") \
+                     > "$1/layer_$what.json" || exit 1
+             done' "$PY" "$WORK/megatron"
 
 # the harness runs on the device it finds (train.device: auto); --json is the record
 part megatron "$(limit_of megatron)" "$WORK/megatron/megatron.log" \

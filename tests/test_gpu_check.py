@@ -19,7 +19,8 @@ from mhc_cg.lab.benchmarks import gpu_run
 from mhc_cg.lab.benchmarks import gpu_probe as probe
 REPO = Path(__file__).resolve().parent.parent
 DRY_MODES = ["eager_none", "graphed_static", "graphed_full_static"]
-PARTS = ["peers", "bench", "te", "kernels", "megatron", "tests"]
+PARTS = ["peers", "bench", "te", "kernels", "layer", "megatron", "tests"]
+ARCHIVES = [part for part in PARTS if part != "layer"]  # the layer part's files join megatron's
 # what a device call brings back from $OUT
 MAX_FILES, MAX_DEPTH, MAX_BYTES = 8, 2, 16 * 2 ** 20
 
@@ -64,7 +65,7 @@ def test_everything_comes_back_from_a_device_call(dry_out):
     assert all(len(p.relative_to(dry_out).parts) <= MAX_DEPTH + 1 for p in found)
     assert all(p.stat().st_size <= MAX_BYTES for p in found)
     assert sorted(p.name for p in found) == sorted(
-        ["env.txt", "summary.tsv", *(f"{part}.tar.gz" for part in PARTS)])
+        ["env.txt", "summary.tsv", *(f"{part}.tar.gz" for part in ARCHIVES)])
 
 
 @pytest.mark.slow
@@ -76,6 +77,7 @@ def test_unpack_restores_every_parts_files(dry_out, dry_run):
             "bench/cpu.dry_shape.json", "bench/cpu.dry_memory.json", "bench/cpu.md",
             "kernels/kernel_bench.json", "kernels/kernel_efficiency.json",
             "kernels/launch_configs.json", "kernels/kernels.log", "megatron/compare.json",
+            "megatron/layer_time.json", "megatron/layer_cost.json",
             "te/cpu.dry_te.json", "te/bench.log",
             "tests/pytest.log", "tests/junit.xml"} <= names
     assert not any(name.endswith(".yaml") for name in names)  # the dry run's shapes stay behind
@@ -343,3 +345,18 @@ def test_the_probes_kernel_cases_call_every_fused_op_and_match_the_reference():
         row = probe.compare_kernel(case, torch.device("cpu"), bandwidth=1e9, repeats=1)
         assert row["max_abs_diff"] < 1e-4, row
         assert row["bytes"] > 0
+
+
+@pytest.mark.slow
+def test_layer_part_times_devs_layer_native_and_fused_and_counts_its_kernels(dry_run):
+    """The layer part: one step of Megatron-LM dev's mHC layer timed natively and on mhc_cg's
+    fused kernels in one process (dev's own fused module says why it did not run off a GPU),
+    and its kernels and bytes counted, fewer fused."""
+    timed = json.loads((dry_run / "megatron" / "layer_time.json").read_text())
+    assert timed["branch"] == "dev" and timed["device"] == "cpu"
+    runs = timed["runs"]
+    assert runs["native"]["ms_per_step"] > 0 and runs["mhc_cg_fused"]["ms_per_step"] > 0
+    assert runs["mhc_cg_fused"]["over_mhc_cg_fused"] == 1.0
+    assert "no GPU" in runs["dev_fused_module"]["not_run"]
+    cost = json.loads((dry_run / "megatron" / "layer_cost.json").read_text())
+    assert cost["fused"]["kernels"] < cost["native"]["kernels"]

@@ -87,7 +87,8 @@ def test_a_timed_report_reads_as_a_table_and_a_markdown_file(tmp_path):
     """What a GPU run writes (``--out``): each row with ours and the peer's device time, the
     ratio and GB/s, in the printed table and in ``peers.md``."""
     row = {"shape": "bench_h100", "tokens": 4096, "hidden": 2048, "dtype": "bfloat16",
-           "op": "post", "peer": "te", "h_res_transposed": True, "max_abs_diff": 0.0,
+           "op": "post", "peer": "te", "h_res_transposed": True, "arithmetic": "main",
+           "max_abs_diff": 0.0,
            "rtol": kp.RTOL["bfloat16"], "ok": True, "worst": "out: 0 of 1", "ours_ms": 0.05,
            "ours_wall_ms": 0.07, "ours_gb_per_s": 2600.0, "ms": 0.1, "wall_ms": 0.12,
            "gb_per_s": 1300.0, "over_ours": 2.0}
@@ -98,7 +99,7 @@ def test_a_timed_report_reads_as_a_table_and_a_markdown_file(tmp_path):
     assert "torch: not run: no Megatron-LM main snapshot" in text
     assert "0.0500" in text and "0.1000" in text and "2.00" in text
     md = kp.markdown(report)
-    assert "| bench_h100 | bfloat16 | post | te | 0.0500 | 0.1000 | 2.00 | 2600 | 1300 |" in md
+    assert "| bench_h100 | bfloat16 | post | te | main | 0.0500 | 0.1000 | 2.00 | 2600 | 1300 |" in md
     assert kp.family_bytes("post", 2048, 2, 2048, 2) / (row["ours_ms"] * 1e6) > 0
 
 
@@ -106,12 +107,13 @@ def test_a_backward_lost_in_its_forwards_noise_reads_as_no_figure():
     """A backward's time is its forward-and-backward less its forward: where that is not
     positive the row says ``-``, never a negative time or a ratio of one."""
     row = {"shape": "bench_h100", "tokens": 4096, "hidden": 2048, "dtype": "bfloat16",
-           "op": "post.backward", "peer": "dev", "h_res_transposed": True, "max_abs_diff": 0.0,
+           "op": "post.backward", "peer": "dev", "h_res_transposed": True, "arithmetic": "dev",
+           "max_abs_diff": 0.0,
            "rtol": kp.RTOL["bfloat16"], "ok": True, "worst": "", "ours_ms": None,
            "ours_wall_ms": None, "ours_gb_per_s": None, "ms": 0.2, "wall_ms": 0.3,
            "gb_per_s": 900.0, "over_ours": None}
     report = {"device": "gpu", "torch": "2.11.0", "code": "abc", "skipped": {}, "not_run": [],
               "peers": {}, "rows": [row]}
-    assert "| bench_h100 | bfloat16 | post.backward | dev | - | 0.2000 | - | - | 900 |" in \
+    assert "| bench_h100 | bfloat16 | post.backward | dev | dev | - | 0.2000 | - | - | 900 |" in \
         kp.markdown(report)
     assert " - " in kp.format_report(report)

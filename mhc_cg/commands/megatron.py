@@ -40,9 +40,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="count the kernels and bytes of one step of the branch's mHC layer, "
                              "Megatron's native ops against mhc_cg's fused kernels (on meta "
                              "tensors, no training)")
+    parser.add_argument("--layer-time", action="store_true",
+                        help="time one step of the branch's mHC layer native (compiled on a GPU), "
+                             "with mhc_cg's fused kernels and (dev) with dev's own fused module, "
+                             "in one process")
+    parser.add_argument("--steps", type=int, default=10,
+                        help="with --layer-time: timed steps after 3 warm-up steps (default 10)")
     parser.add_argument("--shape", metavar="YAML",
-                        help="with --layer-cost: the model shape (hidden, heads, FFN, sequence, "
-                             "micro-batch) of this config, e.g. configs/bench_h100.yaml")
+                        help="with --layer-cost or --layer-time: the model shape (hidden, heads, "
+                             "FFN, sequence, micro-batch) of this config, e.g. "
+                             "configs/bench_h100.yaml")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,13 +57,23 @@ def run(args: argparse.Namespace) -> int:
     from mhc_cg.lab.megatron_harness import compare as megatron_compare
 
     cfg = load_config(args.config)
-    if args.shape and not args.layer_cost:
-        print("mhc-cg megatron: error: --shape is for --layer-cost; add --layer-cost or drop "
-              "--shape", file=sys.stderr)
+    if args.shape and not (args.layer_cost or args.layer_time):
+        print("mhc-cg megatron: error: --shape is for --layer-cost and --layer-time; add one or "
+              "drop --shape", file=sys.stderr)
         return 2
+    if args.steps < 1:
+        print(f"mhc-cg megatron: error: --steps {args.steps}: time at least 1 step",
+              file=sys.stderr)
+        return 2
+    shape = load_config(args.shape) if args.shape else None
     if args.layer_cost:
-        cost = megatron_compare.layer_cost(cfg, load_config(args.shape) if args.shape else None)
+        cost = megatron_compare.layer_cost(cfg, shape)
         print(json.dumps(cost, indent=1) if args.json else megatron_compare.format_layer_cost(cost))
+        return 0
+    if args.layer_time:
+        timed = megatron_compare.layer_time(cfg, shape, steps=args.steps)
+        print(json.dumps(timed, indent=1) if args.json
+              else megatron_compare.format_layer_time(timed))
         return 0
     try:
         result = megatron_compare.run(cfg, args.compare, progress=not args.no_progress)

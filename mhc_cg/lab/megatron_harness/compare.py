@@ -85,22 +85,44 @@ def layer_cost(cfg: RunConfig, shape: RunConfig | None = None) -> dict:
     """Kernels and bytes of one step of the branch's mHC layer, native against mhc_cg's fused
     kernels (:mod:`mhc_cg.lab.megatron_harness.layer_cost`), at ``shape``'s model (hidden, heads,
     FFN, sequence, micro-batch) or ``cfg``'s; one child process, on meta tensors."""
+    cfg = _one_layer(cfg, shape, "--layer-cost", "cpu")
+    source = find_megatron(cfg.megatron.branch).describe()
+    per_rank = run_megatron_job({"config": cfg.to_dict(), "runs": [], "device": "cpu",
+                                 "branch": cfg.megatron.branch, "layer_cost": True}, world_size=1)
+    return {"branch": cfg.megatron.branch, "source": source,
+            **per_rank[0]["runs"]["layer_cost"]}
+
+
+def layer_time(cfg: RunConfig, shape: RunConfig | None = None, steps: int = 10,
+               warmup: int = 3) -> dict:
+    """One step of the branch's mHC layer timed native (compiled on a GPU), with mhc_cg's fused
+    kernels and (dev) with dev's own fused module, in one child process
+    (:mod:`mhc_cg.lab.megatron_harness.layer_timing`) on the device it finds."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = _one_layer(cfg, shape, "--layer-time", device)
+    source = find_megatron(cfg.megatron.branch).describe()
+    per_rank = run_megatron_job({"config": cfg.to_dict(), "runs": [], "device": device,
+                                 "branch": cfg.megatron.branch,
+                                 "layer_time": {"steps": steps, "warmup": warmup}}, world_size=1)
+    return {"branch": cfg.megatron.branch, "source": source,
+            **per_rank[0]["runs"]["layer_time"]}
+
+
+def _one_layer(cfg: RunConfig, shape: RunConfig | None, flag: str, device: str) -> RunConfig:
+    """``cfg`` for one layer of one rank, at ``shape``'s model where given."""
     branch = cfg.megatron.branch
     if branch == "core":
-        raise ConfigError("megatron.branch: --layer-cost compares Megatron-LM's own layer's ops "
-                          "with mhc_cg's fused kernels; set megatron.branch: main or dev")
+        raise ConfigError(f"megatron.branch: {flag} compares Megatron-LM's own layer's ops "
+                          f"with mhc_cg's fused kernels; set megatron.branch: main or dev")
     if shape is not None:
         m, t = shape.model, shape.train
         cfg = cfg.replace(model={"hidden_size": m.hidden_size, "num_heads": m.num_heads,
                                  "ffn_hidden_size": m.ffn_hidden_size,
                                  "seq_length": m.seq_length},
                           train={"micro_batch_size": t.micro_batch_size})
-    cfg = cfg.replace(train={"device": "cpu"}, parallel={"tp_size": 1, "pp_size": 1, "vpp_size": 1,
-                                                         "ep_size": 1, "sequence_parallel": False})
-    source = find_megatron(branch).describe()
-    per_rank = run_megatron_job({"config": cfg.to_dict(), "runs": [], "device": "cpu",
-                                 "branch": branch, "layer_cost": True}, world_size=1)
-    return {"branch": branch, "source": source, **per_rank[0]["runs"]["layer_cost"]}
+    return cfg.replace(train={"device": device},
+                       parallel={"tp_size": 1, "pp_size": 1, "vpp_size": 1, "ep_size": 1,
+                                 "sequence_parallel": False})
 
 
 def format_layer_cost(result: dict) -> str:
@@ -118,6 +140,23 @@ def format_layer_cost(result: dict) -> str:
              f"fewer per layer step (attention and MLP alike in both)")
     header = ("mHC ops", "kernels", "MiB read", "MiB written", "of them fused-op kernels")
     return "\n".join([head, *_columns(header, rows), saved])
+
+
+def format_layer_time(result: dict) -> str:
+    s = result["shape"]
+    head = (f"one {result['branch']} HyperConnectionTransformerLayer step on {result['device']}: "
+            f"seq {s['seq']} x micro-batch {s['micro_batch']}, hidden {s['hidden']}, "
+            f"n = {s['streams']}, {s['dtype']}")
+    rows = []
+    for name, r in result["runs"].items():
+        if "not_run" in r:
+            rows.append((name, "-", "-", "-", f"not run: {r['not_run']}"))
+            continue
+        ratio = r.get("over_mhc_cg_fused")
+        rows.append((name, f"{r['ms_per_step']:.3f}", "-" if ratio is None else f"{ratio:.2f}",
+                     f"{r['warmup_s']:.1f}", r["clock"] + (", compiled" if r.get("compiled") else "")))
+    header = ("run", "ms / step", "x mhc_cg_fused", "warm-up s", "clock")
+    return "\n".join([head, *_columns(header, rows)])
 
 
 def native_loss_difference(result: dict, branch: str) -> dict[str, float]:
@@ -324,7 +363,9 @@ def format_table(cfg: RunConfig, result: dict) -> str:
         for index, rank in enumerate(run["ranks"]):
             saved = rank["saved_bytes_per_layer"]
             where = f"{rank['pp_rank']}, {rank['tp_rank']}, {rank['ep_rank']}"
+            native = fused and name == f"{branch}_eager_none"  # other rounding: not compared
             rows.append((name, f"{rank['rank']} ({where})", _loss(run),
+                         "(native ops)" if native else
                          _equal_to_reference(result, name, reference, index),
                          "-" if saved is None else f"{saved} B",
                          str(rank["persistent_slot_sets"] or "-"),

@@ -9,11 +9,11 @@ through the fused step adapters. Every op is counted at dispatch by the cost mod
 its Triton kernels make, a view none) and the bytes each reads and writes once. Attention and the
 MLP are the same in both runs, so the difference is the mHC work's.
 
-What the count assumes: every native op a kernel of its own, as in eager mode. Megatron's native
-mHC functions carry ``torch.compile``, which on a GPU fuses some of their elementwise chains into
-fewer kernels (Inductor's choice, not counted here: the GPU check times dev's layer compiled); the
-attention is torch's SDPA on the CPU's spec (one kernel, its bytes those of its inputs and
-output).
+What the count assumes: every native op a kernel of its own, as in eager mode, an upper bound for
+a compiled run. Megatron's native mHC functions carry ``torch.compile`` (dev's Sinkhorn iterations
+among them), which on a GPU fuses their elementwise chains into fewer kernels (Inductor's choice,
+not counted here: the GPU check times dev's layer compiled). The attention is the CPU spec's, the
+same in both runs.
 """
 
 from __future__ import annotations

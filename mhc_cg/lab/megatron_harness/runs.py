@@ -295,19 +295,40 @@ def build_run(run: str, cfg: RunConfig, branch: str, cpu: bool):
 
 def branch_layer_cost(cfg: RunConfig, branch: str) -> dict:
     """One layer's step, native against fused (:mod:`mhc_cg.lab.megatron_harness.layer_cost`),
-    at ``cfg``'s shape, the branch's config as its run without recompute has it, dropout 0 (the
-    same mask op in either)."""
+    at ``cfg``'s shape, the branch's config as its run without recompute has it."""
     from mhc_cg.lab.megatron_harness.layer_cost import layer_cost
 
     if branch == "dev":
         from megatron_integration.layers.dev_layer import dev_layer_steps as steps_of
     else:
         from megatron_integration.layers.main_layer import main_layer_steps as steps_of
-    kwargs = run_kwargs(megatron_config_kwargs(cfg, branch)[0], f"{branch}_eager_none", branch)
-    config = transformer_config({**kwargs, "hidden_dropout": 0.0})  # the mHC ops alone
-    spec = decoder_spec(branch, config, None, cpu=True, graphed=False)
+    config, spec = _layer_config(cfg, branch, cpu=True)
     return layer_cost(config, spec, cfg.model.seq_length, cfg.train.micro_batch_size,
                       steps_of(True))
+
+
+def _layer_config(cfg: RunConfig, branch: str, cpu: bool, **overrides):
+    """The branch's config of its run without recompute at dropout 0 (the same mask op in every
+    variant), and the spec of one layer."""
+    kwargs = run_kwargs(megatron_config_kwargs(cfg, branch)[0], f"{branch}_eager_none", branch)
+    config = transformer_config({**kwargs, "hidden_dropout": 0.0, **overrides})
+    return config, decoder_spec(branch, config, None, cpu=cpu, graphed=False)
+
+
+def branch_layer_timing(cfg: RunConfig, branch: str, steps: int, warmup: int) -> dict:
+    """One layer's step timed native, fused and (dev) with dev's own fused module
+    (:mod:`mhc_cg.lab.megatron_harness.layer_timing`), at ``cfg``'s shape."""
+    from mhc_cg.lab.megatron_harness.layer_timing import layer_timing
+
+    if branch == "dev":
+        from megatron_integration.layers.dev_layer import dev_layer_steps as steps_of
+    else:
+        from megatron_integration.layers.main_layer import main_layer_steps as steps_of
+    cpu = not torch.cuda.is_available()
+    config, spec = _layer_config(cfg, branch, cpu)
+    theirs = _layer_config(cfg, branch, cpu, use_fused_mhc=True)[0] if branch == "dev" else None
+    return layer_timing(config, spec, cfg.model.seq_length, cfg.train.micro_batch_size,
+                        steps_of(True), steps=steps, warmup=warmup, dev_fused_config=theirs)
 
 
 def rank_runs(cfg: RunConfig, runs: list[str], branch: str, cpu: bool) -> dict:
@@ -419,6 +440,8 @@ def child_main(argv: list[str]) -> None:
                pp_size=p.pp_size, vpp_size=p.vpp_size, ep_size=p.ep_size)
     if spec.get("layer_cost"):
         result = {"layer_cost": branch_layer_cost(cfg, spec["branch"])}
+    elif spec.get("layer_time"):
+        result = {"layer_time": branch_layer_timing(cfg, spec["branch"], **spec["layer_time"])}
     else:
         result = rank_runs(cfg, spec["runs"], spec["branch"], cpu)
     out = {"runs": result, "megatron_core": megatron.core.__file__,

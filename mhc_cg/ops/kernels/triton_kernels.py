@@ -930,11 +930,18 @@ def _pre_bwd_coef(gout_ptr, gin_ptr, gstate_ptr, x_ptr, bias_ptr, apre_ptr, apos
         h_res = _sinkhorn(l_res, rmask, iterations, EPS, DEV)
         tl.store(aux_ptr + t[:, None, None] * AW + 3 + N + i[None, :, None] * N + i[None, None, :],
                  h_res, mask=rmask)
-    if PREV:  # the previous post's H_post / 2, as its own backward computes it
-        s_prev = _gates(pstate_ptr, pbias_ptr + N, papost_ptr,
-                        _inv_rms(pstate_ptr, t, tmask, sqrt_d, N, RMS), t, tmask, N, N)
-        for j in tl.static_range(N):
-            tl.store(aux_ptr + t * AW + 3 + N + N * N + j, s_prev[j], mask=tmask)
+    if PREV:
+        _store_prev_gates(aux_ptr, pstate_ptr, pbias_ptr, papost_ptr, t, tmask, sqrt_d, N, RMS, AW)
+
+
+@triton.jit
+def _store_prev_gates(aux_ptr, pstate_ptr, pbias_ptr, papost_ptr, t, tmask, sqrt_d,
+                      N: tl.constexpr, RMS: tl.constexpr, AW: tl.constexpr):
+    """The previous post's H_post / 2 into ``aux``, as its own backward computes it."""
+    s_prev = _gates(pstate_ptr, pbias_ptr + N, papost_ptr,
+                    _inv_rms(pstate_ptr, t, tmask, sqrt_d, N, RMS), t, tmask, N, N)
+    for j in tl.static_range(N):
+        tl.store(aux_ptr + t * AW + 3 + N + N * N + j, s_prev[j], mask=tmask)
 
 
 @triton.jit
