@@ -92,6 +92,24 @@ def fused_block_verdict(result: dict) -> tuple[list[str], dict]:
     return off, figures
 
 
+def assert_fused_block(result: dict, branch: str) -> None:
+    """What ``fused_block_job`` must show for ``branch``'s block: fused kernels in every sublayer,
+    in the branch's arithmetic, every parameter's gradient, the fp32 errors within the bound
+    (:func:`fused_block_verdict`), output and input gradient within 1e-6 of native, and the
+    recompute runs equal to the fused eager run bit for bit."""
+    assert result["fused_sublayers"] == 8
+    assert result["arithmetic"] == branch
+    assert result["missing_grads"] == []
+    off, _ = fused_block_verdict(result)
+    assert not off, off
+    for name in ("output", "input_grad"):
+        e = result["errors"][name]
+        assert e["fused_vs_native"] <= 1e-6 * e["truth_max"], (name, e)
+    for run, compared in result["recompute_vs_eager"].items():
+        assert compared["out_equal"] and compared["dx_equal"], run
+        assert compared["grad_names_equal"] and compared["grads_not_equal"] == [], (run, compared)
+
+
 def run_job(snapshot_root: Path | None, job: str, **kwargs) -> dict:
     """Run ``job(**kwargs)`` in a fresh process that imports the snapshot's megatron.core (the
     pinned megatron-core when ``snapshot_root`` is ``None``); its result."""

@@ -597,31 +597,41 @@ def test_transposed_h_res_triton_ops_match_reference(interpret):
         assert (a - b).abs().max() > 1e-2, name
 
 
+# variant: (what the forward and its recompute run, another variant whose recompute must miss
+# the forward, by more than, the block's seed)
+RECOMPUTE_VARIANTS = {
+    "transposed": ({"h_res_transposed": True}, {}, 1e-2, 3),
+    "dev": ({"h_res_transposed": True, "arithmetic": "dev"}, {"h_res_transposed": True}, 1e-6, 5)}
+
+
+@pytest.mark.parametrize("variant", sorted(RECOMPUTE_VARIANTS))
 @pytest.mark.parametrize("use_triton", [False, pytest.param(True, marks=needs_triton)])
-def test_transposed_h_res_block_recompute_reproduces_the_forward_bit_for_bit(request, use_triton):
-    """With ``h_res_transposed`` the recompute rebuilds the block's inputs as the transposed pre
-    and post computed them, bit for bit; the default layout's recompute does not."""
+def test_a_variants_block_recompute_reproduces_its_forward_bit_for_bit(request, use_triton,
+                                                                       variant):
+    """With H_res transposed, and in dev's arithmetic, the recompute rebuilds the block's inputs
+    as that variant's pre and post computed them, bit for bit; another variant's recompute
+    does not."""
     if use_triton:
         request.getfixturevalue("interpret")
+    ours, other, gap, case = RECOMPUTE_VARIANTS[variant]
     impl = fused.dispatch.triton_kernels() if use_triton else reference
     n, c, t, sublayers, p = BLOCK_SHAPE
-    x0, ws, params, norms = _block_case(3, logit_scale=2.0)
+    x0, ws, params, norms = _block_case(case, logit_scale=2.0)
     seed, streams = torch.tensor(99), [10 + 2 * k for k in range(sublayers)]
-    xs, fn_inputs, ys, states = block_chain(impl, x0, ws, params, norms, seed, p, n, 5,
-                                            h_res_transposed=True)
+    xs, fn_inputs, ys, states = block_chain(impl, x0, ws, params, norms, seed, p, n, 5, **ours)
 
-    def recompute(**layout):
+    def recompute(options):
         x_out = torch.full((sublayers - 1, t, n * c), float("nan"))
         fn_out = torch.full((sublayers, t, c), float("nan"))
         impl.recompute(x0, torch.stack(ys), torch.stack(states), params, norms, seed, p, streams,
-                       n, 5, EPS, x_out, fn_out, **layout)
+                       n, 5, EPS, x_out, fn_out, **options)
         return x_out, fn_out
 
-    x_out, fn_out = recompute(h_res_transposed=True)
+    x_out, fn_out = recompute(ours)
     assert torch.equal(x_out, torch.stack(xs))
     assert torch.equal(fn_out, torch.stack(fn_inputs))
-    x_main, _ = recompute()
-    assert (x_main - x_out).abs().max() > 1e-2
+    x_other, _ = recompute(other)
+    assert (x_other - x_out).abs().max() > gap
 
 
 # ---- one op per step: what the graph tape records ----------------------------------------------
@@ -803,33 +813,6 @@ def test_dev_arithmetic_triton_ops_match_reference(interpret, dtype, n, c, t, no
     for name, k in DEV_OPS.items():
         a, b = _as_tuple(main[name](False))[k], _as_tuple(dev[name](False))[k]
         assert (a - b).abs().max() > 1e-6, name
-
-
-@pytest.mark.parametrize("use_triton", [False, pytest.param(True, marks=needs_triton)])
-def test_dev_arithmetic_block_recompute_reproduces_the_forward_bit_for_bit(request, use_triton):
-    """In dev's arithmetic the recompute rebuilds the block's inputs as dev's pre and post
-    computed them, bit for bit; main's arithmetic does not."""
-    if use_triton:
-        request.getfixturevalue("interpret")
-    impl = fused.dispatch.triton_kernels() if use_triton else reference
-    n, c, t, sublayers, p = BLOCK_SHAPE
-    x0, ws, params, norms = _block_case(5, logit_scale=2.0)
-    seed, streams = torch.tensor(99), [10 + 2 * k for k in range(sublayers)]
-    xs, fn_inputs, ys, states = block_chain(impl, x0, ws, params, norms, seed, p, n, 5,
-                                            h_res_transposed=True, arithmetic="dev")
-
-    def recompute(arithmetic):
-        x_out = torch.full((sublayers - 1, t, n * c), float("nan"))
-        fn_out = torch.full((sublayers, t, c), float("nan"))
-        impl.recompute(x0, torch.stack(ys), torch.stack(states), params, norms, seed, p, streams,
-                       n, 5, EPS, x_out, fn_out, h_res_transposed=True, arithmetic=arithmetic)
-        return x_out, fn_out
-
-    x_out, fn_out = recompute("dev")
-    assert torch.equal(x_out, torch.stack(xs))
-    assert torch.equal(fn_out, torch.stack(fn_inputs))
-    x_main, _ = recompute("main")
-    assert (x_main - x_out).abs().max() > 1e-6
 
 
 def test_dev_arithmetic_fused_sublayer_matches_its_unfused_math_and_gradients():

@@ -15,7 +15,7 @@ snapshot is ``../shared/third_party/megatron-lm-dev-*.tar.gz``; the job is
 
 import pytest
 
-from megatron_main_oracle import extracted_snapshot, fused_block_verdict, run_job
+from megatron_main_oracle import assert_fused_block, extracted_snapshot, run_job
 
 STREAMS = (3, 4)
 DTYPES = ("float64", "float32")
@@ -125,25 +125,11 @@ def fused_block(dev_snapshot):
     return result
 
 
-def test_devs_layers_on_mhc_cgs_fused_kernels_are_as_close_to_fp64_as_devs_own(fused_block):
+def test_devs_layers_on_mhc_cgs_fused_kernels_match_devs_and_recompute_bit_for_bit(
+        fused_block):
     """dev's own block with ``use_fused_mhc`` (mhc_cg's fused pre and post in every sublayer,
-    dev's arithmetic) against dev's native ops: every gradient reaches every parameter,
-    and the fp32 error against the fp64 truth stays within the bound of Megatron's own fp32 error
-    (``fused_block_verdict``); output and input gradient within 1e-6 of native."""
-    assert fused_block["fused_sublayers"] == 8
-    assert fused_block["arithmetic"] == "dev"
-    assert fused_block["missing_grads"] == []
-    off, figures = fused_block_verdict(fused_block)
-    assert not off, off
-    errors = fused_block["errors"]
-    for name in ("output", "input_grad"):
-        e = errors[name]
-        assert e["fused_vs_native"] <= 1e-6 * e["truth_max"], (name, e)
-
-
-def test_devs_fused_layers_recompute_bit_identical_to_eager(fused_block):
-    """With the fused kernels, mhc_cg's eager block recompute and the static runtime with tape
-    recompute graphs equal the fused layers run eagerly without recompute, bit for bit."""
-    for run, compared in fused_block["recompute_vs_eager"].items():
-        assert compared["out_equal"] and compared["dx_equal"], run
-        assert compared["grad_names_equal"] and compared["grads_not_equal"] == [], (run, compared)
+    dev's arithmetic) against dev's native ops, each against the fp64 truth: within the
+    bound of Megatron's own fp32 error; mhc_cg's eager block recompute and the static runtime with
+    tape recompute graphs equal the fused layers run eagerly, bit for bit
+    (``assert_fused_block``)."""
+    assert_fused_block(fused_block, "dev")
