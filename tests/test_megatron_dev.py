@@ -120,7 +120,8 @@ def test_main_layout_does_not_equal_megatron_dev(dev_cases, n, dtype):
 
 @pytest.fixture(scope="module")
 def fused_block(dev_snapshot):
-    result = run_job(dev_snapshot, "fused_block", branch="dev")
+    result = run_job(dev_snapshot, "fused_block", branch="dev",
+                     dtypes=["float32", "bfloat16"])
     assert "megatron-lm-dev" in result["megatron_core"]
     return result
 
@@ -128,7 +129,7 @@ def fused_block(dev_snapshot):
 def test_devs_layers_on_mhc_cgs_fused_kernels_match_devs_and_recompute_bit_for_bit(
         fused_block):
     """dev's own block with ``use_fused_mhc`` (mhc_cg's fused pre and post in every sublayer,
-    dev's arithmetic) against dev's native ops, each against the fp64 truth: within the
+    dev's arithmetic) against dev's native ops, fp32 and bf16, each against the fp64 truth: within the
     bound of Megatron's own fp32 error; mhc_cg's eager block recompute and the static runtime with
     tape recompute graphs equal the fused layers run eagerly, bit for bit
     (``assert_fused_block``)."""

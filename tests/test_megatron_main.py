@@ -124,7 +124,8 @@ def test_megatron_main_layer_module_imports_without_main():
 
 @pytest.fixture(scope="module")
 def fused_block(main_snapshot):
-    result = run_job(main_snapshot, "fused_block", branch="main")
+    result = run_job(main_snapshot, "fused_block", branch="main",
+                     dtypes=["float32", "bfloat16"])
     assert "megatron-lm-main" in result["megatron_core"]
     return result
 
@@ -132,7 +133,7 @@ def fused_block(main_snapshot):
 def test_mains_layers_on_mhc_cgs_fused_kernels_match_mains_and_recompute_bit_for_bit(
         fused_block):
     """main's own block with ``use_fused_mhc`` (mhc_cg's fused pre and post in every sublayer,
-    main's arithmetic) against main's native ops, each against the fp64 truth: within the
+    main's arithmetic) against main's native ops, fp32 and bf16, each against the fp64 truth: within the
     bound of Megatron's own fp32 error; mhc_cg's eager block recompute and the static runtime with
     tape recompute graphs equal the fused layers run eagerly, bit for bit
     (``assert_fused_block``)."""
