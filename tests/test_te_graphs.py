@@ -130,3 +130,65 @@ def test_the_cost_model_records_tes_own_function_on_its_backend():
     assert tes["static_buffer_bytes"] > 0 and tes["peak_bytes"] > 0
     # TE copies each incoming grad into its own buffer and accumulates parameter grads eagerly
     assert tes["bytes_per_step"] > ours["bytes_per_step"]
+
+
+# ---- Note [TE's files by their hashes] -------------------------------------------------------
+
+def _wheel_with(wheel, tmp_path, member: str, change) -> "Path":
+    """A copy of TE's wheel with ``member``'s bytes passed through ``change``."""
+    copy = tmp_path / wheel.name
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(copy, "w") as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            dst.writestr(item, change(data) if item.filename == member else data)
+    return copy
+
+
+def test_the_wheels_files_are_te_2_20_2s_own(wheel):
+    """The table holds the hash of every file of TE's that runs here, and the wheel found is
+    the one PyPI publishes (its index's sha256)."""
+    from mhc_cg.lab.benchmarks.kernel_peers import TE_FILES
+    from mhc_cg.lab.emulation.te_wheel import REAL, TE_FILE_SHA256, TE_WHEEL_SHA256
+
+    assert hashlib.sha256(wheel.read_bytes()).hexdigest() == TE_WHEEL_SHA256
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        run = {f"{p}/__init__.py" if f"{p}/__init__.py" in names else f"{p}.py"
+               for p in (name.replace(".", "/") for name in REAL)}
+        run |= {"transformer_engine/pytorch/distributed.py", *TE_FILES}
+        assert set(TE_FILE_SHA256) == run
+        assert all(hashlib.sha256(z.read(m)).hexdigest() == h for m, h in TE_FILE_SHA256.items())
+
+
+def test_a_changed_te_file_is_refused_by_name_before_it_runs(wheel, tmp_path):
+    """One comment added to TE's graph.py: the loader refuses the file, naming it and the fix,
+    and runs none of it; so does the peers' loader for a changed mhc.py in a folder."""
+    from mhc_cg.core.errors import ConfigError
+    from mhc_cg.lab.benchmarks.kernel_peers import load_te
+    from mhc_cg.lab.emulation.te_wheel import TEWheel
+
+    ran = "raise SystemExit('ran')\n"
+    tampered = _wheel_with(wheel, tmp_path, GRAPH, lambda b: ran.encode() + b)
+    with pytest.raises(ConfigError, match=r"graph\.py is not TransformerEngine 2\.20\.2's.*"
+                                          r"pip download --no-deps transformer-engine==2\.20\.2"):
+        TEWheel(tampered).graph_module()
+    folder = tmp_path / "folder"
+    with zipfile.ZipFile(wheel) as z:
+        for member in ("transformer_engine/common/triton/mhc.py",
+                       "transformer_engine/pytorch/triton/mhc.py"):
+            z.extract(member, folder)
+    (folder / "transformer_engine/pytorch/triton/mhc.py").write_text(ran)
+    with pytest.raises(ConfigError, match=r"pytorch/triton/mhc\.py is not TransformerEngine"):
+        load_te(str(folder))
+
+
+def test_another_te_version_is_refused(wheel, tmp_path):
+    from mhc_cg.core.errors import ConfigError
+    from mhc_cg.lab.emulation.te_wheel import TEWheel
+
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    other = _wheel_with(wheel, tmp_path, meta,
+                        lambda b: b.replace(b"Version: 2.20.2", b"Version: 2.21.0"))
+    with pytest.raises(ConfigError, match="is TransformerEngine 2.21.0; mhc_cg runs 2.20.2's"):
+        TEWheel(other)

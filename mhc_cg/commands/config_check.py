@@ -65,8 +65,9 @@ def te_line() -> str:
                 f"make_graphed_callables, over torch.cuda graphs")
     if where == "wheel":
         wheel = te_wheel(str(find_te_wheel()))
+        wheel.graph_module()  # its files checked by their hashes: a changed one is refused here
         return (f"# te: TransformerEngine {wheel.version}'s make_graphed_callables from its wheel's "
-                f"source ({wheel.wheel}/{GRAPH}), over "
+                f"source ({wheel.wheel}/{GRAPH}, every file it runs checked by its sha256), over "
                 f"{'torch.cuda graphs' if _cuda() else 'the tape (this machine has no GPU)'}")
     return f"# te: not at hand on this machine: {te_missing_reason()}"
 

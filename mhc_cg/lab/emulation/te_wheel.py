@@ -18,7 +18,13 @@ of ImportError, which breaks every ``try: import transformer_engine``, Megatron'
    runs record (:func:`mhc_cg.graphs.te.source_of`). Packages are shells (their ``__init__.py`` loads
    TE's CUDA library and C extension), except ``transformer_engine.common``, which loads nothing
    with ``NVTE_PROJECT_BUILDING`` set.
-3. What needs TE's C extension is stood in for by :data:`STAND_INS`, the smallest set that
+3. Note [TE's files by their hashes]: every file of TE's that runs here, from the wheel or from a
+   folder of its files (``MHC_CG_TE_WHEEL`` may name either, so a user's path decides what
+   runs), is first checked against :data:`TE_FILE_SHA256`: the sha256 of TE 2.20.2's own files,
+   read from the wheel PyPI publishes (whose sha256, :data:`TE_WHEEL_SHA256`, is its index's).
+   A file of other content, or one outside the table, is refused by name before it runs, as
+   pip's ``--require-hashes`` refuses an archive (:func:`verified`).
+4. What needs TE's C extension is stood in for by :data:`STAND_INS`, the smallest set that
    ``graph.py`` and the real modules it imports (``quantization``, ``utils``, ``constants``,
    ``jit``, ``export``, ``fp8``) read: the three enums ``constants.py`` reads from the extension
    at import, classes that are only ``isinstance`` targets (TE's module, op and fuser bases: no
@@ -50,6 +56,7 @@ from typing import Any
 
 import torch
 
+from mhc_cg.core.errors import ConfigError
 from mhc_cg.graphs.capture import GraphBackend
 from mhc_cg.graphs.te import TEGraph, installed_te, te_installed
 from mhc_cg.lab.emulation.cuda_api import torch_with
@@ -75,6 +82,57 @@ DISTRIBUTED = ("_ALL_ACTIVE_RNG_STATES", "get_all_rng_states", "set_all_rng_stat
 ONNX = ("torch_onnx_gemm_inf_op", "onnx_quantize_fp8_op", "onnx_dequantize_fp8_op",
         "onnx_quantize_mxfp8_op", "onnx_dequantize_mxfp8_op", "onnx_layernorm",
         "onnx_attention_mask_func", "onnx_gemm", "te_translation_table")
+
+
+# Note [TE's files by their hashes]: TE 2.20.2's wheel as PyPI's simple index lists it, and the
+# sha256 of each of its files that runs here (graph.py and what it imports; the peers' mHC files)
+TE_WHEEL_SHA256 = "7dcfad943a1a55b2612db9a0e43697fe98c70f4c42ec391ba3a0f872f6ce2094"
+TE_FILE_SHA256 = {
+    "transformer_engine/common/__init__.py":
+        "6e383d171b4d580f558f0de81013535b34e99b08997ea4c1dadffd7d496a28cb",
+    "transformer_engine/common/recipe/__init__.py":
+        "66fb914a07d59fd2e1ba7b57240ef4b48c7f9b28060feb216fcc521946f8168e",
+    "transformer_engine/common/triton/mhc.py":
+        "0045990824e46034a2d3162a4690fec1fa87f880dbbab0f43c546ba29d62ff7f",
+    "transformer_engine/pytorch/constants.py":
+        "711b3e29036c778757cc23354c1c2449c942948141bace9ea1b490cb4275793c",
+    "transformer_engine/pytorch/distributed.py":
+        "d157ec4affa81d8b4fbcb58a307919ab758edad1330d53063b16b8dbdc838173",
+    "transformer_engine/pytorch/export.py":
+        "ff2b7eb9845fe3c1ecd7bee407e70fc8c1096cf52d5c2513888b92ebbf6a68cb",
+    "transformer_engine/pytorch/fp8.py":
+        "54a2967ad103ddcffcaf7a1d10e7d9fcfa3a290772d9239c416fff391349f3a1",
+    "transformer_engine/pytorch/graph.py":
+        "8f795d0be87618100ab5b3c6bbb9d11bb1958c3428807ec656b62da5c89209b6",
+    "transformer_engine/pytorch/jit.py":
+        "74b7237a2110bcfd3fbcda0013414443d7aa794eaf4bae888552c51d56b26369",
+    "transformer_engine/pytorch/quantization.py":
+        "ca1b03a90681d6d40cdc5b2b76d1b7fd51ab48a3ea12fa7158530f373fc6bb5f",
+    "transformer_engine/pytorch/torch_version.py":
+        "b5017c9599988e6851afcdc20f8ce8be250f41aed621e0aa2407dfaef8eb8b76",
+    "transformer_engine/pytorch/triton/mhc.py":
+        "4e71eff5d727625ef188e5ec86c2f91b25baf3742b7798313372b2a022e886da",
+    "transformer_engine/pytorch/utils.py":
+        "d9fc19bb9c12da8a47067fe8897be783e42bf5f60e2d5e0ccf3b1384049c47be",
+}
+
+
+def verified(member: str, data: bytes, where: Path | str) -> bytes:
+    """``data``, TE's file ``member`` read from ``where``, if it is TE 2.20.2's own
+    (Note [TE's files by their hashes]); else ``ConfigError`` naming the file and the fix."""
+    fix = (f"use TransformerEngine {TE_VERSION}'s wheel as PyPI publishes it: pip download "
+           f"--no-deps transformer-engine=={TE_VERSION} -d .cache/peers (sha256 "
+           f"{TE_WHEEL_SHA256[:12]}...), and never edit its files")
+    want = TE_FILE_SHA256.get(member)
+    if want is None:
+        raise ConfigError(f"{TE_ENV}: {where}: {member} is none of TransformerEngine "
+                          f"{TE_VERSION}'s files mhc_cg runs; {fix}")
+    got = hashlib.sha256(data).hexdigest()
+    if got != want:
+        raise ConfigError(f"{TE_ENV}: {where}/{member} is not TransformerEngine {TE_VERSION}'s "
+                          f"(sha256 {got[:12]}..., expected {want[:12]}...); refused before it "
+                          f"runs; {fix}")
+    return data
 
 
 def find_te_wheel(repo: Path = ROOT) -> Path | None:
@@ -173,6 +231,11 @@ class TEWheel:
         self.loader = zipimport.zipimporter(str(self.wheel))  # tracebacks show TE's lines
         self.modules: dict[str, types.ModuleType] = {}
         self.version = self._version()
+        if self.version != TE_VERSION:
+            raise ConfigError(f"{TE_ENV}: {self.wheel} is TransformerEngine {self.version}; "
+                              f"mhc_cg runs {TE_VERSION}'s files, checked by their hashes: "
+                              f"pip download --no-deps transformer-engine=={TE_VERSION} "
+                              f"-d .cache/peers")
         self.builtins = {**builtins.__dict__, "__import__": self.te_import}
 
     def _version(self) -> str:
@@ -240,6 +303,10 @@ class TEWheel:
             setattr(self.load(parent), child, module)
         return module
 
+    def _read(self, member: str) -> bytes:
+        """TE's file ``member`` from the wheel, checked against its hash."""
+        return verified(member, self.zip.read(member), self.wheel)
+
     def _compile(self, member: str, source: bytes | str) -> types.CodeType:
         return compile(source, f"{self.wheel}/{member}", "exec", dont_inherit=True)
 
@@ -248,11 +315,11 @@ class TEWheel:
         module.__loader__ = self.loader
         module.__dict__.update(globals_)
         with _project_building():
-            exec(self._compile(member, self.zip.read(member)), module.__dict__)
+            exec(self._compile(member, self._read(member)), module.__dict__)
 
     def _run_definitions(self, module: types.ModuleType, member: str, names: tuple) -> None:
         """Only ``names`` (top-level definitions) of TE's file ``member``, from its own source."""
-        tree = ast.parse(self.zip.read(member), member)
+        tree = ast.parse(self._read(member), member)
         keep = [node for node in tree.body
                 if (isinstance(node, ast.ImportFrom) and node.module in ("__future__", "typing"))
                 or (isinstance(node, ast.Import) and [a.name for a in node.names] == ["torch"])
