@@ -158,6 +158,40 @@ def test_dev_with_use_fused_mhc_runs_mhc_cgs_kernels_graphed_and_eager_alike(che
         assert abs(a - b) <= FUSED_LOSS_TOLERANCE * abs(b), (a, b)
 
 
+@pytest.mark.parametrize("checkout", ["dev"], indirect=True)
+def test_a_run_resumed_from_its_iteration_2_checkpoint_is_bit_identical(checkout, user_script,
+                                                                        tmp_path):
+    """Megatron's own ``--save`` / ``--load`` (``torch_dist``) with mhc_cg on: a run saves at
+    iterations 2 and 4; restarted from its iteration-2 checkpoint, as after a crash there, the
+    rest of it (Megatron warms up again, then captures: the graphs and mhc_cg's recompute graphs
+    made anew after the load) gives the uninterrupted run's losses and gradient norms bit for
+    bit."""
+    branch, root, _ = checkout
+    base = flags("tiny") + flags("cpu") + flags(branch)
+    at = base.index("--cuda-graph-warmup-steps") + 1
+    base = [*base[:at], "1", *base[at + 1:]]  # one eager step, then graphs, before and after
+    saved = tmp_path / "checkpoints"
+    whole = run_entry(root, user_script.name,
+                      base + ["--save", str(saved), "--save-interval", "2",
+                              "--ckpt-format", "torch_dist"], tmp_path / "whole.json")
+    assert sorted(p.name for p in saved.iterdir()) == ["iter_0000002", "iter_0000004",
+                                                       "latest_checkpointed_iteration.txt"]
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = list(FileSystemReader(str(saved / "iter_0000002")).read_metadata().state_dict_metadata)
+    assert any("hyper_connection" in key for key in keys)  # Megatron's own mHC parameters
+    # none of mhc_cg's static buffers (arena, persistent sets, graphs' inputs) in it
+    assert not [key for key in keys if any(w in key for w in ("mhc_static", "arena", "slot"))]
+    (saved / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed = run_entry(root, user_script.name,
+                        base + ["--load", str(saved), "--ckpt-format", "torch_dist"],
+                        tmp_path / "resumed.json")
+    assert len(whole["losses"]) == ITERATIONS and len(resumed["losses"]) == ITERATIONS - 2
+    assert resumed["losses"] == whole["losses"][2:]
+    assert resumed["grad_norms"] == whole["grad_norms"][2:] and None not in whole["grad_norms"]
+    assert whole["recompute_graph_replays"] > 0 and resumed["recompute_graph_replays"] > 0
+
+
 def test_only_a_cpu_run_turns_megatrons_fusions_off():
     """The fusions a Megatron config sets stay as set on a GPU; a CPU run turns off those whose
     kernels need CUDA (and dev's fused mHC kernels), and says which and why."""

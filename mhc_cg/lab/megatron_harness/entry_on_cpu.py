@@ -23,6 +23,12 @@ CPU build of torch refuses CUDA; Megatron's entry asserts a GPU):
   :func:`mhc_cg.lab.megatron_harness.training.init_ranks` gives it on the CPU (it adds one only on a
   GPU; attention's dropout forks it);
 * ``set_jit_fusion_options``: nothing (it warms up the fused kernels on the GPU);
+* ``torch.cuda.get_rng_state`` an empty state and ``set_rng_state`` taking one back (a
+  checkpoint's RNG state, ``megatron/training/checkpointing.py``'s ``get_rng_state``: a CPU
+  build has no CUDA generator, and every draw of the run is the CPU generator's, saved beside);
+* dist-checkpointing's write-results queue from a forked process, not a spawned one (a spawned
+  process re-runs the user's script without these shims, where Python 3.11's ``typing`` has no
+  ``override``);
 * where TransformerEngine's package cannot load (every CPU), :mod:`mhc_cg.lab.megatron_harness.te_on_tape`
   is loaded before ``megatron.training``: the module tree Megatron's TE graph helper imports, its
   ``make_graphed_callables`` TE's own from TE's wheel, over the tape.
@@ -30,9 +36,9 @@ CPU build of torch refuses CUDA; Megatron's entry asserts a GPU):
 The CPU runs also pass Megatron's own flags a CPU needs (``examples/megatron/README.md``:
 ``--use-cpu-initialization``, the fusions off, ``--rerun-mode disabled``, ``--clip-grad 0``).
 
-``MHC_CG_ENTRY_RECORD=FILE`` (the tests): every iteration's losses as ``train_step`` returned
-them (exact, ``float.hex``), and what mhc_cg's graph helper captured and replayed, into ``FILE``
-as JSON when the script returns.
+``MHC_CG_ENTRY_RECORD=FILE`` (the tests): every iteration's losses and gradient norm as
+``train_step`` returned them (exact, ``float.hex``), and what mhc_cg's graph helper captured and
+replayed, into ``FILE`` as JSON when the script returns.
 """
 
 from __future__ import annotations
@@ -108,6 +114,8 @@ def install() -> None:
     torch.cuda.reset_peak_memory_stats = lambda device=None: None
     torch.cuda.memory_stats = lambda device=None: {}
     torch.cuda.empty_cache = lambda: None
+    torch.cuda.get_rng_state = lambda device="cuda": torch.empty(0, dtype=torch.uint8)
+    torch.cuda.set_rng_state = _no_cuda_generator
     from mhc_cg.graphs.te import te_installed
 
     if not te_installed():
@@ -122,7 +130,18 @@ def install() -> None:
     initialize._initialize_distributed = _one_device(initialize._initialize_distributed)
     initialize._set_random_seed = _seeded_tracker(initialize._set_random_seed)
     training.set_jit_fusion_options = lambda *args, **kwargs: None
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async.get_write_results_queue = functools.partial(
+        filesystem_async.get_write_results_queue, mp_mode="fork")
     CudaOnCpu().__enter__()  # for the rest of the process
+
+
+def _no_cuda_generator(state, device="cuda") -> None:
+    """A CPU build's CUDA RNG state back from a checkpoint: the empty one saved, nothing else."""
+    if state.numel():
+        raise ValueError(f"a CUDA RNG state of {state.numel()} bytes from a GPU run's checkpoint: "
+                         f"this CPU run has no CUDA generator to give it to; load it on a GPU")
 
 
 class Record:
@@ -131,6 +150,7 @@ class Record:
 
     def __init__(self) -> None:
         self.losses: list[dict[str, str]] = []
+        self.grad_norms: list[str | None] = []
         self.fused_ops: list[int] = []
         self.helpers: list = []
 
@@ -147,6 +167,8 @@ class Record:
             with FusedOpCounter() as fused:
                 result = train_step(*args, **kwargs)
             self.losses.append({k: float(v).hex() for k, v in result[0].items()})
+            norm = result[5]  # train_step's grad_norm
+            self.grad_norms.append(None if norm is None else float(norm).hex())
             self.fused_ops.append(sum(fused.calls.values()))
             return result
 
@@ -162,7 +184,7 @@ class Record:
     def as_json(self) -> dict:
         graphs = [graph for helper in self.helpers
                   for graph in getattr(helper, "mhc_recompute_graphs", {}).values()]
-        return {"losses": self.losses, "fused_ops": self.fused_ops,
+        return {"losses": self.losses, "grad_norms": self.grad_norms, "fused_ops": self.fused_ops,
                 "mhc_cg_helpers": len(self.helpers),
                 "recompute_graphs": len(graphs),
                 "recompute_graph_replays": sum(g.replays for g in graphs)}

@@ -8,7 +8,8 @@ megatron's own helper calls TE's own function where TE's package cannot load: ``
 and the tests on a CPU, and the lent GPUs (no TE; its wheel of compiled libraries is 276 MB).
 Where TE is installed on a GPU, TE is used.
 
-``load()`` puts it into a process that has imported megatron already.
+``load()`` puts it into a process that has imported megatron already, and leaves it off
+``sys.path`` (a spawned process, which re-runs the main script, imports megatron without it).
 
 Order matters: megatron's ``extensions/transformer_engine.py`` subclasses TE's modules at import
 (``class TELinear(te.pytorch.Linear)``), which the stand-in does not have, and other modules
@@ -56,9 +57,14 @@ def load() -> None:
                            "without it")
     for name in MEGATRON_MODULES:
         importlib.import_module(name)
-    if HERE not in sys.path:
-        sys.path.insert(0, HERE)
-    import transformer_engine
+    # on the path only while the stand-in's package is imported: its submodules resolve through
+    # the package from then on, and no process this one spawns (dist-checkpointing's writers
+    # re-run the user's script there) finds a transformer_engine megatron was not ordered for
+    sys.path.insert(0, HERE)
+    try:
+        import transformer_engine
+    finally:
+        sys.path.remove(HERE)
 
     if not getattr(transformer_engine, "STANDIN", False):
         raise RuntimeError(f"transformer_engine resolved to {transformer_engine.__file__}, a real "
