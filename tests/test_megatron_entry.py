@@ -165,7 +165,8 @@ def test_a_run_resumed_from_its_iteration_2_checkpoint_is_bit_identical(checkout
     iterations 2 and 4; restarted from its iteration-2 checkpoint, as after a crash there, the
     rest of it (Megatron warms up again, then captures: the graphs and mhc_cg's recompute graphs
     made anew after the load) gives the uninterrupted run's losses and gradient norms bit for
-    bit."""
+    bit, with the same recompute blocks and with another size; a truncated checkpoint stops the
+    run with Megatron's own error."""
     branch, root, _ = checkout
     base = flags("tiny") + flags("cpu") + flags(branch)
     at = base.index("--cuda-graph-warmup-steps") + 1
@@ -190,6 +191,26 @@ def test_a_run_resumed_from_its_iteration_2_checkpoint_is_bit_identical(checkout
     assert resumed["losses"] == whole["losses"][2:]
     assert resumed["grad_norms"] == whole["grad_norms"][2:] and None not in whole["grad_norms"]
     assert whole["recompute_graph_replays"] > 0 and resumed["recompute_graph_replays"] > 0
+    # another recompute block size after the load: the recompute is exact, the state the
+    # checkpoint's, so still bit for bit (one block of all 4 layers, one recompute graph)
+    at = base.index("--mhc-recompute-layer-num") + 1
+    regrouped = run_entry(root, user_script.name,
+                          [*base[:at], "4", *base[at + 1:], "--load", str(saved),
+                           "--ckpt-format", "torch_dist"], tmp_path / "regrouped.json")
+    assert regrouped["losses"] == whole["losses"][2:]
+    assert regrouped["grad_norms"] == whole["grad_norms"][2:]
+    assert regrouped["recompute_graphs"] == 1
+    # a corrupt checkpoint: Megatron's own error, promptly, not a hang or a wrong run
+    shard = next((saved / "iter_0000002").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}
+    broken = subprocess.run([sys.executable, "-m", "mhc_cg.lab.megatron_harness.entry_on_cpu",
+                             user_script.name, *base, "--load", str(saved), "--ckpt-format",
+                             "torch_dist"], cwd=root, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert broken.returncode != 0 and "iteration        3/" not in broken.stdout
 
 
 def test_only_a_cpu_run_turns_megatrons_fusions_off():
