@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", action="store_true",
                         help="also run the branch's own runs (BRANCH_eager_none, BRANCH_eager_mhc, "
                              "BRANCH_graphed_mhc; core: core_eager_none, core_eager_block; "
-                             "full_iteration: dev_eager_none[_dropout0], dev_full_iteration_mhc); "
+                             "full_iteration: dev_eager_none[_dropout0], dev_full_iteration_mhc; "
+                             "megatron.use_fused_mhc: BRANCH_eager_none and mhc_cg_fused_eager); "
                              "exit 1 unless mhc_cg (and dev_full_iteration_mhc) equals its "
                              "references bit for bit on every rank")
     parser.add_argument("--json", action="store_true",
@@ -31,10 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              '"persistent_slot_sets", "arena_bytes", '
                              '"layer_graph_replays_per_step", '
                              '"recompute_graph_replays_per_step", '
-                             '"recompute_blocks_kept_per_step"[, full_iteration: '
+                             '"recompute_blocks_kept_per_step", "fused_op_calls_per_step", '
+                             '"fused_kernel_launches_per_step"[, full_iteration: '
                              '"iteration_graph_replays", "iteration_graph_replays_per_step", '
                              '"iteration_graph_bytes", "iteration_graph_collectives", '
-                             '"eager_sublayer_calls_per_step"]}, ...]}}, "checked": {run: [references]}}')
+                             '"eager_sublayer_calls_per_step"]}, ...]}}, "checked": {run: [references]}, '
+                             '"use_fused_mhc", "largest_loss_difference_vs_native": {run: float}}')
     parser.add_argument("--no-progress", action="store_true", help="no per-step lines on stderr")
     parser.add_argument("--layer-cost", action="store_true",
                         help="count the kernels and bytes of one step of the branch's mHC layer, "
