@@ -664,14 +664,14 @@ def _fused_block_case(branch: str, dtype, seq: int, batch: int, hidden: int,
     from mhc_cg.model.sublayer import sublayer_forward
     from mhc_cg.recompute.block_recompute import run_recompute_blocks
     from megatron_integration.capture.static_block import StaticDevBlock, StaticMainBlock
-    from megatron_integration.layers.dev_layer import dev_layer_steps
-    from megatron_integration.layers.main_layer import MainBlock, main_layer_steps
+    from megatron_integration.layers.dev_layer import layer_steps_of
+    from megatron_integration.layers.main_layer import MainBlock
 
     block = _branch_block(branch, hidden, dtype, block_size)
     truth_block = _branch_block(branch, hidden, torch.float64, block_size)
     truth_block.load_state_dict(block.state_dict(), strict=True)
     _in_fp64_projection(truth_block)
-    steps_type = (dev_layer_steps if branch == "dev" else main_layer_steps)(True)
+    steps_type = layer_steps_of(block.config, True)
     if branch == "dev":
         streams_in, streams_out = block.preprocess_for_layer_schedule, block.postprocess_for_layer_schedule
     else:

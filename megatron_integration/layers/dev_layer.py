@@ -183,3 +183,11 @@ class DevFusedLayerSteps(DevLayerSteps):
 def dev_layer_steps(fused_mhc: bool) -> type[DevLayerSteps]:
     """The step adapters of dev's layer: mhc_cg's fused kernels, or dev's own ops op for op."""
     return DevFusedLayerSteps if fused_mhc else DevLayerSteps
+
+
+def layer_steps_of(config, fused_mhc: bool) -> type[MainLayerSteps]:
+    """The step adapters of a ``HyperConnectionTransformerLayer`` built under ``config``:
+    dev's (:func:`dev_layer_steps`) or main's (``main_layer_steps``)."""
+    from megatron_integration.layers.main_layer import main_layer_steps
+
+    return dev_layer_steps(fused_mhc) if is_dev_config(config) else main_layer_steps(fused_mhc)

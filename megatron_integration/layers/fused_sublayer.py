@@ -52,6 +52,23 @@ class NormParams:
         return self.default_eps if eps is None else float(eps)
 
 
+def sublayer_parts(layer, which: str, streams_field: str):
+    """``(hyper-connection module, norm, cfg, dropout stream)`` of the attention or MLP sublayer
+    of a ``HyperConnectionTransformerLayer``, as every step adapter of it reads them."""
+    attention = which == "attention"
+    config = layer.config
+    # Megatron's hyper-connection dropout is torch's (stateful) dropout, unless
+    # use_counter_dropout opted the layer in
+    counter = getattr(layer, "mhc_counter_dropout", False)
+    cfg = SimpleNamespace(dropout_impl="counter" if counter else "torch",
+                          hidden_dropout=layer.hidden_dropout,
+                          num_streams=getattr(config, streams_field),
+                          hidden_size=config.hidden_size)
+    return (layer.self_attention_hyper_connection if attention else layer.mlp_hyper_connection,
+            layer.input_layernorm if attention else layer.pre_mlp_layernorm, cfg,
+            sublayer_stream(layer.layer_number, 0 if attention else 1))
+
+
 class MegatronFusedSublayer(FusedSteps):
     """The attention or MLP sublayer of a ``HyperConnectionTransformerLayer`` with the fused ops
     of :class:`mhc_cg.model.sublayer.FusedSteps`; main's arithmetic (dev's: the subclass in
@@ -62,21 +79,14 @@ class MegatronFusedSublayer(FusedSteps):
     h_res_transposed = False
 
     def __init__(self, layer, which: str):
-        attention = which == "attention"
+        module, norm, self.cfg, self.dropout_stream = sublayer_parts(layer, which,
+                                                                      self.streams_field)
         config = layer.config
-        n = getattr(config, self.streams_field)
-        module = layer.self_attention_hyper_connection if attention else layer.mlp_hyper_connection
         self.layer = layer
-        self.hc = KernelsOver(module, config.hidden_size, n, config.mhc_sinkhorn_iterations,
-                              kernels="auto", h_res_transposed=self.h_res_transposed,
-                              arithmetic=self.arithmetic)
-        self.norm = NormParams(layer.input_layernorm if attention else layer.pre_mlp_layernorm,
-                               config)
-        counter = getattr(layer, "mhc_counter_dropout", False)
-        self.cfg = SimpleNamespace(dropout_impl="counter" if counter else "torch",
-                                   hidden_dropout=layer.hidden_dropout, num_streams=n,
-                                   hidden_size=config.hidden_size)
-        self.dropout_stream = sublayer_stream(layer.layer_number, 0 if attention else 1)
+        self.hc = KernelsOver(module, config.hidden_size, self.cfg.num_streams,
+                              config.mhc_sinkhorn_iterations, kernels="auto",
+                              h_res_transposed=self.h_res_transposed, arithmetic=self.arithmetic)
+        self.norm = NormParams(norm, config)
         self.fn: Callable[[Tensor], Tensor] | None = None  # bound per forward (the layer's bind)
 
     def take_output(self, out: Tensor, bias: Tensor | None) -> Tensor:

@@ -27,7 +27,6 @@ is harmless: they share no input, and H_res stays the last consumer of the resid
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 from typing import Callable
 
 from torch import Tensor
@@ -38,8 +37,7 @@ from mhc_cg.recompute.block_recompute import BlockRecomputeManager, run_recomput
 
 from mhc_cg.graphs.te import te_installed
 
-from megatron_integration.layers.counter_dropout import sublayer_stream
-from megatron_integration.layers.fused_sublayer import MegatronFusedSublayer
+from megatron_integration.layers.fused_sublayer import MegatronFusedSublayer, sublayer_parts
 from megatron_integration.layers.graphed_sublayer import GraphedSublayerMixin
 from megatron_integration.layers.steps import LayerSteps
 
@@ -101,19 +99,8 @@ class MainSublayerSteps(HyperConnectionSteps):
     streams_field = "mhc_num_residual_streams"  # the config's n (dev: num_residual_streams)
 
     def __init__(self, layer, which: str):
-        attention = which == "attention"
         self.layer = layer
-        self.hc = layer.self_attention_hyper_connection if attention else layer.mlp_hyper_connection
-        self.norm = layer.input_layernorm if attention else layer.pre_mlp_layernorm
-        config = layer.config
-        # Megatron's hyper-connection dropout is torch's (stateful) dropout, unless
-        # use_counter_dropout opted the layer in
-        counter = getattr(layer, "mhc_counter_dropout", False)
-        self.cfg = SimpleNamespace(dropout_impl="counter" if counter else "torch",
-                                   hidden_dropout=layer.hidden_dropout,
-                                   num_streams=getattr(config, self.streams_field),
-                                   hidden_size=config.hidden_size)
-        self.stream = sublayer_stream(layer.layer_number, 0 if attention else 1)
+        self.hc, self.norm, self.cfg, self.stream = sublayer_parts(layer, which, self.streams_field)
         self.fn: Callable[[Tensor], Tensor] | None = None  # bound per forward (MainLayerSteps.bind)
         self.bias: Tensor | None = None  # F's skipped bias, set by fn
 

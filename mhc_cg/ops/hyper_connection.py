@@ -350,25 +350,11 @@ class KernelsOver(HyperConnectionOps):
         self.sinkhorn_iterations, self.kernels = sinkhorn_iterations, kernels
         self.h_res_transposed, self.arithmetic = bool(h_res_transposed), arithmetic
 
-    @property
-    def mapping_proj(self) -> nn.Module:
-        return self.module.mapping_proj
-
-    @property
-    def alpha_pre(self) -> Tensor:
-        return self.module.alpha_pre
-
-    @property
-    def alpha_post(self) -> Tensor:
-        return self.module.alpha_post
-
-    @property
-    def alpha_res(self) -> Tensor:
-        return self.module.alpha_res
-
-    @property
-    def bias(self) -> Tensor:
-        return self.module.bias
+    mapping_proj = property(lambda self: self.module.mapping_proj)
+    alpha_pre = property(lambda self: self.module.alpha_pre)
+    alpha_post = property(lambda self: self.module.alpha_post)
+    alpha_res = property(lambda self: self.module.alpha_res)
+    bias = property(lambda self: self.module.bias)
 
 
 def _check_arithmetic(arithmetic: str) -> None:

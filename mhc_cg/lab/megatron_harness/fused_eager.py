@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from mhc_cg.model.sublayer import sublayer_forward
+from megatron_integration.layers.dev_layer import is_dev_config, layer_steps_of
 
 
 class FusedEagerDecoderMixin:
@@ -25,7 +26,7 @@ class FusedEagerDecoderMixin:
     def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, **kwargs):
         if not (self.training and torch.is_grad_enabled()):
             return super().forward(hidden_states, attention_mask, **kwargs)
-        dev = _is_dev(self)
+        dev = is_dev_config(self.config)
         if dev:
             x = self.preprocess_for_layer_schedule(hidden_states)
         else:
@@ -35,28 +36,12 @@ class FusedEagerDecoderMixin:
             x = boundaries.streams_in(hidden_states if self.pre_process else self.input_tensor)
         draw = getattr(self, "draw_dropout_seed", None)
         seed = draw(x) if draw is not None else None
-        steps_type = _steps_type(dev)
+        steps_type = layer_steps_of(self.config, True)
         for layer in self.layers:
             steps = steps_type(layer, attention_mask, **kwargs)
             x = sublayer_forward(steps.attention, x, seed)
             x = sublayer_forward(steps.mlp, x, seed)
         return self.postprocess_for_layer_schedule(x) if dev else boundaries.streams_out(x)
-
-
-def _is_dev(decoder) -> bool:
-    from megatron_integration.layers.dev_layer import is_dev_config
-
-    return is_dev_config(decoder.config)
-
-
-def _steps_type(dev: bool) -> type:
-    if dev:
-        from megatron_integration.layers.dev_layer import dev_layer_steps
-
-        return dev_layer_steps(True)
-    from megatron_integration.layers.main_layer import main_layer_steps
-
-    return main_layer_steps(True)
 
 
 _CLASSES: dict[type, type] = {}

@@ -44,40 +44,54 @@ def _step(forward, x: torch.Tensor) -> OpCounter:
     return counter
 
 
+def build_layer(config, spec, device) -> torch.nn.Module:
+    """The first layer ``spec`` builds under ``config``, its parameters as training holds them
+    (``Float16Module``'s cast: dev's mHC ones stay fp32), on ``device``."""
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    torch.manual_seed(0)
+    layer = TransformerBlock(config, spec).layers[0].train()
+    if config.bf16 or config.fp16:
+        Float16Module(config, layer)
+    return layer.to(device)
+
+
+class OneLayer:
+    """A layer's step both ways on an input ``x`` of the shape given: ``native(layer, h)`` (its
+    own forward) and ``fused(h)`` (through ``fused_steps``), causal mask, dropout as configured."""
+
+    def __init__(self, config, layer, seq: int, micro_batch: int, fused_steps, make=torch.empty):
+        self.layer, self.fused_steps = layer, fused_steps
+        device = next(layer.parameters()).device
+        self.n = getattr(config, "num_residual_streams", None) or config.mhc_num_residual_streams
+        self.x = make(seq, micro_batch, self.n * config.hidden_size, device=device,
+                      dtype=config.params_dtype, requires_grad=True)
+        self.mask = torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device).triu(diagonal=1)
+        self.shape = {"seq": seq, "micro_batch": micro_batch, "hidden": config.hidden_size,
+                      "streams": self.n, "dtype": str(config.params_dtype).replace("torch.", "")}
+
+    def native(self, h: torch.Tensor, layer=None) -> torch.Tensor:
+        return (layer or self.layer)(hidden_states=h, attention_mask=self.mask)[0]
+
+    def fused(self, h: torch.Tensor) -> torch.Tensor:
+        from mhc_cg.model.sublayer import sublayer_forward
+
+        steps = self.fused_steps(self.layer, self.mask)
+        return sublayer_forward(steps.mlp, sublayer_forward(steps.attention, h, None), None)
+
+
 def layer_cost(config, spec, seq: int, micro_batch: int, fused_steps) -> dict:
     """``{"native": {...}, "fused": {...}}``: kernels, bytes read and written, and the fused ops'
     calls of one forward and backward of the first layer ``spec`` builds under ``config``;
     ``fused_steps``: the branch's fused step adapters (``main_layer_steps(True)``, ...)."""
-    from megatron.core.transformer.transformer_block import TransformerBlock
-
-    from mhc_cg.model.sublayer import sublayer_forward
-
-    from megatron.core.transformer.module import Float16Module
-
-    torch.manual_seed(0)
-    layer = TransformerBlock(config, spec).layers[0].train()
-    if config.bf16 or config.fp16:  # the parameters as training holds them (dev's mHC: fp32)
-        Float16Module(config, layer)
-    layer = layer.to("meta")
-    n = getattr(config, "num_residual_streams", None) or config.mhc_num_residual_streams
-    x = torch.empty(seq, micro_batch, n * config.hidden_size, device="meta",
-                    dtype=config.params_dtype, requires_grad=True)
-    mask = torch.ones(1, 1, seq, seq, dtype=torch.bool, device="meta").triu(diagonal=1)
-
-    def native(h):
-        return layer(hidden_states=h, attention_mask=mask)[0]
-
-    def fused(h):
-        steps = fused_steps(layer, mask)
-        return sublayer_forward(steps.mlp, sublayer_forward(steps.attention, h, None), None)
-
+    one = OneLayer(config, build_layer(config, spec, "meta"), seq, micro_batch, fused_steps)
     result = {}
-    for name, forward in (("native", native), ("fused", fused)):
-        counter = _step(forward, x)
+    for name, forward in (("native", one.native), ("fused", one.fused)):
+        counter = _step(forward, one.x)
         result[name] = {"kernels": counter.kernels, "bytes_read": counter.bytes_read,
                         "bytes_written": counter.bytes_written, "ops": counter.ops,
                         "fused_op_kernels": sum(k for op, k in counter.by_op.items()
                                                 if op.startswith("mhc_cg."))}
-    result["shape"] = {"seq": seq, "micro_batch": micro_batch, "hidden": config.hidden_size,
-                       "streams": n, "dtype": str(config.params_dtype).replace("torch.", "")}
+    result["shape"] = one.shape
     return result

@@ -55,52 +55,31 @@ def layer_timing(config, spec, seq: int, micro_batch: int, fused_steps, *, steps
                  warmup: int, dev_fused_config=None) -> dict:
     """``{variant: {ms_per_step, warmup_s, steps, clock}}`` (see the module docstring);
     ``dev_fused_config``: the same config with dev's ``use_fused_mhc`` (None: no such run)."""
-    from megatron.core.transformer.transformer_block import TransformerBlock
-    from megatron.core.transformer.module import Float16Module
-
-    from mhc_cg.model.sublayer import sublayer_forward
+    from mhc_cg.lab.megatron_harness.layer_cost import OneLayer, build_layer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-    def build(cfg):
-        torch.manual_seed(0)
-        layer = TransformerBlock(cfg, spec).layers[0].train()
-        if cfg.bf16 or cfg.fp16:
-            Float16Module(cfg, layer)
-        return layer.to(device)
-
-    layer = build(config)
-    n = getattr(config, "num_residual_streams", None) or config.mhc_num_residual_streams
-    x = torch.randn(seq, micro_batch, n * config.hidden_size, device=device,
-                    dtype=config.params_dtype, requires_grad=True)
-    mask = torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device).triu(diagonal=1)
-
-    def native(h, layer=layer):
-        return layer(hidden_states=h, attention_mask=mask)[0]
-
-    def fused(h):
-        s = fused_steps(layer, mask)
-        return sublayer_forward(s.mlp, sublayer_forward(s.attention, h, None), None)
-
+    one = OneLayer(config, build_layer(config, spec, device), seq, micro_batch, fused_steps,
+                   make=torch.randn)
+    x = one.x
     result = {}
     with torch._dynamo.config.patch(disable=device.type != "cuda"):  # compiled where a user runs it
-        result["native"] = {**_timed(native, x, steps, warmup),
+        result["native"] = {**_timed(one.native, x, steps, warmup),
                             "compiled": device.type == "cuda"}
-    result["mhc_cg_fused"] = _timed(fused, x, steps, warmup)
+    result["mhc_cg_fused"] = _timed(one.fused, x, steps, warmup)
     if dev_fused_config is not None:
         if device.type != "cuda":
             result["dev_fused_module"] = {"not_run": "dev's fused mHC kernels are Triton/cuTile "
                                                      "on CUDA; this machine has no GPU"}
         else:
-            theirs = build(dev_fused_config)
-            theirs.load_state_dict(layer.state_dict())
+            theirs = build_layer(dev_fused_config, spec, device)
+            theirs.load_state_dict(one.layer.state_dict())
             with torch._dynamo.config.patch(disable=False):
-                result["dev_fused_module"] = _timed(lambda h: native(h, theirs), x, steps, warmup)
+                result["dev_fused_module"] = _timed(lambda h: one.native(h, theirs), x, steps,
+                                                    warmup)
     base = result["mhc_cg_fused"]["ms_per_step"]
     for name, r in result.items():
         if "ms_per_step" in r:
             r["over_mhc_cg_fused"] = r["ms_per_step"] / base if base > 0 else None
     return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "shape": {"seq": seq, "micro_batch": micro_batch, "hidden": config.hidden_size,
-                      "streams": n, "dtype": str(config.params_dtype).replace("torch.", "")},
+            "shape": one.shape,
             "runs": result}

@@ -298,13 +298,10 @@ def branch_layer_cost(cfg: RunConfig, branch: str) -> dict:
     at ``cfg``'s shape, the branch's config as its run without recompute has it."""
     from mhc_cg.lab.megatron_harness.layer_cost import layer_cost
 
-    if branch == "dev":
-        from megatron_integration.layers.dev_layer import dev_layer_steps as steps_of
-    else:
-        from megatron_integration.layers.main_layer import main_layer_steps as steps_of
+    from megatron_integration.layers.dev_layer import layer_steps_of
     config, spec = _layer_config(cfg, branch, cpu=True)
     return layer_cost(config, spec, cfg.model.seq_length, cfg.train.micro_batch_size,
-                      steps_of(True))
+                      layer_steps_of(config, True))
 
 
 def _layer_config(cfg: RunConfig, branch: str, cpu: bool, **overrides):
@@ -320,15 +317,13 @@ def branch_layer_timing(cfg: RunConfig, branch: str, steps: int, warmup: int) ->
     (:mod:`mhc_cg.lab.megatron_harness.layer_timing`), at ``cfg``'s shape."""
     from mhc_cg.lab.megatron_harness.layer_timing import layer_timing
 
-    if branch == "dev":
-        from megatron_integration.layers.dev_layer import dev_layer_steps as steps_of
-    else:
-        from megatron_integration.layers.main_layer import main_layer_steps as steps_of
+    from megatron_integration.layers.dev_layer import layer_steps_of
     cpu = not torch.cuda.is_available()
     config, spec = _layer_config(cfg, branch, cpu)
     theirs = _layer_config(cfg, branch, cpu, use_fused_mhc=True)[0] if branch == "dev" else None
     return layer_timing(config, spec, cfg.model.seq_length, cfg.train.micro_batch_size,
-                        steps_of(True), steps=steps, warmup=warmup, dev_fused_config=theirs)
+                        layer_steps_of(config, True), steps=steps, warmup=warmup,
+                        dev_fused_config=theirs)
 
 
 def rank_runs(cfg: RunConfig, runs: list[str], branch: str, cpu: bool) -> dict:
