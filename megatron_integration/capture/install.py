@@ -12,7 +12,8 @@ writes (``SublayerSite.graph_sets``).
 
 What it does to the model: the decoder's class becomes a subclass of its own with the static
 forward (as ``torch.nn.utils.parametrize`` does), and it gains ``mhc_static``; each layer gains
-``mhc_site``. Parameters and submodules are untouched.
+``mhc_site`` and, under megatron's TE graphs, becomes its class with ``GraphedSublayerMixin``
+(the user's own layers, whatever spec built them). Parameters and submodules are untouched.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from mhc_cg.runtime.static import StaticRecompute
 from megatron_integration.capture.static_block import StaticMHCBlock
 from megatron_integration.layers.graphed_sublayer import (GraphedSublayerMixin, SublayerSite,
                                                          graphs_mlp)
+from megatron_integration.layers.main_layer import graphed_layer_class
 from megatron_integration.layers.moe_partial import moe_capture_step, moe_tail
 
 
@@ -98,6 +100,16 @@ def _static_decoder_class(cls: type) -> type:
     return _STATIC_DECODERS[cls]
 
 
+def graphed_layer_of(layer) -> type:
+    """The graphed subclass of a layer's class as Megatron's builders made it (same parameters
+    and submodules: only its capture and replay differ)."""
+    if not hasattr(layer, "self_attention_hyper_connection"):
+        raise TypeError(f"install_static_recompute: {type(layer).__name__} is not an mHC layer; "
+                        f"mhc_cg's static runtime takes Megatron-LM's "
+                        f"HyperConnectionTransformerLayer (enable its hyper-connections)")
+    return graphed_layer_class(type(layer))
+
+
 def install_static_recompute(decoder, static_type: type[StaticMHCBlock], *, seq_length: int,
                              micro_batch_size: int, slot_sets: int = 1,
                              shared: StaticRecompute | None = None,
@@ -119,12 +131,9 @@ def install_static_recompute(decoder, static_type: type[StaticMHCBlock], *, seq_
     layer's own attention path, whose mHC state is not in the slots.
     """
     if decoder.config.cuda_graph_impl == "transformer_engine":
-        plain = [type(layer).__name__ for layer in decoder.layers
-                 if not isinstance(layer, GraphedSublayerMixin)]
-        if plain:
-            raise TypeError(f"install_static_recompute: layers {sorted(set(plain))} are not "
-                            f"GraphedSublayerMixin layers; build the model from the graphed layer "
-                            f"spec (main_mhc_layer_spec(graphed=True) for Megatron-LM main)")
+        for layer in decoder.layers:  # the user's own layers, as Megatron's builders made them
+            if not isinstance(layer, GraphedSublayerMixin):
+                layer.__class__ = graphed_layer_of(layer)
     static = static_type(decoder, seq_length=seq_length, micro_batch_size=micro_batch_size,
                          capacity=slot_sets, shared=shared, fused_mhc=fused_mhc)
     decoder.mhc_static = static

@@ -10,6 +10,10 @@ before its backward. Megatron's modules are used as they are, through the step a
 
 from __future__ import annotations
 
+import contextlib
+import copy
+
+import torch
 from torch import Tensor, nn
 
 from mhc_cg.ops.dropout import stateful_dropout_problem
@@ -47,13 +51,15 @@ class StaticMHCBlock:
         self.block = block
         self.order: list[int] | None = None  # the rank's schedule order it was sized for
         steps_type = self.layer_steps(uses_fused_mhc(config, fused_mhc))
-        self.steps = [steps_type(layer) for layer in block.layers]
+        self.steps = [steps_type(layer).bind(**token_inputs(layer, seq_length, micro_batch_size))
+                      for layer in block.layers]  # bound for the layout's discovery run
         size = config.mhc_recompute_layer_num or len(self.steps)
         dtype = config.params_dtype  # the stream's; mHC parameters may be kept in fp32
-        self.runtime: StaticRecompute = build_static_recompute(
-            self.steps, size, seq_length=seq_length, micro_batch_size=micro_batch_size,
-            capacity=capacity, device=next(block.parameters()).device, dtype=dtype,
-            arena=shared.arena if shared else None, sets=shared.sets if shared else None)
+        with leaves_no_trace(block.layers[:size]):  # the layout's run of the first block
+            self.runtime: StaticRecompute = build_static_recompute(
+                self.steps, size, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                capacity=capacity, device=next(block.parameters()).device, dtype=dtype,
+                arena=shared.arena if shared else None, sets=shared.sets if shared else None)
 
     def mhc_enabled(self, config) -> bool:
         return bool(getattr(config, "enable_hyper_connections", False))
@@ -94,6 +100,73 @@ class StaticMHCBlock:
         return self.streams_out(x)
 
     __call__ = forward
+
+
+@contextlib.contextmanager
+def leaves_no_trace(layers):
+    """Note [the layout run leaves no trace]: the runtime lays its arena out by running the
+    first block once on zeros, F included. A MoE router counts the tokens it routes into a
+    buffer that the optimizer step turns into the expert-bias update, and megatron's MoE metrics
+    and DSA indexer loss trackers add what they see into the next iteration's log: the layers'
+    buffers and those trackers are put back as they were, so the first iteration trains and
+    logs as without mhc_cg."""
+    buffers = [(buffer, buffer.clone()) for layer in layers for buffer in layer.buffers()]
+    trackers = [(tracker, {name: _values(entry).clone() for name, entry in tracker.items()})
+                for tracker in _loss_trackers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        for tracker, saved in trackers:
+            for name in [name for name in tracker if name not in saved]:
+                del tracker[name]
+            for name, values in saved.items():
+                _set_values(tracker, name, values)
+
+
+def _values(entry) -> Tensor:
+    """A tracker entry's per-layer values: a MoE ``MetricEntry``'s, or the DSA dict's tensor."""
+    return entry if isinstance(entry, Tensor) else entry.values
+
+
+def _set_values(tracker: dict, name: str, values: Tensor) -> None:
+    if isinstance(tracker[name], Tensor):
+        tracker[name] = values
+    else:
+        tracker[name].values = values
+
+
+def _loss_trackers() -> list[dict]:
+    """megatron's logging trackers a layer's forward adds to (those its branch has): name to
+    per-layer values."""
+    trackers = []
+    try:
+        from megatron.core.transformer.moe.moe_utils import get_moe_metrics_tracker
+
+        trackers.append(get_moe_metrics_tracker().metrics)
+    except ImportError:
+        pass
+    try:
+        from megatron.core.transformer.experimental_attention_variant.dsa import (
+            DSAIndexerLossLoggingHelper)
+
+        trackers.append(DSAIndexerLossLoggingHelper.tracker)
+    except ImportError:
+        pass
+    return trackers
+
+
+def token_inputs(layer, seq_length: int, micro_batch_size: int) -> dict:
+    """The token ids a hash-routed MoE layer routes by, as zeros ``[b, s]`` (the shape megatron's
+    own static inputs of such a layer give them); none for other layers."""
+    router = getattr(getattr(layer, "mlp", None), "router", None)
+    if not getattr(router, "is_hash_layer", False):
+        return {}
+    device = next(layer.parameters()).device
+    return {"input_ids": torch.zeros(micro_batch_size, seq_length, dtype=torch.long,
+                                     device=device)}
 
 
 class StaticMegatronBlock(StaticMHCBlock):
@@ -151,5 +224,8 @@ class StaticDevBlock(StaticMegatronBlock):
     def streams_in(self, hidden_states: Tensor) -> Tensor:
         return self.block.preprocess_for_layer_schedule(hidden_states)
 
-    def streams_out(self, x: Tensor) -> Tensor:
-        return self.block.postprocess_for_layer_schedule(x)
+    def streams_out(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        """As dev's block returns: with MTP on mHC, the contracted output and the streams
+        before the contraction (the MTP layers' input)."""
+        out, streams = self.block.postprocess_for_layer_schedule(x, return_mhc_multistream=True)
+        return out if streams is None else (out, streams)

@@ -36,7 +36,7 @@ from megatron_integration.layers.main_layer import (MainLayerSteps, MainSublayer
                                                     graphed_layer_class)
 
 # keywords dev's block takes that its attention does not
-_BLOCK_ONLY_KWARGS = ("input_ids", "extract_layer_indices", "dynamic_inference_decode_only",
+_BLOCK_ONLY_KWARGS = ("extract_layer_indices", "dynamic_inference_decode_only",
                       "inference_params")
 
 

@@ -144,6 +144,7 @@ class MainLayerSteps(LayerSteps):
         """
         kwargs = dict(kwargs)
         padding_mask = kwargs.pop("padding_mask", None)
+        input_ids = kwargs.pop("input_ids", None)
         for unused in ("context", "context_mask"):
             if kwargs.pop(unused, None) is not None:
                 raise ValueError(f"MainLayerSteps: {unused} given, but HyperConnectionTransformerLayer "
@@ -154,10 +155,14 @@ class MainLayerSteps(LayerSteps):
             return attention.take_output(*layer.self_attention(normed, attention_mask=attention_mask,
                                                                **kwargs))
 
-        def mlp_fn(normed: Tensor) -> Tensor:
-            return mlp.take_output(*layer.mlp(normed, padding_mask=padding_mask))
+        mlp_kwargs = {"padding_mask": padding_mask}
+        if input_ids is not None and getattr(layer, "is_moe_layer", False):
+            mlp_kwargs["input_ids"] = input_ids  # hash-routed MoE routes by token id
 
-        self.mlp_kwargs = {"padding_mask": padding_mask}  # the MLP's keywords beside its input
+        def mlp_fn(normed: Tensor) -> Tensor:
+            return mlp.take_output(*layer.mlp(normed, **mlp_kwargs))
+
+        self.mlp_kwargs = mlp_kwargs  # the MLP's keywords beside its input
         attention.fn, mlp.fn = attention_fn, mlp_fn
         return self
 

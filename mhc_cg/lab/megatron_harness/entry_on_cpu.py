@@ -11,7 +11,8 @@ CPU build of torch refuses CUDA; Megatron's entry asserts a GPU):
 * ``typing.override`` on Python 3.11 (``megatron/training/models/hybrid.py`` imports it; 3.12+);
 * a ``TorchFunctionMode`` that puts what asks for ``device="cuda"`` (``pretrain()``'s startup
   timestamps, the loss reductions of ``train_step``), ``Tensor.cuda()`` and ``.to("cuda")`` on
-  the CPU;
+  the CPU, and names a CPU tensor's type as CUDA's (``Tensor.type()``: Megatron's mixed-precision
+  optimizer takes only ``torch.cuda.*Tensor`` parameters);
 * ``torch.cuda.synchronize`` (Megatron's timers) and ``set_stream`` (a side stream for graph
   capture) no-ops; the memory counters (``training_log``'s memory report) zero; ``empty_cache``
   a no-op;
@@ -67,6 +68,10 @@ class CudaOnCpu(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)  # Megatron's optimizers sort parameters by 'torch.cuda.*Tensor'
+            return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" \
+                else name
         if names_cuda(kwargs.get("device")):
             kwargs = {**kwargs, "device": "cpu"}
         if func is torch.Tensor.to:
@@ -97,12 +102,19 @@ def _seeded_tracker(function):
     return run
 
 
-def install() -> None:
-    """Every shim of the module docstring, for the rest of this process."""
+def install(te_modules: bool = False) -> None:
+    """Every shim of the module docstring, for the rest of this process; ``te_modules``: the run
+    builds TransformerEngine's modules (``--transformer-impl transformer_engine``)."""
     if not hasattr(typing, "override"):
         import typing_extensions
 
         typing.override = typing_extensions.override
+    from mhc_cg.graphs.te import te_installed
+
+    if te_modules and not te_installed():
+        from mhc_cg.lab.megatron_harness.te_on_tape import load_with_modules
+
+        load_with_modules()
     from mhc_cg.lab.megatron_harness.megatron_on_cpu import install_cpu_shims
 
     install_cpu_shims()
@@ -116,9 +128,7 @@ def install() -> None:
     torch.cuda.empty_cache = lambda: None
     torch.cuda.get_rng_state = lambda device="cuda": torch.empty(0, dtype=torch.uint8)
     torch.cuda.set_rng_state = _no_cuda_generator
-    from mhc_cg.graphs.te import te_installed
-
-    if not te_installed():
+    if not te_installed() and not te_modules:
         from mhc_cg.lab.megatron_harness.te_on_tape import load
 
         load()
@@ -190,6 +200,12 @@ class Record:
                 "recompute_graph_replays": sum(g.replays for g in graphs)}
 
 
+def _flag(args: list[str], name: str) -> str | None:
+    """The value of Megatron's flag ``name`` in ``args`` (its last), or None."""
+    values = [args[i + 1] for i, word in enumerate(args[:-1]) if word == name]
+    return values[-1] if values else None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args:
@@ -200,12 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                         ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(name, value)
+    sys.path.insert(0, str(script.parent))
+    install(te_modules=_flag(args, "--transformer-impl") == "transformer_engine")
     if "MASTER_PORT" not in os.environ:
         from mhc_cg.lab.pipeline.driver import free_port
 
         os.environ["MASTER_PORT"] = str(free_port())
-    sys.path.insert(0, str(script.parent))
-    install()
     record = Record() if os.environ.get(RECORD_ENV) else None
     if record is not None:
         record.watch()

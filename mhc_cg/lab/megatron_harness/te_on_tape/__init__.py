@@ -47,28 +47,43 @@ MEGATRON_MODULES = ("megatron.core.models.gpt.gpt_model", "megatron.core.models.
                     "megatron.core.distributed", "megatron.core.pipeline_parallel.schedules")
 
 
+def load_with_modules() -> None:
+    """Make ``transformer_engine`` the stand-in with its module classes, and
+    ``fast_hadamard_transform`` its torch form, before megatron is imported: megatron's TE
+    extension then subclasses the stand-in's modules, and every module that asks whether TE is
+    there sees it (``--transformer-impl transformer_engine`` on a CPU)."""
+    if any(name == "megatron" or name.startswith("megatron.") for name in sys.modules):
+        raise RuntimeError("load the TransformerEngine stand-in with its modules before megatron "
+                           "is imported; megatron decides at import whether TE is there")
+    _import_standins("transformer_engine", "fast_hadamard_transform")
+
+
+def _import_standins(*names: str) -> None:
+    if HERE not in sys.path and importlib.util.find_spec("transformer_engine") is not None:
+        raise RuntimeError("a real TransformerEngine is installed; the stand-in is for machines "
+                           "without it")
+    # on the path only while the stand-ins are imported: their submodules resolve through the
+    # packages from then on, and no process this one spawns (dist-checkpointing's writers re-run
+    # the user's script there) finds a transformer_engine megatron was not ordered for
+    sys.path.insert(0, HERE)
+    try:
+        for name in names:
+            module = importlib.import_module(name)
+            if name == "transformer_engine" and not getattr(module, "STANDIN", False):
+                raise RuntimeError(f"transformer_engine resolved to {module.__file__}, a real "
+                                   f"TransformerEngine; the stand-in is for machines without it")
+    finally:
+        sys.path.remove(HERE)
+
+
 def load() -> None:
     """Make ``transformer_engine`` the stand-in and give megatron's helper its graph API."""
     if "megatron.core" not in sys.modules:
         raise RuntimeError("load the TransformerEngine stand-in after importing megatron.core; "
                            "imported first, it breaks megatron's TE extension classes")
-    if HERE not in sys.path and importlib.util.find_spec("transformer_engine") is not None:
-        raise RuntimeError("a real TransformerEngine is installed; the stand-in is for machines "
-                           "without it")
     for name in MEGATRON_MODULES:
         importlib.import_module(name)
-    # on the path only while the stand-in's package is imported: its submodules resolve through
-    # the package from then on, and no process this one spawns (dist-checkpointing's writers
-    # re-run the user's script there) finds a transformer_engine megatron was not ordered for
-    sys.path.insert(0, HERE)
-    try:
-        import transformer_engine
-    finally:
-        sys.path.remove(HERE)
-
-    if not getattr(transformer_engine, "STANDIN", False):
-        raise RuntimeError(f"transformer_engine resolved to {transformer_engine.__file__}, a real "
-                           f"TransformerEngine; the stand-in is for machines without it")
+    _import_standins("transformer_engine")
     import torch
 
     if not torch.cuda.is_available():
