@@ -13,7 +13,9 @@ imports nothing from megatron-core):
 * ``make_te_graph_helper``: megatron's ``TECudaGraphHelper`` with every decoder on mhc_cg's static
   runtime (every chunk of a rank sharing one arena and one pool of persistent slot sets) and the
   recompute graphs captured along the helper's order; ``mhc_te_graph_helper``, the same called
-  as Megatron-LM's ``train()`` calls its helper (``examples/megatron/``); ``install_rank``,
+  as Megatron-LM's ``train()`` calls its helper (``examples/megatron/``);
+  ``MHCFullCudaGraphWrapper``: megatron's full-iteration graph wrapper, the decoders on the
+  static runtime first (named where ``train()`` looks ``FullCudaGraphWrapper`` up); ``install_rank``,
   ``install_static_recompute`` and ``StaticMHCBlock`` for the parts (``capture/``);
 * ``megatron_integration.specs``: the layer specs for Megatron-LM's ``--spec`` flag.
 
@@ -38,6 +40,7 @@ _EXPORTS = {
     "use_counter_dropout": "megatron_integration.layers.counter_dropout",
     "make_te_graph_helper": "megatron_integration.capture.te_graph_helper",
     "mhc_te_graph_helper": "megatron_integration.capture.te_graph_helper",
+    "MHCFullCudaGraphWrapper": "megatron_integration.capture.full_iteration",
     "install_static_recompute": "megatron_integration.capture.install",
     "install_rank": "megatron_integration.capture.install",
     "StaticMHCBlock": "megatron_integration.capture.static_block",

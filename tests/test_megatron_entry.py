@@ -213,6 +213,80 @@ def test_a_run_resumed_from_its_iteration_2_checkpoint_is_bit_identical(checkout
     assert broken.returncode != 0 and "iteration        3/" not in broken.stdout
 
 
+# DeepSeek-V4 as dev builds it (examples/megatron/flags.dsv4: dsv4_hybrid attention, hash-routed
+# MoE, MTP) on the user's own layers, under partial capture and under full-iteration capture
+DSV4_CAPTURES = {"partial": "dsv4_mhc_cg", "full_iteration": "dsv4_full_iteration"}
+
+
+def with_warmup(args: list[str], steps: int) -> list[str]:
+    at = args.index("--cuda-graph-warmup-steps") + 1
+    return [*args[:at], str(steps), *args[at + 1:]]
+
+
+@pytest.fixture(scope="module")
+def dsv4_runs(checkout, user_script, tmp_path_factory):
+    """Per capture: Megatron alone on the same model, the documented run (4 iterations, graphs
+    after 2), and for the resume a run warmed up 1 step saving at 2 and 4, then resumed at 2."""
+    branch, root, _ = checkout
+    runs = {}
+    for capture, name in DSV4_CAPTURES.items():
+        out = tmp_path_factory.mktemp(f"dsv4_{capture}")
+        base = flags("tiny") + flags("cpu") + flags("dsv4") + flags(name)
+        saved, ckpt = out / "checkpoints", ["--ckpt-format", "torch_dist"]
+        early = with_warmup(base, 1)  # graphs before and after the checkpoint
+        runs[capture] = {
+            "alone": run_entry(root, "pretrain_gpt.py", alone(base), out / "alone.json"),
+            "ours": run_entry(root, user_script.name, base, out / "ours.json"),
+            "whole": run_entry(root, user_script.name,
+                               early + ["--save", str(saved), "--save-interval", "2", *ckpt],
+                               out / "whole.json")}
+        (saved / "latest_checkpointed_iteration.txt").write_text("2")
+        runs[capture]["resumed"] = run_entry(root, user_script.name,
+                                             early + ["--load", str(saved), *ckpt],
+                                             out / "resumed.json")
+    return runs
+
+
+@pytest.mark.parametrize("checkout", ["dev"], indirect=True)
+@pytest.mark.parametrize("capture", list(DSV4_CAPTURES))
+def test_deepseek_v4_trains_under_mhc_cg_bit_for_bit_as_megatron_alone(checkout, dsv4_runs,
+                                                                       capture):
+    """Dev's own ``pretrain_gpt.py`` builds DeepSeek-V4 from its own specs (no ``--spec``), on
+    the CPU stand-in of TE's modules; with the documented lines and mhc_cg's flags it trains four
+    iterations, the last two replaying the graphs (mhc_cg's recompute graphs under partial
+    capture, Megatron's whole-iteration graph under full-iteration capture), with the losses and
+    gradient norms of Megatron alone (no recompute, no graphs) bit for bit."""
+    _, root, hashes = checkout
+    ours, reference = dsv4_runs[capture]["ours"], dsv4_runs[capture]["alone"]
+    assert len(ours["losses"]) == ITERATIONS
+    assert ours["losses"] == reference["losses"]
+    assert ours["grad_norms"] == reference["grad_norms"] and None not in ours["grad_norms"]
+    if capture == "partial":
+        assert ours["mhc_cg_helpers"] == 1 and ours["recompute_graphs"] > 0
+        assert ours["recompute_graph_replays"] >= ITERATIONS - WARMUP
+    else:
+        assert ours["full_iteration_captured"] and not reference["full_iteration_captured"]
+        assert ours["full_iteration_replays"] == ITERATIONS - WARMUP
+    assert tree_hashes(root).items() >= hashes.items()  # Megatron's own files as shipped
+
+
+@pytest.mark.parametrize("checkout", ["dev"], indirect=True)
+@pytest.mark.parametrize("capture", list(DSV4_CAPTURES))
+def test_deepseek_v4_resumed_from_its_iteration_2_checkpoint_is_bit_identical(checkout, dsv4_runs,
+                                                                              capture):
+    """DeepSeek-V4 under mhc_cg saved at iteration 2 of 4 (dev's functional test is a
+    checkpoint-resume test) and resumed: the graphs are captured anew after the load, and the
+    last two iterations' losses and gradient norms are the uninterrupted run's bit for bit."""
+    whole, resumed = dsv4_runs[capture]["whole"], dsv4_runs[capture]["resumed"]
+    assert len(whole["losses"]) == ITERATIONS and len(resumed["losses"]) == ITERATIONS - 2
+    assert resumed["losses"] == whole["losses"][2:]
+    assert resumed["grad_norms"] == whole["grad_norms"][2:]
+    if capture == "partial":
+        assert resumed["recompute_graph_replays"] > 0
+    else:
+        assert resumed["full_iteration_replays"] > 0
+
+
 def test_only_a_cpu_run_turns_megatrons_fusions_off():
     """The fusions a Megatron config sets stay as set on a GPU; a CPU run turns off those whose
     kernels need CUDA (and dev's fused mHC kernels), and says which and why."""

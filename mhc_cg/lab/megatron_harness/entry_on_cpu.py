@@ -30,6 +30,9 @@ CPU build of torch refuses CUDA; Megatron's entry asserts a GPU):
 * dist-checkpointing's write-results queue from a forked process, not a spawned one (a spawned
   process re-runs the user's script without these shims, where Python 3.11's ``typing`` has no
   ``override``);
+* with ``--cuda-graph-impl full_iteration``, :mod:`mhc_cg.lab.megatron_harness.full_iteration_on_tape`'s
+  shims: ``torch.cuda.CUDAGraph`` and its context manager on the tape, for Megatron's
+  ``FullCudaGraphWrapper``;
 * where TransformerEngine's package cannot load (every CPU), :mod:`mhc_cg.lab.megatron_harness.te_on_tape`
   is loaded before ``megatron.training``: the module tree Megatron's TE graph helper imports, its
   ``make_graphed_callables`` TE's own from TE's wheel, over the tape.
@@ -102,9 +105,10 @@ def _seeded_tracker(function):
     return run
 
 
-def install(te_modules: bool = False) -> None:
+def install(te_modules: bool = False, full_iteration: bool = False) -> None:
     """Every shim of the module docstring, for the rest of this process; ``te_modules``: the run
-    builds TransformerEngine's modules (``--transformer-impl transformer_engine``)."""
+    builds TransformerEngine's modules (``--transformer-impl transformer_engine``);
+    ``full_iteration``: it captures whole iterations (``--cuda-graph-impl full_iteration``)."""
     if not hasattr(typing, "override"):
         import typing_extensions
 
@@ -144,6 +148,10 @@ def install(te_modules: bool = False) -> None:
 
     filesystem_async.get_write_results_queue = functools.partial(
         filesystem_async.get_write_results_queue, mp_mode="fork")
+    if full_iteration:
+        from mhc_cg.lab.megatron_harness.full_iteration_on_tape import install_full_iteration_shims
+
+        install_full_iteration_shims()
     CudaOnCpu().__enter__()  # for the rest of the process
 
 
@@ -197,7 +205,19 @@ class Record:
         return {"losses": self.losses, "grad_norms": self.grad_norms, "fused_ops": self.fused_ops,
                 "mhc_cg_helpers": len(self.helpers),
                 "recompute_graphs": len(graphs),
-                "recompute_graph_replays": sum(g.replays for g in graphs)}
+                "recompute_graph_replays": sum(g.replays for g in graphs),
+                **full_iteration_graph()}
+
+
+def full_iteration_graph() -> dict:
+    """Whether megatron's full-iteration wrapper captured its training graph, and its replays."""
+    import sys
+
+    module = sys.modules.get("megatron.core.full_cuda_graph")
+    graph = None if module is None else module.FullCudaGraphWrapper.cuda_graph.get("training")
+    tape = getattr(graph, "graph", None)
+    return {"full_iteration_captured": graph is not None,
+            "full_iteration_replays": getattr(tape, "replays", 0)}
 
 
 def _flag(args: list[str], name: str) -> str | None:
@@ -217,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                         ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(name, value)
     sys.path.insert(0, str(script.parent))
-    install(te_modules=_flag(args, "--transformer-impl") == "transformer_engine")
+    install(te_modules=_flag(args, "--transformer-impl") == "transformer_engine",
+            full_iteration=_flag(args, "--cuda-graph-impl") == "full_iteration")
     if "MASTER_PORT" not in os.environ:
         from mhc_cg.lab.pipeline.driver import free_port
 
