@@ -225,24 +225,23 @@ def with_warmup(args: list[str], steps: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def dsv4_runs(checkout, user_script, tmp_path_factory):
-    """Per capture: Megatron alone on the same model, the documented run (4 iterations, graphs
-    after 2), and for the resume a run warmed up 1 step saving at 2 and 4, then resumed at 2."""
+    """Per capture: Megatron alone on the same model; the documented run (4 iterations, graphs
+    after 2), saving at iterations 2 and 4; and that run resumed from iteration 2, warmed up one
+    step there so that its last iteration replays graphs captured after the load."""
     branch, root, _ = checkout
     runs = {}
     for capture, name in DSV4_CAPTURES.items():
         out = tmp_path_factory.mktemp(f"dsv4_{capture}")
         base = flags("tiny") + flags("cpu") + flags("dsv4") + flags(name)
         saved, ckpt = out / "checkpoints", ["--ckpt-format", "torch_dist"]
-        early = with_warmup(base, 1)  # graphs before and after the checkpoint
         runs[capture] = {
             "alone": run_entry(root, "pretrain_gpt.py", alone(base), out / "alone.json"),
-            "ours": run_entry(root, user_script.name, base, out / "ours.json"),
-            "whole": run_entry(root, user_script.name,
-                               early + ["--save", str(saved), "--save-interval", "2", *ckpt],
-                               out / "whole.json")}
+            "ours": run_entry(root, user_script.name,
+                              base + ["--save", str(saved), "--save-interval", "2", *ckpt],
+                              out / "ours.json")}
         (saved / "latest_checkpointed_iteration.txt").write_text("2")
         runs[capture]["resumed"] = run_entry(root, user_script.name,
-                                             early + ["--load", str(saved), *ckpt],
+                                             with_warmup(base, 1) + ["--load", str(saved), *ckpt],
                                              out / "resumed.json")
     return runs
 
@@ -261,6 +260,9 @@ def test_deepseek_v4_trains_under_mhc_cg_bit_for_bit_as_megatron_alone(checkout,
     assert len(ours["losses"]) == ITERATIONS
     assert ours["losses"] == reference["losses"]
     assert ours["grad_norms"] == reference["grad_norms"] and None not in ours["grad_norms"]
+    # the rank's static buffers: every layer on the runtime, one persistent set (no pipeline)
+    assert ours["static"]["layers"] == 4 and ours["static"]["slot_sets"] == 1
+    assert ours["static"]["arena_bytes"] > 0 and not reference["static"]
     if capture == "partial":
         assert ours["mhc_cg_helpers"] == 1 and ours["recompute_graphs"] > 0
         assert ours["recompute_graph_replays"] >= ITERATIONS - WARMUP
@@ -277,7 +279,7 @@ def test_deepseek_v4_resumed_from_its_iteration_2_checkpoint_is_bit_identical(ch
     """DeepSeek-V4 under mhc_cg saved at iteration 2 of 4 (dev's functional test is a
     checkpoint-resume test) and resumed: the graphs are captured anew after the load, and the
     last two iterations' losses and gradient norms are the uninterrupted run's bit for bit."""
-    whole, resumed = dsv4_runs[capture]["whole"], dsv4_runs[capture]["resumed"]
+    whole, resumed = dsv4_runs[capture]["ours"], dsv4_runs[capture]["resumed"]
     assert len(whole["losses"]) == ITERATIONS and len(resumed["losses"]) == ITERATIONS - 2
     assert resumed["losses"] == whole["losses"][2:]
     assert resumed["grad_norms"] == whole["grad_norms"][2:]

@@ -171,6 +171,7 @@ class Record:
         self.grad_norms: list[str | None] = []
         self.fused_ops: list[int] = []
         self.helpers: list = []
+        self.static: dict = {}
 
     def watch(self) -> None:
         import megatron.training.training as training
@@ -188,6 +189,7 @@ class Record:
             norm = result[5]  # train_step's grad_norm
             self.grad_norms.append(None if norm is None else float(norm).hex())
             self.fused_ops.append(sum(fused.calls.values()))
+            self.static = static_bytes(args[2] if len(args) > 2 else kwargs["model"])
             return result
 
         def recorded_helper(*args, backend=None, **kwargs):
@@ -206,7 +208,24 @@ class Record:
                 "mhc_cg_helpers": len(self.helpers),
                 "recompute_graphs": len(graphs),
                 "recompute_graph_replays": sum(g.replays for g in graphs),
+                "static": self.static,
                 **full_iteration_graph()}
+
+
+def static_bytes(model) -> dict:
+    """What mhc_cg's static runtime holds on this rank (the chunks share one arena and one pool
+    of persistent sets): bytes, sets, layers; empty where no decoder is on it."""
+    from megatron_integration.capture.te_graph_helper import chunk_decoder
+
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    statics = [getattr(chunk_decoder(chunk), "mhc_static", None) for chunk in chunks]
+    if statics[0] is None:
+        return {}
+    runtime = statics[0].runtime
+    return {"arena_bytes": runtime.arena.nbytes, "slot_sets": runtime.sets.capacity,
+            "persistent_set_bytes": runtime.sets.nbytes_per_set,
+            "layers": sum(len(static.runtime.layout.layers) for static in statics),
+            "block_size": runtime.layout.block_size}
 
 
 def full_iteration_graph() -> dict:

@@ -55,7 +55,9 @@ def load_with_modules() -> None:
     if any(name == "megatron" or name.startswith("megatron.") for name in sys.modules):
         raise RuntimeError("load the TransformerEngine stand-in with its modules before megatron "
                            "is imported; megatron decides at import whether TE is there")
-    _import_standins("transformer_engine", "fast_hadamard_transform")
+    # megatron reads te.pytorch.* and te.common.recipe.* off the package as attributes
+    _import_standins("transformer_engine", "transformer_engine.pytorch",
+                     "transformer_engine.common.recipe", "fast_hadamard_transform")
 
 
 def _import_standins(*names: str) -> None:
