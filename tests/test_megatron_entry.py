@@ -6,7 +6,9 @@ user's copy of the script and Megatron's own flags. For main and dev, on the CPU
 losses bit for bit those of the same entry run by Megatron alone; mhc_cg's recompute graphs
 captured and replayed; Megatron's files unchanged. Dev with ``--use-fused-mhc`` besides: mhc_cg's
 fused kernels in every iteration, graphed and eager (no capture) bit for bit alike, within
-tolerance of Megatron alone on its native ops."""
+tolerance of Megatron alone on its native ops. DeepSeek-V4 as dev builds it (its own specs, on the
+CPU stand-in of TE's modules), under layer graphs and under full-iteration capture: bit for bit
+Megatron alone, and resumed from its iteration-2 checkpoint bit for bit."""
 
 from __future__ import annotations
 
