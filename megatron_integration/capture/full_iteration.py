@@ -16,7 +16,7 @@ from __future__ import annotations
 from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 from megatron.core.utils import get_model_config
 
-from megatron_integration.capture.te_graph_helper import install_static_runtime
+from megatron_integration.capture.te_graph_helper import install_static_runtime, model_chunks
 
 
 class MHCFullCudaGraphWrapper(FullCudaGraphWrapper):
@@ -24,8 +24,7 @@ class MHCFullCudaGraphWrapper(FullCudaGraphWrapper):
 
     def __call__(self, *args, **kwargs):
         if not kwargs.get("forward_only", False):
-            model = kwargs["model"]
-            chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+            chunks = model_chunks(kwargs["model"])
             install_static_runtime(chunks, get_model_config(chunks[0]), kwargs["seq_length"],
                                    kwargs["micro_batch_size"])
         return super().__call__(*args, **kwargs)

@@ -145,6 +145,11 @@ class RecomputeCaptureMixin:
         return [decoder.mhc_static.runtime for decoder in self.mhc_decoders()]
 
 
+def model_chunks(model) -> list:
+    """megatron's model as the list of this rank's model chunks (it passes one or a list)."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
 def chunk_decoder(model_chunk):
     """The decoder (``TransformerBlock``) of a model chunk, through megatron's wrappers."""
     from megatron.core.utils import get_attr_wrapped_model
@@ -209,7 +214,7 @@ def make_te_graph_helper(model, config, seq_length: int, micro_batch_size: int,
     """
     from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
 
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    chunks = model_chunks(model)
     install_static_runtime(chunks, config, seq_length, micro_batch_size, fused_mhc)
     if TECudaGraphHelper not in _HELPERS:  # looked up per call: loading TE re-imports the module
         _HELPERS[TECudaGraphHelper] = type("MHCTECudaGraphHelper",

@@ -215,10 +215,9 @@ class Record:
 def static_bytes(model) -> dict:
     """What mhc_cg's static runtime holds on this rank (the chunks share one arena and one pool
     of persistent sets): bytes, sets, layers; empty where no decoder is on it."""
-    from megatron_integration.capture.te_graph_helper import chunk_decoder
+    from megatron_integration.capture.te_graph_helper import chunk_decoder, model_chunks
 
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    statics = [getattr(chunk_decoder(chunk), "mhc_static", None) for chunk in chunks]
+    statics = [getattr(chunk_decoder(chunk), "mhc_static", None) for chunk in model_chunks(model)]
     if statics[0] is None:
         return {}
     runtime = statics[0].runtime
