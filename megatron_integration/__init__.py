@@ -9,7 +9,8 @@ imports nothing from megatron-core):
   spec; ``main_mhc_layer_spec`` / ``dev_mhc_layer_spec``: Megatron-LM main's / dev's own
   ``HyperConnectionTransformerLayer`` (``layers/``), ``dev_mhc_block_spec`` dev's decoder of
   dense and MoE layers; ``use_counter_dropout``: dev's mHC dropout drawn from a seed,
-  replayable;
+  replayable; ``mhc_hybrid_layer``: dev's hybrid-stack mHC layer without its refusal of mHC
+  recompute under graphs, for a script to name where the stack builds it;
 * ``make_te_graph_helper``: megatron's ``TECudaGraphHelper`` with every decoder on mhc_cg's static
   runtime (every chunk of a rank sharing one arena and one pool of persistent slot sets) and the
   recompute graphs captured along the helper's order; ``mhc_te_graph_helper``, the same called
@@ -38,6 +39,7 @@ _EXPORTS = {
     "dev_mhc_layer_spec": "megatron_integration.layers.dev_layer",
     "dev_mhc_block_spec": "megatron_integration.layers.dev_layer",
     "use_counter_dropout": "megatron_integration.layers.counter_dropout",
+    "mhc_hybrid_layer": "megatron_integration.layers.hybrid_layer",
     "make_te_graph_helper": "megatron_integration.capture.te_graph_helper",
     "mhc_te_graph_helper": "megatron_integration.capture.te_graph_helper",
     "MHCFullCudaGraphWrapper": "megatron_integration.capture.full_iteration",

@@ -215,9 +215,14 @@ def test_a_run_resumed_from_its_iteration_2_checkpoint_is_bit_identical(checkout
     assert broken.returncode != 0 and "iteration        3/" not in broken.stdout
 
 
-# DeepSeek-V4 as dev builds it (examples/megatron/flags.dsv4: dsv4_hybrid attention, hash-routed
-# MoE, MTP) on the user's own layers, under partial capture and under full-iteration capture
+# DeepSeek-V4 as dev builds it on the user's own layers, both of dev's paths: the GPT path
+# (pretrain_gpt.py, examples/megatron/flags.dsv4: dsv4_hybrid attention, hash-routed MoE, MTP) and
+# the hybrid stack (pretrain_hybrid.py, flags.dsv4_hybrid), under partial capture and under
+# full-iteration capture (the hybrid's with dense feed-forward layers: flags.dsv4_hybrid_full_iteration)
+DSV4_PATHS = {"gpt": ("pretrain_gpt", "dsv4"), "hybrid": ("pretrain_hybrid", "dsv4_hybrid")}
 DSV4_CAPTURES = {"partial": "dsv4_mhc_cg", "full_iteration": "dsv4_full_iteration"}
+DSV4_RESUMED = [("gpt", "partial"), ("gpt", "full_iteration"), ("hybrid", "partial")]
+DSV4_RUNS = [(path, capture) for path in DSV4_PATHS for capture in DSV4_CAPTURES]
 
 
 def with_warmup(args: list[str], steps: int) -> list[str]:
@@ -225,40 +230,61 @@ def with_warmup(args: list[str], steps: int) -> list[str]:
     return [*args[:at], str(steps), *args[at + 1:]]
 
 
+def patched_script(root: Path, script: str) -> Path:
+    """Megatron's ``script``.py with the example's lines (``examples/megatron/SCRIPT.dev.diff``)."""
+    out = root / f"{script}_mhc.py"
+    patched = subprocess.run(["patch", "-o", str(out), str(root / f"{script}.py")],
+                             stdin=(EXAMPLE / f"{script}.dev.diff").open(),
+                             capture_output=True, text=True)
+    assert patched.returncode == 0, patched.stdout + patched.stderr
+    return out
+
+
+def dsv4_flags(path: str, capture: str) -> list[str]:
+    names = ["tiny", "cpu", DSV4_PATHS[path][1], DSV4_CAPTURES[capture]]
+    if path == "hybrid" and capture == "full_iteration":
+        names.append("dsv4_hybrid_full_iteration")
+    return [word for name in names for word in flags(name)]
+
+
 @pytest.fixture(scope="module")
-def dsv4_runs(checkout, user_script, tmp_path_factory):
-    """Per capture: Megatron alone on the same model; the documented run (4 iterations, graphs
-    after 2), saving at iterations 2 and 4; and that run resumed from iteration 2, warmed up one
-    step there so that its last iteration replays graphs captured after the load."""
+def dsv4_runs(checkout, tmp_path_factory):
+    """Per path and capture: Megatron alone on the same model; the documented run (4 iterations,
+    graphs after 2), saving at iterations 2 and 4; and (``DSV4_RESUMED``) that run resumed from
+    iteration 2, warmed up one step there so that its last iteration replays graphs captured
+    after the load."""
     branch, root, _ = checkout
+    scripts = {script: patched_script(root, script).name for script, _ in DSV4_PATHS.values()}
     runs = {}
-    for capture, name in DSV4_CAPTURES.items():
-        out = tmp_path_factory.mktemp(f"dsv4_{capture}")
-        base = flags("tiny") + flags("cpu") + flags("dsv4") + flags(name)
+    for path, capture in DSV4_RUNS:
+        out = tmp_path_factory.mktemp(f"dsv4_{path}_{capture}")
+        script, base = DSV4_PATHS[path][0], dsv4_flags(path, capture)
         saved, ckpt = out / "checkpoints", ["--ckpt-format", "torch_dist"]
-        runs[capture] = {
-            "alone": run_entry(root, "pretrain_gpt.py", alone(base), out / "alone.json"),
-            "ours": run_entry(root, user_script.name,
-                              base + ["--save", str(saved), "--save-interval", "2", *ckpt],
-                              out / "ours.json")}
-        (saved / "latest_checkpointed_iteration.txt").write_text("2")
-        runs[capture]["resumed"] = run_entry(root, user_script.name,
-                                             with_warmup(base, 1) + ["--load", str(saved), *ckpt],
-                                             out / "resumed.json")
+        saving = ["--save", str(saved), "--save-interval", "2", *ckpt] \
+            if (path, capture) in DSV4_RESUMED else []
+        runs[path, capture] = {
+            "alone": run_entry(root, f"{script}.py", alone(base), out / "alone.json"),
+            "ours": run_entry(root, scripts[script], base + saving, out / "ours.json")}
+        if saving:
+            (saved / "latest_checkpointed_iteration.txt").write_text("2")
+            runs[path, capture]["resumed"] = run_entry(
+                root, scripts[script], with_warmup(base, 1) + ["--load", str(saved), *ckpt],
+                out / "resumed.json")
     return runs
 
 
 @pytest.mark.parametrize("checkout", ["dev"], indirect=True)
-@pytest.mark.parametrize("capture", list(DSV4_CAPTURES))
+@pytest.mark.parametrize("path,capture", DSV4_RUNS)
 def test_deepseek_v4_trains_under_mhc_cg_bit_for_bit_as_megatron_alone(checkout, dsv4_runs,
-                                                                       capture):
-    """Dev's own ``pretrain_gpt.py`` builds DeepSeek-V4 from its own specs (no ``--spec``), on
-    the CPU stand-in of TE's modules; with the documented lines and mhc_cg's flags it trains four
+                                                                       path, capture):
+    """Dev's own ``pretrain_gpt.py`` and ``pretrain_hybrid.py`` build DeepSeek-V4 from dev's own
+    specs (the GPT path's builders, the hybrid stack's ``hybrid_dsv4_stack_spec``), on the CPU
+    stand-in of TE's modules; with the documented lines and mhc_cg's flags each trains four
     iterations, the last two replaying the graphs (mhc_cg's recompute graphs under partial
     capture, Megatron's whole-iteration graph under full-iteration capture), with the losses and
     gradient norms of Megatron alone (no recompute, no graphs) bit for bit."""
     _, root, hashes = checkout
-    ours, reference = dsv4_runs[capture]["ours"], dsv4_runs[capture]["alone"]
+    ours, reference = dsv4_runs[path, capture]["ours"], dsv4_runs[path, capture]["alone"]
     assert len(ours["losses"]) == ITERATIONS
     assert ours["losses"] == reference["losses"]
     assert ours["grad_norms"] == reference["grad_norms"] and None not in ours["grad_norms"]
@@ -275,13 +301,13 @@ def test_deepseek_v4_trains_under_mhc_cg_bit_for_bit_as_megatron_alone(checkout,
 
 
 @pytest.mark.parametrize("checkout", ["dev"], indirect=True)
-@pytest.mark.parametrize("capture", list(DSV4_CAPTURES))
+@pytest.mark.parametrize("path,capture", DSV4_RESUMED)
 def test_deepseek_v4_resumed_from_its_iteration_2_checkpoint_is_bit_identical(checkout, dsv4_runs,
-                                                                              capture):
-    """DeepSeek-V4 under mhc_cg saved at iteration 2 of 4 (dev's functional test is a
-    checkpoint-resume test) and resumed: the graphs are captured anew after the load, and the
+                                                                              path, capture):
+    """DeepSeek-V4 under mhc_cg saved at iteration 2 of 4 (dev's functional tests are
+    checkpoint-resume tests) and resumed: the graphs are captured anew after the load, and the
     last two iterations' losses and gradient norms are the uninterrupted run's bit for bit."""
-    whole, resumed = dsv4_runs[capture]["ours"], dsv4_runs[capture]["resumed"]
+    whole, resumed = dsv4_runs[path, capture]["ours"], dsv4_runs[path, capture]["resumed"]
     assert len(whole["losses"]) == ITERATIONS and len(resumed["losses"]) == ITERATIONS - 2
     assert resumed["losses"] == whole["losses"][2:]
     assert resumed["grad_norms"] == whole["grad_norms"][2:]

@@ -18,6 +18,7 @@ forward (as ``torch.nn.utils.parametrize`` does), and it gains ``mhc_static``; e
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable
 
 import torch
@@ -29,6 +30,7 @@ from mhc_cg.runtime.static import StaticRecompute
 from megatron_integration.capture.static_block import StaticMHCBlock
 from megatron_integration.layers.graphed_sublayer import (GraphedSublayerMixin, SublayerSite,
                                                          graphs_mlp)
+from megatron_integration.layers.hybrid_layer import is_hybrid_layer
 from megatron_integration.layers.main_layer import graphed_layer_class
 from megatron_integration.layers.moe_partial import moe_capture_step, moe_tail
 
@@ -51,20 +53,20 @@ class StaticDecoderMixin:
 
 def graphed_sublayer_fns(layers, attention_mask: Tensor | None,
                          kwargs: dict) -> dict[int, Callable]:
-    """``{attention record's order: fn}`` for the layers that hold TE graphs: ``fn(x, frame)``
-    calls the layer through megatron's ``__call__`` (which replays this microbatch's graph;
-    ``frame`` is the runtime's forward's, with the persistent set it took). Where the
-    graph holds more of the layer, the MLP record's too: with the MLP in the layer graph one
-    replay returns both sublayers' results, the attention's through the first fn (its output
-    already the MLP's: the runtime passes it on to the second, which returns the MLP's part of
-    the same replay); with a MoE MLP's head in it, the second runs the MoE's eager rest from the
-    replay's outputs (:func:`megatron_integration.layers.moe_partial.moe_tail`)."""
+    """``{record's order: fn}`` for the sublayers of the layers that hold TE graphs: ``fn(x,
+    frame)`` for the first sublayer the graph holds calls the layer through megatron's
+    ``__call__`` (which replays this microbatch's graph; ``frame`` is the runtime's forward's,
+    with the persistent set it took). Where the graph holds more of the layer, the later
+    sublayers' fns take their parts of the same replay: with the MLP in the layer graph its F
+    output and state (the first fn's output is already the MLP's: the runtime passes it on);
+    with a MoE MLP's head in it, the MoE's eager rest from the replay's outputs
+    (:func:`megatron_integration.layers.moe_partial.moe_tail`)."""
     fns = {}
     for layer in layers:
         if not getattr(layer, "cuda_graphs", None):
             continue
         site = layer.mhc_site
-        replayed: list[tuple] = []  # what the second fn takes from the first's replay
+        replayed: deque = deque()  # what the later fns take from the replay, in order
 
         def replay(x: Tensor, frame, layer=layer, site=site, replayed=replayed):
             site.check_replay(getattr(layer, "current_microbatch", 0) % len(layer.cuda_graphs),
@@ -72,22 +74,28 @@ def graphed_sublayer_fns(layers, attention_mask: Tensor | None,
             outputs = layer(hidden_states=x, attention_mask=attention_mask, **kwargs)
             out, ys, states, head = site.split_outputs(outputs)
             states = states + [None] * (len(ys) - len(states))  # hooked sublayers keep none
-            if site.with_mlp:
-                replayed.append((out, ys[1], states[1]))
-            elif site.moe_step:
+            replayed.extend((out, y, state) for y, state in zip(ys, states))
+            if site.moe_step:
                 replayed.append(head)
-            return out, ys[0], states[0]
+            return out
 
-        attention, mlp = site.records
-        fns[attention.order] = replay
-        if site.with_mlp:
-            fns[mlp.order] = lambda x, frame, replayed=replayed: replayed.pop()
-        elif site.moe_step:
-            def tail(x: Tensor, frame, site=site, replayed=replayed):
-                return moe_tail(site.runtime, site.steps, site.records[1], site.moe_step,
-                                replayed.pop(), frame)
+        def take(x: Tensor, frame, replayed=replayed):
+            return replayed.popleft()
 
-            fns[mlp.order] = tail
+        def tail(x: Tensor, frame, site=site, replayed=replayed):
+            return moe_tail(site.runtime, site.steps, site.head_record, site.moe_step,
+                            replayed.popleft(), frame)
+
+        def first(x: Tensor, frame, replay=replay, later=take if site.whole else tail):
+            replay(x, frame)
+            return later(x, frame)
+
+        graphed = site.whole + ([site.head_record] if site.moe_step else [])
+        fns[graphed[0].order] = first
+        for record in site.whole[1:]:
+            fns[record.order] = take
+        if site.moe_step and site.whole:
+            fns[site.head_record.order] = tail
     return fns
 
 
@@ -103,10 +111,11 @@ def _static_decoder_class(cls: type) -> type:
 def graphed_layer_of(layer) -> type:
     """The graphed subclass of a layer's class as Megatron's builders made it (same parameters
     and submodules: only its capture and replay differ)."""
-    if not hasattr(layer, "self_attention_hyper_connection"):
+    if not (hasattr(layer, "self_attention_hyper_connection") or is_hybrid_layer(layer)):
         raise TypeError(f"install_static_recompute: {type(layer).__name__} is not an mHC layer; "
                         f"mhc_cg's static runtime takes Megatron-LM's "
-                        f"HyperConnectionTransformerLayer (enable its hyper-connections)")
+                        f"HyperConnectionTransformerLayer or the hybrid stack's "
+                        f"HyperConnectionHybridLayer (enable its hyper-connections)")
     return graphed_layer_class(type(layer))
 
 
@@ -141,11 +150,11 @@ def install_static_recompute(decoder, static_type: type[StaticMHCBlock], *, seq_
     runtime = static.runtime
     with_mlp = graphs_mlp(decoder.config)
     for index, (layer, steps) in enumerate(zip(decoder.layers, static.steps)):
-        moe_step = moe_capture_step(layer)
         layer.mhc_site = SublayerSite(runtime, steps, runtime.layout.layer_records(index),
                                       static.seeded, list(graph_sets or [0]),
-                                      with_mlp=with_mlp and not getattr(layer, "is_moe_layer", False),
-                                      moe_step=moe_step)
+                                      with_mlp=with_mlp and not getattr(steps.layer, "is_moe_layer",
+                                                                        False),
+                                      moe_step=moe_capture_step(steps.layer))
     return static
 
 

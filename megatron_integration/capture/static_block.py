@@ -24,6 +24,7 @@ from mhc_cg.runtime.static import StaticRecompute, build_static_recompute
 
 from megatron_integration.layers.dev_layer import dev_layer_steps
 from megatron_integration.layers.fused_sublayer import uses_fused_mhc
+from megatron_integration.layers.hybrid_layer import hybrid_layer_steps
 from megatron_integration.layers.main_layer import MainBlock, main_layer_steps
 from megatron_integration.layers.steps import LayerSteps
 
@@ -51,8 +52,9 @@ class StaticMHCBlock:
         self.block = block
         self.order: list[int] | None = None  # the rank's schedule order it was sized for
         steps_type = self.layer_steps(uses_fused_mhc(config, fused_mhc))
-        self.steps = [steps_type(layer).bind(**token_inputs(layer, seq_length, micro_batch_size))
-                      for layer in block.layers]  # bound for the layout's discovery run
+        self.steps = [steps_type(layer) for layer in block.layers]
+        for steps in self.steps:  # bound for the layout's discovery run
+            steps.bind(**token_inputs(steps.layer, seq_length, micro_batch_size))
         size = config.mhc_recompute_layer_num or len(self.steps)
         dtype = config.params_dtype  # the stream's; mHC parameters may be kept in fp32
         with leaves_no_trace(block.layers[:size]):  # the layout's run of the first block
@@ -229,3 +231,41 @@ class StaticDevBlock(StaticMegatronBlock):
         before the contraction (the MTP layers' input)."""
         out, streams = self.block.postprocess_for_layer_schedule(x, return_mhc_multistream=True)
         return out if streams is None else (out, streams)
+
+
+class StaticHybridBlock(StaticDevBlock):
+    """Megatron-LM dev's ``HybridStack`` of mHC layers (one sublayer each,
+    :mod:`megatron_integration.layers.hybrid_layer`) on static buffers; its stream boundaries are
+    the stack's own: the n-fold expand on the first stage (not in an MTP layer's nested stack),
+    and on the last the streams kept for MTP, dev's learned contraction and the final norm."""
+
+    def layer_steps(self, fused_mhc: bool) -> type[LayerSteps]:
+        return hybrid_layer_steps(fused_mhc)
+
+    def streams_in(self, hidden_states: Tensor) -> Tensor:
+        from megatron.core.transformer.hyper_connection import HyperConnectionModule
+
+        stack = self.block
+        if stack.pre_process and not stack.is_mtp_layer:
+            return HyperConnectionModule.input_expand(hidden_states,
+                                                      stack.config.num_residual_streams)
+        return hidden_states
+
+    def streams_out(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        """As the stack's forward ends: with MTP on, the contracted output and the streams
+        before the contraction (the MTP layers' input)."""
+        from megatron.core.transformer.hyper_connection import learned_output_contract
+        from megatron.core.utils import make_viewless_tensor
+
+        stack, config = self.block, self.block.config
+        streams = None
+        if stack.post_process and not stack.is_mtp_layer:
+            if (config.mtp_num_layers or 0) > 0:
+                streams = x
+            x = learned_output_contract(x, stack.hc_head_fn, stack.hc_head_base,
+                                        stack.hc_head_scale, config.num_residual_streams,
+                                        config.layernorm_epsilon)
+        if stack.post_process and stack.post_layer_norm:
+            x = stack.final_norm(x)
+        x = make_viewless_tensor(inp=x, requires_grad=x.requires_grad, keep_graph=True)
+        return x if streams is None else (x, streams)

@@ -251,11 +251,14 @@ def rank_seq_length(config, seq_length: int) -> int:
 def static_block_type(decoder) -> type:
     """The static block for a decoder's layers: ``StaticMHCBlock`` for mhc_cg's layer,
     ``StaticMainBlock`` / ``StaticDevBlock`` for Megatron-LM main's / dev's
-    ``HyperConnectionTransformerLayer``."""
-    from megatron_integration.capture.static_block import (StaticDevBlock, StaticMainBlock,
-                                                           StaticMHCBlock)
+    ``HyperConnectionTransformerLayer``, ``StaticHybridBlock`` for dev's hybrid stack."""
+    from megatron_integration.capture.static_block import (StaticDevBlock, StaticHybridBlock,
+                                                           StaticMainBlock, StaticMHCBlock)
     from megatron_integration.layers.dev_layer import is_dev_config
+    from megatron_integration.layers.hybrid_layer import is_hybrid_layer
 
+    if is_hybrid_layer(decoder.layers[0]):
+        return StaticHybridBlock
     if not hasattr(decoder.layers[0], "self_attention_hyper_connection"):
         return StaticMHCBlock
     return StaticDevBlock if is_dev_config(decoder.config) else StaticMainBlock

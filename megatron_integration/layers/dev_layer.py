@@ -97,10 +97,11 @@ class DevSublayerSteps(MainSublayerSteps):
     """The attention or MLP sublayer of ``dev``'s ``HyperConnectionTransformerLayer``."""
 
     streams_field = "num_residual_streams"
+    casts_mlp_input = True  # dev's GPT layer casts a dense MLP's input to params_dtype first
 
-    def __init__(self, layer, which: str):
-        super().__init__(layer, which)
-        if which != "attention" and not layer.is_moe_layer:  # a dense MLP's input, as dev casts it
+    def __init__(self, layer, which: str, hc=None):
+        super().__init__(layer, which, hc)
+        if which != "attention" and not layer.is_moe_layer and self.casts_mlp_input:
             self.norm = _in_dtype(self.norm, layer.config.params_dtype)
         self._views: tuple[Tensor, Tensor, Tensor] | None = None  # (x, aggregate's, H_res's)
 

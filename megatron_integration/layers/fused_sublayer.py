@@ -52,9 +52,11 @@ class NormParams:
         return self.default_eps if eps is None else float(eps)
 
 
-def sublayer_parts(layer, which: str, streams_field: str):
+def sublayer_parts(layer, which: str, streams_field: str, hc=None):
     """``(hyper-connection module, norm, cfg, dropout stream)`` of the attention or MLP sublayer
-    of a ``HyperConnectionTransformerLayer``, as every step adapter of it reads them."""
+    of a ``HyperConnectionTransformerLayer``, as every step adapter of it reads them. ``hc``:
+    the hyper-connection module where it is not the layer's own (a hybrid stack's wrapper holds
+    it around its inner ``layer``)."""
     attention = which == "attention"
     config = layer.config
     # Megatron's hyper-connection dropout is torch's (stateful) dropout, unless
@@ -64,8 +66,9 @@ def sublayer_parts(layer, which: str, streams_field: str):
                           hidden_dropout=layer.hidden_dropout,
                           num_streams=getattr(config, streams_field),
                           hidden_size=config.hidden_size)
-    return (layer.self_attention_hyper_connection if attention else layer.mlp_hyper_connection,
-            layer.input_layernorm if attention else layer.pre_mlp_layernorm, cfg,
+    if hc is None:
+        hc = layer.self_attention_hyper_connection if attention else layer.mlp_hyper_connection
+    return (hc, layer.input_layernorm if attention else layer.pre_mlp_layernorm, cfg,
             sublayer_stream(layer.layer_number, 0 if attention else 1))
 
 
@@ -78,9 +81,9 @@ class MegatronFusedSublayer(FusedSteps):
     arithmetic = "main"
     h_res_transposed = False
 
-    def __init__(self, layer, which: str):
+    def __init__(self, layer, which: str, hc=None):
         module, norm, self.cfg, self.dropout_stream = sublayer_parts(layer, which,
-                                                                      self.streams_field)
+                                                                      self.streams_field, hc)
         config = layer.config
         self.layer = layer
         self.hc = KernelsOver(module, config.hidden_size, self.cfg.num_streams,

@@ -72,6 +72,17 @@ class SublayerSite:
         pset = sets.fixed_set() if sets.capacity == 1 else sets.all_sets()[self._capture_set()]
         return self._sublayers(x, attention_mask, kwargs, pset)
 
+    @property
+    def whole(self) -> list[SublayerRecord]:
+        """The records the layer graph holds whole: the attention's, and the MLP's with ``mlp``
+        in scope (``with_mlp``); a hybrid stack's layer has one of the two."""
+        return [r for r in self.records if r.k == 0 or (self.with_mlp and r.k == 1)]
+
+    @property
+    def head_record(self) -> SublayerRecord:
+        """The MoE MLP's record, whose head ends the graph (``moe_step``)."""
+        return next(r for r in self.records if r.k == 1)
+
     def split_outputs(self, outputs) -> tuple[Tensor, list[Tensor], list[Tensor], tuple]:
         """A replay's outputs as ``(output, F outputs, mapping states, MoE head)``."""
         if self.layout is None:
@@ -112,15 +123,14 @@ class SublayerSite:
         self.steps.bind(attention_mask, **kwargs)
         # the seed of the set this capture writes (its microbatch's, along the order)
         frame = Frame(pset, pset.seed if self.seeded else None)
-        records = self.records if self.with_mlp else self.records[:1]
         fn_outputs, states = [], []
-        for record in records:
+        for record in self.whole:
             x, y, state = self.runtime.path.run(record, x, frame)
             # F's output and the state only feed the persistent set
             fn_outputs.append(y.detach())
             if state is not None:
                 states.append(state.detach())
-        head = moe_head(self.runtime, self.steps, self.records[1], x, frame) if self.moe_step \
+        head = moe_head(self.runtime, self.steps, self.head_record, x, frame) if self.moe_step \
             else ()
         self.layout = (len(fn_outputs), len(states))
         return (x, *fn_outputs, *states, *head)
@@ -135,7 +145,7 @@ class GraphedSublayerMixin:
         """megatron's static inputs with the hidden states on the n*C stream, in the layer's dtype."""
         inputs = super().get_layer_static_inputs(seq_length, micro_batch_size)
         hidden = inputs["hidden_states"]
-        cfg = self._site().steps.attention.cfg
+        cfg = self._site().runtime.layout.cfg
         inputs["hidden_states"] = torch.ones(
             (hidden.shape[0], hidden.shape[1], cfg.num_streams * cfg.hidden_size),
             dtype=self.config.params_dtype, device=hidden.device, requires_grad=True)

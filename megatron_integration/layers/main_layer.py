@@ -98,9 +98,10 @@ class MainSublayerSteps(HyperConnectionSteps):
 
     streams_field = "mhc_num_residual_streams"  # the config's n (dev: num_residual_streams)
 
-    def __init__(self, layer, which: str):
+    def __init__(self, layer, which: str, hc=None):
         self.layer = layer
-        self.hc, self.norm, self.cfg, self.stream = sublayer_parts(layer, which, self.streams_field)
+        self.hc, self.norm, self.cfg, self.stream = sublayer_parts(layer, which, self.streams_field,
+                                                                   hc)
         self.fn: Callable[[Tensor], Tensor] | None = None  # bound per forward (MainLayerSteps.bind)
         self.bias: Tensor | None = None  # F's skipped bias, set by fn
 
@@ -163,7 +164,9 @@ class MainLayerSteps(LayerSteps):
             return mlp.take_output(*layer.mlp(normed, **mlp_kwargs))
 
         self.mlp_kwargs = mlp_kwargs  # the MLP's keywords beside its input
-        attention.fn, mlp.fn = attention_fn, mlp_fn
+        for sub, fn in ((attention, attention_fn), (mlp, mlp_fn)):
+            if sub is not None:  # a hybrid stack's layer holds one of the two
+                sub.fn = fn
         return self
 
 

@@ -55,5 +55,10 @@ class LayerSteps:
         self.attention.fn, self.mlp.fn = self.layer.sublayer_fns(attention_mask, kwargs)
         return self
 
+    @property
+    def stream_sublayers(self) -> tuple:
+        """``(k, sublayer)`` in stream order (:class:`mhc_cg.runtime.chunk.ChunkLayout`)."""
+        return ((0, self.attention), (1, self.mlp))
+
     def parameters(self):
         return self.layer.parameters()

@@ -54,6 +54,11 @@ class MHCTransformerLayer(nn.Module):
             eager_recompute=eager_recompute)
         self.mlp = sublayer(cfg, mlp, 2 * layer_number + 1)
 
+    @property
+    def stream_sublayers(self) -> tuple:
+        """``(k, sublayer)`` in stream order (:class:`mhc_cg.runtime.chunk.ChunkLayout`)."""
+        return ((0, self.attention), (1, self.mlp))
+
     def forward(self, x: Tensor, seed: Tensor | None = None) -> Tensor:
         return run_chain([self.attention, self.mlp], x, seed)
 

@@ -51,7 +51,10 @@ class SublayerRecord:
 
 class ChunkLayout:
     """``layers`` in recompute blocks of ``block_size`` layers (the last may be shorter), and a
-    :class:`SublayerRecord` per sublayer: ``records`` in stream order, ``blocks[b]`` block b's."""
+    :class:`SublayerRecord` per sublayer: ``records`` in stream order, ``blocks[b]`` block b's.
+
+    A layer names its sublayers in stream order as ``stream_sublayers``, ``(k, sublayer)`` pairs:
+    a transformer layer's attention (0) and MLP (1); a hybrid stack's layer its one."""
 
     def __init__(self, layers, block_size: int):
         if block_size < 1:
@@ -60,12 +63,14 @@ class ChunkLayout:
         self.block_size = block_size
         self.num_blocks = -(-len(self.layers) // block_size)
         self.records: list[SublayerRecord] = []
+        sublayers = [tuple(layer.stream_sublayers) for layer in self.layers]
         for index, layer in enumerate(self.layers):
             block, position = divmod(index, block_size)
-            in_block = 2 * min(block_size, len(self.layers) - block * block_size)
+            in_block = sum(len(subs) for subs in sublayers[block * block_size:][:block_size])
+            before = sum(len(subs) for subs in sublayers[block * block_size:index])
             last_block = block == self.num_blocks - 1
-            for k, sub in enumerate((layer.attention, layer.mlp)):
-                name, slot = SUBLAYER_NAMES[k], 2 * position + k
+            for j, (k, sub) in enumerate(sublayers[index]):
+                name, slot = SUBLAYER_NAMES[k], before + j
                 self.records.append(SublayerRecord(
                     sub=sub, layer_number=layer.layer_number, index=index, k=k, name=name,
                     label=f"L{layer.layer_number}.{name}", key=(index, k),
@@ -78,6 +83,8 @@ class ChunkLayout:
                     recompute_activation=k == 1 and isinstance(sub.fn, MLP)
                     and sub.fn.recompute_activation))
         self.blocks = [[r for r in self.records if r.block == b] for b in range(self.num_blocks)]
+        self.block_sublayers = max(len(records) for records in self.blocks)  # the longest's
+        self.cfg = self.records[0].sub.cfg  # the stream's shape and dropout: every sublayer's
         # Parameters (and views of them, e.g. a transposed weight) are saved as they are: they do
         # not change between a forward and its backward, so copying them into slots is waste.
         self.param_storages = {storage_id(p) for layer in self.layers for p in layer.parameters()}
@@ -88,9 +95,9 @@ class ChunkLayout:
         return self.records[following] if following < len(self.records) else None
 
     def layer_records(self, index: int) -> list[SublayerRecord]:
-        """The records of the chunk's layer ``index``: its attention's, then its MLP's."""
+        """The records of the chunk's layer ``index``, in stream order."""
         return [r for r in self.records if r.index == index]
 
     def block_layers(self, block: int) -> list:
         """The layers of block ``block``."""
-        return [self.layers[r.index] for r in self.blocks[block] if r.k == 0]
+        return [self.layers[index] for index in dict.fromkeys(r.index for r in self.blocks[block])]

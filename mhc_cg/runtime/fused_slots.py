@@ -24,16 +24,16 @@ from mhc_cg.runtime.chunk import SublayerRecord
 
 
 class FusedSlots:
-    """The arena slots of one block position's streams and F inputs, for blocks of ``block_size``
-    layers of the model ``cfg`` at ``[seq_length, micro_batch_size]``."""
+    """The arena slots of one block position's streams and F inputs, for blocks of at most
+    ``sublayers`` sublayers of the model ``cfg`` at ``[seq_length, micro_batch_size]``."""
 
     STREAMS, FN_INPUTS = "mhc.streams", "mhc.fn_inputs"
 
-    def __init__(self, arena: Arena, block_size: int, cfg, seq_length: int, micro_batch_size: int,
+    def __init__(self, arena: Arena, sublayers: int, cfg, seq_length: int, micro_batch_size: int,
                  dtype: torch.dtype):
         self.arena = arena
         self.lead = (seq_length, micro_batch_size)
-        self.size = 2 * block_size
+        self.size = sublayers
         self.width, self.hidden = cfg.num_streams * cfg.hidden_size, cfg.hidden_size
         item = torch.empty((), dtype=dtype).element_size()
         tokens = seq_length * micro_batch_size

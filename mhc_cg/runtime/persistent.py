@@ -143,7 +143,7 @@ def new_persistent_set(index: int, layers: list[MHCTransformerLayer], block_size
     """Zeroed static buffers for one in-flight microbatch of ``layers`` (one model chunk) in
     blocks of ``block_size`` layers: an entry per sublayer record (:class:`ChunkLayout`)."""
     layout = ChunkLayout(layers, block_size)
-    cfg = layers[0].attention.cfg
+    cfg = layout.cfg
     width = cfg.num_streams * cfg.hidden_size
     lead = (seq_length, micro_batch_size)
     pset = PersistentSlotSet(
@@ -156,7 +156,7 @@ def new_persistent_set(index: int, layers: list[MHCTransformerLayer], block_size
                                           device=device)
                      for r in layout.records if r.recompute_activation},
     )
-    if not layers[0].attention.fused:
+    if not layout.records[0].sub.fused:
         pset.fn_outputs = {r.key: torch.zeros(*lead, cfg.hidden_size, dtype=dtype, device=device)
                            for r in layout.records}
         return pset

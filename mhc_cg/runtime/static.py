@@ -96,7 +96,7 @@ class StaticRecompute:
     """
 
     def __init__(self, layout: ChunkLayout, arena: Arena, sets: PersistentSetPool, sublayers):
-        cfg = layout.layers[0].attention.cfg
+        cfg = layout.cfg
         problem = stateful_dropout_problem(cfg.dropout_impl, cfg.hidden_dropout,
                                            "dropout_impl", "hidden_dropout")
         if problem is not None:
@@ -292,7 +292,7 @@ class StaticRecompute:
         saves), then allocate the arena; a no-op for an arena another chunk laid out."""
         self.sublayers.lay_out(seq_length, micro_batch_size, dtype)
         if self.sublayers.discovers_layout and not self.arena.allocated:
-            cfg, device = self.layout.layers[0].attention.cfg, self.sets.template.seed.device
+            cfg, device = self.layout.cfg, self.sets.template.seed.device
             x = torch.zeros(seq_length, micro_batch_size, cfg.num_streams * cfg.hidden_size,
                             dtype=dtype, device=device)
             self.discover_layout(x, torch.zeros((), dtype=torch.int64, device=device))

@@ -45,9 +45,8 @@ from mhc_cg.runtime.store import RegionCursor, store_in, store_in_slot
 def sublayers_for(layout: ChunkLayout, sets: PersistentSetPool, arena: Arena, seq_length: int,
                   micro_batch_size: int, dtype: torch.dtype):
     """The strategy the chunk's layers need: fused when their sublayers are fused, else hooked."""
-    cfg = layout.layers[0].attention.cfg
-    if layout.layers[0].attention.fused:
-        return FusedSublayers(FusedSlots(arena, layout.block_size, cfg, seq_length,
+    if layout.records[0].sub.fused:
+        return FusedSublayers(FusedSlots(arena, layout.block_sublayers, layout.cfg, seq_length,
                                          micro_batch_size, dtype), layout)
     return HookedSublayers(layout, sets, arena)
 

@@ -53,7 +53,30 @@ def _init(weight: nn.Parameter, init_method, tracker) -> None:
         init_method(weight)
 
 
-class Linear(nn.Module):
+class _FP8Off(nn.Module):
+    """What Megatron reads of TE's module base (``TransformerEngineBaseModule``) around a
+    checkpoint, FP8 off: ``fp8_meta``, the FP8 flags, and ``_extra_state``, the empty tensor TE
+    saves without FP8 state (a checkpoint with FP8 state is refused)."""
+
+    fp8 = fp8_calibration = False
+
+    def __init__(self):
+        super().__init__()
+        self.fp8_meta = {"fp8_checkpoint": False, "recipe": None}
+
+    def init_fp8_metadata(self, num_gemms: int = 1) -> None:
+        pass
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:
+        if state is not None and not (isinstance(state, torch.Tensor) and state.numel() == 0):
+            raise ValueError(f"{type(self).__name__} (TE stand-in on the CPU): the checkpoint "
+                             f"holds FP8 state; the stand-in trains with FP8 off")
+
+
+class Linear(_FP8Off):
     """``te.pytorch.Linear``: ``weight [out, in]``, ``bias [out]``; ``forward`` returns ``out`` or,
     with ``return_bias``, ``(out, bias)`` with the bias left to the caller."""
 
@@ -151,7 +174,7 @@ class LayerNormLinear(Linear):
         return (*out, normed) if self.return_bias else (out, normed)
 
 
-class GroupedLinear(nn.Module):
+class GroupedLinear(_FP8Off):
     """``te.pytorch.GroupedLinear``: ``num_gemms`` linears ``weight{i}``/``bias{i}`` over the
     row blocks ``m_splits`` of the input; with ``return_bias``, ``(out, [bias_i])``."""
 
