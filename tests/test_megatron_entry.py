@@ -92,6 +92,30 @@ def run_entry(root: Path, script: str, args: list[str], record: Path) -> dict:
     return json.loads(record.read_text())
 
 
+def run_entry_ranks(root: Path, script: str, args: list[str], records: Path,
+                    world: int) -> list[dict]:
+    """``run_entry`` as ``world`` processes, one per rank (as torchrun starts them): each rank's
+    record in ``records/rank{r}.json``."""
+    from mhc_cg.lab.pipeline.driver import free_port
+
+    records.mkdir(parents=True, exist_ok=True)
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+               "MHC_CG_ENTRY_RECORD": str(records / f"rank{rank}.json"), "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_PORT": port}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "mhc_cg.lab.megatron_harness.entry_on_cpu", script, *args],
+            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [proc.communicate(timeout=600)[0] for proc in procs]
+    for proc, output in zip(procs, outputs):
+        assert proc.returncode == 0, output[-6000:]
+    return [json.loads((records / f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
 @pytest.fixture(scope="module")
 def user_script(checkout):
     """The user's script: Megatron's ``pretrain_gpt.py`` with the example's lines."""
@@ -315,6 +339,33 @@ def test_deepseek_v4_resumed_from_its_iteration_2_checkpoint_is_bit_identical(ch
         assert resumed["recompute_graph_replays"] > 0
     else:
         assert resumed["full_iteration_replays"] > 0
+
+
+# dev's pipeline layout, two stages of two layers (the MTP layer and the loss on the last),
+# two microbatches in flight: the first stage holds two persistent sets, the last one
+DSV4_PP2 = ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout",
+            "Ett|ttmL", "--global-batch-size", "2"]
+
+
+@pytest.mark.parametrize("checkout", ["dev"], indirect=True)
+def test_deepseek_v4_at_pipeline_parallel_2_trains_bit_for_bit_as_megatron_alone(
+        checkout, tmp_path):
+    """DeepSeek-V4's GPT path on two pipeline ranks (one process each, over gloo), 1F1B with two
+    microbatches: every rank's losses and gradient norms are Megatron alone's bit for bit; each
+    rank's static buffers hold the persistent sets its schedule keeps in flight; what a layer
+    holds from its forward to its backward is below Megatron alone's on every rank."""
+    _, root, _ = checkout
+    script = patched_script(root, "pretrain_gpt").name
+    base = dsv4_flags("gpt", "partial") + DSV4_PP2
+    ours = run_entry_ranks(root, script, base, tmp_path / "ours", 2)
+    reference = run_entry_ranks(root, "pretrain_gpt.py", alone(base), tmp_path / "alone", 2)
+    last = reference[1]["losses"]  # the loss is the last stage's
+    assert len(last) == ITERATIONS and all("lm loss" in losses for losses in last)
+    for rank, (mine, theirs) in enumerate(zip(ours, reference)):
+        assert mine["losses"] == theirs["losses"] and mine["grad_norms"] == theirs["grad_norms"]
+        assert mine["static"]["layers"] == 2 and mine["static"]["slot_sets"] == 2 - rank
+        assert max(mine["saved_bytes_per_layer"]) < min(theirs["saved_bytes_per_layer"])
+    assert ours[0]["recompute_graph_replays"] >= ITERATIONS - WARMUP
 
 
 def test_only_a_cpu_run_turns_megatrons_fusions_off():

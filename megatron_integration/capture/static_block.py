@@ -228,8 +228,12 @@ class StaticDevBlock(StaticMegatronBlock):
 
     def streams_out(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
         """As dev's block returns: with MTP on mHC, the contracted output and the streams
-        before the contraction (the MTP layers' input)."""
+        before the contraction (the MTP layers' input). Viewless, as the pipeline schedule
+        frees what it sends (the runtime's last post returns a view of its sum)."""
+        from megatron.core.utils import make_viewless_tensor
+
         out, streams = self.block.postprocess_for_layer_schedule(x, return_mhc_multistream=True)
+        out = make_viewless_tensor(inp=out, requires_grad=out.requires_grad, keep_graph=True)
         return out if streams is None else (out, streams)
 
 

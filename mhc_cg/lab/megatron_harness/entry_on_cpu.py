@@ -1,8 +1,9 @@
 """Megatron-LM's own training entry (``pretrain_gpt.py``, ``pretrain()``, ``train()``) on a CPU.
 
 ``python -m mhc_cg.lab.megatron_harness.entry_on_cpu SCRIPT [MEGATRON FLAGS...]`` runs ``SCRIPT`` (a
-user's ``pretrain_gpt.py``, its folder first on the path) as ``__main__`` in one process, rank 0
-of 1 over gloo, after the shims below. Megatron's files are run as they are: nothing in them is
+user's ``pretrain_gpt.py``, its folder first on the path) as ``__main__`` in one process, over
+gloo, after the shims below: rank 0 of 1, or the rank ``RANK`` of ``WORLD_SIZE`` names (one
+process per rank, as ``torchrun`` starts them, ``MASTER_PORT`` shared). Megatron's files are run as they are: nothing in them is
 edited; a shim replaces a name for this process, each for a reason outside mhc_cg's code (a
 CPU build of torch refuses CUDA; Megatron's entry asserts a GPU):
 
@@ -14,7 +15,8 @@ CPU build of torch refuses CUDA; Megatron's entry asserts a GPU):
   the CPU, and names a CPU tensor's type as CUDA's (``Tensor.type()``: Megatron's mixed-precision
   optimizer takes only ``torch.cuda.*Tensor`` parameters);
 * ``torch.cuda.synchronize`` (Megatron's timers) and ``set_stream`` (a side stream for graph
-  capture) no-ops; the memory counters (``training_log``'s memory report) zero; ``empty_cache``
+  capture) no-ops; ``is_current_stream_capturing`` whether a tape capture runs (the pipeline's
+  point-to-point sends ask); the memory counters (``training_log``'s memory report) zero; ``empty_cache``
   a no-op;
 * ``initialize_megatron`` (``megatron/training/initialize.py``) with ``allow_no_cuda=True``: it
   asserts a GPU otherwise;
@@ -113,6 +115,7 @@ def install(te_modules: bool = False, full_iteration: bool = False) -> None:
         import typing_extensions
 
         typing.override = typing_extensions.override
+    from mhc_cg.graphs import graph_capturing
     from mhc_cg.graphs.te import te_installed
 
     if te_modules and not te_installed():
@@ -130,6 +133,7 @@ def install(te_modules: bool = False, full_iteration: bool = False) -> None:
     torch.cuda.reset_peak_memory_stats = lambda device=None: None
     torch.cuda.memory_stats = lambda device=None: {}
     torch.cuda.empty_cache = lambda: None
+    torch.cuda.is_current_stream_capturing = graph_capturing  # the pipeline's p2p asks
     torch.cuda.get_rng_state = lambda device="cuda": torch.empty(0, dtype=torch.uint8)
     torch.cuda.set_rng_state = _no_cuda_generator
     if not te_installed() and not te_modules:
@@ -163,8 +167,11 @@ def _no_cuda_generator(state, device="cuda") -> None:
 
 
 class Record:
-    """What the tests read of a run (``MHC_CG_ENTRY_RECORD``): losses, graph counts and the
-    fused mHC ops each iteration dispatched."""
+    """What the tests read of a run (``MHC_CG_ENTRY_RECORD``): losses, graph counts, the fused
+    mHC ops each iteration dispatched, and the bytes per layer each iteration's decoders held
+    from their forward to their backward (:class:`~mhc_cg.lab.megatron_harness.step_probe.
+    StepProbe`, the first microbatch; ``None`` where no decoder forward ran as Python: a
+    full-iteration replay)."""
 
     def __init__(self) -> None:
         self.losses: list[dict[str, str]] = []
@@ -172,24 +179,31 @@ class Record:
         self.fused_ops: list[int] = []
         self.helpers: list = []
         self.static: dict = {}
+        self.saved_bytes_per_layer: list[int | None] = []
 
     def watch(self) -> None:
         import megatron.training.training as training
         from megatron_integration.capture import te_graph_helper
+        from megatron_integration.capture.te_graph_helper import chunk_decoder, model_chunks
 
         from mhc_cg.lab.emulation.backends import get_backend
-        from mhc_cg.lab.megatron_harness.step_probe import FusedOpCounter
+        from mhc_cg.lab.megatron_harness.step_probe import FusedOpCounter, StepProbe
 
         train_step, make = training.train_step, te_graph_helper.make_te_graph_helper
 
         def recorded_step(*args, **kwargs):
+            model = args[2] if len(args) > 2 else kwargs["model"]
+            probes = [StepProbe(chunk_decoder(chunk)) for chunk in model_chunks(model)]
             with FusedOpCounter() as fused:
                 result = train_step(*args, **kwargs)
+            held = [probe.close() for probe in probes]
+            layers = sum(len(probe.decoder.layers) for probe in probes)
+            self.saved_bytes_per_layer.append(None if None in held else sum(held) // layers)
             self.losses.append({k: float(v).hex() for k, v in result[0].items()})
             norm = result[5]  # train_step's grad_norm
             self.grad_norms.append(None if norm is None else float(norm).hex())
             self.fused_ops.append(sum(fused.calls.values()))
-            self.static = static_bytes(args[2] if len(args) > 2 else kwargs["model"])
+            self.static = static_bytes(model)
             return result
 
         def recorded_helper(*args, backend=None, **kwargs):
@@ -208,7 +222,7 @@ class Record:
                 "mhc_cg_helpers": len(self.helpers),
                 "recompute_graphs": len(graphs),
                 "recompute_graph_replays": sum(g.replays for g in graphs),
-                "static": self.static,
+                "static": self.static, "saved_bytes_per_layer": self.saved_bytes_per_layer,
                 **full_iteration_graph()}
 
 

@@ -90,10 +90,17 @@ class StepProbe:
 
     def _leave(self, module, args, output) -> None:
         self._context.close()
-        for handle in self._handles:
-            handle.remove()
+        self.close()
         self.held_bytes = held_bytes(self.decoder, self.saved)
         self.saved = []  # hold nothing past the measurement
+
+    def close(self) -> int | None:
+        """Stop measuring (a step whose forward did not run leaves ``held_bytes`` ``None``);
+        returns ``held_bytes``."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        return self.held_bytes
 
 
 def _unpack(t: Tensor) -> Tensor:
