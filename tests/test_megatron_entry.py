@@ -24,6 +24,7 @@ import pytest
 
 from mhc_cg.lab.megatron_harness.child_process import (extract_snapshot, snapshot_archive,
                                                    third_party_dirs)
+from mhc_cg.lab.megatron_harness.entry_runs import alone as entry_alone, flag_words
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "megatron"
@@ -32,25 +33,13 @@ ITERATIONS, WARMUP = 4, 2
 
 def flags(name: str) -> list[str]:
     """The flags of ``examples/megatron/flags.NAME``, comments left out."""
-    return [word for line in (EXAMPLE / f"flags.{name}").read_text().splitlines()
-            if not line.startswith("#") for word in line.split()]
+    return flag_words([name])
 
 
 def alone(branch_flags: list[str]) -> list[str]:
     """The same flags for Megatron alone: mHC on, the branch's own layer without mhc_cg's hook,
     no recompute, no graphs."""
-    keep = []
-    skip = 0
-    for i, word in enumerate(branch_flags):
-        if skip:
-            skip -= 1
-            continue
-        if word in ("--recompute-granularity", "--recompute-modules", "--mhc-recompute-layer-num",
-                    "--cuda-graph-impl", "--cuda-graph-modules", "--cuda-graph-warmup-steps"):
-            skip = 1
-            continue
-        keep.append("mhc" if word == "mhc_graphed" else word)
-    return keep
+    return ["mhc" if word == "mhc_graphed" else word for word in entry_alone(branch_flags)]
 
 
 def tree_hashes(root: Path) -> dict[str, str]:
@@ -90,30 +79,6 @@ def run_entry(root: Path, script: str, args: list[str], record: Path) -> dict:
                            *args], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return json.loads(record.read_text())
-
-
-def run_entry_ranks(root: Path, script: str, args: list[str], records: Path,
-                    world: int) -> list[dict]:
-    """``run_entry`` as ``world`` processes, one per rank (as torchrun starts them): each rank's
-    record in ``records/rank{r}.json``."""
-    from mhc_cg.lab.pipeline.driver import free_port
-
-    records.mkdir(parents=True, exist_ok=True)
-    port = str(free_port())
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
-               "MHC_CG_ENTRY_RECORD": str(records / f"rank{rank}.json"), "RANK": str(rank),
-               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_PORT": port}
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "mhc_cg.lab.megatron_harness.entry_on_cpu", script, *args],
-            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [proc.communicate(timeout=600)[0] for proc in procs]
-    for proc, output in zip(procs, outputs):
-        assert proc.returncode == 0, output[-6000:]
-    return [json.loads((records / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
 @pytest.fixture(scope="module")
@@ -341,30 +306,30 @@ def test_deepseek_v4_resumed_from_its_iteration_2_checkpoint_is_bit_identical(ch
         assert resumed["full_iteration_replays"] > 0
 
 
-# dev's pipeline layout, two stages of two layers (the MTP layer and the loss on the last),
-# two microbatches in flight: the first stage holds two persistent sets, the last one
-DSV4_PP2 = ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout",
-            "Ett|ttmL", "--global-batch-size", "2"]
-
-
 @pytest.mark.parametrize("checkout", ["dev"], indirect=True)
-def test_deepseek_v4_at_pipeline_parallel_2_trains_bit_for_bit_as_megatron_alone(
-        checkout, tmp_path):
-    """DeepSeek-V4's GPT path on two pipeline ranks (one process each, over gloo), 1F1B with two
-    microbatches: every rank's losses and gradient norms are Megatron alone's bit for bit; each
-    rank's static buffers hold the persistent sets its schedule keeps in flight; what a layer
-    holds from its forward to its backward is below Megatron alone's on every rank."""
-    _, root, _ = checkout
-    script = patched_script(root, "pretrain_gpt").name
-    base = dsv4_flags("gpt", "partial") + DSV4_PP2
-    ours = run_entry_ranks(root, script, base, tmp_path / "ours", 2)
-    reference = run_entry_ranks(root, "pretrain_gpt.py", alone(base), tmp_path / "alone", 2)
-    last = reference[1]["losses"]  # the loss is the last stage's
-    assert len(last) == ITERATIONS and all("lm loss" in losses for losses in last)
-    for rank, (mine, theirs) in enumerate(zip(ours, reference)):
-        assert mine["losses"] == theirs["losses"] and mine["grad_norms"] == theirs["grad_norms"]
-        assert mine["static"]["layers"] == 2 and mine["static"]["slot_sets"] == 2 - rank
-        assert max(mine["saved_bytes_per_layer"]) < min(theirs["saved_bytes_per_layer"])
+def test_mhc_cg_megatron_runs_deepseek_v4_at_pipeline_parallel_2_from_megatrons_entry(checkout):
+    """``mhc-cg megatron --config configs/megatron_dev_dsv4_pp2.yaml --compare --json``: dev's
+    own ``pretrain_gpt.py`` on two pipeline ranks (one process each, 1F1B over two
+    microbatches) as Megatron alone, with dev's own eager mHC recompute, and with mhc_cg's lines:
+    mhc_cg's losses and gradient norms are Megatron alone's bit for bit on every rank; each
+    rank's static buffers hold the persistent sets its schedule keeps in flight (2, then 1); what
+    a layer holds from its forward to its backward is below Megatron alone's on every rank."""
+    done = subprocess.run([sys.executable, "-m", "mhc_cg", "megatron", "--config",
+                           str(REPO / "configs" / "megatron_dev_dsv4_pp2.yaml"), "--compare",
+                           "--json", "--no-progress"], cwd=REPO, capture_output=True, text=True,
+                          timeout=1500)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    result = json.loads(done.stdout)
+    assert result["bit_identical"] is True and not result["mismatches"]
+    runs = result["runs"]
+    assert set(runs) == {"dev_eager_none", "dev_eager_mhc", "mhc_cg"}
+    assert len(runs["mhc_cg"]["losses"]) == ITERATIONS
+    ours, alone_ranks = runs["mhc_cg"]["ranks"], runs["dev_eager_none"]["ranks"]
+    assert [rank["persistent_slot_sets"] for rank in ours] == [2, 1]
+    assert [rank["layers"] for rank in ours] == [2, 2]
+    for mine, theirs in zip(ours, alone_ranks):
+        assert 0 < mine["saved_bytes_per_layer"] < theirs["saved_bytes_per_layer"]
+        assert theirs["persistent_slot_sets"] == 0 and theirs["arena_bytes"] == 0
     assert ours[0]["recompute_graph_replays"] >= ITERATIONS - WARMUP
 
 

@@ -18,6 +18,8 @@ that refusal. Its forward, capture, replay and checkpoint keys are dev's.
 
 from __future__ import annotations
 
+import functools
+
 from megatron_integration.layers.dev_layer import DevFusedSublayer, DevLayerSteps, DevSublayerSteps
 
 
@@ -27,17 +29,10 @@ def _hybrid_block():
     return hybrid_block
 
 
+@functools.cache
 def mhc_hybrid_layer() -> type:
     """``MHCHybridLayer``: dev's ``HyperConnectionHybridLayer`` without its refusal of mHC
-    recompute under CUDA graphs (see the module docstring); made once, from the class the
-    module defines."""
-    return _MHC_HYBRID.setdefault("class", _make_mhc_hybrid_layer())
-
-
-_MHC_HYBRID: dict[str, type] = {}
-
-
-def _make_mhc_hybrid_layer() -> type:
+    recompute under CUDA graphs (see the module docstring); one class per process."""
     from megatron.core.transformer.hyper_connection import HyperConnectionModule
     from megatron.core.transformer.module import (GraphableMegatronModule,
                                                   convert_module_to_dtype_except_fp32_marked)

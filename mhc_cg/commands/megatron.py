@@ -18,7 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True,
                         help="YAML run config (e.g. configs/megatron_main_mhc.yaml, "
                              "configs/megatron_dev_tp2_pp2.yaml, configs/megatron_dev_moe_partial.yaml, "
-                             "configs/megatron_dev_full_iteration.yaml)")
+                             "configs/megatron_dev_full_iteration.yaml; with megatron.entry, "
+                             "Megatron's own script: configs/megatron_dev_dsv4.yaml, "
+                             "configs/megatron_dev_dsv4_pp2.yaml)")
     parser.add_argument("--compare", action="store_true",
                         help="also run the branch's own runs (BRANCH_eager_none, BRANCH_eager_mhc, "
                              "BRANCH_graphed_mhc; core: core_eager_none, core_eager_block; "
@@ -68,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"mhc-cg megatron: error: --steps {args.steps}: time at least 1 step",
               file=sys.stderr)
         return 2
+    if cfg.megatron.entry is not None:
+        return run_entry(cfg, args)
     shape = load_config(args.shape) if args.shape else None
     if args.layer_cost:
         cost = megatron_compare.layer_cost(cfg, shape)
@@ -87,6 +91,28 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(megatron_compare.to_json(result), indent=1))
     else:
         print(megatron_compare.format_table(cfg, result))
+    for line in result["mismatches"]:
+        print(f"mhc-cg megatron: mismatch: {line}", file=sys.stderr)
+    return 1 if result["bit_identical"] is False else 0
+
+
+def run_entry(cfg, args: argparse.Namespace) -> int:
+    """A config with ``megatron.entry``: Megatron-LM's own script, one process per rank
+    (:mod:`mhc_cg.lab.megatron_harness.entry_runs`)."""
+    from mhc_cg.lab.megatron_harness import entry_runs
+
+    if args.layer_cost or args.layer_time or args.shape:
+        print("mhc-cg megatron: error: --layer-cost, --layer-time and --shape measure mhc_cg's "
+              "harness model, not a megatron.entry run; drop them or megatron.entry",
+              file=sys.stderr)
+        return 2
+    try:
+        result = entry_runs.run(cfg, args.compare, progress=not args.no_progress)
+    except RuntimeError as exc:  # a rank failed: its own output says why
+        print(f"mhc-cg megatron: error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(entry_runs.to_json(result), indent=1) if args.json
+          else entry_runs.format_table(result))
     for line in result["mismatches"]:
         print(f"mhc-cg megatron: mismatch: {line}", file=sys.stderr)
     return 1 if result["bit_identical"] is False else 0

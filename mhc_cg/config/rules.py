@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 from mhc_cg.config.choices import (DEVICES, DROPOUT_IMPLS, GRAPH_BACKENDS, MIN_VOCAB_SIZE,
                                    MODEL_RECOMPUTE, MOE_SCOPES, RECOMPUTE_SCOPE, RESIDUALS,
@@ -454,6 +455,46 @@ FULL_ITERATION = "full_iteration"
 MEGATRON_GRAPH_IMPLS = ("transformer_engine", FULL_ITERATION)
 # processes one run starts on one machine (one per rank)
 MEGATRON_MAX_RANKS = 8
+
+
+# Megatron-LM's own training scripts mhc-cg megatron runs (megatron.entry), from the branch's
+# entry snapshot; the hybrid stack is dev's
+MEGATRON_ENTRIES = ("pretrain_gpt", "pretrain_hybrid")
+EXAMPLE_FLAGS = Path(__file__).resolve().parents[2] / "examples" / "megatron"
+
+
+def entry_field_problems(entry, flags) -> list[str]:
+    """``megatron.entry`` and ``megatron.flags``: a script of ``MEGATRON_ENTRIES`` and the names
+    of ``examples/megatron/flags.NAME`` files, given together."""
+    if entry is None:
+        return ["megatron.flags: given without megatron.entry; set megatron.entry: pretrain_gpt "
+                "(or pretrain_hybrid), or drop megatron.flags"] if flags else []
+    problems = choice_problems(("megatron.entry", entry, MEGATRON_ENTRIES))
+    if not flags:
+        problems.append(f"megatron.flags: empty; name the files of {EXAMPLE_FLAGS} the run "
+                        f"takes, e.g. [tiny, cpu, dsv4, dsv4_mhc_cg]")
+    missing = [name for name in flags if not (EXAMPLE_FLAGS / f"flags.{name}").is_file()]
+    if missing:
+        known = sorted(p.name[len("flags."):] for p in EXAMPLE_FLAGS.glob("flags.*"))
+        problems.append(f"megatron.flags: {missing} not found as {EXAMPLE_FLAGS}/flags.NAME; "
+                        f"known: {known}")
+    return problems
+
+
+def entry_problems(cfg) -> list[str]:
+    """What a run of Megatron-LM's own entry (``megatron.entry``) needs beyond its fields."""
+    m = cfg.megatron
+    problems = []
+    if m.entry == "pretrain_hybrid" and m.branch != "dev":
+        problems.append(f"megatron.entry: pretrain_hybrid is Megatron-LM dev's hybrid stack; set "
+                        f"megatron.branch: dev (got {m.branch!r})")
+    if m.branch == "core":
+        problems.append("megatron.entry: the core branch has no training entry here; set "
+                        "megatron.branch: dev or main")
+    if m.use_fused_mhc:
+        problems.append("megatron.use_fused_mhc: with megatron.entry the flags say it "
+                        "(--use-fused-mhc); drop megatron.use_fused_mhc")
+    return problems
 
 
 def megatron_problems(cfg) -> list[str]:

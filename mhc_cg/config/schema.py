@@ -177,11 +177,17 @@ class MegatronConfig:
     # the layers' mHC on mhc_cg's fused kernels, in the branch's arithmetic (dev's field
     # use_fused_mhc / --use-fused-mhc; main's layers take it too): false, Megatron's own ops
     use_fused_mhc: bool = False
+    # Megatron-LM's own training script ("pretrain_gpt" | "pretrain_hybrid", from the branch's
+    # entry snapshot) with the flags of examples/megatron/flags.NAME for each of ``flags``: the
+    # model is what Megatron's builders make of them (the model and train sections are not read)
+    entry: str | None = None
+    flags: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         _raise_problems(rules.choice_problems(
             ("megatron.branch", self.branch, rules.MEGATRON_BRANCHES),
-            ("megatron.cuda_graph_impl", self.cuda_graph_impl, rules.MEGATRON_GRAPH_IMPLS)))
+            ("megatron.cuda_graph_impl", self.cuda_graph_impl, rules.MEGATRON_GRAPH_IMPLS))
+            + rules.entry_field_problems(self.entry, self.flags))
 
 
 @dataclass
