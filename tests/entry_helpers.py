@@ -1,0 +1,83 @@
+"""What the tests of Megatron-LM's own training entry share: a checkout of a branch's snapshots,
+the example's flags and lines, and a run of the CPU entry with its record."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from mhc_cg.lab.megatron_harness.child_process import (extract_snapshot, snapshot_archive,
+                                                   third_party_dirs)
+from mhc_cg.lab.megatron_harness.entry_runs import alone as entry_alone, flag_words
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "megatron"
+ITERATIONS, WARMUP = 4, 2
+
+
+def flags(name: str) -> list[str]:
+    """The flags of ``examples/megatron/flags.NAME``, comments left out."""
+    return flag_words([name])
+
+
+def alone(branch_flags: list[str]) -> list[str]:
+    """The same flags for Megatron alone: mHC on, the branch's own layer without mhc_cg's hook,
+    no recompute, no graphs."""
+    return ["mhc" if word == "mhc_graphed" else word for word in entry_alone(branch_flags)]
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and "__pycache__" not in p.parts
+            and p.suffix != ".so"}
+
+
+def megatron_checkout(branch: str, tmp_path_factory) -> tuple[str, Path, dict[str, str]]:
+    """A Megatron-LM checkout of the branch (core plus entry snapshots), its files' hashes."""
+    core = snapshot_archive(branch)
+    entry = next((Path(found) for d in third_party_dirs()
+                  for found in sorted(glob.glob(str(d / f"megatron-lm-entry-{branch}-*.tar.gz")))),
+                 None)
+    assert core is not None and entry is not None, f"Megatron-LM {branch}'s snapshots not found"
+    root = extract_snapshot(core, tmp_path_factory.mktemp(f"megatron_{branch}"))
+    extract_snapshot_entry(entry, root)
+    return branch, root, tree_hashes(root)
+
+
+def extract_snapshot_entry(archive: Path, root: Path) -> None:
+    import tarfile
+
+    with tarfile.open(archive) as tar:
+        tar.extractall(root, filter="data")
+
+
+def run_entry(root: Path, script: str, args: list[str], record: Path) -> dict:
+    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           # megatron compiles its dataset helpers with the python3 on the PATH (pybind11)
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+           "MHC_CG_ENTRY_RECORD": str(record)}
+    done = subprocess.run([sys.executable, "-m", "mhc_cg.lab.megatron_harness.entry_on_cpu", script,
+                           *args], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return json.loads(record.read_text())
+
+
+def with_warmup(args: list[str], steps: int) -> list[str]:
+    at = args.index("--cuda-graph-warmup-steps") + 1
+    return [*args[:at], str(steps), *args[at + 1:]]
+
+
+def patched_script(root: Path, script: str) -> Path:
+    """Megatron's ``script``.py with the example's lines (``examples/megatron/SCRIPT.dev.diff``)."""
+    out = root / f"{script}_mhc.py"
+    patched = subprocess.run(["patch", "-o", str(out), str(root / f"{script}.py")],
+                             stdin=(EXAMPLE / f"{script}.dev.diff").open(),
+                             capture_output=True, text=True)
+    assert patched.returncode == 0, patched.stdout + patched.stderr
+    return out
