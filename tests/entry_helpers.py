@@ -6,14 +6,12 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 from mhc_cg.lab.megatron_harness.child_process import (extract_snapshot, snapshot_archive,
                                                    third_party_dirs)
-from mhc_cg.lab.megatron_harness.entry_runs import alone as entry_alone, flag_words
+from mhc_cg.lab.megatron_harness.entry_runs import alone as entry_alone, flag_words, run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "megatron"
@@ -57,15 +55,10 @@ def extract_snapshot_entry(archive: Path, root: Path) -> None:
 
 
 def run_entry(root: Path, script: str, args: list[str], record: Path) -> dict:
-    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           # megatron compiles its dataset helpers with the python3 on the PATH (pybind11)
-           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
-           "MHC_CG_ENTRY_RECORD": str(record)}
-    done = subprocess.run([sys.executable, "-m", "mhc_cg.lab.megatron_harness.entry_on_cpu", script,
-                           *args], cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    return json.loads(record.read_text())
+    """``script`` with ``args`` on the CPU entry, one process (its record, also at ``record``)."""
+    ranks = run_ranks(root, script, args, record.with_suffix(""))
+    record.write_text(json.dumps(ranks[0]))
+    return ranks[0]
 
 
 def with_warmup(args: list[str], steps: int) -> list[str]:

@@ -131,3 +131,29 @@ def test_mhc_cg_megatron_runs_deepseek_v4_at_pipeline_parallel_2_from_megatrons_
         assert 0 < mine["saved_bytes_per_layer"] < theirs["saved_bytes_per_layer"]
         assert theirs["persistent_slot_sets"] == 0 and theirs["arena_bytes"] == 0
     assert ours[0]["recompute_graph_replays"] >= ITERATIONS - WARMUP
+
+
+@pytest.mark.parametrize("megatron, field, fix", [
+    ({"branch": "dev", "flags": ["dsv4"]}, "megatron.flags", "set megatron.entry: pretrain_gpt"),
+    ({"branch": "dev", "entry": "pretrain_gpt", "flags": ["dsv4", "dsv5"]}, "megatron.flags",
+     "['dsv5'] not found"),
+    ({"branch": "dev", "entry": "pretrain_bert", "flags": ["dsv4"]}, "megatron.entry",
+     "must be one of ['pretrain_gpt', 'pretrain_hybrid']"),
+    ({"branch": "main", "entry": "pretrain_hybrid", "flags": ["dsv4_hybrid"]}, "megatron.entry",
+     "set megatron.branch: dev"),
+])
+def test_a_bad_entry_config_is_one_line_naming_the_fix(tmp_path, capsys, megatron, field, fix):
+    """A config of Megatron's own entry that cannot run: exit 2, one line naming the field and the
+    fix, before any process starts."""
+    import yaml
+
+    from mhc_cg.cli import main
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"megatron": megatron}))
+    assert main(["megatron", "--config", str(path), "--compare"]) == 2
+    stderr = capsys.readouterr().err
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines()
+             if line.startswith(f"mhc-cg megatron: error: {field}:")]
+    assert len(lines) == 1 and fix in lines[0], stderr
