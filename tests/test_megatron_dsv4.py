@@ -2,7 +2,8 @@
 flags of ``examples/megatron/``, on the CPU stand-in of TE's modules: the GPT path
 (``pretrain_gpt.py``) and the hybrid stack (``pretrain_hybrid.py``), under layer graphs and under
 full-iteration capture, bit for bit Megatron alone; resumed from an iteration-2 checkpoint bit
-for bit; at pipeline parallel 2 through ``mhc-cg megatron``."""
+for bit, with another recompute block size too, and a corrupt checkpoint refused by Megatron; at
+pipeline parallel 2 through ``mhc-cg megatron``."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ DSV4_PATHS = {"gpt": ("pretrain_gpt", "dsv4"), "hybrid": ("pretrain_hybrid", "ds
 DSV4_CAPTURES = {"partial": "dsv4_mhc_cg", "full_iteration": "dsv4_full_iteration"}
 DSV4_RESUMED = [("gpt", "partial"), ("gpt", "full_iteration"), ("hybrid", "partial")]
 DSV4_RUNS = [(path, capture) for path in DSV4_PATHS for capture in DSV4_CAPTURES]
+FAULTS = ("gpt", "partial")  # the run whose checkpoint also meets the faults of a load
 
 
 def dsv4_flags(path: str, capture: str) -> list[str]:
@@ -59,10 +61,31 @@ def dsv4_runs(checkout, tmp_path_factory):
             "ours": run_entry(root, scripts[script], base + saving, out / "ours.json")}
         if saving:
             (saved / "latest_checkpointed_iteration.txt").write_text("2")
+            load = ["--load", str(saved), *ckpt]
             runs[path, capture]["resumed"] = run_entry(
-                root, scripts[script], with_warmup(base, 1) + ["--load", str(saved), *ckpt],
-                out / "resumed.json")
+                root, scripts[script], with_warmup(base, 1) + load, out / "resumed.json")
+        if (path, capture) == FAULTS:
+            runs[path, capture].update(faults(root, scripts[script], with_warmup(base, 1),
+                                              saved, load, out))
     return runs
+
+
+def faults(root, script: str, base: list[str], saved, load: list[str], out) -> dict:
+    """What a load meets beside a plain resume: the checkpoint's keys; another recompute block
+    size (one block of all 4 layers); a shard truncated to half (last: it spoils the folder)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from mhc_cg.lab.megatron_harness.entry_runs import run_ranks
+
+    keys = list(FileSystemReader(str(saved / "iter_0000002")).read_metadata().state_dict_metadata)
+    at = base.index("--mhc-recompute-layer-num") + 1
+    regrouped = run_entry(root, script, [*base[:at], "4", *base[at + 1:], *load],
+                          out / "regrouped.json")
+    shard = next((saved / "iter_0000002").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(RuntimeError) as broken:
+        run_ranks(root, script, base + load, out / "broken", timeout=300)
+    return {"keys": keys, "regrouped": regrouped, "broken": str(broken.value)}
 
 
 @pytest.mark.parametrize("path,capture", DSV4_RUNS)
@@ -105,6 +128,21 @@ def test_deepseek_v4_resumed_from_its_iteration_2_checkpoint_is_bit_identical(ch
         assert resumed["recompute_graph_replays"] > 0
     else:
         assert resumed["full_iteration_replays"] > 0
+
+
+def test_a_deepseek_v4_load_with_another_block_size_or_a_corrupt_shard(dsv4_runs):
+    """The checkpoint holds Megatron's own mHC parameters and none of mhc_cg's static buffers;
+    a load with another recompute block size trains bit for bit the uninterrupted run (the
+    recompute is exact, the state the checkpoint's); a shard truncated to half stops the load
+    with Megatron's own error, promptly, before any iteration."""
+    runs = dsv4_runs[FAULTS]
+    assert any("hyper_connection" in key for key in runs["keys"])
+    assert not [key for key in runs["keys"] if any(w in key for w in ("mhc_static", "arena", "slot"))]
+    regrouped, whole = runs["regrouped"], runs["ours"]
+    assert regrouped["losses"] == whole["losses"][2:]
+    assert regrouped["grad_norms"] == whole["grad_norms"][2:]
+    assert regrouped["recompute_graphs"] == 1 and regrouped["static"]["block_size"] == 4
+    assert "failed" in runs["broken"] and "iteration        3/" not in runs["broken"]
 
 
 def test_mhc_cg_megatron_runs_deepseek_v4_at_pipeline_parallel_2_from_megatrons_entry(checkout):
