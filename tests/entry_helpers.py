@@ -3,15 +3,12 @@ the example's flags and lines, and a run of the CPU entry with its record."""
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
-import subprocess
 from pathlib import Path
 
-from mhc_cg.lab.megatron_harness.child_process import (extract_snapshot, snapshot_archive,
-                                                   third_party_dirs)
-from mhc_cg.lab.megatron_harness.entry_runs import alone as entry_alone, flag_words, run_ranks
+from mhc_cg.lab.megatron_harness.entry_runs import (alone as entry_alone, entry_checkout,
+                                                    flag_words, run_ranks)
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "megatron"
@@ -36,22 +33,10 @@ def tree_hashes(root: Path) -> dict[str, str]:
 
 
 def megatron_checkout(branch: str, tmp_path_factory) -> tuple[str, Path, dict[str, str]]:
-    """A Megatron-LM checkout of the branch (core plus entry snapshots), its files' hashes."""
-    core = snapshot_archive(branch)
-    entry = next((Path(found) for d in third_party_dirs()
-                  for found in sorted(glob.glob(str(d / f"megatron-lm-entry-{branch}-*.tar.gz")))),
-                 None)
-    assert core is not None and entry is not None, f"Megatron-LM {branch}'s snapshots not found"
-    root = extract_snapshot(core, tmp_path_factory.mktemp(f"megatron_{branch}"))
-    extract_snapshot_entry(entry, root)
+    """A Megatron-LM checkout of the branch (core plus entry snapshots, the user's scripts
+    ``SCRIPT_mhc.py`` beside Megatron's: :func:`entry_checkout`), its files' hashes."""
+    root = entry_checkout(branch, tmp_path_factory.mktemp(f"megatron_{branch}"))
     return branch, root, tree_hashes(root)
-
-
-def extract_snapshot_entry(archive: Path, root: Path) -> None:
-    import tarfile
-
-    with tarfile.open(archive) as tar:
-        tar.extractall(root, filter="data")
 
 
 def run_entry(root: Path, script: str, args: list[str], record: Path) -> dict:
@@ -67,10 +52,7 @@ def with_warmup(args: list[str], steps: int) -> list[str]:
 
 
 def patched_script(root: Path, script: str) -> Path:
-    """Megatron's ``script``.py with the example's lines (``examples/megatron/SCRIPT.dev.diff``)."""
+    """Megatron's ``script``.py with the example's lines, as :func:`entry_checkout` wrote it."""
     out = root / f"{script}_mhc.py"
-    patched = subprocess.run(["patch", "-o", str(out), str(root / f"{script}.py")],
-                             stdin=(EXAMPLE / f"{script}.dev.diff").open(),
-                             capture_output=True, text=True)
-    assert patched.returncode == 0, patched.stdout + patched.stderr
+    assert out.is_file(), f"{out.name}: no examples/megatron/{script}.BRANCH.diff for this branch"
     return out

@@ -11,12 +11,11 @@ checkpoint (with another block size, and from a corrupt one): ``tests/test_megat
 
 from __future__ import annotations
 
-import subprocess
 
 import pytest
 
-from entry_helpers import (EXAMPLE, ITERATIONS, REPO, WARMUP, alone, flags, megatron_checkout,
-                           run_entry, tree_hashes)
+from entry_helpers import (ITERATIONS, REPO, WARMUP, alone, flags, megatron_checkout,
+                           patched_script, run_entry, tree_hashes)
 
 
 @pytest.fixture(scope="module", params=["main", "dev"])
@@ -28,13 +27,7 @@ def checkout(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def user_script(checkout):
     """The user's script: Megatron's ``pretrain_gpt.py`` with the example's lines."""
-    branch, root, _ = checkout
-    script = root / "pretrain_gpt_mhc.py"
-    patched = subprocess.run(["patch", "-o", str(script), str(root / "pretrain_gpt.py")],
-                             stdin=(EXAMPLE / f"pretrain_gpt.{branch}.diff").open(),
-                             capture_output=True, text=True)
-    assert patched.returncode == 0, patched.stdout + patched.stderr
-    return script
+    return patched_script(checkout[1], "pretrain_gpt")
 
 
 @pytest.fixture(scope="module")

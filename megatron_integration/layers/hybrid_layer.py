@@ -88,10 +88,6 @@ class HybridSublayerSteps(DevSublayerSteps):
     casts_mlp_input = False
 
 
-class HybridFusedSublayer(DevFusedSublayer):
-    """The one sublayer of a hybrid stack's mHC layer on mhc_cg's fused kernels."""
-
-
 class HybridLayerSteps(DevLayerSteps):
     """A hybrid stack's mHC layer as its one sublayer's steps: ``layer`` is the inner
     ``TransformerLayer`` (F's, and what the MoE graph head and tail read), ``wrapper`` the
@@ -119,7 +115,7 @@ class HybridLayerSteps(DevLayerSteps):
 class HybridFusedLayerSteps(HybridLayerSteps):
     """A hybrid stack's mHC layer on mhc_cg's fused kernels (dev's ``use_fused_mhc``)."""
 
-    sublayer_type = HybridFusedSublayer
+    sublayer_type = DevFusedSublayer  # dev's fused sublayer: the same hyper-connection module
 
 
 def hybrid_layer_steps(fused_mhc: bool) -> type[HybridLayerSteps]:
