@@ -16,6 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from mhc_cg.config import MHCGPTConfig
+from mhc_cg.model import delayed_pre
+from mhc_cg.model.delayed_pre import DelayedPreSublayer, DelayedStreams
 from mhc_cg.model.layers import MLP, CausalSelfAttention, RMSNorm
 from mhc_cg.model.moe import MoEMLP
 from mhc_cg.model.sublayer import MHCSublayer, PlainSublayer, run_chain
@@ -46,7 +48,8 @@ class MHCTransformerLayer(nn.Module):
                  eager_recompute: Callable | None = None):
         super().__init__()
         self.layer_number = layer_number
-        sublayer = PlainSublayer if cfg.residual == "plain" else MHCSublayer
+        sublayer = (PlainSublayer if cfg.residual == "plain" else
+                    DelayedPreSublayer if cfg.arithmetic == "v41" else MHCSublayer)
         # the dropout stream: the sublayer's number in the model, unique within a microbatch
         self.attention = sublayer(cfg, CausalSelfAttention(cfg), 2 * layer_number)
         mlp = MoEMLP(cfg) if cfg.is_moe else MLP(
@@ -93,11 +96,16 @@ class MHCGPT(nn.Module):
         """One int64 seed per microbatch, drawn from torch's generator (the only stateful draw)."""
         return torch.randint(0, 2 ** 31 - 1, (), dtype=torch.int64).to(device or "cpu")
 
+    @property
+    def delayed_pre(self) -> bool:
+        """The layers hand on :class:`~mhc_cg.model.delayed_pre.DelayedStreams` (``v41``)."""
+        return self.cfg.residual != "plain" and self.cfg.arithmetic == "v41"
+
     def embed(self, input_ids: Tensor, out: Tensor | None = None,
-              grad_into: Tensor | None = None) -> Tensor:
+              grad_into: Tensor | None = None) -> Tensor | DelayedStreams:
         """``[b, s] -> [s, b, n*C]``, written into ``out`` when given; the backward writes the
         embeddings' ``[s, b, C]`` gradient into ``grad_into`` when given (see
-        :func:`expand_streams`)."""
+        :func:`expand_streams`). With the delayed pre, the streams and the entry's pre-mix."""
         if input_ids.dim() != 2:
             raise ValueError(f"MHCGPT: expected input_ids of shape [b, s], got {tuple(input_ids.shape)}")
         b, s = input_ids.shape
@@ -107,17 +115,21 @@ class MHCGPT(nn.Module):
         h = (self.embedding(input_ids) + self.position(pos)).transpose(0, 1)
         if self.cfg.residual == "plain":  # one stream, nothing to expand
             return h
-        return expand_streams(h, self.cfg.num_streams, out, grad_into)
+        streams = expand_streams(h, self.cfg.num_streams, out, grad_into)
+        return delayed_pre.entry(streams, self.cfg.num_streams) if self.delayed_pre else streams
 
-    def run_layers(self, x: Tensor, seed: Tensor | None) -> Tensor:
+    def run_layers(self, x: Tensor | DelayedStreams, seed: Tensor | None) -> Tensor:
         """Every sublayer in stream order, each post handing the next pre its state."""
         return run_chain(self.sublayers(), x, seed)
 
-    def logits(self, x: Tensor, grad_into: Tensor | None = None,
+    def logits(self, x: Tensor | DelayedStreams, grad_into: Tensor | None = None,
                out: Tensor | None = None) -> Tensor:
         """``[s, b, n*C] -> [b, s, vocab]``; the backward writes x's gradient into ``grad_into``
-        when given; the head writes the logits (``[s, b, vocab]``) into ``out`` when given."""
-        if self.cfg.residual != "plain":
+        when given; the head writes the logits (``[s, b, vocab]``) into ``out`` when given. With
+        the delayed pre the last site's pre-mix folds the streams (``grad_into`` is not taken)."""
+        if self.delayed_pre:
+            x = delayed_pre.fold(x, self.cfg.num_streams)
+        elif self.cfg.residual != "plain":
             x = contract_streams(x, self.cfg.num_streams, grad_into)
         h = self.final_norm(x)
         return self.head(h, out).transpose(0, 1)

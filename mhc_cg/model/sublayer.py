@@ -105,8 +105,11 @@ class MHCSublayer(FusedSteps, nn.Module):
     def __init__(self, cfg: MHCGPTConfig, fn: nn.Module, dropout_stream: int):
         super().__init__()
         self.cfg = cfg
+        # dev's arithmetic applies H_res as its transpose (mhc_cg.ops.hyper_connection)
         self.hc = HyperConnection(cfg.hidden_size, cfg.num_streams, cfg.sinkhorn_iterations,
-                                  cfg.init_gating_factor, kernels=cfg.kernels)
+                                  cfg.init_gating_factor, kernels=cfg.kernels,
+                                  h_res_transposed=cfg.arithmetic == "dev",
+                                  arithmetic=cfg.arithmetic)
         self.norm = RMSNorm(cfg.hidden_size, kernels=cfg.kernels)
         self.fn = fn
         self.dropout_stream = dropout_stream  # unique per (layer, sublayer) within a microbatch

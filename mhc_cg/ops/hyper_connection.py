@@ -11,7 +11,9 @@ Layout and conventions (kept identical to Megatron-LM ``main`` so weights intero
   ``dev``): the same parameters and the same ``h_res``, applied as its transpose.
 * ``arithmetic``: ``main``, the paper's as Megatron-LM main computes it; ``dev``, DeepSeek-V4's
   as Megatron-LM dev does (``h_pre = sigmoid + 1e-6``, dev's Sinkhorn: Note [dev's Sinkhorn] in
-  :mod:`mhc_cg.ops.kernels.reference`).
+  :mod:`mhc_cg.ops.kernels.reference`); ``v41``, DeepSeek-V4.1's mappings (dev's, the mixes
+  scaled by ``rsqrt(mean(x^2) + eps)``), which a sublayer applies with the delayed pre
+  (:mod:`mhc_cg.model.delayed_pre`): stepwise, on torch's ops.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from mhc_cg.ops.kernels import reference
 from mhc_cg.ops.kernels.reference import RMS_EPS, SINKHORN_EPS
 from mhc_cg.core.regions import region
 
+# the fused ops' arithmetics, and DeepSeek-V4.1's, which runs stepwise
+ARITHMETICS = (*reference.ARITHMETICS, "v41")
 
 
 def _check_streams(name: str, x: Tensor, num_streams: int, hidden_size: int | None = None) -> int:
@@ -194,17 +198,21 @@ class HyperConnectionOps:
         _check_streams("compute_mappings", x, self.num_streams, self.hidden_size)
         n = self.num_streams
         with region("mhc"):
-            rms = x.norm(dim=-1, keepdim=True) / math.sqrt(x.shape[-1])
-            h = self.mapping_proj(x) * self._gating_scale() / (rms + RMS_EPS) + self.bias
+            mixes = self.mapping_proj(x) * self._gating_scale()
+            if self.arithmetic == "v41":  # DeepSeek-V4.1's scale of the mixes
+                h = mixes * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + RMS_EPS) + self.bias
+            else:
+                rms = x.norm(dim=-1, keepdim=True) / math.sqrt(x.shape[-1])
+                h = mixes / (rms + RMS_EPS) + self.bias
             h_pre = torch.sigmoid(h[..., :n])
-            if self.arithmetic == "dev":
+            if self.arithmetic != "main":
                 h_pre = h_pre + reference.H_PRE_EPS
             return (h_pre, 2.0 * torch.sigmoid(h[..., n:2 * n]),
                     self._sinkhorn(h[..., 2 * n:].unflatten(-1, (n, n))))
 
     def _sinkhorn(self, logits: Tensor) -> Tensor:
         """H_res from its logits, differentiable: main's Sinkhorn or dev's."""
-        if self.arithmetic == "dev":
+        if self.arithmetic != "main":
             return reference.sinkhorn_dev(logits, self.sinkhorn_iterations)
         return sinkhorn_knopp(logits, self.sinkhorn_iterations)
 
@@ -253,6 +261,7 @@ class HyperConnectionOps:
         ``handoff``: both as that post handed them on (:meth:`post_feeding`), taken where it is
         for ``x`` and this pre. ``grad_owned``: see :func:`mhc_cg.ops.kernels.pre`."""
         _check_streams("pre", x, self.num_streams, self.hidden_size)
+        self._check_fused()
         if state is None and handoff is not None:
             state, link = handoff.for_pre(x, self.mapping_proj.weight, self.alpha_pre, self.bias,
                                           norm_weight is not None, eps, self.arithmetic)
@@ -286,8 +295,15 @@ class HyperConnectionOps:
         return self._post(x_on, state, y, seed, p, stream, dropout_impl, out, next_pre, state_out,
                           grad_owned)
 
+    def _check_fused(self) -> None:
+        if self.arithmetic not in reference.ARITHMETICS:
+            raise ValueError(f"HyperConnection: the fused ops take arithmetic "
+                             f"{' or '.join(reference.ARITHMETICS)}; {self.arithmetic} runs "
+                             f"stepwise (mhc_cg.model.delayed_pre)")
+
     def _post(self, x_on, state, y, seed, p, stream, dropout_impl, out, next_pre, state_out,
               grad_owned) -> tuple[Tensor, fused.Handoff | None]:
+        self._check_fused()
         if p > 0 and dropout_impl == "torch":
             h, _, _, _ = reference.logits_of(state.flatten(0, -2), self.alpha_pre, self.alpha_post,
                                              self.alpha_res, self.bias, self.num_streams,
@@ -358,8 +374,8 @@ class KernelsOver(HyperConnectionOps):
 
 
 def _check_arithmetic(arithmetic: str) -> None:
-    if arithmetic not in reference.ARITHMETICS:
-        raise ValueError(f"HyperConnection: arithmetic must be one of {list(reference.ARITHMETICS)}, "
+    if arithmetic not in ARITHMETICS:
+        raise ValueError(f"HyperConnection: arithmetic must be one of {list(ARITHMETICS)}, "
                          f"got {arithmetic!r}")
 
 

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from mhc_cg.core.regions import region
+from mhc_cg.model.delayed_pre import DelayedStreams
 from mhc_cg.model.layers import MLP
 from mhc_cg.recompute.checkpoint import CheckpointWithoutOutput, RNGState
 from mhc_cg.recompute.gradient_order import order_gradient_sums
@@ -200,6 +201,9 @@ def checkpoint_sublayer(steps, x: Tensor, seed: Tensor | None, manager: BlockRec
     if steps.fused:
         return _fused_checkpoints(steps, x, seed, manager, name, x_source, block_end,
                                   seam or Relay(), nxt)
+    if getattr(steps, "delayed_pre", False):
+        return (*_delayed_pre_checkpoints(steps, x, seed, manager, name, x_source, block_end),
+                Relay())
     return (*_stepwise_checkpoints(steps, x, seed, manager, name, x_source, block_end), Relay())
 
 
@@ -245,6 +249,35 @@ def _stepwise_checkpoints(steps, x, seed, manager, name, x_source, block_end):
     return out, f"{name}/post_bda"
 
 
+def _delayed_pre_checkpoints(steps, x: DelayedStreams, seed, manager, name, x_source,
+                             block_end):
+    """The stepwise checkpoints of a delayed-pre sublayer (:mod:`mhc_cg.model.delayed_pre`):
+    ``x_source`` names the checkpoints that made the streams and the pre-mix (``None``: both are
+    the block's inputs, saved), and the same pair is returned for the output."""
+    def step(suffix: str) -> CheckpointWithoutOutput:
+        return CheckpointWithoutOutput(manager, name=f"{name}/{suffix}")
+
+    streams_source, pre_mix_source = x_source or (None, None)
+    x_refill = {} if streams_source is None else {0: streams_source}
+    h_pre, h_post, h_res = step("mappings").checkpoint(
+        steps.mappings, x.streams, refill=x_refill, output_keys=("h_pre", "h_post", "h_res"))
+    agg = step("aggregate").checkpoint(
+        steps.aggregate, x.streams, x.pre_mix,
+        refill={**x_refill, **({} if pre_mix_source is None else {1: pre_mix_source})})
+    normed = step("norm").checkpoint(steps.norm, agg, refill={0: f"{name}/aggregate"})
+    y = steps.fn(normed)
+    mixed = step("h_res").checkpoint(
+        steps.h_res_step, h_res, x.streams, refill={0: f"{name}/mappings.h_res", **(
+            {} if streams_source is None else {1: streams_source})})
+    if block_end:
+        # the pre-mix crosses into the next block, which keeps it: a copy (n per token), since
+        # the block's checkpoint outputs are freed
+        return DelayedStreams(steps.post_bda(y, h_post, mixed, seed), h_pre.clone()), None
+    out = step("post_bda").checkpoint(steps.post_bda, y, h_post, mixed, seed,
+                                      refill={1: f"{name}/mappings.h_post", 2: f"{name}/h_res"})
+    return DelayedStreams(out, h_pre), (f"{name}/post_bda", f"{name}/mappings.h_pre")
+
+
 def run_recompute_blocks(layers, x: Tensor, seed: Tensor | None, block_size: int,
                          managers: list[BlockRecomputeManager], *,
                          attention_sublayer=None, ranges: bool = False,
@@ -286,7 +319,8 @@ def run_recompute_blocks(layers, x: Tensor, seed: Tensor | None, block_size: int
                     x, x_source, seam = checkpoint_sublayer(
                         layer.mlp, x, seed, manager, f"layer{i}/mlp", x_source,
                         block_end=layer is block[-1], seam=seam, nxt=after[id(layer.mlp)])
-            manager.discard_all_outputs_and_register_unified_recompute(x)
+            manager.discard_all_outputs_and_register_unified_recompute(
+                x.streams if isinstance(x, DelayedStreams) else x)
     return x
 
 
