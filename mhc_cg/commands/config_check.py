@@ -41,12 +41,14 @@ def resolved_yaml(cfg: RunConfig) -> str:
 
 def summary(cfg: RunConfig) -> str:
     """One comment line: what the config makes ``mhc-cg train`` do."""
-    from mhc_cg.config.choices import RECOMPUTE_SCOPE
+    from mhc_cg.config.choices import ARITHMETIC_NAMES, RECOMPUTE_SCOPE
     from mhc_cg.lab.resolve import resolve
 
     plan = resolve(cfg, on_this_machine=False).plan  # a config may be meant for another machine
     megatron = [s for s in cfg.graph.scopes if s != RECOMPUTE_SCOPE]
-    line = (f"# ok: mode {plan.mode}, L_r={cfg.model.resolved_recompute_layers}, "
+    mhc = ("" if cfg.model.residual == "plain"
+           else f"arithmetic {cfg.model.arithmetic} ({ARITHMETIC_NAMES[cfg.model.arithmetic]}), ")
+    line = (f"# ok: mode {plan.mode}, {mhc}L_r={cfg.model.resolved_recompute_layers}, "
             f"graphs {list(plan.scopes) or 'none'} on {plan.api} "
             f"(megatron-core gets {megatron or 'none'})")
     return line if plan.api != "te" else f"{line}\n{te_line()}"

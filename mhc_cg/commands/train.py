@@ -81,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _describe(cfg, mode: str) -> None:
     m = cfg.model
-    print(f"mHC GPT: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_streams} streams, "
+    from mhc_cg.config.choices import ARITHMETIC_NAMES
+
+    print(f"mHC GPT ({ARITHMETIC_NAMES[m.arithmetic]}): {m.num_layers} layers, "
+          f"hidden {m.hidden_size}, {m.num_streams} streams, "
           f"L_r={m.resolved_recompute_layers}, dropout={m.hidden_dropout} ({m.dropout_impl}); "
           f"mode: {mode}")

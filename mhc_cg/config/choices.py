@@ -3,6 +3,12 @@
 MODEL_RECOMPUTE = ("none", "block")
 # mhc: the n-stream mHC residual; plain: x + dropout(F(norm(x))), the baseline of mHC's overhead
 RESIDUALS = ("mhc", "plain")
+# the mHC arithmetic: the paper's (Megatron-LM main), DeepSeek-V4's (Megatron-LM dev) and
+# DeepSeek-V4.1's delayed pre
+ARITHMETICS = ("main", "dev", "v41")
+ARITHMETIC_NAMES = {"main": "the paper's mHC (Megatron-LM main)",
+                    "dev": "DeepSeek-V4's mHC (Megatron-LM dev)",
+                    "v41": "DeepSeek-V4.1's mHC, the delayed pre"}
 DROPOUT_IMPLS = ("counter", "torch")  # counter: mask = hash(seed, index); torch: stateful generator
 DEVICES = ("cpu", "cuda", "auto")
 GRAPH_BACKENDS = ("auto", "cuda", "te", "tape")

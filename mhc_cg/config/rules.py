@@ -23,7 +23,7 @@ import math
 import re
 from pathlib import Path
 
-from mhc_cg.config.choices import (DEVICES, DROPOUT_IMPLS, GRAPH_BACKENDS, MIN_VOCAB_SIZE,
+from mhc_cg.config.choices import (ARITHMETICS, DEVICES, DROPOUT_IMPLS, GRAPH_BACKENDS, MIN_VOCAB_SIZE,
                                    MODEL_RECOMPUTE, MOE_SCOPES, RECOMPUTE_SCOPE, RESIDUALS,
                                    SCOPES, split_recompute_scope)
 from mhc_cg.core.dtypes import DTYPE_BYTES, TRAIN_DTYPES
@@ -73,7 +73,8 @@ def model_problems(model) -> list[str]:
     problems += choice_problems(("model.dropout_impl", model.dropout_impl, DROPOUT_IMPLS),
                                 ("model.kernels", model.kernels, KERNELS),
                                 ("model.recompute", model.recompute, MODEL_RECOMPUTE),
-                                ("model.residual", model.residual, RESIDUALS))
+                                ("model.residual", model.residual, RESIDUALS),
+                                ("model.arithmetic", model.arithmetic, ARITHMETICS))
     if model.residual == "plain" and (model.num_streams != 1 or model.recompute != "none"):
         problems.append(f"model.residual: plain has one stream and no mHC to recompute; set "
                         f"model.num_streams: 1 and model.recompute: none (got "
@@ -438,6 +439,10 @@ def pipeline_driver_problems(cfg) -> list[str]:
     if cfg.model.is_moe:
         problems.append("model.num_experts: the pipeline driver runs dense models; set "
                         "num_experts: null or parallel.pp_size: 1")
+    if cfg.model.arithmetic == "v41":
+        problems.append("model.arithmetic: v41 hands each sublayer the pre-mix of the site "
+                        "before, and the pipeline driver sends a stage the streams alone; set "
+                        "parallel.pp_size: 1, or arithmetic main or dev")
     return problems
 
 

@@ -63,6 +63,9 @@ class MHCGPTConfig:
     recompute_activation_layers: int | None = None  # the first N layers do it; None: all
     kernels: str = "auto"  # fused mHC ops: "auto" (triton on CUDA, torch on CPU) | "torch" | "triton"
     residual: str = "mhc"  # "mhc" | "plain": x + dropout(F(norm(x))), the baseline of mHC's cost
+    # the mHC arithmetic: "main" (the paper's, Megatron-LM main) | "dev" (DeepSeek-V4's,
+    # Megatron-LM dev) | "v41" (DeepSeek-V4.1's delayed pre: mhc_cg.model.delayed_pre)
+    arithmetic: str = "main"
 
     @property
     def draws_random(self) -> bool:

@@ -65,6 +65,19 @@ def get_mode(name: str) -> Mode:
     return MODES[name]
 
 
+# the modes that run DeepSeek-V4.1's delayed pre (model.arithmetic: v41): stepwise torch ops,
+# eagerly; the static runtime and the graphs take fused sublayers' one stream tensor
+DELAYED_PRE_MODES = (REFERENCE, "eager_block", PLAIN)
+
+
+def arithmetic_refusal(cfg: RunConfig, mode: str) -> str | None:
+    """Why ``mode`` cannot run ``cfg.model.arithmetic``, one line naming the field, or ``None``."""
+    if cfg.model.arithmetic != "v41" or mode in DELAYED_PRE_MODES:
+        return None
+    return (f"model.arithmetic: v41 (the delayed pre) trains in {', '.join(DELAYED_PRE_MODES[:2])}; "
+            f"mode {mode} runs arithmetic main or dev")
+
+
 def configured_mode(cfg: RunConfig) -> str:
     """The mode a config asks for: ``graphed_static`` when ``mhc_recompute`` is in scope, else
     eager block recompute or none as ``model.recompute`` says."""

@@ -15,7 +15,7 @@ from mhc_cg.config import RunConfig, check
 from mhc_cg.config.rules import megatron_only_refusal
 from mhc_cg.core.errors import ConfigError
 from mhc_cg.lab.emulation.backends import graph_api, resolve_backend_name
-from mhc_cg.lab.registry import configured_mode, get_mode
+from mhc_cg.lab.registry import arithmetic_refusal, configured_mode, get_mode
 from mhc_cg.model import MHCGPT
 from mhc_cg.modes.plan import CapturePlan
 from mhc_cg.training.device import check_fits, resolve_device
@@ -38,6 +38,8 @@ def resolve(cfg: RunConfig, mode: str | None = None, device: torch.device | str 
     cfg = check(spec.configure(cfg, **variant)) if spec.configure is not None else cfg
     named = device or cfg.train.device
     device = _device(named, on_this_machine)
+    if (refused := arithmetic_refusal(cfg, spec.name)) is not None:
+        raise ConfigError(refused)
     if on_this_machine:
         if (refused := megatron_only_refusal(cfg)) is not None:
             raise ConfigError(refused)
@@ -78,7 +80,7 @@ def refusal(cfg: RunConfig, mode: str, device: str) -> str | None:
     modes it leaves out instead."""
     spec = get_mode(mode)
     cfg = check(spec.configure(cfg)) if spec.configure is not None else cfg
-    if (refused := megatron_only_refusal(cfg)) is not None:
+    if (refused := megatron_only_refusal(cfg) or arithmetic_refusal(cfg, mode)):
         return refused
     return spec.unavailable(cfg, device) if spec.unavailable is not None else None
 
