@@ -21,11 +21,8 @@ from typing import NamedTuple
 
 from torch import Tensor, nn
 
-from mhc_cg.config import MHCGPTConfig
 from mhc_cg.core.regions import region
-from mhc_cg.model.layers import RMSNorm
-from mhc_cg.model.sublayer import HyperConnectionSteps
-from mhc_cg.ops.hyper_connection import HyperConnection
+from mhc_cg.model.sublayer import HyperConnectionSteps, MHCBranch
 
 
 class DelayedStreams(NamedTuple):
@@ -49,25 +46,11 @@ def fold(x: DelayedStreams, num_streams: int) -> Tensor:
         return (x.pre_mix.unsqueeze(-1) * x.streams.unflatten(-1, (num_streams, -1))).sum(-2)
 
 
-class DelayedPreSublayer(HyperConnectionSteps, nn.Module):
+class DelayedPreSublayer(HyperConnectionSteps, MHCBranch):
     """One residual branch with the delayed pre, stepwise on torch's ops (autograd differentiates
     them): its ``step`` takes and returns :class:`DelayedStreams`."""
 
     delayed_pre = True
-
-    def __init__(self, cfg: MHCGPTConfig, fn: nn.Module, dropout_stream: int):
-        super().__init__()
-        self.cfg = cfg
-        self.hc = HyperConnection(cfg.hidden_size, cfg.num_streams, cfg.sinkhorn_iterations,
-                                  cfg.init_gating_factor, kernels="torch",
-                                  h_res_transposed=True, arithmetic="v41")
-        self.norm = RMSNorm(cfg.hidden_size, kernels=cfg.kernels)
-        self.fn = fn
-        self.dropout_stream = dropout_stream  # unique per (layer, sublayer) within a microbatch
-
-    @property
-    def dropout_p(self) -> float:
-        return self.cfg.hidden_dropout if self.training else 0.0
 
     def post_bda(self, y: Tensor, h_post: Tensor, mixed: Tensor, seed: Tensor | None) -> Tensor:
         return self.hc.post_bda(y, h_post, mixed, seed, self.dropout_p, self.dropout_stream,

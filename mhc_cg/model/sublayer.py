@@ -99,16 +99,17 @@ class FusedSteps:
         return self.post_feeding(nxt, x_on, state, y, seed)
 
 
-class MHCSublayer(FusedSteps, nn.Module):
-    """One residual branch: mHC around F (attention or MLP), fused."""
+class MHCBranch(nn.Module):
+    """The parts of one mHC residual branch of mhc_cg's GPT: its hyper-connection in the
+    config's arithmetic, F's norm, F and its dropout stream; the steps are its subclass's."""
 
     def __init__(self, cfg: MHCGPTConfig, fn: nn.Module, dropout_stream: int):
         super().__init__()
         self.cfg = cfg
-        # dev's arithmetic applies H_res as its transpose (mhc_cg.ops.hyper_connection)
+        # dev's and V4.1's arithmetic apply H_res as its transpose (mhc_cg.ops.hyper_connection)
         self.hc = HyperConnection(cfg.hidden_size, cfg.num_streams, cfg.sinkhorn_iterations,
                                   cfg.init_gating_factor, kernels=cfg.kernels,
-                                  h_res_transposed=cfg.arithmetic == "dev",
+                                  h_res_transposed=cfg.arithmetic != "main",
                                   arithmetic=cfg.arithmetic)
         self.norm = RMSNorm(cfg.hidden_size, kernels=cfg.kernels)
         self.fn = fn
@@ -118,6 +119,10 @@ class MHCSublayer(FusedSteps, nn.Module):
     def dropout_p(self) -> float:
         """The dropout rate in effect: 0 in eval."""
         return self.cfg.hidden_dropout if self.training else 0.0
+
+
+class MHCSublayer(FusedSteps, MHCBranch):
+    """One residual branch: mHC around F (attention or MLP), fused."""
 
     def forward(self, x: Tensor, seed: Tensor | None = None, *,
                 grad_owned: bool = False) -> Tensor:
